@@ -1,0 +1,11 @@
+# Warnings and machine flags for the project's own programs (tests, examples, benchmarks).
+# Never applied to the poslsh target itself, so users' flags are left alone.
+function(poslsh_project_target target)
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic -Wconversion -Wshadow)
+    if(POSLSH_NATIVE)
+      target_compile_options(${target} PRIVATE -march=native)
+    endif()
+  endif()
+  target_link_libraries(${target} PRIVATE poslsh::poslsh)
+endfunction()

@@ -1,0 +1,96 @@
+// poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions).
+#pragma once
+
+#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/philox.hpp"
+#include "poslsh/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace poslsh {
+
+/// One positional hash: bin(i) = floor((i - offset) / width). All blocks have the same width
+/// (the first and last are cut by the sequence ends) and are contiguous.
+struct BinHash {
+  /// Widths below this are raised to it: any width < 1 already puts every integer position in
+  /// a bin of its own, so this changes no mask while keeping bin() in range.
+  static constexpr double min_width = 0x1.0p-20;
+
+  double width = 1.0;   ///< w > 0
+  double offset = 0.0;  ///< xi in [0, w)
+
+  /// Bin of position i: floor((i - xi) / w).
+  std::int64_t bin(Index position) const {
+    return static_cast<std::int64_t>(std::floor((static_cast<double>(position) - offset) / width));
+  }
+};
+
+/// A set of s hashes (one per sample) for one head.
+using HashSet = std::vector<BinHash>;
+
+/// Checks a user-built hash: width finite and >= BinHash::min_width, offset in [0, width).
+inline void validate_hash(const BinHash& hash, const char* function) {
+  detail::require(std::isfinite(hash.width) && hash.width >= BinHash::min_width, function,
+                  "hash.width", hash.width, "must be finite and >= 2^-20");
+  detail::require(hash.offset >= 0.0 && hash.offset < hash.width, function, "hash.offset",
+                  hash.offset, "must lie in [0, width)");
+}
+
+/// The key of one sample: (seed, stream, sample index). A stream is typically a head (or a
+/// layer * heads + head); samples of one stream are independent of each other.
+struct HashKey {
+  std::uint64_t seed = 0;
+  std::uint64_t stream = 0;
+  std::uint64_t sample = 0;
+};
+
+/// Sample k of the RBF hash for length scale sigma: w ~ Gamma(2, sigma) drawn as
+/// w = -sigma (ln U1 + ln U2), xi = U3 w, with U1, U2, U3 on (0, 1] from Philox4x32-10 keyed
+/// by `key`, so P[bin(i) = bin(j)] = exp(-|i-j| / sigma). The result depends only on
+/// (sigma, key): bit-identical on every platform, whatever else was drawn.
+/// Throws std::invalid_argument if sigma is not finite and > 0.
+inline BinHash rbf_hash(double sigma, const HashKey& key) {
+  detail::require_sigma(sigma, "rbf_hash");
+  const detail::PhiloxKey philox_key = {static_cast<std::uint32_t>(key.seed),
+                                        static_cast<std::uint32_t>(key.seed >> 32)};
+  const auto counter = [&](std::uint32_t word) {
+    return detail::PhiloxCounter{static_cast<std::uint32_t>(key.sample),
+                                 static_cast<std::uint32_t>(key.sample >> 32),
+                                 static_cast<std::uint32_t>(key.stream),
+                                 static_cast<std::uint32_t>(key.stream >> 32) ^ (word << 28)};
+  };
+  const detail::PhiloxCounter first = detail::philox4x32_10(counter(0), philox_key);
+  const detail::PhiloxCounter second = detail::philox4x32_10(counter(1), philox_key);
+  const double u1 = detail::uniform_open_closed(first[0], first[1]);
+  const double u2 = detail::uniform_open_closed(first[2], first[3]);
+  const double u3 = detail::uniform_open_closed(second[0], second[1]);
+  BinHash hash;
+  hash.width = std::max(-sigma * (std::log(u1) + std::log(u2)), BinHash::min_width);
+  // u3 is in (0, 1]; 1 - u3 is in [0, 1) so the offset stays strictly below the width.
+  hash.offset = (1.0 - u3) * hash.width;
+  return hash;
+}
+
+/// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
+/// Throws std::invalid_argument if s < 1 or sigma is not finite and > 0.
+inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
+  detail::require_positive(s, "rbf_hashes", "s");
+  detail::require_sigma(sigma, "rbf_hashes");
+  HashSet hashes(static_cast<std::size_t>(s));
+  for (Index k = 0; k < s; ++k) {
+    hashes[static_cast<std::size_t>(k)] =
+        rbf_hash(sigma, HashKey{seed, stream, static_cast<std::uint64_t>(k)});
+  }
+  return hashes;
+}
+
+/// The paper's fixed-blocks baseline: width 2 sigma (= E[w]), offset 0, no randomness.
+inline BinHash fixed_blocks_hash(double sigma) {
+  detail::require_sigma(sigma, "fixed_blocks_hash");
+  return BinHash{std::max(2.0 * sigma, BinHash::min_width), 0.0};
+}
+
+}  // namespace poslsh

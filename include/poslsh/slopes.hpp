@@ -1,0 +1,40 @@
+// poslsh: ALiBi slopes (Press et al., official formula) and the length scales sigma = 1/m.
+#pragma once
+
+#include "poslsh/detail/check.hpp"
+
+#include <cmath>
+#include <vector>
+
+namespace poslsh {
+
+/// ALiBi slopes m_h, h = 0..H-1. For H a power of two, m_h = 2^(-8 (h+1) / H). Otherwise,
+/// with p = 2^floor(log2 H): the p slopes of p heads, then the first H - p of the even-indexed
+/// slopes of 2p heads, i.e. 2^(-4 (2k+1) / p). Throws std::invalid_argument if heads < 1.
+inline std::vector<double> alibi_slopes(int heads) {
+  detail::require_positive(heads, "alibi_slopes", "heads");
+  const auto power_of_two_slopes = [](int count) {
+    std::vector<double> slopes(static_cast<std::size_t>(count));
+    for (int h = 0; h < count; ++h) {
+      slopes[static_cast<std::size_t>(h)] = std::exp2(-8.0 * (h + 1) / count);
+    }
+    return slopes;
+  };
+  int p = 1;
+  while (2 * p <= heads) p *= 2;
+  std::vector<double> slopes = power_of_two_slopes(p);
+  if (p < heads) {
+    const std::vector<double> doubled = power_of_two_slopes(2 * p);
+    for (int k = 0; k < heads - p; ++k) slopes.push_back(doubled[static_cast<std::size_t>(2 * k)]);
+  }
+  return slopes;
+}
+
+/// ALiBi length scales sigma_h = 1 / m_h for H heads (see alibi_slopes).
+inline std::vector<double> alibi_sigmas(int heads) {
+  std::vector<double> sigmas = alibi_slopes(heads);
+  for (double& value : sigmas) value = 1.0 / value;
+  return sigmas;
+}
+
+}  // namespace poslsh
