@@ -1,0 +1,23 @@
+// poslsh internals: argument checks shared by the LSH kernels.
+#pragma once
+
+#include "poslsh/detail/attention_checks.hpp"
+#include "poslsh/hash.hpp"
+
+#include <string>
+
+namespace poslsh::detail {
+
+/// Self-attention shapes (K, V have n rows), output n x d_v, and a non-empty valid hash set.
+template <typename QType, typename KType, typename VType, typename OutType>
+void require_lsh_arguments(const char* function, const QType& q, const KType& k, const VType& v,
+                           const HashSet& hashes, const OutType& out) {
+  require_qkv_shapes(function, q, k, v);
+  require(k.rows() == q.rows(), function, "k", k.rows(),
+          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  require_output_shape(function, out, q.rows(), v.cols());
+  require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash (s >= 1)");
+  for (const BinHash& hash : hashes) validate_hash(hash, function);
+}
+
+}  // namespace poslsh::detail

@@ -1,0 +1,115 @@
+// poslsh: fused, count-weighted LSH ALiBi attention: the per-sample estimator with every
+// (query, key) pair evaluated once.
+#pragma once
+
+#include "poslsh/detail/count_tile.hpp"
+#include "poslsh/detail/lsh_checks.hpp"
+#include "poslsh/detail/online_softmax.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/types.hpp"
+
+#include <algorithm>
+
+namespace poslsh {
+
+namespace detail {
+
+/// Query rows per tile and keys per chunk of the fused kernel.
+inline constexpr Index fused_query_tile = 64;
+inline constexpr Index fused_key_chunk = 128;
+
+/// Per-thread buffers of the fused kernel.
+template <typename Scalar>
+struct FusedWorkspace {
+  TileCounts counts;
+  RowMatrix<Scalar> scaled_queries;
+  TileScratch<Scalar> scratch;
+  OnlineSoftmax<Scalar> state;
+};
+
+/// Rows [i0, i0 + rows) of the fused estimator, written to out.middleRows(i0, rows).
+template <typename Scalar, typename OutType>
+void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
+                Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work) {
+  const Index n = q.rows();
+  work.counts.build(hashes, i0, rows, n, causal);
+  work.scaled_queries.noalias() = tau * q.middleRows(i0, rows);
+  work.state.reset(rows, v.cols());
+  const Index band_end = work.counts.band_end();
+  for (Index c0 = work.counts.band_begin(); c0 < band_end; c0 += fused_key_chunk) {
+    const Index c1 = std::min(c0 + fused_key_chunk, band_end);
+    const auto [r0, r1] = work.counts.active_rows(c0, c1);
+    if (r0 >= r1) continue;
+    work.counts.expand(i0, r0, r1, c0, c1, causal, work.scratch.weights);
+    work.scratch.scores.resize(r1 - r0, c1 - c0);
+    work.scratch.scores.noalias() =
+        work.scaled_queries.middleRows(r0, r1 - r0) * k.middleRows(c0, c1 - c0).transpose();
+    work.state.update(r0, work.scratch, v.middleRows(c0, c1 - c0));
+  }
+  work.state.finish(0, out.middleRows(i0, rows));
+}
+
+}  // namespace detail
+
+/// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
+///   out_i = sum_j c_ij e^{tau q_i.k_j - M_i} v_j / sum_j c_ij e^{tau q_i.k_j - M_i},
+///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
+/// with each pair of c_ij > 0 evaluated once. The keys with c_ij > 0 form one interval per
+/// query; queries are taken in tiles of 64 whose key band is cut in chunks of 128, each a GEMM
+/// weighted by the count tile (built from the blocks by difference arrays) inside an online
+/// softmax whose running maximum is over entries of non-zero weight. Extra memory O(tile) per
+/// thread. Tiles run in parallel (OpenMP) and write disjoint rows: bitwise the same output
+/// for any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+                         const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused";
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
+  const long tiles = static_cast<long>((n + detail::fused_query_tile - 1) / detail::fused_query_tile);
+#pragma omp parallel
+  {
+    detail::FusedWorkspace<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < tiles; ++t) {
+      const Index i0 = static_cast<Index>(t) * detail::fused_query_tile;
+      detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0,
+                                 std::min(detail::fused_query_tile, n - i0), out, work);
+    }
+  }
+}
+
+/// Returning form of lsh_attention_fused.
+template <typename Scalar>
+RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                      ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                      const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  lsh_attention_fused<Scalar>(q, k, v, hashes, out, options);
+  return out;
+}
+
+/// Number of (query, key) pairs with c_ij > 0 (causal: j <= i), i.e. the pairs the fused
+/// kernel weights: sum_i |[lo_i, hi_i)|. O(n s) time. For cost models and benchmarks.
+inline long long lsh_fused_pair_count(const HashSet& hashes, Index n, Masking masking) {
+  detail::require_size(n, "lsh_fused_pair_count", "n");
+  detail::require(!hashes.empty(), "lsh_fused_pair_count", "hashes", "{}", "must not be empty");
+  long long pairs = 0;
+  detail::TileCounts counts;
+  for (Index i0 = 0; i0 < n; i0 += detail::fused_query_tile) {
+    const Index rows = std::min(detail::fused_query_tile, n - i0);
+    counts.build(hashes, i0, rows, n, masking == Masking::causal);
+    for (Index r = 0; r < rows; ++r) {
+      const auto index = static_cast<std::size_t>(r);
+      pairs += counts.hi[index] - counts.lo[index];
+    }
+  }
+  return pairs;
+}
+
+}  // namespace poslsh

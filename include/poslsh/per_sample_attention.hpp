@@ -1,0 +1,115 @@
+// poslsh: LSH ALiBi attention, the paper's per-sample algorithm, and the fixed-blocks baseline.
+#pragma once
+
+#include "poslsh/detail/lsh_checks.hpp"
+#include "poslsh/detail/online_softmax.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
+
+#include <algorithm>
+#include <vector>
+
+namespace poslsh {
+
+namespace detail {
+
+/// Query and key tile edge of the per-sample kernel's block attention.
+inline constexpr Index per_sample_tile = 128;
+
+/// Plain attention of block [begin, end) (no positional bias; causal inside the block when
+/// causal), folded into `state` tile by tile with weight 1 per visible pair.
+template <typename Scalar>
+void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
+                Scalar tau, bool causal, Index begin, Index end, OnlineSoftmax<Scalar>& state,
+                TileScratch<Scalar>& scratch) {
+  for (Index i0 = begin; i0 < end; i0 += per_sample_tile) {
+    const Index rows = std::min(per_sample_tile, end - i0);
+    const Index key_end = causal ? i0 + rows : end;
+    for (Index j0 = begin; j0 < key_end; j0 += per_sample_tile) {
+      const Index cols = std::min(per_sample_tile, key_end - j0);
+      scratch.scores.resize(rows, cols);
+      scratch.scores.noalias() = (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
+      scratch.weights.setOnes(rows, cols);
+      if (causal && j0 + cols > i0) {
+        for (Index r = 0; r < rows; ++r) {
+          const Index first_hidden = i0 + r + 1 - j0;  // column of key i0 + r + 1
+          if (first_hidden < cols) scratch.weights.row(r).tail(cols - first_hidden).setZero();
+        }
+      }
+      state.update(i0, scratch, v.middleRows(j0, cols));
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Per-sample LSH ALiBi attention (the paper's algorithm, Theorem 2.2). For each hash h_k and
+/// each of its blocks B, plain attention on (Q_B, K_B, V_B), causal inside B when causal; the
+/// numerators and denominators of each query are accumulated across samples with one running
+/// maximum, giving
+///   T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k),  A_ij = exp(tau q_i . k_j),
+/// (not the mean of the s per-sample softmaxes). Cost sum_k sum_B |B|^2 d; extra memory
+/// O(n d_v). Blocks of one sample run in parallel (OpenMP) on disjoint rows, so the output is
+/// bitwise the same for any thread count. Throws std::invalid_argument naming a bad argument
+/// (shapes, empty or invalid hashes, non-finite scale).
+template <typename Scalar>
+void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                              MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample";
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
+  detail::OnlineSoftmax<Scalar> state;
+  state.reset(n, v.cols());
+  for (const BinHash& hash : hashes) {
+    const std::vector<Index> boundaries = block_boundaries(hash, n);
+    const auto blocks = static_cast<long>(boundaries.size() - 1);
+#pragma omp parallel
+    {
+      detail::TileScratch<Scalar> scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (long r = 0; r < blocks; ++r) {
+        const auto index = static_cast<std::size_t>(r);
+        detail::fold_block<Scalar>(q, k, v, tau, causal, boundaries[index],
+                                   boundaries[index + 1], state, scratch);
+      }
+    }
+  }
+  state.finish(0, out);
+}
+
+/// Returning form of lsh_attention_per_sample.
+template <typename Scalar>
+RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                           ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                           const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  lsh_attention_per_sample<Scalar>(q, k, v, hashes, out, options);
+  return out;
+}
+
+/// The paper's fixed-blocks baseline: per-sample attention with the single deterministic hash
+/// fixed_blocks_hash(sigma) (blocks of width 2 sigma from position 0), i.e. plain attention
+/// inside consecutive blocks of 2 sigma tokens.
+template <typename Scalar>
+void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                            const AttentionOptions& options = {}) {
+  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, options);
+}
+
+/// Returning form of fixed_blocks_attention.
+template <typename Scalar>
+RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                         ConstMatrixRef<Scalar> v, double sigma,
+                                         const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  fixed_blocks_attention<Scalar>(q, k, v, sigma, out, options);
+  return out;
+}
+
+}  // namespace poslsh

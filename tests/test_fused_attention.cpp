@@ -1,0 +1,130 @@
+// The fused, count-weighted LSH kernel against the per-sample kernel (same hashes) and the
+// dense formula; its pair count against the dense mean mask.
+#include "lsh_oracle.hpp"
+#include "test_support.hpp"
+
+#include <poslsh/fused_attention.hpp>
+#include <poslsh/per_sample_attention.hpp>
+#include <poslsh/reference_attention.hpp>
+
+#include <cmath>
+
+using poslsh::AttentionOptions;
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+
+TEMPLATE_TEST_CASE("lsh_attention_fused equals per-sample and the dense formula", "[fused]", float,
+                   double) {
+  const Index n = 333, d = 16, dv = 8;
+  const auto q = random_matrix<TestType>(n, d, 21);
+  const auto k = random_matrix<TestType>(n, d, 22);
+  const auto v = random_matrix<TestType>(n, dv, 23);
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (double sigma : {0.3, 2.0, 16.0, 100.0, 1e6}) {
+      for (Index s : {1, 7, 40}) {
+        const HashSet hashes = poslsh::rbf_hashes(sigma, s, 99, 4);
+        AttentionOptions options;
+        options.masking = masking;
+        const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
+        const RowMatrix<TestType> per_sample =
+            poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes, options);
+        const RowMatrix<double> expected =
+            poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0 / std::sqrt(double(d)));
+        INFO("sigma " << sigma << ", s " << s << ", causal " << (masking == Masking::causal));
+        CHECK(poslsh_test::relative_max_error(fused, per_sample) < poslsh_test::tolerance<TestType>());
+        CHECK(poslsh_test::relative_max_error(fused.template cast<double>(), expected) <
+              poslsh_test::tolerance<TestType>());
+      }
+    }
+  }
+}
+
+TEST_CASE("lsh_fused_pair_count counts the non-zeros of the mean mask", "[fused]") {
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (double sigma : {0.5, 3.0, 25.0}) {
+      const HashSet hashes = poslsh::rbf_hashes(sigma, 12, 3, 0);
+      const auto mean = poslsh::mean_mask_dense<double>(hashes, 200, masking);
+      const long long nonzeros = static_cast<long long>((mean.array() > 0).count());
+      INFO("sigma " << sigma);
+      CHECK(poslsh::lsh_fused_pair_count(hashes, 200, masking) == nonzeros);
+    }
+  }
+}
+
+TEST_CASE("as s grows the fused output converges to exact ALiBi attention", "[fused]") {
+  const Index n = 256, d = 16;
+  const double sigma = 8.0;
+  const auto q = random_matrix<double>(n, d, 31);
+  const auto k = random_matrix<double>(n, d, 32);
+  const auto v = random_matrix<double>(n, d, 33);
+  const RowMatrix<double> exact = poslsh::alibi_attention_reference<double>(q, k, v, sigma);
+  double previous = INFINITY;
+  for (Index s : {4, 64, 1024}) {
+    const RowMatrix<double> approx =
+        poslsh::lsh_attention_fused<double>(q, k, v, poslsh::rbf_hashes(sigma, s, 77, 0));
+    const double error = (approx - exact).norm() / exact.norm();
+    INFO("s " << s << ": relative Frobenius error " << error);
+    // The error falls like s^-1/2: 16x more samples must at least halve it.
+    CHECK(error < 0.5 * previous);
+    previous = error;
+  }
+  CHECK(previous < 0.05);
+}
+
+TEMPLATE_TEST_CASE("scores of magnitude 1e4 give finite, correct outputs", "[fused]", float, double) {
+  const Index n = 150, d = 4;
+  RowMatrix<TestType> q = random_matrix<TestType>(n, d, 41, 100.0);
+  RowMatrix<TestType> k = random_matrix<TestType>(n, d, 42, 100.0);
+  const auto v = random_matrix<TestType>(n, d, 43);
+  AttentionOptions options;
+  options.scale = 1.0;  // scores of order 1e4
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    options.masking = masking;
+    const HashSet hashes = poslsh::rbf_hashes(10.0, 5, 1, 0);
+    const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
+    const RowMatrix<TestType> per_sample =
+        poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes, options);
+    REQUIRE(fused.allFinite());
+    REQUIRE(per_sample.allFinite());
+    const auto expected = poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0);
+    CHECK(poslsh_test::relative_max_error(fused.template cast<double>(), expected) <
+          poslsh_test::tolerance<TestType>());
+    CHECK(poslsh_test::relative_max_error(per_sample.template cast<double>(), expected) <
+          poslsh_test::tolerance<TestType>());
+  }
+}
+
+TEST_CASE("a query whose every weight would underflow against a masked score stays correct",
+          "[fused]") {
+  // Query 0 sees only key 0 (causal), with score 0, while key 1 (hidden from it, in the same
+  // key chunk) scores 1e5: a maximum over all entries would give exp(-1e5) = 0 and 0/0.
+  const Index n = 4, d = 1;
+  RowMatrix<float> q(n, d), k(n, d), v(n, d);
+  q << 1, 1, 1, 1;
+  k << 0, 1e5f, 0, 0;
+  v << 3, 5, 7, 11;
+  AttentionOptions options;
+  options.scale = 1.0;
+  const HashSet one_block{poslsh::BinHash{1e9, 0.5e9}};
+  const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(q, k, v, one_block, options);
+  const RowMatrix<float> per_sample = poslsh::lsh_attention_per_sample<float>(q, k, v, one_block, options);
+  CHECK(fused(0, 0) == 3.0f);
+  CHECK(per_sample(0, 0) == 3.0f);
+  CHECK(fused(2, 0) == 5.0f);  // rows >= 1 put all weight on key 1
+  CHECK(per_sample(3, 0) == 5.0f);
+}
+
+TEST_CASE("lsh_attention_fused rejects bad arguments", "[fused][invalid]") {
+  using poslsh_test::require_invalid_argument;
+  const auto q = random_matrix<float>(6, 4, 1);
+  const auto v5 = random_matrix<float>(5, 4, 1);
+  const HashSet hashes = poslsh::rbf_hashes(2.0, 3, 1);
+  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, HashSet{}); }, "hashes");
+  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, v5, hashes); }, "v");
+  RowMatrix<float> wrong(6, 3);
+  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, hashes, wrong); }, "out");
+  require_invalid_argument([&] { poslsh::lsh_fused_pair_count(hashes, -1, Masking::causal); }, "n");
+}
