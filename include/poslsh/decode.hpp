@@ -1,0 +1,101 @@
+// poslsh: decode, one new query at position t over a KV cache of rows 0..t (causal).
+#pragma once
+
+#include "poslsh/detail/attention_checks.hpp"
+#include "poslsh/detail/online_softmax.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace poslsh {
+
+namespace detail {
+
+template <typename QType, typename KType, typename VType, typename OutType>
+void require_decode_arguments(const char* function, const QType& query, const KType& keys,
+                              const VType& values, Index t, const OutType& out,
+                              const AttentionOptions& options) {
+  require(query.rows() == 1, function, "query", query.rows(), "must have exactly 1 row");
+  require_qkv_shapes(function, query, keys, values);
+  require(t >= 0 && t < keys.rows(), function, "t", t,
+          "must lie in [0, keys.rows()) = [0, " + std::to_string(keys.rows()) + ")");
+  require_output_shape(function, out, 1, values.cols());
+  require(options.masking == Masking::causal, function, "options.masking", "bidirectional",
+          "decode attends to the cache 0..t only: must be causal");
+}
+
+/// out = sum_j w_j e^{s_j - M} v_j / sum_j w_j e^{s_j - M} over keys [first, t], s = tau K q,
+/// M the maximum over w_j > 0 (the shared last step of both decoders).
+template <typename Scalar, typename QType, typename KType, typename VType, typename OutType>
+void weighted_decode(const QType& query, const KType& keys, const VType& values, Index first,
+                     Index t, Scalar tau, TileScratch<Scalar>& scratch, OutType& out) {
+  OnlineSoftmax<Scalar> state;
+  state.reset(1, values.cols());
+  const Index count = t + 1 - first;
+  scratch.scores.resize(1, count);
+  scratch.scores.noalias() = (tau * query) * keys.middleRows(first, count).transpose();
+  state.update(0, scratch, values.middleRows(first, count));
+  state.finish(0, out);
+}
+
+}  // namespace detail
+
+/// LSH decode: row t of lsh_attention_fused / lsh_attention_per_sample (causal) computed from
+/// the query q_t alone, out = sum_{j<=t} c_tj e^{tau q_t.k_j} v_j / sum_{j<=t} c_tj e^{tau q_t.k_j},
+/// c_tj = #{k : bin_k(t) = bin_k(j)}. Only keys [min_k begin_k(t), t] are read, where
+/// begin_k(t) is the start of t's block in sample k: O(s + band d), independent of t.
+/// `keys` and `values` hold at least t + 1 rows (the cache); rows after t are not read.
+/// Throws std::invalid_argument naming a bad argument (shapes, t, hashes, masking).
+template <typename Scalar>
+void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> keys,
+                          ConstMatrixRef<Scalar> values, Index t, const HashSet& hashes,
+                          MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_decode";
+  detail::require_decode_arguments(function, query, keys, values, t, out, options);
+  detail::require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash");
+  for (const BinHash& hash : hashes) validate_hash(hash, function);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
+  // c_tj = #{k : begin_k(t) <= j}: counts of block starts, then a running sum over keys.
+  Index first = t;
+  std::vector<Index> begins;
+  begins.reserve(hashes.size());
+  for (const BinHash& hash : hashes) {
+    begins.push_back(block_containing(hash, t, t + 1).begin);
+    first = std::min(first, begins.back());
+  }
+  detail::TileScratch<Scalar> scratch;
+  scratch.weights.setZero(1, t + 1 - first);
+  for (Index begin : begins) scratch.weights(0, begin - first) += Scalar(1);
+  for (Index c = 1; c < scratch.weights.cols(); ++c) scratch.weights(0, c) += scratch.weights(0, c - 1);
+  detail::weighted_decode<Scalar>(query, keys, values, first, t, tau, scratch, out);
+}
+
+/// Exact ALiBi decode: out = softmax_j(tau q_t.k_j - (t - j) / sigma) v_j over j = 0..t.
+/// O(t d): the cost a KV cache pays without LSH. Throws std::invalid_argument as above.
+template <typename Scalar>
+void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> keys,
+                                  ConstMatrixRef<Scalar> values, Index t, double sigma,
+                                  MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_decode_exact";
+  detail::require_decode_arguments(function, query, keys, values, t, out, options);
+  detail::require_sigma(sigma, function);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
+  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24).
+  detail::TileScratch<Scalar> scratch;
+  scratch.scores.resize(1, t + 1);
+  scratch.scores.noalias() = (tau * query) * keys.topRows(t + 1).transpose();
+  scratch.scores.array() +=
+      Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
+      static_cast<Scalar>(1.0 / sigma);
+  scratch.weights.setOnes(1, t + 1);
+  detail::OnlineSoftmax<Scalar> state;
+  state.reset(1, values.cols());
+  state.update(0, scratch, values.topRows(t + 1));
+  state.finish(0, out);
+}
+
+}  // namespace poslsh

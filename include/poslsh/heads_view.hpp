@@ -1,0 +1,64 @@
+// poslsh: strided views of the H heads of an attention tensor, without copies.
+#pragma once
+
+#include "poslsh/detail/check.hpp"
+#include "poslsh/types.hpp"
+
+#include <string>
+#include <type_traits>
+
+namespace poslsh {
+
+/// H heads of n tokens of width d in one buffer: element (head h, token i, column c) is
+/// data[h * head_stride + i * row_stride + c]. `Element` is `const Scalar` for inputs and
+/// `Scalar` for outputs. [n, H, d] (KV-cache order) is row_stride = H d, head_stride = d;
+/// [H, n, d] is row_stride = d, head_stride = n d.
+template <typename Element>
+struct HeadsView {
+  using Scalar = std::remove_const_t<Element>;
+  using HeadMap = Eigen::Map<std::conditional_t<std::is_const_v<Element>, const RowMatrix<Scalar>,
+                                                RowMatrix<Scalar>>,
+                             0, Eigen::OuterStride<>>;
+
+  Element* data = nullptr;
+  Index tokens = 0;
+  Index heads = 0;
+  Index dim = 0;
+  Index row_stride = 0;
+  Index head_stride = 0;
+
+  /// Head h as an (n x d) row-major map.
+  HeadMap head(Index h) const {
+    return HeadMap(data + h * head_stride, tokens, dim, Eigen::OuterStride<>(row_stride));
+  }
+
+  /// Checks the view (named `name` in messages): sizes >= 0, a non-null buffer when non-empty,
+  /// row_stride >= d, and heads that do not overlap rows (head_stride >= d).
+  void validate(const char* function, const char* name) const {
+    const std::string prefix(name);
+    detail::require(tokens >= 0, function, (prefix + ".tokens").c_str(), tokens, "must be >= 0");
+    detail::require(heads >= 1, function, (prefix + ".heads").c_str(), heads, "must be >= 1");
+    detail::require(dim >= 0, function, (prefix + ".dim").c_str(), dim, "must be >= 0");
+    detail::require(tokens == 0 || dim == 0 || data != nullptr, function,
+                    (prefix + ".data").c_str(), "null", "must point at the buffer");
+    detail::require(row_stride >= dim, function, (prefix + ".row_stride").c_str(), row_stride,
+                    "must be >= dim = " + std::to_string(dim));
+    detail::require(heads == 1 || head_stride >= dim, function,
+                    (prefix + ".head_stride").c_str(), head_stride,
+                    "must be >= dim = " + std::to_string(dim));
+  }
+};
+
+/// View of an [n, H, d] buffer (token-major, as in KV caches).
+template <typename Element>
+HeadsView<Element> interleaved_heads(Element* data, Index tokens, Index heads, Index dim) {
+  return HeadsView<Element>{data, tokens, heads, dim, heads * dim, dim};
+}
+
+/// View of an [H, n, d] buffer (head-major).
+template <typename Element>
+HeadsView<Element> planar_heads(Element* data, Index tokens, Index heads, Index dim) {
+  return HeadsView<Element>{data, tokens, heads, dim, dim, tokens * dim};
+}
+
+}  // namespace poslsh

@@ -1,0 +1,148 @@
+// Multi-head entry point: strided [n, H, d] and [H, n, d] layouts and grouped-query attention
+// equal the contiguous per-head computation; thread counts do not change a bit.
+#include "test_support.hpp"
+
+#include <poslsh/multihead.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <vector>
+
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Method;
+using poslsh::MultiHeadOptions;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+
+namespace {
+
+// A buffer of H heads: as [n, H*d] (interleaved) it is an [n, H, d] tensor.
+template <typename Scalar>
+RowMatrix<Scalar> head_of(const RowMatrix<Scalar>& interleaved, Index h, Index d) {
+  return interleaved.middleCols(h * d, d);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, with GQA", "[multihead]",
+                   float, double) {
+  const Index n = 130, d = 8, heads = 4, kv_heads = 2;
+  const auto q = random_matrix<TestType>(n, heads * d, 71);
+  const auto k = random_matrix<TestType>(n, kv_heads * d, 72);
+  const auto v = random_matrix<TestType>(n, kv_heads * d, 73);
+  for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks,
+                        Method::exact_reference}) {
+    MultiHeadOptions options;
+    options.method = method;
+    options.samples = 5;
+    options.seed = 17;
+    RowMatrix<TestType> out(n, heads * d);
+    poslsh::multihead_attention<TestType>(
+        poslsh::interleaved_heads<const TestType>(q.data(), n, heads, d),
+        poslsh::interleaved_heads<const TestType>(k.data(), n, kv_heads, d),
+        poslsh::interleaved_heads<const TestType>(v.data(), n, kv_heads, d),
+        poslsh::interleaved_heads<TestType>(out.data(), n, heads, d), options);
+    // The same through [H, n, d] copies of the inputs and output.
+    std::vector<TestType> q_planar(static_cast<std::size_t>(n * heads * d)),
+        k_planar(static_cast<std::size_t>(n * kv_heads * d)), v_planar(k_planar.size()),
+        out_planar(q_planar.size());
+    for (Index h = 0; h < heads; ++h)
+      Eigen::Map<RowMatrix<TestType>>(q_planar.data() + h * n * d, n, d) = head_of(q, h, d);
+    for (Index h = 0; h < kv_heads; ++h) {
+      Eigen::Map<RowMatrix<TestType>>(k_planar.data() + h * n * d, n, d) = head_of(k, h, d);
+      Eigen::Map<RowMatrix<TestType>>(v_planar.data() + h * n * d, n, d) = head_of(v, h, d);
+    }
+    poslsh::multihead_attention<TestType>(
+        poslsh::planar_heads<const TestType>(q_planar.data(), n, heads, d),
+        poslsh::planar_heads<const TestType>(k_planar.data(), n, kv_heads, d),
+        poslsh::planar_heads<const TestType>(v_planar.data(), n, kv_heads, d),
+        poslsh::planar_heads<TestType>(out_planar.data(), n, heads, d), options);
+    const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
+    for (Index h = 0; h < heads; ++h) {
+      const Index g = h / (heads / kv_heads);
+      const RowMatrix<TestType> qh = head_of(q, h, d), kh = head_of(k, g, d), vh = head_of(v, g, d);
+      const double sigma = sigmas[static_cast<std::size_t>(h)];
+      const HashSet hashes = poslsh::rbf_hashes(sigma, 5, 17, static_cast<std::uint64_t>(h));
+      RowMatrix<TestType> expected;
+      switch (method) {
+        case Method::lsh_fused: expected = poslsh::lsh_attention_fused<TestType>(qh, kh, vh, hashes); break;
+        case Method::lsh_per_sample: expected = poslsh::lsh_attention_per_sample<TestType>(qh, kh, vh, hashes); break;
+        case Method::fixed_blocks: expected = poslsh::fixed_blocks_attention<TestType>(qh, kh, vh, sigma); break;
+        case Method::exact_reference: expected = poslsh::alibi_attention_reference<TestType>(qh, kh, vh, sigma); break;
+      }
+      INFO("method " << static_cast<int>(method) << ", head " << h);
+      // Same kernel on the same numbers: identical bits.
+      CHECK(head_of(out, h, d) == expected);
+      CHECK(Eigen::Map<RowMatrix<TestType>>(out_planar.data() + h * n * d, n, d) == expected);
+    }
+  }
+}
+
+TEST_CASE("one and two threads give identical bits", "[multihead]") {
+#ifdef _OPENMP
+  const Index n = 700, d = 16, heads = 4;
+  const auto q = random_matrix<float>(n, heads * d, 81);
+  const auto k = random_matrix<float>(n, heads * d, 82);
+  const auto v = random_matrix<float>(n, heads * d, 83);
+  for (Method method : {Method::lsh_fused, Method::lsh_per_sample}) {
+    MultiHeadOptions options;
+    options.method = method;
+    std::vector<RowMatrix<float>> results;
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      RowMatrix<float> out(n, heads * d);
+      poslsh::multihead_attention<float>(poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+                                         poslsh::interleaved_heads<const float>(k.data(), n, heads, d),
+                                         poslsh::interleaved_heads<const float>(v.data(), n, heads, d),
+                                         poslsh::interleaved_heads<float>(out.data(), n, heads, d), options);
+      results.push_back(out);
+      // Single-head kernels parallelize inside: check them too.
+      const RowMatrix<float> q0 = head_of(q, 0, d), k0 = head_of(k, 0, d), v0 = head_of(v, 0, d);
+      const HashSet hashes = poslsh::rbf_hashes(64.0, 16, 3, 0);
+      results.push_back(poslsh::lsh_attention_fused<float>(q0, k0, v0, hashes));
+      results.push_back(poslsh::lsh_attention_per_sample<float>(q0, k0, v0, hashes));
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    INFO("method " << static_cast<int>(method));
+    CHECK(results[0] == results[3]);
+    CHECK(results[1] == results[4]);
+    CHECK(results[2] == results[5]);
+  }
+#else
+  WARN("built without OpenMP: the kernels run serially");
+  CHECK(true);
+#endif
+}
+
+TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
+  using poslsh_test::require_invalid_argument;
+  const Index n = 10, d = 4;
+  const auto q = random_matrix<float>(n, 3 * d, 1);
+  RowMatrix<float> out(n, 3 * d);
+  const auto q3 = poslsh::interleaved_heads<const float>(q.data(), n, 3, d);
+  const auto kv2 = poslsh::interleaved_heads<const float>(q.data(), n, 2, d);
+  const auto out3 = poslsh::interleaved_heads<float>(out.data(), n, 3, d);
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, kv2, kv2, out3); }, "k.heads");
+  MultiHeadOptions options;
+  options.samples = 0;
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
+                           "options.samples");
+  options = MultiHeadOptions{};
+  options.sigmas = {1.0, 2.0};
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
+                           "options.sigmas");
+  options.sigmas = {1.0, -2.0, 3.0};
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
+                           "options.sigmas");
+  auto short_k = poslsh::interleaved_heads<const float>(q.data(), n - 1, 3, d);
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, short_k, q3, out3); }, "k.tokens");
+  auto bad_stride = q3;
+  bad_stride.row_stride = d - 1;
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(bad_stride, q3, q3, out3); },
+                           "q.row_stride");
+  auto out2 = poslsh::interleaved_heads<float>(out.data(), n, 2, d);
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out2); }, "out");
+}
