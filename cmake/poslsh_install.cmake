@@ -2,6 +2,9 @@
 include(CMakePackageConfigHelpers)
 
 install(TARGETS poslsh EXPORT poslshTargets)
+if(TARGET poslsh_analysis)
+  install(TARGETS poslsh_analysis EXPORT poslshTargets)
+endif()
 install(DIRECTORY include/poslsh DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT poslshTargets
   NAMESPACE poslsh::

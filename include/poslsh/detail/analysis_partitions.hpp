@@ -1,0 +1,42 @@
+// poslsh internals: the block edges of every sample of a hash set, stored once for the analysis
+// operators (each product walks them instead of recomputing bins).
+#pragma once
+
+#include "poslsh/detail/check.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
+
+#include <cstddef>
+#include <vector>
+
+namespace poslsh::detail {
+
+/// Sample k's blocks on [0, n) are [edges[offsets[k] + r], edges[offsets[k] + r + 1]), the
+/// edges being block_boundaries(h_k, n). Memory sum_k (n / w_k + 2) indices, about n s / sigma.
+struct AnalysisPartitions {
+  Index n = 0;
+  std::vector<Index> edges;
+  std::vector<std::size_t> offsets{0};
+
+  Index samples() const { return static_cast<Index>(offsets.size()) - 1; }
+  const Index* begin(Index k) const { return edges.data() + offsets[static_cast<std::size_t>(k)]; }
+  const Index* end(Index k) const { return edges.data() + offsets[static_cast<std::size_t>(k) + 1]; }
+};
+
+/// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
+inline AnalysisPartitions analysis_partitions(const HashSet& hashes, Index n, const char* function) {
+  require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash (s >= 1)");
+  require_size(n, function, "n");
+  for (const BinHash& hash : hashes) validate_hash(hash, function);
+  AnalysisPartitions partitions;
+  partitions.n = n;
+  for (const BinHash& hash : hashes) {
+    const std::vector<Index> boundaries = block_boundaries(hash, n);
+    partitions.edges.insert(partitions.edges.end(), boundaries.begin(), boundaries.end());
+    partitions.offsets.push_back(partitions.edges.size());
+  }
+  return partitions;
+}
+
+}  // namespace poslsh::detail

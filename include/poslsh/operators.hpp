@@ -1,0 +1,253 @@
+// poslsh: matrix-free products with the ALiBi kernel L*, the mean mask M~ and their difference
+// E = L* - M~, so errors can be measured at sizes where n x n matrices do not fit.
+#pragma once
+
+#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/detail/check.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/types.hpp"
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace poslsh {
+
+/// Column vector of Scalar.
+template <typename Scalar>
+using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+/// Read-only view of a contiguous vector.
+template <typename Scalar>
+using ConstVectorRef = Eigen::Ref<const Vector<Scalar>>;
+/// Writable view of a contiguous vector.
+template <typename Scalar>
+using VectorRef = Eigen::Ref<Vector<Scalar>>;
+
+namespace detail {
+
+inline void require_vector_sizes(const char* function, Index x_size, Index y_size, Index n) {
+  require(x_size == n, function, "x", x_size, "size must equal the operator size " + std::to_string(n));
+  require(y_size == n, function, "y", y_size, "size must equal the operator size " + std::to_string(n));
+}
+
+}  // namespace detail
+
+// Every operator below accumulates in double whatever Scalar is, reads all of x before it
+// writes y (so x and y may be the same vector), and keeps a scratch buffer: one object must not
+// be applied from two threads at once.
+
+/// The ALiBi kernel L*_ij = exp(-|i-j| / sigma) (causal: 0 for j > i) as an operator, O(n)
+/// per product by the decay recurrence, r = exp(-1/sigma):
+///   causal         (L* x)_i = x_i + r (L* x)_{i-1};
+///   bidirectional  L* x = f + g - x, f_i = x_i + r f_{i-1}, g_i = x_i + r g_{i+1}.
+/// The transpose of the causal kernel is the backward recurrence g.
+class AlibiKernelOperator {
+ public:
+  /// Throws std::invalid_argument if n < 0 or sigma is not finite and > 0.
+  AlibiKernelOperator(Index n, double sigma, Masking masking)
+      : n_(n), sigma_(sigma), masking_(masking) {
+    detail::require_size(n, "AlibiKernelOperator", "n");
+    detail::require_sigma(sigma, "AlibiKernelOperator");
+    decay_ = std::exp(-1.0 / sigma);
+  }
+
+  Index size() const { return n_; }
+  double sigma() const { return sigma_; }
+  Masking masking() const { return masking_; }
+  bool symmetric() const { return masking_ == Masking::bidirectional; }
+
+  /// y = L* x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
+  template <typename Scalar>
+  void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    detail::require_vector_sizes("AlibiKernelOperator::apply", x.size(), y.size(), n_);
+    if (masking_ == Masking::causal) {
+      forward(x, y);
+    } else {
+      backward_to_scratch(x);
+      double f = 0.0;
+      for (Index i = 0; i < n_; ++i) {
+        const double xi = static_cast<double>(x[i]);
+        f = xi + decay_ * f;
+        y[i] = static_cast<Scalar>(f + scratch_[static_cast<std::size_t>(i)] - xi);
+      }
+    }
+  }
+
+  /// y = L*^T x (equal to L* x when bidirectional).
+  template <typename Scalar>
+  void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    if (masking_ == Masking::bidirectional) return apply<Scalar>(x, y);
+    detail::require_vector_sizes("AlibiKernelOperator::apply_transpose", x.size(), y.size(), n_);
+    double g = 0.0;
+    for (Index i = n_ - 1; i >= 0; --i) {
+      g = static_cast<double>(x[i]) + decay_ * g;
+      y[i] = static_cast<Scalar>(g);
+    }
+  }
+
+ private:
+  template <typename Scalar>
+  void forward(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    double f = 0.0;
+    for (Index i = 0; i < n_; ++i) {
+      f = static_cast<double>(x[i]) + decay_ * f;
+      y[i] = static_cast<Scalar>(f);
+    }
+  }
+
+  template <typename Scalar>
+  void backward_to_scratch(ConstVectorRef<Scalar> x) const {
+    scratch_.resize(static_cast<std::size_t>(n_));
+    double g = 0.0;
+    for (Index i = n_ - 1; i >= 0; --i) {
+      g = static_cast<double>(x[i]) + decay_ * g;
+      scratch_[static_cast<std::size_t>(i)] = g;
+    }
+  }
+
+  Index n_;
+  double sigma_;
+  Masking masking_;
+  double decay_ = 0.0;
+  mutable std::vector<double> scratch_;
+};
+
+/// The mean mask M~ = (1/s) sum_k M(h_k) (causal: times the lower triangle) as an operator.
+/// With prefix sums P_i = x_0 + ... + x_{i-1} and B_k(i) = [b, e) the block of sample k that
+/// holds i:
+///   bidirectional  (M~ x)_i = (1/s) sum_k (P_e - P_b);
+///   causal         (M~ x)_i = P_{i+1} - (1/s) sum_k P_b,   (M~^T x)_i = (1/s) sum_k P_e - P_i.
+/// Each sum over k is spread by a difference array, so a product costs O(n + number of blocks)
+/// = O(n + s n / sigma) time after an O(s n / sigma)-memory table of block edges.
+class MeanMaskOperator {
+ public:
+  /// Throws std::invalid_argument if the hash set is empty, a hash is invalid or n < 0.
+  MeanMaskOperator(const HashSet& hashes, Index n, Masking masking)
+      : partitions_(detail::analysis_partitions(hashes, n, "MeanMaskOperator")), masking_(masking) {}
+
+  Index size() const { return partitions_.n; }
+  Index samples() const { return partitions_.samples(); }
+  Masking masking() const { return masking_; }
+  bool symmetric() const { return masking_ == Masking::bidirectional; }
+  /// The stored block edges (see detail::AnalysisPartitions).
+  const detail::AnalysisPartitions& partitions() const { return partitions_; }
+
+  /// y = M~ x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
+  template <typename Scalar>
+  void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    detail::require_vector_sizes("MeanMaskOperator::apply", x.size(), y.size(), size());
+    product(x, y, false);
+  }
+
+  /// y = M~^T x (equal to M~ x when bidirectional).
+  template <typename Scalar>
+  void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    detail::require_vector_sizes("MeanMaskOperator::apply_transpose", x.size(), y.size(), size());
+    product(x, y, masking_ == Masking::causal);
+  }
+
+ private:
+  template <typename Scalar>
+  void product(ConstVectorRef<Scalar> x, VectorRef<Scalar> y, bool causal_transpose) const {
+    const Index n = size();
+    const auto un = static_cast<std::size_t>(n);
+    prefix_.resize(un + 1);
+    spread_.assign(un + 1, 0.0);
+    prefix_[0] = 0.0;
+    for (Index i = 0; i < n; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      prefix_[ui + 1] = prefix_[ui] + static_cast<double>(x[i]);
+    }
+    const bool causal = masking_ == Masking::causal;
+    for (Index k = 0; k < samples(); ++k) {
+      const Index* edge = partitions_.begin(k);
+      const Index* last = partitions_.end(k) - 1;
+      for (; edge != last; ++edge) {
+        const auto b = static_cast<std::size_t>(edge[0]);
+        const auto e = static_cast<std::size_t>(edge[1]);
+        const double value = !causal           ? prefix_[e] - prefix_[b]
+                             : causal_transpose ? prefix_[e]
+                                                : prefix_[b];
+        spread_[b] += value;
+        spread_[e] -= value;
+      }
+    }
+    const double inverse_s = 1.0 / static_cast<double>(samples());
+    double running = 0.0;
+    for (Index i = 0; i < n; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      running += spread_[ui];
+      const double mean = running * inverse_s;
+      const double value = !causal           ? mean
+                           : causal_transpose ? mean - prefix_[ui]
+                                              : prefix_[ui + 1] - mean;
+      y[i] = static_cast<Scalar>(value);
+    }
+  }
+
+  detail::AnalysisPartitions partitions_;
+  Masking masking_;
+  mutable std::vector<double> prefix_;
+  mutable std::vector<double> spread_;
+};
+
+/// The error operator E = L* - M~ (and E^T = L*^T - M~^T), two O(n + s n / sigma) products.
+class KernelErrorOperator {
+ public:
+  /// Throws std::invalid_argument if the hash set is empty, a hash is invalid, n < 0 or sigma
+  /// is not finite and > 0.
+  KernelErrorOperator(const HashSet& hashes, Index n, double sigma, Masking masking)
+      : kernel_(n, sigma, masking), mask_(hashes, n, masking) {}
+
+  Index size() const { return kernel_.size(); }
+  bool symmetric() const { return kernel_.symmetric(); }
+  const AlibiKernelOperator& kernel() const { return kernel_; }
+  const MeanMaskOperator& mean_mask() const { return mask_; }
+
+  /// y = (L* - M~) x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
+  template <typename Scalar>
+  void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    detail::require_vector_sizes("KernelErrorOperator::apply", x.size(), y.size(), size());
+    product<Scalar>(x, y, false);
+  }
+
+  /// y = (L* - M~)^T x.
+  template <typename Scalar>
+  void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
+    detail::require_vector_sizes("KernelErrorOperator::apply_transpose", x.size(), y.size(), size());
+    product<Scalar>(x, y, true);
+  }
+
+ private:
+  template <typename Scalar>
+  void product(ConstVectorRef<Scalar> x, VectorRef<Scalar> y, bool transpose) const {
+    if constexpr (std::is_same_v<Scalar, double>) {
+      product_double(x, y, transpose);
+    } else {
+      const Vector<double> x_double = x.template cast<double>();
+      Vector<double> y_double(size());
+      product_double(x_double, y_double, transpose);
+      y = y_double.template cast<Scalar>();
+    }
+  }
+
+  // M~ x into the scratch first, then L* x into y: safe when x and y are one vector.
+  void product_double(ConstVectorRef<double> x, VectorRef<double> y, bool transpose) const {
+    masked_.resize(size());
+    if (transpose) {
+      mask_.apply_transpose<double>(x, masked_);
+      kernel_.apply_transpose<double>(x, y);
+    } else {
+      mask_.apply<double>(x, masked_);
+      kernel_.apply<double>(x, y);
+    }
+    y -= masked_;
+  }
+
+  AlibiKernelOperator kernel_;
+  MeanMaskOperator mask_;
+  mutable Vector<double> masked_;
+};
+
+}  // namespace poslsh
