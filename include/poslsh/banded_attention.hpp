@@ -1,0 +1,88 @@
+// poslsh: exact ALiBi attention restricted to a band of keys |i - j| <= band, the
+// deterministic competitor of the LSH kernels at a given bias error: O(n band d) time.
+#pragma once
+
+#include "poslsh/detail/attention_checks.hpp"
+#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/exact_checks.hpp"
+#include "poslsh/detail/exact_tile.hpp"
+#include "poslsh/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace poslsh {
+
+/// Band half-width W = ceil(sigma ln(1/eps)) whose dropped ALiBi entries are all small:
+/// |i - j| > W implies exp(-|i-j| / sigma) < eps. sigma finite and > 0, eps in (0, 1).
+/// Results beyond 9e18 are clamped there (any band >= n keeps every key).
+inline Index band_for_bias_error(double sigma, double eps) {
+  constexpr const char* function = "band_for_bias_error";
+  detail::require_sigma(sigma, function);
+  detail::require(eps > 0.0 && eps < 1.0, function, "eps", eps, "must be in (0, 1)");
+  const double width = std::ceil(sigma * -std::log(eps));
+  return static_cast<Index>(std::min(width, 9.0e18));
+}
+
+namespace detail {
+
+inline ExactWindow banded_window(Index n, Index band, Masking masking) {
+  const Index width = std::min(band, n);
+  return {masking == Masking::causal ? 0 : -width, width};
+}
+
+}  // namespace detail
+
+/// Rows [row_begin, row_end) of alibi_attention_banded, written to `out_rows`
+/// ((row_end - row_begin) x d_v); any split of [0, n) into ranges gives bitwise the full
+/// result. Single-threaded. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                 ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                 Index row_begin, Index row_end, MatrixRef<Scalar> out_rows,
+                                 const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded_rows";
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin, row_end, out_rows);
+  detail::require_size(band, function, "band");
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  if (row_begin == row_end) return;
+  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau,
+                                         detail::banded_window(q.rows(), band, options.masking));
+  engine.run(row_begin, row_end, out_rows);
+}
+
+/// Banded exact ALiBi attention: the softmax of tau Q K^T - |i-j| / sigma over the keys with
+/// |i - j| <= band only (causal: also j <= i), the others dropped:
+///   out_i = sum_{|i-j| <= band} e^{x_ij} v_j / sum_{|i-j| <= band} e^{x_ij},
+///   x_ij = tau q_i.k_j - |i-j| / sigma.
+/// With band = band_for_bias_error(sigma, eps) every dropped entry of the ALiBi kernel
+/// exp(-|i-j|/sigma) is below eps; band >= n - 1 gives the exact attention. Same tiles and
+/// online softmax as alibi_attention_tiled; key tiles outside the band are never touched, so
+/// the cost is O(n (band + tile) d). Q is n x d, K n x d, V n x d_v, `out` n x d_v, any row
+/// strides; single-threaded. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, Index band,
+                            MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded";
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  detail::require_size(band, function, "band");
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau,
+                                         detail::banded_window(n, band, options.masking));
+  engine.run(0, n, out);
+}
+
+/// Returning form of alibi_attention_banded.
+template <typename Scalar>
+RowMatrix<Scalar> alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                         ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                         const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  alibi_attention_banded<Scalar>(q, k, v, sigma, band, out, options);
+  return out;
+}
+
+}  // namespace poslsh

@@ -1,0 +1,30 @@
+// poslsh internals: argument checks shared by the exact tiled and banded kernels.
+#pragma once
+
+#include "poslsh/detail/attention_checks.hpp"
+#include "poslsh/detail/check.hpp"
+#include "poslsh/types.hpp"
+
+#include <string>
+
+namespace poslsh::detail {
+
+/// Q (n x d), K (n x d), V (n x d_v), sigma, and rows [row_begin, row_end) of the output in
+/// `out` ((row_end - row_begin) x d_v). Names the offending argument.
+template <typename Scalar, typename OutType>
+void require_exact_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
+                             const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                             double sigma, Index row_begin, Index row_end, const OutType& out) {
+  require_qkv_shapes(function, q, k, v);
+  require(k.rows() == q.rows(), function, "k", k.rows(),
+          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  require_sigma(sigma, function);
+  require(row_begin >= 0 && row_begin <= q.rows(), function, "row_begin", row_begin,
+          "must be in [0, q.rows()] = [0, " + std::to_string(q.rows()) + "]");
+  require(row_end >= row_begin && row_end <= q.rows(), function, "row_end", row_end,
+          "must be in [row_begin, q.rows()] = [" + std::to_string(row_begin) + ", " +
+              std::to_string(q.rows()) + "]");
+  require_output_shape(function, out, row_end - row_begin, v.cols());
+}
+
+}  // namespace poslsh::detail

@@ -1,0 +1,208 @@
+// The tiled streaming exact ALiBi attention against the dense reference, and its row ranges
+// against the full call.
+#include "test_support.hpp"
+
+#include <poslsh/reference_attention.hpp>
+#include <poslsh/tiled_attention.hpp>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using poslsh::AttentionOptions;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+using poslsh_test::relative_max_error;
+using poslsh_test::tolerance;
+
+namespace {
+
+AttentionOptions with_masking(Masking masking) {
+  AttentionOptions options;
+  options.masking = masking;
+  return options;
+}
+
+template <typename Scalar>
+bool bitwise_equal(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() && (a.array() == b.array()).all();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled equals the dense reference", "[tiled]", float, double) {
+  // n around and across the 64-row tiles (partial last tiles, diagonal tiles, n = 1); d_v
+  // both a whole number of packets (values read in place) and not (values packed per tile).
+  const Index d = 8;
+  for (Index n : {1, 2, 7, 63, 64, 65, 130, 200}) {
+    for (Index dv : {5, 16}) {
+      const auto q = random_matrix<TestType>(n, d, 11, 2.0);
+      const auto k = random_matrix<TestType>(n, d, 12, 2.0);
+      const auto v = random_matrix<TestType>(n, dv, 13);
+      for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+        for (double sigma : {0.01, 0.7, 6.0, 50.0, 1e6}) {
+          const auto options = with_masking(masking);
+          const RowMatrix<TestType> expected =
+              poslsh::alibi_attention_reference<TestType>(q, k, v, sigma, options);
+          const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, sigma, options);
+          INFO("n " << n << ", d_v " << dv << ", sigma " << sigma << ", causal "
+                    << (masking == Masking::causal));
+          REQUIRE(out.rows() == n);
+          REQUIRE(out.cols() == dv);
+          // Two roundings of the same sums in a different order: Scalar-level agreement.
+          CHECK(relative_max_error(out, expected) < tolerance<TestType>());
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled handles d and d_v of any size", "[tiled]", float, double) {
+  const Index n = 97;
+  for (Index d : {1, 3, 64, 70}) {
+    for (Index dv : {1, 33, 64, 80}) {
+      const auto q = random_matrix<TestType>(n, d, 21);
+      const auto k = random_matrix<TestType>(n, d, 22);
+      const auto v = random_matrix<TestType>(n, dv, 23);
+      const RowMatrix<TestType> expected = poslsh::alibi_attention_reference<TestType>(q, k, v, 3.0);
+      const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, 3.0);
+      INFO("d " << d << ", d_v " << dv);
+      CHECK(relative_max_error(out, expected) < tolerance<TestType>());
+    }
+  }
+}
+
+TEST_CASE("alibi_attention_tiled reads and writes strided head views", "[tiled]") {
+  // [n, H, d] buffers: head h of token i is at row i, columns h*d .. h*d+d-1; d_v = 6.
+  const Index n = 150, d = 8, dv = 6, heads = 3;
+  const auto queries = random_matrix<float>(n, heads * d, 31);
+  const auto keys = random_matrix<float>(n, heads * d, 32);
+  const auto values = random_matrix<float>(n, heads * dv, 33);
+  RowMatrix<float> out_buffer = RowMatrix<float>::Constant(n, heads * dv, 7.0f);
+  using ConstMap = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
+  using Map = Eigen::Map<RowMatrix<float>, 0, Eigen::OuterStride<>>;
+  AttentionOptions options;
+  options.scale = 0.3;
+  for (Index h = 0; h < heads; ++h) {
+    const ConstMap q(queries.data() + h * d, n, d, Eigen::OuterStride<>(heads * d));
+    const ConstMap k(keys.data() + h * d, n, d, Eigen::OuterStride<>(heads * d));
+    const ConstMap v(values.data() + h * dv, n, dv, Eigen::OuterStride<>(heads * dv));
+    Map out(out_buffer.data() + h * dv, n, dv, Eigen::OuterStride<>(heads * dv));
+    poslsh::alibi_attention_tiled<float>(q, k, v, 4.0 * double(h + 1), out, options);
+  }
+  for (Index h = 0; h < heads; ++h) {
+    const RowMatrix<float> q = queries.middleCols(h * d, d);
+    const RowMatrix<float> k = keys.middleCols(h * d, d);
+    const RowMatrix<float> v = values.middleCols(h * dv, dv);
+    const RowMatrix<float> expected =
+        poslsh::alibi_attention_reference<float>(q, k, v, 4.0 * double(h + 1), options);
+    INFO("head " << h);
+    CHECK(relative_max_error(RowMatrix<float>(out_buffer.middleCols(h * dv, dv)), expected) <
+          tolerance<float>());
+  }
+}
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled_rows equals the full call bit for bit", "[tiled]", float, double) {
+  const Index n = 300, d = 16, dv = 12;
+  const auto q = random_matrix<TestType>(n, d, 41, 1.5);
+  const auto k = random_matrix<TestType>(n, d, 42, 1.5);
+  const auto v = random_matrix<TestType>(n, dv, 43);
+  const Index tile = poslsh::tiled_query_tile;
+  // Splits on multiples of the tile, and splits anywhere (each row depends on itself alone).
+  const std::vector<std::vector<Index>> splits = {
+      {0, tile, 2 * tile, 4 * tile, n}, {0, n}, {0, 1, 37, 64, 65, 150, 299, n}, {0, 200, 201, n}};
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const auto options = with_masking(masking);
+    const RowMatrix<TestType> full = poslsh::alibi_attention_tiled<TestType>(q, k, v, 5.0, options);
+    for (const auto& split : splits) {
+      RowMatrix<TestType> pieces = RowMatrix<TestType>::Constant(n, dv, TestType(-3));
+      for (std::size_t s = 0; s + 1 < split.size(); ++s) {
+        const Index begin = split[s], end = split[s + 1];
+        RowMatrix<TestType> rows(end - begin, dv);
+        poslsh::alibi_attention_tiled_rows<TestType>(q, k, v, 5.0, begin, end, rows, options);
+        pieces.middleRows(begin, end - begin) = rows;
+      }
+      INFO("split with " << split.size() - 1 << " ranges, causal " << (masking == Masking::causal));
+      CHECK(bitwise_equal(pieces, full));
+    }
+  }
+  // An empty range is allowed and writes nothing.
+  RowMatrix<TestType> none(0, dv);
+  poslsh::alibi_attention_tiled_rows<TestType>(q, k, v, 5.0, 100, 100, none);
+}
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled keeps scores of magnitude 1e4 finite and correct", "[tiled]", float, double) {
+  // Scores tau q_i.k_j = 1e4 (j % 3) over 200 keys (several tiles): only keys with j % 3 == 2
+  // survive (the others trail by 1e4 and get weight exactly 0), weighted by ALiBi alone:
+  //   out_i = sum_{j%3=2} e^{-|i-j|} v_j / sum_{j%3=2} e^{-|i-j|}  (causal: j <= i).
+  const Index n = 200, d = 2, dv = 3;
+  RowMatrix<TestType> q = RowMatrix<TestType>::Zero(n, d);
+  RowMatrix<TestType> k = RowMatrix<TestType>::Zero(n, d);
+  const auto v = random_matrix<TestType>(n, dv, 51);
+  q.col(0).setConstant(TestType(100));
+  for (Index j = 0; j < n; ++j) k(j, 0) = TestType(100) * static_cast<TestType>(j % 3);
+  AttentionOptions options;
+  options.scale = 1.0;
+  for (Masking masking : {Masking::bidirectional, Masking::causal}) {
+    options.masking = masking;
+    const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, 1.0, options);
+    REQUIRE(out.allFinite());
+    for (Index i = 2; i < n; ++i) {
+      Eigen::RowVectorXd numerator = Eigen::RowVectorXd::Zero(dv);
+      double denominator = 0;
+      const Index last = masking == Masking::causal ? i : n - 1;
+      for (Index j = 2; j <= last; j += 3) {
+        const double weight = std::exp(-std::abs(static_cast<double>(i - j)));
+        numerator += weight * v.row(j).template cast<double>();
+        denominator += weight;
+      }
+      INFO("row " << i << ", causal " << (masking == Masking::causal));
+      // Scores and distances are integers, exact in Scalar: only exp and the sums round.
+      CHECK((out.row(i).template cast<double>() - numerator / denominator).cwiseAbs().maxCoeff() <
+            10 * tolerance<TestType>());
+    }
+  }
+}
+
+TEST_CASE("alibi_attention_tiled: n = 0 gives an empty result", "[tiled]") {
+  const RowMatrix<float> empty(0, 4);
+  CHECK(poslsh::alibi_attention_tiled<float>(empty, empty, empty, 1.0).rows() == 0);
+  const RowMatrix<double> none(0, 0);
+  CHECK(poslsh::alibi_attention_tiled<double>(none, none, none, 1.0).size() == 0);
+}
+
+TEST_CASE("alibi_attention_tiled rejects bad arguments", "[tiled][invalid]") {
+  using poslsh_test::require_invalid_argument;
+  const auto q = random_matrix<float>(5, 4, 1);
+  const auto k3 = random_matrix<float>(5, 3, 1);
+  const auto v6 = random_matrix<float>(6, 4, 1);
+  const auto q6 = random_matrix<float>(6, 4, 1);
+  const RowMatrix<float> no_columns(5, 0);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, k3, q, 1.0); }, "k");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q6, q6, 1.0); }, "k");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, v6, 1.0); }, "v");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(no_columns, no_columns, q, 1.0); }, "q");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 0.0); }, "sigma");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, -2.0); }, "sigma");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, nan); }, "sigma");
+  RowMatrix<float> wrong(4, 4);
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 1.0, wrong); }, "out");
+  AttentionOptions options;
+  options.scale = nan;
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 1.0, options); },
+                           "options.scale");
+  RowMatrix<float> rows(2, 4);
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, -1, 1, rows); },
+                           "row_begin");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 6, 8, rows); },
+                           "row_begin");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 4, 6, rows); },
+                           "row_end");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 3, 2, rows); },
+                           "row_end");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 1, 4, rows); },
+                           "out");
+}
