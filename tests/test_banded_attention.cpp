@@ -1,14 +1,13 @@
 // The banded exact ALiBi attention against a dense masked softmax and the full reference, and
 // band_for_bias_error against the ALiBi kernel it truncates.
-#include "test_support.hpp"
-
+#include <cmath>
+#include <limits>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/banded_attention.hpp>
 #include <poslsh/reference_attention.hpp>
-
-#include <cmath>
-#include <limits>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::Index;
@@ -43,8 +42,9 @@ RowMatrix<double> masked_softmax(const RowMatrix<Scalar>& q, const RowMatrix<Sca
     std::vector<double> x(static_cast<std::size_t>(n));
     for (Index j = 0; j < n; ++j) {
       if (!kept(i, j, band, masking)) continue;
-      x[std::size_t(j)] = tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) -
-                          std::abs(static_cast<double>(i - j)) / sigma;
+      x[std::size_t(j)] =
+          tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) -
+          std::abs(static_cast<double>(i - j)) / sigma;
       row_max = std::max(row_max, x[std::size_t(j)]);
     }
     double total = 0;
@@ -61,7 +61,8 @@ RowMatrix<double> masked_softmax(const RowMatrix<Scalar>& q, const RowMatrix<Sca
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("alibi_attention_banded with band >= n - 1 equals the exact reference", "[banded]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_banded with band >= n - 1 equals the exact reference",
+                   "[banded]", float, double) {
   const Index d = 8, dv = 6;
   for (Index n : {1, 50, 130}) {
     const auto q = random_matrix<TestType>(n, d, 61, 2.0);
@@ -81,7 +82,8 @@ TEMPLATE_TEST_CASE("alibi_attention_banded with band >= n - 1 equals the exact r
   }
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_banded equals a dense masked softmax", "[banded]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_banded equals a dense masked softmax", "[banded]", float,
+                   double) {
   // Bands narrower than, equal to and wider than a 64-key tile, over n = 230 (4 tiles).
   const Index n = 230, d = 8, dv = 5;
   const auto q = random_matrix<TestType>(n, d, 71, 2.0);
@@ -95,7 +97,8 @@ TEMPLATE_TEST_CASE("alibi_attention_banded equals a dense masked softmax", "[ban
         const RowMatrix<double> expected = masked_softmax(q, k, v, sigma, band, masking);
         INFO("band " << band << ", sigma " << sigma << ", causal " << (masking == Masking::causal));
         // Scalar rounding of the scores and sums against a double computation.
-        CHECK(relative_max_error(out.template cast<double>(), expected) < 10 * tolerance<TestType>());
+        CHECK(relative_max_error(out.template cast<double>(), expected) <
+              10 * tolerance<TestType>());
       }
     }
   }
@@ -128,7 +131,8 @@ TEST_CASE("band_for_bias_error drops only kernel entries below eps", "[banded]")
   CHECK(poslsh::band_for_bias_error(1e300, 1e-3) > 0);
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_banded differs from exact by at most the dropped weight", "[banded]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_banded differs from exact by at most the dropped weight",
+                   "[banded]", float, double) {
   // out_exact = (N_k + N_d) / (D_k + D_d), out_band = N_k / D_k with D = sum of e^{x_ij} over
   // kept (k) and dropped (d) keys: |out_band - out_exact| <= 2 max|v| D_d / (D_k + D_d).
   const Index n = 180, d = 4, dv = 3;
@@ -144,33 +148,37 @@ TEMPLATE_TEST_CASE("alibi_attention_banded differs from exact by at most the dro
   for (Index i = 0; i < n; ++i) {
     double kept_mass = 0, dropped_mass = 0;
     for (Index j = 0; j <= i; ++j) {
-      const double x = tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) -
-                       static_cast<double>(i - j) / sigma;
+      const double x =
+          tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) -
+          static_cast<double>(i - j) / sigma;
       (i - j <= band ? kept_mass : dropped_mass) += std::exp(x);
     }
     const double gap = static_cast<double>(
         (banded.row(i) - exact.row(i)).template cast<double>().cwiseAbs().maxCoeff());
     largest_gap = std::max(largest_gap, gap);
     INFO("row " << i);
-    CHECK(gap <= 2 * v_max * dropped_mass / (kept_mass + dropped_mass) + 10 * tolerance<TestType>());
+    CHECK(gap <=
+          2 * v_max * dropped_mass / (kept_mass + dropped_mass) + 10 * tolerance<TestType>());
   }
   CHECK(largest_gap > 0);  // rows beyond the band do lose something
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_banded_rows equals the full call bit for bit", "[banded]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_banded_rows equals the full call bit for bit", "[banded]",
+                   float, double) {
   const Index n = 260, d = 8, dv = 16, band = 40;
   const auto q = random_matrix<TestType>(n, d, 91);
   const auto k = random_matrix<TestType>(n, d, 92);
   const auto v = random_matrix<TestType>(n, dv, 93);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const auto options = with_masking(masking);
-    const RowMatrix<TestType> full = poslsh::alibi_attention_banded<TestType>(q, k, v, 7.0, band, options);
+    const RowMatrix<TestType> full =
+        poslsh::alibi_attention_banded<TestType>(q, k, v, 7.0, band, options);
     RowMatrix<TestType> pieces(n, dv);
     const std::vector<Index> split = {0, 64, 100, 101, 192, n};
     for (std::size_t s = 0; s + 1 < split.size(); ++s) {
       RowMatrix<TestType> rows(split[s + 1] - split[s], dv);
-      poslsh::alibi_attention_banded_rows<TestType>(q, k, v, 7.0, band, split[s], split[s + 1], rows,
-                                                    options);
+      poslsh::alibi_attention_banded_rows<TestType>(q, k, v, 7.0, band, split[s], split[s + 1],
+                                                    rows, options);
       pieces.middleRows(split[s], rows.rows()) = rows;
     }
     INFO("causal " << (masking == Masking::causal));
@@ -183,7 +191,8 @@ TEST_CASE("alibi_attention_banded: n = 0 gives an empty result", "[banded]") {
   CHECK(poslsh::alibi_attention_banded<float>(empty, empty, empty, 1.0, 3).rows() == 0);
 }
 
-TEST_CASE("alibi_attention_banded and band_for_bias_error reject bad arguments", "[banded][invalid]") {
+TEST_CASE("alibi_attention_banded and band_for_bias_error reject bad arguments",
+          "[banded][invalid]") {
   using poslsh_test::require_invalid_argument;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (double eps : {0.0, 1.0, -0.5, 2.0, nan})
@@ -194,16 +203,20 @@ TEST_CASE("alibi_attention_banded and band_for_bias_error reject bad arguments",
   const auto k3 = random_matrix<double>(5, 3, 1);
   const auto v6 = random_matrix<double>(6, 4, 1);
   const RowMatrix<double> no_columns(5, 0);
-  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, 1.0, -1); }, "band");
+  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, 1.0, -1); },
+                           "band");
   require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, k3, q, 1.0, 2); }, "k");
   require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, v6, 1.0, 2); }, "v");
-  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(no_columns, no_columns, q, 1.0, 2); }, "q");
-  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, nan, 2); }, "sigma");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_banded<double>(no_columns, no_columns, q, 1.0, 2); }, "q");
+  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, nan, 2); },
+                           "sigma");
   RowMatrix<double> wrong(5, 3);
-  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, 1.0, 2, wrong); }, "out");
+  require_invalid_argument([&] { poslsh::alibi_attention_banded<double>(q, q, q, 1.0, 2, wrong); },
+                           "out");
   RowMatrix<double> rows(2, 4);
-  require_invalid_argument([&] { poslsh::alibi_attention_banded_rows<double>(q, q, q, 1.0, 2, 4, 7, rows); },
-                           "row_end");
-  require_invalid_argument([&] { poslsh::alibi_attention_banded_rows<double>(q, q, q, 1.0, -2, 0, 2, rows); },
-                           "band");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_banded_rows<double>(q, q, q, 1.0, 2, 4, 7, rows); }, "row_end");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_banded_rows<double>(q, q, q, 1.0, -2, 0, 2, rows); }, "band");
 }

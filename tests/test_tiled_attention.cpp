@@ -1,13 +1,12 @@
 // The tiled streaming exact ALiBi attention against the dense reference, and its row ranges
 // against the full call.
-#include "test_support.hpp"
-
-#include <poslsh/reference_attention.hpp>
-#include <poslsh/tiled_attention.hpp>
-
 #include <cmath>
 #include <limits>
+#include <poslsh/reference_attention.hpp>
+#include <poslsh/tiled_attention.hpp>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::Index;
@@ -46,7 +45,8 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled equals the dense reference", "[tiled]"
           const auto options = with_masking(masking);
           const RowMatrix<TestType> expected =
               poslsh::alibi_attention_reference<TestType>(q, k, v, sigma, options);
-          const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, sigma, options);
+          const RowMatrix<TestType> out =
+              poslsh::alibi_attention_tiled<TestType>(q, k, v, sigma, options);
           INFO("n " << n << ", d_v " << dv << ", sigma " << sigma << ", causal "
                     << (masking == Masking::causal));
           REQUIRE(out.rows() == n);
@@ -59,14 +59,16 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled equals the dense reference", "[tiled]"
   }
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_tiled handles d and d_v of any size", "[tiled]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_tiled handles d and d_v of any size", "[tiled]", float,
+                   double) {
   const Index n = 97;
   for (Index d : {1, 3, 64, 70}) {
     for (Index dv : {1, 33, 64, 80}) {
       const auto q = random_matrix<TestType>(n, d, 21);
       const auto k = random_matrix<TestType>(n, d, 22);
       const auto v = random_matrix<TestType>(n, dv, 23);
-      const RowMatrix<TestType> expected = poslsh::alibi_attention_reference<TestType>(q, k, v, 3.0);
+      const RowMatrix<TestType> expected =
+          poslsh::alibi_attention_reference<TestType>(q, k, v, 3.0);
       const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, 3.0);
       INFO("d " << d << ", d_v " << dv);
       CHECK(relative_max_error(out, expected) < tolerance<TestType>());
@@ -104,7 +106,8 @@ TEST_CASE("alibi_attention_tiled reads and writes strided head views", "[tiled]"
   }
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_tiled_rows equals the full call bit for bit", "[tiled]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_tiled_rows equals the full call bit for bit", "[tiled]", float,
+                   double) {
   const Index n = 300, d = 16, dv = 12;
   const auto q = random_matrix<TestType>(n, d, 41, 1.5);
   const auto k = random_matrix<TestType>(n, d, 42, 1.5);
@@ -133,7 +136,8 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled_rows equals the full call bit for bit"
   poslsh::alibi_attention_tiled_rows<TestType>(q, k, v, 5.0, 100, 100, none);
 }
 
-TEMPLATE_TEST_CASE("alibi_attention_tiled keeps scores of magnitude 1e4 finite and correct", "[tiled]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_tiled keeps scores of magnitude 1e4 finite and correct",
+                   "[tiled]", float, double) {
   // Scores tau q_i.k_j = 1e4 (j % 3) over 200 keys (several tiles): only keys with j % 3 == 2
   // survive (the others trail by 1e4 and get weight exactly 0), weighted by ALiBi alone:
   //   out_i = sum_{j%3=2} e^{-|i-j|} v_j / sum_{j%3=2} e^{-|i-j|}  (causal: j <= i).
@@ -166,6 +170,22 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled keeps scores of magnitude 1e4 finite a
   }
 }
 
+TEMPLATE_TEST_CASE("alibi_attention_tiled with a vanishing sigma returns V", "[tiled]", float,
+                   double) {
+  // sigma -> 0 (1/sigma overflows Scalar): every key but j = i gets weight 0, so out = V.
+  const Index n = 140, d = 4, dv = 3;
+  const auto q = random_matrix<TestType>(n, d, 55);
+  const auto v = random_matrix<TestType>(n, dv, 56);
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (double sigma : {1e-30, 1e-300, 5e-324}) {
+      const RowMatrix<TestType> out =
+          poslsh::alibi_attention_tiled<TestType>(q, q, v, sigma, with_masking(masking));
+      INFO("sigma " << sigma << ", causal " << (masking == Masking::causal));
+      CHECK(relative_max_error(out, v) < tolerance<TestType>());
+    }
+  }
+}
+
 TEST_CASE("alibi_attention_tiled: n = 0 gives an empty result", "[tiled]") {
   const RowMatrix<float> empty(0, 4);
   CHECK(poslsh::alibi_attention_tiled<float>(empty, empty, empty, 1.0).rows() == 0);
@@ -184,25 +204,27 @@ TEST_CASE("alibi_attention_tiled rejects bad arguments", "[tiled][invalid]") {
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, k3, q, 1.0); }, "k");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q6, q6, 1.0); }, "k");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, v6, 1.0); }, "v");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(no_columns, no_columns, q, 1.0); }, "q");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled<float>(no_columns, no_columns, q, 1.0); }, "q");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 0.0); }, "sigma");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, -2.0); }, "sigma");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, nan); }, "sigma");
   RowMatrix<float> wrong(4, 4);
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 1.0, wrong); }, "out");
+  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 1.0, wrong); },
+                           "out");
   AttentionOptions options;
   options.scale = nan;
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 1.0, options); },
                            "options.scale");
   RowMatrix<float> rows(2, 4);
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, -1, 1, rows); },
-                           "row_begin");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 6, 8, rows); },
-                           "row_begin");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 4, 6, rows); },
-                           "row_end");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 3, 2, rows); },
-                           "row_end");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 1, 4, rows); },
-                           "out");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, -1, 1, rows); }, "row_begin");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 6, 8, rows); }, "row_begin");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 4, 6, rows); }, "row_end");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 3, 2, rows); }, "row_end");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_rows<float>(q, q, q, 1.0, 1, 4, rows); }, "out");
 }

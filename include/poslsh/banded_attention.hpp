@@ -2,14 +2,14 @@
 // deterministic competitor of the LSH kernels at a given bias error: O(n band d) time.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+
 #include "poslsh/detail/attention_checks.hpp"
 #include "poslsh/detail/check.hpp"
 #include "poslsh/detail/exact_checks.hpp"
 #include "poslsh/detail/exact_tile.hpp"
 #include "poslsh/types.hpp"
-
-#include <algorithm>
-#include <cmath>
 
 namespace poslsh {
 

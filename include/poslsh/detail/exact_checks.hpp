@@ -1,11 +1,11 @@
 // poslsh internals: argument checks shared by the exact tiled and banded kernels.
 #pragma once
 
+#include <string>
+
 #include "poslsh/detail/attention_checks.hpp"
 #include "poslsh/detail/check.hpp"
 #include "poslsh/types.hpp"
-
-#include <string>
 
 namespace poslsh::detail {
 

@@ -8,9 +8,9 @@
 // reductions) and every query's arithmetic is independent of the other queries in its tile.
 #pragma once
 
-#include "poslsh/types.hpp"
-
 #include <Eigen/Core>
+
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 

@@ -14,14 +14,13 @@
 // the rows into ranges gives bitwise the same output.
 #pragma once
 
-#include "poslsh/detail/exact_kernels.hpp"
-#include "poslsh/types.hpp"
-
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <limits>
 #include <utility>
+
+#include "poslsh/detail/exact_kernels.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 
@@ -56,9 +55,16 @@ class ExactTileEngine {
   /// q (n x d) is used unscaled; tau and 1/sigma are applied here. window.lo <= 0 <= window.hi.
   ExactTileEngine(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                   const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window)
-      : q_(q), k_(k), v_(v), n_(q.rows()), d_(q.cols()), dv_(v.cols()),
-        dvp_((v.cols() + P - 1) / P * P), tau_(static_cast<Scalar>(tau)),
-        neg_inv_sigma_(static_cast<Scalar>(-1.0 / sigma)), window_(window),
+      : q_(q),
+        k_(k),
+        v_(v),
+        n_(q.rows()),
+        d_(q.cols()),
+        dv_(v.cols()),
+        dvp_((v.cols() + P - 1) / P * P),
+        tau_(static_cast<Scalar>(tau)),
+        neg_inv_sigma_(negative_slope(sigma, q.rows())),
+        window_(window),
         pack_values_(v.cols() % P != 0) {
     qt_.setZero(d_ * Bq);
     scores_.resize(Bk * Bq);
@@ -91,6 +97,14 @@ class ExactTileEngine {
  private:
   static constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
 
+  // -1/sigma in Scalar, kept above lowest / n so that every bias |i-j| slope (|i-j| < n) is
+  // finite: 0 on the diagonal, and the scores stay finite however small sigma is.
+  static Scalar negative_slope(double sigma, Index n) {
+    const auto lowest = static_cast<double>(std::numeric_limits<Scalar>::lowest());
+    return static_cast<Scalar>(
+        std::max(-1.0 / sigma, lowest / static_cast<double>(std::max<Index>(n, 1))));
+  }
+
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum_ and acc_.
   void query_tile(Index i0, Index r0, Index r1) {
     qt_.setZero();
@@ -100,19 +114,22 @@ class ExactTileEngine {
     running_sum_.setZero();
     acc_.setZero();
     rows_ = {r0 - i0, r1 - i0};
+    // Keys the tile's window reaches, in key tiles aligned to multiples of Bk (the first and
+    // the last cut to [key_lo, key_hi]), visited from the tile holding the diagonal outwards.
     const Index key_lo = std::max<Index>(0, i0 - window_.hi);
     const Index key_hi = std::min<Index>(n_ - 1, i0 + Bq - 1 - window_.lo);
     if (key_lo > key_hi) return;
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
-      if (centre - step >= first) key_tile(i0, (centre - step) * Bk);
-      if (step > 0 && centre + step <= last) key_tile(i0, (centre + step) * Bk);
+      if (centre - step >= first) key_tile(i0, centre - step, key_lo, key_hi);
+      if (step > 0 && centre + step <= last) key_tile(i0, centre + step, key_lo, key_hi);
     }
   }
 
-  void key_tile(Index i0, Index j0) {
-    const Index keys = std::min(Bk, n_ - j0);
+  void key_tile(Index i0, Index tile, Index key_lo, Index key_hi) {
+    const Index j0 = std::max(tile * Bk, key_lo);
+    const Index keys = std::min((tile + 1) * Bk, key_hi + 1) - j0;
     const Index min_diff = i0 - (j0 + keys - 1), max_diff = i0 + Bq - 1 - j0;
     if (max_diff < window_.lo || min_diff > window_.hi) return;
     const bool masked = min_diff < window_.lo || max_diff > window_.hi;
@@ -230,17 +247,22 @@ class ExactTileEngine {
     const Index a_end = rows_.second;
     for (Index a = rows_.first / value_rows * value_rows; a < a_end; a += value_rows) {
       for (Index c = 0; c < dvp_; c += value_packets * P) {
-        const Scalar* probs = scores_.data() + a;
-        const Scalar* alpha = alpha_.data() + a;
-        Scalar* acc = acc_.data() + a * dvp_ + c;
-        switch (std::min<Index>(value_packets, (dvp_ - c) / P)) {
-          case 4: exact_value_block<Scalar, value_rows, 4>(probs, Bq, values + c, stride, keys, alpha, acc, dvp_); break;
-          case 3: exact_value_block<Scalar, value_rows, 3>(probs, Bq, values + c, stride, keys, alpha, acc, dvp_); break;
-          case 2: exact_value_block<Scalar, value_rows, 2>(probs, Bq, values + c, stride, keys, alpha, acc, dvp_); break;
-          default: exact_value_block<Scalar, value_rows, 1>(probs, Bq, values + c, stride, keys, alpha, acc, dvp_); break;
-        }
+        value_block<value_packets>((dvp_ - c) / P, a, values + c, stride, keys, c);
       }
     }
+  }
+
+  // acc <- alpha acc + P V for rows [a, a + value_rows) and min(packets, Packets) packets of
+  // value columns from column c.
+  template <int Packets>
+  void value_block(Index packets, Index a, const Scalar* values, Index stride, Index keys,
+                   Index c) {
+    if constexpr (Packets > 1) {
+      if (packets < Packets) return value_block<Packets - 1>(packets, a, values, stride, keys, c);
+    }
+    exact_value_block<Scalar, value_rows, Packets>(scores_.data() + a, Bq, values, stride, keys,
+                                                   alpha_.data() + a, acc_.data() + a * dvp_ + c,
+                                                   dvp_);
   }
 
   const ConstMatrixRef<Scalar>& q_;
