@@ -7,6 +7,7 @@
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -148,41 +149,64 @@ class MeanMaskOperator {
   }
 
  private:
+  /// Positions per cache-resident chunk of the sweep.
+  static constexpr Index chunk = 4096;
+
   template <typename Scalar>
   void product(ConstVectorRef<Scalar> x, VectorRef<Scalar> y, bool causal_transpose) const {
     const Index n = size();
-    const auto un = static_cast<std::size_t>(n);
-    prefix_.resize(un + 1);
-    spread_.assign(un + 1, 0.0);
+    const auto samples_count = static_cast<std::size_t>(samples());
+    prefix_.resize(static_cast<std::size_t>(n) + 1);
     prefix_[0] = 0.0;
     for (Index i = 0; i < n; ++i) {
-      const auto ui = static_cast<std::size_t>(i);
-      prefix_[ui + 1] = prefix_[ui] + static_cast<double>(x[i]);
+      prefix_[static_cast<std::size_t>(i) + 1] = prefix_[static_cast<std::size_t>(i)] + static_cast<double>(x[i]);
     }
+    cursor_.resize(samples_count);
+    previous_.assign(samples_count, 0.0);
+    for (Index k = 0; k < samples(); ++k) cursor_[static_cast<std::size_t>(k)] = partitions_.begin(k);
     const bool causal = masking_ == Masking::causal;
-    for (Index k = 0; k < samples(); ++k) {
-      const Index* edge = partitions_.begin(k);
-      const Index* last = partitions_.end(k) - 1;
-      for (; edge != last; ++edge) {
-        const auto b = static_cast<std::size_t>(edge[0]);
-        const auto e = static_cast<std::size_t>(edge[1]);
-        const double value = !causal           ? prefix_[e] - prefix_[b]
-                             : causal_transpose ? prefix_[e]
-                                                : prefix_[b];
-        spread_[b] += value;
-        spread_[e] -= value;
-      }
-    }
     const double inverse_s = 1.0 / static_cast<double>(samples());
     double running = 0.0;
-    for (Index i = 0; i < n; ++i) {
-      const auto ui = static_cast<std::size_t>(i);
-      running += spread_[ui];
-      const double mean = running * inverse_s;
-      const double value = !causal           ? mean
-                           : causal_transpose ? mean - prefix_[ui]
-                                              : prefix_[ui + 1] - mean;
-      y[i] = static_cast<Scalar>(value);
+    // Chunk [c0, c1): spread the blocks of every sample that start in it, after which the
+    // chunk's difference array is final and its outputs are written.
+    for (Index c0 = 0; c0 < n; c0 += chunk) {
+      const Index c1 = std::min(n, c0 + chunk);
+      spread_.assign(static_cast<std::size_t>(chunk), 0.0);
+      for (std::size_t k = 0; k < samples_count; ++k) {
+        const Index* last = partitions_.end(static_cast<Index>(k)) - 1;
+        if (!causal) {
+          spread(k, last, c0, c1, [](double begin, double end) { return end - begin; });
+        } else if (causal_transpose) {
+          spread(k, last, c0, c1, [](double, double end) { return end; });
+        } else {
+          spread(k, last, c0, c1, [](double begin, double) { return begin; });
+        }
+      }
+      for (Index i = c0; i < c1; ++i) {
+        const auto ui = static_cast<std::size_t>(i);
+        running += spread_[static_cast<std::size_t>(i - c0)];
+        const double mean = running * inverse_s;
+        const double value = !causal           ? mean
+                             : causal_transpose ? mean - prefix_[ui]
+                                                : prefix_[ui + 1] - mean;
+        y[i] = static_cast<Scalar>(value);
+      }
+    }
+  }
+
+  // Sample k's blocks [b, e) with c0 <= b < c1 add v = value(P_b, P_e) on [b, e). They tile
+  // [0, n), so the difference array gets v - v_previous at each b: one write per block (the
+  // final -v at n is never read).
+  template <typename Value>
+  void spread(std::size_t k, const Index* last, Index c0, Index c1, Value value) const {
+    const Index*& edge = cursor_[k];
+    double& previous = previous_[k];
+    double* difference = spread_.data() - c0;
+    const double* prefix = prefix_.data();
+    for (; edge != last && edge[0] < c1; ++edge) {
+      const double v = value(prefix[edge[0]], prefix[edge[1]]);
+      difference[edge[0]] += v - previous;
+      previous = v;
     }
   }
 
@@ -190,6 +214,8 @@ class MeanMaskOperator {
   Masking masking_;
   mutable std::vector<double> prefix_;
   mutable std::vector<double> spread_;
+  mutable std::vector<const Index*> cursor_;
+  mutable std::vector<double> previous_;
 };
 
 /// The error operator E = L* - M~ (and E^T = L*^T - M~^T), two O(n + s n / sigma) products.
