@@ -36,8 +36,7 @@ void weighted_decode(const QType& query, const KType& keys, const VType& values,
   OnlineSoftmax<Scalar> state;
   state.reset(1, values.cols());
   const Index count = t + 1 - first;
-  scratch.scores.resize(1, count);
-  scratch.scores.noalias() = (tau * query) * keys.middleRows(first, count).transpose();
+  scratch.scores().noalias() = (tau * query) * keys.middleRows(first, count).transpose();
   state.update(0, scratch, values.middleRows(first, count));
   state.finish(0, out);
 }
@@ -68,9 +67,11 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
     first = std::min(first, begins.back());
   }
   detail::TileScratch<Scalar> scratch;
-  scratch.weights.setZero(1, t + 1 - first);
-  for (Index begin : begins) scratch.weights(0, begin - first) += Scalar(1);
-  for (Index c = 1; c < scratch.weights.cols(); ++c) scratch.weights(0, c) += scratch.weights(0, c - 1);
+  scratch.shape(1, t + 1 - first);
+  auto weights = scratch.weights();
+  weights.setZero();
+  for (Index begin : begins) weights(0, begin - first) += Scalar(1);
+  for (Index c = 1; c < weights.cols(); ++c) weights(0, c) += weights(0, c - 1);
   detail::weighted_decode<Scalar>(query, keys, values, first, t, tau, scratch, out);
 }
 
@@ -86,12 +87,13 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
   // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24).
   detail::TileScratch<Scalar> scratch;
-  scratch.scores.resize(1, t + 1);
-  scratch.scores.noalias() = (tau * query) * keys.topRows(t + 1).transpose();
-  scratch.scores.array() +=
+  scratch.shape(1, t + 1);
+  auto scores = scratch.scores();
+  scores.noalias() = (tau * query) * keys.topRows(t + 1).transpose();
+  scores.array() +=
       Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
       static_cast<Scalar>(1.0 / sigma);
-  scratch.weights.setOnes(1, t + 1);
+  scratch.weights().setOnes();
   detail::OnlineSoftmax<Scalar> state;
   state.reset(1, values.cols());
   state.update(0, scratch, values.topRows(t + 1));

@@ -41,9 +41,9 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
     const Index c1 = std::min(c0 + fused_key_chunk, band_end);
     const auto [r0, r1] = work.counts.active_rows(c0, c1);
     if (r0 >= r1) continue;
-    work.counts.expand(i0, r0, r1, c0, c1, causal, work.scratch.weights);
-    work.scratch.scores.resize(r1 - r0, c1 - c0);
-    work.scratch.scores.noalias() =
+    work.scratch.shape(r1 - r0, c1 - c0);
+    work.counts.expand(i0, r0, r1, c0, c1, causal, work.scratch.weights());
+    work.scratch.scores().noalias() =
         work.scaled_queries.middleRows(r0, r1 - r0) * k.middleRows(c0, c1 - c0).transpose();
     work.state.update(r0, work.scratch, v.middleRows(c0, c1 - c0));
   }

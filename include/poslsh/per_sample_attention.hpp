@@ -28,13 +28,14 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
     const Index key_end = causal ? i0 + rows : end;
     for (Index j0 = begin; j0 < key_end; j0 += per_sample_tile) {
       const Index cols = std::min(per_sample_tile, key_end - j0);
-      scratch.scores.resize(rows, cols);
-      scratch.scores.noalias() = (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
-      scratch.weights.setOnes(rows, cols);
+      scratch.shape(rows, cols);
+      scratch.scores().noalias() = (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
+      auto weights = scratch.weights();
+      weights.setOnes();
       if (causal && j0 + cols > i0) {
-        for (Index r = 0; r < rows; ++r) {
-          const Index first_hidden = i0 + r + 1 - j0;  // column of key i0 + r + 1
-          if (first_hidden < cols) scratch.weights.row(r).tail(cols - first_hidden).setZero();
+        // Key j0 + c is hidden from rows r with i0 + r < j0 + c.
+        for (Index c = 0; c < cols; ++c) {
+          weights.col(c).head(std::clamp<Index>(j0 + c - i0, 0, rows)).setZero();
         }
       }
       state.update(i0, scratch, v.middleRows(j0, cols));

@@ -65,33 +65,35 @@ struct TileCounts {
     return {static_cast<Index>(first), static_cast<Index>(last)};
   }
 
-  /// Writes c_ij for rows [r0, r1) and keys [c0, c1) into `counts` ((r1-r0) x (c1-c0)), zero
-  /// for j > i when causal: +1/-1 at each rectangle's key edges (the -1 dropped past the chunk), then a running sum per row.
-  template <typename Scalar>
+  /// Writes c_ij for rows [r0, r1) and keys [c0, c1) into the column-major `counts`, already
+  /// of shape (r1-r0) x (c1-c0), zero for j > i when causal: +1/-1 at each rectangle's key edges
+  /// (the -1 dropped past the chunk), then a running sum over key columns, each step one
+  /// vector add across rows.
+  template <typename Matrix>
   void expand(Index i0, Index r0, Index r1, Index c0, Index c1, bool causal,
-              RowMatrix<Scalar>& counts) const {
+              Matrix&& counts) const {
+    using Scalar = typename Matrix::Scalar;
+    const Index rows = r1 - r0;
     const Index cols = c1 - c0;
-    counts.setZero(r1 - r0, cols);
+    counts.setZero();
     for (const CountRectangle& rect : rectangles) {
       if (rect.key_end <= c0 || rect.key_begin >= c1) continue;
       const Index first_row = std::max(rect.row_begin, r0);
       const Index last_row = std::min(rect.row_end, r1);
+      if (first_row >= last_row) continue;
       const Index up = std::max(rect.key_begin, c0) - c0;
       const Index down = std::min(rect.key_end, c1) - c0;
-      for (Index r = first_row; r < last_row; ++r) {
-        counts(r - r0, up) += Scalar(1);
-        if (down < cols) counts(r - r0, down) -= Scalar(1);
+      counts.col(up).segment(first_row - r0, last_row - first_row).array() += Scalar(1);
+      if (down < cols) {
+        counts.col(down).segment(first_row - r0, last_row - first_row).array() -= Scalar(1);
       }
     }
-    for (Index r = 0; r < r1 - r0; ++r) {
-      Scalar running = 0;
+    for (Index c = 1; c < cols; ++c) counts.col(c) += counts.col(c - 1);
+    if (causal) {
+      // Key c0 + c is hidden from rows r with i0 + r0 + r < c0 + c.
       for (Index c = 0; c < cols; ++c) {
-        running += counts(r, c);
-        counts(r, c) = running;
-      }
-      if (causal) {
-        const Index first_hidden = std::max<Index>(0, i0 + r0 + r + 1 - c0);  // key i + 1
-        if (first_hidden < cols) counts.row(r).segment(first_hidden, cols - first_hidden).setZero();
+        const Index hidden = std::clamp<Index>(c0 + c - i0 - r0, 0, rows);
+        counts.col(c).head(hidden).setZero();
       }
     }
   }

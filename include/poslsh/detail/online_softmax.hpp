@@ -10,18 +10,45 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 namespace poslsh::detail {
 
-/// Scratch of one tile: scores, weights and probabilities (reused across tiles).
+/// Score and weight tiles are column-major (rows x keys): every step below is a loop over key
+/// columns of vector operations across query rows, and difference arrays over keys become
+/// vector adds.
+template <typename Scalar>
+using TileMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+
+template <typename Scalar>
+using TileMap = Eigen::Map<TileMatrix<Scalar>>;
+
+/// Scratch of one tile: scores S and weights W (overwritten by P) as maps over buffers that
+/// only grow, so tiles of changing shape never reallocate; per-row temporaries.
 template <typename Scalar>
 struct TileScratch {
-  RowMatrix<Scalar> scores;
-  RowMatrix<Scalar> weights;
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> score_buffer;
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> weight_buffer;
+  Index rows = 0;
+  Index cols = 0;
   Eigen::Array<Scalar, Eigen::Dynamic, 1> tile_max;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> new_max;
   Eigen::Array<Scalar, Eigen::Dynamic, 1> rescale;
-  Eigen::Array<Scalar, Eigen::Dynamic, 1> shift;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> tile_sum;
+
+  /// Sets the tile shape (contents unspecified).
+  void shape(Index tile_rows, Index tile_cols) {
+    if (tile_rows * tile_cols > score_buffer.size()) {
+      score_buffer.resize(tile_rows * tile_cols);
+      weight_buffer.resize(tile_rows * tile_cols);
+    }
+    rows = tile_rows;
+    cols = tile_cols;
+  }
+  TileMap<Scalar> scores() { return TileMap<Scalar>(score_buffer.data(), rows, cols); }
+  TileMap<Scalar> weights() { return TileMap<Scalar>(weight_buffer.data(), rows, cols); }
 };
 
 /// Online softmax state of R query rows with value width d_v.
@@ -38,28 +65,46 @@ struct OnlineSoftmax {
   }
 
   /// Folds in the tile (rows [row0, row0 + S.rows()) of this state): scratch.scores holds S,
-  /// scratch.weights holds W (same shape), `values` the V rows of the tile's keys.
+  /// scratch.weights holds W >= 0 (same shape), `values` the V rows of the tile's keys.
+  /// The masked maximum is the plain maximum of S - (1 - min(W, 1)) B with B = max/4 (real
+  /// scores above -B/2 are never confused with masked ones); P = W exp(min(S - M, 0)) is
+  /// exactly 0 where W = 0 and never inf, so no entry can turn a row into NaN.
   template <typename ValuesType>
   void update(Index row0, TileScratch<Scalar>& scratch, const ValuesType& values) {
-    const Index rows = scratch.scores.rows();
+    const Index rows = scratch.rows;
+    const Index cols = scratch.cols;
+    const TileMap<Scalar> scores = scratch.scores();
+    TileMap<Scalar> weights = scratch.weights();
+    constexpr Scalar big = std::numeric_limits<Scalar>::max() / 4;
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
-    auto scores = scratch.scores.array();
-    auto weights = scratch.weights.array();
-    scratch.tile_max = (weights > Scalar(0)).select(scores, minus_infinity).rowwise().maxCoeff();
+    auto& tile_max = scratch.tile_max;
+    tile_max.setConstant(rows, minus_infinity);
+    for (Index c = 0; c < cols; ++c) {
+      tile_max = tile_max.max(scores.col(c).array() -
+                              (Scalar(1) - weights.col(c).array().min(Scalar(1))) * big);
+    }
     auto old_max = running_max.segment(row0, rows);
-    const auto new_max = old_max.max(scratch.tile_max);
-    // Rows with no weighted entry so far keep max -inf: their rescale is 1 and P is 0.
-    scratch.rescale = (new_max == minus_infinity).select(Scalar(1), (old_max - new_max).exp());
-    scratch.shift = (new_max == minus_infinity).select(Scalar(0), new_max);
-    // P = W exp(S - M), written over the weights; exactly 0 where W = 0.
-    weights = (weights > Scalar(0))
-                  .select(weights * (scores.colwise() - scratch.shift).exp(), Scalar(0));
-    old_max = new_max;
+    scratch.new_max.resize(rows);
+    scratch.rescale.resize(rows);
+    for (Index r = 0; r < rows; ++r) {
+      const bool has_entries = tile_max(r) > -big / 2;
+      const Scalar updated = has_entries ? std::max(old_max(r), tile_max(r)) : old_max(r);
+      scratch.rescale(r) = updated == minus_infinity ? Scalar(1) : std::exp(old_max(r) - updated);
+      // A row without entries so far keeps -inf; shift it by 0 (its weights are all 0).
+      scratch.new_max(r) = updated == minus_infinity ? Scalar(0) : updated;
+      old_max(r) = updated;
+    }
+    scratch.tile_sum.setZero(rows);
+    for (Index c = 0; c < cols; ++c) {
+      auto p = weights.col(c).array();
+      p = p * (scores.col(c).array() - scratch.new_max).min(Scalar(0)).exp();
+      scratch.tile_sum += p;
+    }
     auto sum = running_sum.segment(row0, rows);
-    sum = sum * scratch.rescale + weights.rowwise().sum();
+    sum = sum * scratch.rescale + scratch.tile_sum;
     auto acc = accumulator.middleRows(row0, rows);
     acc = scratch.rescale.matrix().asDiagonal() * acc;
-    acc.noalias() += scratch.weights * values;
+    acc.noalias() += weights * values;
   }
 
   /// out_r = acc_r / l_r for rows [row0, row0 + out.rows()).
