@@ -34,7 +34,7 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
   const auto k = random_matrix<TestType>(n, kv_heads * d, 72);
   const auto v = random_matrix<TestType>(n, kv_heads * d, 73);
   for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks,
-                        Method::exact_reference}) {
+                        Method::exact_tiled, Method::exact_banded, Method::exact_reference}) {
     MultiHeadOptions options;
     options.method = method;
     options.samples = 5;
@@ -71,6 +71,10 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
         case Method::lsh_fused: expected = poslsh::lsh_attention_fused<TestType>(qh, kh, vh, hashes); break;
         case Method::lsh_per_sample: expected = poslsh::lsh_attention_per_sample<TestType>(qh, kh, vh, hashes); break;
         case Method::fixed_blocks: expected = poslsh::fixed_blocks_attention<TestType>(qh, kh, vh, sigma); break;
+        case Method::exact_tiled: expected = poslsh::alibi_attention_tiled<TestType>(qh, kh, vh, sigma); break;
+        case Method::exact_banded:
+          expected = poslsh::alibi_attention_banded<TestType>(qh, kh, vh, sigma, poslsh::band_for_bias_error(sigma, 1e-3));
+          break;
         case Method::exact_reference: expected = poslsh::alibi_attention_reference<TestType>(qh, kh, vh, sigma); break;
       }
       INFO("method " << static_cast<int>(method) << ", head " << h);
@@ -130,6 +134,11 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
   options.samples = 0;
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
                            "options.samples");
+  options = MultiHeadOptions{};
+  options.method = Method::exact_banded;
+  options.band_error = 1.5;
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
+                           "options.band_error");
   options = MultiHeadOptions{};
   options.sigmas = {1.0, 2.0};
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },

@@ -1,6 +1,7 @@
 // poslsh: multi-head (and grouped-query) ALiBi attention, exact or by Positional LSH.
 #pragma once
 
+#include "poslsh/banded_attention.hpp"
 #include "poslsh/detail/check.hpp"
 #include "poslsh/fused_attention.hpp"
 #include "poslsh/hash.hpp"
@@ -8,6 +9,7 @@
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/reference_attention.hpp"
 #include "poslsh/slopes.hpp"
+#include "poslsh/tiled_attention.hpp"
 #include "poslsh/types.hpp"
 
 #include <cstdint>
@@ -21,6 +23,8 @@ enum class Method {
   lsh_fused,        ///< lsh_attention_fused (default)
   lsh_per_sample,   ///< lsh_attention_per_sample
   fixed_blocks,     ///< fixed_blocks_attention
+  exact_tiled,      ///< alibi_attention_tiled (exact, streaming)
+  exact_banded,     ///< alibi_attention_banded, band_for_bias_error(sigma_h, band_error)
   exact_reference,  ///< alibi_attention_reference (O(n^2) memory, checks only)
 };
 
@@ -36,6 +40,8 @@ struct MultiHeadOptions {
   Index samples = 16;
   /// Seed of the hashes: head h uses rbf_hashes(sigma_h, s, seed, stream = h).
   std::uint64_t seed = 0;
+  /// exact_banded: every dropped ALiBi entry exp(-|i-j|/sigma_h) is below this, in (0, 1).
+  double band_error = 1e-3;
 };
 
 /// The hash set of every query head: rbf_hashes(sigma_h, s, seed, h).
@@ -75,8 +81,12 @@ void require_multihead_arguments(const HeadsView<const Scalar>& q, const HeadsVi
   require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas",
           sigmas.size(), "must hold one sigma per query head");
   for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
-  if (options.method != Method::exact_reference && options.method != Method::fixed_blocks) {
+  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
     require_positive(options.samples, function, "options.samples");
+  }
+  if (options.method == Method::exact_banded) {
+    require(options.band_error > 0.0 && options.band_error < 1.0, function,
+            "options.band_error", options.band_error, "must be in (0, 1)");
   }
 }
 
@@ -141,6 +151,14 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
         break;
       case Method::fixed_blocks:
         fixed_blocks_attention<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
+        break;
+      case Method::exact_tiled:
+        alibi_attention_tiled<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
+        break;
+      case Method::exact_banded:
+        alibi_attention_banded<Scalar>(q_h, k_h, v_h, sigmas[index],
+                                       band_for_bias_error(sigmas[index], options.band_error),
+                                       out_h, head_options);
         break;
       case Method::exact_reference:
         alibi_attention_reference<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
