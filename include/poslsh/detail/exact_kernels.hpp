@@ -12,6 +12,16 @@
 
 #include "poslsh/types.hpp"
 
+// Loops over a register block (small compile-time trip counts) must be unrolled completely,
+// or the block's accumulator array is kept in memory; GCC does not always do it unasked.
+#if defined(__clang__)
+#define POSLSH_EXACT_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define POSLSH_EXACT_UNROLL _Pragma("GCC unroll 32")
+#else
+#define POSLSH_EXACT_UNROLL
+#endif
+
 namespace poslsh::detail {
 
 template <typename Scalar>
@@ -43,16 +53,22 @@ EIGEN_ALWAYS_INLINE void exact_score_block(const Scalar* qt, Index qt_stride, co
   namespace ei = Eigen::internal;
   using Packet = ExactPacket<Scalar>;
   constexpr Index P = exact_packet_size<Scalar>;
-  for (int kk = 0; kk < Keys; ++kk)
+  POSLSH_EXACT_UNROLL
+  for (int kk = 0; kk < Keys; ++kk) {
+    POSLSH_EXACT_UNROLL
     for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pset1<Packet>(Scalar(0));
+  }
   for (Index c = 0; c < d; ++c) {
     Packet queries[QueryPackets];
+    POSLSH_EXACT_UNROLL
     for (int p = 0; p < QueryPackets; ++p) {
       queries[p] = ei::pload<Packet>(qt + c * qt_stride + p * P);
       exact_keep_in_register(queries[p]);
     }
+    POSLSH_EXACT_UNROLL
     for (int kk = 0; kk < Keys; ++kk) {
       const Packet key = ei::pset1<Packet>(keys[kk * key_stride + c]);
+      POSLSH_EXACT_UNROLL
       for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pmadd(queries[p], key, acc[kk][p]);
     }
   }
@@ -68,24 +84,32 @@ EIGEN_ALWAYS_INLINE void exact_value_block(const Scalar* probs, Index prob_strid
   using Packet = ExactPacket<Scalar>;
   constexpr Index P = exact_packet_size<Scalar>;
   Packet sum[Rows][ValuePackets];
+  POSLSH_EXACT_UNROLL
   for (int r = 0; r < Rows; ++r) {
     const Packet scale = ei::pset1<Packet>(alpha[r]);
+    POSLSH_EXACT_UNROLL
     for (int p = 0; p < ValuePackets; ++p)
       sum[r][p] = ei::pmul(ei::pload<Packet>(acc + r * acc_stride + p * P), scale);
   }
   for (Index b = 0; b < keys; ++b) {
     Packet row[ValuePackets];
+    POSLSH_EXACT_UNROLL
     for (int p = 0; p < ValuePackets; ++p) {
       row[p] = ei::ploadu<Packet>(values + b * value_stride + p * P);
       exact_keep_in_register(row[p]);
     }
+    POSLSH_EXACT_UNROLL
     for (int r = 0; r < Rows; ++r) {
       const Packet prob = ei::pset1<Packet>(probs[b * prob_stride + r]);
+      POSLSH_EXACT_UNROLL
       for (int p = 0; p < ValuePackets; ++p) sum[r][p] = ei::pmadd(prob, row[p], sum[r][p]);
     }
   }
-  for (int r = 0; r < Rows; ++r)
+  POSLSH_EXACT_UNROLL
+  for (int r = 0; r < Rows; ++r) {
+    POSLSH_EXACT_UNROLL
     for (int p = 0; p < ValuePackets; ++p) ei::pstore(acc + r * acc_stride + p * P, sum[r][p]);
+  }
 }
 
 }  // namespace poslsh::detail

@@ -22,12 +22,13 @@
 #include "poslsh/detail/exact_kernels.hpp"
 #include "poslsh/types.hpp"
 
-// GCC 12 reports "'__Y' is used uninitialized" inside its own AVX-512 intrinsics
-// (_mm512_undefined_ps) once _mm512_max_ps is inlined here: a known false positive. The
-// alternative, a compare and select, halves the speed of the score kernel.
+// GCC 12 reports "'__Y' is (maybe) used uninitialized" inside its own AVX-512 intrinsics
+// (_mm512_undefined_ps) once pmax and pexp are inlined here: a known false positive. Avoiding
+// pmax (a compare and select instead) halved the speed of the score kernel.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace poslsh::detail {
@@ -150,7 +151,7 @@ class ExactTileEngine {
       exp_tile<true>(keys);
     else
       exp_tile<false>(keys);
-    value_tile(j0, keys);
+    value_tile(i0, j0, keys);
   }
 
   // scores_[b][a] = x_{i0+a, j0+b} (or -inf if masked); tile_max_ = max over b.
@@ -184,9 +185,11 @@ class ExactTileEngine {
       Packet acc[Keys][query_packets];
       exact_score_block<Scalar, Keys, query_packets>(qt_.data() + a0, Bq, keys, k_.outerStride(),
                                                      d_, acc);
+      POSLSH_EXACT_UNROLL
       for (int p = 0; p < query_packets; ++p) {
         const Packet offset = ei::pload<Packet>(offsets_.data() + a0 + p * P);
         Packet best = ei::pload<Packet>(tile_max_.data() + a0 + p * P);
+        POSLSH_EXACT_UNROLL
         for (int kk = 0; kk < Keys; ++kk) {
           // i - j = (i0 - j) + a, exact in Scalar for distances below 2^24 (float).
           const Packet diff =
@@ -242,7 +245,9 @@ class ExactTileEngine {
   }
 
   // acc <- alpha acc + P V over the tile's keys, for the value blocks holding computed rows.
-  void value_tile(Index j0, Index keys) {
+  // A block of rows only visits the keys its window reaches: the others have probability 0,
+  // and a block that reaches none has alpha = 1 (its maximum did not move), so nothing to do.
+  void value_tile(Index i0, Index j0, Index keys) {
     const Scalar* values = v_.data() + j0 * v_.outerStride();
     Index stride = v_.outerStride();
     if (pack_values_) {
@@ -253,23 +258,28 @@ class ExactTileEngine {
     }
     const Index a_end = rows_.second;
     for (Index a = rows_.first / value_rows * value_rows; a < a_end; a += value_rows) {
+      const Index b_begin = std::max<Index>(0, i0 + a - window_.hi - j0);
+      const Index b_end = std::min<Index>(keys, i0 + a + value_rows - window_.lo - j0);
+      if (b_begin >= b_end) continue;
       for (Index c = 0; c < dvp_; c += value_packets * P) {
-        value_block<value_packets>((dvp_ - c) / P, a, values + c, stride, keys, c);
+        value_block<value_packets>((dvp_ - c) / P, a, values + b_begin * stride + c, stride,
+                                   b_begin, b_end - b_begin, c);
       }
     }
   }
 
-  // acc <- alpha acc + P V for rows [a, a + value_rows) and min(packets, Packets) packets of
-  // value columns from column c.
+  // acc <- alpha acc + P V for rows [a, a + value_rows), keys [b, b + keys) of the tile and
+  // min(packets, Packets) packets of value columns from column c.
   template <int Packets>
-  void value_block(Index packets, Index a, const Scalar* values, Index stride, Index keys,
+  void value_block(Index packets, Index a, const Scalar* values, Index stride, Index b, Index keys,
                    Index c) {
     if constexpr (Packets > 1) {
-      if (packets < Packets) return value_block<Packets - 1>(packets, a, values, stride, keys, c);
+      if (packets < Packets)
+        return value_block<Packets - 1>(packets, a, values, stride, b, keys, c);
     }
-    exact_value_block<Scalar, value_rows, Packets>(scores_.data() + a, Bq, values, stride, keys,
-                                                   alpha_.data() + a, acc_.data() + a * dvp_ + c,
-                                                   dvp_);
+    exact_value_block<Scalar, value_rows, Packets>(scores_.data() + b * Bq + a, Bq, values, stride,
+                                                   keys, alpha_.data() + a,
+                                                   acc_.data() + a * dvp_ + c, dvp_);
   }
 
   const ConstMatrixRef<Scalar>& q_;
