@@ -97,8 +97,7 @@ class ExactTileEngine {
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
-        const Scalar total = running_sum_(a);
-        for (Index c = 0; c < dv_; ++c) out(i - row_begin, c) = acc_(a * dvp_ + c) / total;
+        out.row(i - row_begin) = acc_.segment(a * dvp_, dv_).matrix().transpose() / running_sum_(a);
       }
     }
   }
@@ -116,9 +115,9 @@ class ExactTileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum_ and acc_.
   void query_tile(Index i0, Index r0, Index r1) {
-    qt_.setZero();
-    for (Index i = r0; i < r1; ++i)
-      for (Index c = 0; c < d_; ++c) qt_(c * Bq + (i - i0)) = tau_ * q_(i, c);
+    if (r1 - r0 < Bq) qt_.setZero();  // rows outside [r0, r1) are computed as zero queries
+    Eigen::Map<RowMatrix<Scalar>> qt(qt_.data(), d_, Bq);
+    qt.middleCols(r0 - i0, r1 - r0) = tau_ * q_.middleRows(r0, r1 - r0).transpose();
     running_max_.setConstant(minus_infinity);
     running_sum_.setZero();
     acc_.setZero();
