@@ -105,8 +105,8 @@ class ExactTileEngine {
  private:
   static constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
 
-  // -1/sigma in Scalar, kept above lowest / n so that every bias |i-j| slope (|i-j| < n) is
-  // finite: 0 on the diagonal, and the scores stay finite however small sigma is.
+  // -1/sigma in Scalar, kept above lowest / n so that every bias |i-j| * slope (|i-j| < n) is
+  // finite, 0 on the diagonal: the scores stay finite however small sigma is.
   static Scalar negative_slope(double sigma, Index n) {
     const auto lowest = static_cast<double>(std::numeric_limits<Scalar>::lowest());
     return static_cast<Scalar>(
