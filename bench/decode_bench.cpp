@@ -1,0 +1,70 @@
+// poslsh benchmarks: decode, decode_lsh/<t> and decode_exact/<t>. One iteration is one new
+// token: its query (all H = 8 heads, one after the other on one thread, as the decode functions
+// are single-threaded) over a KV cache of t tokens ([t, H, d], the query at position t - 1), so
+// the row time is the time per token.
+#include "bench_support.hpp"
+
+#include <string>
+
+namespace poslsh::bench {
+
+namespace {
+
+/// The longest cache; shorter caches are its prefixes.
+constexpr Index max_cache = 1048576;
+
+enum class Decoder { lsh, exact };
+
+void run_decode(benchmark::State& state, Index t, Decoder decoder) {
+  const auto keys = input_view(Which::k, max_cache);
+  const auto values = input_view(Which::v, max_cache);
+  const auto query = input_view(Which::q, 1);
+  const auto out = output_view(1);
+  const std::vector<double> sigmas = alibi_sigmas(static_cast<int>(heads));
+  const std::vector<HashSet> hashes = multihead_hashes(sigmas, default_samples, seed);
+  const Index position = t - 1;
+  // Keys read per token: t per head exactly, [min_k begin_k(t - 1), t - 1] per head by LSH.
+  long long pairs = 0;
+  for (const HashSet& head_hashes : hashes) {
+    Index first = position;
+    for (const BinHash& hash : head_hashes) {
+      first = std::min(first, block_containing(hash, position, t).begin);
+    }
+    pairs += decoder == Decoder::exact ? t : t - first;
+  }
+  for (auto _ : state) {
+    for (Index h = 0; h < heads; ++h) {
+      auto out_h = out.head(h);
+      const auto keys_h = keys.head(h).topRows(t);
+      const auto values_h = values.head(h).topRows(t);
+      if (decoder == Decoder::lsh) {
+        lsh_attention_decode<float>(query.head(h), keys_h, values_h, position,
+                                    hashes[static_cast<std::size_t>(h)], out_h);
+      } else {
+        alibi_attention_decode_exact<float>(query.head(h), keys_h, values_h, position,
+                                            sigmas[static_cast<std::size_t>(h)], out_h);
+      }
+    }
+    benchmark::DoNotOptimize(out.data);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, pairs, heads);
+  state.counters["tokens"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+}  // namespace
+
+void register_decode() {
+  for (const auto& [prefix, decoder] :
+       {std::pair{"decode_lsh/", Decoder::lsh}, std::pair{"decode_exact/", Decoder::exact}}) {
+    for (Index t = 4096; t <= max_cache; t *= 2) {
+      with_min_statistic(
+          benchmark::RegisterBenchmark((prefix + std::to_string(t)).c_str(), run_decode, t, decoder))
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime()
+          ->MinTime(0.3);
+    }
+  }
+}
+
+}  // namespace poslsh::bench

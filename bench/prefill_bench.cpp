@@ -1,0 +1,114 @@
+// poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>.
+#include "bench_support.hpp"
+
+#include <string>
+
+namespace poslsh::bench {
+
+namespace {
+
+/// Useful (query, key) pairs of one call, summed over heads: n (n + 1) / 2 per head for the
+/// exact methods, the pairs inside the band for banded, the pairs with c_ij > 0 for the LSH
+/// methods (one hash per head for fixed blocks).
+long long method_pairs(const MultiHeadOptions& options, Index n) {
+  const std::vector<double> sigmas =
+      options.sigmas.empty() ? alibi_sigmas(static_cast<int>(heads)) : options.sigmas;
+  long long pairs = 0;
+  switch (options.method) {
+    case Method::exact_reference:
+    case Method::exact_tiled:
+      return heads * causal_pairs(n);
+    case Method::exact_banded:
+      for (double sigma : sigmas) pairs += banded_pairs(n, band_for_bias_error(sigma, options.band_error));
+      return pairs;
+    case Method::fixed_blocks:
+      for (double sigma : sigmas) {
+        pairs += lsh_fused_pair_count(HashSet{fixed_blocks_hash(sigma)}, n, Masking::causal);
+      }
+      return pairs;
+    case Method::lsh_per_sample:
+    case Method::lsh_fused:
+      return lsh_pairs(sigmas, options.samples, n);
+  }
+  return pairs;
+}
+
+/// One multihead_attention call per iteration on the shared inputs of n tokens.
+void run_multihead(benchmark::State& state, Index n, const MultiHeadOptions& options) {
+  const auto q = input_view(Which::q, n);
+  const auto k = input_view(Which::k, n);
+  const auto v = input_view(Which::v, n);
+  const auto out = output_view(n);
+  const long long pairs = method_pairs(options, n);
+  for (auto _ : state) {
+    multihead_attention<float>(q, k, v, out, options);
+    benchmark::DoNotOptimize(out.data);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, pairs, n * heads);
+}
+
+/// Rows of more than 0.5 s per call run once; shorter ones repeat for at least 0.5 s.
+void register_row(const std::string& name, Index n, const MultiHeadOptions& options) {
+  with_min_statistic(benchmark::RegisterBenchmark(name.c_str(), run_multihead, n, options))
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(0.5);
+}
+
+struct MethodRow {
+  const char* name;
+  Method method;
+  Index max_n;
+};
+
+}  // namespace
+
+void register_prefill(bool long_runs) {
+  const MethodRow rows[] = {
+      {"exact_naive", Method::exact_reference, 4096},
+      {"exact_tiled", Method::exact_tiled, 32768},
+      {"banded", Method::exact_banded, 65536},
+      {"lsh_per_sample", Method::lsh_per_sample, 65536},
+      {"lsh_fused", Method::lsh_fused, 65536},
+      {"fixed_blocks", Method::fixed_blocks, 65536},
+  };
+  // Ordered by n, so the rows a target compares (e.g. exact_tiled/16384 and lsh_fused/16384)
+  // run close together in time on a shared machine.
+  for (Index n = 1024; n <= 65536; n *= 2) {
+    for (const MethodRow& row : rows) {
+      if (n > row.max_n) continue;
+      MultiHeadOptions options;
+      options.method = row.method;
+      options.samples = default_samples;
+      options.seed = seed;
+      register_row(std::string(row.name) + "/" + std::to_string(n), n, options);
+    }
+  }
+  if (long_runs) {
+    MultiHeadOptions options;
+    options.samples = default_samples;
+    options.seed = seed;
+    for (Index n : {Index{262144}, Index{1048576}}) {
+      register_row("lsh_fused/" + std::to_string(n), n, options);
+    }
+  }
+}
+
+void register_sigma16() {
+  const Index n = 16384;
+  // Per-sample and fused at the same s run one after the other.
+  for (Index s : {1, 4, 16, 64, 100}) {
+    for (const auto& [prefix, method] : {std::pair{"sigma16_per_sample/", Method::lsh_per_sample},
+                                         std::pair{"sigma16_fused/", Method::lsh_fused}}) {
+      MultiHeadOptions options;
+      options.method = method;
+      options.sigmas.assign(static_cast<std::size_t>(heads), 16.0);
+      options.samples = s;
+      options.seed = seed;
+      register_row(prefix + std::to_string(s), n, options);
+    }
+  }
+}
+
+}  // namespace poslsh::bench
