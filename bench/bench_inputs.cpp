@@ -37,7 +37,8 @@ Tensor make_tensor(Which which, Index n) {
   float* data = tensor.data();
 #pragma omp parallel for schedule(static)
   for (long index = 0; index < size; ++index) {
-    data[index] = which == Which::out ? 0.0f : input_value(which, static_cast<std::uint64_t>(index));
+    data[index] =
+        which == Which::out ? 0.0f : input_value(which, static_cast<std::uint64_t>(index));
   }
   return tensor;
 }

@@ -82,6 +82,7 @@ END {
       if (part[1] != methods[m]) continue
       printf("%s %.6g %.6g\n", part[2], ms[order[r]], gflops[order[r]]) > file
       has_prefill = 1
+      if (part[2] + 0 > max_n) max_n = part[2] + 0
     }
     close(file)
   }
@@ -98,16 +99,20 @@ END {
     close(file)
   }
   file = outdir "/flags.gp"
-  printf("has_prefill = %d\nhas_decode = %d\n", has_prefill, has_decode) > file
+  printf("has_prefill = %d\nhas_decode = %d\nmax_n = %d\n", has_prefill, has_decode, max_n) > file
+  split(load, loads, " ")
+  run_date = substr(date, 1, 16)
+  sub(/T/, " ", run_date)
+  printf("run_info = \"%s, load average %.1f at start\"\n", run_date, loads[1]) > file
   close(file)
   # Guides: slope 1 through lsh_fused/1024, slope 2 through exact_tiled/1024.
   file = outdir "/guide_linear.dat"
   printf("# n  ms  (slope 1)\n") > file
-  for (n = 1024; n <= 1048576; n *= 2) if (has("lsh_fused/1024")) print n, ms["lsh_fused/1024"] * n / 1024 > file
+  for (n = 1024; n <= max_n; n *= 2) if (has("lsh_fused/1024")) print n, ms["lsh_fused/1024"] * n / 1024 > file
   close(file)
   file = outdir "/guide_quadratic.dat"
   printf("# n  ms  (slope 2)\n") > file
-  for (n = 1024; n <= 65536; n *= 2) if (has("exact_tiled/1024")) print n, ms["exact_tiled/1024"] * (n / 1024) ^ 2 > file
+  for (n = 1024; n <= max_n && n <= 65536; n *= 2) if (has("exact_tiled/1024")) print n, ms["exact_tiled/1024"] * (n / 1024) ^ 2 > file
   close(file)
 
   # Report.

@@ -58,8 +58,8 @@ void register_decode() {
   for (const auto& [prefix, decoder] :
        {std::pair{"decode_lsh/", Decoder::lsh}, std::pair{"decode_exact/", Decoder::exact}}) {
     for (Index t = 4096; t <= max_cache; t *= 2) {
-      with_min_statistic(
-          benchmark::RegisterBenchmark((prefix + std::to_string(t)).c_str(), run_decode, t, decoder))
+      with_min_statistic(benchmark::RegisterBenchmark((prefix + std::to_string(t)).c_str(),
+                                                      run_decode, t, decoder))
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime()
           ->MinTime(0.3);

@@ -19,7 +19,7 @@ set logscale x 2
 set format x "2^{%L}"
 set format y "10^{%T}"
 set grid xtics ytics lc rgb "#dddddd" lw 1
-set key outside below center horizontal maxrows 3 samplen 2 spacing 1.1 width 2
+set key top left reverse Left samplen 2 spacing 1.1 opaque
 set border lw 1.2
 
 set style line 1 lc rgb "#555555" lw 2 pt 4 ps 1.2   # exact_naive
@@ -30,12 +30,12 @@ set style line 5 lc rgb "#1f77b4" lw 3 pt 7 ps 1.3   # lsh_fused
 set style line 6 lc rgb "#2ca02c" lw 2 pt 13 ps 1.3  # fixed_blocks
 set style line 7 lc rgb "#999999" lw 1.5 dt 2        # guides
 
-set multiplot layout 1,2 title "poslsh on 2 cores: float, H = 8, d = 64, causal, ALiBi {/Symbol s} = 2..256, s = 16" font ",15"
+set multiplot layout 1,2 title "poslsh: float, H = 8, d = 64, causal, ALiBi {/Symbol s} = 2..256, s = 16; 2 cores, ".run_info font ",14"
 
 set title "Prefill: time per call"
 set xlabel "sequence length n"
 set ylabel "time (ms)"
-set xrange [768:1400000]
+set xrange [768:(max_n > 1024 ? max_n : 1024) * 1.35]
 if (has_prefill) {
   plot datadir."/exact_naive.dat" using 1:2 with linespoints ls 1 title "exact naive", \
        datadir."/exact_tiled.dat" using 1:2 with linespoints ls 2 title "exact tiled", \

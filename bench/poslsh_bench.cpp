@@ -100,11 +100,11 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(count, argv)) return 1;
 
   benchmark::AddCustomContext("poslsh_version", std::to_string(POSLSH_VERSION_MAJOR) + "." +
-                                                  std::to_string(POSLSH_VERSION_MINOR) + "." +
-                                                  std::to_string(POSLSH_VERSION_PATCH));
+                                                    std::to_string(POSLSH_VERSION_MINOR) + "." +
+                                                    std::to_string(POSLSH_VERSION_PATCH));
   benchmark::AddCustomContext(
-      "poslsh_problem", "float, H = 8, d = 64, causal, ALiBi sigma 2..256, s = 16, seed " +
-                            std::to_string(pb::seed));
+      "poslsh_problem",
+      "float, H = 8, d = 64, causal, ALiBi sigma 2..256, s = 16, seed " + std::to_string(pb::seed));
 #ifdef _OPENMP
   benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
 #else

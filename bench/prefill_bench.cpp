@@ -19,7 +19,9 @@ long long method_pairs(const MultiHeadOptions& options, Index n) {
     case Method::exact_tiled:
       return heads * causal_pairs(n);
     case Method::exact_banded:
-      for (double sigma : sigmas) pairs += banded_pairs(n, band_for_bias_error(sigma, options.band_error));
+      for (double sigma : sigmas) {
+        pairs += banded_pairs(n, band_for_bias_error(sigma, options.band_error));
+      }
       return pairs;
     case Method::fixed_blocks:
       for (double sigma : sigmas) {

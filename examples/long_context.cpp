@@ -111,9 +111,10 @@ int main(int argc, char** argv) {
 #else
   const int threads = 1;
 #endif
-  std::printf("fused LSH ALiBi attention: n = %lld, H = %ld, d = %ld, s = %lld, float, causal, "
-              "%d threads\n",
-              n_arg, static_cast<long>(heads), static_cast<long>(dim), samples_arg, threads);
+  std::printf(
+      "fused LSH ALiBi attention: n = %lld, H = %ld, d = %ld, s = %lld, float, causal, "
+      "%d threads\n",
+      n_arg, static_cast<long>(heads), static_cast<long>(dim), samples_arg, threads);
 
   auto start = std::chrono::steady_clock::now();
   const Buffer q = make_tensor(0, false, size);
