@@ -28,15 +28,15 @@ void require_decode_arguments(const char* function, const QType& query, const KT
           "decode attends to the cache 0..t only: must be causal");
 }
 
-/// out = sum_j w_j e^{s_j - M} v_j / sum_j w_j e^{s_j - M} over keys [first, t], s = tau K q,
-/// M the maximum over w_j > 0 (the shared last step of both decoders).
+/// out = softmax_j(X_j) V over keys [first, t] given X = log w in scratch, adding
+/// s = tau K q (the shared last step of both decoders).
 template <typename Scalar, typename QType, typename KType, typename VType, typename OutType>
 void weighted_decode(const QType& query, const KType& keys, const VType& values, Index first,
                      Index t, Scalar tau, TileScratch<Scalar>& scratch, OutType& out) {
   OnlineSoftmax<Scalar> state;
   state.reset(1, values.cols());
   const Index count = t + 1 - first;
-  scratch.scores().noalias() = (tau * query) * keys.middleRows(first, count).transpose();
+  scratch.logits().noalias() += (tau * query) * keys.middleRows(first, count).transpose();
   state.update(0, scratch, values.middleRows(first, count));
   state.finish(0, out);
 }
@@ -68,10 +68,11 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
   }
   detail::TileScratch<Scalar> scratch;
   scratch.shape(1, t + 1 - first);
-  auto weights = scratch.weights();
-  weights.setZero();
-  for (Index begin : begins) weights(0, begin - first) += Scalar(1);
-  for (Index c = 1; c < weights.cols(); ++c) weights(0, c) += weights(0, c - 1);
+  auto logits = scratch.logits();
+  logits.setZero();
+  for (Index begin : begins) logits(0, begin - first) += Scalar(1);
+  for (Index c = 1; c < logits.cols(); ++c) logits(0, c) += logits(0, c - 1);
+  detail::log_counts(logits.row(0));
   detail::weighted_decode<Scalar>(query, keys, values, first, t, tau, scratch, out);
 }
 
@@ -88,16 +89,10 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24).
   detail::TileScratch<Scalar> scratch;
   scratch.shape(1, t + 1);
-  auto scores = scratch.scores();
-  scores.noalias() = (tau * query) * keys.topRows(t + 1).transpose();
-  scores.array() +=
-      Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
+  scratch.logits() =
+      Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
       static_cast<Scalar>(1.0 / sigma);
-  scratch.weights().setOnes();
-  detail::OnlineSoftmax<Scalar> state;
-  state.reset(1, values.cols());
-  state.update(0, scratch, values.topRows(t + 1));
-  state.finish(0, out);
+  detail::weighted_decode<Scalar>(query, keys, values, 0, t, tau, scratch, out);
 }
 
 }  // namespace poslsh

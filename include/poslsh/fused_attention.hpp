@@ -42,8 +42,8 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
     const auto [r0, r1] = work.counts.active_rows(c0, c1);
     if (r0 >= r1) continue;
     work.scratch.shape(r1 - r0, c1 - c0);
-    work.counts.expand(i0, r0, r1, c0, c1, causal, work.scratch.weights());
-    work.scratch.scores().noalias() =
+    work.counts.expand_log_counts(i0, r0, r1, c0, c1, causal, work.scratch.logits());
+    work.scratch.logits().noalias() +=
         work.scaled_queries.middleRows(r0, r1 - r0) * k.middleRows(c0, c1 - c0).transpose();
     work.state.update(r0, work.scratch, v.middleRows(c0, c1 - c0));
   }

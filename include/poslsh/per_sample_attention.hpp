@@ -8,6 +8,7 @@
 #include "poslsh/types.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace poslsh {
@@ -29,15 +30,16 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
     for (Index j0 = begin; j0 < key_end; j0 += per_sample_tile) {
       const Index cols = std::min(per_sample_tile, key_end - j0);
       scratch.shape(rows, cols);
-      scratch.scores().noalias() = (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
-      auto weights = scratch.weights();
-      weights.setOnes();
+      auto logits = scratch.logits();
+      logits.setZero();
       if (causal && j0 + cols > i0) {
         // Key j0 + c is hidden from rows r with i0 + r < j0 + c.
         for (Index c = 0; c < cols; ++c) {
-          weights.col(c).head(std::clamp<Index>(j0 + c - i0, 0, rows)).setZero();
+          logits.col(c).head(std::clamp<Index>(j0 + c - i0, 0, rows)).setConstant(
+              -std::numeric_limits<Scalar>::infinity());
         }
       }
+      logits.noalias() += (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
       state.update(i0, scratch, v.middleRows(j0, cols));
     }
   }

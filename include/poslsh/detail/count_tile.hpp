@@ -2,11 +2,14 @@
 // rectangles (one per block of each sample that meets the tile) and expanded chunk by chunk.
 #pragma once
 
+#include "poslsh/detail/online_softmax.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace poslsh::detail {
@@ -65,17 +68,17 @@ struct TileCounts {
     return {static_cast<Index>(first), static_cast<Index>(last)};
   }
 
-  /// Writes c_ij for rows [r0, r1) and keys [c0, c1) into the column-major `counts`, already
-  /// of shape (r1-r0) x (c1-c0), zero for j > i when causal: +1/-1 at each rectangle's key edges
-  /// (the -1 dropped past the chunk), then a running sum over key columns, each step one
-  /// vector add across rows.
+  /// Writes log c_ij for rows [r0, r1) and keys [c0, c1) into the column-major `logits`,
+  /// already of shape (r1-r0) x (c1-c0): -inf where c_ij = 0 or, when causal, j > i. The
+  /// counts come from +1/-1 at each rectangle's key edges (the -1 dropped past the chunk) and
+  /// a running sum over key columns, each step one vector add across rows.
   template <typename Matrix>
-  void expand(Index i0, Index r0, Index r1, Index c0, Index c1, bool causal,
-              Matrix&& counts) const {
-    using Scalar = typename Matrix::Scalar;
+  void expand_log_counts(Index i0, Index r0, Index r1, Index c0, Index c1, bool causal,
+                         Matrix&& logits) const {
+    using Scalar = typename std::decay_t<Matrix>::Scalar;
     const Index rows = r1 - r0;
     const Index cols = c1 - c0;
-    counts.setZero();
+    logits.setZero();
     for (const CountRectangle& rect : rectangles) {
       if (rect.key_end <= c0 || rect.key_begin >= c1) continue;
       const Index first_row = std::max(rect.row_begin, r0);
@@ -83,17 +86,18 @@ struct TileCounts {
       if (first_row >= last_row) continue;
       const Index up = std::max(rect.key_begin, c0) - c0;
       const Index down = std::min(rect.key_end, c1) - c0;
-      counts.col(up).segment(first_row - r0, last_row - first_row).array() += Scalar(1);
+      logits.col(up).segment(first_row - r0, last_row - first_row).array() += Scalar(1);
       if (down < cols) {
-        counts.col(down).segment(first_row - r0, last_row - first_row).array() -= Scalar(1);
+        logits.col(down).segment(first_row - r0, last_row - first_row).array() -= Scalar(1);
       }
     }
-    for (Index c = 1; c < cols; ++c) counts.col(c) += counts.col(c - 1);
-    if (causal) {
-      // Key c0 + c is hidden from rows r with i0 + r0 + r < c0 + c.
-      for (Index c = 0; c < cols; ++c) {
+    for (Index c = 1; c < cols; ++c) logits.col(c) += logits.col(c - 1);
+    for (Index c = 0; c < cols; ++c) {
+      log_counts(logits.col(c));
+      if (causal) {
+        // Key c0 + c is hidden from rows r with i0 + r0 + r < c0 + c.
         const Index hidden = std::clamp<Index>(c0 + c - i0 - r0, 0, rows);
-        counts.col(c).head(hidden).setZero();
+        logits.col(c).head(hidden).setConstant(-std::numeric_limits<Scalar>::infinity());
       }
     }
   }
