@@ -2,6 +2,7 @@
 #pragma once
 
 #include "poslsh/alibi_kernel.hpp"
+#include "poslsh/banded_attention.hpp"
 #include "poslsh/decode.hpp"
 #include "poslsh/fused_attention.hpp"
 #include "poslsh/hash.hpp"
@@ -12,5 +13,6 @@
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/reference_attention.hpp"
 #include "poslsh/slopes.hpp"
+#include "poslsh/tiled_attention.hpp"
 #include "poslsh/types.hpp"
 #include "poslsh/version.hpp"
