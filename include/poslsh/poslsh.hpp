@@ -3,10 +3,13 @@
 
 #include "poslsh/alibi_kernel.hpp"
 #include "poslsh/banded_attention.hpp"
+#include "poslsh/block_kernel.hpp"
+#include "poslsh/block_plan.hpp"
 #include "poslsh/decode.hpp"
 #include "poslsh/fused_attention.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/heads_view.hpp"
+#include "poslsh/lse_merge.hpp"
 #include "poslsh/masks.hpp"
 #include "poslsh/multihead.hpp"
 #include "poslsh/partition.hpp"
