@@ -1,10 +1,12 @@
 # poslsh benchmarks: the JSON of poslsh_bench (--benchmark_out_format=json) turned into the data
 # files of plot_scaling.gp and a Markdown report (tables and the issue's targets).
-#   awk -v outdir=DIR -f bench_report.awk poslsh_bench.json
+#   awk -v outdir=DIR -f bench_report.awk poslsh_bench.json [more.json ...]
 # Writes DIR/<method>.dat ("n ms GFLOP/s"), DIR/decode_{lsh,exact}.dat ("t us"),
-# DIR/guide_{linear,quadratic}.dat, DIR/flags.gp (which panels have data) and
+# DIR/guide_{linear,quadratic}.dat, DIR/flags.gp (which panels have data, ranges) and
 # DIR/poslsh_bench.md. POSIX awk (Debian's mawk is enough):
 # Google Benchmark writes one JSON member per line, which is all this parser relies on.
+# Several files are merged (a row found in two files keeps the first file's figures; the date
+# and load are the first file's), e.g. the default run and a `--long --benchmark_filter=lsh_fused` run.
 # With --benchmark_repetitions the "min" rows are used (the least disturbed run on a shared
 # machine), or the median ones if there is no min.
 
@@ -44,8 +46,9 @@ BEGIN {
   method_count = 6
 }
 
-/"load_avg":/ { load = value($0); gsub(/[][]/, "", load); gsub(/,/, " ", load) }
-/"date":/ && !in_runs { date = value($0) }
+FNR == 1 { in_runs = 0 }
+/"load_avg":/ && load == "" { load = value($0); gsub(/[][]/, "", load); gsub(/,/, " ", load) }
+/"date":/ && !in_runs && date == "" { date = value($0) }
 /"benchmarks":/ { in_runs = 1 }
 in_runs && /^[ \t]*\{/ { name = ""; kind = ""; aggregate = ""; gflop = ""; time = ""; unit = "" }
 in_runs && /"run_name":/ { name = value($0) }
@@ -57,7 +60,7 @@ in_runs && /"GFLOP":/ { gflop = value($0) + 0 }
 in_runs && /^[ \t]*\}/ {
   # Rank of a row: an iteration 1, the median of repetitions 2, their minimum 3.
   rank = kind == "iteration" ? 1 : aggregate == "median" ? 2 : aggregate == "min" ? 3 : 0
-  if (name != "" && rank > 0 && rank >= best[name]) {
+  if (name != "" && rank > 0 && (!(name in best) || rank > best[name])) {
     if (!has(name)) order[++count] = name
     best[name] = rank
     ms[name] = to_ms(time, unit)
@@ -83,6 +86,7 @@ END {
       printf("%s %.6g %.6g\n", part[2], ms[order[r]], gflops[order[r]]) > file
       has_prefill = 1
       if (part[2] + 0 > max_n) max_n = part[2] + 0
+      if (ms[order[r]] > max_ms) max_ms = ms[order[r]]
     }
     close(file)
   }
@@ -99,7 +103,7 @@ END {
     close(file)
   }
   file = outdir "/flags.gp"
-  printf("has_prefill = %d\nhas_decode = %d\nmax_n = %d\n", has_prefill, has_decode, max_n) > file
+  printf("has_prefill = %d\nhas_decode = %d\nmax_n = %d\nmax_ms = %.6g\n", has_prefill, has_decode, max_n, max_ms) > file
   split(load, loads, " ")
   run_date = substr(date, 1, 16)
   sub(/T/, " ", run_date)

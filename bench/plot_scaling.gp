@@ -36,6 +36,7 @@ set title "Prefill: time per call"
 set xlabel "sequence length n"
 set ylabel "time (ms)"
 set xrange [768:(max_n > 1024 ? max_n : 1024) * 1.35]
+set yrange [*:max_ms * 150]  # room for the key above the slowest row
 if (has_prefill) {
   plot datadir."/exact_naive.dat" using 1:2 with linespoints ls 1 title "exact naive", \
        datadir."/exact_tiled.dat" using 1:2 with linespoints ls 2 title "exact tiled", \
@@ -57,6 +58,7 @@ set title "Decode: one token (8 heads) over a cache of t tokens"
 set xlabel "cache length t"
 set ylabel "time per token ({/Symbol m}s)"
 set xrange [3000:1400000]
+set autoscale y
 if (has_decode) {
   plot datadir."/decode_exact.dat" using 1:2 with linespoints ls 2 title "exact", \
        datadir."/decode_lsh.dat" using 1:2 with linespoints ls 5 title "LSH (s = 16)"
