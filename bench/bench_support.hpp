@@ -89,7 +89,9 @@ inline void set_kernel_counters(benchmark::State& state, long long pairs, long l
 }
 
 /// Adds the "min" aggregate to a benchmark (reported with --benchmark_repetitions=N > 1): on a
-/// shared machine the fastest repetition is the one least disturbed by other processes.
+/// shared machine the fastest repetition is the one least disturbed by other processes. Its
+/// rate counters are the smallest rates, not those of the fastest repetition;
+/// bench_report.awk recomputes them from the time.
 inline benchmark::internal::Benchmark* with_min_statistic(benchmark::internal::Benchmark* b) {
   return b->ComputeStatistics("min", [](const std::vector<double>& values) {
     return values.empty() ? 0.0 : *std::min_element(values.begin(), values.end());
