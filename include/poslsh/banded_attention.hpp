@@ -8,7 +8,7 @@
 #include "poslsh/detail/attention_checks.hpp"
 #include "poslsh/detail/check.hpp"
 #include "poslsh/detail/exact_checks.hpp"
-#include "poslsh/detail/exact_tile.hpp"
+#include "poslsh/detail/alibi_bias.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh {
@@ -46,9 +46,9 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar
   detail::require_size(band, function, "band");
   const double tau = detail::resolve_scale(function, options, q.cols());
   if (row_begin == row_end) return;
-  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau,
-                                         detail::banded_window(q.rows(), band, options.masking));
-  engine.run(row_begin, row_end, out_rows);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
+                                   detail::banded_window(q.rows(), band, options.masking),
+                                   row_begin, row_end, out_rows);
 }
 
 /// Banded exact ALiBi attention: the softmax of tau Q K^T - |i-j| / sigma over the keys with
@@ -70,9 +70,8 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return;
-  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau,
-                                         detail::banded_window(n, band, options.masking));
-  engine.run(0, n, out);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
+                                   detail::banded_window(n, band, options.masking), 0, n, out);
 }
 
 /// Returning form of alibi_attention_banded.

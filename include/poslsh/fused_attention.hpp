@@ -2,9 +2,10 @@
 // (query, key) pair evaluated once.
 #pragma once
 
+#include "poslsh/detail/count_bias.hpp"
 #include "poslsh/detail/count_tile.hpp"
 #include "poslsh/detail/lsh_checks.hpp"
-#include "poslsh/detail/online_softmax.hpp"
+#include "poslsh/detail/tile_engine.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 
@@ -14,17 +15,15 @@ namespace poslsh {
 
 namespace detail {
 
-/// Query rows per tile and keys per chunk of the fused kernel.
-inline constexpr Index fused_query_tile = 64;
-inline constexpr Index fused_key_chunk = 128;
+/// Query rows per tile of the fused kernel (the tile engine's; tiles aligned from row 0).
+inline constexpr Index fused_query_tile = tile_query_rows;
 
 /// Per-thread buffers of the fused kernel.
 template <typename Scalar>
 struct FusedWorkspace {
   TileCounts counts;
-  RowMatrix<Scalar> scaled_queries;
-  TileScratch<Scalar> scratch;
-  OnlineSoftmax<Scalar> state;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> count_tile;
+  TileBuffers<Scalar> buffers;
 };
 
 /// Rows [i0, i0 + rows) of the fused estimator, written to out.middleRows(i0, rows).
@@ -32,22 +31,10 @@ template <typename Scalar, typename OutType>
 void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                 const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                 Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work) {
-  const Index n = q.rows();
-  work.counts.build(hashes, i0, rows, n, causal);
-  work.scaled_queries.noalias() = tau * q.middleRows(i0, rows);
-  work.state.reset(rows, v.cols());
-  const Index band_end = work.counts.band_end();
-  for (Index c0 = work.counts.band_begin(); c0 < band_end; c0 += fused_key_chunk) {
-    const Index c1 = std::min(c0 + fused_key_chunk, band_end);
-    const auto [r0, r1] = work.counts.active_rows(c0, c1);
-    if (r0 >= r1) continue;
-    work.scratch.shape(r1 - r0, c1 - c0);
-    work.counts.expand_log_counts(i0, r0, r1, c0, c1, causal, work.scratch.logits());
-    work.scratch.logits().noalias() +=
-        work.scaled_queries.middleRows(r0, r1 - r0) * k.middleRows(c0, c1 - c0).transpose();
-    work.state.update(r0, work.scratch, v.middleRows(c0, c1 - c0));
-  }
-  work.state.finish(0, out.middleRows(i0, rows));
+  CountBias<Scalar> bias(hashes, q.rows(), causal, work.counts, work.count_tile);
+  TileEngine<Scalar, CountBias<Scalar>> engine(q, k, v, static_cast<double>(tau), bias,
+                                               work.buffers);
+  engine.run(i0, i0 + rows, out.middleRows(i0, rows));
 }
 
 }  // namespace detail
@@ -56,11 +43,12 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
 ///   out_i = sum_j c_ij e^{tau q_i.k_j - M_i} v_j / sum_j c_ij e^{tau q_i.k_j - M_i},
 ///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
 /// with each pair of c_ij > 0 evaluated once. The keys with c_ij > 0 form one interval per
-/// query; queries are taken in tiles of 64 whose key band is cut in chunks of 128, each a GEMM
-/// weighted by the count tile (built from the blocks by difference arrays) inside an online
-/// softmax whose running maximum is over entries of non-zero weight. Extra memory O(tile) per
-/// thread. Tiles run in parallel (OpenMP) and write disjoint rows: bitwise the same output
-/// for any thread count. Throws std::invalid_argument naming a bad argument.
+/// query; queries are taken in tiles of 64 whose key band is cut in tiles of 64, scored by
+/// register-blocked packet kernels only where some query's interval reaches, weighted by the
+/// count tile (built from the blocks by difference arrays) inside an online softmax whose
+/// running maximum is over entries of non-zero weight. Extra memory O(tile) per thread. Tiles
+/// run in parallel (OpenMP) and write disjoint rows: bitwise the same output for any thread
+/// count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                          ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,

@@ -4,14 +4,14 @@
 
 #include "poslsh/detail/attention_checks.hpp"
 #include "poslsh/detail/exact_checks.hpp"
-#include "poslsh/detail/exact_tile.hpp"
+#include "poslsh/detail/alibi_bias.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh {
 
 /// Query rows per tile of the exact tiled and banded kernels. Tiles are aligned to multiples
 /// of it from row 0; a row range that starts and ends on multiples of it costs no extra work.
-inline constexpr Index tiled_query_tile = detail::exact_query_tile;
+inline constexpr Index tiled_query_tile = detail::tile_query_rows;
 
 /// Rows [row_begin, row_end) of the exact ALiBi attention
 ///   T* = softmax(tau Q K^T - |i-j| / sigma) V   (causal: keys j <= i),
@@ -30,8 +30,7 @@ void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar>
   if (row_begin == row_end) return;
   const Index n = q.rows();
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau, window);
-  engine.run(row_begin, row_end, out_rows);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, row_begin, row_end, out_rows);
 }
 
 /// Exact ALiBi attention T* = softmax(tau Q K^T - |i-j| / sigma) V (row-wise softmax; the
@@ -53,8 +52,7 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
   const Index n = q.rows();
   if (n == 0) return;
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::ExactTileEngine<Scalar> engine(q, k, v, sigma, tau, window);
-  engine.run(0, n, out);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, 0, n, out);
 }
 
 /// Returning form of alibi_attention_tiled.

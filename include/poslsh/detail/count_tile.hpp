@@ -1,14 +1,13 @@
 // poslsh internals: the sample counts c_ij = #{k : bin_k(i) = bin_k(j)} of a query tile, kept as
-// rectangles (one per block of each sample that meets the tile) and expanded chunk by chunk.
+// rectangles (one per block of each sample that meets the tile) and expanded key tile by key
+// tile.
 #pragma once
 
-#include "poslsh/detail/online_softmax.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
 
 #include <algorithm>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -68,37 +67,34 @@ struct TileCounts {
     return {static_cast<Index>(first), static_cast<Index>(last)};
   }
 
-  /// Writes log c_ij for rows [r0, r1) and keys [c0, c1) into the column-major `logits`,
-  /// already of shape (r1-r0) x (c1-c0): -inf where c_ij = 0 or, when causal, j > i. The
-  /// counts come from +1/-1 at each rectangle's key edges (the -1 dropped past the chunk) and
-  /// a running sum over key columns, each step one vector add across rows.
+  /// Writes c_ij for tile rows [r0, r1) and keys [j0, j0 + cols) into rows [r0, r1) of the
+  /// column-major `counts` (column b holds key j0 + b): 0 where no block holds both or, when
+  /// causal, j > i. The counts come from +1/-1 at each rectangle's key edges (the -1 dropped
+  /// past the last key) and a running sum over key columns, each step one vector add across
+  /// rows.
   template <typename Matrix>
-  void expand_log_counts(Index i0, Index r0, Index r1, Index c0, Index c1, bool causal,
-                         Matrix&& logits) const {
+  void expand_counts(Index i0, Index j0, Index r0, Index r1, bool causal, Matrix&& counts) const {
     using Scalar = typename std::decay_t<Matrix>::Scalar;
     const Index rows = r1 - r0;
-    const Index cols = c1 - c0;
-    logits.setZero();
+    const Index cols = counts.cols();
+    auto tile = counts.middleRows(r0, rows);
+    tile.setZero();
     for (const CountRectangle& rect : rectangles) {
-      if (rect.key_end <= c0 || rect.key_begin >= c1) continue;
+      if (rect.key_end <= j0 || rect.key_begin >= j0 + cols) continue;
       const Index first_row = std::max(rect.row_begin, r0);
       const Index last_row = std::min(rect.row_end, r1);
       if (first_row >= last_row) continue;
-      const Index up = std::max(rect.key_begin, c0) - c0;
-      const Index down = std::min(rect.key_end, c1) - c0;
-      logits.col(up).segment(first_row - r0, last_row - first_row).array() += Scalar(1);
-      if (down < cols) {
-        logits.col(down).segment(first_row - r0, last_row - first_row).array() -= Scalar(1);
-      }
+      const Index up = std::max(rect.key_begin, j0) - j0;
+      const Index down = rect.key_end - j0;
+      counts.col(up).segment(first_row, last_row - first_row).array() += Scalar(1);
+      if (down < cols) counts.col(down).segment(first_row, last_row - first_row).array() -= Scalar(1);
     }
-    for (Index c = 1; c < cols; ++c) logits.col(c) += logits.col(c - 1);
+    for (Index c = 1; c < cols; ++c) tile.col(c) += tile.col(c - 1);
+    if (!causal) return;
     for (Index c = 0; c < cols; ++c) {
-      log_counts(logits.col(c));
-      if (causal) {
-        // Key c0 + c is hidden from rows r with i0 + r0 + r < c0 + c.
-        const Index hidden = std::clamp<Index>(c0 + c - i0 - r0, 0, rows);
-        logits.col(c).head(hidden).setConstant(-std::numeric_limits<Scalar>::infinity());
-      }
+      // Key j0 + c is hidden from the rows r with i0 + r < j0 + c.
+      const Index hidden = std::clamp<Index>(j0 + c - i0, r0, r1) - r0;
+      tile.col(c).head(hidden).setZero();
     }
   }
 };

@@ -1,6 +1,7 @@
-// poslsh internals: the register-blocked packet kernels of the exact tiled ALiBi attention,
-// written with Eigen's packet primitives (AVX-512, AVX, SSE, NEON or scalar, whatever Eigen
-// vectorizes for). Two shapes, both "a few rows times a few packets, accumulated in registers":
+// poslsh internals: the register-blocked packet kernels of the tile engine (exact ALiBi and
+// fused LSH attention, detail/tile_engine.hpp), written with Eigen's packet primitives
+// (AVX-512, AVX, SSE, NEON or scalar, whatever Eigen vectorizes for). Two shapes, both "a few
+// rows times a few packets, accumulated in registers":
 //   scores (transposed):  S^T[b][a] = sum_c Q^T[c][a] K[b][c]    (Keys x QueryPackets packets)
 //   values:               acc[a][:] = alpha_a acc[a][:] + sum_b P^T[b][a] V[b][:]
 // The query tile is stored transposed (Q^T, d x tile) so that scores come out one packet per
@@ -15,28 +16,28 @@
 // Loops over a register block (small compile-time trip counts) must be unrolled completely,
 // or the block's accumulator array is kept in memory; GCC does not always do it unasked.
 #if defined(__clang__)
-#define POSLSH_EXACT_UNROLL _Pragma("unroll")
+#define POSLSH_TILE_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
-#define POSLSH_EXACT_UNROLL _Pragma("GCC unroll 32")
+#define POSLSH_TILE_UNROLL _Pragma("GCC unroll 32")
 #else
-#define POSLSH_EXACT_UNROLL
+#define POSLSH_TILE_UNROLL
 #endif
 
 namespace poslsh::detail {
 
 template <typename Scalar>
-using ExactPacket = typename Eigen::internal::packet_traits<Scalar>::type;
+using TilePacket = typename Eigen::internal::packet_traits<Scalar>::type;
 
 /// Scalars per packet.
 template <typename Scalar>
-inline constexpr Index exact_packet_size =
-    Eigen::internal::unpacket_traits<ExactPacket<Scalar>>::size;
+inline constexpr Index tile_packet_size =
+    Eigen::internal::unpacket_traits<TilePacket<Scalar>>::size;
 
 /// Stops the compiler from folding a packet's load into each of the FMAs that use it (which
 /// would load it once per use and make the kernels load-bound): the packet is loaded once
 /// into a register. No code is emitted.
 template <typename Packet>
-EIGEN_ALWAYS_INLINE void exact_keep_in_register(Packet& packet) {
+EIGEN_ALWAYS_INLINE void tile_keep_in_register(Packet& packet) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __asm__("" : "+v"(packet));
 #else
@@ -47,28 +48,28 @@ EIGEN_ALWAYS_INLINE void exact_keep_in_register(Packet& packet) {
 /// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
 /// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries.
 template <typename Scalar, int Keys, int QueryPackets>
-EIGEN_ALWAYS_INLINE void exact_score_block(const Scalar* qt, Index qt_stride, const Scalar* keys,
+EIGEN_ALWAYS_INLINE void tile_score_block(const Scalar* qt, Index qt_stride, const Scalar* keys,
                                            Index key_stride, Index d,
-                                           ExactPacket<Scalar> (&acc)[Keys][QueryPackets]) {
+                                           TilePacket<Scalar> (&acc)[Keys][QueryPackets]) {
   namespace ei = Eigen::internal;
-  using Packet = ExactPacket<Scalar>;
-  constexpr Index P = exact_packet_size<Scalar>;
-  POSLSH_EXACT_UNROLL
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
+  POSLSH_TILE_UNROLL
   for (int kk = 0; kk < Keys; ++kk) {
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pset1<Packet>(Scalar(0));
   }
   for (Index c = 0; c < d; ++c) {
     Packet queries[QueryPackets];
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int p = 0; p < QueryPackets; ++p) {
       queries[p] = ei::pload<Packet>(qt + c * qt_stride + p * P);
-      exact_keep_in_register(queries[p]);
+      tile_keep_in_register(queries[p]);
     }
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int kk = 0; kk < Keys; ++kk) {
       const Packet key = ei::pset1<Packet>(keys[kk * key_stride + c]);
-      POSLSH_EXACT_UNROLL
+      POSLSH_TILE_UNROLL
       for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pmadd(queries[p], key, acc[kk][p]);
     }
   }
@@ -77,37 +78,37 @@ EIGEN_ALWAYS_INLINE void exact_score_block(const Scalar* qt, Index qt_stride, co
 /// acc[r][:] <- alpha[r] acc[r][:] + sum_{b < keys} probs[b * prob_stride + r] values[b][:]
 /// for `Rows` rows and `ValuePackets` packets of value columns; acc is aligned.
 template <typename Scalar, int Rows, int ValuePackets>
-EIGEN_ALWAYS_INLINE void exact_value_block(const Scalar* probs, Index prob_stride,
+EIGEN_ALWAYS_INLINE void tile_value_block(const Scalar* probs, Index prob_stride,
                                            const Scalar* values, Index value_stride, Index keys,
                                            const Scalar* alpha, Scalar* acc, Index acc_stride) {
   namespace ei = Eigen::internal;
-  using Packet = ExactPacket<Scalar>;
-  constexpr Index P = exact_packet_size<Scalar>;
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
   Packet sum[Rows][ValuePackets];
-  POSLSH_EXACT_UNROLL
+  POSLSH_TILE_UNROLL
   for (int r = 0; r < Rows; ++r) {
     const Packet scale = ei::pset1<Packet>(alpha[r]);
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int p = 0; p < ValuePackets; ++p)
       sum[r][p] = ei::pmul(ei::pload<Packet>(acc + r * acc_stride + p * P), scale);
   }
   for (Index b = 0; b < keys; ++b) {
     Packet row[ValuePackets];
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int p = 0; p < ValuePackets; ++p) {
       row[p] = ei::ploadu<Packet>(values + b * value_stride + p * P);
-      exact_keep_in_register(row[p]);
+      tile_keep_in_register(row[p]);
     }
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int r = 0; r < Rows; ++r) {
       const Packet prob = ei::pset1<Packet>(probs[b * prob_stride + r]);
-      POSLSH_EXACT_UNROLL
+      POSLSH_TILE_UNROLL
       for (int p = 0; p < ValuePackets; ++p) sum[r][p] = ei::pmadd(prob, row[p], sum[r][p]);
     }
   }
-  POSLSH_EXACT_UNROLL
+  POSLSH_TILE_UNROLL
   for (int r = 0; r < Rows; ++r) {
-    POSLSH_EXACT_UNROLL
+    POSLSH_TILE_UNROLL
     for (int p = 0; p < ValuePackets; ++p) ei::pstore(acc + r * acc_stride + p * P, sum[r][p]);
   }
 }

@@ -1,0 +1,121 @@
+// poslsh internals: the count-weighted LSH policy of the tile engine (detail/tile_engine.hpp):
+// scores x_ij = tau q_i.k_j without bias, weights w_ij = c_ij = #{k : bin_k(i) = bin_k(j)}
+// (causal: 0 for j > i), so the engine computes
+//   out_i = sum_j c_ij e^{x_ij - M_i} v_j / sum_j c_ij e^{x_ij - M_i}.
+// Row i's window is the interval [lo_i, hi_i) of keys with c_ij > 0 (TileCounts); inside a
+// key tile cut by the windows, entries of count 0 are masked (-inf, never in the maximum).
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <array>
+#include <limits>
+
+#include "poslsh/detail/count_tile.hpp"
+#include "poslsh/detail/tile_engine.hpp"
+#include "poslsh/detail/tile_kernels.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/types.hpp"
+
+namespace poslsh::detail {
+
+/// Tile engine policy of the fused LSH estimator with hashes `hashes` on n positions. The
+/// rectangles and the count tile live in caller-owned buffers (reused across calls).
+template <typename Scalar>
+class CountBias {
+  using Packet = TilePacket<Scalar>;
+  static constexpr Index P = tile_packet_size<Scalar>;
+  static constexpr Index Bq = tile_query_rows;
+  static constexpr Index Bk = tile_key_cols;
+
+ public:
+  CountBias(const HashSet& hashes, Index n, bool causal, TileCounts& counts,
+            Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile)
+      : hashes_(hashes), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
+    if (count_tile_.size() < Bq * Bk) count_tile_.resize(Bq * Bk);
+  }
+
+  KeyRange query_tile(Index i0) {
+    i0_ = i0;
+    const Index rows = std::min(Bq, n_ - i0);
+    counts_.build(hashes_, i0, rows, n_, causal_);
+    for (Index r = 0; r < rows; ++r) {
+      lo_[index(r)] = counts_.lo[index(r)];
+      hi_[index(r)] = counts_.hi[index(r)];
+    }
+    // Rows past n get an empty window at the last row's end: lo and hi stay non-decreasing.
+    for (Index r = rows; r < Bq; ++r) lo_[index(r)] = hi_[index(r)] = hi_[index(rows - 1)];
+    return {counts_.band_begin(), counts_.band_end()};
+  }
+
+  KeyTileCut key_tile(Index j0, Index keys, KeyRange rows) {
+    j0_ = j0;
+    // Rows reaching key j0 + b: [first r with hi_r > j, first r with lo_r > j), both
+    // non-decreasing in b.
+    for (Index b = 0, first = 0, last = 0; b < keys; ++b) {
+      while (first < Bq && hi_[index(first)] <= j0 + b) ++first;
+      while (last < Bq && lo_[index(last)] <= j0 + b) ++last;
+      row_first_[index(b)] = first;
+      row_last_[index(b)] = last;
+    }
+    const Index first = std::max(row_first_[0], rows.first);
+    const Index last = std::min(row_last_[index(keys - 1)], rows.last);
+    if (first >= last) return KeyTileCut::skip;
+    const Index r0 = first / P * P, r1 = (last + P - 1) / P * P;
+    counts_.expand_counts(i0_, j0, r0, r1, causal_, counts(keys));
+    const bool full = lo_[index(r1 - 1)] <= j0 && hi_[index(r0)] >= j0 + keys;
+    return full ? KeyTileCut::full : KeyTileCut::masked;
+  }
+
+  KeyRange rows_reaching(Index b0, Index b1) const {
+    return {row_first_[index(b0)], row_last_[index(b1 - 1)]};
+  }
+  KeyRange keys_reached(Index a0, Index a1) const {
+    return {lo_[index(a0)] - j0_, hi_[index(a1 - 1)] - j0_};
+  }
+
+  /// x = acc (-inf where c = 0), p = c e^{x - M}.
+  class Scorer {
+   public:
+    explicit Scorer(const Scalar* counts) : counts_(counts) {}
+
+    template <bool Masked>
+    EIGEN_ALWAYS_INLINE Packet score(const Packet& acc, Index b, Index a) const {
+      namespace ei = Eigen::internal;
+      if constexpr (!Masked) return acc;
+      const Packet kept = ei::pcmp_lt(ei::pset1<Packet>(Scalar(0)), count(b, a));
+      return ei::pselect(kept, acc, ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity()));
+    }
+
+    template <bool Masked>
+    EIGEN_ALWAYS_INLINE Packet weight(const Packet& prob, const Packet&, Index b, Index a) const {
+      return Eigen::internal::pmul(prob, count(b, a));
+    }
+
+   private:
+    EIGEN_ALWAYS_INLINE Packet count(Index b, Index a) const {
+      return Eigen::internal::pload<Packet>(counts_ + b * Bq + a);
+    }
+    const Scalar* counts_;
+  };
+
+  Scorer scorer() const { return Scorer(count_tile_.data()); }
+
+ private:
+  static std::size_t index(Index i) { return static_cast<std::size_t>(i); }
+  // The count tile of `keys` keys: column b holds key j0 + b, row a query i0 + a.
+  Eigen::Map<Eigen::Matrix<Scalar, Bq, Eigen::Dynamic>> counts(Index keys) {
+    return Eigen::Map<Eigen::Matrix<Scalar, Bq, Eigen::Dynamic>>(count_tile_.data(), Bq, keys);
+  }
+
+  const HashSet& hashes_;
+  Index n_;
+  bool causal_;
+  TileCounts& counts_;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile_;
+  Index i0_ = 0, j0_ = 0;
+  std::array<Index, Bq> lo_{}, hi_{};
+  std::array<Index, Bk> row_first_{}, row_last_{};
+};
+
+}  // namespace poslsh::detail

@@ -1,0 +1,350 @@
+// poslsh internals: attention of a range of query rows, FlashAttention-style, for any bias
+// policy (exact ALiBi: detail/alibi_bias.hpp; fused LSH counts: detail/count_bias.hpp).
+// Queries are taken in tiles of tile_query_rows rows, keys in tiles of tile_key_cols; for each
+// key tile the scores x_ij = tau q_i.k_j (+ the policy's bias) and weights w_ij (1, or the
+// policy's) feed an online softmax per query row:
+//   M_i <- max(M_i, max_j x_ij),  alpha_i = e^{M_i,old - M_i},  p_ij = w_ij e^{x_ij - M_i},
+//   l_i <- alpha_i l_i + sum_j p_ij,  acc_i <- alpha_i acc_i + sum_j p_ij v_j,
+// and out_i = acc_i / l_i. Each query row sees one interval of keys (its window, given by the
+// policy); key tiles outside a query tile's windows are skipped, tiles cut by them are masked
+// entry by entry (masked entries are -inf and never enter the maximum; their probability is
+// exactly 0). Within a tile, each block of keys is scored only for the packets of queries
+// whose windows reach it, and each packet (block of rows) only visits the keys its windows
+// reach. Key tiles are visited nearest the diagonal first.
+// Every query row's arithmetic depends only on the row and its tile (tiles are aligned to
+// multiples of tile_query_rows from row 0), never on the other rows computed: any split of
+// the rows into ranges gives bitwise the same output.
+//
+// A bias policy `Bias` (state: the current query tile and key tile) provides:
+//   KeyRange query_tile(Index i0)          keys [first, last) reached by the query tile at i0;
+//   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows)
+//                                          the key tile [j0, j0 + keys) for the tile-relative
+//                                          rows `rows` (whole packets): skip, full or masked;
+//   KeyRange rows_reaching(Index b0, Index b1)  tile-relative rows whose window meets keys
+//                                          [b0, b1) of the key tile (unclamped);
+//   KeyRange keys_reached(Index a0, Index a1)   keys of the key tile (relative, unclamped)
+//                                          that rows [a0, a1) reach; both exactly (a key one
+//                                          says is reached must be scored for the row);
+//   Scorer scorer()                        a small value type with
+//     template <bool Masked> Packet score(Packet acc, Index b, Index a): x of key b, queries
+//                                          [a, a + P) from acc = tau q.k (-inf where masked);
+//     template <bool Masked> Packet weight(Packet prob, Packet x, Index b, Index a): p from
+//                                          e^{x - M} (exactly 0 where masked).
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <limits>
+
+#include "poslsh/detail/tile_kernels.hpp"
+#include "poslsh/types.hpp"
+
+// GCC 12 reports "'__Y' is (maybe) used uninitialized" inside its own AVX-512 intrinsics
+// (_mm512_undefined_ps) once pmax and pexp are inlined here: a known false positive. Avoiding
+// pmax (a compare and select instead) halved the speed of the score kernel.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace poslsh::detail {
+
+/// Query rows per tile (aligned to multiples of it from row 0) and keys per tile.
+inline constexpr Index tile_query_rows = 64;
+inline constexpr Index tile_key_cols = 64;
+
+/// Half-open range [first, last) of rows or keys.
+struct KeyRange {
+  Index first;
+  Index last;
+};
+
+/// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
+enum class KeyTileCut { skip, full, masked };
+
+/// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
+/// they only grow.
+template <typename Scalar>
+struct TileBuffers {
+  using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
+
+  void prepare(Index d, Index dv_padded, bool pack_values) {
+    constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
+    grow(qt, d * Bq);
+    grow(scores, Bk * Bq);
+    for (Buffer* row_buffer : {&running_max, &running_sum, &alpha, &shift, &tile_max})
+      grow(*row_buffer, Bq);
+    grow(acc, Bq * dv_padded);
+    if (pack_values && values.size() < Bk * dv_padded) values.setZero(Bk * dv_padded);
+  }
+
+ private:
+  static void grow(Buffer& buffer, Index size) {
+    if (buffer.size() < size) buffer.resize(size);
+  }
+};
+
+/// One head's attention under the bias policy `Bias` (see the file comment).
+template <typename Scalar, typename Bias>
+class TileEngine {
+  using Packet = TilePacket<Scalar>;
+  static constexpr Index P = tile_packet_size<Scalar>;
+  static constexpr Index Bq = tile_query_rows;
+  static constexpr Index Bk = tile_key_cols;
+  // Register blocks: score_keys keys x query_packets packets of queries, value_rows rows x
+  // value_packets packets of values (16 accumulators each; 4 x 4 measured best on AVX-512).
+  static constexpr int score_keys = 4;
+  static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
+  static constexpr int value_rows = 4;
+  static constexpr int value_packets = 4;
+  static_assert(Bq % P == 0 && P % value_rows == 0,
+                "the query tile must be whole packets, a packet whole value blocks");
+
+ public:
+  /// q (n x d) is used unscaled; tau is applied here. `bias` and `buffers` outlive the engine.
+  TileEngine(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+             const ConstMatrixRef<Scalar>& v, double tau, Bias& bias, TileBuffers<Scalar>& buffers)
+      : q_(q),
+        k_(k),
+        v_(v),
+        n_(q.rows()),
+        d_(q.cols()),
+        dv_(v.cols()),
+        dvp_((v.cols() + P - 1) / P * P),
+        tau_(static_cast<Scalar>(tau)),
+        pack_values_(v.cols() % P != 0),
+        bias_(bias),
+        b_(buffers) {
+    b_.prepare(d_, dvp_, pack_values_);
+  }
+
+  /// Rows [row_begin, row_end) of the output, written to out rows 0 .. row_end - row_begin.
+  template <typename OutType>
+  void run(Index row_begin, Index row_end, OutType&& out) {
+    if (row_begin >= row_end || dv_ == 0) return;
+    for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
+      const Index r0 = std::max(i0, row_begin);
+      const Index r1 = std::min(i0 + Bq, row_end);
+      query_tile(i0, r0, r1);
+      for (Index i = r0; i < r1; ++i) {
+        const Index a = i - i0;
+        out.row(i - row_begin) =
+            b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
+      }
+    }
+  }
+
+ private:
+  static constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
+
+  // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
+  void query_tile(Index i0, Index r0, Index r1) {
+    if (r1 - r0 < Bq) b_.qt.head(d_ * Bq).setZero();  // other rows are computed as zero queries
+    Eigen::Map<RowMatrix<Scalar>> qt(b_.qt.data(), d_, Bq);
+    qt.middleCols(r0 - i0, r1 - r0) = tau_ * q_.middleRows(r0, r1 - r0).transpose();
+    b_.running_max.head(Bq).setConstant(minus_infinity);
+    b_.running_sum.head(Bq).setZero();
+    b_.acc.head(Bq * dvp_).setZero();
+    rows_ = {r0 - i0, r1 - i0};
+    packets_ = {rows_.first / P * P, (rows_.last + P - 1) / P * P};
+    // Key tiles aligned to multiples of Bk (the first and the last cut to the keys reached),
+    // visited from the tile holding the diagonal outwards.
+    const KeyRange reach = bias_.query_tile(i0);
+    const Index key_lo = std::max<Index>(0, reach.first);
+    const Index key_hi = std::min(n_, reach.last) - 1;
+    if (key_lo > key_hi) return;
+    const Index first = key_lo / Bk, last = key_hi / Bk;
+    const Index centre = std::clamp(i0 / Bk, first, last);
+    for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
+      if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
+      if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
+    }
+  }
+
+  void key_tile(Index tile, Index key_lo, Index key_hi) {
+    const Index j0 = std::max(tile * Bk, key_lo);
+    const Index keys = std::min((tile + 1) * Bk, key_hi + 1) - j0;
+    const KeyTileCut cut = bias_.key_tile(j0, keys, packets_);
+    if (cut == KeyTileCut::skip) return;
+    j0_ = j0;
+    const bool masked = cut == KeyTileCut::masked;
+    if (masked)
+      score_tile<true>(keys);
+    else
+      score_tile<false>(keys);
+    update_max();
+    if (masked)
+      exp_tile<true>(keys);
+    else
+      exp_tile<false>(keys);
+    value_tile(j0, keys);
+  }
+
+  // Packets of rows (within packets_) whose windows reach keys [b0, b1) of the tile.
+  KeyRange packets_reaching(Index b0, Index b1) const {
+    const KeyRange rows = bias_.rows_reaching(b0, b1);
+    const Index first = std::max(rows.first, packets_.first) / P * P;
+    const Index last = (std::min(rows.last, packets_.last) + P - 1) / P * P;
+    return {first, std::max(first, last)};
+  }
+
+  // Keys of the tile (clamped to [0, keys)) reached by rows [a0, a1).
+  KeyRange keys_reached(Index a0, Index a1, Index keys) const {
+    const KeyRange reach = bias_.keys_reached(a0, a1);
+    const Index first = std::clamp<Index>(reach.first, 0, keys);
+    return {first, std::clamp<Index>(reach.last, first, keys)};
+  }
+
+  // scores[b][a] = x_{i0+a, j0+b} (or -inf if masked) where packet a reaches key b;
+  // tile_max = max over b.
+  template <bool Masked>
+  void score_tile(Index keys) {
+    b_.tile_max.head(Bq).setConstant(minus_infinity);
+    const auto scorer = bias_.scorer();
+    Index b = 0;
+    for (; b + score_keys <= keys; b += score_keys) score_keys_rows<score_keys, Masked>(scorer, b);
+    score_remainder<score_keys - 1, Masked>(scorer, b, keys - b);
+  }
+
+  // The last keys - b < score_keys keys of the tile.
+  template <int Keys, bool Masked, typename Scorer>
+  void score_remainder(const Scorer& scorer, Index b, Index remaining) {
+    if constexpr (Keys > 0) {
+      if (remaining == Keys)
+        score_keys_rows<Keys, Masked>(scorer, b);
+      else
+        score_remainder<Keys - 1, Masked>(scorer, b, remaining);
+    }
+  }
+
+  // Keys [b0, b0 + Keys) against the packets of queries that reach them, in register blocks
+  // of up to query_packets packets.
+  template <int Keys, bool Masked, typename Scorer>
+  void score_keys_rows(const Scorer& scorer, Index b0) {
+    const KeyRange rows = packets_reaching(b0, b0 + Keys);
+    for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P)
+      score_block<Keys, query_packets, Masked>((rows.last - a0) / P, scorer, b0, a0);
+  }
+
+  // min(packets, Packets) packets of queries from a0 against keys [b0, b0 + Keys).
+  template <int Keys, int Packets, bool Masked, typename Scorer>
+  void score_block(Index packets, const Scorer& scorer, Index b0, Index a0) {
+    namespace ei = Eigen::internal;
+    if constexpr (Packets > 1) {
+      if (packets < Packets)
+        return score_block<Keys, Packets - 1, Masked>(packets, scorer, b0, a0);
+    }
+    Packet acc[Keys][Packets];
+    tile_score_block<Scalar, Keys, Packets>(b_.qt.data() + a0, Bq,
+                                            k_.data() + (j0_ + b0) * k_.outerStride(),
+                                            k_.outerStride(), d_, acc);
+    POSLSH_TILE_UNROLL
+    for (int p = 0; p < Packets; ++p) {
+      const Index a = a0 + p * P;
+      Packet best = ei::pload<Packet>(b_.tile_max.data() + a);
+      POSLSH_TILE_UNROLL
+      for (int kk = 0; kk < Keys; ++kk) {
+        const Packet x = scorer.template score<Masked>(acc[kk][p], b0 + kk, a);
+        best = ei::pmax(best, x);
+        ei::pstore(b_.scores.data() + (b0 + kk) * Bq + a, x);
+      }
+      ei::pstore(b_.tile_max.data() + a, best);
+    }
+  }
+
+  // M <- max(M, tile max); alpha = e^{M_old - M} (1 while a row has seen no kept key); the
+  // shift of the exponentials is M, or 0 while M = -inf (all the row's entries are masked).
+  void update_max() {
+    namespace ei = Eigen::internal;
+    const Packet none = ei::pset1<Packet>(minus_infinity);
+    const Packet one = ei::pset1<Packet>(Scalar(1));
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    for (Index a = packets_.first; a < packets_.last; a += P) {
+      const Packet old_max = ei::pload<Packet>(b_.running_max.data() + a);
+      const Packet new_max = ei::pmax(old_max, ei::pload<Packet>(b_.tile_max.data() + a));
+      const Packet alpha = ei::pexp(ei::psub(old_max, new_max));
+      const Packet empty = ei::pcmp_eq(new_max, none);
+      ei::pstore(b_.alpha.data() + a, ei::pselect(empty, one, alpha));
+      ei::pstore(b_.shift.data() + a, ei::pselect(empty, zero, new_max));
+      ei::pstore(b_.running_max.data() + a, new_max);
+    }
+  }
+
+  // scores <- p = w e^{x - M} over the keys each packet reaches; l <- alpha l + sum of p.
+  template <bool Masked>
+  void exp_tile(Index keys) {
+    namespace ei = Eigen::internal;
+    const auto scorer = bias_.scorer();
+    for (Index a = packets_.first; a < packets_.last; a += P) {
+      const KeyRange reach = keys_reached(a, a + P, keys);
+      const Packet shift = ei::pload<Packet>(b_.shift.data() + a);
+      Packet sum = ei::pset1<Packet>(Scalar(0));
+      for (Index b = reach.first; b < reach.last; ++b) {
+        Scalar* entry = b_.scores.data() + b * Bq + a;
+        const Packet x = ei::pload<Packet>(entry);
+        const Packet prob =
+            scorer.template weight<Masked>(ei::pexp(ei::psub(x, shift)), x, b, a);
+        ei::pstore(entry, prob);
+        sum = ei::padd(sum, prob);
+      }
+      const Packet old_sum = ei::pload<Packet>(b_.running_sum.data() + a);
+      ei::pstore(b_.running_sum.data() + a,
+                 ei::pmadd(old_sum, ei::pload<Packet>(b_.alpha.data() + a), sum));
+    }
+  }
+
+  // acc <- alpha acc + P V over the tile's keys, for the value blocks holding computed rows.
+  // A block of rows only visits the keys its windows reach: the others have probability 0,
+  // and a block that reaches none has alpha = 1 (its maximum did not move), so nothing to do.
+  void value_tile(Index j0, Index keys) {
+    const Scalar* values = v_.data() + j0 * v_.outerStride();
+    Index stride = v_.outerStride();
+    if (pack_values_) {
+      for (Index b = 0; b < keys; ++b)
+        for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = v_(j0 + b, c);
+      values = b_.values.data();
+      stride = dvp_;
+    }
+    for (Index a = rows_.first / value_rows * value_rows; a < rows_.last; a += value_rows) {
+      const KeyRange reach = keys_reached(a, a + value_rows, keys);
+      if (reach.first >= reach.last) continue;
+      for (Index c = 0; c < dvp_; c += value_packets * P) {
+        value_block<value_packets>((dvp_ - c) / P, a, values + reach.first * stride + c, stride,
+                                   reach.first, reach.last - reach.first, c);
+      }
+    }
+  }
+
+  // acc <- alpha acc + P V for rows [a, a + value_rows), keys [b, b + keys) of the tile and
+  // min(packets, Packets) packets of value columns from column c.
+  template <int Packets>
+  void value_block(Index packets, Index a, const Scalar* values, Index stride, Index b, Index keys,
+                   Index c) {
+    if constexpr (Packets > 1) {
+      if (packets < Packets)
+        return value_block<Packets - 1>(packets, a, values, stride, b, keys, c);
+    }
+    tile_value_block<Scalar, value_rows, Packets>(b_.scores.data() + b * Bq + a, Bq, values,
+                                                  stride, keys, b_.alpha.data() + a,
+                                                  b_.acc.data() + a * dvp_ + c, dvp_);
+  }
+
+  const ConstMatrixRef<Scalar>& q_;
+  const ConstMatrixRef<Scalar>& k_;
+  const ConstMatrixRef<Scalar>& v_;
+  Index n_, d_, dv_, dvp_;
+  Scalar tau_;
+  bool pack_values_;
+  Bias& bias_;
+  TileBuffers<Scalar>& b_;
+  Index j0_ = 0;
+  KeyRange rows_{0, 0}, packets_{0, 0};
+};
+
+}  // namespace poslsh::detail
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
