@@ -62,7 +62,10 @@ class CountBias {
     const Index last = std::min(row_last_[index(keys - 1)], rows.last);
     if (first >= last) return KeyTileCut::skip;
     const Index r0 = first / P * P, r1 = (last + P - 1) / P * P;
-    counts_.expand_counts(i0_, j0, r0, r1, causal_, counts(keys));
+    if (causal_ && j0 + keys - 1 > i0_ + r0)
+      expand_counts<true>(j0, keys, r0, r1);
+    else
+      expand_counts<false>(j0, keys, r0, r1);
     const bool full = lo_[index(r1 - 1)] <= j0 && hi_[index(r0)] >= j0 + keys;
     return full ? KeyTileCut::full : KeyTileCut::masked;
   }
@@ -103,9 +106,41 @@ class CountBias {
 
  private:
   static std::size_t index(Index i) { return static_cast<std::size_t>(i); }
-  // The count tile of `keys` keys: column b holds key j0 + b, row a query i0 + a.
-  Eigen::Map<Eigen::Matrix<Scalar, Bq, Eigen::Dynamic>> counts(Index keys) {
-    return Eigen::Map<Eigen::Matrix<Scalar, Bq, Eigen::Dynamic>>(count_tile_.data(), Bq, keys);
+  // count_tile[b][a] = c_{i0+a, j0+b} for rows [r0, r1) (whole packets), keys b < keys: +1/-1
+  // at each rectangle's key edges (the -1 dropped past the last key), then a running sum over
+  // keys per packet of rows; Hidden: 0 where j > i (causal).
+  template <bool Hidden>
+  void expand_counts(Index j0, Index keys, Index r0, Index r1) {
+    namespace ei = Eigen::internal;
+    Scalar* counts = count_tile_.data();
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    for (Index b = 0; b < keys; ++b)
+      for (Index a = r0; a < r1; a += P) ei::pstore(counts + b * Bq + a, zero);
+    using Column = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    for (const CountRectangle& rect : counts_.rectangles) {
+      if (rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
+      const Index first = std::max(rect.row_begin, r0);
+      const Index rows = std::min(rect.row_end, r1) - first;
+      if (rows <= 0) continue;
+      Column(counts + (std::max(rect.key_begin, j0) - j0) * Bq + first, rows) += Scalar(1);
+      if (rect.key_end < j0 + keys) Column(counts + (rect.key_end - j0) * Bq + first, rows) -= Scalar(1);
+    }
+    for (Index a = r0; a < r1; a += P) {
+      // Row i0 + a + r sees key j0 + b iff r >= j0 + b - i0 - a (distances clamped to
+      // [-1, P], exact in Scalar).
+      const Packet row = ei::plset<Packet>(Scalar(0));
+      Packet count = zero;
+      for (Index b = 0; b < keys; ++b) {
+        Scalar* entry = counts + b * Bq + a;
+        count = ei::padd(count, ei::pload<Packet>(entry));
+        if constexpr (Hidden) {
+          const auto hidden = static_cast<Scalar>(std::clamp<Index>(j0 + b - i0_ - a, -1, P));
+          ei::pstore(entry, ei::pand(ei::pcmp_le(ei::pset1<Packet>(hidden), row), count));
+        } else {
+          ei::pstore(entry, count);
+        }
+      }
+    }
   }
 
   const HashSet& hashes_;

@@ -1,6 +1,6 @@
 // poslsh internals: the sample counts c_ij = #{k : bin_k(i) = bin_k(j)} of a query tile, kept as
-// rectangles (one per block of each sample that meets the tile) and expanded key tile by key
-// tile.
+// rectangles (one per block of each sample that meets the tile; detail/count_bias.hpp expands
+// them key tile by key tile).
 #pragma once
 
 #include "poslsh/hash.hpp"
@@ -8,7 +8,6 @@
 #include "poslsh/types.hpp"
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 namespace poslsh::detail {
@@ -59,44 +58,6 @@ struct TileCounts {
   /// Keys of the tile's band: [min lo, max hi).
   Index band_begin() const { return lo.front(); }
   Index band_end() const { return *std::max_element(hi.begin(), hi.end()); }
-
-  /// Rows [first, last) whose interval meets keys [c0, c1) (contiguous: lo, hi monotone).
-  std::pair<Index, Index> active_rows(Index c0, Index c1) const {
-    const auto first = std::upper_bound(hi.begin(), hi.end(), c0) - hi.begin();
-    const auto last = std::lower_bound(lo.begin(), lo.end(), c1) - lo.begin();
-    return {static_cast<Index>(first), static_cast<Index>(last)};
-  }
-
-  /// Writes c_ij for tile rows [r0, r1) and keys [j0, j0 + cols) into rows [r0, r1) of the
-  /// column-major `counts` (column b holds key j0 + b): 0 where no block holds both or, when
-  /// causal, j > i. The counts come from +1/-1 at each rectangle's key edges (the -1 dropped
-  /// past the last key) and a running sum over key columns, each step one vector add across
-  /// rows.
-  template <typename Matrix>
-  void expand_counts(Index i0, Index j0, Index r0, Index r1, bool causal, Matrix&& counts) const {
-    using Scalar = typename std::decay_t<Matrix>::Scalar;
-    const Index rows = r1 - r0;
-    const Index cols = counts.cols();
-    auto tile = counts.middleRows(r0, rows);
-    tile.setZero();
-    for (const CountRectangle& rect : rectangles) {
-      if (rect.key_end <= j0 || rect.key_begin >= j0 + cols) continue;
-      const Index first_row = std::max(rect.row_begin, r0);
-      const Index last_row = std::min(rect.row_end, r1);
-      if (first_row >= last_row) continue;
-      const Index up = std::max(rect.key_begin, j0) - j0;
-      const Index down = rect.key_end - j0;
-      counts.col(up).segment(first_row, last_row - first_row).array() += Scalar(1);
-      if (down < cols) counts.col(down).segment(first_row, last_row - first_row).array() -= Scalar(1);
-    }
-    for (Index c = 1; c < cols; ++c) tile.col(c) += tile.col(c - 1);
-    if (!causal) return;
-    for (Index c = 0; c < cols; ++c) {
-      // Key j0 + c is hidden from the rows r with i0 + r < j0 + c.
-      const Index hidden = std::clamp<Index>(j0 + c - i0, r0, r1) - r0;
-      tile.col(c).head(hidden).setZero();
-    }
-  }
 };
 
 }  // namespace poslsh::detail

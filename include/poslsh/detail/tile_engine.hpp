@@ -141,9 +141,7 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
   void query_tile(Index i0, Index r0, Index r1) {
-    if (r1 - r0 < Bq) b_.qt.head(d_ * Bq).setZero();  // other rows are computed as zero queries
-    Eigen::Map<RowMatrix<Scalar>> qt(b_.qt.data(), d_, Bq);
-    qt.middleCols(r0 - i0, r1 - r0) = tau_ * q_.middleRows(r0, r1 - r0).transpose();
+    pack_queries(i0, r0, r1);
     b_.running_max.head(Bq).setConstant(minus_infinity);
     b_.running_sum.head(Bq).setZero();
     b_.acc.head(Bq * dvp_).setZero();
@@ -161,6 +159,26 @@ class TileEngine {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
+  }
+
+  // qt (d x Bq) = tau Q^T of rows [r0, r1) of the tile at i0; the other rows are zero (they
+  // are computed as zero queries).
+  void pack_queries(Index i0, Index r0, Index r1) {
+    Eigen::Map<RowMatrix<Scalar>> qt(b_.qt.data(), d_, Bq);
+    if (r1 - r0 < Bq) {
+      qt.setZero();
+      qt.middleCols(r0 - i0, r1 - r0) = tau_ * q_.middleRows(r0, r1 - r0).transpose();
+      return;
+    }
+    const Index d_blocks = d_ / P * P;
+    for (Index a = 0; a < Bq; a += P) {
+      const Scalar* rows = q_.data() + (i0 + a) * q_.outerStride();
+      for (Index c = 0; c < d_blocks; c += P)
+        tile_transpose_block<Scalar>(rows + c, q_.outerStride(), b_.qt.data() + c * Bq + a, Bq,
+                                     tau_);
+    }
+    if (d_blocks < d_)
+      qt.bottomRows(d_ - d_blocks) = tau_ * q_.middleRows(i0, Bq).rightCols(d_ - d_blocks).transpose();
   }
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {
@@ -202,40 +220,45 @@ class TileEngine {
   template <bool Masked>
   void score_tile(Index keys) {
     b_.tile_max.head(Bq).setConstant(minus_infinity);
-    const auto scorer = bias_.scorer();
     Index b = 0;
-    for (; b + score_keys <= keys; b += score_keys) score_keys_rows<score_keys, Masked>(scorer, b);
-    score_remainder<score_keys - 1, Masked>(scorer, b, keys - b);
+    for (; b + score_keys <= keys; b += score_keys) score_keys_rows<score_keys, Masked>(b);
+    score_remainder<score_keys - 1, Masked>(b, keys - b);
   }
 
   // The last keys - b < score_keys keys of the tile.
-  template <int Keys, bool Masked, typename Scorer>
-  void score_remainder(const Scorer& scorer, Index b, Index remaining) {
+  template <int Keys, bool Masked>
+  void score_remainder(Index b, Index remaining) {
     if constexpr (Keys > 0) {
       if (remaining == Keys)
-        score_keys_rows<Keys, Masked>(scorer, b);
+        score_keys_rows<Keys, Masked>(b);
       else
-        score_remainder<Keys - 1, Masked>(scorer, b, remaining);
+        score_remainder<Keys - 1, Masked>(b, remaining);
     }
   }
 
   // Keys [b0, b0 + Keys) against the packets of queries that reach them, in register blocks
   // of up to query_packets packets.
-  template <int Keys, bool Masked, typename Scorer>
-  void score_keys_rows(const Scorer& scorer, Index b0) {
+  template <int Keys, bool Masked>
+  void score_keys_rows(Index b0) {
     const KeyRange rows = packets_reaching(b0, b0 + Keys);
     for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P)
-      score_block<Keys, query_packets, Masked>((rows.last - a0) / P, scorer, b0, a0);
+      score_packets<Keys, query_packets, Masked>((rows.last - a0) / P, b0, a0);
   }
 
-  // min(packets, Packets) packets of queries from a0 against keys [b0, b0 + Keys).
-  template <int Keys, int Packets, bool Masked, typename Scorer>
-  void score_block(Index packets, const Scorer& scorer, Index b0, Index a0) {
-    namespace ei = Eigen::internal;
+  template <int Keys, int Packets, bool Masked>
+  void score_packets(Index packets, Index b0, Index a0) {
     if constexpr (Packets > 1) {
-      if (packets < Packets)
-        return score_block<Keys, Packets - 1, Masked>(packets, scorer, b0, a0);
+      if (packets < Packets) return score_packets<Keys, Packets - 1, Masked>(packets, b0, a0);
     }
+    score_block<Keys, Packets, Masked>(b0, a0);
+  }
+
+  // Packets [a0, a0 + Packets P) of queries against keys [b0, b0 + Keys). Not inlined: one
+  // register block per function keeps the compiler's register allocation clean.
+  template <int Keys, int Packets, bool Masked>
+  EIGEN_DONT_INLINE void score_block(Index b0, Index a0) {
+    namespace ei = Eigen::internal;
+    const auto scorer = bias_.scorer();
     Packet acc[Keys][Packets];
     tile_score_block<Scalar, Keys, Packets>(b_.qt.data() + a0, Bq,
                                             k_.data() + (j0_ + b0) * k_.outerStride(),

@@ -45,6 +45,34 @@ EIGEN_ALWAYS_INLINE void tile_keep_in_register(Packet& packet) {
 #endif
 }
 
+// Eigen's PacketBlock takes the packet type (an attributed vector type) as a template
+// argument, which GCC reports as "ignoring attributes"; harmless, as in Eigen's own kernels.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+/// dst[c * dst_stride + r] = scale * src[r * src_stride + c] for r, c < P (one packet per
+/// column of dst, aligned): a P x P block transposed in registers.
+template <typename Scalar>
+EIGEN_ALWAYS_INLINE void tile_transpose_block(const Scalar* src, Index src_stride, Scalar* dst,
+                                              Index dst_stride, Scalar scale) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
+  constexpr int P = static_cast<int>(tile_packet_size<Scalar>);
+  ei::PacketBlock<Packet, P> block;
+  POSLSH_TILE_UNROLL
+  for (int r = 0; r < P; ++r) block.packet[r] = ei::ploadu<Packet>(src + r * src_stride);
+  ei::ptranspose(block);
+  const Packet factor = ei::pset1<Packet>(scale);
+  POSLSH_TILE_UNROLL
+  for (int c = 0; c < P; ++c) ei::pstore(dst + c * dst_stride, ei::pmul(block.packet[c], factor));
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 /// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
 /// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries.
 template <typename Scalar, int Keys, int QueryPackets>
