@@ -12,7 +12,6 @@
 
 #include <Eigen/Eigenvalues>
 #include <Eigen/SVD>
-#include <Spectra/SymEigsSolver.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,11 +30,12 @@ struct SpectralOptions {
   SpectralMethod method = SpectralMethod::automatic;
   /// Largest n that `automatic` treats densely.
   Index dense_limit = 128;
-  /// Eigenvalues Lanczos converges together (the largest is the norm; a few more make it hard
-  /// to miss the top of a clustered spectrum).
-  Index eigenvalues = 3;
-  /// Lanczos basis size (Spectra's ncv), > eigenvalues.
-  Index subspace = 20;
+  /// Eigenvalues Lanczos converges together (Spectra's nev). The norm needs only the largest;
+  /// asking for more makes a clustered top of the spectrum converge much more slowly.
+  Index eigenvalues = 1;
+  /// Lanczos basis size (Spectra's ncv), > eigenvalues; memory n * subspace doubles. 30 keeps
+  /// clustered cases (few samples, long sequences) to a few thousand products.
+  Index subspace = 30;
   /// Restart limit; a run that hits it reports converged = false.
   Index max_restarts = 1000;
   /// Relative residual at which a Ritz value counts as converged.
@@ -45,7 +45,10 @@ struct SpectralOptions {
 /// A computed spectral norm and how it was obtained.
 struct SpectralNorm {
   double value = 0.0;
-  /// False only when Lanczos hit max_restarts (value is then its best estimate).
+  /// False only when Lanczos hit max_restarts. `value` is then its largest Ritz value, a lower
+  /// bound that is usually close: this happens when the top of the spectrum is a tight cluster
+  /// (E nearly periodic: few samples, n / sigma large), where Ritz values settle long before
+  /// the residuals do.
   bool converged = true;
   /// Operator products used (A x, or A x then A^T x, each counted once per pair).
   Index products = 0;
@@ -54,7 +57,7 @@ struct SpectralNorm {
 
 namespace detail {
 
-inline void require_spectral_options(const SpectralOptions& options, const char* function) {
+inline void analysis_require_spectral_options(const SpectralOptions& options, const char* function) {
   require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit, "must be >= 0");
   require(options.eigenvalues >= 1, function, "options.eigenvalues", options.eigenvalues, "must be >= 1");
   require(options.subspace > options.eigenvalues, function, "options.subspace", options.subspace,
@@ -65,7 +68,7 @@ inline void require_spectral_options(const SpectralOptions& options, const char*
 }
 
 /// ||A||_2 of a dense square matrix: max |eigenvalue| if symmetric, else the largest singular value.
-inline double dense_spectral_norm(const RowMatrix<double>& matrix, bool symmetric) {
+inline double analysis_dense_spectral_norm(const RowMatrix<double>& matrix, bool symmetric) {
   if (matrix.rows() == 0) return 0.0;
   if (symmetric) {
     const Eigen::SelfAdjointEigenSolver<RowMatrix<double>> solver(matrix, Eigen::EigenvaluesOnly);
@@ -84,7 +87,7 @@ inline double dense_spectral_norm(const RowMatrix<double>& matrix, bool symmetri
 /// std::invalid_argument naming a bad option.
 template <typename Operator>
 SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& options = {}) {
-  detail::require_spectral_options(options, "operator_spectral_norm");
+  detail::analysis_require_spectral_options(options, "operator_spectral_norm");
   const Index n = op.size();
   const Index eigenvalues = std::min(options.eigenvalues, n - 1);
   const Index subspace = std::min(std::max(options.subspace, 2 * eigenvalues + 1), n);
@@ -100,19 +103,17 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
       matrix.col(j) = column;
       unit[j] = 0.0;
     }
-    return SpectralNorm{detail::dense_spectral_norm(matrix, op.symmetric()), true, n, SpectralMethod::dense};
+    return SpectralNorm{detail::analysis_dense_spectral_norm(matrix, op.symmetric()), true, n, SpectralMethod::dense};
   }
   const auto solve = [&](auto product, Spectra::SortRule rule) {
-    Spectra::SymEigsSolver<decltype(product)> solver(product, eigenvalues, subspace);
+    detail::AnalysisLanczosSolver<decltype(product)> solver(product, eigenvalues, subspace);
     solver.init();
     solver.compute(rule, options.max_restarts, options.tolerance, Spectra::SortRule::LargestMagn);
     SpectralNorm result;
     result.method = SpectralMethod::lanczos;
     result.converged = solver.info() == Spectra::CompInfo::Successful;
     result.products = solver.num_operations();
-    const Eigen::VectorXd values = solver.eigenvalues();
-    // Unconverged: the Ritz values are still the best estimates Lanczos has.
-    result.value = values.size() > 0 ? std::abs(values(0)) : 0.0;
+    result.value = solver.top_ritz_value();
     return result;
   };
   if (op.symmetric()) {
@@ -131,14 +132,14 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
 inline SpectralNorm spectral_error(const HashSet& hashes, Index n, double sigma, Masking masking,
                                    const SpectralOptions& options = {}) {
   constexpr const char* function = "spectral_error";
-  detail::require_spectral_options(options, function);
+  detail::analysis_require_spectral_options(options, function);
   detail::require_sigma(sigma, function);
   const KernelErrorOperator error(hashes, n, sigma, masking);  // checks hashes and n
   if (options.method == SpectralMethod::dense ||
       (options.method == SpectralMethod::automatic && n <= options.dense_limit)) {
     const RowMatrix<double> dense =
         alibi_kernel_dense<double>(n, sigma, masking) - mean_mask_dense<double>(hashes, n, masking);
-    return SpectralNorm{detail::dense_spectral_norm(dense, masking == Masking::bidirectional), true, 0,
+    return SpectralNorm{detail::analysis_dense_spectral_norm(dense, masking == Masking::bidirectional), true, 0,
                         SpectralMethod::dense};
   }
   return operator_spectral_norm(error, options);

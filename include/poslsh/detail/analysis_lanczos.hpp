@@ -5,6 +5,9 @@
 #include "poslsh/types.hpp"
 
 #include <Eigen/Core>
+#include <Spectra/SymEigsSolver.h>
+
+#include <cmath>
 
 namespace poslsh::detail {
 
@@ -44,6 +47,17 @@ class AnalysisNormalProduct {
  private:
   const Operator& op_;
   mutable Eigen::VectorXd middle_;
+};
+
+/// Spectra's symmetric solver, also giving the largest Ritz value of a run that did not
+/// converge (Spectra's eigenvalues() lists converged values only).
+template <typename Product>
+class AnalysisLanczosSolver : public Spectra::SymEigsSolver<Product> {
+ public:
+  using Spectra::SymEigsSolver<Product>::SymEigsSolver;
+  /// |first Ritz value| after compute(..., sorting = LargestMagn): a Rayleigh quotient, so a
+  /// lower bound on max |lambda| whether or not it converged.
+  double top_ritz_value() const { return std::abs(this->m_ritz_val[0]); }
 };
 
 }  // namespace poslsh::detail
