@@ -1,10 +1,9 @@
 // Block statistics against a direct scan of bin(), and b_max against the law of the widths.
-#include "test_support.hpp"
-
-#include <poslsh/block_stats.hpp>
-
 #include <cmath>
+#include <poslsh/block_stats.hpp>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::Index;
 
@@ -63,13 +62,15 @@ TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths"
     expected *= sigma;
     double sum = 0.0, square_sum = 0.0;
     for (int trial = 0; trial < trials; ++trial) {
-      const double largest = double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000 + trial, 7), n));
+      const double largest =
+          double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000 + trial, 7), n));
       sum += largest;
       square_sum += largest * largest;
     }
     const double mean = sum / trials;
     const double standard_error = std::sqrt((square_sum / trials - mean * mean) / trials);
-    INFO("s " << s << ": mean b_max " << mean << " +- " << standard_error << ", E max w " << expected);
+    INFO("s " << s << ": mean b_max " << mean << " +- " << standard_error << ", E max w "
+              << expected);
     CHECK(mean > expected - 4 * standard_error);
     CHECK(mean < expected + 1.0 + 4 * standard_error);
   }
@@ -99,7 +100,11 @@ TEST_CASE("block statistics reject bad arguments naming them", "[analysis][inval
   using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::block_stats({}, 10); }, "hashes");
   require_invalid_argument([] { poslsh::block_stats(poslsh::rbf_hashes(2.0, 2, 1), -3); }, "n");
-  require_invalid_argument([] { poslsh::block_stats({poslsh::BinHash{-1.0, 0.0}}, 10); }, "hash.width");
+  require_invalid_argument(
+      [] {
+        poslsh::block_stats({poslsh::BinHash{-1.0, 0.0}}, 10);
+      },
+      "hash.width");
   require_invalid_argument([] { poslsh::block_size_scale(2.0, 2); }, "n");
   require_invalid_argument([] { poslsh::block_size_scale(0.0, 100); }, "sigma");
 }

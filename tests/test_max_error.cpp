@@ -1,13 +1,12 @@
 // The band-and-edge max-norm error against the max over the dense |L* - M~|, and its s^-1/2
 // decay.
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
 #include <poslsh/max_error.hpp>
-
-#include <cmath>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::Index;
 using poslsh::Masking;
@@ -15,10 +14,14 @@ using poslsh::RowMatrix;
 
 namespace {
 
-const char* name(Masking masking) { return masking == Masking::causal ? "causal" : "bidirectional"; }
+const char* name(Masking masking) {
+  return masking == Masking::causal ? "causal" : "bidirectional";
+}
 
-RowMatrix<double> dense_error(const poslsh::HashSet& hashes, Index n, double sigma, Masking masking) {
-  return poslsh::mean_mask_dense<double>(hashes, n, masking) - poslsh::alibi_kernel_dense<double>(n, sigma, masking);
+RowMatrix<double> dense_error(const poslsh::HashSet& hashes, Index n, double sigma,
+                              Masking masking) {
+  return poslsh::mean_mask_dense<double>(hashes, n, masking) -
+         poslsh::alibi_kernel_dense<double>(n, sigma, masking);
 }
 
 }  // namespace
@@ -31,17 +34,17 @@ TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis]") {
   };
   // Small sigma (most blocks single positions), ALiBi-like sigmas, and sigma far above n (one
   // block per sample, so the error is only inside the band).
-  for (const Case& c : {Case{1, 3.0, 2}, Case{2, 0.5, 1}, Case{200, 0.3, 5}, Case{333, 4.0, 1}, Case{500, 16.0, 37},
-                        Case{400, 64.0, 200}, Case{150, 1e5, 3}}) {
+  for (const Case& c : {Case{1, 3.0, 2}, Case{2, 0.5, 1}, Case{200, 0.3, 5}, Case{333, 4.0, 1},
+                        Case{500, 16.0, 37}, Case{400, 64.0, 200}, Case{150, 1e5, 3}}) {
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (std::uint64_t seed : {1, 2}) {
         const poslsh::HashSet hashes = poslsh::rbf_hashes(c.sigma, c.s, seed, 5);
         const poslsh::MaxError result = poslsh::max_error(hashes, c.n, c.sigma, masking);
         const RowMatrix<double> error = dense_error(hashes, c.n, c.sigma, masking);
         const double expected = error.cwiseAbs().maxCoeff();
-        INFO(name(masking) << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ", seed " << seed
-                           << ": " << result.value << " at (" << result.row << ", " << result.col << "), dense "
-                           << expected);
+        INFO(name(masking) << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ", seed "
+                           << seed << ": " << result.value << " at (" << result.row << ", "
+                           << result.col << "), dense " << expected);
         // Both form each entry as |c/s - exp(-d/sigma)| with the same operations: equal bits.
         CHECK(result.value == expected);
         REQUIRE(result.row >= 0);
@@ -55,7 +58,8 @@ TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis]") {
 TEST_CASE("max_error across the row-task seam and with hand-made hashes", "[analysis]") {
   // n spans several row tasks, so the per-task walkers start mid-sequence.
   const Index n = 2 * poslsh::detail::analysis_rows_per_task + 77;
-  const poslsh::HashSet hashes{poslsh::BinHash{3.5, 1.25}, poslsh::BinHash{10.0, 0.0}, poslsh::BinHash{0.25, 0.1}};
+  const poslsh::HashSet hashes{poslsh::BinHash{3.5, 1.25}, poslsh::BinHash{10.0, 0.0},
+                               poslsh::BinHash{0.25, 0.1}};
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     // Independent check straight from bin(), every row, keys within distance 200: no block is
     // wider than 10, so farther keys have c = 0 and |L*| < exp(-200/6) ~ 3e-15, far below the
@@ -71,13 +75,15 @@ TEST_CASE("max_error across the row-task seam and with hand-made hashes", "[anal
       }
     }
     const poslsh::MaxError result = poslsh::max_error(hashes, n, 6.0, masking);
-    INFO(name(masking) << ": " << result.value << " at (" << result.row << ", " << result.col << ")");
+    INFO(name(masking) << ": " << result.value << " at (" << result.row << ", " << result.col
+                       << ")");
     CHECK(result.value == expected);
   }
 }
 
 TEST_CASE("max_error of an empty sequence is zero", "[analysis]") {
-  const poslsh::MaxError result = poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), 0, 2.0, Masking::causal);
+  const poslsh::MaxError result =
+      poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), 0, 2.0, Masking::causal);
   CHECK(result.value == 0.0);
   CHECK(result.row == -1);
 }
@@ -94,7 +100,8 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
       std::vector<double> log_s, log_error;
       for (Index s = 4; s <= 1024; s *= 2) {
         log_s.push_back(std::log(double(s)));
-        log_error.push_back(std::log(poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value));
+        log_error.push_back(std::log(
+            poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value));
         mean_x += log_s.back() / 9.0;
         mean_y += log_error.back() / 9.0;
       }
@@ -114,9 +121,13 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
 TEST_CASE("max_error rejects bad arguments naming them", "[analysis][invalid]") {
   using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::max_error({}, 10, 2.0, Masking::causal); }, "hashes");
-  require_invalid_argument([] { poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), -1, 2.0, Masking::causal); }, "n");
-  require_invalid_argument([] { poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), 10, 0.0, Masking::causal); },
-                           "sigma");
-  require_invalid_argument([] { poslsh::max_error({poslsh::BinHash{0.0, 0.0}}, 10, 2.0, Masking::causal); },
-                           "hash.width");
+  require_invalid_argument(
+      [] { poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), -1, 2.0, Masking::causal); }, "n");
+  require_invalid_argument(
+      [] { poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), 10, 0.0, Masking::causal); }, "sigma");
+  require_invalid_argument(
+      [] {
+        poslsh::max_error({poslsh::BinHash{0.0, 0.0}}, 10, 2.0, Masking::causal);
+      },
+      "hash.width");
 }

@@ -1,13 +1,12 @@
 // Matrix-free products with L*, M~ and E = L* - M~ against the dense matrices of alibi_kernel.hpp
 // and masks.hpp.
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
 #include <poslsh/operators.hpp>
-
-#include <cmath>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::Index;
 using poslsh::Masking;
@@ -27,12 +26,14 @@ double vector_error(const A& a, const B& b) {
   return poslsh_test::relative_max_error(a.template cast<double>(), b.template cast<double>());
 }
 
-const char* name(Masking masking) { return masking == Masking::causal ? "causal" : "bidirectional"; }
+const char* name(Masking masking) {
+  return masking == Masking::causal ? "causal" : "bidirectional";
+}
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x", "[analysis]", float,
-                   double) {
+TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x", "[analysis]",
+                   float, double) {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.3, 2.0, 16.0, 500.0}) {
       for (Index n : {1, 2, 7, 300}) {
@@ -56,8 +57,8 @@ TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x"
   }
 }
 
-TEMPLATE_TEST_CASE("MeanMaskOperator products equal the dense mean mask times x", "[analysis]", float,
-                   double) {
+TEMPLATE_TEST_CASE("MeanMaskOperator products equal the dense mean mask times x", "[analysis]",
+                   float, double) {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.4, 3.0, 40.0}) {
       for (Index s : {1, 5, 64}) {
@@ -88,8 +89,8 @@ TEST_CASE("KernelErrorOperator is L* - M~ and its transpose, also in place", "[a
   const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, 9, 21, 0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const poslsh::KernelErrorOperator op(hashes, n, sigma, masking);
-    const RowMatrix<double> dense =
-        poslsh::alibi_kernel_dense<double>(n, sigma, masking) - poslsh::mean_mask_dense<double>(hashes, n, masking);
+    const RowMatrix<double> dense = poslsh::alibi_kernel_dense<double>(n, sigma, masking) -
+                                    poslsh::mean_mask_dense<double>(hashes, n, masking);
     const Eigen::VectorXd x = random_vector<double>(n, 8);
     Eigen::VectorXd y(n);
     op.apply<double>(x, y);
@@ -129,7 +130,10 @@ TEST_CASE("operators reject bad sizes and hash sets naming the argument", "[anal
   require_invalid_argument([] { poslsh::AlibiKernelOperator(4, 0.0, Masking::causal); }, "sigma");
   require_invalid_argument([] { poslsh::MeanMaskOperator({}, 4, Masking::causal); }, "hashes");
   require_invalid_argument(
-      [] { poslsh::MeanMaskOperator({poslsh::BinHash{2.0, 3.0}}, 4, Masking::causal); }, "hash.offset");
+      [] {
+        poslsh::MeanMaskOperator({poslsh::BinHash{2.0, 3.0}}, 4, Masking::causal);
+      },
+      "hash.offset");
   const poslsh::KernelErrorOperator op(hashes, 10, 4.0, Masking::causal);
   Eigen::VectorXd right(10);
   Eigen::VectorXd wrong(9);

@@ -1,16 +1,14 @@
 // Spectral norms: the matrix-free Lanczos path and the tridiagonal-inverse ||L*||_2 against
 // SVDs of the dense matrices, and the s^-1/2 decay of ||L* - M~||_2.
-#include "test_support.hpp"
-
+#include <Eigen/Eigenvalues>
+#include <Eigen/SVD>
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
 #include <poslsh/spectral_error.hpp>
-
-#include <Eigen/Eigenvalues>
-#include <Eigen/SVD>
-
-#include <cmath>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::Index;
 using poslsh::Masking;
@@ -20,13 +18,15 @@ using poslsh::SpectralOptions;
 
 namespace {
 
-const char* name(Masking masking) { return masking == Masking::causal ? "causal" : "bidirectional"; }
+const char* name(Masking masking) {
+  return masking == Masking::causal ? "causal" : "bidirectional";
+}
 
 // ||E||_2 of the dense E = L* - M~: largest singular value (BDCSVD) when causal, largest
 // |eigenvalue| of the symmetric matrix when bidirectional (the same number, found faster).
 double dense_error_norm(const poslsh::HashSet& hashes, Index n, double sigma, Masking masking) {
-  const RowMatrix<double> error =
-      poslsh::alibi_kernel_dense<double>(n, sigma, masking) - poslsh::mean_mask_dense<double>(hashes, n, masking);
+  const RowMatrix<double> error = poslsh::alibi_kernel_dense<double>(n, sigma, masking) -
+                                  poslsh::mean_mask_dense<double>(hashes, n, masking);
   if (masking == Masking::bidirectional) {
     const Eigen::SelfAdjointEigenSolver<RowMatrix<double>> solver(error, Eigen::EigenvaluesOnly);
     return solver.eigenvalues().cwiseAbs().maxCoeff();
@@ -58,7 +58,8 @@ double log_log_slope(const std::vector<double>& x, const std::vector<double>& y)
 
 }  // namespace
 
-TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up to 1024", "[analysis]") {
+TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up to 1024",
+          "[analysis]") {
   struct Case {
     Index n;
     double sigma;
@@ -66,15 +67,16 @@ TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up
   };
   // Case{1024, 2.0, 1} has a nearly periodic E (one sample, ~400 blocks): a clustered top of
   // the spectrum that takes Lanczos over a thousand products.
-  for (const Case& c : {Case{1024, 16.0, 16}, Case{1024, 2.0, 64}, Case{1024, 2.0, 1}, Case{700, 100.0, 4},
-                        Case{300, 0.7, 256}, Case{64, 8.0, 1}}) {
+  for (const Case& c : {Case{1024, 16.0, 16}, Case{1024, 2.0, 64}, Case{1024, 2.0, 1},
+                        Case{700, 100.0, 4}, Case{300, 0.7, 256}, Case{64, 8.0, 1}}) {
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       const poslsh::HashSet hashes = poslsh::rbf_hashes(c.sigma, c.s, 17, 2);
-      const poslsh::SpectralNorm lanczos =
-          poslsh::spectral_error(hashes, c.n, c.sigma, masking, with_method(SpectralMethod::lanczos));
+      const poslsh::SpectralNorm lanczos = poslsh::spectral_error(
+          hashes, c.n, c.sigma, masking, with_method(SpectralMethod::lanczos));
       const double expected = dense_error_norm(hashes, c.n, c.sigma, masking);
       INFO(name(masking) << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ": Lanczos "
-                         << lanczos.value << " after " << lanczos.products << " products, SVD " << expected);
+                         << lanczos.value << " after " << lanczos.products << " products, SVD "
+                         << expected);
       CHECK(lanczos.method == SpectralMethod::lanczos);
       CHECK(lanczos.converged);
       // The issue's requirement: 1e-6 relative (Lanczos converges to a 1e-10 residual).
@@ -94,8 +96,8 @@ TEST_CASE("an unconverged Lanczos run reports a lower bound", "[analysis]") {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const poslsh::SpectralNorm capped = poslsh::spectral_error(hashes, n, sigma, masking, options);
     const double expected = dense_error_norm(hashes, n, sigma, masking);
-    INFO(name(masking) << ": capped " << capped.value << " after " << capped.products << " products, dense "
-                       << expected);
+    INFO(name(masking) << ": capped " << capped.value << " after " << capped.products
+                       << " products, dense " << expected);
     CHECK_FALSE(capped.converged);
     // A Rayleigh quotient: never above the norm (up to roundoff), and already close.
     CHECK(capped.value <= expected * (1 + 1e-12));
@@ -108,10 +110,11 @@ TEST_CASE("dense and automatic spectral error agree with a Jacobi SVD", "[analys
   const double sigma = 5.0;
   const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, 7, 4, 0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    const RowMatrix<double> error =
-        poslsh::alibi_kernel_dense<double>(n, sigma, masking) - poslsh::mean_mask_dense<double>(hashes, n, masking);
+    const RowMatrix<double> error = poslsh::alibi_kernel_dense<double>(n, sigma, masking) -
+                                    poslsh::mean_mask_dense<double>(hashes, n, masking);
     const double expected = Eigen::JacobiSVD<RowMatrix<double>>(error).singularValues()(0);
-    const poslsh::SpectralNorm dense = poslsh::spectral_error(hashes, n, sigma, masking, with_method(SpectralMethod::dense));
+    const poslsh::SpectralNorm dense =
+        poslsh::spectral_error(hashes, n, sigma, masking, with_method(SpectralMethod::dense));
     const poslsh::SpectralNorm automatic = poslsh::spectral_error(hashes, n, sigma, masking);
     INFO(name(masking) << ": SVD " << expected << ", dense " << dense.value);
     CHECK(dense.method == SpectralMethod::dense);
@@ -126,10 +129,12 @@ TEST_CASE("alibi_kernel_norm equals the largest singular value of the dense kern
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.05, 1.0, 16.0, 256.0, 3000.0}) {
       for (Index n : {1, 2, 3, 17, 300}) {
-        const Eigen::BDCSVD<RowMatrix<double>> svd(poslsh::alibi_kernel_dense<double>(n, sigma, masking));
+        const Eigen::BDCSVD<RowMatrix<double>> svd(
+            poslsh::alibi_kernel_dense<double>(n, sigma, masking));
         const double expected = svd.singularValues()(0);
         const double norm = poslsh::alibi_kernel_norm(n, sigma, masking);
-        INFO(name(masking) << ", sigma " << sigma << ", n " << n << ": " << norm << " vs SVD " << expected);
+        INFO(name(masking) << ", sigma " << sigma << ", n " << n << ": " << norm << " vs SVD "
+                           << expected);
         // Bisection resolves lambda_min of the inverse to ~1e-16 absolute; lambda_min >=
         // (1 - r)^2 ~ 1/sigma^2, so 1e-9 relative holds up to sigma of a few thousand.
         CHECK(std::abs(norm - expected) <= 1e-9 * expected);
@@ -161,15 +166,18 @@ TEST_CASE("operator_spectral_norm on the kernel operator matches alibi_kernel_no
   // A second algorithm for ||L*||_2: Lanczos on the matrix-free L* (or L*^T L*).
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const poslsh::AlibiKernelOperator kernel(600, 8.0, masking);
-    const poslsh::SpectralNorm lanczos = poslsh::operator_spectral_norm(kernel, with_method(SpectralMethod::lanczos));
+    const poslsh::SpectralNorm lanczos =
+        poslsh::operator_spectral_norm(kernel, with_method(SpectralMethod::lanczos));
     const double exact = poslsh::alibi_kernel_norm(600, 8.0, masking);
-    INFO(name(masking) << ": Lanczos " << lanczos.value << " (" << lanczos.products << " products), exact " << exact);
+    INFO(name(masking) << ": Lanczos " << lanczos.value << " (" << lanczos.products
+                       << " products), exact " << exact);
     CHECK(lanczos.converged);
     CHECK(std::abs(lanczos.value - exact) <= 1e-8 * exact);
   }
 }
 
-TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35", "[analysis]") {
+TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
+          "[analysis]") {
   // n = 4096, sigma = 16, s = 4 .. 1024 runs in about 0.2 s per seed. Single realisations
   // already land near -0.5 (seeds 1 to 5 give -0.44 to -0.53), so each seed is checked on its
   // own rather than averaged.
@@ -184,8 +192,8 @@ TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0
         errors.push_back(poslsh::spectral_error(hashes, n, sigma, masking).value);
       }
       const double slope = log_log_slope(samples, errors);
-      INFO(name(masking) << ", seed " << seed << ": slope " << slope << ", error at s = 4 " << errors.front()
-                         << ", at s = 1024 " << errors.back());
+      INFO(name(masking) << ", seed " << seed << ": slope " << slope << ", error at s = 4 "
+                         << errors.front() << ", at s = 1024 " << errors.back());
       CHECK(slope >= -0.65);
       CHECK(slope <= -0.35);
     }
@@ -197,15 +205,19 @@ TEST_CASE("spectral error functions reject bad arguments naming them", "[analysi
   const poslsh::HashSet hashes = poslsh::rbf_hashes(4.0, 3, 1);
   require_invalid_argument([&] { poslsh::spectral_error({}, 10, 4.0, Masking::causal); }, "hashes");
   require_invalid_argument([&] { poslsh::spectral_error(hashes, -1, 4.0, Masking::causal); }, "n");
-  require_invalid_argument([&] { poslsh::spectral_error(hashes, 10, -4.0, Masking::causal); }, "sigma");
+  require_invalid_argument([&] { poslsh::spectral_error(hashes, 10, -4.0, Masking::causal); },
+                           "sigma");
   SpectralOptions options;
   options.subspace = options.eigenvalues;
-  require_invalid_argument([&] { poslsh::spectral_error(hashes, 10, 4.0, Masking::causal, options); },
-                           "options.subspace");
+  require_invalid_argument(
+      [&] { poslsh::spectral_error(hashes, 10, 4.0, Masking::causal, options); },
+      "options.subspace");
   options = SpectralOptions{};
   options.tolerance = 0.0;
-  require_invalid_argument([&] { poslsh::spectral_error(hashes, 10, 4.0, Masking::causal, options); },
-                           "options.tolerance");
+  require_invalid_argument(
+      [&] { poslsh::spectral_error(hashes, 10, 4.0, Masking::causal, options); },
+      "options.tolerance");
   require_invalid_argument([] { poslsh::alibi_kernel_norm(-2, 4.0, Masking::causal); }, "n");
-  require_invalid_argument([] { poslsh::alibi_kernel_norm(5, std::nan(""), Masking::causal); }, "sigma");
+  require_invalid_argument([] { poslsh::alibi_kernel_norm(5, std::nan(""), Masking::causal); },
+                           "sigma");
 }

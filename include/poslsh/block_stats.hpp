@@ -1,14 +1,14 @@
 // poslsh: block-size statistics of a hash set, against the sigma ln ln n scale of Theorem 2.1.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "poslsh/detail/check.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
-
-#include <algorithm>
-#include <cmath>
-#include <vector>
 
 namespace poslsh {
 
@@ -29,7 +29,8 @@ struct BlockStats {
 /// Block statistics of `hashes` on [0, n). O(sum_k (n / w_k + 1)) time.
 /// Throws std::invalid_argument if the set is empty, a hash is invalid or n < 0.
 inline BlockStats block_stats(const HashSet& hashes, Index n) {
-  detail::require(!hashes.empty(), "block_stats", "hashes", "{}", "must hold at least one hash (s >= 1)");
+  detail::require(!hashes.empty(), "block_stats", "hashes", "{}",
+                  "must hold at least one hash (s >= 1)");
   detail::require_size(n, "block_stats", "n");
   BlockStats stats;
   double square_sum = 0.0;
@@ -51,7 +52,9 @@ inline BlockStats block_stats(const HashSet& hashes, Index n) {
 }
 
 /// Largest block b_max over all samples (see block_stats).
-inline Index largest_block(const HashSet& hashes, Index n) { return block_stats(hashes, n).largest; }
+inline Index largest_block(const HashSet& hashes, Index n) {
+  return block_stats(hashes, n).largest;
+}
 
 /// The scale sigma ln ln n that Theorem 2.1 gives for the largest block over s = O(log n)
 /// samples: each sample's blocks all have its width w ~ Gamma(2, sigma), and the largest of

@@ -1,15 +1,15 @@
 // poslsh: the exact max-norm error ||L* - M~||_max without n x n storage.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "poslsh/detail/analysis_band.hpp"
 #include "poslsh/detail/analysis_partitions.hpp"
 #include "poslsh/detail/check.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
-
-#include <algorithm>
-#include <cmath>
-#include <vector>
 
 namespace poslsh {
 
@@ -38,8 +38,8 @@ inline Index analysis_largest_block(const AnalysisPartitions& partitions) {
 }
 
 /// Rows [first, last) of the max-norm scan; `kernel[d]` = exp(-d / sigma), `mean[c]` = c / s.
-inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, Index first, Index last,
-                                        bool causal, const std::vector<double>& kernel,
+inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, Index first,
+                                        Index last, bool causal, const std::vector<double>& kernel,
                                         const std::vector<double>& mean) {
   MaxError best;
   const auto consider = [&best](double value, Index i, Index j) {
@@ -51,7 +51,8 @@ inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, In
     // Left of the band M~ = 0, so |L* - M~| = L*, largest at the nearest key j = lo - 1.
     if (bands.lo > 0) consider(kernel[static_cast<std::size_t>(i - bands.lo + 1)], i, bands.lo - 1);
     for (Index j = bands.lo; j < bands.hi; ++j) {
-      const double estimate = mean[static_cast<std::size_t>(bands.counts[static_cast<std::size_t>(j - bands.lo)])];
+      const double estimate =
+          mean[static_cast<std::size_t>(bands.counts[static_cast<std::size_t>(j - bands.lo)])];
       const double exact = kernel[static_cast<std::size_t>(i > j ? i - j : j - i)];
       consider(std::abs(estimate - exact), i, j);
     }
@@ -78,7 +79,8 @@ inline MaxError max_error(const HashSet& hashes, Index n, double sigma, Masking 
   detail::require_sigma(sigma, function);
   const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
   if (n == 0) return MaxError{};
-  std::vector<double> kernel(static_cast<std::size_t>(detail::analysis_largest_block(partitions)) + 1);
+  std::vector<double> kernel(static_cast<std::size_t>(detail::analysis_largest_block(partitions)) +
+                             1);
   for (std::size_t d = 0; d < kernel.size(); ++d) {
     kernel[d] = std::exp(-static_cast<double>(d) / sigma);  // as alibi_kernel_dense forms it
   }

@@ -1,6 +1,13 @@
 // poslsh: the paper's metric set (kernel errors, its bounds, attention output errors) in one call.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "poslsh/detail/analysis_output.hpp"
 #include "poslsh/detail/analysis_partitions.hpp"
 #include "poslsh/detail/attention_checks.hpp"
@@ -8,13 +15,6 @@
 #include "poslsh/max_error.hpp"
 #include "poslsh/spectral_error.hpp"
 #include "poslsh/types.hpp"
-
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <optional>
-#include <string>
-#include <vector>
 
 namespace poslsh {
 
@@ -43,9 +43,11 @@ inline double expectation_bound(Index n, double sigma, Index s) {
 inline double tail_bound(Index n, double sigma, Index s, double epsilon) {
   detail::require_positive(n, "tail_bound", "n");
   detail::require_positive(s, "tail_bound", "s");
-  detail::require(std::isfinite(epsilon) && epsilon > 0.0, "tail_bound", "epsilon", epsilon, "must be finite and > 0");
+  detail::require(std::isfinite(epsilon) && epsilon > 0.0, "tail_bound", "epsilon", epsilon,
+                  "must be finite and > 0");
   const double psi = bound_constant(sigma);
-  return static_cast<double>(n) * std::exp(-static_cast<double>(s) * epsilon * epsilon / (4.0 * psi * (4.0 * psi + epsilon)));
+  return static_cast<double>(n) * std::exp(-static_cast<double>(s) * epsilon * epsilon /
+                                           (4.0 * psi * (4.0 * psi + epsilon)));
 }
 
 /// The paper's sample count s_good = ceil(sigma^2 ln n / epsilon^2) (a double: it can exceed
@@ -73,14 +75,14 @@ struct MetricOptions {
 
 /// Errors of M~ = (1/s) sum_k M(h_k) against the ALiBi kernel L*, with the paper's bounds.
 struct KernelErrorMetrics {
-  double spectral = 0.0;           ///< ||L* - M~||_2
-  double max = 0.0;                ///< ||L* - M~||_max
-  double kernel_norm = 0.0;        ///< ||L*||_2
-  double relative_spectral = 0.0;  ///< ||L* - M~||_2 / ||L*||_2
-  double epsilon = 0.0;            ///< epsilon used below (options.epsilon or relative_spectral)
-  double good_samples = 0.0;       ///< s_good = ceil(sigma^2 ln n / epsilon^2)
-  double expectation_bound = 0.0;  ///< Psi (sqrt(ln n / s) + ln n / s)
-  double tail_bound = 0.0;         ///< n exp(-s eps^2 / (4 Psi (4 Psi + eps)))
+  double spectral = 0.0;            ///< ||L* - M~||_2
+  double max = 0.0;                 ///< ||L* - M~||_max
+  double kernel_norm = 0.0;         ///< ||L*||_2
+  double relative_spectral = 0.0;   ///< ||L* - M~||_2 / ||L*||_2
+  double epsilon = 0.0;             ///< epsilon used below (options.epsilon or relative_spectral)
+  double good_samples = 0.0;        ///< s_good = ceil(sigma^2 ln n / epsilon^2)
+  double expectation_bound = 0.0;   ///< Psi (sqrt(ln n / s) + ln n / s)
+  double tail_bound = 0.0;          ///< n exp(-s eps^2 / (4 Psi (4 Psi + eps)))
   SpectralNorm spectral_details{};  ///< method, convergence and cost of `spectral`
 };
 
@@ -114,14 +116,14 @@ struct PaperMetrics {
 /// Kernel errors and bounds of the hash set: spectral_error, max_error, alibi_kernel_norm and
 /// the three bounds above. Throws std::invalid_argument naming a bad argument (empty or invalid
 /// hashes, n < 1, sigma, options).
-inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, double sigma, Masking masking,
-                                               const MetricOptions& options = {}) {
+inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, double sigma,
+                                               Masking masking, const MetricOptions& options = {}) {
   constexpr const char* function = "kernel_error_metrics";
   detail::require_positive(n, function, "n");
   detail::require_sigma(sigma, function);
   if (options.epsilon) {
-    detail::require(std::isfinite(*options.epsilon) && *options.epsilon > 0.0, function, "options.epsilon",
-                    *options.epsilon, "must be finite and > 0");
+    detail::require(std::isfinite(*options.epsilon) && *options.epsilon > 0.0, function,
+                    "options.epsilon", *options.epsilon, "must be finite and > 0");
   }
   KernelErrorMetrics metrics;
   metrics.spectral_details = spectral_error(hashes, n, sigma, masking, options.spectral);
@@ -133,7 +135,8 @@ inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, d
   const auto s = static_cast<Index>(hashes.size());
   metrics.expectation_bound = expectation_bound(n, sigma, s);
   const bool usable = metrics.epsilon > 0.0;  // an exact M~ (epsilon 0) has no finite s_good
-  metrics.good_samples = usable ? good_sample_count(n, sigma, metrics.epsilon) : detail::analysis_infinity;
+  metrics.good_samples =
+      usable ? good_sample_count(n, sigma, metrics.epsilon) : detail::analysis_infinity;
   metrics.tail_bound = usable ? tail_bound(n, sigma, s, metrics.epsilon) : static_cast<double>(n);
   return metrics;
 }
@@ -141,12 +144,15 @@ inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, d
 /// Output errors of an approximation T~ against the exact T* (see OutputErrorMetrics), in
 /// double. Throws std::invalid_argument naming 'exact' (no rows) or 'approximate' (shape).
 template <typename Scalar>
-OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact, ConstMatrixRef<Scalar> approximate) {
+OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
+                                        ConstMatrixRef<Scalar> approximate) {
   constexpr const char* function = "output_error_metrics";
   detail::require(exact.rows() >= 1, function, "exact", exact.rows(), "must have at least one row");
-  detail::require(approximate.rows() == exact.rows() && approximate.cols() == exact.cols(), function, "approximate",
+  detail::require(approximate.rows() == exact.rows() && approximate.cols() == exact.cols(),
+                  function, "approximate",
                   std::to_string(approximate.rows()) + "x" + std::to_string(approximate.cols()),
-                  "shape must equal exact's " + std::to_string(exact.rows()) + "x" + std::to_string(exact.cols()));
+                  "shape must equal exact's " + std::to_string(exact.rows()) + "x" +
+                      std::to_string(exact.cols()));
   const RowMatrix<double> t_exact = exact.template cast<double>();
   const RowMatrix<double> t_approximate = approximate.template cast<double>();
   const RowMatrix<double> difference = t_exact - t_approximate;
@@ -154,12 +160,16 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact, ConstMatri
   const double exact_norm = t_exact.norm();
   const double approximate_norm = t_approximate.norm();
   metrics.frobenius = difference.norm();
-  metrics.relative_frobenius = exact_norm > 0.0 ? metrics.frobenius / exact_norm : (metrics.frobenius > 0.0 ? detail::analysis_infinity : 0.0);
+  metrics.relative_frobenius = exact_norm > 0.0
+                                   ? metrics.frobenius / exact_norm
+                                   : (metrics.frobenius > 0.0 ? detail::analysis_infinity : 0.0);
   std::vector<double> rows(static_cast<std::size_t>(exact.rows()));
   for (Index i = 0; i < exact.rows(); ++i) {
     const double numerator = difference.row(i).norm();
     const double denominator = t_exact.row(i).norm();
-    rows[static_cast<std::size_t>(i)] = denominator > 0.0 ? numerator / denominator : (numerator > 0.0 ? detail::analysis_infinity : 0.0);
+    rows[static_cast<std::size_t>(i)] = denominator > 0.0
+                                            ? numerator / denominator
+                                            : (numerator > 0.0 ? detail::analysis_infinity : 0.0);
   }
   std::sort(rows.begin(), rows.end());
   metrics.row_relative_median = detail::analysis_percentile(rows, 0.5);
@@ -179,20 +189,25 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact, ConstMatri
 /// (OpenMP). A is not normalised, so large scores overflow to inf as they would in the paper's
 /// code. Throws std::invalid_argument naming a bad argument (shapes, hashes, sigma, scale).
 template <typename Scalar>
-UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                                        ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                                                        double sigma, const AttentionOptions& options = {}) {
+UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q,
+                                                        ConstMatrixRef<Scalar> k,
+                                                        ConstMatrixRef<Scalar> v,
+                                                        const HashSet& hashes, double sigma,
+                                                        const AttentionOptions& options = {}) {
   constexpr const char* function = "unnormalized_output_error_dense";
   detail::require_qkv_shapes(function, q, k, v);
-  detail::require(k.rows() == q.rows(), function, "k", k.rows(),
-                  "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  detail::require(
+      k.rows() == q.rows(), function, "k", k.rows(),
+      "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
   detail::require_sigma(sigma, function);
-  const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, q.rows(), function);
+  const detail::AnalysisPartitions partitions =
+      detail::analysis_partitions(hashes, q.rows(), function);
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return {};
   std::vector<double> kernel(static_cast<std::size_t>(n));
-  for (std::size_t d = 0; d < kernel.size(); ++d) kernel[d] = std::exp(-static_cast<double>(d) / sigma);
+  for (std::size_t d = 0; d < kernel.size(); ++d)
+    kernel[d] = std::exp(-static_cast<double>(d) / sigma);
   const RowMatrix<double> q_double = q.template cast<double>();
   const RowMatrix<double> k_double = k.template cast<double>();
   const RowMatrix<double> v_double = v.template cast<double>();
@@ -203,8 +218,9 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
 #pragma omp parallel for schedule(dynamic, 1)
   for (Index task = 0; task < tasks; ++task) {
     const Index first = task * rows_per_task;
-    sums[static_cast<std::size_t>(task)] = detail::analysis_unnormalized_rows(
-        q_double, k_double, v_double, tau, causal, partitions, kernel, first, std::min(n, first + rows_per_task));
+    sums[static_cast<std::size_t>(task)] =
+        detail::analysis_unnormalized_rows(q_double, k_double, v_double, tau, causal, partitions,
+                                           kernel, first, std::min(n, first + rows_per_task));
   }
   UnnormalizedOutputError error;
   double square_sum = 0.0;
@@ -222,22 +238,27 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
 /// alibi_attention_reference and an LSH kernel run with the same hashes). Throws
 /// std::invalid_argument naming a bad argument.
 template <typename Scalar>
-PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-                           const HashSet& hashes, double sigma, ConstMatrixRef<Scalar> exact,
-                           ConstMatrixRef<Scalar> approximate, const AttentionOptions& attention = {},
+PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                           ConstMatrixRef<Scalar> v, const HashSet& hashes, double sigma,
+                           ConstMatrixRef<Scalar> exact, ConstMatrixRef<Scalar> approximate,
+                           const AttentionOptions& attention = {},
                            const MetricOptions& options = {}) {
   constexpr const char* function = "paper_metrics";
   detail::require_qkv_shapes(function, q, k, v);
   detail::require(exact.rows() == q.rows() && exact.cols() == v.cols(), function, "exact",
                   std::to_string(exact.rows()) + "x" + std::to_string(exact.cols()),
-                  "shape must be q.rows() x v.cols() = " + std::to_string(q.rows()) + "x" + std::to_string(v.cols()));
-  detail::require(k.rows() == q.rows(), function, "k", k.rows(),
-                  "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
-  detail::require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit, "must be >= 0");
+                  "shape must be q.rows() x v.cols() = " + std::to_string(q.rows()) + "x" +
+                      std::to_string(v.cols()));
+  detail::require(
+      k.rows() == q.rows(), function, "k", k.rows(),
+      "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  detail::require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit,
+                  "must be >= 0");
   PaperMetrics metrics;
   metrics.output = output_error_metrics<Scalar>(exact, approximate);
   if (q.rows() <= options.dense_limit) {
-    metrics.unnormalized = unnormalized_output_error_dense<Scalar>(q, k, v, hashes, sigma, attention);
+    metrics.unnormalized =
+        unnormalized_output_error_dense<Scalar>(q, k, v, hashes, sigma, attention);
   }
   metrics.kernel = kernel_error_metrics(hashes, q.rows(), sigma, attention.masking, options);
   return metrics;

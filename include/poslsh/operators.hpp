@@ -2,16 +2,16 @@
 // E = L* - M~, so errors can be measured at sizes where n x n matrices do not fit.
 #pragma once
 
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/detail/check.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/detail/check.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -27,9 +27,12 @@ using VectorRef = Eigen::Ref<Vector<Scalar>>;
 
 namespace detail {
 
-inline void require_vector_sizes(const char* function, Index x_size, Index y_size, Index n) {
-  require(x_size == n, function, "x", x_size, "size must equal the operator size " + std::to_string(n));
-  require(y_size == n, function, "y", y_size, "size must equal the operator size " + std::to_string(n));
+inline void analysis_require_vector_sizes(const char* function, Index x_size, Index y_size,
+                                          Index n) {
+  require(x_size == n, function, "x", x_size,
+          "size must equal the operator size " + std::to_string(n));
+  require(y_size == n, function, "y", y_size,
+          "size must equal the operator size " + std::to_string(n));
 }
 
 }  // namespace detail
@@ -61,7 +64,7 @@ class AlibiKernelOperator {
   /// y = L* x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
   void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::require_vector_sizes("AlibiKernelOperator::apply", x.size(), y.size(), n_);
+    detail::analysis_require_vector_sizes("AlibiKernelOperator::apply", x.size(), y.size(), n_);
     if (masking_ == Masking::causal) {
       forward(x, y);
     } else {
@@ -79,7 +82,8 @@ class AlibiKernelOperator {
   template <typename Scalar>
   void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
     if (masking_ == Masking::bidirectional) return apply<Scalar>(x, y);
-    detail::require_vector_sizes("AlibiKernelOperator::apply_transpose", x.size(), y.size(), n_);
+    detail::analysis_require_vector_sizes("AlibiKernelOperator::apply_transpose", x.size(),
+                                          y.size(), n_);
     double g = 0.0;
     for (Index i = n_ - 1; i >= 0; --i) {
       g = static_cast<double>(x[i]) + decay_ * g;
@@ -125,7 +129,8 @@ class MeanMaskOperator {
  public:
   /// Throws std::invalid_argument if the hash set is empty, a hash is invalid or n < 0.
   MeanMaskOperator(const HashSet& hashes, Index n, Masking masking)
-      : partitions_(detail::analysis_partitions(hashes, n, "MeanMaskOperator")), masking_(masking) {}
+      : partitions_(detail::analysis_partitions(hashes, n, "MeanMaskOperator")),
+        masking_(masking) {}
 
   Index size() const { return partitions_.n; }
   Index samples() const { return partitions_.samples(); }
@@ -137,14 +142,15 @@ class MeanMaskOperator {
   /// y = M~ x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
   void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::require_vector_sizes("MeanMaskOperator::apply", x.size(), y.size(), size());
+    detail::analysis_require_vector_sizes("MeanMaskOperator::apply", x.size(), y.size(), size());
     product(x, y, false);
   }
 
   /// y = M~^T x (equal to M~ x when bidirectional).
   template <typename Scalar>
   void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::require_vector_sizes("MeanMaskOperator::apply_transpose", x.size(), y.size(), size());
+    detail::analysis_require_vector_sizes("MeanMaskOperator::apply_transpose", x.size(), y.size(),
+                                          size());
     product(x, y, masking_ == Masking::causal);
   }
 
@@ -159,11 +165,13 @@ class MeanMaskOperator {
     prefix_.resize(static_cast<std::size_t>(n) + 1);
     prefix_[0] = 0.0;
     for (Index i = 0; i < n; ++i) {
-      prefix_[static_cast<std::size_t>(i) + 1] = prefix_[static_cast<std::size_t>(i)] + static_cast<double>(x[i]);
+      prefix_[static_cast<std::size_t>(i) + 1] =
+          prefix_[static_cast<std::size_t>(i)] + static_cast<double>(x[i]);
     }
     cursor_.resize(samples_count);
     previous_.assign(samples_count, 0.0);
-    for (Index k = 0; k < samples(); ++k) cursor_[static_cast<std::size_t>(k)] = partitions_.begin(k);
+    for (Index k = 0; k < samples(); ++k)
+      cursor_[static_cast<std::size_t>(k)] = partitions_.begin(k);
     const bool causal = masking_ == Masking::causal;
     const double inverse_s = 1.0 / static_cast<double>(samples());
     double running = 0.0;
@@ -186,7 +194,7 @@ class MeanMaskOperator {
         const auto ui = static_cast<std::size_t>(i);
         running += spread_[static_cast<std::size_t>(i - c0)];
         const double mean = running * inverse_s;
-        const double value = !causal           ? mean
+        const double value = !causal            ? mean
                              : causal_transpose ? mean - prefix_[ui]
                                                 : prefix_[ui + 1] - mean;
         y[i] = static_cast<Scalar>(value);
@@ -234,14 +242,15 @@ class KernelErrorOperator {
   /// y = (L* - M~) x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
   void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::require_vector_sizes("KernelErrorOperator::apply", x.size(), y.size(), size());
+    detail::analysis_require_vector_sizes("KernelErrorOperator::apply", x.size(), y.size(), size());
     product<Scalar>(x, y, false);
   }
 
   /// y = (L* - M~)^T x.
   template <typename Scalar>
   void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::require_vector_sizes("KernelErrorOperator::apply_transpose", x.size(), y.size(), size());
+    detail::analysis_require_vector_sizes("KernelErrorOperator::apply_transpose", x.size(),
+                                          y.size(), size());
     product<Scalar>(x, y, true);
   }
 

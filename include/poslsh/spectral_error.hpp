@@ -2,6 +2,11 @@
 // matrix-free (Lanczos through Spectra, exact tridiagonal inverses) for any n.
 #pragma once
 
+#include <Eigen/Eigenvalues>
+#include <Eigen/SVD>
+#include <algorithm>
+#include <cmath>
+
 #include "poslsh/alibi_kernel.hpp"
 #include "poslsh/detail/analysis_lanczos.hpp"
 #include "poslsh/detail/analysis_tridiagonal.hpp"
@@ -9,12 +14,6 @@
 #include "poslsh/masks.hpp"
 #include "poslsh/operators.hpp"
 #include "poslsh/types.hpp"
-
-#include <Eigen/Eigenvalues>
-#include <Eigen/SVD>
-
-#include <algorithm>
-#include <cmath>
 
 namespace poslsh {
 
@@ -57,17 +56,22 @@ struct SpectralNorm {
 
 namespace detail {
 
-inline void analysis_require_spectral_options(const SpectralOptions& options, const char* function) {
-  require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit, "must be >= 0");
-  require(options.eigenvalues >= 1, function, "options.eigenvalues", options.eigenvalues, "must be >= 1");
+inline void analysis_require_spectral_options(const SpectralOptions& options,
+                                              const char* function) {
+  require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit,
+          "must be >= 0");
+  require(options.eigenvalues >= 1, function, "options.eigenvalues", options.eigenvalues,
+          "must be >= 1");
   require(options.subspace > options.eigenvalues, function, "options.subspace", options.subspace,
           "must exceed options.eigenvalues");
-  require(options.max_restarts >= 1, function, "options.max_restarts", options.max_restarts, "must be >= 1");
-  require(std::isfinite(options.tolerance) && options.tolerance > 0.0, function, "options.tolerance",
-          options.tolerance, "must be finite and > 0");
+  require(options.max_restarts >= 1, function, "options.max_restarts", options.max_restarts,
+          "must be >= 1");
+  require(std::isfinite(options.tolerance) && options.tolerance > 0.0, function,
+          "options.tolerance", options.tolerance, "must be finite and > 0");
 }
 
-/// ||A||_2 of a dense square matrix: max |eigenvalue| if symmetric, else the largest singular value.
+/// ||A||_2 of a dense square matrix: max |eigenvalue| if symmetric, else the largest singular
+/// value.
 inline double analysis_dense_spectral_norm(const RowMatrix<double>& matrix, bool symmetric) {
   if (matrix.rows() == 0) return 0.0;
   if (symmetric) {
@@ -103,7 +107,8 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
       matrix.col(j) = column;
       unit[j] = 0.0;
     }
-    return SpectralNorm{detail::analysis_dense_spectral_norm(matrix, op.symmetric()), true, n, SpectralMethod::dense};
+    return SpectralNorm{detail::analysis_dense_spectral_norm(matrix, op.symmetric()), true, n,
+                        SpectralMethod::dense};
   }
   const auto solve = [&](auto product, Spectra::SortRule rule) {
     detail::AnalysisLanczosSolver<decltype(product)> solver(product, eigenvalues, subspace);
@@ -119,7 +124,8 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
   if (op.symmetric()) {
     return solve(detail::AnalysisSymmetricProduct<Operator>(op), Spectra::SortRule::LargestMagn);
   }
-  SpectralNorm result = solve(detail::AnalysisNormalProduct<Operator>(op), Spectra::SortRule::LargestAlge);
+  SpectralNorm result =
+      solve(detail::AnalysisNormalProduct<Operator>(op), Spectra::SortRule::LargestAlge);
   result.value = std::sqrt(result.value);
   return result;
 }
@@ -139,8 +145,9 @@ inline SpectralNorm spectral_error(const HashSet& hashes, Index n, double sigma,
       (options.method == SpectralMethod::automatic && n <= options.dense_limit)) {
     const RowMatrix<double> dense =
         alibi_kernel_dense<double>(n, sigma, masking) - mean_mask_dense<double>(hashes, n, masking);
-    return SpectralNorm{detail::analysis_dense_spectral_norm(dense, masking == Masking::bidirectional), true, 0,
-                        SpectralMethod::dense};
+    return SpectralNorm{
+        detail::analysis_dense_spectral_norm(dense, masking == Masking::bidirectional), true, 0,
+        SpectralMethod::dense};
   }
   return operator_spectral_norm(error, options);
 }

@@ -2,11 +2,11 @@
 // band [lo_i, hi_i), built from stored block edges by walking rows in increasing order.
 #pragma once
 
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <vector>
+
+#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 

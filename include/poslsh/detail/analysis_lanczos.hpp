@@ -2,12 +2,12 @@
 // apply<double>, apply_transpose<double>) into the products Spectra's Lanczos solver calls.
 #pragma once
 
-#include "poslsh/types.hpp"
-
-#include <Eigen/Core>
 #include <Spectra/SymEigsSolver.h>
 
+#include <Eigen/Core>
 #include <cmath>
+
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 

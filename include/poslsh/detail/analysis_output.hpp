@@ -2,13 +2,13 @@
 // (A o L*) V - (A o M~) V row by row).
 #pragma once
 
-#include "poslsh/detail/analysis_band.hpp"
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "poslsh/detail/analysis_band.hpp"
+#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 
@@ -31,10 +31,10 @@ struct AnalysisErrorSums {
 /// Rows [first, last) of D = (A o L*) V - (A o M~) V = (A o E) V, E = L* - M~, in double:
 /// d_i = sum_j exp(tau q_i . k_j) (L*_ij - c_ij / s) v_j over the visible keys. `kernel[d]` =
 /// exp(-d / sigma) for d < n. O((last - first) n (d + d_v)) time.
-inline AnalysisErrorSums analysis_unnormalized_rows(const RowMatrix<double>& q, const RowMatrix<double>& k,
-                                                    const RowMatrix<double>& v, double tau, bool causal,
-                                                    const AnalysisPartitions& partitions,
-                                                    const std::vector<double>& kernel, Index first, Index last) {
+inline AnalysisErrorSums analysis_unnormalized_rows(
+    const RowMatrix<double>& q, const RowMatrix<double>& k, const RowMatrix<double>& v, double tau,
+    bool causal, const AnalysisPartitions& partitions, const std::vector<double>& kernel,
+    Index first, Index last) {
   const Index n = q.rows();
   const double inverse_s = 1.0 / static_cast<double>(partitions.samples());
   AnalysisErrorSums sums;
@@ -46,9 +46,11 @@ inline AnalysisErrorSums analysis_unnormalized_rows(const RowMatrix<double>& q, 
     bands.row(i, causal);
     weights.head(keys).noalias() = k.topRows(keys) * q.row(i).transpose();
     for (Index j = 0; j < keys; ++j) {
-      const double estimate = j >= bands.lo && j < bands.hi
-                                  ? static_cast<double>(bands.counts[static_cast<std::size_t>(j - bands.lo)]) * inverse_s
-                                  : 0.0;
+      const double estimate =
+          j >= bands.lo && j < bands.hi
+              ? static_cast<double>(bands.counts[static_cast<std::size_t>(j - bands.lo)]) *
+                    inverse_s
+              : 0.0;
       const double exact = kernel[static_cast<std::size_t>(i > j ? i - j : j - i)];
       weights[j] = std::exp(tau * weights[j]) * (exact - estimate);
     }

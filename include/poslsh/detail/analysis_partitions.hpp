@@ -2,13 +2,13 @@
 // operators (each product walks them instead of recomputing bins).
 #pragma once
 
+#include <cstddef>
+#include <vector>
+
 #include "poslsh/detail/check.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
-
-#include <cstddef>
-#include <vector>
 
 namespace poslsh::detail {
 
@@ -21,11 +21,14 @@ struct AnalysisPartitions {
 
   Index samples() const { return static_cast<Index>(offsets.size()) - 1; }
   const Index* begin(Index k) const { return edges.data() + offsets[static_cast<std::size_t>(k)]; }
-  const Index* end(Index k) const { return edges.data() + offsets[static_cast<std::size_t>(k) + 1]; }
+  const Index* end(Index k) const {
+    return edges.data() + offsets[static_cast<std::size_t>(k) + 1];
+  }
 };
 
 /// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
-inline AnalysisPartitions analysis_partitions(const HashSet& hashes, Index n, const char* function) {
+inline AnalysisPartitions analysis_partitions(const HashSet& hashes, Index n,
+                                              const char* function) {
   require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash (s >= 1)");
   require_size(n, function, "n");
   for (const BinHash& hash : hashes) validate_hash(hash, function);

@@ -2,10 +2,10 @@
 // are the ALiBi kernels, by Sturm-count bisection (O(n) per step, no n x n storage).
 #pragma once
 
-#include "poslsh/types.hpp"
-
 #include <cmath>
 #include <limits>
+
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 
@@ -20,7 +20,8 @@ struct AnalysisTridiagonal {
 
   /// Number of eigenvalues < x: the negative pivots of the LDL^T factorisation of T - x I.
   Index count_below(double x) const {
-    constexpr double pivot_floor = std::numeric_limits<double>::min() / std::numeric_limits<double>::epsilon();
+    constexpr double pivot_floor =
+        std::numeric_limits<double>::min() / std::numeric_limits<double>::epsilon();
     const double off2 = off * off;
     const auto step = [&](double pivot, double previous) {
       const double next = pivot - off2 / previous;
