@@ -106,31 +106,34 @@ class CountBias {
 
  private:
   static std::size_t index(Index i) { return static_cast<std::size_t>(i); }
-  // count_tile[b][a] = c_{i0+a, j0+b} for rows [r0, r1) (whole packets), keys b < keys: +1/-1
-  // at each rectangle's key edges (the -1 dropped past the last key), then a running sum over
-  // keys per packet of rows; Hidden: 0 where j > i (causal).
+  // count_tile[b][a] = c_{i0+a, j0+b} for the packets of rows in [r0, r1) and the keys b
+  // each reaches (nothing else is read): +1/-1 at each rectangle's key edges (the -1 dropped
+  // past the last key), then a running sum over keys per packet; Hidden: 0 where j > i.
   template <bool Hidden>
   void expand_counts(Index j0, Index keys, Index r0, Index r1) {
     namespace ei = Eigen::internal;
     Scalar* counts = count_tile_.data();
     const Packet zero = ei::pset1<Packet>(Scalar(0));
-    for (Index b = 0; b < keys; ++b)
-      for (Index a = r0; a < r1; a += P) ei::pstore(counts + b * Bq + a, zero);
-    using Column = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    for (Index a = r0; a < r1; a += P) {
+      const KeyRange reach = packet_keys(a, keys);
+      for (Index b = reach.first; b < reach.last; ++b) ei::pstore(counts + b * Bq + a, zero);
+    }
     for (const CountRectangle& rect : counts_.rectangles) {
       if (rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
-      const Index first = std::max(rect.row_begin, r0);
-      const Index rows = std::min(rect.row_end, r1) - first;
-      if (rows <= 0) continue;
-      Column(counts + (std::max(rect.key_begin, j0) - j0) * Bq + first, rows) += Scalar(1);
-      if (rect.key_end < j0 + keys) Column(counts + (rect.key_end - j0) * Bq + first, rows) -= Scalar(1);
+      const Index first = std::max(rect.row_begin, r0), last = std::min(rect.row_end, r1);
+      Scalar* up = counts + (std::max(rect.key_begin, j0) - j0) * Bq;
+      for (Index r = first; r < last; ++r) up[r] += Scalar(1);
+      if (rect.key_end >= j0 + keys) continue;
+      Scalar* down = counts + (rect.key_end - j0) * Bq;
+      for (Index r = first; r < last; ++r) down[r] -= Scalar(1);
     }
     for (Index a = r0; a < r1; a += P) {
       // Row i0 + a + r sees key j0 + b iff r >= j0 + b - i0 - a (distances clamped to
       // [-1, P], exact in Scalar).
       const Packet row = ei::plset<Packet>(Scalar(0));
+      const KeyRange reach = packet_keys(a, keys);
       Packet count = zero;
-      for (Index b = 0; b < keys; ++b) {
+      for (Index b = reach.first; b < reach.last; ++b) {
         Scalar* entry = counts + b * Bq + a;
         count = ei::padd(count, ei::pload<Packet>(entry));
         if constexpr (Hidden) {
@@ -141,6 +144,13 @@ class CountBias {
         }
       }
     }
+  }
+
+  // Keys of the key tile that the packet of rows at a reaches, clamped to [0, keys).
+  KeyRange packet_keys(Index a, Index keys) const {
+    const KeyRange reach = keys_reached(a, a + P);
+    const Index first = std::clamp<Index>(reach.first, 0, keys);
+    return {first, std::clamp<Index>(reach.last, first, keys)};
   }
 
   const HashSet& hashes_;

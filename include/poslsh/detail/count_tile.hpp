@@ -7,6 +7,8 @@
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
 
+#include <Eigen/Core>
+
 #include <algorithm>
 #include <vector>
 
@@ -33,18 +35,20 @@ struct TileCounts {
     lo.assign(static_cast<std::size_t>(rows), n);
     hi.assign(static_cast<std::size_t>(rows), 0);
     const Index i1 = i0 + rows;
+    positions_.resize(rows);
+    for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(i0 + r);
     for (const BinHash& hash : hashes) {
-      for (Block block = block_containing(hash, i0, n);;
-           block = block_containing(hash, block.end, n)) {
-        const Index row_begin = std::max(block.begin, i0) - i0;
-        const Index row_end = std::min(block.end, i1) - i0;
-        rectangles.push_back({row_begin, row_end, block.begin, block.end});
-        for (Index r = row_begin; r < row_end; ++r) {
-          const auto index = static_cast<std::size_t>(r);
-          lo[index] = std::min(lo[index], block.begin);
-          hi[index] = std::max(hi[index], block.end);
-        }
-        if (block.end >= i1) break;
+      // The bins of the tile's rows, all at once (the same rounding as BinHash::bin); a block
+      // boundary inside the tile is where the bin changes. The first and the last block
+      // reach beyond the tile: block_containing finds their other ends.
+      bins_ = ((positions_ - hash.offset) / hash.width).floor();
+      const Index first_begin = block_containing(hash, i0, n).begin;
+      Index run = 0;
+      for (Index r = 1; r <= rows; ++r) {
+        if (r < rows && bins_(r) == bins_(r - 1)) continue;
+        add_block(run, r, run == 0 ? first_begin : i0 + run,
+                  r == rows ? block_containing(hash, i1 - 1, n).end : i0 + r);
+        run = r;
       }
     }
     if (causal) {
@@ -58,6 +62,18 @@ struct TileCounts {
   /// Keys of the tile's band: [min lo, max hi).
   Index band_begin() const { return lo.front(); }
   Index band_end() const { return *std::max_element(hi.begin(), hi.end()); }
+
+ private:
+  // The block [key_begin, key_end) holding tile rows [row_begin, row_end).
+  void add_block(Index row_begin, Index row_end, Index key_begin, Index key_end) {
+    rectangles.push_back({row_begin, row_end, key_begin, key_end});
+    for (auto r = static_cast<std::size_t>(row_begin); r < static_cast<std::size_t>(row_end); ++r) {
+      lo[r] = std::min(lo[r], key_begin);
+      hi[r] = std::max(hi[r], key_end);
+    }
+  }
+
+  Eigen::ArrayXd positions_, bins_;
 };
 
 }  // namespace poslsh::detail

@@ -96,6 +96,7 @@ class TileEngine {
   // Register blocks: score_keys keys x query_packets packets of queries, value_rows rows x
   // value_packets packets of values (16 accumulators each; 4 x 4 measured best on AVX-512).
   static constexpr int score_keys = 4;
+  static constexpr int packet_keys = 16;
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
   static constexpr int value_rows = 4;
   static constexpr int value_packets = 4;
@@ -216,33 +217,46 @@ class TileEngine {
   }
 
   // scores[b][a] = x_{i0+a, j0+b} (or -inf if masked) where packet a reaches key b;
-  // tile_max = max over b.
+  // tile_max = max over b. A tile kept whole is scored in blocks of score_keys keys x
+  // query_packets packets; a cut tile packet by packet, each over the keys it reaches, in
+  // blocks of packet_keys keys (the same number of accumulators, no work outside the windows
+  // beyond the packet's own rows).
   template <bool Masked>
   void score_tile(Index keys) {
     b_.tile_max.head(Bq).setConstant(minus_infinity);
-    Index b = 0;
-    for (; b + score_keys <= keys; b += score_keys) score_keys_rows<score_keys, Masked>(b);
-    score_remainder<score_keys - 1, Masked>(b, keys - b);
-  }
-
-  // The last keys - b < score_keys keys of the tile.
-  template <int Keys, bool Masked>
-  void score_remainder(Index b, Index remaining) {
-    if constexpr (Keys > 0) {
-      if (remaining == Keys)
-        score_keys_rows<Keys, Masked>(b);
-      else
-        score_remainder<Keys - 1, Masked>(b, remaining);
+    if constexpr (Masked) {
+      for (Index a = packets_.first; a < packets_.last; a += P) {
+        const KeyRange reach = keys_reached(a, a + P, keys);
+        score_packet_keys<packet_keys>(reach.first, reach.last, a);
+      }
+    } else {
+      const KeyRange rows = packets_reaching(0, keys);
+      for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P) {
+        const Index packets = (rows.last - a0) / P;
+        Index b = 0;
+        for (; b + score_keys <= keys; b += score_keys)
+          score_packets<score_keys, query_packets, false>(packets, b, a0);
+        score_remainder<score_keys - 1>(packets, b, keys - b, a0);
+      }
     }
   }
 
-  // Keys [b0, b0 + Keys) against the packets of queries that reach them, in register blocks
-  // of up to query_packets packets.
-  template <int Keys, bool Masked>
-  void score_keys_rows(Index b0) {
-    const KeyRange rows = packets_reaching(b0, b0 + Keys);
-    for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P)
-      score_packets<Keys, query_packets, Masked>((rows.last - a0) / P, b0, a0);
+  // Keys [b, end) against the packet of queries at a, in blocks of Keys, then Keys / 2, ...
+  template <int Keys>
+  void score_packet_keys(Index b, Index end, Index a) {
+    for (; b + Keys <= end; b += Keys) score_block<Keys, 1, true>(b, a);
+    if constexpr (Keys > 1) score_packet_keys<Keys / 2>(b, end, a);
+  }
+
+  // The last remaining < score_keys keys of a whole tile.
+  template <int Keys>
+  void score_remainder(Index packets, Index b, Index remaining, Index a0) {
+    if constexpr (Keys > 0) {
+      if (remaining == Keys)
+        score_packets<Keys, query_packets, false>(packets, b, a0);
+      else
+        score_remainder<Keys - 1>(packets, b, remaining, a0);
+    }
   }
 
   template <int Keys, int Packets, bool Masked>
