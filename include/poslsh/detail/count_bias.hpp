@@ -32,7 +32,7 @@ class CountBias {
   CountBias(const HashSet& hashes, Index n, bool causal, TileCounts& counts,
             Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile)
       : hashes_(hashes), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
-    if (count_tile_.size() < Bq * Bk) count_tile_.resize(Bq * Bk);
+    if (count_tile_.size() < Bq * Bk) count_tile_.setZero(Bq * Bk);
   }
 
   KeyRange query_tile(Index i0) {
@@ -118,14 +118,14 @@ class CountBias {
       const KeyRange reach = packet_keys(a, keys);
       for (Index b = reach.first; b < reach.last; ++b) ei::pstore(counts + b * Bq + a, zero);
     }
+    // Causal: a block ends after each of its rows, so its -1 falls where every one of its
+    // rows is hidden; it is not needed.
     for (const CountRectangle& rect : counts_.rectangles) {
       if (rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
       const Index first = std::max(rect.row_begin, r0), last = std::min(rect.row_end, r1);
-      Scalar* up = counts + (std::max(rect.key_begin, j0) - j0) * Bq;
-      for (Index r = first; r < last; ++r) up[r] += Scalar(1);
-      if (rect.key_end >= j0 + keys) continue;
-      Scalar* down = counts + (rect.key_end - j0) * Bq;
-      for (Index r = first; r < last; ++r) down[r] -= Scalar(1);
+      add_to_rows(counts + (std::max(rect.key_begin, j0) - j0) * Bq, first, last, Scalar(1));
+      if (!causal_ && rect.key_end < j0 + keys)
+        add_to_rows(counts + (rect.key_end - j0) * Bq, first, last, Scalar(-1));
     }
     for (Index a = r0; a < r1; a += P) {
       // Row i0 + a + r sees key j0 + b iff r >= j0 + b - i0 - a (distances clamped to
@@ -143,6 +143,21 @@ class CountBias {
           ei::pstore(entry, count);
         }
       }
+    }
+  }
+
+  // column[r] += value for rows [first, last) (whole packets read and written, inside the
+  // tile's rows).
+  static void add_to_rows(Scalar* column, Index first, Index last, Scalar value) {
+    namespace ei = Eigen::internal;
+    const Packet offsets = ei::plset<Packet>(Scalar(0));
+    const Packet lower = ei::pset1<Packet>(static_cast<Scalar>(first));
+    const Packet upper = ei::pset1<Packet>(static_cast<Scalar>(last));
+    const Packet increment = ei::pset1<Packet>(value);
+    for (Index a = first / P * P; a < last; a += P) {
+      const Packet row = ei::padd(offsets, ei::pset1<Packet>(static_cast<Scalar>(a)));
+      const Packet inside = ei::pand(ei::pcmp_le(lower, row), ei::pcmp_lt(row, upper));
+      ei::pstore(column + a, ei::padd(ei::pload<Packet>(column + a), ei::pand(inside, increment)));
     }
   }
 

@@ -37,18 +37,42 @@ struct TileCounts {
     const Index i1 = i0 + rows;
     positions_.resize(rows);
     for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(i0 + r);
+    begins_.resize(static_cast<std::size_t>(rows));
+    ends_.resize(static_cast<std::size_t>(rows));
+    starts_.resize(static_cast<std::size_t>(rows) + 1);
+    changed_.resize(rows);
     for (const BinHash& hash : hashes) {
       // The bins of the tile's rows, all at once (the same rounding as BinHash::bin); a block
-      // boundary inside the tile is where the bin changes. The first and the last block
-      // reach beyond the tile: block_containing finds their other ends.
+      // starts inside the tile where the bin changes. The first and the last block reach
+      // beyond the tile: block_containing finds their outer ends. Branch-free scans give each
+      // row its block's ends.
       bins_ = ((positions_ - hash.offset) / hash.width).floor();
-      const Index first_begin = block_containing(hash, i0, n).begin;
-      Index run = 0;
-      for (Index r = 1; r <= rows; ++r) {
-        if (r < rows && bins_(r) == bins_(r - 1)) continue;
-        add_block(run, r, run == 0 ? first_begin : i0 + run,
-                  r == rows ? block_containing(hash, i1 - 1, n).end : i0 + r);
-        run = r;
+      changed_(0) = 0;
+      changed_.tail(rows - 1) = (bins_.tail(rows - 1) != bins_.head(rows - 1)).cast<Index>();
+      Index begin = block_containing(hash, i0, n).begin;
+      Index end = block_containing(hash, i1 - 1, n).end;
+      const Index* changed = changed_.data();
+      std::size_t blocks = 1;
+      starts_[0] = 0;
+      for (Index r = 0; r < rows; ++r) {
+        starts_[blocks] = r;
+        blocks += static_cast<std::size_t>(changed[r]);
+        begin = changed[r] != 0 ? i0 + r : begin;
+        begins_[static_cast<std::size_t>(r)] = begin;
+      }
+      starts_[blocks] = rows;
+      for (Index r = rows - 1; r >= 0; --r) {
+        ends_[static_cast<std::size_t>(r)] = end;
+        end = changed[r] != 0 ? i0 + r : end;
+      }
+      for (std::size_t block = 0; block < blocks; ++block) {
+        const Index row_begin = starts_[block], row_end = starts_[block + 1];
+        rectangles.push_back({row_begin, row_end, begins_[static_cast<std::size_t>(row_begin)],
+                              ends_[static_cast<std::size_t>(row_begin)]});
+      }
+      for (std::size_t r = 0; r < begins_.size(); ++r) {
+        lo[r] = std::min(lo[r], begins_[r]);
+        hi[r] = std::max(hi[r], ends_[r]);
       }
     }
     if (causal) {
@@ -64,16 +88,9 @@ struct TileCounts {
   Index band_end() const { return *std::max_element(hi.begin(), hi.end()); }
 
  private:
-  // The block [key_begin, key_end) holding tile rows [row_begin, row_end).
-  void add_block(Index row_begin, Index row_end, Index key_begin, Index key_end) {
-    rectangles.push_back({row_begin, row_end, key_begin, key_end});
-    for (auto r = static_cast<std::size_t>(row_begin); r < static_cast<std::size_t>(row_end); ++r) {
-      lo[r] = std::min(lo[r], key_begin);
-      hi[r] = std::max(hi[r], key_end);
-    }
-  }
-
   Eigen::ArrayXd positions_, bins_;
+  Eigen::Array<Index, Eigen::Dynamic, 1> changed_;
+  std::vector<Index> begins_, ends_, starts_;
 };
 
 }  // namespace poslsh::detail
