@@ -128,6 +128,8 @@ class TileEngine {
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
       const Index r1 = std::min(i0 + Bq, row_end);
+      tile_prefetch_rows(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin,
+                         r1 - row_begin, dv_, true);
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
@@ -154,6 +156,13 @@ class TileEngine {
     const Index key_lo = std::max<Index>(0, reach.first);
     const Index key_hi = std::min(n_, reach.last) - 1;
     if (key_lo > key_hi) return;
+    // The next tile's queries, and the keys and values just past this tile's: their memory
+    // latency then hides behind this tile's work (as this tile's output rows, prefetched by
+    // run()).
+    tile_prefetch_rows(q_.data(), q_.outerStride(), i0 + Bq, std::min(n_, i0 + 2 * Bq), d_);
+    const Index next_keys = std::min(n_, key_hi + 1 + Bq);
+    tile_prefetch_rows(k_.data(), k_.outerStride(), key_hi + 1, next_keys, d_);
+    tile_prefetch_rows(v_.data(), v_.outerStride(), key_hi + 1, next_keys, dv_);
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
