@@ -10,6 +10,7 @@
 
 #include "poslsh/detail/tile_engine.hpp"
 #include "poslsh/detail/tile_kernels.hpp"
+#include "poslsh/detail/tile_types.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh::detail {

@@ -12,8 +12,8 @@
 #include <limits>
 
 #include "poslsh/detail/count_tile.hpp"
-#include "poslsh/detail/tile_engine.hpp"
 #include "poslsh/detail/tile_kernels.hpp"
+#include "poslsh/detail/tile_types.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 

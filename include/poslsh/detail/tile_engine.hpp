@@ -8,28 +8,12 @@
 // and out_i = acc_i / l_i. Each query row sees one interval of keys (its window, given by the
 // policy); key tiles outside a query tile's windows are skipped, tiles cut by them are masked
 // entry by entry (masked entries are -inf and never enter the maximum; their probability is
-// exactly 0). Within a tile, each block of keys is scored only for the packets of queries
-// whose windows reach it, and each packet (block of rows) only visits the keys its windows
-// reach. Key tiles are visited nearest the diagonal first.
-// Every query row's arithmetic depends only on the row and its tile (tiles are aligned to
-// multiples of tile_query_rows from row 0), never on the other rows computed: any split of
-// the rows into ranges gives bitwise the same output.
-//
-// A bias policy `Bias` (state: the current query tile and key tile) provides:
-//   KeyRange query_tile(Index i0)          keys [first, last) reached by the query tile at i0;
-//   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows)
-//                                          the key tile [j0, j0 + keys) for the tile-relative
-//                                          rows `rows` (whole packets): skip, full or masked;
-//   KeyRange rows_reaching(Index b0, Index b1)  tile-relative rows whose window meets keys
-//                                          [b0, b1) of the key tile (unclamped);
-//   KeyRange keys_reached(Index a0, Index a1)   keys of the key tile (relative, unclamped)
-//                                          that rows [a0, a1) reach; both exactly (a key one
-//                                          says is reached must be scored for the row);
-//   Scorer scorer()                        a small value type with
-//     template <bool Masked> Packet score(Packet acc, Index b, Index a): x of key b, queries
-//                                          [a, a + P) from acc = tau q.k (-inf where masked);
-//     template <bool Masked> Packet weight(Packet prob, Packet x, Index b, Index a): p from
-//                                          e^{x - M} (exactly 0 where masked).
+// exactly 0). Only the packets of query rows whose windows reach a tile are computed, and in
+// a cut tile each packet only over the keys its windows reach. Key tiles are visited nearest
+// the diagonal first. Every query row's arithmetic depends only on the row and its tile
+// (tiles are aligned to multiples of tile_query_rows from row 0), never on the other rows
+// computed: any split of the rows into ranges gives bitwise the same output.
+// The bias policy concept and the engine's buffers: detail/tile_types.hpp.
 #pragma once
 
 #include <Eigen/Core>
@@ -37,6 +21,7 @@
 #include <limits>
 
 #include "poslsh/detail/tile_kernels.hpp"
+#include "poslsh/detail/tile_types.hpp"
 #include "poslsh/types.hpp"
 
 // GCC 12 reports "'__Y' is (maybe) used uninitialized" inside its own AVX-512 intrinsics
@@ -49,42 +34,6 @@
 #endif
 
 namespace poslsh::detail {
-
-/// Query rows per tile (aligned to multiples of it from row 0) and keys per tile.
-inline constexpr Index tile_query_rows = 64;
-inline constexpr Index tile_key_cols = 64;
-
-/// Half-open range [first, last) of rows or keys.
-struct KeyRange {
-  Index first;
-  Index last;
-};
-
-/// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
-enum class KeyTileCut { skip, full, masked };
-
-/// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
-/// they only grow.
-template <typename Scalar>
-struct TileBuffers {
-  using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
-  Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
-
-  void prepare(Index d, Index dv_padded, bool pack_values) {
-    constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
-    grow(qt, d * Bq);
-    grow(scores, Bk * Bq);
-    for (Buffer* row_buffer : {&running_max, &running_sum, &alpha, &shift, &tile_max})
-      grow(*row_buffer, Bq);
-    grow(acc, Bq * dv_padded);
-    if (pack_values && values.size() < Bk * dv_padded) values.setZero(Bk * dv_padded);
-  }
-
- private:
-  static void grow(Buffer& buffer, Index size) {
-    if (buffer.size() < size) buffer.resize(size);
-  }
-};
 
 /// One head's attention under the bias policy `Bias` (see the file comment).
 template <typename Scalar, typename Bias>
@@ -144,7 +93,7 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
   void query_tile(Index i0, Index r0, Index r1) {
-    pack_queries(i0, r0, r1);
+    tile_pack_queries<Scalar>(q_, i0, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
     b_.running_max.head(Bq).setConstant(minus_infinity);
     b_.running_sum.head(Bq).setZero();
     b_.acc.head(Bq * dvp_).setZero();
@@ -169,26 +118,6 @@ class TileEngine {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
-  }
-
-  // qt (d x Bq) = tau Q^T of rows [r0, r1) of the tile at i0; the other rows are zero (they
-  // are computed as zero queries).
-  void pack_queries(Index i0, Index r0, Index r1) {
-    Eigen::Map<RowMatrix<Scalar>> qt(b_.qt.data(), d_, Bq);
-    if (r1 - r0 < Bq) {
-      qt.setZero();
-      qt.middleCols(r0 - i0, r1 - r0) = tau_ * q_.middleRows(r0, r1 - r0).transpose();
-      return;
-    }
-    const Index d_blocks = d_ / P * P;
-    for (Index a = 0; a < Bq; a += P) {
-      const Scalar* rows = q_.data() + (i0 + a) * q_.outerStride();
-      for (Index c = 0; c < d_blocks; c += P)
-        tile_transpose_block<Scalar>(rows + c, q_.outerStride(), b_.qt.data() + c * Bq + a, Bq,
-                                     tau_);
-    }
-    if (d_blocks < d_)
-      qt.bottomRows(d_ - d_blocks) = tau_ * q_.middleRows(i0, Bq).rightCols(d_ - d_blocks).transpose();
   }
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {

@@ -97,6 +97,29 @@ EIGEN_ALWAYS_INLINE void tile_transpose_block(const Scalar* src, Index src_strid
 #pragma GCC diagnostic pop
 #endif
 
+/// qt (d x tile, row-major) = scale Q^T for rows [i0 + a0, i0 + a1) of q (columns a0 .. a1 of
+/// qt), zero in the other columns: packet-block transposes when the tile is whole.
+template <typename Scalar>
+void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Index a1,
+                       Scalar scale, Scalar* qt_data, Index tile) {
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Index d = q.cols();
+  Eigen::Map<RowMatrix<Scalar>> qt(qt_data, d, tile);
+  if (a0 > 0 || a1 < tile || tile % P != 0) {
+    qt.setZero();
+    qt.middleCols(a0, a1 - a0) = scale * q.middleRows(i0 + a0, a1 - a0).transpose();
+    return;
+  }
+  const Index d_blocks = d / P * P;
+  for (Index a = 0; a < tile; a += P) {
+    const Scalar* rows = q.data() + (i0 + a) * q.outerStride();
+    for (Index c = 0; c < d_blocks; c += P)
+      tile_transpose_block<Scalar>(rows + c, q.outerStride(), qt_data + c * tile + a, tile, scale);
+  }
+  if (d_blocks < d)
+    qt.bottomRows(d - d_blocks) = scale * q.middleRows(i0, tile).rightCols(d - d_blocks).transpose();
+}
+
 /// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
 /// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries.
 template <typename Scalar, int Keys, int QueryPackets>

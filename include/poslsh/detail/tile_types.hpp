@@ -1,0 +1,64 @@
+// poslsh internals: the vocabulary of the tile engine (detail/tile_engine.hpp): tile sizes,
+// key and row ranges, how a key tile meets the windows, the engine's buffers, and the bias
+// policy concept.
+//
+// A bias policy `Bias` (state: the current query tile and key tile) provides:
+//   KeyRange query_tile(Index i0)          keys [first, last) reached by the query tile at i0;
+//   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows)
+//                                          the key tile [j0, j0 + keys) for the tile-relative
+//                                          rows `rows` (whole packets): skip, full or masked;
+//   KeyRange rows_reaching(Index b0, Index b1)  tile-relative rows whose window meets keys
+//                                          [b0, b1) of the key tile (unclamped);
+//   KeyRange keys_reached(Index a0, Index a1)   keys of the key tile (relative, unclamped)
+//                                          that rows [a0, a1) reach; both exactly (a key one
+//                                          says is reached must be scored for the row);
+//   Scorer scorer()                        a small value type with
+//     template <bool Masked> Packet score(Packet acc, Index b, Index a): x of key b, queries
+//                                          [a, a + P) from acc = tau q.k (-inf where masked);
+//     template <bool Masked> Packet weight(Packet prob, Packet x, Index b, Index a): p from
+//                                          e^{x - M} (exactly 0 where masked).
+#pragma once
+
+#include <Eigen/Core>
+
+#include "poslsh/types.hpp"
+
+namespace poslsh::detail {
+
+/// Query rows per tile (aligned to multiples of it from row 0) and keys per tile.
+inline constexpr Index tile_query_rows = 64;
+inline constexpr Index tile_key_cols = 64;
+
+/// Half-open range [first, last) of rows or keys.
+struct KeyRange {
+  Index first;
+  Index last;
+};
+
+/// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
+enum class KeyTileCut { skip, full, masked };
+
+/// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
+/// they only grow.
+template <typename Scalar>
+struct TileBuffers {
+  using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
+
+  void prepare(Index d, Index dv_padded, bool pack_values) {
+    constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
+    grow(qt, d * Bq);
+    grow(scores, Bk * Bq);
+    for (Buffer* row_buffer : {&running_max, &running_sum, &alpha, &shift, &tile_max})
+      grow(*row_buffer, Bq);
+    grow(acc, Bq * dv_padded);
+    if (pack_values && values.size() < Bk * dv_padded) values.setZero(Bk * dv_padded);
+  }
+
+ private:
+  static void grow(Buffer& buffer, Index size) {
+    if (buffer.size() < size) buffer.resize(size);
+  }
+};
+
+}  // namespace poslsh::detail
