@@ -42,10 +42,8 @@ class TileEngine {
   static constexpr Index P = tile_packet_size<Scalar>;
   static constexpr Index Bq = tile_query_rows;
   static constexpr Index Bk = tile_key_cols;
-  // Register blocks: score_keys keys x query_packets packets of queries, value_rows rows x
+  // Register blocks: up to query_packets packets of queries (score_span), value_rows rows x
   // value_packets packets of values (16 accumulators each; 4 x 4 measured best on AVX-512).
-  static constexpr int score_keys = 4;
-  static constexpr int packet_keys = 16;
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
   static constexpr int value_rows = 4;
   static constexpr int value_packets = 4;
@@ -155,54 +153,55 @@ class TileEngine {
   }
 
   // scores[b][a] = x_{i0+a, j0+b} (or -inf if masked) where packet a reaches key b;
-  // tile_max = max over b. A tile kept whole is scored in blocks of score_keys keys x
-  // query_packets packets; a cut tile packet by packet, each over the keys it reaches, in
-  // blocks of packet_keys keys (the same number of accumulators, no work outside the windows
-  // beyond the packet's own rows).
+  // tile_max = max over b. Groups of up to 4 packets: a whole tile over all its keys, a cut
+  // one segment by segment between the ends of its packets' key ranges, each segment against
+  // the packets that reach it (contiguous, as windows are non-decreasing).
   template <bool Masked>
   void score_tile(Index keys) {
     b_.tile_max.head(Bq).setConstant(minus_infinity);
-    if constexpr (Masked) {
-      for (Index a = packets_.first; a < packets_.last; a += P) {
-        const KeyRange reach = keys_reached(a, a + P, keys);
-        score_packet_keys<packet_keys>(reach.first, reach.last, a);
-      }
-    } else {
-      const KeyRange rows = packets_reaching(0, keys);
-      for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P) {
-        const Index packets = (rows.last - a0) / P;
-        Index b = 0;
-        for (; b + score_keys <= keys; b += score_keys)
-          score_packets<score_keys, query_packets, false>(packets, b, a0);
-        score_remainder<score_keys - 1>(packets, b, keys - b, a0);
+    const KeyRange rows = Masked ? packets_ : packets_reaching(0, keys);
+    for (Index a0 = rows.first; a0 < rows.last; a0 += query_packets * P) {
+      const Index group = std::min<Index>(query_packets, (rows.last - a0) / P);
+      if constexpr (!Masked) {
+        score_span<false>(group, 0, keys, a0);
+      } else {
+        KeyRange reach[query_packets];
+        Index edges[2 * query_packets];
+        for (Index p = 0; p < group; ++p) {
+          reach[p] = keys_reached(a0 + p * P, a0 + (p + 1) * P, keys);
+          edges[2 * p] = reach[p].first;
+          edges[2 * p + 1] = reach[p].last;
+        }
+        std::sort(edges, edges + 2 * group);
+        for (Index e = 0; e + 1 < 2 * group; ++e) {
+          if (edges[e] == edges[e + 1]) continue;
+          Index p0 = 0;
+          while (p0 < group && reach[p0].last <= edges[e]) ++p0;
+          Index p1 = p0;
+          while (p1 < group && reach[p1].first <= edges[e]) ++p1;
+          if (p1 > p0) score_span<true>(p1 - p0, edges[e], edges[e + 1], a0 + p0 * P);
+        }
       }
     }
   }
 
-  // Keys [b, end) against the packet of queries at a, in blocks of Keys, then Keys / 2, ...
-  template <int Keys>
-  void score_packet_keys(Index b, Index end, Index a) {
-    for (; b + Keys <= end; b += Keys) score_block<Keys, 1, true>(b, a);
-    if constexpr (Keys > 1) score_packet_keys<Keys / 2>(b, end, a);
-  }
-
-  // The last remaining < score_keys keys of a whole tile.
-  template <int Keys>
-  void score_remainder(Index packets, Index b, Index remaining, Index a0) {
-    if constexpr (Keys > 0) {
-      if (remaining == Keys)
-        score_packets<Keys, query_packets, false>(packets, b, a0);
-      else
-        score_remainder<Keys - 1>(packets, b, remaining, a0);
+  // Keys [b, end) against `packets` packets of queries from a, in register blocks of 16
+  // accumulators (16 keys x 1 packet, 8 x 2, 5 x 3, 4 x 4), then halved for the remainder.
+  template <bool Masked>
+  void score_span(Index packets, Index b, Index end, Index a) {
+    static_assert(query_packets == 4, "register blocks are written for groups of 4 packets");
+    switch (packets) {
+      case 1: return score_keys<16, 1, Masked>(b, end, a);
+      case 2: return score_keys<8, 2, Masked>(b, end, a);
+      case 3: return score_keys<5, 3, Masked>(b, end, a);
+      default: return score_keys<4, 4, Masked>(b, end, a);
     }
   }
 
   template <int Keys, int Packets, bool Masked>
-  void score_packets(Index packets, Index b0, Index a0) {
-    if constexpr (Packets > 1) {
-      if (packets < Packets) return score_packets<Keys, Packets - 1, Masked>(packets, b0, a0);
-    }
-    score_block<Keys, Packets, Masked>(b0, a0);
+  void score_keys(Index b, Index end, Index a) {
+    for (; b + Keys <= end; b += Keys) score_block<Keys, Packets, Masked>(b, a);
+    if constexpr (Keys > 1) score_keys<Keys / 2, Packets, Masked>(b, end, a);
   }
 
   // Packets [a0, a0 + Packets P) of queries against keys [b0, b0 + Keys). Not inlined: one

@@ -71,9 +71,13 @@ inline void tile_prefetch_rows(const Scalar* data, Index stride, Index first, In
 
 // Eigen's PacketBlock takes the packet type (an attributed vector type) as a template
 // argument, which GCC reports as "ignoring attributes"; harmless, as in Eigen's own kernels.
+// GCC 12 also reports its own AVX-512 shuffle intrinsics (_mm512_undefined_ps) as "maybe
+// used uninitialized" once inlined: a known false positive.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 /// dst[c * dst_stride + r] = scale * src[r * src_stride + c] for r, c < P (one packet per
