@@ -2,7 +2,8 @@
 // key and row ranges, how a key tile meets the windows, the engine's buffers, and the bias
 // policy concept.
 //
-// A bias policy `Bias` (state: the current query tile and key tile) provides:
+// A bias policy `Bias` gives each query row i a window of keys, an interval whose two ends are
+// non-decreasing in i. With state the current query tile and key tile, it provides:
 //   KeyRange query_tile(Index i0)          keys [first, last) reached by the query tile at i0;
 //   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows)
 //                                          the key tile [j0, j0 + keys) for the tile-relative
