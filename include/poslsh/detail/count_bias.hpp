@@ -50,16 +50,9 @@ class CountBias {
 
   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows) {
     j0_ = j0;
-    // Rows reaching key j0 + b: [first r with hi_r > j, first r with lo_r > j), both
-    // non-decreasing in b.
-    for (Index b = 0, first = 0, last = 0; b < keys; ++b) {
-      while (first < Bq && hi_[index(first)] <= j0 + b) ++first;
-      while (last < Bq && lo_[index(last)] <= j0 + b) ++last;
-      row_first_[index(b)] = first;
-      row_last_[index(b)] = last;
-    }
-    const Index first = std::max(row_first_[0], rows.first);
-    const Index last = std::min(row_last_[index(keys - 1)], rows.last);
+    const KeyRange reaching = rows_reaching(0, keys);
+    const Index first = std::max(reaching.first, rows.first);
+    const Index last = std::min(reaching.last, rows.last);
     if (first >= last) return KeyTileCut::skip;
     const Index r0 = first / P * P, r1 = (last + P - 1) / P * P;
     if (causal_ && j0 + keys - 1 > i0_ + r0)
@@ -70,8 +63,12 @@ class CountBias {
     return full ? KeyTileCut::full : KeyTileCut::masked;
   }
 
+  // Rows reaching keys [j0 + b0, j0 + b1): from the first with hi_r > j0 + b0 to the last with
+  // lo_r < j0 + b1 (lo and hi are non-decreasing).
   KeyRange rows_reaching(Index b0, Index b1) const {
-    return {row_first_[index(b0)], row_last_[index(b1 - 1)]};
+    const auto first = std::upper_bound(hi_.begin(), hi_.end(), j0_ + b0) - hi_.begin();
+    const auto last = std::lower_bound(lo_.begin(), lo_.end(), j0_ + b1) - lo_.begin();
+    return {static_cast<Index>(first), static_cast<Index>(last)};
   }
   KeyRange keys_reached(Index a0, Index a1) const {
     return {lo_[index(a0)] - j0_, hi_[index(a1 - 1)] - j0_};
@@ -175,7 +172,6 @@ class CountBias {
   Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile_;
   Index i0_ = 0, j0_ = 0;
   std::array<Index, Bq> lo_{}, hi_{};
-  std::array<Index, Bk> row_first_{}, row_last_{};
 };
 
 }  // namespace poslsh::detail
