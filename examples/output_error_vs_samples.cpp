@@ -1,0 +1,412 @@
+// poslsh output_error_vs_samples: attention output errors ||T* - T~|| against the number of
+// samples s, for the per-sample and fused LSH kernels and the fixed-blocks and banded
+// baselines at the same pair budget, on random and on structured Q, K, V.
+//   output_error_vs_samples [--n N] [--d D] [--sigma SIGMA] [--samples LIST] [--data LIST]
+//                           [--causal | --bidirectional] [--double] [--seed SEED] [--csv FILE]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <poslsh/banded_attention.hpp>
+#include <poslsh/fused_attention.hpp>
+#include <poslsh/hash.hpp>
+#include <poslsh/metrics.hpp>
+#include <poslsh/per_sample_attention.hpp>
+#include <poslsh/tiled_attention.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+const char* const usage =
+    R"(output_error_vs_samples: attention output error of LSH ALiBi attention against s.
+
+T* = softmax(tau Q K^T - |i-j| / sigma) V is the exact ALiBi attention (alibi_attention_tiled,
+tau = 1/sqrt(d)); T~ an approximation. For each data set and each s the program runs
+  per-sample  lsh_attention_per_sample with s hashes rbf_hashes(sigma, s, seed)
+  fused       lsh_attention_fused with the same hashes (the same estimator T~, each pair once;
+              its errors equal per-sample's up to rounding)
+  fixed       plain attention in fixed blocks of width W from position 0 (the paper's
+              fixed-blocks baseline, with W chosen for the budget below)
+  banded      exact ALiBi attention on the keys with |i - j| <= B (alibi_attention_banded)
+at the same budget: the fused kernel's pairs, P = lsh_fused_pair_count(hashes, n, masking)
+(the distinct (query, key) pairs with c_ij > 0). W and B are the integers whose pair counts
+come closest to P (fixed: lsh_fused_pair_count of the single hash {W, 0}; banded: the pairs
+with |i-j| <= B, causal j <= i). per-sample evaluates sum_k (pairs of hash k), up to s times P.
+It prints, per s, the pairs per query P/n, W, B, the relative error ||T* - T~||_F / ||T*||_F
+of each method and the largest entry max|T* - T~| (fused, fixed, banded); the CSV adds the
+absolute error, the row-wise relative differences (median, p90, p99) and the cosine of T*
+and T~ (output_error_metrics) for every method. Each data set ends with the paper's own
+fixed-blocks baseline (W = 2 sigma), whatever the budget, and the least-squares slope of
+log relative error against log s over s >= 4 for the fused kernel.
+
+Data sets (V always i.i.d. N(0, 1); seed-determined):
+  random   Q, K i.i.d. N(0, 1)
+  smooth   smooth low-rank queries and keys: q_i = a sum_r sin(2 pi i / p_r + phi_r) u_r over
+           4 random directions u_r and periods p_r in [2 sigma, 64 sigma], k_i = q_i + small
+           noise (nearby tokens score high: the ALiBi kernel's own structure)
+  heavy    heavy-tailed scores: Q i.i.d. N(0, 1), key j scaled by e^{g_j / 2}, g_j ~ N(0, 1)
+           (log-normal key norms: far keys with large scores take weight from the near ones)
+
+Options:
+  --n N             sequence length (default 2048)
+  --d D             head dimension of Q, K and V (default 64)
+  --sigma SIGMA     ALiBi length scale 1/slope (default 16)
+  --samples LIST    comma-separated sample counts (default 1,2,4,...,64; per-sample's
+                    cost grows like s, fused's like log s)
+  --data LIST       comma-separated data sets (default random,smooth,heavy)
+  --causal          causal attention (default)
+  --bidirectional   bidirectional attention
+  --double          compute in double (default float)
+  --seed SEED       hash and data seed (default 1)
+  --csv FILE        also write one row per (data, s, method) to FILE as CSV
+  --help            this text
+
+Progress goes to stderr once a run takes more than a second.
+)";
+
+struct Settings {
+  poslsh::Index n = 2048;
+  poslsh::Index d = 64;
+  double sigma = 16.0;
+  std::vector<poslsh::Index> samples{1, 2, 4, 8, 16, 32, 64};
+  std::vector<std::string> data{"random", "smooth", "heavy"};
+  poslsh::Masking masking = poslsh::Masking::causal;
+  bool use_double = false;
+  std::uint64_t seed = 1;
+  std::string csv;
+};
+
+[[noreturn]] void fail(const std::string& message) {
+  std::fprintf(stderr, "output_error_vs_samples: %s (see --help)\n", message.c_str());
+  std::exit(2);
+}
+
+double parse_number(const char* text, const char* flag) {
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !std::isfinite(value))
+    fail(std::string("bad value for ") + flag);
+  return value;
+}
+
+std::vector<std::string> split(const char* text) {
+  std::vector<std::string> items(1);
+  for (const char* p = text; *p != '\0'; ++p) {
+    if (*p == ',') {
+      items.emplace_back();
+    } else {
+      items.back() += *p;
+    }
+  }
+  return items;
+}
+
+std::vector<poslsh::Index> parse_list(const char* text) {
+  std::vector<poslsh::Index> values;
+  for (const std::string& item : split(text)) {
+    char* end = nullptr;
+    const long long value = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || value < 1)
+      fail("--samples needs positive integers separated by commas");
+    values.push_back(static_cast<poslsh::Index>(value));
+  }
+  return values;
+}
+
+Settings parse(int argc, char** argv) {
+  Settings settings;
+  for (int a = 1; a < argc; ++a) {
+    const std::string flag = argv[a];
+    const auto value = [&]() -> const char* {
+      if (a + 1 >= argc) fail(flag + " needs a value");
+      return argv[++a];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    } else if (flag == "--n") {
+      settings.n = static_cast<poslsh::Index>(parse_number(value(), "--n"));
+    } else if (flag == "--d") {
+      settings.d = static_cast<poslsh::Index>(parse_number(value(), "--d"));
+    } else if (flag == "--sigma") {
+      settings.sigma = parse_number(value(), "--sigma");
+    } else if (flag == "--samples") {
+      settings.samples = parse_list(value());
+    } else if (flag == "--data") {
+      settings.data = split(value());
+      for (const std::string& name : settings.data) {
+        if (name != "random" && name != "smooth" && name != "heavy")
+          fail("unknown data set '" + name + "'");
+      }
+    } else if (flag == "--causal") {
+      settings.masking = poslsh::Masking::causal;
+    } else if (flag == "--bidirectional") {
+      settings.masking = poslsh::Masking::bidirectional;
+    } else if (flag == "--double") {
+      settings.use_double = true;
+    } else if (flag == "--seed") {
+      settings.seed = static_cast<std::uint64_t>(parse_number(value(), "--seed"));
+    } else if (flag == "--csv") {
+      settings.csv = value();
+    } else {
+      fail("unknown option " + flag);
+    }
+  }
+  if (settings.n < 2) fail("--n must be >= 2");
+  if (settings.d < 1) fail("--d must be >= 1");
+  if (!(settings.sigma > 0.0) || settings.sigma > poslsh::max_hash_sigma)
+    fail("--sigma must be > 0 and <= 1e300");
+  return settings;
+}
+
+struct Data {
+  poslsh::RowMatrix<double> q, k, v;
+};
+
+/// Q, K, V of one data set (see --help), in double; the same for float and double runs.
+Data make_data(const std::string& name, poslsh::Index n, poslsh::Index d, double sigma,
+               std::uint64_t seed) {
+  std::mt19937_64 engine(seed * 0x9E3779B97F4A7C15ULL + name.size());
+  std::normal_distribution<double> normal;
+  const auto gaussian = [&](poslsh::Index rows, poslsh::Index cols) {
+    poslsh::RowMatrix<double> m(rows, cols);
+    for (poslsh::Index i = 0; i < m.size(); ++i) m.data()[i] = normal(engine);
+    return m;
+  };
+  Data data{gaussian(n, d), gaussian(n, d), gaussian(n, d)};
+  if (name == "smooth") {
+    constexpr int rank = 4;
+    const double pi = std::acos(-1.0);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    const poslsh::RowMatrix<double> directions = gaussian(rank, d);
+    // Scores tau q_i.k_j ~ a^2 sqrt(d) sum_r s_r(i) s_r(j) / rank stay within a few units.
+    const double amplitude = std::sqrt(2.0 / std::sqrt(static_cast<double>(d)));
+    data.q.setZero();
+    for (int r = 0; r < rank; ++r) {
+      const double period = 2.0 * sigma * std::pow(32.0, uniform(engine));
+      const double phase = 2.0 * pi * uniform(engine);
+      for (poslsh::Index i = 0; i < n; ++i) {
+        data.q.row(i) += amplitude * std::sin(2.0 * pi * static_cast<double>(i) / period + phase) *
+                         directions.row(r);
+      }
+    }
+    data.k = data.q + 0.1 * amplitude * gaussian(n, d);
+  } else if (name == "heavy") {
+    for (poslsh::Index j = 0; j < n; ++j) data.k.row(j) *= std::exp(0.5 * normal(engine));
+  }
+  return data;
+}
+
+/// Pairs of fixed blocks of width W from position 0 (the pairs lsh_attention_per_sample and
+/// lsh_attention_fused evaluate with the single hash {W, 0}).
+long long fixed_pairs(double width, poslsh::Index n, poslsh::Masking masking) {
+  return poslsh::lsh_fused_pair_count(poslsh::HashSet{poslsh::BinHash{width, 0.0}}, n, masking);
+}
+
+/// Pairs with |i - j| <= band (causal: also j <= i) over n queries.
+long long band_pairs(poslsh::Index band, poslsh::Index n, poslsh::Masking masking) {
+  const long long b = std::min<long long>(band, n - 1), m = n;
+  const long long below = b * (b + 1) / 2 + (m - 1 - b) * b;  // sum_i min(i, b)
+  return masking == poslsh::Masking::causal ? m + below : m + 2 * below;
+}
+
+/// Smallest integer x in [lo, hi] with pairs(x) >= target (pairs non-decreasing up to edge
+/// effects), or the neighbour below it when that one is closer to target.
+template <typename Pairs>
+poslsh::Index closest_budget(long long target, poslsh::Index lo, poslsh::Index hi, Pairs pairs) {
+  poslsh::Index first = lo, last = hi;
+  while (first < last) {
+    const poslsh::Index middle = first + (last - first) / 2;
+    if (pairs(middle) >= target) {
+      last = middle;
+    } else {
+      first = middle + 1;
+    }
+  }
+  if (first > lo && target - pairs(first - 1) < pairs(first) - target) return first - 1;
+  return first;
+}
+
+/// Least-squares slope of log y against log x over the points with x >= 4 (NaN if < 2).
+double log_log_slope(const std::vector<double>& x, const std::vector<double>& y) {
+  double count = 0.0, sx = 0.0, sy = 0.0, sxx = 0.0, sxy = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (x[i] < 4) continue;
+    const double lx = std::log(x[i]), ly = std::log(y[i]);
+    count += 1.0, sx += lx, sy += ly, sxx += lx * lx, sxy += lx * ly;
+  }
+  return count < 2.0 ? std::nan("") : (count * sxy - sx * sy) / (count * sxx - sx * sx);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+struct Result {
+  poslsh::OutputErrorMetrics metrics;
+  double max = 0.0;
+  double seconds = 0.0;
+  long long pairs = 0;
+};
+
+/// Times run() and measures its output against exact (output_error_metrics and max |entry|).
+template <typename Scalar, typename Run>
+Result run_method(const poslsh::RowMatrix<Scalar>& exact, long long pairs, Run run) {
+  const auto start = std::chrono::steady_clock::now();
+  const poslsh::RowMatrix<Scalar> approx = run();
+  Result result;
+  result.seconds = seconds_since(start);
+  result.pairs = pairs;
+  result.metrics = poslsh::output_error_metrics<Scalar>(exact, approx);
+  result.max = (exact - approx).template cast<double>().cwiseAbs().maxCoeff();
+  return result;
+}
+
+const char* const method_names[] = {"per_sample", "fused", "fixed", "banded"};
+
+/// The four methods at one s: the fused kernel's pair budget, the matched W and B, results
+/// in the order of method_names.
+struct Row {
+  long long budget = 0;
+  poslsh::Index width = 0, band = 0;
+  Result results[4];
+};
+
+template <typename Scalar>
+Row measure_row(const poslsh::RowMatrix<Scalar>& q, const poslsh::RowMatrix<Scalar>& k,
+                const poslsh::RowMatrix<Scalar>& v, const poslsh::RowMatrix<Scalar>& exact,
+                const Settings& settings, poslsh::Index s) {
+  const poslsh::Index n = settings.n;
+  const poslsh::Masking masking = settings.masking;
+  const poslsh::AttentionOptions options{masking};
+  const poslsh::HashSet hashes = poslsh::rbf_hashes(settings.sigma, s, settings.seed, 0);
+  Row row;
+  row.budget = poslsh::lsh_fused_pair_count(hashes, n, masking);
+  long long per_sample_pairs = 0;
+  for (const poslsh::BinHash& hash : hashes)
+    per_sample_pairs += poslsh::lsh_fused_pair_count(poslsh::HashSet{hash}, n, masking);
+  row.width = closest_budget(row.budget, 1, n, [&](poslsh::Index w) {
+    return fixed_pairs(static_cast<double>(w), n, masking);
+  });
+  row.band = closest_budget(row.budget, 0, n - 1,
+                            [&](poslsh::Index b) { return band_pairs(b, n, masking); });
+  const poslsh::HashSet fixed{poslsh::BinHash{static_cast<double>(row.width), 0.0}};
+  row.results[0] = run_method<Scalar>(exact, per_sample_pairs, [&] {
+    return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, options);
+  });
+  row.results[1] = run_method<Scalar>(exact, row.budget, [&] {
+    return poslsh::lsh_attention_fused<Scalar>(q, k, v, hashes, options);
+  });
+  row.results[2] = run_method<Scalar>(exact, fixed_pairs(fixed[0].width, n, masking), [&] {
+    return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, fixed, options);
+  });
+  row.results[3] = run_method<Scalar>(exact, band_pairs(row.band, n, masking), [&] {
+    return poslsh::alibi_attention_banded<Scalar>(q, k, v, settings.sigma, row.band, options);
+  });
+  return row;
+}
+
+template <typename Scalar>
+void run(const Settings& settings) {
+  using Matrix = poslsh::RowMatrix<Scalar>;
+  const poslsh::Index n = settings.n;
+  const double per_query = 1.0 / static_cast<double>(n);
+  const poslsh::AttentionOptions options{settings.masking};
+  const bool causal = settings.masking == poslsh::Masking::causal;
+  const char* const masking = causal ? "causal" : "bidirectional";
+
+  std::FILE* csv = nullptr;
+  if (!settings.csv.empty()) {
+    csv = std::fopen(settings.csv.c_str(), "w");
+    if (csv == nullptr) fail("cannot write " + settings.csv);
+    std::fprintf(csv,
+                 "data,n,d,sigma,masking,scalar,seed,s,method,pairs,pairs_per_query,width,band,"
+                 "frobenius,relative_frobenius,max,row_relative_median,row_relative_p90,"
+                 "row_relative_p99,cosine,seconds\n");
+  }
+  const auto write_csv = [&](const std::string& data, poslsh::Index s, const char* method,
+                             const Result& r, double width, poslsh::Index band) {
+    if (csv == nullptr) return;
+    std::fprintf(csv,
+                 "%s,%ld,%ld,%.17g,%s,%s,%llu,%ld,%s,%lld,%.6f,%g,%ld,%.9g,%.9g,%.9g,%.9g,%.9g,"
+                 "%.9g,%.12g,%.6f\n",
+                 data.c_str(), static_cast<long>(n), static_cast<long>(settings.d), settings.sigma,
+                 masking, sizeof(Scalar) == 4 ? "float" : "double",
+                 static_cast<unsigned long long>(settings.seed), static_cast<long>(s), method,
+                 r.pairs, static_cast<double>(r.pairs) * per_query, width, static_cast<long>(band),
+                 r.metrics.frobenius, r.metrics.relative_frobenius, r.max,
+                 r.metrics.row_relative_median, r.metrics.row_relative_p90,
+                 r.metrics.row_relative_p99, r.metrics.cosine, r.seconds);
+  };
+
+  const auto start = std::chrono::steady_clock::now();
+  std::printf(
+      "Attention output error of ALiBi approximations against the exact T* (alibi_attention_\n"
+      "tiled); n = %ld, d = %ld, sigma = %g, %s, %s, seed %llu. fixed (block width W) and\n"
+      "banded (|i-j| <= B) get the fused kernel's pairs per query. Columns: relative error\n"
+      "||T*-T~||_F/||T*||_F per method, then the largest entry max|T*-T~|.\n",
+      static_cast<long>(n), static_cast<long>(settings.d), settings.sigma, masking,
+      sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed));
+
+  for (const std::string& name : settings.data) {
+    const Data data = make_data(name, n, settings.d, settings.sigma, settings.seed);
+    const Matrix q = data.q.cast<Scalar>(), k = data.k.cast<Scalar>(), v = data.v.cast<Scalar>();
+    const Matrix exact = poslsh::alibi_attention_tiled<Scalar>(q, k, v, settings.sigma, options);
+    std::printf("\ndata %s: ||T*||_F = %.5g\n", name.c_str(), exact.template cast<double>().norm());
+    std::printf("%6s %8s %6s %5s | %10s %9s %9s %9s | %9s %9s %9s\n", "s", "pairs/q", "W", "B",
+                "per-sample", "fused", "fixed", "banded", "fused", "fixed", "banded");
+    std::vector<double> counts, fused_errors;
+    for (poslsh::Index s : settings.samples) {
+      const Row row = measure_row<Scalar>(q, k, v, exact, settings, s);
+      const Result* r = row.results;
+      std::printf("%6ld %8.1f %6ld %5ld | %10.4g %9.4g %9.4g %9.4g | %9.3g %9.3g %9.3g\n",
+                  static_cast<long>(s), static_cast<double>(row.budget) * per_query,
+                  static_cast<long>(row.width), static_cast<long>(row.band),
+                  r[0].metrics.relative_frobenius, r[1].metrics.relative_frobenius,
+                  r[2].metrics.relative_frobenius, r[3].metrics.relative_frobenius, r[1].max,
+                  r[2].max, r[3].max);
+      std::fflush(stdout);
+      counts.push_back(static_cast<double>(s));
+      fused_errors.push_back(r[1].metrics.relative_frobenius);
+      for (int m = 0; m < 4; ++m) {
+        write_csv(name, s, method_names[m], r[m], m == 2 ? static_cast<double>(row.width) : 0.0,
+                  m == 3 ? row.band : 0);
+      }
+      if (seconds_since(start) > 1.0) {
+        std::fprintf(stderr, "[output_error_vs_samples] %s, s = %ld done, %.1f s elapsed\n",
+                     name.c_str(), static_cast<long>(s), seconds_since(start));
+      }
+    }
+    // The paper's fixed-blocks baseline, blocks of 2 sigma whatever the budget.
+    const double paper_width = poslsh::fixed_blocks_hash(settings.sigma).width;
+    const Result paper = run_method<Scalar>(
+        exact, fixed_pairs(paper_width, n, settings.masking),
+        [&] { return poslsh::fixed_blocks_attention<Scalar>(q, k, v, settings.sigma, options); });
+    std::printf(
+        "fixed_blocks_attention (W = 2 sigma = %g): %.1f pairs/q, relative error %.4g, "
+        "max %.3g\n",
+        paper_width, static_cast<double>(paper.pairs) * per_query, paper.metrics.relative_frobenius,
+        paper.max);
+    write_csv(name, 0, "fixed_2sigma", paper, paper_width, 0);
+    const double slope = log_log_slope(counts, fused_errors);
+    if (std::isfinite(slope))
+      std::printf("fused: slope of log relative error vs log s %.3f\n", slope);
+  }
+  if (csv != nullptr) std::fclose(csv);
+  std::printf("\ntotal %.2f s\n", seconds_since(start));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Settings settings = parse(argc, argv);
+  if (settings.use_double) {
+    run<double>(settings);
+  } else {
+    run<float>(settings);
+  }
+  return 0;
+}
