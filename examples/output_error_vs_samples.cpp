@@ -169,7 +169,9 @@ struct Data {
 /// Q, K, V of one data set (see --help), in double; the same for float and double runs.
 Data make_data(const std::string& name, poslsh::Index n, poslsh::Index d, double sigma,
                std::uint64_t seed) {
-  std::mt19937_64 engine(seed * 0x9E3779B97F4A7C15ULL + name.size());
+  std::uint64_t key = seed;  // one stream per (seed, data set)
+  for (const char c : name) key = key * 131 + static_cast<unsigned char>(c);
+  std::mt19937_64 engine(key);
   std::normal_distribution<double> normal;
   const auto gaussian = [&](poslsh::Index rows, poslsh::Index cols) {
     poslsh::RowMatrix<double> m(rows, cols);
