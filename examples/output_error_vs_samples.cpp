@@ -24,31 +24,24 @@ const char* const usage =
     R"(output_error_vs_samples: attention output error of LSH ALiBi attention against s.
 
 T* = softmax(tau Q K^T - |i-j| / sigma) V is the exact ALiBi attention (alibi_attention_tiled,
-tau = 1/sqrt(d)); T~ an approximation. For each data set and each s the program runs
-  per-sample  lsh_attention_per_sample with s hashes rbf_hashes(sigma, s, seed)
-  fused       lsh_attention_fused with the same hashes (the same estimator T~, each pair once;
-              its errors equal per-sample's up to rounding)
-  fixed       plain attention in fixed blocks of width W from position 0 (the paper's
-              fixed-blocks baseline, with W chosen for the budget below)
+tau = 1/sqrt(d)). For each data set and s the program runs, against T*,
+  per-sample  lsh_attention_per_sample with the hashes rbf_hashes(sigma, s, seed)
+  fused       lsh_attention_fused with the same hashes (the same estimator, each pair once)
+  fixed       plain attention in blocks of width W from position 0 (the paper's baseline)
   banded      exact ALiBi attention on the keys with |i - j| <= B (alibi_attention_banded)
-at the same budget: the fused kernel's pairs, P = lsh_fused_pair_count(hashes, n, masking)
-(the distinct (query, key) pairs with c_ij > 0). W and B are the integers whose pair counts
-come closest to P (fixed: lsh_fused_pair_count of the single hash {W, 0}; banded: the pairs
-with |i-j| <= B, causal j <= i). per-sample evaluates sum_k (pairs of hash k), up to s times P.
-It prints, per s, the pairs per query P/n, W, B, the relative error ||T* - T~||_F / ||T*||_F
-of each method and the largest entry max|T* - T~| (fused, fixed, banded); the CSV adds the
-absolute error, the row-wise relative differences (median, p90, p99) and the cosine of T*
-and T~ (output_error_metrics) for every method. Each data set ends with the paper's own
-fixed-blocks baseline (W = 2 sigma), whatever the budget, and the least-squares slope of
-log relative error against log s over s >= 4 for the fused kernel.
+Budget: fixed and banded get the fused kernel's pairs P = lsh_fused_pair_count(hashes, n,
+masking), the (query, key) pairs with c_ij > 0; W and B are the integers whose pair counts
+(causal: j <= i) come closest to P. per-sample evaluates up to s times P pairs.
+Printed per s: P/n, W, B, the relative error ||T* - T~||_F / ||T*||_F of each method and
+max|T* - T~|; then fixed_blocks_attention (W = 2 sigma) and the fitted slope of log relative
+error vs log s (s >= 4) of the fused kernel. The CSV adds ||T* - T~||_F, the row-wise relative
+differences (median, p90, p99), the cosine of T* and T~ (output_error_metrics) and the time.
 
-Data sets (V always i.i.d. N(0, 1); seed-determined):
+Data sets (V always i.i.d. N(0, 1)):
   random   Q, K i.i.d. N(0, 1)
-  smooth   smooth low-rank queries and keys: q_i = a sum_r sin(2 pi i / p_r + phi_r) u_r over
-           4 random directions u_r and periods p_r in [2 sigma, 64 sigma], k_i = q_i + small
-           noise (nearby tokens score high: the ALiBi kernel's own structure)
+  smooth   smooth low-rank Q and K: q_i = a sum_r sin(2 pi i / p_r + phi_r) u_r over 4 random
+           directions u_r, periods p_r in [2 sigma, 64 sigma]; k_i = q_i + small noise
   heavy    heavy-tailed scores: Q i.i.d. N(0, 1), key j scaled by e^{g_j / 2}, g_j ~ N(0, 1)
-           (log-normal key norms: far keys with large scores take weight from the near ones)
 
 Options:
   --n N             sequence length (default 2048)
