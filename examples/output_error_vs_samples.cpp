@@ -177,7 +177,7 @@ Data make_data(const std::string& name, poslsh::Index n, poslsh::Index d, double
     const double pi = std::acos(-1.0);
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
     const poslsh::RowMatrix<double> directions = gaussian(rank, d);
-    // Scores tau q_i.k_j ~ a^2 sqrt(d) sum_r s_r(i) s_r(j) / rank stay within a few units.
+    // |u_r|^2 ~ d, so scores tau q_i.k_j ~ 2 sum_r s_r(i) s_r(j) (s_r the sines): |.| <~ 8.
     const double amplitude = std::sqrt(2.0 / std::sqrt(static_cast<double>(d)));
     data.q.setZero();
     for (int r = 0; r < rank; ++r) {
