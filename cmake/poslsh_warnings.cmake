@@ -3,6 +3,9 @@
 function(poslsh_project_target target)
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic -Wconversion -Wshadow)
+    if(POSLSH_WARNINGS_AS_ERRORS)
+      target_compile_options(${target} PRIVATE -Werror)
+    endif()
     if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
       # GCC 12 reports false positives inside its own AVX-512 intrinsics as Eigen inlines them.
       target_compile_options(${target} PRIVATE -Wno-maybe-uninitialized)

@@ -1,4 +1,8 @@
 // poslsh: the exact ALiBi kernel L*_ij = exp(-|i-j| / sigma) as a dense matrix (for checks).
+//
+// Checked (std::invalid_argument naming the argument): n >= 0, sigma finite and > 0. Not
+// checked: that n x n entries fit in memory (std::bad_alloc); a masking value other than the
+// two enumerators is taken as bidirectional.
 #pragma once
 
 #include "poslsh/detail/check.hpp"

@@ -1,4 +1,9 @@
 // poslsh: decode, one new query at position t over a KV cache of rows 0..t (causal).
+//
+// Checked (std::invalid_argument naming the argument): query has 1 row, shapes of keys, values
+// and out, 0 <= t < keys.rows(), causal masking, a finite scale; the LSH decoder: a non-empty
+// set of valid hashes; the exact decoder: sigma finite and > 0. Not checked: the values (a NaN
+// in the query gives a NaN output; see types.hpp) and cache rows past t, which are never read.
 #pragma once
 
 #include "poslsh/detail/attention_checks.hpp"
@@ -8,6 +13,7 @@
 #include "poslsh/types.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -20,7 +26,7 @@ void require_decode_arguments(const char* function, const QType& query, const KT
                               const VType& values, Index t, const OutType& out,
                               const AttentionOptions& options) {
   require(query.rows() == 1, function, "query", query.rows(), "must have exactly 1 row");
-  require_qkv_shapes(function, query, keys, values);
+  require_qkv_shapes(function, query, keys, values, QkvNames{"query", "keys", "values"});
   require(t >= 0 && t < keys.rows(), function, "t", t,
           "must lie in [0, keys.rows()) = [0, " + std::to_string(keys.rows()) + ")");
   require_output_shape(function, out, 1, values.cols());
@@ -86,12 +92,16 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   detail::require_sigma(sigma, function);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
-  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24).
+  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24). The slope
+  // 1/sigma is capped so that t times it stays finite: for a vanishing sigma (1/sigma beyond
+  // the Scalar range) the bias at j = t must stay 0 rather than 0 * inf = NaN.
+  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+  const double slope = std::min(1.0 / sigma, largest / static_cast<double>(std::max<Index>(t, 1)));
   detail::TileScratch<Scalar> scratch;
   scratch.shape(1, t + 1);
   scratch.logits() =
       Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
-      static_cast<Scalar>(1.0 / sigma);
+      static_cast<Scalar>(slope);
   detail::weighted_decode<Scalar>(query, keys, values, 0, t, tau, scratch, out);
 }
 

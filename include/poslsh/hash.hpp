@@ -1,4 +1,10 @@
 // poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions).
+//
+// Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma
+// in rbf_hash, rbf_hashes and fixed_blocks_hash; s >= 1 in rbf_hashes; a user-built hash's
+// width and offset in validate_hash (every kernel and partition function runs it).
+// Not checked: BinHash::bin itself (a hot path), whose position must satisfy
+// |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
 #pragma once
 
 #include "poslsh/detail/check.hpp"
@@ -28,6 +34,21 @@ struct BinHash {
   }
 };
 
+/// Largest sigma the hash functions accept: the widths they draw (at most -2 ln 2^-53 sigma,
+/// about 73.5 sigma) then stay finite. Any sigma beyond 2^63 already gives one block.
+inline constexpr double max_hash_sigma = 1e300;
+
+namespace detail {
+
+/// sigma of a hash: finite, > 0 and <= max_hash_sigma.
+inline void require_hash_sigma(double sigma, const char* function) {
+  require_sigma(sigma, function);
+  require(sigma <= max_hash_sigma, function, "sigma", sigma,
+          "must be <= 1e300 (max_hash_sigma) so that the block width stays finite");
+}
+
+}  // namespace detail
+
 /// A set of s hashes (one per sample) for one head.
 using HashSet = std::vector<BinHash>;
 
@@ -51,9 +72,9 @@ struct HashKey {
 /// w = -sigma (ln U1 + ln U2), xi = U3 w, with U1, U2, U3 on (0, 1] from Philox4x32-10 keyed
 /// by `key`, so P[bin(i) = bin(j)] = exp(-|i-j| / sigma). The result depends only on
 /// (sigma, key): bit-identical on every platform, whatever else was drawn.
-/// Throws std::invalid_argument if sigma is not finite and > 0.
+/// Throws std::invalid_argument if sigma is not finite, > 0 and <= max_hash_sigma.
 inline BinHash rbf_hash(double sigma, const HashKey& key) {
-  detail::require_sigma(sigma, "rbf_hash");
+  detail::require_hash_sigma(sigma, "rbf_hash");
   const detail::PhiloxKey philox_key = {static_cast<std::uint32_t>(key.seed),
                                         static_cast<std::uint32_t>(key.seed >> 32)};
   const auto counter = [&](std::uint32_t word) {
@@ -75,10 +96,10 @@ inline BinHash rbf_hash(double sigma, const HashKey& key) {
 }
 
 /// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
-/// Throws std::invalid_argument if s < 1 or sigma is not finite and > 0.
+/// Throws std::invalid_argument if s < 1 or sigma is not finite, > 0 and <= max_hash_sigma.
 inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
   detail::require_positive(s, "rbf_hashes", "s");
-  detail::require_sigma(sigma, "rbf_hashes");
+  detail::require_hash_sigma(sigma, "rbf_hashes");
   HashSet hashes(static_cast<std::size_t>(s));
   for (Index k = 0; k < s; ++k) {
     hashes[static_cast<std::size_t>(k)] =
@@ -88,8 +109,9 @@ inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64
 }
 
 /// The paper's fixed-blocks baseline: width 2 sigma (= E[w]), offset 0, no randomness.
+/// Throws std::invalid_argument if sigma is not finite, > 0 and <= max_hash_sigma.
 inline BinHash fixed_blocks_hash(double sigma) {
-  detail::require_sigma(sigma, "fixed_blocks_hash");
+  detail::require_hash_sigma(sigma, "fixed_blocks_hash");
   return BinHash{std::max(2.0 * sigma, BinHash::min_width), 0.0};
 }
 

@@ -1,4 +1,8 @@
 // poslsh: strided views of the H heads of an attention tensor, without copies.
+//
+// validate() checks the sizes, the strides, a non-null buffer and, for an output view (non-const
+// Element), that no two heads share an element. It cannot check that the buffer holds every
+// element the view addresses, nor the values in it (NaN entries are not scanned).
 #pragma once
 
 #include "poslsh/detail/check.hpp"
@@ -33,7 +37,11 @@ struct HeadsView {
   }
 
   /// Checks the view (named `name` in messages): sizes >= 0, a non-null buffer when non-empty,
-  /// row_stride >= d, and heads that do not overlap rows (head_stride >= d).
+  /// row_stride >= d, and heads that do not overlap rows (head_stride >= d). An output view
+  /// (Element not const) must also address each element once: head_stride >= tokens *
+  /// row_stride (heads one after the other, as [H, n, d]) or row_stride >= heads * head_stride
+  /// (heads interleaved in each row, as [n, H, d]); otherwise heads written in parallel would
+  /// overwrite each other.
   void validate(const char* function, const char* name) const {
     const std::string prefix(name);
     detail::require(tokens >= 0, function, (prefix + ".tokens").c_str(), tokens, "must be >= 0");
@@ -46,6 +54,15 @@ struct HeadsView {
     detail::require(heads == 1 || head_stride >= dim, function,
                     (prefix + ".head_stride").c_str(), head_stride,
                     "must be >= dim = " + std::to_string(dim));
+    if constexpr (!std::is_const_v<Element>) {
+      const bool disjoint = heads == 1 || tokens <= 1 || dim == 0 ||
+                            head_stride >= tokens * row_stride || row_stride >= heads * head_stride;
+      detail::require(disjoint, function, (prefix + ".head_stride").c_str(), head_stride,
+                      "output heads overlap: need head_stride >= tokens * row_stride = " +
+                          std::to_string(tokens * row_stride) +
+                          " or row_stride >= heads * head_stride = " +
+                          std::to_string(heads * head_stride));
+    }
   }
 };
 

@@ -1,4 +1,7 @@
 // poslsh: dense bin masks M(h) and their mean M~ (for analysis and tests at small n).
+//
+// Checked (std::invalid_argument naming the argument): n >= 0, every hash valid, a non-empty
+// set. Not checked: that n x n entries fit in memory (std::bad_alloc).
 #pragma once
 
 #include "poslsh/detail/check.hpp"

@@ -1,4 +1,8 @@
 // poslsh: the contiguous blocks that one hash cuts [0, n) into.
+//
+// Checked by block_boundaries (std::invalid_argument naming the argument): n >= 0 and the hash
+// (validate_hash). block_containing checks nothing (a building block of the kernels). Both
+// work for any n an Index holds (positions are exact doubles up to 2^53).
 #pragma once
 
 #include "poslsh/detail/check.hpp"

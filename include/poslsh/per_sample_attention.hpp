@@ -1,4 +1,9 @@
 // poslsh: LSH ALiBi attention, the paper's per-sample algorithm, and the fixed-blocks baseline.
+//
+// Checked (std::invalid_argument naming the argument): the shapes of q, k, v and out (rows of
+// out must not overlap), a non-empty set of valid hashes (sigma for fixed_blocks_attention),
+// options.scale finite, options.masking valid. Not checked: the values (see types.hpp) and
+// that out does not overlap q, k or v.
 #pragma once
 
 #include "poslsh/detail/lsh_checks.hpp"
@@ -62,9 +67,9 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
                               MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample";
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const Index n = q.rows();
   if (n == 0) return;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
   detail::OnlineSoftmax<Scalar> state;
   state.reset(n, v.cols());

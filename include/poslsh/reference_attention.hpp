@@ -1,5 +1,10 @@
 // poslsh: the naive exact ALiBi attention, O(n^2) memory; the reference every kernel is
 // checked against.
+//
+// Checked (std::invalid_argument naming the argument): the shapes of q, k, v and out (rows of
+// out must not overlap), sigma finite and > 0, options.scale finite, options.masking valid.
+// Not checked: the values (a NaN in row i of Q gives a NaN row i of the output, the other rows
+// unchanged; see types.hpp) and that out does not overlap q, k or v.
 #pragma once
 
 #include "poslsh/detail/attention_checks.hpp"
@@ -26,9 +31,9 @@ void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> 
                   "row count must equal q.rows() (self-attention)");
   detail::require_sigma(sigma, function);
   detail::require_output_shape(function, out, q.rows(), v.cols());
+  const double tau = detail::resolve_scale(function, options, q.cols());  // checks the options
   const Index n = q.rows();
   if (n == 0) return;
-  const double tau = detail::resolve_scale(function, options, q.cols());
   const RowMatrix<Scalar> scores = (static_cast<Scalar>(tau) * q) * k.transpose();
   Eigen::Matrix<Scalar, 1, Eigen::Dynamic> weights(n);
   for (Index i = 0; i < n; ++i) {

@@ -1,4 +1,6 @@
 // poslsh: ALiBi slopes (Press et al., official formula) and the length scales sigma = 1/m.
+// Checked: heads >= 1 (std::invalid_argument naming 'heads'). Not checked: that H doubles
+// fit in memory (std::bad_alloc).
 #pragma once
 
 #include "poslsh/detail/check.hpp"
@@ -13,19 +15,23 @@ namespace poslsh {
 /// slopes of 2p heads, i.e. 2^(-4 (2k+1) / p). Throws std::invalid_argument if heads < 1.
 inline std::vector<double> alibi_slopes(int heads) {
   detail::require_positive(heads, "alibi_slopes", "heads");
-  const auto power_of_two_slopes = [](int count) {
+  // Counts in long long: 2 p overflows int for H > 2^30.
+  const auto power_of_two_slopes = [](long long count) {
     std::vector<double> slopes(static_cast<std::size_t>(count));
-    for (int h = 0; h < count; ++h) {
-      slopes[static_cast<std::size_t>(h)] = std::exp2(-8.0 * (h + 1) / count);
+    for (long long h = 0; h < count; ++h) {
+      slopes[static_cast<std::size_t>(h)] =
+          std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(count));
     }
     return slopes;
   };
-  int p = 1;
+  long long p = 1;
   while (2 * p <= heads) p *= 2;
   std::vector<double> slopes = power_of_two_slopes(p);
   if (p < heads) {
     const std::vector<double> doubled = power_of_two_slopes(2 * p);
-    for (int k = 0; k < heads - p; ++k) slopes.push_back(doubled[static_cast<std::size_t>(2 * k)]);
+    for (long long k = 0; k < heads - p; ++k) {
+      slopes.push_back(doubled[static_cast<std::size_t>(2 * k)]);
+    }
   }
   return slopes;
 }

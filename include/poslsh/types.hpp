@@ -1,4 +1,20 @@
 // poslsh: matrix views, masking and attention options shared by every kernel.
+//
+// Argument checking, common to every kernel: shapes (q n x d with d >= 1 when n >= 1, k and v
+// with the rows and columns q implies, out n x d_v with rows that do not overlap), the options
+// (scale finite, masking one of the two enumerators), sigma (finite, > 0), s >= 1 and valid
+// hashes, row ranges, decode position t; a bad argument throws std::invalid_argument whose
+// message names it in single quotes with its value. Not checked, by design (it would cost a
+// pass over the data): the values of q, k and v. Their effect:
+//  - a NaN in row i of q gives a NaN in every entry of row i of the output; the other rows are
+//    bitwise what they are without it (each row is computed on its own);
+//  - a NaN or inf in row j of k or v gives NaN in every output row that attends to key j, and
+//    possibly in other rows sharing a tile with them (masked entries are computed, then
+//    dropped): a KV buffer must hold finite values in every row passed to a prefill kernel;
+//  - finite inputs give finite outputs as long as the scores tau q_i.k_j are finite in Scalar
+//    (any magnitude up to the Scalar range: each row's maximum is subtracted before exp).
+// Also not checked: that out does not overlap q, k or v (it must not), and that input rows do
+// not overlap (they may: they are only read).
 #pragma once
 
 #include <Eigen/Core>

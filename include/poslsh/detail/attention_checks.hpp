@@ -9,27 +9,46 @@
 
 namespace poslsh::detail {
 
-/// Checks Q (n x d), K (n_k x d), V (n_k x d_v) and the output (n x d_v), with n_k = n unless
-/// `keys` is given. Names the offending argument.
+/// Names of the three inputs in messages (decode calls them query, keys and values).
+struct QkvNames {
+  const char* q = "q";
+  const char* k = "k";
+  const char* v = "v";
+};
+
+/// Checks Q (n x d), K (n_k x d) and V (n_k x d_v): shapes only, never the values (NaN or
+/// inf entries are not scanned) nor the row strides of the inputs (overlapping input rows are
+/// read as they are). Names the offending argument.
 template <typename QType, typename KType, typename VType>
-void require_qkv_shapes(const char* function, const QType& q, const KType& k, const VType& v) {
-  require(k.cols() == q.cols(), function, "k", k.cols(),
-          "column count (d) must equal q.cols() = " + std::to_string(q.cols()));
-  require(v.rows() == k.rows(), function, "v", v.rows(),
-          "row count must equal k.rows() = " + std::to_string(k.rows()));
-  require(q.rows() == 0 || q.cols() > 0, function, "q", q.cols(),
+void require_qkv_shapes(const char* function, const QType& q, const KType& k, const VType& v,
+                        const QkvNames& names = {}) {
+  require(k.cols() == q.cols(), function, names.k, k.cols(),
+          "column count (d) must equal " + std::string(names.q) +
+              ".cols() = " + std::to_string(q.cols()));
+  require(v.rows() == k.rows(), function, names.v, v.rows(),
+          "row count must equal " + std::string(names.k) + ".rows() = " + std::to_string(k.rows()));
+  require(q.rows() == 0 || q.cols() > 0, function, names.q, q.cols(),
           "head dimension d must be >= 1 when n > 0");
 }
 
+/// Checks the output's shape (rows x cols) and that its rows do not overlap (row stride >= cols
+/// when it has two rows or more): overlapping output rows would be written by several tiles.
 template <typename OutType>
 void require_output_shape(const char* function, const OutType& out, Index rows, Index cols) {
   require(out.rows() == rows && out.cols() == cols, function, "out",
           std::to_string(out.rows()) + "x" + std::to_string(out.cols()),
           "shape must be " + std::to_string(rows) + "x" + std::to_string(cols));
+  require(out.rows() <= 1 || out.outerStride() >= out.cols(), function, "out", out.outerStride(),
+          "row stride must be >= its column count " + std::to_string(out.cols()) +
+              " (rows must not overlap)");
 }
 
-/// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite.
+/// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite or the masking
+/// is not one of the enumerators.
 inline double resolve_scale(const char* function, const AttentionOptions& options, Index d) {
+  require(options.masking == Masking::causal || options.masking == Masking::bidirectional,
+          function, "options.masking", static_cast<int>(options.masking),
+          "must be Masking::causal or Masking::bidirectional");
   if (options.scale) {
     require(std::isfinite(*options.scale), function, "options.scale", *options.scale,
             "must be finite");

@@ -44,8 +44,10 @@ class TileEngine {
   static constexpr Index Bk = tile_key_cols;
   // Register blocks: up to query_packets packets of queries (score_span), value_rows rows x
   // value_packets packets of values (16 accumulators each; 4 x 4 measured best on AVX-512).
+  // A value block never spans two packets: rows of a packet outside the computed ones hold
+  // stale scores, so value_rows divides P (2 rows for SSE2 doubles, 1 without vectorization).
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
-  static constexpr int value_rows = 4;
+  static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
   static constexpr int value_packets = 4;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
