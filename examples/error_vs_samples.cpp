@@ -39,6 +39,7 @@ Options:
   --causal          causal kernel (default)
   --bidirectional   bidirectional kernel
   --seed SEED       hash seed (default 1); head h uses stream h
+  --max-restarts N  Lanczos restart limit per spectral norm (default 100)
   --csv FILE        also write every row to FILE as CSV
   --help            this text
 
@@ -54,6 +55,7 @@ struct Settings {
   std::vector<poslsh::Index> samples{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
   poslsh::Masking masking = poslsh::Masking::causal;
   std::uint64_t seed = 1;
+  poslsh::Index max_restarts = 100;
   std::string csv;
 };
 
@@ -109,6 +111,8 @@ Settings parse(int argc, char** argv) {
       settings.masking = poslsh::Masking::bidirectional;
     } else if (flag == "--seed") {
       settings.seed = static_cast<std::uint64_t>(parse_number(value(), "--seed"));
+    } else if (flag == "--max-restarts") {
+      settings.max_restarts = static_cast<poslsh::Index>(parse_number(value(), "--max-restarts"));
     } else if (flag == "--csv") {
       settings.csv = value();
     } else {
@@ -118,6 +122,7 @@ Settings parse(int argc, char** argv) {
   if (settings.n < 2) fail("--n must be >= 2");
   if (!(settings.sigma > 0.0)) fail("--sigma must be > 0");
   if (settings.heads < 0) fail("--heads must be >= 1");
+  if (settings.max_restarts < 1) fail("--max-restarts must be >= 1");
   return settings;
 }
 
@@ -192,8 +197,10 @@ int main(int argc, char** argv) {
     for (poslsh::Index s : settings.samples) {
       const auto row_start = std::chrono::steady_clock::now();
       const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, settings.seed, head);
+      poslsh::SpectralOptions spectral_options;
+      spectral_options.max_restarts = settings.max_restarts;
       const poslsh::SpectralNorm norm =
-          poslsh::spectral_error(hashes, settings.n, sigma, settings.masking);
+          poslsh::spectral_error(hashes, settings.n, sigma, settings.masking, spectral_options);
       const double max_error = poslsh::max_error(hashes, settings.n, sigma, settings.masking).value;
       const double bound = poslsh::expectation_bound(settings.n, sigma, s);
       const double seconds = seconds_since(row_start);
