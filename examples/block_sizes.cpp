@@ -5,13 +5,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <poslsh/block_stats.hpp>
 #include <poslsh/hash.hpp>
 #include <string>
 #include <vector>
 
+#include "example_cli.hpp"
+
 namespace {
+
+namespace cli = poslsh_examples;
+
+const char* const program = "block_sizes";
 
 const char* const usage =
     R"(block_sizes: the largest block over s random RBF hashes against sigma ln ln n.
@@ -43,63 +48,20 @@ struct Settings {
   std::string csv;
 };
 
-[[noreturn]] void fail(const std::string& message) {
-  std::fprintf(stderr, "block_sizes: %s (see --help)\n", message.c_str());
-  std::exit(2);
-}
-
-double parse_number(const char* text, const std::string& flag) {
-  char* end = nullptr;
-  const double value = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !std::isfinite(value)) fail("bad value for " + flag);
-  return value;
-}
-
-std::vector<double> parse_list(const char* text) {
-  std::vector<double> values;
-  for (const char* p = text; *p != '\0';) {
-    char* end = nullptr;
-    const double value = std::strtod(p, &end);
-    if (end == p || !(value > 0.0) || !std::isfinite(value) || (*end != ',' && *end != '\0')) {
-      fail("--sigmas needs positive numbers separated by commas");
-    }
-    values.push_back(value);
-    p = *end == ',' ? end + 1 : end;
-  }
-  if (values.empty()) fail("--sigmas is empty");
-  return values;
-}
-
 Settings parse(int argc, char** argv) {
   Settings settings;
-  for (int a = 1; a < argc; ++a) {
-    const std::string flag = argv[a];
-    const auto value = [&]() -> const char* {
-      if (a + 1 >= argc) fail(flag + " needs a value");
-      return argv[++a];
-    };
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    } else if (flag == "--sigmas") {
-      settings.sigmas = parse_list(value());
-    } else if (flag == "--max-log2n") {
-      settings.max_log2n = static_cast<int>(parse_number(value(), flag));
-    } else if (flag == "--samples") {
-      settings.samples = static_cast<long>(parse_number(value(), flag));
-    } else if (flag == "--trials") {
-      settings.trials = static_cast<int>(parse_number(value(), flag));
-    } else if (flag == "--seed") {
-      settings.seed = static_cast<std::uint64_t>(parse_number(value(), flag));
-    } else if (flag == "--csv") {
-      settings.csv = value();
-    } else {
-      fail("unknown option " + flag);
+  for (cli::Args args(program, usage, argc, argv); args.next();) {
+    if (!(args.positive_list("--sigmas", settings.sigmas) ||
+          args.number("--max-log2n", settings.max_log2n) ||
+          args.number("--samples", settings.samples) || args.number("--trials", settings.trials) ||
+          args.number("--seed", settings.seed) || args.text("--csv", settings.csv))) {
+      args.unknown();
     }
   }
-  if (settings.max_log2n < 10 || settings.max_log2n > 30) fail("--max-log2n must lie in 10..30");
-  if (settings.samples < 0) fail("--samples must be >= 1");
-  if (settings.trials < 1) fail("--trials must be >= 1");
+  if (settings.max_log2n < 10 || settings.max_log2n > 30)
+    cli::fail(program, "--max-log2n must lie in 10..30");
+  if (settings.samples < 0) cli::fail(program, "--samples must be >= 1");
+  if (settings.trials < 1) cli::fail(program, "--trials must be >= 1");
   return settings;
 }
 
@@ -107,12 +69,9 @@ Settings parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Settings settings = parse(argc, argv);
-  std::FILE* csv = nullptr;
-  if (!settings.csv.empty()) {
-    csv = std::fopen(settings.csv.c_str(), "w");
-    if (csv == nullptr) fail("cannot write " + settings.csv);
-    std::fprintf(csv, "sigma,n,s,trials,mean_bmax,largest_bmax,scale,ratio,mean_at_position\n");
-  }
+  std::FILE* const csv =
+      cli::open_csv(program, settings.csv,
+                    "sigma,n,s,trials,mean_bmax,largest_bmax,scale,ratio,mean_at_position\n");
   std::printf("Largest block b_max over s samples against sigma ln ln n (%d hash sets per row)\n",
               settings.trials);
   std::printf("%8s %9s %4s %10s %8s %14s %7s %13s\n", "sigma", "n", "s", "mean b_max", "max",

@@ -5,8 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <poslsh/hash.hpp>
 #include <poslsh/max_error.hpp>
 #include <poslsh/metrics.hpp>
@@ -15,7 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "example_cli.hpp"
+
 namespace {
+
+namespace cli = poslsh_examples;
+
+const char* const program = "error_vs_samples";
 
 const char* const usage =
     R"(error_vs_samples: error of the LSH estimate M~ of the ALiBi kernel L* against s.
@@ -59,70 +63,24 @@ struct Settings {
   std::string csv;
 };
 
-[[noreturn]] void fail(const std::string& message) {
-  std::fprintf(stderr, "error_vs_samples: %s (see --help)\n", message.c_str());
-  std::exit(2);
-}
-
-double parse_number(const char* text, const char* flag) {
-  char* end = nullptr;
-  const double value = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !std::isfinite(value))
-    fail(std::string("bad value for ") + flag);
-  return value;
-}
-
-std::vector<poslsh::Index> parse_list(const char* text) {
-  std::vector<poslsh::Index> values;
-  for (const char* p = text; *p != '\0';) {
-    char* end = nullptr;
-    const long long value = std::strtoll(p, &end, 10);
-    if (end == p || value < 1) fail("--samples needs positive integers separated by commas");
-    values.push_back(static_cast<poslsh::Index>(value));
-    p = *end == ',' ? end + 1 : end;
-    if (*end != ',' && *end != '\0') fail("--samples needs positive integers separated by commas");
-  }
-  if (values.empty()) fail("--samples is empty");
-  return values;
-}
-
 Settings parse(int argc, char** argv) {
   Settings settings;
-  for (int a = 1; a < argc; ++a) {
-    const std::string flag = argv[a];
-    const auto value = [&]() -> const char* {
-      if (a + 1 >= argc) fail(flag + " needs a value");
-      return argv[++a];
-    };
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    } else if (flag == "--n") {
-      settings.n = static_cast<poslsh::Index>(parse_number(value(), "--n"));
-    } else if (flag == "--sigma") {
-      settings.sigma = parse_number(value(), "--sigma");
-    } else if (flag == "--heads") {
-      settings.heads = static_cast<int>(parse_number(value(), "--heads"));
-    } else if (flag == "--samples") {
-      settings.samples = parse_list(value());
-    } else if (flag == "--causal") {
-      settings.masking = poslsh::Masking::causal;
-    } else if (flag == "--bidirectional") {
-      settings.masking = poslsh::Masking::bidirectional;
-    } else if (flag == "--seed") {
-      settings.seed = static_cast<std::uint64_t>(parse_number(value(), "--seed"));
-    } else if (flag == "--max-restarts") {
-      settings.max_restarts = static_cast<poslsh::Index>(parse_number(value(), "--max-restarts"));
-    } else if (flag == "--csv") {
-      settings.csv = value();
-    } else {
-      fail("unknown option " + flag);
+  for (cli::Args args(program, usage, argc, argv); args.next();) {
+    if (!(args.number("--n", settings.n) || args.number("--sigma", settings.sigma) ||
+          args.number("--heads", settings.heads) ||
+          args.positive_list("--samples", settings.samples) ||
+          args.set("--causal", settings.masking, poslsh::Masking::causal) ||
+          args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
+          args.number("--seed", settings.seed) ||
+          args.number("--max-restarts", settings.max_restarts) ||
+          args.text("--csv", settings.csv))) {
+      args.unknown();
     }
   }
-  if (settings.n < 2) fail("--n must be >= 2");
-  if (!(settings.sigma > 0.0)) fail("--sigma must be > 0");
-  if (settings.heads < 0) fail("--heads must be >= 1");
-  if (settings.max_restarts < 1) fail("--max-restarts must be >= 1");
+  if (settings.n < 2) cli::fail(program, "--n must be >= 2");
+  if (!(settings.sigma > 0.0)) cli::fail(program, "--sigma must be > 0");
+  if (settings.heads < 0) cli::fail(program, "--heads must be >= 1");
+  if (settings.max_restarts < 1) cli::fail(program, "--max-restarts must be >= 1");
   return settings;
 }
 
@@ -166,14 +124,10 @@ int main(int argc, char** argv) {
   std::vector<double> sigmas{settings.sigma};
   if (settings.heads > 0) sigmas = poslsh::alibi_sigmas(settings.heads);
 
-  std::FILE* csv = nullptr;
-  if (!settings.csv.empty()) {
-    csv = std::fopen(settings.csv.c_str(), "w");
-    if (csv == nullptr) fail("cannot write " + settings.csv);
-    std::fprintf(csv,
-                 "head,sigma,n,masking,seed,s,spectral,max,relative,bound,kernel_norm,converged,"
-                 "products,seconds\n");
-  }
+  std::FILE* const csv =
+      cli::open_csv(program, settings.csv,
+                    "head,sigma,n,masking,seed,s,spectral,max,relative,bound,kernel_norm,converged,"
+                    "products,seconds\n");
   const auto start = std::chrono::steady_clock::now();
   std::printf(
       "Error E = L* - M~ of the mean M~ of s random block masks against the ALiBi kernel\n"

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <poslsh/banded_attention.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/hash.hpp>
@@ -18,7 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "example_cli.hpp"
+
 namespace {
+
+namespace cli = poslsh_examples;
+
+const char* const program = "output_error_vs_samples";
 
 const char* const usage =
     R"(output_error_vs_samples: attention output error of LSH ALiBi attention against s.
@@ -72,19 +77,7 @@ struct Settings {
   std::string csv;
 };
 
-[[noreturn]] void fail(const std::string& message) {
-  std::fprintf(stderr, "output_error_vs_samples: %s (see --help)\n", message.c_str());
-  std::exit(2);
-}
-
-double parse_number(const char* text, const char* flag) {
-  char* end = nullptr;
-  const double value = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !std::isfinite(value))
-    fail(std::string("bad value for ") + flag);
-  return value;
-}
-
+/// The comma-separated items of `text`, empty ones included.
 std::vector<std::string> split(const char* text) {
   std::vector<std::string> items(1);
   for (const char* p = text; *p != '\0'; ++p) {
@@ -97,61 +90,29 @@ std::vector<std::string> split(const char* text) {
   return items;
 }
 
-std::vector<poslsh::Index> parse_list(const char* text) {
-  std::vector<poslsh::Index> values;
-  for (const std::string& item : split(text)) {
-    char* end = nullptr;
-    const long long value = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || value < 1)
-      fail("--samples needs positive integers separated by commas");
-    values.push_back(static_cast<poslsh::Index>(value));
-  }
-  return values;
-}
-
 Settings parse(int argc, char** argv) {
   Settings settings;
-  for (int a = 1; a < argc; ++a) {
-    const std::string flag = argv[a];
-    const auto value = [&]() -> const char* {
-      if (a + 1 >= argc) fail(flag + " needs a value");
-      return argv[++a];
-    };
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    } else if (flag == "--n") {
-      settings.n = static_cast<poslsh::Index>(parse_number(value(), "--n"));
-    } else if (flag == "--d") {
-      settings.d = static_cast<poslsh::Index>(parse_number(value(), "--d"));
-    } else if (flag == "--sigma") {
-      settings.sigma = parse_number(value(), "--sigma");
-    } else if (flag == "--samples") {
-      settings.samples = parse_list(value());
-    } else if (flag == "--data") {
-      settings.data = split(value());
+  for (cli::Args args(program, usage, argc, argv); args.next();) {
+    if (args.flag() == "--data") {
+      settings.data = split(args.value());
       for (const std::string& name : settings.data) {
         if (name != "random" && name != "smooth" && name != "heavy")
-          fail("unknown data set '" + name + "'");
+          cli::fail(program, "unknown data set '" + name + "'");
       }
-    } else if (flag == "--causal") {
-      settings.masking = poslsh::Masking::causal;
-    } else if (flag == "--bidirectional") {
-      settings.masking = poslsh::Masking::bidirectional;
-    } else if (flag == "--double") {
-      settings.use_double = true;
-    } else if (flag == "--seed") {
-      settings.seed = static_cast<std::uint64_t>(parse_number(value(), "--seed"));
-    } else if (flag == "--csv") {
-      settings.csv = value();
-    } else {
-      fail("unknown option " + flag);
+    } else if (!(args.number("--n", settings.n) || args.number("--d", settings.d) ||
+                 args.number("--sigma", settings.sigma) ||
+                 args.positive_list("--samples", settings.samples) ||
+                 args.set("--causal", settings.masking, poslsh::Masking::causal) ||
+                 args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
+                 args.set("--double", settings.use_double, true) ||
+                 args.number("--seed", settings.seed) || args.text("--csv", settings.csv))) {
+      args.unknown();
     }
   }
-  if (settings.n < 2) fail("--n must be >= 2");
-  if (settings.d < 1) fail("--d must be >= 1");
+  if (settings.n < 2) cli::fail(program, "--n must be >= 2");
+  if (settings.d < 1) cli::fail(program, "--d must be >= 1");
   if (!(settings.sigma > 0.0) || settings.sigma > poslsh::max_hash_sigma)
-    fail("--sigma must be > 0 and <= 1e300");
+    cli::fail(program, "--sigma must be > 0 and <= 1e300");
   return settings;
 }
 
@@ -313,15 +274,11 @@ void run(const Settings& settings) {
   const bool causal = settings.masking == poslsh::Masking::causal;
   const char* const masking = causal ? "causal" : "bidirectional";
 
-  std::FILE* csv = nullptr;
-  if (!settings.csv.empty()) {
-    csv = std::fopen(settings.csv.c_str(), "w");
-    if (csv == nullptr) fail("cannot write " + settings.csv);
-    std::fprintf(csv,
-                 "data,n,d,sigma,masking,scalar,seed,s,method,pairs,pairs_per_query,width,band,"
-                 "frobenius,relative_frobenius,max,row_relative_median,row_relative_p90,"
-                 "row_relative_p99,cosine,seconds\n");
-  }
+  std::FILE* const csv =
+      cli::open_csv(program, settings.csv,
+                    "data,n,d,sigma,masking,scalar,seed,s,method,pairs,pairs_per_query,width,band,"
+                    "frobenius,relative_frobenius,max,row_relative_median,row_relative_p90,"
+                    "row_relative_p99,cosine,seconds\n");
   const auto write_csv = [&](const std::string& data, poslsh::Index s, const char* method,
                              const Result& r, double width, poslsh::Index band) {
     if (csv == nullptr) return;
