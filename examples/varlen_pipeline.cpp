@@ -7,15 +7,16 @@
 // softmax_scale; it returns the output and softmax_lse (natural log, per row).
 #include <poslsh/poslsh.hpp>
 
+#include "example_cli.hpp"
+
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
 namespace {
 
+namespace cli = poslsh_examples;
 using Matrix = poslsh::RowMatrix<float>;
 
 // Stand-in varlen kernel: plain softmax attention inside each segment
@@ -39,13 +40,13 @@ void varlen_attention(const Matrix& q, const Matrix& k, const Matrix& v,
   }
 }
 
-void usage() {
-  std::printf(
-      "usage: varlen_pipeline [--n N] [--d D] [--sigma S] [--samples K] [--seed X] [--bidirectional]\n"
-      "Runs plan -> stand-in varlen kernel -> log-sum-exp merge and compares the result with\n"
-      "lsh_attention_fused and lsh_attention_per_sample on the same hashes.\n"
-      "defaults: --n 2048 --d 64 --sigma 32 --samples 16 --seed 1 (causal)\n");
-}
+const char* const program = "varlen_pipeline";
+
+const char* const usage =
+    "usage: varlen_pipeline [--n N] [--d D] [--sigma S] [--samples K] [--seed X] [--bidirectional]\n"
+    "Runs plan -> stand-in varlen kernel -> log-sum-exp merge and compares the result with\n"
+    "lsh_attention_fused and lsh_attention_per_sample on the same hashes.\n"
+    "defaults: --n 2048 --d 64 --sigma 32 --samples 16 --seed 1 (causal)\n";
 
 }  // namespace
 
@@ -54,21 +55,15 @@ int main(int argc, char** argv) {
   double sigma = 32.0;
   std::uint64_t seed = 1;
   bool causal = true;
-  for (int a = 1; a < argc; ++a) {
-    const std::string arg = argv[a];
-    const auto next = [&]() -> const char* {
-      if (a + 1 >= argc) { usage(); std::exit(2); }
-      return argv[++a];
-    };
-    if (arg == "--help" || arg == "-h") { usage(); return 0; }
-    else if (arg == "--n") n = std::atol(next());
-    else if (arg == "--d") d = std::atol(next());
-    else if (arg == "--sigma") sigma = std::atof(next());
-    else if (arg == "--samples") samples = std::atol(next());
-    else if (arg == "--seed") seed = std::strtoull(next(), nullptr, 10);
-    else if (arg == "--bidirectional") causal = false;
-    else { std::fprintf(stderr, "unknown argument %s\n", arg.c_str()); usage(); return 2; }
+  for (cli::Args args(program, usage, argc, argv); args.next();) {
+    if (!(args.number("--n", n) || args.number("--d", d) || args.number("--sigma", sigma) ||
+          args.number("--samples", samples) || args.number("--seed", seed) ||
+          args.set("--bidirectional", causal, false))) {
+      args.unknown();
+    }
   }
+  if (n < 1) cli::fail(program, "--n must be >= 1");
+  if (d < 1) cli::fail(program, "--d must be >= 1");
   try {
     const Matrix q = Matrix::Random(n, d), k = Matrix::Random(n, d), v = Matrix::Random(n, d);
     const auto tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
