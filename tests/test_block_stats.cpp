@@ -63,7 +63,7 @@ TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths"
     double sum = 0.0, square_sum = 0.0;
     for (int trial = 0; trial < trials; ++trial) {
       const double largest =
-          double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000 + trial, 7), n));
+          double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000u + unsigned(trial), 7), n));
       sum += largest;
       square_sum += largest * largest;
     }
@@ -87,7 +87,7 @@ TEST_CASE("b_max over s = ceil(ln n) samples stays within a constant of sigma ln
     double sum = 0.0;
     const int trials = 40;
     for (int trial = 0; trial < trials; ++trial) {
-      sum += double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 50 + trial), n));
+      sum += double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 50u + unsigned(trial)), n));
     }
     const double ratio = sum / trials / poslsh::block_size_scale(sigma, n);
     INFO("n " << n << ", s " << s << ": mean b_max / (sigma ln ln n) = " << ratio);

@@ -37,7 +37,7 @@ TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis]") {
   for (const Case& c : {Case{1, 3.0, 2}, Case{2, 0.5, 1}, Case{200, 0.3, 5}, Case{333, 4.0, 1},
                         Case{500, 16.0, 37}, Case{400, 64.0, 200}, Case{150, 1e5, 3}}) {
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-      for (std::uint64_t seed : {1, 2}) {
+      for (std::uint64_t seed : {1u, 2u}) {
         const poslsh::HashSet hashes = poslsh::rbf_hashes(c.sigma, c.s, seed, 5);
         const poslsh::MaxError result = poslsh::max_error(hashes, c.n, c.sigma, masking);
         const RowMatrix<double> error = dense_error(hashes, c.n, c.sigma, masking);
@@ -95,7 +95,7 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
   const Index n = 4096;
   const double sigma = 16.0;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (std::uint64_t seed : {1, 2, 3}) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) {
       double mean_x = 0.0, mean_y = 0.0;
       std::vector<double> log_s, log_error;
       for (Index s = 4; s <= 1024; s *= 2) {

@@ -184,7 +184,7 @@ TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0
   const Index n = 4096;
   const double sigma = 16.0;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (std::uint64_t seed : {1, 2, 3}) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) {
       std::vector<double> samples, errors;
       for (Index s = 4; s <= 1024; s *= 2) {
         const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, seed);
