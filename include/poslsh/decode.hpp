@@ -6,6 +6,7 @@
 // in the query gives a NaN output; see types.hpp) and cache rows past t, which are never read.
 #pragma once
 
+#include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/attention_checks.hpp"
 #include "poslsh/detail/online_softmax.hpp"
 #include "poslsh/hash.hpp"
@@ -13,7 +14,6 @@
 #include "poslsh/types.hpp"
 
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -92,16 +92,14 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   detail::require_sigma(sigma, function);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
-  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24). The slope
-  // 1/sigma is capped so that t times it stays finite: for a vanishing sigma (1/sigma beyond
-  // the Scalar range) the bias at j = t must stay 0 rather than 0 * inf = NaN.
-  const double largest = static_cast<double>(std::numeric_limits<Scalar>::max());
-  const double slope = std::min(1.0 / sigma, largest / static_cast<double>(std::max<Index>(t, 1)));
+  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24), with the
+  // slope kept finite for distances up to t.
+  const Scalar slope = detail::finite_alibi_slope<Scalar>(sigma, t);
   detail::TileScratch<Scalar> scratch;
   scratch.shape(1, t + 1);
   scratch.logits() =
       Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
-      static_cast<Scalar>(slope);
+      slope;
   detail::weighted_decode<Scalar>(query, keys, values, 0, t, tau, scratch, out);
 }
 

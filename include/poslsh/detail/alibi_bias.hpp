@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/tile_engine.hpp"
 #include "poslsh/detail/tile_kernels.hpp"
 #include "poslsh/detail/tile_types.hpp"
@@ -29,7 +30,7 @@ class AlibiBias {
 
  public:
   AlibiBias(Index n, double sigma, ExactWindow window)
-      : neg_inv_sigma_(negative_slope(sigma, n)), window_(window) {
+      : neg_inv_sigma_(-finite_alibi_slope<Scalar>(sigma, n)), window_(window) {
     for (Index a = 0; a < Bq; ++a) offsets_(a) = static_cast<Scalar>(a);
   }
 
@@ -93,14 +94,6 @@ class AlibiBias {
   Scorer scorer() const { return Scorer(*this); }
 
  private:
-  // -1/sigma in Scalar, kept above lowest / n so that every bias |i-j| * slope (|i-j| < n) is
-  // finite, 0 on the diagonal: the scores stay finite however small sigma is.
-  static Scalar negative_slope(double sigma, Index n) {
-    const auto lowest = static_cast<double>(std::numeric_limits<Scalar>::lowest());
-    return static_cast<Scalar>(
-        std::max(-1.0 / sigma, lowest / static_cast<double>(std::max<Index>(n, 1))));
-  }
-
   Scalar neg_inv_sigma_;
   ExactWindow window_;
   Eigen::Array<Scalar, Bq, 1> offsets_;
