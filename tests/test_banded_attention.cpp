@@ -14,16 +14,11 @@ using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
+using poslsh_test::with_masking;
 using poslsh_test::relative_max_error;
 using poslsh_test::tolerance;
 
 namespace {
-
-AttentionOptions with_masking(Masking masking) {
-  AttentionOptions options;
-  options.masking = masking;
-  return options;
-}
 
 bool kept(Index i, Index j, Index band, Masking masking) {
   return std::abs(i - j) <= band && (masking == Masking::bidirectional || j <= i);

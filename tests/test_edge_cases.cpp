@@ -27,6 +27,7 @@ using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
+using poslsh_test::with_masking;
 using poslsh_test::relative_max_error;
 
 namespace {
@@ -89,12 +90,6 @@ std::vector<std::pair<std::string, RowMatrix<Scalar>>> lsh_kernels(
   outputs.emplace_back("per-sample",
                        poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, options));
   return outputs;
-}
-
-AttentionOptions with_masking(Masking masking) {
-  AttentionOptions options;
-  options.masking = masking;
-  return options;
 }
 
 }  // namespace

@@ -27,6 +27,13 @@ RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint64_t seed, doub
   return m;
 }
 
+/// Default attention options with the given masking.
+inline poslsh::AttentionOptions with_masking(poslsh::Masking masking) {
+  poslsh::AttentionOptions options;
+  options.masking = masking;
+  return options;
+}
+
 /// Relative tolerance for comparing two computations of the same quantity in Scalar:
 /// float about 1e-5, double about 1e-12.
 template <typename Scalar>

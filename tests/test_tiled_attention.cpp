@@ -13,16 +13,11 @@ using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
+using poslsh_test::with_masking;
 using poslsh_test::relative_max_error;
 using poslsh_test::tolerance;
 
 namespace {
-
-AttentionOptions with_masking(Masking masking) {
-  AttentionOptions options;
-  options.masking = masking;
-  return options;
-}
 
 template <typename Scalar>
 bool bitwise_equal(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
