@@ -1,12 +1,12 @@
 // poslsh benchmarks: the shared input tensors, created once per (tensor, n).
-#include "bench_support.hpp"
-
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <map>
 #include <new>
 #include <utility>
+
+#include "bench_support.hpp"
 
 namespace poslsh::bench {
 

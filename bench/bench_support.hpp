@@ -2,12 +2,12 @@
 #pragma once
 
 #include <benchmark/benchmark.h>
-#include <poslsh/poslsh.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <poslsh/poslsh.hpp>
 #include <vector>
 
 namespace poslsh::bench {

@@ -2,9 +2,9 @@
 // token: its query (all H = 8 heads, one after the other on one thread, as the decode functions
 // are single-threaded) over a KV cache of t tokens ([t, H, d], the query at position t - 1), so
 // the row time is the time per token.
-#include "bench_support.hpp"
-
 #include <string>
+
+#include "bench_support.hpp"
 
 namespace poslsh::bench {
 

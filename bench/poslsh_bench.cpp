@@ -7,14 +7,14 @@
 //   decode_<kernel>/<t>         one token (8 heads) over a KV cache of t = 4096 .. 1048576
 // Default problem: float, H = 8, d = 64, causal, ALiBi slopes, s = 16, all threads.
 //   poslsh_bench [--long] [--benchmark_...]   (or POSLSH_BENCH_LONG=1 for --long)
-#include "bench_support.hpp"
-#include "short_names.hpp"
-
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#include "bench_support.hpp"
+#include "short_names.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -1,7 +1,7 @@
 // poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>.
-#include "bench_support.hpp"
-
 #include <string>
+
+#include "bench_support.hpp"
 
 namespace poslsh::bench {
 

@@ -2,8 +2,6 @@
 // (H = 8 heads, d = 64, s = 16 samples, float, causal, ALiBi slopes), with its wall time and
 // peak resident memory against the bytes of Q, K, V and the output.
 //   long_context [--n N] [--samples S]
-#include <poslsh/poslsh.hpp>
-
 #include <sys/mman.h>
 #include <sys/resource.h>
 
@@ -16,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <poslsh/poslsh.hpp>
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -1,7 +1,6 @@
 // poslsh quickstart: ALiBi attention approximated by Positional LSH, against the exact result.
-#include <poslsh/poslsh.hpp>
-
 #include <cstdio>
+#include <poslsh/poslsh.hpp>
 
 int main() {
   const poslsh::Index n = 4096, d = 64;
@@ -18,9 +17,10 @@ int main() {
     // s random block partitions of the positions; head 0 of seed 2026.
     const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, /*seed=*/2026, /*stream=*/0);
     const Matrix approx = poslsh::lsh_attention_fused<float>(q, k, v, hashes);
-    const double pairs = static_cast<double>(poslsh::lsh_fused_pair_count(hashes, n, poslsh::Masking::causal));
-    std::printf("%8ld %14.4f %16.1f\n", static_cast<long>(s), (approx - exact).norm() / exact.norm(),
-                pairs / static_cast<double>(n));
+    const double pairs =
+        static_cast<double>(poslsh::lsh_fused_pair_count(hashes, n, poslsh::Masking::causal));
+    std::printf("%8ld %14.4f %16.1f\n", static_cast<long>(s),
+                (approx - exact).norm() / exact.norm(), pairs / static_cast<double>(n));
   }
   std::printf("exact attention evaluates %.1f pairs per query\n", static_cast<double>(n + 1) / 2.0);
 }

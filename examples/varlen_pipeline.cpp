@@ -5,14 +5,13 @@
 // deliberately simple stand-in with the calling convention of flash_attn_varlen_func:
 // packed (total, d) Q/K/V, cu_seqlens_q = cu_seqlens_k = the plan, max_seqlen, causal,
 // softmax_scale; it returns the output and softmax_lse (natural log, per row).
-#include <poslsh/poslsh.hpp>
-
-#include "example_cli.hpp"
-
 #include <cmath>
 #include <cstdio>
+#include <poslsh/poslsh.hpp>
 #include <string>
 #include <vector>
+
+#include "example_cli.hpp"
 
 namespace {
 
@@ -43,7 +42,8 @@ void varlen_attention(const Matrix& q, const Matrix& k, const Matrix& v,
 const char* const program = "varlen_pipeline";
 
 const char* const usage =
-    "usage: varlen_pipeline [--n N] [--d D] [--sigma S] [--samples K] [--seed X] [--bidirectional]\n"
+    "usage: varlen_pipeline [--n N] [--d D] [--sigma S] [--samples K] [--seed X] "
+    "[--bidirectional]\n"
     "Runs plan -> stand-in varlen kernel -> log-sum-exp merge and compares the result with\n"
     "lsh_attention_fused and lsh_attention_per_sample on the same hashes.\n"
     "defaults: --n 2048 --d 64 --sigma 32 --samples 16 --seed 1 (causal)\n";
@@ -75,10 +75,12 @@ int main(int argc, char** argv) {
     Eigen::VectorXf sample_lse(n);
     long long pairs = 0;
     for (const poslsh::BlockPlan& plan : poslsh::block_plans(hashes, {n})) {
-      varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, causal, tau, sample_out, sample_lse);
+      varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, causal, tau, sample_out,
+                       sample_lse);
       merger.add(sample_out, sample_lse);
       for (poslsh::Index b = 0; b < plan.blocks(); ++b) {
-        const long long size = plan.cu_seqlens[static_cast<std::size_t>(b) + 1] - plan.cu_seqlens[static_cast<std::size_t>(b)];
+        const long long size = plan.cu_seqlens[static_cast<std::size_t>(b) + 1] -
+                               plan.cu_seqlens[static_cast<std::size_t>(b)];
         pairs += causal ? size * (size + 1) / 2 : size * size;
       }
     }
@@ -90,9 +92,11 @@ int main(int argc, char** argv) {
     const Matrix fused = poslsh::lsh_attention_fused<float>(q, k, v, hashes, options);
     const Matrix per_sample = poslsh::lsh_attention_per_sample<float>(q, k, v, hashes, options);
     const Matrix exact = poslsh::alibi_attention_tiled<float>(q, k, v, sigma, options);
-    std::printf("n = %ld, d = %ld, sigma = %g, s = %ld, %s\n", static_cast<long>(n), static_cast<long>(d),
-                sigma, static_cast<long>(samples), causal ? "causal" : "bidirectional");
-    std::printf("varlen kernel evaluated %lld pairs over %ld samples\n", pairs, static_cast<long>(samples));
+    std::printf("n = %ld, d = %ld, sigma = %g, s = %ld, %s\n", static_cast<long>(n),
+                static_cast<long>(d), sigma, static_cast<long>(samples),
+                causal ? "causal" : "bidirectional");
+    std::printf("varlen kernel evaluated %lld pairs over %ld samples\n", pairs,
+                static_cast<long>(samples));
     std::printf("max |merged - fused|       = %.3g\n", (merged - fused).cwiseAbs().maxCoeff());
     std::printf("max |merged - per_sample|  = %.3g\n", (merged - per_sample).cwiseAbs().maxCoeff());
     std::printf("relative Frobenius error of the LSH estimate against exact ALiBi = %.4f\n",

@@ -1,10 +1,9 @@
 // The dense oracle of the LSH kernels: T~ = D~^-1 (A o M~) V from the mean mask, in double.
 #pragma once
 
+#include <cmath>
 #include <poslsh/masks.hpp>
 #include <poslsh/types.hpp>
-
-#include <cmath>
 
 namespace poslsh_test {
 

@@ -1,15 +1,14 @@
 // The dense ALiBi kernel against its defining formula and its structure.
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 
-#include <cmath>
+#include "test_support.hpp"
 
 using poslsh::Index;
 using poslsh::Masking;
 
-TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lower", "[alibi_kernel]",
-                   float, double) {
+TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lower",
+                   "[alibi_kernel]", float, double) {
   const double sigma = 3.0;
   const auto full = poslsh::alibi_kernel_dense<TestType>(12, sigma, Masking::bidirectional);
   const auto causal = poslsh::alibi_kernel_dense<TestType>(12, sigma, Masking::causal);
@@ -19,7 +18,8 @@ TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lo
       INFO("i " << i << ", j " << j);
       // exp(-|i-j|/sigma) = r^|i-j|: a second way to the same number.
       const double expected = std::pow(r, static_cast<double>(std::abs(i - j)));
-      CHECK(static_cast<double>(full(i, j)) == Approx(expected).epsilon(poslsh_test::tolerance<TestType>()));
+      CHECK(static_cast<double>(full(i, j)) ==
+            Approx(expected).epsilon(poslsh_test::tolerance<TestType>()));
       CHECK(causal(i, j) == (j <= i ? full(i, j) : TestType(0)));
     }
   }
@@ -28,7 +28,10 @@ TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lo
 
 TEST_CASE("alibi_kernel_dense rejects bad n and sigma", "[alibi_kernel][invalid]") {
   using poslsh_test::require_invalid_argument;
-  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(-2, 1.0, Masking::causal); }, "n");
-  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(4, 0.0, Masking::causal); }, "sigma");
-  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(4, NAN, Masking::causal); }, "sigma");
+  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(-2, 1.0, Masking::causal); },
+                           "n");
+  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(4, 0.0, Masking::causal); },
+                           "sigma");
+  require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(4, NAN, Masking::causal); },
+                           "sigma");
 }

@@ -14,9 +14,9 @@ using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
-using poslsh_test::with_masking;
 using poslsh_test::relative_max_error;
 using poslsh_test::tolerance;
+using poslsh_test::with_masking;
 
 namespace {
 

@@ -1,11 +1,10 @@
 // Bring-your-own block kernel: the default and a user callable give the LSH estimator.
-#include "lsh_oracle.hpp"
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/block_kernel.hpp>
 #include <poslsh/fused_attention.hpp>
 
-#include <cmath>
+#include "lsh_oracle.hpp"
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::HashSet;
@@ -14,8 +13,9 @@ using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
 
-TEMPLATE_TEST_CASE("lsh_attention_by_blocks with the library's block kernel equals the fused kernel",
-                   "[block_kernel]", float, double) {
+TEMPLATE_TEST_CASE(
+    "lsh_attention_by_blocks with the library's block kernel equals the fused kernel",
+    "[block_kernel]", float, double) {
   const Index n = 260, d = 16;
   const auto q = random_matrix<TestType>(n, d, 101);
   const auto k = random_matrix<TestType>(n, d, 102);
@@ -26,15 +26,19 @@ TEMPLATE_TEST_CASE("lsh_attention_by_blocks with the library's block kernel equa
     const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 6, 1);
     RowMatrix<TestType> out(n, d);
     poslsh::lsh_attention_by_blocks<TestType>(q, k, v, hashes, out, options);
-    const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
-    const auto oracle = poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0 / std::sqrt(double(d)));
+    const RowMatrix<TestType> fused =
+        poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
+    const auto oracle =
+        poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0 / std::sqrt(double(d)));
     INFO("causal " << (masking == Masking::causal));
     CHECK(poslsh_test::relative_max_error(out, fused) < poslsh_test::tolerance<TestType>());
-    CHECK(poslsh_test::relative_max_error(out.template cast<double>(), oracle) < poslsh_test::tolerance<TestType>());
+    CHECK(poslsh_test::relative_max_error(out.template cast<double>(), oracle) <
+          poslsh_test::tolerance<TestType>());
   }
 }
 
-TEST_CASE("a user block kernel is called once per block and its results are merged", "[block_kernel]") {
+TEST_CASE("a user block kernel is called once per block and its results are merged",
+          "[block_kernel]") {
   const Index n = 90, d = 4;
   const auto q = random_matrix<double>(n, d, 111);
   const auto k = random_matrix<double>(n, d, 112);
@@ -59,7 +63,8 @@ TEST_CASE("a user block kernel is called once per block and its results are merg
   RowMatrix<double> out(n, d);
   poslsh::lsh_attention_by_blocks<double>(q, k, v, hashes, out, {}, naive);
   Index expected_calls = 0;
-  for (const poslsh::BinHash& h : hashes) expected_calls += static_cast<Index>(poslsh::block_boundaries(h, n).size()) - 1;
+  for (const poslsh::BinHash& h : hashes)
+    expected_calls += static_cast<Index>(poslsh::block_boundaries(h, n).size()) - 1;
   CHECK(calls == expected_calls);
   CHECK(rows_seen == n * 6);
   const RowMatrix<double> fused = poslsh::lsh_attention_fused<double>(q, k, v, hashes);
@@ -74,6 +79,8 @@ TEST_CASE("lsh_attention_by_blocks rejects bad arguments", "[block_kernel][inval
                            "hashes");
   RowMatrix<float> wrong(5, 4);
   require_invalid_argument(
-      [&] { poslsh::lsh_attention_by_blocks<float>(q, q, q, poslsh::rbf_hashes(2.0, 2, 1), wrong); },
+      [&] {
+        poslsh::lsh_attention_by_blocks<float>(q, q, q, poslsh::rbf_hashes(2.0, 2, 1), wrong);
+      },
       "out");
 }

@@ -1,11 +1,10 @@
 // Block plans: cumulative offsets that cover [0, total) without gaps, agree with the partition,
 // keep sequences apart, and refuse totals beyond int32.
-#include "test_support.hpp"
-
-#include <poslsh/block_plan.hpp>
-
 #include <algorithm>
+#include <poslsh/block_plan.hpp>
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::BlockPlan;
 using poslsh::Index;
@@ -48,7 +47,8 @@ TEST_CASE("block_plan of a batch is each sequence's plan, offset and concatenate
     CHECK(batch.max_seqlen == longest);
     CHECK(batch.cu_seqlens.back() == 391);
     CHECK(std::is_sorted(batch.cu_seqlens.begin(), batch.cu_seqlens.end()));
-    CHECK(std::adjacent_find(batch.cu_seqlens.begin(), batch.cu_seqlens.end()) == batch.cu_seqlens.end());
+    CHECK(std::adjacent_find(batch.cu_seqlens.begin(), batch.cu_seqlens.end()) ==
+          batch.cu_seqlens.end());
   }
 }
 
@@ -61,14 +61,22 @@ TEST_CASE("fixed_blocks_plan cuts blocks of 2 sigma", "[plan]") {
 TEST_CASE("block plans check lengths, int32 overflow and hashes", "[plan][invalid]") {
   using poslsh_test::require_invalid_argument;
   const poslsh::BinHash hash{4.0, 1.0};
-  require_invalid_argument([&] { poslsh::block_plan(hash, std::vector<Index>{5, -1}); },
-                           "sequence_lengths");
+  require_invalid_argument(
+      [&] {
+        poslsh::block_plan(hash, std::vector<Index>{5, -1});
+      },
+      "sequence_lengths");
   // 2^31 positions in total do not fit in int32; the check happens before any allocation.
   require_invalid_argument(
-      [&] { poslsh::block_plan(hash, std::vector<Index>{Index{1} << 30, Index{1} << 30}); },
+      [&] {
+        poslsh::block_plan(hash, std::vector<Index>{Index{1} << 30, Index{1} << 30});
+      },
       "sequence_lengths");
   require_invalid_argument([&] { poslsh::block_plan(hash, Index{-3}); }, "n");
   require_invalid_argument([&] { poslsh::block_plans(poslsh::HashSet{}, {4}); }, "hashes");
-  require_invalid_argument([&] { poslsh::block_plan(poslsh::BinHash{0.0, 0.0}, Index{4}); },
-                           "hash.width");
+  require_invalid_argument(
+      [&] {
+        poslsh::block_plan(poslsh::BinHash{0.0, 0.0}, Index{4});
+      },
+      "hash.width");
 }

@@ -62,8 +62,8 @@ TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths"
     expected *= sigma;
     double sum = 0.0, square_sum = 0.0;
     for (int trial = 0; trial < trials; ++trial) {
-      const double largest =
-          double(poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000u + unsigned(trial), 7), n));
+      const double largest = double(
+          poslsh::largest_block(poslsh::rbf_hashes(sigma, s, 1000u + unsigned(trial), 7), n));
       sum += largest;
       square_sum += largest * largest;
     }

@@ -1,10 +1,10 @@
 // Decode against the last prefill row (LSH) and against the reference (exact).
-#include "test_support.hpp"
-
 #include <poslsh/decode.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/reference_attention.hpp>
+
+#include "test_support.hpp"
 
 using poslsh::HashSet;
 using poslsh::Index;
@@ -41,7 +41,8 @@ TEMPLATE_TEST_CASE("alibi_attention_decode_exact equals the reference's row t", 
   const auto k = random_matrix<TestType>(n, d, 62);
   const auto v = random_matrix<TestType>(n, d, 63);
   for (double sigma : {1.0, 30.0}) {
-    const RowMatrix<TestType> reference = poslsh::alibi_attention_reference<TestType>(q, k, v, sigma);
+    const RowMatrix<TestType> reference =
+        poslsh::alibi_attention_reference<TestType>(q, k, v, sigma);
     for (Index t : {0, 5, 299}) {
       RowMatrix<TestType> out(1, d);
       poslsh::alibi_attention_decode_exact<TestType>(q.row(t), k, v, t, sigma, out);
@@ -59,18 +60,22 @@ TEST_CASE("decode rejects bad arguments", "[decode][invalid]") {
   const auto q2 = random_matrix<float>(2, 4, 2);
   const HashSet hashes = poslsh::rbf_hashes(3.0, 4, 1);
   RowMatrix<float> out(1, 4);
-  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, 10, hashes, out); }, "t");
-  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, -1, hashes, out); }, "t");
-  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q2, k, k, 3, hashes, out); }, "query");
-  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, 3, HashSet{}, out); }, "hashes");
+  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, 10, hashes, out); },
+                           "t");
+  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, -1, hashes, out); },
+                           "t");
+  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q2, k, k, 3, hashes, out); },
+                           "query");
+  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, 3, HashSet{}, out); },
+                           "hashes");
   poslsh::AttentionOptions bidirectional;
   bidirectional.masking = poslsh::Masking::bidirectional;
   require_invalid_argument(
       [&] { poslsh::lsh_attention_decode<float>(q, k, k, 3, hashes, out, bidirectional); },
       "options.masking");
-  require_invalid_argument([&] { poslsh::alibi_attention_decode_exact<float>(q, k, k, 3, 0.0, out); },
-                           "sigma");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_decode_exact<float>(q, k, k, 3, 0.0, out); }, "sigma");
   RowMatrix<float> wide(1, 5);
-  require_invalid_argument([&] { poslsh::alibi_attention_decode_exact<float>(q, k, k, 3, 1.0, wide); },
-                           "out");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_decode_exact<float>(q, k, k, 3, 1.0, wide); }, "out");
 }

@@ -1,13 +1,12 @@
 // The fused, count-weighted LSH kernel against the per-sample kernel (same hashes) and the
 // dense formula; its pair count against the dense mean mask.
-#include "lsh_oracle.hpp"
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/reference_attention.hpp>
 
-#include <cmath>
+#include "lsh_oracle.hpp"
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::HashSet;
@@ -28,13 +27,15 @@ TEMPLATE_TEST_CASE("lsh_attention_fused equals per-sample and the dense formula"
         const HashSet hashes = poslsh::rbf_hashes(sigma, s, 99, 4);
         AttentionOptions options;
         options.masking = masking;
-        const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
+        const RowMatrix<TestType> fused =
+            poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
         const RowMatrix<TestType> per_sample =
             poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes, options);
         const RowMatrix<double> expected =
             poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0 / std::sqrt(double(d)));
         INFO("sigma " << sigma << ", s " << s << ", causal " << (masking == Masking::causal));
-        CHECK(poslsh_test::relative_max_error(fused, per_sample) < poslsh_test::tolerance<TestType>());
+        CHECK(poslsh_test::relative_max_error(fused, per_sample) <
+              poslsh_test::tolerance<TestType>());
         CHECK(poslsh_test::relative_max_error(fused.template cast<double>(), expected) <
               poslsh_test::tolerance<TestType>());
       }
@@ -74,7 +75,8 @@ TEST_CASE("as s grows the fused output converges to exact ALiBi attention", "[fu
   CHECK(previous < 0.05);
 }
 
-TEMPLATE_TEST_CASE("scores of magnitude 1e4 give finite, correct outputs", "[fused]", float, double) {
+TEMPLATE_TEST_CASE("scores of magnitude 1e4 give finite, correct outputs", "[fused]", float,
+                   double) {
   const Index n = 150, d = 4;
   RowMatrix<TestType> q = random_matrix<TestType>(n, d, 41, 100.0);
   RowMatrix<TestType> k = random_matrix<TestType>(n, d, 42, 100.0);
@@ -84,7 +86,8 @@ TEMPLATE_TEST_CASE("scores of magnitude 1e4 give finite, correct outputs", "[fus
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     options.masking = masking;
     const HashSet hashes = poslsh::rbf_hashes(10.0, 5, 1, 0);
-    const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
+    const RowMatrix<TestType> fused =
+        poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
     const RowMatrix<TestType> per_sample =
         poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes, options);
     REQUIRE(fused.allFinite());
@@ -110,7 +113,8 @@ TEST_CASE("a query whose every weight would underflow against a masked score sta
   options.scale = 1.0;
   const HashSet one_block{poslsh::BinHash{1e9, 0.5e9}};
   const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(q, k, v, one_block, options);
-  const RowMatrix<float> per_sample = poslsh::lsh_attention_per_sample<float>(q, k, v, one_block, options);
+  const RowMatrix<float> per_sample =
+      poslsh::lsh_attention_per_sample<float>(q, k, v, one_block, options);
   CHECK(fused(0, 0) == 3.0f);
   CHECK(per_sample(0, 0) == 3.0f);
   CHECK(fused(2, 0) == 5.0f);  // rows >= 1 put all weight on key 1
@@ -122,9 +126,11 @@ TEST_CASE("lsh_attention_fused rejects bad arguments", "[fused][invalid]") {
   const auto q = random_matrix<float>(6, 4, 1);
   const auto v5 = random_matrix<float>(5, 4, 1);
   const HashSet hashes = poslsh::rbf_hashes(2.0, 3, 1);
-  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, HashSet{}); }, "hashes");
+  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, HashSet{}); },
+                           "hashes");
   require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, v5, hashes); }, "v");
   RowMatrix<float> wrong(6, 3);
-  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, hashes, wrong); }, "out");
+  require_invalid_argument([&] { poslsh::lsh_attention_fused<float>(q, q, q, hashes, wrong); },
+                           "out");
   require_invalid_argument([&] { poslsh::lsh_fused_pair_count(hashes, -1, Masking::causal); }, "n");
 }

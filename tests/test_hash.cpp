@@ -1,12 +1,11 @@
 // The RBF positional hash: generator known answers, determinism, and the distribution of the
 // width and offset (Gamma(2, sigma) and uniform on [0, w)).
-#include "test_support.hpp"
-
-#include <poslsh/detail/philox.hpp>
-#include <poslsh/hash.hpp>
-
 #include <cmath>
 #include <cstring>
+#include <poslsh/detail/random/philox.hpp>
+#include <poslsh/hash.hpp>
+
+#include "test_support.hpp"
 
 using poslsh::BinHash;
 using poslsh::HashKey;
@@ -100,8 +99,6 @@ TEST_CASE("hash functions reject bad sigma and s", "[hash][invalid]") {
   require_invalid_argument([] { poslsh::rbf_hash(INFINITY, HashKey{}); }, "sigma");
   require_invalid_argument([] { poslsh::rbf_hashes(4.0, 0, 1); }, "s");
   require_invalid_argument([] { poslsh::fixed_blocks_hash(0.0); }, "sigma");
-  require_invalid_argument([] { poslsh::validate_hash(BinHash{0.0, 0.0}, "test"); },
-                           "hash.width");
-  require_invalid_argument([] { poslsh::validate_hash(BinHash{2.0, 2.0}, "test"); },
-                           "hash.offset");
+  require_invalid_argument([] { poslsh::validate_hash(BinHash{0.0, 0.0}, "test"); }, "hash.width");
+  require_invalid_argument([] { poslsh::validate_hash(BinHash{2.0, 2.0}, "test"); }, "hash.offset");
 }

@@ -1,13 +1,12 @@
 // Log-sum-exp merging: per-sample block outputs merged by their lse equal the LSH kernels.
-#include "test_support.hpp"
-
+#include <cmath>
+#include <limits>
 #include <poslsh/block_kernel.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/lse_merge.hpp>
 #include <poslsh/per_sample_attention.hpp>
 
-#include <cmath>
-#include <limits>
+#include "test_support.hpp"
 
 using poslsh::HashSet;
 using poslsh::Index;
@@ -19,21 +18,24 @@ namespace {
 // Sample k of the estimator by dense loops: for each row, plain softmax over its block (causal)
 // and the natural log of the normalizer; independent of the library's kernels.
 template <typename Scalar>
-void dense_sample(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v,
-                  const poslsh::BinHash& hash, double tau, RowMatrix<Scalar>& out,
-                  Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& lse) {
+void dense_sample(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
+                  const RowMatrix<Scalar>& v, const poslsh::BinHash& hash, double tau,
+                  RowMatrix<Scalar>& out, Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& lse) {
   const Index n = q.rows();
   out.setZero(n, v.cols());
   lse.resize(n);
   for (Index i = 0; i < n; ++i) {
     double row_max = -INFINITY;
     for (Index j = 0; j <= i; ++j)
-      if (hash.bin(j) == hash.bin(i)) row_max = std::max(row_max, tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()));
+      if (hash.bin(j) == hash.bin(i))
+        row_max = std::max(
+            row_max, tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()));
     double total = 0;
     Eigen::RowVectorXd acc = Eigen::RowVectorXd::Zero(v.cols());
     for (Index j = 0; j <= i; ++j) {
       if (hash.bin(j) != hash.bin(i)) continue;
-      const double w = std::exp(tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) - row_max);
+      const double w = std::exp(
+          tau * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) - row_max);
       total += w;
       acc += w * v.row(j).template cast<double>();
     }
@@ -44,8 +46,8 @@ void dense_sample(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const 
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("merging per-sample (O_k, lse_k) gives the per-sample and fused kernels", "[merge]",
-                   float, double) {
+TEMPLATE_TEST_CASE("merging per-sample (O_k, lse_k) gives the per-sample and fused kernels",
+                   "[merge]", float, double) {
   const Index n = 150, d = 8;
   const auto q = random_matrix<TestType>(n, d, 91);
   const auto k = random_matrix<TestType>(n, d, 92);
@@ -62,7 +64,8 @@ TEMPLATE_TEST_CASE("merging per-sample (O_k, lse_k) gives the per-sample and fus
   CHECK(merger.samples() == 12);
   RowMatrix<TestType> merged(n, d);
   merger.result(merged);
-  const RowMatrix<TestType> per_sample = poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes);
+  const RowMatrix<TestType> per_sample =
+      poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes);
   const RowMatrix<TestType> fused = poslsh::lsh_attention_fused<TestType>(q, k, v, hashes);
   CHECK(poslsh_test::relative_max_error(merged, per_sample) < poslsh_test::tolerance<TestType>());
   CHECK(poslsh_test::relative_max_error(merged, fused) < poslsh_test::tolerance<TestType>());
@@ -107,7 +110,8 @@ TEST_CASE("LseMerger rejects bad shapes and lse values", "[merge][invalid]") {
   require_invalid_argument([&] { merger.add(bad, lse); }, "output");
   require_invalid_argument([&] { merger.add(good, Eigen::VectorXf::Zero(3)); }, "lse");
   require_invalid_argument([&] { merger.add(good, Eigen::VectorXf::Constant(4, NAN)); }, "lse");
-  require_invalid_argument([&] { merger.add(good, Eigen::VectorXf::Constant(4, INFINITY)); }, "lse");
+  require_invalid_argument([&] { merger.add(good, Eigen::VectorXf::Constant(4, INFINITY)); },
+                           "lse");
   RowMatrix<float> wrong(3, 3);
   require_invalid_argument([&] { merger.result(wrong); }, "out");
   require_invalid_argument([] { poslsh::LseMerger<float>(-1, 2); }, "n");

@@ -1,10 +1,9 @@
 // Dense masks, and the identity that makes the method work: E[M(h)] = L*.
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
 
-#include <cmath>
+#include "test_support.hpp"
 
 using poslsh::Index;
 using poslsh::Masking;
@@ -13,7 +12,8 @@ using poslsh::RowMatrix;
 TEMPLATE_TEST_CASE("bin_mask_dense is the indicator of bin(i) = bin(j)", "[masks]", float, double) {
   const poslsh::BinHash hash{5.5, 2.0};
   const Index n = 23;
-  const RowMatrix<TestType> bidirectional = poslsh::bin_mask_dense<TestType>(hash, n, Masking::bidirectional);
+  const RowMatrix<TestType> bidirectional =
+      poslsh::bin_mask_dense<TestType>(hash, n, Masking::bidirectional);
   const RowMatrix<TestType> causal = poslsh::bin_mask_dense<TestType>(hash, n, Masking::causal);
   for (Index i = 0; i < n; ++i) {
     for (Index j = 0; j < n; ++j) {
@@ -31,8 +31,10 @@ TEST_CASE("mean of many masks matches exp(-|i-j|/sigma) within the standard erro
   const Index n = 48;
   for (double sigma : {1.5, 4.0, 16.0}) {
     const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, samples, 7, 0);
-    const RowMatrix<double> mean = poslsh::mean_mask_dense<double>(hashes, n, Masking::bidirectional);
-    const RowMatrix<double> kernel = poslsh::alibi_kernel_dense<double>(n, sigma, Masking::bidirectional);
+    const RowMatrix<double> mean =
+        poslsh::mean_mask_dense<double>(hashes, n, Masking::bidirectional);
+    const RowMatrix<double> kernel =
+        poslsh::alibi_kernel_dense<double>(n, sigma, Masking::bidirectional);
     double worst_z = 0.0;
     double worst_abs = 0.0;
     for (Index i = 0; i < n; ++i) {
@@ -46,7 +48,8 @@ TEST_CASE("mean of many masks matches exp(-|i-j|/sigma) within the standard erro
         worst_abs = std::max(worst_abs, std::abs(mean(i, j) - p));
       }
     }
-    INFO("sigma " << sigma << ": max |M~ - L*| = " << worst_abs << ", max z-score beyond 3 hits " << worst_z);
+    INFO("sigma " << sigma << ": max |M~ - L*| = " << worst_abs << ", max z-score beyond 3 hits "
+                  << worst_z);
     CHECK(worst_z < 5.0);
     CHECK(worst_abs < 0.02);
   }
@@ -54,7 +57,8 @@ TEST_CASE("mean of many masks matches exp(-|i-j|/sigma) within the standard erro
 
 TEST_CASE("causal mean mask is the lower triangle of the bidirectional one", "[masks]") {
   const poslsh::HashSet hashes = poslsh::rbf_hashes(3.0, 10, 1, 0);
-  const RowMatrix<double> full = poslsh::mean_mask_dense<double>(hashes, 30, Masking::bidirectional);
+  const RowMatrix<double> full =
+      poslsh::mean_mask_dense<double>(hashes, 30, Masking::bidirectional);
   const RowMatrix<double> causal = poslsh::mean_mask_dense<double>(hashes, 30, Masking::causal);
   const RowMatrix<double> lower = full.triangularView<Eigen::Lower>();
   CHECK(causal == lower);

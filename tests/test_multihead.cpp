@@ -1,8 +1,8 @@
 // Multi-head entry point: strided [n, H, d] and [H, n, d] layouts and grouped-query attention
 // equal the contiguous per-head computation; thread counts do not change a bit.
-#include "test_support.hpp"
-
 #include <poslsh/multihead.hpp>
+
+#include "test_support.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -27,8 +27,8 @@ RowMatrix<Scalar> head_of(const RowMatrix<Scalar>& interleaved, Index h, Index d
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, with GQA", "[multihead]",
-                   float, double) {
+TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, with GQA",
+                   "[multihead]", float, double) {
   const Index n = 130, d = 8, heads = 4, kv_heads = 2;
   const auto q = random_matrix<TestType>(n, heads * d, 71);
   const auto k = random_matrix<TestType>(n, kv_heads * d, 72);
@@ -68,14 +68,25 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
       const HashSet hashes = poslsh::rbf_hashes(sigma, 5, 17, static_cast<std::uint64_t>(h));
       RowMatrix<TestType> expected;
       switch (method) {
-        case Method::lsh_fused: expected = poslsh::lsh_attention_fused<TestType>(qh, kh, vh, hashes); break;
-        case Method::lsh_per_sample: expected = poslsh::lsh_attention_per_sample<TestType>(qh, kh, vh, hashes); break;
-        case Method::fixed_blocks: expected = poslsh::fixed_blocks_attention<TestType>(qh, kh, vh, sigma); break;
-        case Method::exact_tiled: expected = poslsh::alibi_attention_tiled<TestType>(qh, kh, vh, sigma); break;
-        case Method::exact_banded:
-          expected = poslsh::alibi_attention_banded<TestType>(qh, kh, vh, sigma, poslsh::band_for_bias_error(sigma, 1e-3));
+        case Method::lsh_fused:
+          expected = poslsh::lsh_attention_fused<TestType>(qh, kh, vh, hashes);
           break;
-        case Method::exact_reference: expected = poslsh::alibi_attention_reference<TestType>(qh, kh, vh, sigma); break;
+        case Method::lsh_per_sample:
+          expected = poslsh::lsh_attention_per_sample<TestType>(qh, kh, vh, hashes);
+          break;
+        case Method::fixed_blocks:
+          expected = poslsh::fixed_blocks_attention<TestType>(qh, kh, vh, sigma);
+          break;
+        case Method::exact_tiled:
+          expected = poslsh::alibi_attention_tiled<TestType>(qh, kh, vh, sigma);
+          break;
+        case Method::exact_banded:
+          expected = poslsh::alibi_attention_banded<TestType>(
+              qh, kh, vh, sigma, poslsh::band_for_bias_error(sigma, 1e-3));
+          break;
+        case Method::exact_reference:
+          expected = poslsh::alibi_attention_reference<TestType>(qh, kh, vh, sigma);
+          break;
       }
       INFO("method " << static_cast<int>(method) << ", head " << h);
       // Same kernel on the same numbers: identical bits.
@@ -98,10 +109,11 @@ TEST_CASE("one and two threads give identical bits", "[multihead]") {
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
       RowMatrix<float> out(n, heads * d);
-      poslsh::multihead_attention<float>(poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
-                                         poslsh::interleaved_heads<const float>(k.data(), n, heads, d),
-                                         poslsh::interleaved_heads<const float>(v.data(), n, heads, d),
-                                         poslsh::interleaved_heads<float>(out.data(), n, heads, d), options);
+      poslsh::multihead_attention<float>(
+          poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+          poslsh::interleaved_heads<const float>(k.data(), n, heads, d),
+          poslsh::interleaved_heads<const float>(v.data(), n, heads, d),
+          poslsh::interleaved_heads<float>(out.data(), n, heads, d), options);
       results.push_back(out);
       // Single-head kernels parallelize inside: check them too.
       const RowMatrix<float> q0 = head_of(q, 0, d), k0 = head_of(k, 0, d), v0 = head_of(v, 0, d);
@@ -129,7 +141,8 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
   const auto q3 = poslsh::interleaved_heads<const float>(q.data(), n, 3, d);
   const auto kv2 = poslsh::interleaved_heads<const float>(q.data(), n, 2, d);
   const auto out3 = poslsh::interleaved_heads<float>(out.data(), n, 3, d);
-  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, kv2, kv2, out3); }, "k.heads");
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, kv2, kv2, out3); },
+                           "k.heads");
   MultiHeadOptions options;
   options.samples = 0;
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
@@ -147,7 +160,8 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
                            "options.sigmas");
   auto short_k = poslsh::interleaved_heads<const float>(q.data(), n - 1, 3, d);
-  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, short_k, q3, out3); }, "k.tokens");
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, short_k, q3, out3); },
+                           "k.tokens");
   auto bad_stride = q3;
   bad_stride.row_stride = d - 1;
   require_invalid_argument([&] { poslsh::multihead_attention<float>(bad_stride, q3, q3, out3); },

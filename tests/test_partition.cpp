@@ -1,9 +1,8 @@
 // Blocks of a hash: contiguous, covering [0, n), and agreeing with bin() position by position.
-#include "test_support.hpp"
-
 #include <poslsh/partition.hpp>
-
 #include <vector>
+
+#include "test_support.hpp"
 
 using poslsh::BinHash;
 using poslsh::Index;

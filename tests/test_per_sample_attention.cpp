@@ -1,12 +1,11 @@
 // The per-sample LSH kernel (the paper's algorithm) and the fixed-blocks baseline against the
 // dense formula D~^-1 (A o M~) V and against plain softmax attention.
-#include "lsh_oracle.hpp"
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/reference_attention.hpp>
 
-#include <cmath>
+#include "lsh_oracle.hpp"
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::HashSet;
@@ -71,8 +70,8 @@ TEST_CASE("fixed_blocks_attention is plain attention inside blocks of 2 sigma", 
                             vb = v.middleRows(begin, size);
     const RowMatrix<double> expected = poslsh::alibi_attention_reference<double>(qb, kb, vb, 1e30);
     INFO("block at " << begin);
-    CHECK(poslsh_test::relative_max_error(RowMatrix<double>(out.middleRows(begin, size)), expected) <
-          1e-12);
+    CHECK(poslsh_test::relative_max_error(RowMatrix<double>(out.middleRows(begin, size)),
+                                          expected) < 1e-12);
   }
 }
 
@@ -86,7 +85,9 @@ TEST_CASE("lsh_attention_per_sample rejects bad arguments", "[per_sample][invali
   require_invalid_argument(
       [&] { poslsh::lsh_attention_per_sample<float>(q, short_k, short_k, hashes); }, "k");
   require_invalid_argument(
-      [&] { poslsh::lsh_attention_per_sample<float>(q, q, q, HashSet{poslsh::BinHash{-1, 0}}); },
+      [&] {
+        poslsh::lsh_attention_per_sample<float>(q, q, q, HashSet{poslsh::BinHash{-1, 0}});
+      },
       "hash.width");
   require_invalid_argument([&] { poslsh::fixed_blocks_attention<float>(q, q, q, 0.0); }, "sigma");
   const RowMatrix<float> no_columns(6, 0);

@@ -1,10 +1,9 @@
 // The naive exact ALiBi attention against D^-1 (A o L*) V computed from the dense kernel.
-#include "test_support.hpp"
-
+#include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/reference_attention.hpp>
 
-#include <cmath>
+#include "test_support.hpp"
 
 using poslsh::AttentionOptions;
 using poslsh::Index;
@@ -17,9 +16,11 @@ namespace {
 // T* = D^-1 (A o L*) V in long double, A = exp(tau Q K^T), straight from the definition.
 template <typename Scalar>
 RowMatrix<double> definition(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-                             const RowMatrix<Scalar>& v, double sigma, Masking masking, double tau) {
+                             const RowMatrix<Scalar>& v, double sigma, Masking masking,
+                             double tau) {
   const auto kernel = poslsh::alibi_kernel_dense<double>(q.rows(), sigma, masking);
-  const RowMatrix<double> scores = tau * q.template cast<double>() * k.template cast<double>().transpose();
+  const RowMatrix<double> scores =
+      tau * q.template cast<double>() * k.template cast<double>().transpose();
   const RowMatrix<double> weighted = scores.array().exp() * kernel.array();
   const Eigen::VectorXd row_sums = weighted.rowwise().sum();
   return row_sums.cwiseInverse().asDiagonal() * weighted * v.template cast<double>();
@@ -27,7 +28,8 @@ RowMatrix<double> definition(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("alibi_attention_reference equals D^-1 (A o L*) V", "[reference]", float, double) {
+TEMPLATE_TEST_CASE("alibi_attention_reference equals D^-1 (A o L*) V", "[reference]", float,
+                   double) {
   const Index n = 40, d = 8, dv = 5;
   const auto q = random_matrix<TestType>(n, d, 1);
   const auto k = random_matrix<TestType>(n, d, 2);
@@ -36,8 +38,10 @@ TEMPLATE_TEST_CASE("alibi_attention_reference equals D^-1 (A o L*) V", "[referen
     for (double sigma : {0.5, 4.0, 100.0}) {
       AttentionOptions options;
       options.masking = masking;
-      const RowMatrix<TestType> out = poslsh::alibi_attention_reference<TestType>(q, k, v, sigma, options);
-      const RowMatrix<double> expected = definition(q, k, v, sigma, masking, 1.0 / std::sqrt(double(d)));
+      const RowMatrix<TestType> out =
+          poslsh::alibi_attention_reference<TestType>(q, k, v, sigma, options);
+      const RowMatrix<double> expected =
+          definition(q, k, v, sigma, masking, 1.0 / std::sqrt(double(d)));
       INFO("sigma " << sigma << ", causal " << (masking == Masking::causal));
       CHECK(poslsh_test::relative_max_error(out.template cast<double>(), expected) <
             10 * poslsh_test::tolerance<TestType>());
@@ -58,7 +62,7 @@ TEST_CASE("alibi_attention_reference honours an explicit scale and strided views
     Map q(buffer.data() + h * d, n, d, Eigen::OuterStride<>(heads * d));
     Map v(values.data() + h * d, n, d, Eigen::OuterStride<>(heads * d));
     Eigen::Map<RowMatrix<double>, 0, Eigen::OuterStride<>> out(out_buffer.data() + h * d, n, d,
-                                                                Eigen::OuterStride<>(heads * d));
+                                                               Eigen::OuterStride<>(heads * d));
     poslsh::alibi_attention_reference<double>(q, q, v, 2.0, out, options);
   }
   for (Index h = 0; h < heads; ++h) {
@@ -66,7 +70,8 @@ TEST_CASE("alibi_attention_reference honours an explicit scale and strided views
     const RowMatrix<double> v = values.middleCols(h * d, d);
     const RowMatrix<double> expected = definition(q, q, v, 2.0, Masking::causal, 0.7);
     INFO("head " << h);
-    CHECK(poslsh_test::relative_max_error(RowMatrix<double>(out_buffer.middleCols(h * d, d)), expected) < 1e-12);
+    CHECK(poslsh_test::relative_max_error(RowMatrix<double>(out_buffer.middleCols(h * d, d)),
+                                          expected) < 1e-12);
   }
 }
 
@@ -84,17 +89,20 @@ TEST_CASE("causal rows ignore the future", "[reference]") {
   CHECK(after.bottomRows(n - i - 1) != before.bottomRows(n - i - 1));
 }
 
-TEMPLATE_TEST_CASE("huge logits stay finite and keep only the top-scoring keys", "[reference]", float, double) {
+TEMPLATE_TEST_CASE("huge logits stay finite and keep only the top-scoring keys", "[reference]",
+                   float, double) {
   const Index n = 8, d = 2;
   RowMatrix<TestType> q = RowMatrix<TestType>::Zero(n, d);
   RowMatrix<TestType> k = RowMatrix<TestType>::Zero(n, d);
   const auto v = random_matrix<TestType>(n, d, 3);
   q.col(0).setConstant(TestType(100));
-  for (Index j = 0; j < n; ++j) k(j, 0) = TestType(100) * static_cast<TestType>(j % 3);  // scores up to 2e4
+  for (Index j = 0; j < n; ++j)
+    k(j, 0) = TestType(100) * static_cast<TestType>(j % 3);  // scores up to 2e4
   AttentionOptions options;
   options.scale = 1.0;
   options.masking = Masking::bidirectional;
-  const RowMatrix<TestType> out = poslsh::alibi_attention_reference<TestType>(q, k, v, 1.0, options);
+  const RowMatrix<TestType> out =
+      poslsh::alibi_attention_reference<TestType>(q, k, v, 1.0, options);
   REQUIRE(out.allFinite());
   // Keys with j % 3 != 2 trail by 1e4 in score and get weight e^-1e4 = 0; the rest share the
   // row by their ALiBi weights alone: sum_j e^-|i-j| v_j / sum_j e^-|i-j| over j % 3 == 2.
@@ -125,10 +133,13 @@ TEST_CASE("alibi_attention_reference rejects bad shapes and sigma", "[reference]
   const RowMatrix<float> no_columns(5, 0);
   require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, k3, q, 1.0); }, "k");
   require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, v6, 1.0); }, "v");
-  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(no_columns, no_columns, q, 1.0); }, "q");
-  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, -1.0); }, "sigma");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_reference<float>(no_columns, no_columns, q, 1.0); }, "q");
+  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, -1.0); },
+                           "sigma");
   RowMatrix<float> wrong(4, 4);
-  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, 1.0, wrong); }, "out");
+  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, 1.0, wrong); },
+                           "out");
   AttentionOptions options;
   options.scale = INFINITY;
   require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, 1.0, options); },

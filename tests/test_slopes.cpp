@@ -1,10 +1,9 @@
 // ALiBi slopes against the official formula (Press et al.) computed independently here.
-#include "test_support.hpp"
-
-#include <poslsh/slopes.hpp>
-
 #include <cmath>
+#include <poslsh/slopes.hpp>
 #include <vector>
+
+#include "test_support.hpp"
 
 namespace {
 

@@ -2,13 +2,12 @@
 // that a call throws std::invalid_argument naming a given argument.
 #pragma once
 
-#include "catch_compat.hpp"
-
 #include <poslsh/types.hpp>
-
 #include <random>
 #include <stdexcept>
 #include <string>
+
+#include "catch_compat.hpp"
 
 namespace poslsh_test {
 

@@ -5,10 +5,10 @@
 // two enumerators is taken as bidirectional.
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/types.hpp"
-
 #include <cmath>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 

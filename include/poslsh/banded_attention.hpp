@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/detail/check.hpp"
-#include "poslsh/detail/exact_checks.hpp"
-#include "poslsh/detail/alibi_bias.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/exact.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh {

@@ -2,21 +2,21 @@
 // attention kernel that returns the block outputs and their log-sum-exp, merged by LseMerger.
 #pragma once
 
-#include "poslsh/detail/lsh_checks.hpp"
-#include "poslsh/detail/online_softmax.hpp"
+#include <vector>
+
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/streaming_softmax.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/lse_merge.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/types.hpp"
 
-#include <vector>
-
 namespace poslsh {
 
 /// The library's block kernel: plain softmax attention on one block (no positional bias;
-/// causal inside the block when `causal`), out_i = sum_j e^{tau q_i.k_j} v_j / sum_j e^{tau q_i.k_j},
-/// and lse_i = log sum_j e^{tau q_i.k_j} (natural log of the scaled scores, as
+/// causal inside the block when `causal`), out_i = sum_j e^{tau q_i.k_j} v_j / sum_j e^{tau
+/// q_i.k_j}, and lse_i = log sum_j e^{tau q_i.k_j} (natural log of the scaled scores, as
 /// FlashAttention's softmax_lse). Any callable with this call signature can replace it in
 /// lsh_attention_by_blocks.
 template <typename Scalar>
@@ -24,8 +24,8 @@ struct PlainBlockAttention {
   void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
                   bool causal, Scalar tau, MatrixRef<Scalar> out,
                   Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> lse) const {
-    detail::OnlineSoftmax<Scalar> state;
-    detail::TileScratch<Scalar> scratch;
+    detail::StreamingSoftmax<Scalar> state;
+    detail::LogitScratch<Scalar> scratch;
     state.reset(q.rows(), v.cols());
     detail::fold_block<Scalar>(q, k, v, tau, causal, 0, q.rows(), state, scratch);
     state.finish(0, out);
@@ -59,7 +59,8 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
       const Index begin = boundaries[r];
       const Index size = boundaries[r + 1] - begin;
       block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
-                   causal, tau, sample_output.middleRows(begin, size), sample_lse.segment(begin, size));
+                   causal, tau, sample_output.middleRows(begin, size),
+                   sample_lse.segment(begin, size));
     }
     merger.add(sample_output, sample_lse);
   }

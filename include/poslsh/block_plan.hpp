@@ -2,16 +2,16 @@
 // the cu_seqlens convention of variable-length attention kernels).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 

@@ -6,16 +6,16 @@
 // in the query gives a NaN output; see types.hpp) and cache rows past t, which are never read.
 #pragma once
 
-#include "poslsh/detail/alibi_slope.hpp"
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/detail/online_softmax.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <string>
 #include <vector>
+
+#include "poslsh/detail/alibi_slope.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/streaming_softmax.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -38,8 +38,8 @@ void require_decode_arguments(const char* function, const QType& query, const KT
 /// s = tau K q (the shared last step of both decoders).
 template <typename Scalar, typename QType, typename KType, typename VType, typename OutType>
 void weighted_decode(const QType& query, const KType& keys, const VType& values, Index first,
-                     Index t, Scalar tau, TileScratch<Scalar>& scratch, OutType& out) {
-  OnlineSoftmax<Scalar> state;
+                     Index t, Scalar tau, LogitScratch<Scalar>& scratch, OutType& out) {
+  StreamingSoftmax<Scalar> state;
   state.reset(1, values.cols());
   const Index count = t + 1 - first;
   scratch.logits().noalias() += (tau * query) * keys.middleRows(first, count).transpose();
@@ -50,8 +50,8 @@ void weighted_decode(const QType& query, const KType& keys, const VType& values,
 }  // namespace detail
 
 /// LSH decode: row t of lsh_attention_fused / lsh_attention_per_sample (causal) computed from
-/// the query q_t alone, out = sum_{j<=t} c_tj e^{tau q_t.k_j} v_j / sum_{j<=t} c_tj e^{tau q_t.k_j},
-/// c_tj = #{k : bin_k(t) = bin_k(j)}. Only keys [min_k begin_k(t), t] are read, where
+/// the query q_t alone, out = sum_{j<=t} c_tj e^{tau q_t.k_j} v_j / sum_{j<=t} c_tj e^{tau
+/// q_t.k_j}, c_tj = #{k : bin_k(t) = bin_k(j)}. Only keys [min_k begin_k(t), t] are read, where
 /// begin_k(t) is the start of t's block in sample k: O(s + band d), independent of t.
 /// `keys` and `values` hold at least t + 1 rows (the cache); rows after t are not read.
 /// Throws std::invalid_argument naming a bad argument (shapes, t, hashes, masking).
@@ -72,7 +72,7 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
     begins.push_back(block_containing(hash, t, t + 1).begin);
     first = std::min(first, begins.back());
   }
-  detail::TileScratch<Scalar> scratch;
+  detail::LogitScratch<Scalar> scratch;
   scratch.shape(1, t + 1 - first);
   auto logits = scratch.logits();
   logits.setZero();
@@ -95,11 +95,11 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24), with the
   // slope kept finite for distances up to t.
   const Scalar slope = detail::finite_alibi_slope<Scalar>(sigma, t);
-  detail::TileScratch<Scalar> scratch;
+  detail::LogitScratch<Scalar> scratch;
   scratch.shape(1, t + 1);
-  scratch.logits() =
-      Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(t + 1, -static_cast<Scalar>(t), Scalar(0)) *
-      slope;
+  scratch.logits() = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(
+                         t + 1, -static_cast<Scalar>(t), Scalar(0)) *
+                     slope;
   detail::weighted_decode<Scalar>(query, keys, values, 0, t, tau, scratch, out);
 }
 

@@ -2,14 +2,14 @@
 // (query, key) pair evaluated once.
 #pragma once
 
-#include "poslsh/detail/count_bias.hpp"
-#include "poslsh/detail/count_tile.hpp"
-#include "poslsh/detail/lsh_checks.hpp"
-#include "poslsh/detail/tile_engine.hpp"
+#include <algorithm>
+
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/engine.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
-
-#include <algorithm>
 
 namespace poslsh {
 
@@ -59,7 +59,8 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
   if (n == 0) return;
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  const long tiles = static_cast<long>((n + detail::fused_query_tile - 1) / detail::fused_query_tile);
+  const long tiles =
+      static_cast<long>((n + detail::fused_query_tile - 1) / detail::fused_query_tile);
 #pragma omp parallel
   {
     detail::FusedWorkspace<Scalar> work;

@@ -7,14 +7,14 @@
 // |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/detail/philox.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/random/philox.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 

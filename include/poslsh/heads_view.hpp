@@ -5,11 +5,11 @@
 // element the view addresses, nor the values in it (NaN entries are not scanned).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/types.hpp"
-
 #include <string>
 #include <type_traits>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -20,9 +20,9 @@ namespace poslsh {
 template <typename Element>
 struct HeadsView {
   using Scalar = std::remove_const_t<Element>;
-  using HeadMap = Eigen::Map<std::conditional_t<std::is_const_v<Element>, const RowMatrix<Scalar>,
-                                                RowMatrix<Scalar>>,
-                             0, Eigen::OuterStride<>>;
+  using HeadMap = Eigen::Map<
+      std::conditional_t<std::is_const_v<Element>, const RowMatrix<Scalar>, RowMatrix<Scalar>>, 0,
+      Eigen::OuterStride<>>;
 
   Element* data = nullptr;
   Index tokens = 0;
@@ -51,17 +51,16 @@ struct HeadsView {
                     (prefix + ".data").c_str(), "null", "must point at the buffer");
     detail::require(row_stride >= dim, function, (prefix + ".row_stride").c_str(), row_stride,
                     "must be >= dim = " + std::to_string(dim));
-    detail::require(heads == 1 || head_stride >= dim, function,
-                    (prefix + ".head_stride").c_str(), head_stride,
-                    "must be >= dim = " + std::to_string(dim));
+    detail::require(heads == 1 || head_stride >= dim, function, (prefix + ".head_stride").c_str(),
+                    head_stride, "must be >= dim = " + std::to_string(dim));
     if constexpr (!std::is_const_v<Element>) {
       const bool disjoint = heads == 1 || tokens <= 1 || dim == 0 ||
                             head_stride >= tokens * row_stride || row_stride >= heads * head_stride;
-      detail::require(disjoint, function, (prefix + ".head_stride").c_str(), head_stride,
-                      "output heads overlap: need head_stride >= tokens * row_stride = " +
-                          std::to_string(tokens * row_stride) +
-                          " or row_stride >= heads * head_stride = " +
-                          std::to_string(heads * head_stride));
+      detail::require(
+          disjoint, function, (prefix + ".head_stride").c_str(), head_stride,
+          "output heads overlap: need head_stride >= tokens * row_stride = " +
+              std::to_string(tokens * row_stride) +
+              " or row_stride >= heads * head_stride = " + std::to_string(heads * head_stride));
     }
   }
 };

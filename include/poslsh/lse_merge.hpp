@@ -1,12 +1,12 @@
 // poslsh: merging per-sample block attentions by their log-sum-exp into the LSH estimator.
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/types.hpp"
-
 #include <cmath>
 #include <limits>
 #include <string>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -37,9 +37,10 @@ class LseMerger {
   void add(ConstMatrixRef<Scalar> output, const Eigen::Ref<const Vector>& lse) {
     constexpr const char* function = "LseMerger::add";
     const Index n = accumulator_.rows();
-    detail::require(output.rows() == n && output.cols() == accumulator_.cols(), function, "output",
-                    std::to_string(output.rows()) + "x" + std::to_string(output.cols()),
-                    "shape must be " + std::to_string(n) + "x" + std::to_string(accumulator_.cols()));
+    detail::require(
+        output.rows() == n && output.cols() == accumulator_.cols(), function, "output",
+        std::to_string(output.rows()) + "x" + std::to_string(output.cols()),
+        "shape must be " + std::to_string(n) + "x" + std::to_string(accumulator_.cols()));
     detail::require(lse.size() == n, function, "lse", lse.size(),
                     "size must be n = " + std::to_string(n));
     for (Index i = 0; i < n; ++i) {
@@ -69,7 +70,8 @@ class LseMerger {
   /// Writes T~ (n x d_v). Throws std::invalid_argument naming 'out' on a shape mismatch.
   void result(MatrixRef<Scalar> out) const {
     detail::require(out.rows() == accumulator_.rows() && out.cols() == accumulator_.cols(),
-                    "LseMerger::result", "out", std::to_string(out.rows()) + "x" + std::to_string(out.cols()),
+                    "LseMerger::result", "out",
+                    std::to_string(out.rows()) + "x" + std::to_string(out.cols()),
                     "shape must be n x d_v");
     for (Index i = 0; i < accumulator_.rows(); ++i) {
       if (denominator_(i) > Scalar(0)) {
@@ -81,9 +83,7 @@ class LseMerger {
   }
 
   /// The merged log-sum-exp of every row, log sum_k e^{lse_ki} (-inf for rows without keys).
-  Vector lse() const {
-    return (running_max_.array() + denominator_.array().log()).matrix();
-  }
+  Vector lse() const { return (running_max_.array() + denominator_.array().log()).matrix(); }
 
  private:
   Vector running_max_;

@@ -4,7 +4,7 @@
 // set. Not checked: that n x n entries fit in memory (std::bad_alloc).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"

@@ -5,9 +5,9 @@
 #include <cmath>
 #include <vector>
 
-#include "poslsh/detail/analysis_band.hpp"
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/analysis/band.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "poslsh/detail/analysis_output.hpp"
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/analysis/output.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/max_error.hpp"
 #include "poslsh/spectral_error.hpp"
 #include "poslsh/types.hpp"

@@ -1,8 +1,12 @@
 // poslsh: multi-head (and grouped-query) ALiBi attention, exact or by Positional LSH.
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "poslsh/banded_attention.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/fused_attention.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/heads_view.hpp"
@@ -11,10 +15,6 @@
 #include "poslsh/slopes.hpp"
 #include "poslsh/tiled_attention.hpp"
 #include "poslsh/types.hpp"
-
-#include <cstdint>
-#include <string>
-#include <vector>
 
 namespace poslsh {
 
@@ -60,7 +60,8 @@ namespace detail {
 template <typename Scalar>
 void require_multihead_arguments(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                                  const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                                 const std::vector<double>& sigmas, const MultiHeadOptions& options) {
+                                 const std::vector<double>& sigmas,
+                                 const MultiHeadOptions& options) {
   constexpr const char* function = "multihead_attention";
   q.validate(function, "q");
   k.validate(function, "k");
@@ -75,18 +76,19 @@ void require_multihead_arguments(const HeadsView<const Scalar>& q, const HeadsVi
           "must equal k.heads = " + std::to_string(k.heads));
   require(q.heads % k.heads == 0, function, "k.heads", k.heads,
           "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
-  require(out.tokens == q.tokens && out.heads == q.heads && out.dim == v.dim, function, "out",
-          std::to_string(out.tokens) + "x" + std::to_string(out.heads) + "x" + std::to_string(out.dim),
-          "must be q.tokens x q.heads x v.dim");
-  require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas",
-          sigmas.size(), "must hold one sigma per query head");
+  require(
+      out.tokens == q.tokens && out.heads == q.heads && out.dim == v.dim, function, "out",
+      std::to_string(out.tokens) + "x" + std::to_string(out.heads) + "x" + std::to_string(out.dim),
+      "must be q.tokens x q.heads x v.dim");
+  require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas", sigmas.size(),
+          "must hold one sigma per query head");
   for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
   if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
     require_positive(options.samples, function, "options.samples");
   }
   if (options.method == Method::exact_banded) {
-    require(options.band_error > 0.0 && options.band_error < 1.0, function,
-            "options.band_error", options.band_error, "must be in (0, 1)");
+    require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
+            options.band_error, "must be in (0, 1)");
   }
 }
 

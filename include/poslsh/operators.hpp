@@ -8,8 +8,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "poslsh/detail/analysis_partitions.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 

@@ -5,12 +5,12 @@
 // work for any n an Index holds (positions are exact doubles up to 2^53).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/types.hpp"
-
 #include <cmath>
 #include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -30,12 +30,14 @@ inline Block block_containing(const BinHash& hash, Index i, Index n) {
   Block block;
   if (hash.width < 1.0) return Block{i, i + 1};  // no two integer positions share a bin
   const double first = std::ceil(static_cast<double>(b) * hash.width + hash.offset);
-  block.begin = first <= 0.0 ? 0 : (first >= static_cast<double>(i) ? i : static_cast<Index>(first));
+  block.begin =
+      first <= 0.0 ? 0 : (first >= static_cast<double>(i) ? i : static_cast<Index>(first));
   while (block.begin > 0 && hash.bin(block.begin - 1) == b) --block.begin;
   while (hash.bin(block.begin) < b) ++block.begin;
   const double next = std::ceil(static_cast<double>(b + 1) * hash.width + hash.offset);
-  block.end = next >= static_cast<double>(n) ? n
-              : (next <= static_cast<double>(i + 1) ? i + 1 : static_cast<Index>(next));
+  block.end = next >= static_cast<double>(n)
+                  ? n
+                  : (next <= static_cast<double>(i + 1) ? i + 1 : static_cast<Index>(next));
   while (block.end < n && hash.bin(block.end) == b) ++block.end;
   while (hash.bin(block.end - 1) > b) --block.end;
   return block;

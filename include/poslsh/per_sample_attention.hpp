@@ -6,15 +6,15 @@
 // that out does not overlap q, k or v.
 #pragma once
 
-#include "poslsh/detail/lsh_checks.hpp"
-#include "poslsh/detail/online_softmax.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <limits>
 #include <vector>
+
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/streaming_softmax.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 
@@ -27,8 +27,8 @@ inline constexpr Index per_sample_tile = 128;
 /// causal), folded into `state` tile by tile with weight 1 per visible pair.
 template <typename Scalar>
 void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-                Scalar tau, bool causal, Index begin, Index end, OnlineSoftmax<Scalar>& state,
-                TileScratch<Scalar>& scratch) {
+                Scalar tau, bool causal, Index begin, Index end, StreamingSoftmax<Scalar>& state,
+                LogitScratch<Scalar>& scratch) {
   for (Index i0 = begin; i0 < end; i0 += per_sample_tile) {
     const Index rows = std::min(per_sample_tile, end - i0);
     const Index key_end = causal ? i0 + rows : end;
@@ -40,8 +40,9 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
       if (causal && j0 + cols > i0) {
         // Key j0 + c is hidden from rows r with i0 + r < j0 + c.
         for (Index c = 0; c < cols; ++c) {
-          logits.col(c).head(std::clamp<Index>(j0 + c - i0, 0, rows)).setConstant(
-              -std::numeric_limits<Scalar>::infinity());
+          logits.col(c)
+              .head(std::clamp<Index>(j0 + c - i0, 0, rows))
+              .setConstant(-std::numeric_limits<Scalar>::infinity());
         }
       }
       logits.noalias() += (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
@@ -71,19 +72,19 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
   const Index n = q.rows();
   if (n == 0) return;
   const bool causal = options.masking == Masking::causal;
-  detail::OnlineSoftmax<Scalar> state;
+  detail::StreamingSoftmax<Scalar> state;
   state.reset(n, v.cols());
   for (const BinHash& hash : hashes) {
     const std::vector<Index> boundaries = block_boundaries(hash, n);
     const auto blocks = static_cast<long>(boundaries.size() - 1);
 #pragma omp parallel
     {
-      detail::TileScratch<Scalar> scratch;
+      detail::LogitScratch<Scalar> scratch;
 #pragma omp for schedule(dynamic, 1)
       for (long r = 0; r < blocks; ++r) {
         const auto index = static_cast<std::size_t>(r);
-        detail::fold_block<Scalar>(q, k, v, tau, causal, boundaries[index],
-                                   boundaries[index + 1], state, scratch);
+        detail::fold_block<Scalar>(q, k, v, tau, causal, boundaries[index], boundaries[index + 1],
+                                   state, scratch);
       }
     }
   }

@@ -7,12 +7,12 @@
 // unchanged; see types.hpp) and that out does not overlap q, k or v.
 #pragma once
 
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh {
 

@@ -3,10 +3,10 @@
 // fit in memory (std::bad_alloc).
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-
 #include <cmath>
 #include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
 

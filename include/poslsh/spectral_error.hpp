@@ -8,9 +8,9 @@
 #include <cmath>
 
 #include "poslsh/alibi_kernel.hpp"
-#include "poslsh/detail/analysis_lanczos.hpp"
-#include "poslsh/detail/analysis_tridiagonal.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/analysis/lanczos.hpp"
+#include "poslsh/detail/analysis/tridiagonal.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/masks.hpp"
 #include "poslsh/operators.hpp"
 #include "poslsh/types.hpp"

@@ -2,9 +2,9 @@
 // competitor of the LSH kernels, O(n^2 d) time and O(tile (d + d_v)) extra memory.
 #pragma once
 
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/detail/exact_checks.hpp"
-#include "poslsh/detail/alibi_bias.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/exact.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh {

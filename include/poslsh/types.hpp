@@ -18,7 +18,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cstdint>
 #include <optional>
 

@@ -1,10 +1,10 @@
 // poslsh internals: the ALiBi slope 1/sigma as a Scalar that keeps every bias finite.
 #pragma once
 
-#include "poslsh/types.hpp"
-
 #include <algorithm>
 #include <limits>
+
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 

@@ -1,4 +1,4 @@
-// poslsh internals: the count-weighted LSH policy of the tile engine (detail/tile_engine.hpp):
+// poslsh internals: the count-weighted LSH policy of the tile engine (detail/tile/engine.hpp):
 // scores x_ij = tau q_i.k_j without bias, weights w_ij = c_ij = #{k : bin_k(i) = bin_k(j)}
 // (causal: 0 for j > i), so the engine computes
 //   out_i = sum_j c_ij e^{x_ij - M_i} v_j / sum_j c_ij e^{x_ij - M_i}.
@@ -11,9 +11,9 @@
 #include <array>
 #include <limits>
 
-#include "poslsh/detail/count_tile.hpp"
-#include "poslsh/detail/tile_kernels.hpp"
-#include "poslsh/detail/tile_types.hpp"
+#include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/types.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/types.hpp"
 

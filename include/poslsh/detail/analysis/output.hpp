@@ -6,8 +6,8 @@
 #include <cmath>
 #include <vector>
 
-#include "poslsh/detail/analysis_band.hpp"
-#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/detail/analysis/band.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh::detail {

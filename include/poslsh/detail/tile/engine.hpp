@@ -13,15 +13,15 @@
 // the diagonal first. Every query row's arithmetic depends only on the row and its tile
 // (tiles are aligned to multiples of tile_query_rows from row 0), never on the other rows
 // computed: any split of the rows into ranges gives bitwise the same output.
-// The bias policy concept and the engine's buffers: detail/tile_types.hpp.
+// The bias policy concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <limits>
 
-#include "poslsh/detail/tile_kernels.hpp"
-#include "poslsh/detail/tile_types.hpp"
+#include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
 
 // GCC 12 reports "'__Y' is (maybe) used uninitialized" inside its own AVX-512 intrinsics
@@ -77,8 +77,8 @@ class TileEngine {
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
       const Index r1 = std::min(i0 + Bq, row_end);
-      tile_prefetch_rows(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin,
-                         r1 - row_begin, dv_, true);
+      tile_prefetch_rows(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin, r1 - row_begin,
+                         dv_, true);
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
@@ -193,10 +193,14 @@ class TileEngine {
   void score_span(Index packets, Index b, Index end, Index a) {
     static_assert(query_packets == 4, "register blocks are written for groups of 4 packets");
     switch (packets) {
-      case 1: return score_keys<16, 1, Masked>(b, end, a);
-      case 2: return score_keys<8, 2, Masked>(b, end, a);
-      case 3: return score_keys<5, 3, Masked>(b, end, a);
-      default: return score_keys<4, 4, Masked>(b, end, a);
+      case 1:
+        return score_keys<16, 1, Masked>(b, end, a);
+      case 2:
+        return score_keys<8, 2, Masked>(b, end, a);
+      case 3:
+        return score_keys<5, 3, Masked>(b, end, a);
+      default:
+        return score_keys<4, 4, Masked>(b, end, a);
     }
   }
 
@@ -260,8 +264,7 @@ class TileEngine {
       for (Index b = reach.first; b < reach.last; ++b) {
         Scalar* entry = b_.scores.data() + b * Bq + a;
         const Packet x = ei::pload<Packet>(entry);
-        const Packet prob =
-            scorer.template weight<Masked>(ei::pexp(ei::psub(x, shift)), x, b, a);
+        const Packet prob = scorer.template weight<Masked>(ei::pexp(ei::psub(x, shift)), x, b, a);
         ei::pstore(entry, prob);
         sum = ei::padd(sum, prob);
       }
@@ -302,8 +305,8 @@ class TileEngine {
       if (packets < Packets)
         return value_block<Packets - 1>(packets, a, values, stride, b, keys, c);
     }
-    tile_value_block<Scalar, value_rows, Packets>(b_.scores.data() + b * Bq + a, Bq, values,
-                                                  stride, keys, b_.alpha.data() + a,
+    tile_value_block<Scalar, value_rows, Packets>(b_.scores.data() + b * Bq + a, Bq, values, stride,
+                                                  keys, b_.alpha.data() + a,
                                                   b_.acc.data() + a * dvp_ + c, dvp_);
   }
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "poslsh/detail/analysis_partitions.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh::detail {

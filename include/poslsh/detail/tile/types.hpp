@@ -1,4 +1,4 @@
-// poslsh internals: the vocabulary of the tile engine (detail/tile_engine.hpp): tile sizes,
+// poslsh internals: the vocabulary of the tile engine (detail/tile/engine.hpp): tile sizes,
 // key and row ranges, how a key tile meets the windows, the engine's buffers, and the bias
 // policy concept.
 //

@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh::detail {

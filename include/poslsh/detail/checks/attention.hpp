@@ -1,11 +1,11 @@
 // poslsh internals: shape checks shared by the attention kernels and the score scale.
 #pragma once
 
-#include "poslsh/detail/check.hpp"
-#include "poslsh/types.hpp"
-
 #include <cmath>
 #include <string>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 
@@ -46,8 +46,8 @@ void require_output_shape(const char* function, const OutType& out, Index rows, 
 /// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite or the masking
 /// is not one of the enumerators.
 inline double resolve_scale(const char* function, const AttentionOptions& options, Index d) {
-  require(options.masking == Masking::causal || options.masking == Masking::bidirectional,
-          function, "options.masking", static_cast<int>(options.masking),
+  require(options.masking == Masking::causal || options.masking == Masking::bidirectional, function,
+          "options.masking", static_cast<int>(options.masking),
           "must be Masking::causal or Masking::bidirectional");
   if (options.scale) {
     require(std::isfinite(*options.scale), function, "options.scale", *options.scale,

@@ -27,8 +27,7 @@ void require(bool condition, const char* function, const char* name, const Value
 
 /// sigma must be a finite positive length scale.
 inline void require_sigma(double sigma, const char* function, const char* name = "sigma") {
-  require(std::isfinite(sigma) && sigma > 0.0, function, name, sigma,
-          "must be finite and > 0");
+  require(std::isfinite(sigma) && sigma > 0.0, function, name, sigma, "must be finite and > 0");
 }
 
 /// Non-negative size such as n.

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "poslsh/detail/check.hpp"
+#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"

@@ -3,14 +3,13 @@
 // them key tile by key tile).
 #pragma once
 
+#include <Eigen/Core>
+#include <algorithm>
+#include <vector>
+
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
-
-#include <Eigen/Core>
-
-#include <algorithm>
-#include <vector>
 
 // GCC 12 reports its own AVX-512 rounding intrinsic (_mm512_undefined_pd) as "maybe used
 // uninitialized" once Eigen's vectorized floor is inlined here: a known false positive.

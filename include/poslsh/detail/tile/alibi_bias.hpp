@@ -1,4 +1,4 @@
-// poslsh internals: the exact ALiBi bias policy of the tile engine (detail/tile_engine.hpp):
+// poslsh internals: the exact ALiBi bias policy of the tile engine (detail/tile/engine.hpp):
 // scores x_ij = tau q_i.k_j - |i-j| / sigma with the bias computed on the fly from the integer
 // distance, weights 1, and keys restricted to a distance window lo <= i - j <= hi (causal:
 // lo = 0, banded: |i - j| <= band).
@@ -9,9 +9,9 @@
 #include <limits>
 
 #include "poslsh/detail/alibi_slope.hpp"
-#include "poslsh/detail/tile_engine.hpp"
-#include "poslsh/detail/tile_kernels.hpp"
-#include "poslsh/detail/tile_types.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
 
 namespace poslsh::detail {
@@ -104,8 +104,8 @@ class AlibiBias {
 /// 0 .. row_end - row_begin (q used unscaled, tau applied here).
 template <typename Scalar, typename OutType>
 void exact_alibi_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                      const ConstMatrixRef<Scalar>& v, double sigma, double tau,
-                      ExactWindow window, Index row_begin, Index row_end, OutType&& out) {
+                      const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
+                      Index row_begin, Index row_end, OutType&& out) {
   AlibiBias<Scalar> bias(q.rows(), sigma, window);
   TileBuffers<Scalar> buffers;
   TileEngine<Scalar, AlibiBias<Scalar>> engine(q, k, v, tau, bias, buffers);

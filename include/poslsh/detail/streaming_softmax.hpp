@@ -1,5 +1,7 @@
-// poslsh internals: the online (streaming) softmax state of a set of query rows, fed tile by
-// tile with logits X = S + log W (scores S, non-negative weights W, log 0 = -inf):
+// poslsh internals: the streaming softmax written with Eigen expressions, used by the per-sample,
+// decode and bring-your-own block paths (the tile engine of detail/tile/ has its own
+// register-blocked one). The state of a set of query rows is fed block by block with logits
+// X = S + log W (scores S, non-negative weights W, log 0 = -inf):
 //   M_r <- max(M_r, max_c X_rc),   P_rc = exp(X_rc - M_r) = W_rc e^{S_rc - M_r},
 //   l_r <- e^{M_r,old - M_r} l_r + sum_c P_rc,  acc_r <- e^{M_r,old - M_r} acc_r + P_r V.
 // Entries of weight 0 are -inf: they never set the maximum (so a masked large score cannot
@@ -8,28 +10,27 @@
 // row's largest weight 1: far below rounding. The final output is acc_r / l_r.
 #pragma once
 
-#include "poslsh/types.hpp"
-
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "poslsh/types.hpp"
 
 namespace poslsh::detail {
 
 /// Logit tiles are column-major (rows x keys): every step below is a loop over key columns of
 /// vector operations across query rows, and difference arrays over keys become vector adds.
 template <typename Scalar>
-using TileMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+using LogitMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
 
 template <typename Scalar>
-using TileMap = Eigen::Map<TileMatrix<Scalar>>;
+using LogitMap = Eigen::Map<LogitMatrix<Scalar>>;
 
 /// Scratch of one tile: the logits X (overwritten by P) as a map over a buffer that only
 /// grows, so tiles of changing shape never reallocate; per-row temporaries.
 template <typename Scalar>
-struct TileScratch {
+struct LogitScratch {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> logit_buffer;
   Index rows = 0;
   Index cols = 0;
@@ -44,7 +45,7 @@ struct TileScratch {
     rows = tile_rows;
     cols = tile_cols;
   }
-  TileMap<Scalar> logits() { return TileMap<Scalar>(logit_buffer.data(), rows, cols); }
+  LogitMap<Scalar> logits() { return LogitMap<Scalar>(logit_buffer.data(), rows, cols); }
 };
 
 /// log of a column of counts c >= 0 in place: log c, and -inf where c = 0.
@@ -55,7 +56,7 @@ void log_counts(Column&& column) {
 
 /// Online softmax state of R query rows with value width d_v.
 template <typename Scalar>
-struct OnlineSoftmax {
+struct StreamingSoftmax {
   Eigen::Array<Scalar, Eigen::Dynamic, 1> running_max;
   Eigen::Array<Scalar, Eigen::Dynamic, 1> running_sum;
   RowMatrix<Scalar> accumulator;
@@ -69,10 +70,10 @@ struct OnlineSoftmax {
   /// Folds in the tile (rows [row0, row0 + X.rows()) of this state): scratch.logits() holds
   /// X = S + log W, `values` the V rows of the tile's keys. Overwrites X with P.
   template <typename ValuesType>
-  void update(Index row0, TileScratch<Scalar>& scratch, const ValuesType& values) {
+  void update(Index row0, LogitScratch<Scalar>& scratch, const ValuesType& values) {
     const Index rows = scratch.rows;
     const Index cols = scratch.cols;
-    TileMap<Scalar> logits = scratch.logits();
+    LogitMap<Scalar> logits = scratch.logits();
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
     auto& tile_max = scratch.tile_max;
     tile_max.setConstant(rows, minus_infinity);

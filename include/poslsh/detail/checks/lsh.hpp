@@ -1,10 +1,10 @@
 // poslsh internals: argument checks shared by the LSH kernels.
 #pragma once
 
-#include "poslsh/detail/attention_checks.hpp"
-#include "poslsh/hash.hpp"
-
 #include <string>
+
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/hash.hpp"
 
 namespace poslsh::detail {
 

@@ -1,5 +1,5 @@
 // poslsh internals: the register-blocked packet kernels of the tile engine (exact ALiBi and
-// fused LSH attention, detail/tile_engine.hpp), written with Eigen's packet primitives
+// fused LSH attention, detail/tile/engine.hpp), written with Eigen's packet primitives
 // (AVX-512, AVX, SSE, NEON or scalar, whatever Eigen vectorizes for). Two shapes, both "a few
 // rows times a few packets, accumulated in registers":
 //   scores (transposed):  S^T[b][a] = sum_c Q^T[c][a] K[b][c]    (Keys x QueryPackets packets)
@@ -104,8 +104,8 @@ EIGEN_ALWAYS_INLINE void tile_transpose_block(const Scalar* src, Index src_strid
 /// qt (d x tile, row-major) = scale Q^T for rows [i0 + a0, i0 + a1) of q (columns a0 .. a1 of
 /// qt), zero in the other columns: packet-block transposes when the tile is whole.
 template <typename Scalar>
-void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Index a1,
-                       Scalar scale, Scalar* qt_data, Index tile) {
+void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Index a1, Scalar scale,
+                       Scalar* qt_data, Index tile) {
   constexpr Index P = tile_packet_size<Scalar>;
   const Index d = q.cols();
   Eigen::Map<RowMatrix<Scalar>> qt(qt_data, d, tile);
@@ -121,15 +121,16 @@ void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Inde
       tile_transpose_block<Scalar>(rows + c, q.outerStride(), qt_data + c * tile + a, tile, scale);
   }
   if (d_blocks < d)
-    qt.bottomRows(d - d_blocks) = scale * q.middleRows(i0, tile).rightCols(d - d_blocks).transpose();
+    qt.bottomRows(d - d_blocks) =
+        scale * q.middleRows(i0, tile).rightCols(d - d_blocks).transpose();
 }
 
 /// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
 /// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries.
 template <typename Scalar, int Keys, int QueryPackets>
 EIGEN_ALWAYS_INLINE void tile_score_block(const Scalar* qt, Index qt_stride, const Scalar* keys,
-                                           Index key_stride, Index d,
-                                           TilePacket<Scalar> (&acc)[Keys][QueryPackets]) {
+                                          Index key_stride, Index d,
+                                          TilePacket<Scalar> (&acc)[Keys][QueryPackets]) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
@@ -158,8 +159,8 @@ EIGEN_ALWAYS_INLINE void tile_score_block(const Scalar* qt, Index qt_stride, con
 /// for `Rows` rows and `ValuePackets` packets of value columns; acc is aligned.
 template <typename Scalar, int Rows, int ValuePackets>
 EIGEN_ALWAYS_INLINE void tile_value_block(const Scalar* probs, Index prob_stride,
-                                           const Scalar* values, Index value_stride, Index keys,
-                                           const Scalar* alpha, Scalar* acc, Index acc_stride) {
+                                          const Scalar* values, Index value_stride, Index keys,
+                                          const Scalar* alpha, Scalar* acc, Index acc_stride) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
