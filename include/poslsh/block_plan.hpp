@@ -66,7 +66,7 @@ inline BlockPlan block_plan(const BinHash& hash, Index n) {
 /// Throws std::invalid_argument if the hash set is empty ('hashes').
 inline std::vector<BlockPlan> block_plans(const HashSet& hashes,
                                           const std::vector<Index>& sequence_lengths) {
-  detail::require(!hashes.empty(), "block_plans", "hashes", "{}", "must not be empty");
+  validate_hashes(hashes, "block_plans");
   std::vector<BlockPlan> plans;
   plans.reserve(hashes.size());
   for (const BinHash& hash : hashes) plans.push_back(block_plan(hash, sequence_lengths));

@@ -29,8 +29,7 @@ struct BlockStats {
 /// Block statistics of `hashes` on [0, n). O(sum_k (n / w_k + 1)) time.
 /// Throws std::invalid_argument if the set is empty, a hash is invalid or n < 0.
 inline BlockStats block_stats(const HashSet& hashes, Index n) {
-  detail::require(!hashes.empty(), "block_stats", "hashes", "{}",
-                  "must hold at least one hash (s >= 1)");
+  validate_hashes(hashes, "block_stats");
   detail::require_size(n, "block_stats", "n");
   BlockStats stats;
   double square_sum = 0.0;

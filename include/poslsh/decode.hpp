@@ -61,8 +61,7 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
                           MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_decode";
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
-  detail::require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash");
-  for (const BinHash& hash : hashes) validate_hash(hash, function);
+  validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
   // c_tj = #{k : begin_k(t) <= j}: counts of block starts, then a running sum over keys.
   Index first = t;

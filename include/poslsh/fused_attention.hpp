@@ -87,7 +87,7 @@ RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<S
 /// kernel weights: sum_i |[lo_i, hi_i)|. O(n s) time. For cost models and benchmarks.
 inline long long lsh_fused_pair_count(const HashSet& hashes, Index n, Masking masking) {
   detail::require_size(n, "lsh_fused_pair_count", "n");
-  detail::require(!hashes.empty(), "lsh_fused_pair_count", "hashes", "{}", "must not be empty");
+  validate_hashes(hashes, "lsh_fused_pair_count");
   long long pairs = 0;
   detail::TileCounts counts;
   for (Index i0 = 0; i0 < n; i0 += detail::fused_query_tile) {

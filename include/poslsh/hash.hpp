@@ -60,6 +60,14 @@ inline void validate_hash(const BinHash& hash, const char* function) {
                   hash.offset, "must lie in [0, width)");
 }
 
+/// Checks a hash set: at least one hash (s >= 1), each valid (validate_hash). Every function
+/// that takes a HashSet runs it.
+inline void validate_hashes(const HashSet& hashes, const char* function) {
+  detail::require(!hashes.empty(), function, "hashes", "{}",
+                  "must hold at least one hash (s >= 1)");
+  for (const BinHash& hash : hashes) validate_hash(hash, function);
+}
+
 /// The key of one sample: (seed, stream, sample index). A stream is typically a head (or a
 /// layer * heads + head); samples of one stream are independent of each other.
 struct HashKey {

@@ -196,9 +196,7 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
                                                         const AttentionOptions& options = {}) {
   constexpr const char* function = "unnormalized_output_error_dense";
   detail::require_qkv_shapes(function, q, k, v);
-  detail::require(
-      k.rows() == q.rows(), function, "k", k.rows(),
-      "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
   const detail::AnalysisPartitions partitions =
       detail::analysis_partitions(hashes, q.rows(), function);
@@ -249,9 +247,7 @@ PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                   std::to_string(exact.rows()) + "x" + std::to_string(exact.cols()),
                   "shape must be q.rows() x v.cols() = " + std::to_string(q.rows()) + "x" +
                       std::to_string(v.cols()));
-  detail::require(
-      k.rows() == q.rows(), function, "k", k.rows(),
-      "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  detail::require_self_attention(function, q, k);
   detail::require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit,
                   "must be >= 0");
   PaperMetrics metrics;

@@ -27,8 +27,7 @@ void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> 
                                const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_reference";
   detail::require_qkv_shapes(function, q, k, v);
-  detail::require(k.rows() == q.rows(), function, "k", k.rows(),
-                  "row count must equal q.rows() (self-attention)");
+  detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
   detail::require_output_shape(function, out, q.rows(), v.cols());
   const double tau = detail::resolve_scale(function, options, q.cols());  // checks the options

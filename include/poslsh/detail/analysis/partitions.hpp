@@ -29,9 +29,8 @@ struct AnalysisPartitions {
 /// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
 inline AnalysisPartitions analysis_partitions(const HashSet& hashes, Index n,
                                               const char* function) {
-  require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash (s >= 1)");
+  validate_hashes(hashes, function);
   require_size(n, function, "n");
-  for (const BinHash& hash : hashes) validate_hash(hash, function);
   AnalysisPartitions partitions;
   partitions.n = n;
   for (const BinHash& hash : hashes) {

@@ -31,6 +31,13 @@ void require_qkv_shapes(const char* function, const QType& q, const KType& k, co
           "head dimension d must be >= 1 when n > 0");
 }
 
+/// Self-attention: K has as many rows as Q (keys at the query positions 0 .. n-1).
+template <typename QType, typename KType>
+void require_self_attention(const char* function, const QType& q, const KType& k) {
+  require(k.rows() == q.rows(), function, "k", k.rows(),
+          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+}
+
 /// Checks the output's shape (rows x cols) and that its rows do not overlap (row stride >= cols
 /// when it has two rows or more): overlapping output rows would be written by several tiles.
 template <typename OutType>

@@ -16,8 +16,7 @@ void require_exact_arguments(const char* function, const ConstMatrixRef<Scalar>&
                              const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
                              double sigma, Index row_begin, Index row_end, const OutType& out) {
   require_qkv_shapes(function, q, k, v);
-  require(k.rows() == q.rows(), function, "k", k.rows(),
-          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  require_self_attention(function, q, k);
   require_sigma(sigma, function);
   require(row_begin >= 0 && row_begin <= q.rows(), function, "row_begin", row_begin,
           "must be in [0, q.rows()] = [0, " + std::to_string(q.rows()) + "]");

@@ -13,11 +13,9 @@ template <typename QType, typename KType, typename VType, typename OutType>
 void require_lsh_arguments(const char* function, const QType& q, const KType& k, const VType& v,
                            const HashSet& hashes, const OutType& out) {
   require_qkv_shapes(function, q, k, v);
-  require(k.rows() == q.rows(), function, "k", k.rows(),
-          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  require_self_attention(function, q, k);
   require_output_shape(function, out, q.rows(), v.cols());
-  require(!hashes.empty(), function, "hashes", "{}", "must hold at least one hash (s >= 1)");
-  for (const BinHash& hash : hashes) validate_hash(hash, function);
+  validate_hashes(hashes, function);
 }
 
 }  // namespace poslsh::detail
