@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
@@ -21,14 +22,19 @@ struct BlockStats {
   Index blocks = 0;
   /// Mean block size, s n / blocks.
   double mean = 0.0;
-  /// Mean size of the block that holds a position, sum_k sum_B |B|^2 / (s n): the per-query
-  /// cost factor of the per-sample kernel (about 2 sigma s in total, DESIGN.md section 5).
+  /// Mean size of the block that holds a position, sum_k sum_B |B|^2 / (s n): the keys each
+  /// query meets per sample in the per-sample kernel. With n >> w every block of a sample has
+  /// its width w, so this is about E[w] = 2 sigma, and a query costs about 2 sigma s key
+  /// evaluations over the s samples.
   double mean_at_position = 0.0;
 };
 
-/// Block statistics of `hashes` on [0, n). O(sum_k (n / w_k + 1)) time.
-/// Throws std::invalid_argument if the set is empty, a hash is invalid or n < 0.
-inline BlockStats block_stats(const HashSet& hashes, Index n) {
+/// Block statistics of `hashes` (a HashSet or any container of BinHash) on [0, n).
+/// O(sum_k (n / w_k + 1)) time. Throws std::invalid_argument if the set is empty, a hash is
+/// invalid or n < 0.
+template <typename Hashes = HashSet>
+BlockStats block_stats(const Hashes& hash_set, Index n) {
+  const HashSet& hashes = detail::analysis_hash_set(hash_set);
   validate_hashes(hashes, "block_stats");
   detail::require_size(n, "block_stats", "n");
   BlockStats stats;
@@ -51,7 +57,8 @@ inline BlockStats block_stats(const HashSet& hashes, Index n) {
 }
 
 /// Largest block b_max over all samples (see block_stats).
-inline Index largest_block(const HashSet& hashes, Index n) {
+template <typename Hashes = HashSet>
+Index largest_block(const Hashes& hashes, Index n) {
   return block_stats(hashes, n).largest;
 }
 

@@ -72,9 +72,10 @@ inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, In
 /// bit for bit). Row i: inside its union band [lo_i, hi_i) (the keys sharing a block with i in
 /// some sample) each c_ij / s is compared with L*_ij; outside it c_ij = 0 and the largest
 /// |L*_ij| is at the band edge. O(n (s + band)) time, O(s n / sigma) memory, rows in parallel
-/// (OpenMP). Throws std::invalid_argument naming a bad argument (empty or invalid hashes,
-/// n < 0, sigma).
-inline MaxError max_error(const HashSet& hashes, Index n, double sigma, Masking masking) {
+/// (OpenMP). `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument
+/// naming a bad argument (empty or invalid hashes, n < 0, sigma).
+template <typename Hashes = HashSet>
+MaxError max_error(const Hashes& hashes, Index n, double sigma, Masking masking) {
   constexpr const char* function = "max_error";
   detail::require_sigma(sigma, function);
   const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
@@ -84,7 +85,7 @@ inline MaxError max_error(const HashSet& hashes, Index n, double sigma, Masking 
   for (std::size_t d = 0; d < kernel.size(); ++d) {
     kernel[d] = std::exp(-static_cast<double>(d) / sigma);  // as alibi_kernel_dense forms it
   }
-  const std::size_t samples = hashes.size();
+  const auto samples = static_cast<std::size_t>(partitions.samples());
   std::vector<double> mean(samples + 1);
   for (std::size_t c = 0; c <= samples; ++c) {
     mean[c] = static_cast<double>(c) / static_cast<double>(samples);  // as mean_mask_dense

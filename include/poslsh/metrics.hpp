@@ -1,4 +1,5 @@
 // poslsh: the paper's metric set (kernel errors, its bounds, attention output errors) in one call.
+// Part of the analysis module (poslsh/analysis.hpp): needs Spectra through spectral_error.hpp.
 #pragma once
 
 #include <algorithm>
@@ -61,11 +62,25 @@ inline double good_sample_count(Index n, double sigma, double epsilon) {
   return std::ceil(sigma * sigma * std::log(static_cast<double>(n)) / (epsilon * epsilon));
 }
 
+/// Which observed error kernel_error_metrics takes as the epsilon of s_good and of the tail
+/// bound when MetricOptions::epsilon is unset (E = L* - M~):
+///   absolute  eps = ||E||_2, as the paper's validation code sets it (epsilon = ||L' - L||_2);
+///             s_good = ceil(sigma^2 ln n / ||E||_2^2),
+///             tail = n exp(-s ||E||_2^2 / (4 Psi (4 Psi + ||E||_2)));
+///   relative  eps = ||E||_2 / ||L*||_2, the error as a fraction of the kernel's norm;
+///             s_good = ceil(sigma^2 ln n ||L*||_2^2 / ||E||_2^2), the tail bound likewise.
+/// As n grows ||L*||_2 tends to (1 + r) / (1 - r), about 2 sigma, when bidirectional and to
+/// 1 / (1 - r), about sigma, when causal (r = e^{-1/sigma}), so the relative s_good is about
+/// 4 sigma^2 (causal: sigma^2) times the absolute one.
+enum class EpsilonDefinition { absolute, relative };
+
 /// Options of the metric functions.
 struct MetricOptions {
-  /// The epsilon of s_good and of the tail bound; unset means the observed relative spectral
-  /// error ||L* - M~||_2 / ||L*||_2 (as the paper's tables use it).
+  /// The epsilon of s_good and of the tail bound; unset means the observed spectral error
+  /// chosen by epsilon_definition.
   std::optional<double> epsilon{};
+  /// The observed epsilon used when `epsilon` is unset (default: absolute, ||L* - M~||_2).
+  EpsilonDefinition epsilon_definition = EpsilonDefinition::absolute;
   /// How ||L* - M~||_2 is computed (dense at small n, Lanczos otherwise).
   SpectralOptions spectral{};
   /// paper_metrics computes the unnormalized output errors, O(n^2 d) time, only when
@@ -75,11 +90,13 @@ struct MetricOptions {
 
 /// Errors of M~ = (1/s) sum_k M(h_k) against the ALiBi kernel L*, with the paper's bounds.
 struct KernelErrorMetrics {
-  double spectral = 0.0;            ///< ||L* - M~||_2
-  double max = 0.0;                 ///< ||L* - M~||_max
-  double kernel_norm = 0.0;         ///< ||L*||_2
-  double relative_spectral = 0.0;   ///< ||L* - M~||_2 / ||L*||_2
-  double epsilon = 0.0;             ///< epsilon used below (options.epsilon or relative_spectral)
+  double spectral = 0.0;           ///< ||L* - M~||_2
+  double max = 0.0;                ///< ||L* - M~||_max
+  double kernel_norm = 0.0;        ///< ||L*||_2
+  double relative_spectral = 0.0;  ///< ||L* - M~||_2 / ||L*||_2
+  /// The epsilon used below: options.epsilon if set, else `spectral` (absolute, the default)
+  /// or `relative_spectral` (EpsilonDefinition::relative).
+  double epsilon = 0.0;
   double good_samples = 0.0;        ///< s_good = ceil(sigma^2 ln n / epsilon^2)
   double expectation_bound = 0.0;   ///< Psi (sqrt(ln n / s) + ln n / s)
   double tail_bound = 0.0;          ///< n exp(-s eps^2 / (4 Psi (4 Psi + eps)))
@@ -88,13 +105,18 @@ struct KernelErrorMetrics {
 
 /// Attention output errors between the exact T* and an approximation T~ (n x d_v each).
 struct OutputErrorMetrics {
-  double frobenius = 0.0;           ///< ||T* - T~||_F
-  double relative_frobenius = 0.0;  ///< ||T* - T~||_F / ||T*||_F
-  /// Row-wise relative differences r_i = ||t*_i - t~_i||_2 / ||t*_i||_2 (0 if both rows are 0,
-  /// +inf if only t*_i is): median, 90th and 99th percentiles (linear interpolation).
+  double frobenius = 0.0;  ///< ||T* - T~||_F
+  /// ||T* - T~||_F / ||T*||_F (0 if both are 0, +inf if only T* is).
+  double relative_frobenius = 0.0;
+  /// Row-wise relative differences r_i = ||t*_i - t~_i||_2 / ||t*_i||_2 over the rows with
+  /// ||t*_i||_2 > 0 (a zero exact row has no relative error and is only counted in zero_rows):
+  /// median, 90th and 99th percentiles, linear between order statistics (position p (m - 1) of
+  /// the m sorted values, as numpy's default). NaN when every exact row is 0.
   double row_relative_median = 0.0;
   double row_relative_p90 = 0.0;
   double row_relative_p99 = 0.0;
+  /// Rows with ||t*_i||_2 = 0, left out of the row-wise statistics.
+  Index zero_rows = 0;
   /// <T*, T~> / (||T*||_F ||T~||_F) of the flattened outputs (1 if both are 0, 0 if one is).
   double cosine = 1.0;
 };
@@ -113,12 +135,17 @@ struct PaperMetrics {
   OutputErrorMetrics output{};
 };
 
-/// Kernel errors and bounds of the hash set: spectral_error, max_error, alibi_kernel_norm and
-/// the three bounds above. Throws std::invalid_argument naming a bad argument (empty or invalid
-/// hashes, n < 1, sigma, options).
-inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, double sigma,
-                                               Masking masking, const MetricOptions& options = {}) {
+/// Kernel errors and bounds of the hash set (a HashSet or any container of BinHash):
+/// spectral_error, max_error, alibi_kernel_norm, expectation_bound, and good_sample_count and
+/// tail_bound at epsilon = options.epsilon if set, else at the observed error chosen by
+/// options.epsilon_definition (default ||L* - M~||_2; see EpsilonDefinition). An exact M~
+/// (epsilon 0) gives s_good = +inf and the tail bound n. Throws std::invalid_argument naming a
+/// bad argument (empty or invalid hashes, n < 1, sigma, options).
+template <typename Hashes = HashSet>
+KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double sigma,
+                                        Masking masking, const MetricOptions& options = {}) {
   constexpr const char* function = "kernel_error_metrics";
+  const HashSet& hashes = detail::analysis_hash_set(hash_set);
   detail::require_positive(n, function, "n");
   detail::require_sigma(sigma, function);
   if (options.epsilon) {
@@ -131,7 +158,10 @@ inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, d
   metrics.max = max_error(hashes, n, sigma, masking).value;
   metrics.kernel_norm = alibi_kernel_norm(n, sigma, masking);
   metrics.relative_spectral = metrics.spectral / metrics.kernel_norm;
-  metrics.epsilon = options.epsilon.value_or(metrics.relative_spectral);
+  const double observed = options.epsilon_definition == EpsilonDefinition::relative
+                              ? metrics.relative_spectral
+                              : metrics.spectral;
+  metrics.epsilon = options.epsilon.value_or(observed);
   const auto s = static_cast<Index>(hashes.size());
   metrics.expectation_bound = expectation_bound(n, sigma, s);
   const bool usable = metrics.epsilon > 0.0;  // an exact M~ (epsilon 0) has no finite s_good
@@ -141,8 +171,9 @@ inline KernelErrorMetrics kernel_error_metrics(const HashSet& hashes, Index n, d
   return metrics;
 }
 
-/// Output errors of an approximation T~ against the exact T* (see OutputErrorMetrics), in
-/// double. Throws std::invalid_argument naming 'exact' (no rows) or 'approximate' (shape).
+/// Output errors of an approximation T~ against the exact T* (see OutputErrorMetrics, also for
+/// zero rows), in double. Throws std::invalid_argument naming 'exact' (no rows) or 'approximate'
+/// (shape).
 template <typename Scalar>
 OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
                                         ConstMatrixRef<Scalar> approximate) {
@@ -163,18 +194,25 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
   metrics.relative_frobenius = exact_norm > 0.0
                                    ? metrics.frobenius / exact_norm
                                    : (metrics.frobenius > 0.0 ? detail::analysis_infinity : 0.0);
-  std::vector<double> rows(static_cast<std::size_t>(exact.rows()));
+  std::vector<double> rows;
+  rows.reserve(static_cast<std::size_t>(exact.rows()));
   for (Index i = 0; i < exact.rows(); ++i) {
-    const double numerator = difference.row(i).norm();
     const double denominator = t_exact.row(i).norm();
-    rows[static_cast<std::size_t>(i)] = denominator > 0.0
-                                            ? numerator / denominator
-                                            : (numerator > 0.0 ? detail::analysis_infinity : 0.0);
+    if (denominator > 0.0) {
+      rows.push_back(difference.row(i).norm() / denominator);
+    } else {
+      ++metrics.zero_rows;
+    }
   }
-  std::sort(rows.begin(), rows.end());
-  metrics.row_relative_median = detail::analysis_percentile(rows, 0.5);
-  metrics.row_relative_p90 = detail::analysis_percentile(rows, 0.9);
-  metrics.row_relative_p99 = detail::analysis_percentile(rows, 0.99);
+  if (rows.empty()) {
+    metrics.row_relative_median = metrics.row_relative_p90 = metrics.row_relative_p99 =
+        std::numeric_limits<double>::quiet_NaN();
+  } else {
+    std::sort(rows.begin(), rows.end());
+    metrics.row_relative_median = detail::analysis_percentile(rows, 0.5);
+    metrics.row_relative_p90 = detail::analysis_percentile(rows, 0.9);
+    metrics.row_relative_p99 = detail::analysis_percentile(rows, 0.99);
+  }
   if (exact_norm > 0.0 && approximate_norm > 0.0) {
     metrics.cosine = t_exact.cwiseProduct(t_approximate).sum() / (exact_norm * approximate_norm);
   } else {
@@ -187,12 +225,13 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
 /// (A o E) V row by row in double, E = L* - M~. Dense: O(n^2 (d + d_v)) time (meant for n up
 /// to a few thousand, as in the paper), O(n (d + d_v) + n s / sigma) memory, rows in parallel
 /// (OpenMP). A is not normalised, so large scores overflow to inf as they would in the paper's
-/// code. Throws std::invalid_argument naming a bad argument (shapes, hashes, sigma, scale).
-template <typename Scalar>
+/// code. `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument naming a
+/// bad argument (shapes, hashes, sigma, scale).
+template <typename Scalar, typename Hashes = HashSet>
 UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q,
                                                         ConstMatrixRef<Scalar> k,
                                                         ConstMatrixRef<Scalar> v,
-                                                        const HashSet& hashes, double sigma,
+                                                        const Hashes& hashes, double sigma,
                                                         const AttentionOptions& options = {}) {
   constexpr const char* function = "unnormalized_output_error_dense";
   detail::require_qkv_shapes(function, q, k, v);
@@ -235,9 +274,9 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
 /// and output_error_metrics(exact, approximate) of the given outputs T* and T~ (e.g. from
 /// alibi_attention_reference and an LSH kernel run with the same hashes). Throws
 /// std::invalid_argument naming a bad argument.
-template <typename Scalar>
+template <typename Scalar, typename Hashes = HashSet>
 PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                           ConstMatrixRef<Scalar> v, const HashSet& hashes, double sigma,
+                           ConstMatrixRef<Scalar> v, const Hashes& hashes, double sigma,
                            ConstMatrixRef<Scalar> exact, ConstMatrixRef<Scalar> approximate,
                            const AttentionOptions& attention = {},
                            const MetricOptions& options = {}) {
@@ -254,7 +293,7 @@ PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
   metrics.output = output_error_metrics<Scalar>(exact, approximate);
   if (q.rows() <= options.dense_limit) {
     metrics.unnormalized =
-        unnormalized_output_error_dense<Scalar>(q, k, v, hashes, sigma, attention);
+        unnormalized_output_error_dense<Scalar, Hashes>(q, k, v, hashes, sigma, attention);
   }
   metrics.kernel = kernel_error_metrics(hashes, q.rows(), sigma, attention.masking, options);
   return metrics;

@@ -127,8 +127,10 @@ class AlibiKernelOperator {
 /// = O(n + s n / sigma) time after an O(s n / sigma)-memory table of block edges.
 class MeanMaskOperator {
  public:
-  /// Throws std::invalid_argument if the hash set is empty, a hash is invalid or n < 0.
-  MeanMaskOperator(const HashSet& hashes, Index n, Masking masking)
+  /// `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument if the set
+  /// is empty, a hash is invalid or n < 0.
+  template <typename Hashes = HashSet>
+  MeanMaskOperator(const Hashes& hashes, Index n, Masking masking)
       : partitions_(detail::analysis_partitions(hashes, n, "MeanMaskOperator")),
         masking_(masking) {}
 
@@ -229,9 +231,10 @@ class MeanMaskOperator {
 /// The error operator E = L* - M~ (and E^T = L*^T - M~^T), two O(n + s n / sigma) products.
 class KernelErrorOperator {
  public:
-  /// Throws std::invalid_argument if the hash set is empty, a hash is invalid, n < 0 or sigma
-  /// is not finite and > 0.
-  KernelErrorOperator(const HashSet& hashes, Index n, double sigma, Masking masking)
+  /// `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument if the set
+  /// is empty, a hash is invalid, n < 0 or sigma is not finite and > 0.
+  template <typename Hashes = HashSet>
+  KernelErrorOperator(const Hashes& hashes, Index n, double sigma, Masking masking)
       : kernel_(n, sigma, masking), mask_(hashes, n, masking) {}
 
   Index size() const { return kernel_.size(); }

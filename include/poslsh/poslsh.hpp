@@ -1,5 +1,7 @@
-// poslsh: Positional LSH for ALiBi attention. Includes every public header (spectral_error.hpp
-// and metrics.hpp only when Spectra is on the include path).
+// poslsh: Positional LSH for ALiBi attention. Includes every public header that needs only
+// Eigen: the kernels, the hashes, the interop helpers and the Spectra-free part of the error
+// analysis (operators.hpp, max_error.hpp, block_stats.hpp). The spectral norms and the paper's
+// metric set (spectral_error.hpp, metrics.hpp) need Spectra and are in poslsh/analysis.hpp.
 #pragma once
 
 #include "poslsh/alibi_kernel.hpp"
@@ -23,9 +25,3 @@
 #include "poslsh/tiled_attention.hpp"
 #include "poslsh/types.hpp"
 #include "poslsh/version.hpp"
-
-// The spectral norms (Lanczos) need Spectra (Debian: libspectra-dev; CMake: poslsh::analysis).
-#if __has_include(<Spectra/SymEigsSolver.h>)
-#include "poslsh/metrics.hpp"
-#include "poslsh/spectral_error.hpp"
-#endif

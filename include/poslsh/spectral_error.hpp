@@ -1,5 +1,7 @@
 // poslsh: spectral norms ||L* - M~||_2 and ||L*||_2, by dense decompositions for small n and
-// matrix-free (Lanczos through Spectra, exact tridiagonal inverses) for any n.
+// matrix-free (Lanczos through Spectra, exact tridiagonal inverses) for any n. Part of the
+// analysis module (poslsh/analysis.hpp): needs Spectra. The decompositions and the Lanczos
+// solver sit in templates, so a program compiles only the ones it calls.
 #pragma once
 
 #include <Eigen/Eigenvalues>
@@ -9,6 +11,7 @@
 
 #include "poslsh/alibi_kernel.hpp"
 #include "poslsh/detail/analysis/lanczos.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/analysis/tridiagonal.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/masks.hpp"
@@ -70,16 +73,18 @@ inline void analysis_require_spectral_options(const SpectralOptions& options,
           "options.tolerance", options.tolerance, "must be finite and > 0");
 }
 
-/// ||A||_2 of a dense square matrix: max |eigenvalue| if symmetric, else the largest singular
-/// value.
-inline double analysis_dense_spectral_norm(const RowMatrix<double>& matrix, bool symmetric) {
+/// ||A||_2 of a dense square matrix (any Eigen matrix type; the decomposition runs in its
+/// scalar type): max |eigenvalue| if symmetric, else the largest singular value.
+template <typename Derived>
+double analysis_dense_spectral_norm(const Eigen::MatrixBase<Derived>& matrix, bool symmetric) {
+  using Plain = typename Derived::PlainObject;
   if (matrix.rows() == 0) return 0.0;
   if (symmetric) {
-    const Eigen::SelfAdjointEigenSolver<RowMatrix<double>> solver(matrix, Eigen::EigenvaluesOnly);
-    return solver.eigenvalues().cwiseAbs().maxCoeff();
+    const Eigen::SelfAdjointEigenSolver<Plain> solver(matrix, Eigen::EigenvaluesOnly);
+    return static_cast<double>(solver.eigenvalues().cwiseAbs().maxCoeff());
   }
-  const Eigen::BDCSVD<RowMatrix<double>> svd(matrix);
-  return svd.singularValues()(0);
+  const Eigen::BDCSVD<Plain> svd(matrix);
+  return static_cast<double>(svd.singularValues()(0));
 }
 
 }  // namespace detail
@@ -133,13 +138,16 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
 /// Spectral error ||L* - M~||_2 of the mean mask M~ = (1/s) sum_k M(h_k) against the ALiBi
 /// kernel L*_ij = exp(-|i-j| / sigma) (causal: both lower triangular). Dense: from
 /// alibi_kernel_dense and mean_mask_dense. Lanczos: on KernelErrorOperator, O(n + s n / sigma)
-/// per product and O(n s / sigma + n * subspace) memory. Throws std::invalid_argument naming a
-/// bad argument (empty or invalid hashes, n < 0, sigma, options).
-inline SpectralNorm spectral_error(const HashSet& hashes, Index n, double sigma, Masking masking,
-                                   const SpectralOptions& options = {}) {
+/// per product and O(n s / sigma + n * subspace) memory. `hashes`: a HashSet or any container
+/// of BinHash. Throws std::invalid_argument naming a bad argument (empty or invalid hashes,
+/// n < 0, sigma, options).
+template <typename Hashes = HashSet>
+SpectralNorm spectral_error(const Hashes& hash_set, Index n, double sigma, Masking masking,
+                            const SpectralOptions& options = {}) {
   constexpr const char* function = "spectral_error";
   detail::analysis_require_spectral_options(options, function);
   detail::require_sigma(sigma, function);
+  const HashSet& hashes = detail::analysis_hash_set(hash_set);
   const KernelErrorOperator error(hashes, n, sigma, masking);  // checks hashes and n
   if (options.method == SpectralMethod::dense ||
       (options.method == SpectralMethod::automatic && n <= options.dense_limit)) {

@@ -28,35 +28,38 @@ struct AnalysisErrorSums {
   double max = 0.0;
 };
 
-/// Rows [first, last) of D = (A o L*) V - (A o M~) V = (A o E) V, E = L* - M~, in double:
-/// d_i = sum_j exp(tau q_i . k_j) (L*_ij - c_ij / s) v_j over the visible keys. `kernel[d]` =
-/// exp(-d / sigma) for d < n. O((last - first) n (d + d_v)) time.
-inline AnalysisErrorSums analysis_unnormalized_rows(
-    const RowMatrix<double>& q, const RowMatrix<double>& k, const RowMatrix<double>& v, double tau,
-    bool causal, const AnalysisPartitions& partitions, const std::vector<double>& kernel,
-    Index first, Index last) {
+/// Rows [first, last) of D = (A o L*) V - (A o M~) V = (A o E) V, E = L* - M~, accumulated in
+/// Real: d_i = sum_j exp(tau q_i . k_j) (L*_ij - c_ij / s) v_j over the visible keys.
+/// `kernel[d]` = exp(-d / sigma) for d < n. O((last - first) n (d + d_v)) time.
+template <typename Real>
+AnalysisErrorSums analysis_unnormalized_rows(const RowMatrix<Real>& q, const RowMatrix<Real>& k,
+                                             const RowMatrix<Real>& v, Real tau, bool causal,
+                                             const AnalysisPartitions& partitions,
+                                             const std::vector<Real>& kernel, Index first,
+                                             Index last) {
   const Index n = q.rows();
-  const double inverse_s = 1.0 / static_cast<double>(partitions.samples());
+  const Real inverse_s = Real(1) / static_cast<Real>(partitions.samples());
   AnalysisErrorSums sums;
   AnalysisRowBands bands(partitions, first);
-  Eigen::VectorXd weights(n);
-  Eigen::RowVectorXd difference(v.cols());
+  Eigen::Matrix<Real, Eigen::Dynamic, 1> weights(n);
+  Eigen::Matrix<Real, 1, Eigen::Dynamic> difference(v.cols());
   for (Index i = first; i < last; ++i) {
     const Index keys = causal ? i + 1 : n;
     bands.row(i, causal);
     weights.head(keys).noalias() = k.topRows(keys) * q.row(i).transpose();
     for (Index j = 0; j < keys; ++j) {
-      const double estimate =
+      const Real estimate =
           j >= bands.lo && j < bands.hi
-              ? static_cast<double>(bands.counts[static_cast<std::size_t>(j - bands.lo)]) *
-                    inverse_s
-              : 0.0;
-      const double exact = kernel[static_cast<std::size_t>(i > j ? i - j : j - i)];
+              ? static_cast<Real>(bands.counts[static_cast<std::size_t>(j - bands.lo)]) * inverse_s
+              : Real(0);
+      const Real exact = kernel[static_cast<std::size_t>(i > j ? i - j : j - i)];
       weights[j] = std::exp(tau * weights[j]) * (exact - estimate);
     }
     difference.noalias() = weights.head(keys).transpose() * v.topRows(keys);
-    sums.square_sum += difference.squaredNorm();
-    if (difference.size() > 0) sums.max = std::max(sums.max, difference.cwiseAbs().maxCoeff());
+    sums.square_sum += static_cast<double>(difference.squaredNorm());
+    if (difference.size() > 0) {
+      sums.max = std::max(sums.max, static_cast<double>(difference.cwiseAbs().maxCoeff()));
+    }
   }
   return sums;
 }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstddef>
+#include <iterator>
+#include <type_traits>
 #include <vector>
 
 #include "poslsh/detail/checks/require.hpp"
@@ -26,9 +28,24 @@ struct AnalysisPartitions {
   }
 };
 
+/// The analysis functions take a hash set as any container of BinHash with begin() and end()
+/// (HashSet = std::vector<BinHash>, std::array<BinHash, s>, ...). This gives it as a HashSet:
+/// the object itself when it is one, else a copy of its s hashes.
+template <typename Hashes>
+decltype(auto) analysis_hash_set(const Hashes& hashes) {
+  if constexpr (std::is_same_v<Hashes, HashSet>) {
+    return (hashes);
+  } else {
+    static_assert(std::is_same_v<std::decay_t<decltype(*std::begin(hashes))>, BinHash>,
+                  "poslsh: a hash set is a container of poslsh::BinHash");
+    return HashSet(std::begin(hashes), std::end(hashes));
+  }
+}
+
 /// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
-inline AnalysisPartitions analysis_partitions(const HashSet& hashes, Index n,
-                                              const char* function) {
+template <typename Hashes = HashSet>
+AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
+  const HashSet& hashes = analysis_hash_set(hash_set);
   validate_hashes(hashes, function);
   require_size(n, function, "n");
   AnalysisPartitions partitions;

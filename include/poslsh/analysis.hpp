@@ -1,0 +1,20 @@
+// poslsh analysis module: the matrix-free error measurements of the LSH estimate M~ against the
+// ALiBi kernel L* (the paper's metric set). Needs Spectra for the Lanczos spectral norms
+// (Debian: libspectra-dev; CMake: link poslsh::analysis, which is poslsh plus Spectra).
+//
+//   operators.hpp       L* x, M~ x and (L* - M~) x without n x n storage
+//   max_error.hpp       ||L* - M~||_max, exactly
+//   block_stats.hpp     block sizes, b_max against sigma ln ln n
+//   spectral_error.hpp  ||L* - M~||_2 (dense or Lanczos), ||L*||_2      (Spectra)
+//   metrics.hpp         the paper's bounds, kernel and attention output errors in one call
+//                                                                         (Spectra)
+//
+// poslsh.hpp includes the first three (they need only Eigen) but not the last two, so a program
+// that does not measure spectral errors neither needs Spectra nor compiles it.
+#pragma once
+
+#include "poslsh/block_stats.hpp"
+#include "poslsh/max_error.hpp"
+#include "poslsh/metrics.hpp"
+#include "poslsh/operators.hpp"
+#include "poslsh/spectral_error.hpp"
