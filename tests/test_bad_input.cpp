@@ -175,6 +175,36 @@ TEMPLATE_TEST_CASE("the LSH kernels reject bad hash sets, shapes and options", "
                    "{}");
 }
 
+TEST_CASE("every entry point that takes a hash set rejects width 0, a NaN width or offset",
+          "[bad_input]") {
+  // Hand-built hashes that would turn a bin into a cast of inf or NaN to an integer.
+  struct BadHash {
+    BinHash hash;
+    const char* argument;
+    double value;
+  };
+  const BadHash bad_hashes[] = {{BinHash{0.0, 0.0}, "hash.width", 0.0},
+                                {BinHash{not_a_number, 0.0}, "hash.width", not_a_number},
+                                {BinHash{2.0, not_a_number}, "hash.offset", not_a_number}};
+  const auto q = random_matrix<double>(5, 3, 21);
+  RowMatrix<double> out(5, 3), row(1, 3);
+  for (const BadHash& bad : bad_hashes) {
+    const HashSet set{poslsh::rbf_hash(2.0, {1, 0, 0}), bad.hash};
+    INFO("width " << bad.hash.width << ", offset " << bad.hash.offset);
+    require_rejected([&] { poslsh::lsh_fused_pair_count(set, 5, Masking::causal); }, bad.argument,
+                     bad.value);
+    require_rejected([&] { poslsh::block_plans(set, std::vector<Index>{5}); }, bad.argument,
+                     bad.value);
+    require_rejected([&] { poslsh::block_stats(set, 5); }, bad.argument, bad.value);
+    require_rejected([&] { poslsh::lsh_attention_fused<double>(q, q, q, set, out); }, bad.argument,
+                     bad.value);
+    require_rejected([&] { poslsh::lsh_attention_per_sample<double>(q, q, q, set, out); },
+                     bad.argument, bad.value);
+    require_rejected([&] { poslsh::lsh_attention_decode<double>(q.row(4), q, q, 4, set, row); },
+                     bad.argument, bad.value);
+  }
+}
+
 TEMPLATE_TEST_CASE("the exact tiled and banded kernels reject bad ranges, bands and sigma",
                    "[bad_input]", float, double) {
   const auto q = random_matrix<TestType>(8, 4, 8);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "catch_compat.hpp"
+#include "kernel_instantiations.hpp"
 
 namespace poslsh_test {
 

@@ -37,6 +37,26 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
   engine.run(i0, i0 + rows, out.middleRows(i0, rows));
 }
 
+/// Runs `tiles` (head, query tile) jobs in one parallel loop, job j being query tile
+/// j % tiles_per_head of head j / tiles_per_head: head_tile(head, i0, rows, work) computes rows
+/// [i0, i0 + rows) of that head with the calling thread's workspace. Every job writes its own
+/// rows with arithmetic that depends on the job alone: bitwise the same for any thread count.
+template <typename Scalar, typename HeadTile>
+void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
+  const Index tiles_per_head = (n + fused_query_tile - 1) / fused_query_tile;
+  const auto jobs = static_cast<long>(heads * tiles_per_head);
+#pragma omp parallel
+  {
+    FusedWorkspace<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long job = 0; job < jobs; ++job) {
+      const Index h = static_cast<Index>(job) / tiles_per_head;
+      const Index i0 = (static_cast<Index>(job) % tiles_per_head) * fused_query_tile;
+      head_tile(h, i0, std::min(fused_query_tile, n - i0), work);
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
@@ -59,18 +79,10 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
   if (n == 0) return;
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  const long tiles =
-      static_cast<long>((n + detail::fused_query_tile - 1) / detail::fused_query_tile);
-#pragma omp parallel
-  {
-    detail::FusedWorkspace<Scalar> work;
-#pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < tiles; ++t) {
-      const Index i0 = static_cast<Index>(t) * detail::fused_query_tile;
-      detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0,
-                                 std::min(detail::fused_query_tile, n - i0), out, work);
-    }
-  }
+  detail::run_fused_tiles<Scalar>(
+      1, n, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+        detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0, rows, out, work);
+      });
 }
 
 /// Returning form of lsh_attention_fused.

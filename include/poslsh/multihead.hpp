@@ -28,12 +28,10 @@ enum class Method {
   exact_reference,  ///< alibi_attention_reference (O(n^2) memory, checks only)
 };
 
-/// Options of multihead_attention.
-struct MultiHeadOptions {
+/// Options of multihead_attention: the attention options of every head (masking, scale)
+/// and how the heads are computed.
+struct MultiHeadOptions : AttentionOptions {
   Method method = Method::lsh_fused;
-  Masking masking = Masking::causal;
-  /// Score scale tau; unset means 1/sqrt(d).
-  std::optional<double> scale{};
   /// sigma of each query head; empty means alibi_sigmas(query heads).
   std::vector<double> sigmas{};
   /// Samples s per head (LSH methods).
@@ -113,29 +111,21 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
   const Index n = q.tokens;
   if (n == 0) return;
   const Index group = q.heads / k.heads;
-  const AttentionOptions head_options{options.masking, options.scale};
+  const AttentionOptions& head_options = options;
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, head_options, q.dim));
   const std::vector<HashSet> hashes =
       options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
           ? multihead_hashes(sigmas, options.samples, options.seed)
           : std::vector<HashSet>{};
   if (options.method == Method::lsh_fused) {
-    const Index tiles = (n + detail::fused_query_tile - 1) / detail::fused_query_tile;
-    const auto jobs = static_cast<long>(q.heads * tiles);
-#pragma omp parallel
-    {
-      detail::FusedWorkspace<Scalar> work;
-#pragma omp for schedule(dynamic, 1)
-      for (long job = 0; job < jobs; ++job) {
-        const Index h = static_cast<Index>(job) / tiles;
-        const Index i0 = (static_cast<Index>(job) % tiles) * detail::fused_query_tile;
-        auto out_head = out.head(h);
-        detail::fused_tile<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
-                                   hashes[static_cast<std::size_t>(h)], tau,
-                                   options.masking == Masking::causal, i0,
-                                   std::min(detail::fused_query_tile, n - i0), out_head, work);
-      }
-    }
+    const bool causal = options.masking == Masking::causal;
+    detail::run_fused_tiles<Scalar>(
+        q.heads, n, [&](Index h, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+          auto out_head = out.head(h);
+          detail::fused_tile<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
+                                     hashes[static_cast<std::size_t>(h)], tau, causal, i0, rows,
+                                     out_head, work);
+        });
     return;
   }
   const auto heads = static_cast<long>(q.heads);

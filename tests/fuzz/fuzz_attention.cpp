@@ -14,6 +14,7 @@
 // summation order, so they differ by the rounding of a dot product, about
 // eps d max_ij |tau| sum_c |q_ic k_jc| in a logit, which moves the output by that much
 // relative to max |v|; plus a few eps for the exponentials and sums.
+#include <poslsh/block_stats.hpp>
 #include <poslsh/poslsh.hpp>
 
 #ifdef _OPENMP
@@ -232,7 +233,7 @@ void check_rejections(ByteReader& input, const Problem<Scalar>& problem, const P
   AttentionOptions options = problem.options;
   const HashSet& hashes = problem.hashes;
   bool thrown = false;
-  switch (input.byte() % 10) {
+  switch (input.byte() % 12) {
     case 0:
       thrown = rejects(
           [&] {
@@ -311,6 +312,27 @@ void check_rejections(ByteReader& input, const Problem<Scalar>& problem, const P
             poslsh::lsh_attention_fused<Scalar>(q.view(), k.view(), v.view(), bad, out, options);
           },
           "fused, hand-built hash");
+      if (valid) thrown = !thrown;  // a valid hand-built hash must be accepted
+      break;
+    }
+    case 9:
+    case 10: {
+      // A hand-built hash (any bits) given to the entry points that take a hash set without
+      // attention inputs: each must reject it exactly when validate_hash does.
+      const HashSet bad{BinHash{input.raw_double(), input.raw_double()}};
+      const BinHash& hash = bad.front();
+      const bool valid = std::isfinite(hash.width) && hash.width >= BinHash::min_width &&
+                         hash.offset >= 0.0 && hash.offset < hash.width;
+      const Index length = std::min<Index>(n, 64);
+      if (input.flag()) {
+        thrown = rejects([&] { poslsh::lsh_fused_pair_count(bad, length, options.masking); },
+                         "pair count, hand-built hash");
+      } else if (input.flag()) {
+        thrown = rejects([&] { poslsh::block_plans(bad, std::vector<Index>{length}); },
+                         "block plans, hand-built hash");
+      } else {
+        thrown = rejects([&] { poslsh::block_stats(bad, length); }, "block stats, hand-built hash");
+      }
       if (valid) thrown = !thrown;  // a valid hand-built hash must be accepted
       break;
     }

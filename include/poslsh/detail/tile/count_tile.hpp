@@ -7,17 +7,10 @@
 #include <algorithm>
 #include <vector>
 
+#include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/types.hpp"
-
-// GCC 12 reports its own AVX-512 rounding intrinsic (_mm512_undefined_pd) as "maybe used
-// uninitialized" once Eigen's vectorized floor is inlined here: a known false positive.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace poslsh::detail {
 
@@ -102,6 +95,4 @@ struct TileCounts {
 
 }  // namespace poslsh::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "poslsh/detail/restore_warnings.hpp"

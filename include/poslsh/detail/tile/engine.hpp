@@ -18,20 +18,13 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
+#include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
-
-// GCC 12 reports "'__Y' is (maybe) used uninitialized" inside its own AVX-512 intrinsics
-// (_mm512_undefined_ps) once pmax and pexp are inlined here: a known false positive. Avoiding
-// pmax (a compare and select instead) halved the speed of the score kernel.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace poslsh::detail {
 
@@ -70,9 +63,10 @@ class TileEngine {
     b_.prepare(d_, dvp_, pack_values_);
   }
 
-  /// Rows [row_begin, row_end) of the output, written to out rows 0 .. row_end - row_begin.
+  /// Rows [row_begin, row_end) of the output, written to out rows 0 .. row_end - row_begin;
+  /// with `lse`, also lse[i - row_begin] = M_i + log l_i (-inf for a row without keys).
   template <typename OutType>
-  void run(Index row_begin, Index row_end, OutType&& out) {
+  void run(Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
     if (row_begin >= row_end || dv_ == 0) return;
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
@@ -84,6 +78,7 @@ class TileEngine {
         const Index a = i - i0;
         out.row(i - row_begin) =
             b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
+        if (lse != nullptr) lse[i - row_begin] = b_.running_max(a) + std::log(b_.running_sum(a));
       }
     }
   }
@@ -324,6 +319,4 @@ class TileEngine {
 
 }  // namespace poslsh::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "poslsh/detail/restore_warnings.hpp"

@@ -69,16 +69,7 @@ inline void tile_prefetch_rows(const Scalar* data, Index stride, Index first, In
   }
 }
 
-// Eigen's PacketBlock takes the packet type (an attributed vector type) as a template
-// argument, which GCC reports as "ignoring attributes"; harmless, as in Eigen's own kernels.
-// GCC 12 also reports its own AVX-512 shuffle intrinsics (_mm512_undefined_ps) as "maybe
-// used uninitialized" once inlined: a known false positive.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "poslsh/detail/disable_intrinsic_warnings.hpp"
 
 /// dst[c * dst_stride + r] = scale * src[r * src_stride + c] for r, c < P (one packet per
 /// column of dst, aligned): a P x P block transposed in registers.
@@ -97,9 +88,7 @@ EIGEN_ALWAYS_INLINE void tile_transpose_block(const Scalar* src, Index src_strid
   for (int c = 0; c < P; ++c) ei::pstore(dst + c * dst_stride, ei::pmul(block.packet[c], factor));
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "poslsh/detail/restore_warnings.hpp"
 
 /// qt (d x tile, row-major) = scale Q^T for rows [i0 + a0, i0 + a1) of q (columns a0 .. a1 of
 /// qt), zero in the other columns: packet-block transposes when the tile is whole.
