@@ -1,0 +1,50 @@
+"""Positional LSH for ALiBi attention.
+
+Random binning of token positions (width ``w ~ Gamma(2, sigma)``, offset ``xi ~ U[0, w)``,
+bin ``floor((i - xi) / w)``) puts two positions in one block with probability
+``exp(-|i-j| / sigma)``, so the ALiBi kernel ``L*`` is the mean of random block masks and ALiBi
+attention ``softmax(tau Q K^T - |i-j| / sigma) V`` is approximated by
+
+    T~ = D~^-1 (A o M~) V,   A_ij = exp(tau q_i . k_j),   M~ = mean of s block masks.
+
+Every function takes numpy arrays (float32 or float64, never converted), ``[n, d]`` per head
+with a contiguous last axis and any row stride, and returns numpy arrays (or writes ``out=``).
+See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch installed)
+has autograd Functions.
+"""
+
+from ._core import (  # noqa: F401
+    BlockPlan,
+    HashSet,
+    KernelErrorMetrics,
+    LseMerger,
+    OutputErrorMetrics,
+    PaperMetrics,
+    SpectralNorm,
+    UnnormalizedOutputError,
+    __version__,
+    alibi_attention_banded,
+    alibi_attention_decode_exact,
+    alibi_attention_reference,
+    alibi_attention_tiled,
+    alibi_kernel_norm,
+    alibi_sigmas,
+    alibi_slopes,
+    band_for_bias_error,
+    block_plans,
+    fixed_blocks_attention,
+    fixed_blocks_hash,
+    has_openmp,
+    kernel_error_metrics,
+    lsh_attention_decode,
+    lsh_attention_fused,
+    lsh_attention_per_sample,
+    lsh_fused_pair_count,
+    max_error,
+    max_threads,
+    multihead_attention,
+    output_error_metrics,
+    paper_metrics,
+    rbf_hashes,
+    spectral_error,
+)
