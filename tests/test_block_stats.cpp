@@ -1,4 +1,5 @@
 // Block statistics against a direct scan of bin(), and b_max against the law of the widths.
+#include <array>
 #include <cmath>
 #include <poslsh/block_stats.hpp>
 #include <vector>
@@ -96,6 +97,17 @@ TEST_CASE("b_max over s = ceil(ln n) samples stays within a constant of sigma ln
   }
 }
 
+TEST_CASE("block_stats takes any container of BinHash", "[analysis]") {
+  const poslsh::HashSet hashes = poslsh::rbf_hashes(3.0, 4, 6);
+  const std::array<poslsh::BinHash, 4> array{hashes[0], hashes[1], hashes[2], hashes[3]};
+  const poslsh::BlockStats from_set = poslsh::block_stats(hashes, 500);
+  const poslsh::BlockStats from_array = poslsh::block_stats(array, 500);
+  CHECK(from_array.largest == from_set.largest);
+  CHECK(from_array.blocks == from_set.blocks);
+  CHECK(from_array.mean == from_set.mean);
+  CHECK(from_array.mean_at_position == from_set.mean_at_position);
+}
+
 TEST_CASE("block statistics reject bad arguments naming them", "[analysis][invalid]") {
   using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::block_stats({}, 10); }, "hashes");
@@ -105,6 +117,33 @@ TEST_CASE("block statistics reject bad arguments naming them", "[analysis][inval
         poslsh::block_stats({poslsh::BinHash{-1.0, 0.0}}, 10);
       },
       "hash.width");
+  require_invalid_argument(
+      [] {
+        poslsh::block_stats({poslsh::BinHash{0.0, 0.0}}, 10);
+      },
+      "hash.width");
+  require_invalid_argument(
+      [] {
+        poslsh::block_stats({poslsh::BinHash{std::nan(""), 0.0}}, 10);
+      },
+      "hash.width");
+  require_invalid_argument(
+      [] {
+        poslsh::block_stats({poslsh::BinHash{4.0, std::nan("")}}, 10);
+      },
+      "hash.offset");
+  // A bad hash after good ones is found too, and largest_block checks as block_stats does.
+  poslsh::HashSet mixed = poslsh::rbf_hashes(2.0, 3, 1);
+  mixed.push_back(poslsh::BinHash{4.0, std::nan("")});
+  require_invalid_argument([&] { poslsh::block_stats(mixed, 10); }, "hash.offset");
+  require_invalid_argument([&] { poslsh::largest_block(mixed, 10); }, "hash.offset");
+  require_invalid_argument([] { poslsh::largest_block({}, 10); }, "hashes");
+  require_invalid_argument([] { poslsh::largest_block(poslsh::rbf_hashes(2.0, 2, 1), -1); }, "n");
+  // The same checks for any container of BinHash.
+  const std::array<poslsh::BinHash, 1> zero_width{poslsh::BinHash{0.0, 0.0}};
+  require_invalid_argument([&] { poslsh::block_stats(zero_width, 10); }, "hash.width");
+  const std::array<poslsh::BinHash, 0> empty{};
+  require_invalid_argument([&] { poslsh::block_stats(empty, 10); }, "hashes");
   require_invalid_argument([] { poslsh::block_size_scale(2.0, 2); }, "n");
   require_invalid_argument([] { poslsh::block_size_scale(0.0, 100); }, "sigma");
 }

@@ -1,12 +1,16 @@
 // The paper's metric set: bounds against their formulas, the observed spectral error under the
 // expectation bound, output metrics and the unnormalized error against dense computations.
+#include <Eigen/Eigenvalues>
+#include <Eigen/SVD>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <poslsh/alibi_kernel.hpp>
+#include <poslsh/analysis.hpp>
 #include <poslsh/masks.hpp>
-#include <poslsh/metrics.hpp>
 #include <poslsh/reference_attention.hpp>
 
+#include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
@@ -19,20 +23,6 @@ namespace {
 
 const char* name(Masking masking) {
   return masking == Masking::causal ? "causal" : "bidirectional";
-}
-
-// T~ = D~^-1 (A o M~) V from the dense mean mask (DESIGN.md section 4), in double.
-template <typename Scalar>
-RowMatrix<double> dense_estimate(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-                                 const RowMatrix<Scalar>& v, const poslsh::HashSet& hashes,
-                                 Masking masking) {
-  const double tau = 1.0 / std::sqrt(double(q.cols()));
-  const RowMatrix<double> scores =
-      tau * q.template cast<double>() * k.template cast<double>().transpose();
-  const RowMatrix<double> weighted =
-      scores.array().exp() * poslsh::mean_mask_dense<double>(hashes, q.rows(), masking).array();
-  return weighted.rowwise().sum().cwiseInverse().asDiagonal() * weighted *
-         v.template cast<double>();
 }
 
 }  // namespace
@@ -88,10 +78,26 @@ TEST_CASE("kernel_error_metrics gathers the errors, the norm and the bounds", "[
     CHECK(metrics.max == poslsh::max_error(hashes, n, sigma, masking).value);
     CHECK(metrics.kernel_norm == poslsh::alibi_kernel_norm(n, sigma, masking));
     CHECK(metrics.relative_spectral == metrics.spectral / metrics.kernel_norm);
-    CHECK(metrics.epsilon == metrics.relative_spectral);
-    CHECK(metrics.good_samples == poslsh::good_sample_count(n, sigma, metrics.relative_spectral));
+    CHECK(metrics.epsilon == metrics.spectral);  // absolute by default
+    CHECK(metrics.good_samples == poslsh::good_sample_count(n, sigma, metrics.spectral));
     CHECK(metrics.expectation_bound == poslsh::expectation_bound(n, sigma, 24));
-    CHECK(metrics.tail_bound == poslsh::tail_bound(n, sigma, 24, metrics.relative_spectral));
+    CHECK(metrics.tail_bound == poslsh::tail_bound(n, sigma, 24, metrics.spectral));
+    poslsh::MetricOptions relative;
+    relative.epsilon_definition = poslsh::EpsilonDefinition::relative;
+    const poslsh::KernelErrorMetrics by_relative =
+        poslsh::kernel_error_metrics(hashes, n, sigma, masking, relative);
+    CHECK(by_relative.epsilon == metrics.relative_spectral);
+    CHECK(by_relative.good_samples ==
+          poslsh::good_sample_count(n, sigma, metrics.relative_spectral));
+    CHECK(by_relative.tail_bound == poslsh::tail_bound(n, sigma, 24, metrics.relative_spectral));
+    // Any container of BinHash: the same hashes as a std::array give the same record.
+    std::array<poslsh::BinHash, 24> array{};
+    std::copy(hashes.begin(), hashes.end(), array.begin());
+    const poslsh::KernelErrorMetrics from_array =
+        poslsh::kernel_error_metrics(array, n, sigma, masking);
+    CHECK(from_array.spectral == metrics.spectral);
+    CHECK(from_array.max == metrics.max);
+    CHECK(from_array.good_samples == metrics.good_samples);
     poslsh::MetricOptions options;
     options.epsilon = 0.05;
     const poslsh::KernelErrorMetrics targeted =
@@ -99,6 +105,56 @@ TEST_CASE("kernel_error_metrics gathers the errors, the norm and the bounds", "[
     CHECK(targeted.epsilon == 0.05);
     CHECK(targeted.good_samples == poslsh::good_sample_count(n, sigma, 0.05));
   }
+}
+
+TEST_CASE("s_good and the tail bound from the absolute and the relative spectral error",
+          "[analysis]") {
+  // rbf_hashes(16, 100, 2) at n = 1000: ||L* - M~||_2 = 2.235 and ||L*||_2 = 31.86, so with
+  // epsilon = ||E||_2 (absolute, the paper's validation code) s_good = ceil(256 ln 1000 /
+  // 2.235^2) = 354, and with epsilon = ||E||_2 / ||L*||_2 (relative) s_good = 360952.
+  // Both norms are recomputed here from the dense matrices by Eigen's decompositions.
+  const Index n = 1000, s = 100;
+  const double sigma = 16.0;
+  const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, 2);
+  const Masking masking = Masking::bidirectional;
+  const RowMatrix<double> kernel = poslsh::alibi_kernel_dense<double>(n, sigma, masking);
+  const RowMatrix<double> error = kernel - poslsh::mean_mask_dense<double>(hashes, n, masking);
+  const Eigen::SelfAdjointEigenSolver<RowMatrix<double>> error_eigen(error, Eigen::EigenvaluesOnly);
+  const Eigen::SelfAdjointEigenSolver<RowMatrix<double>> kernel_eigen(kernel,
+                                                                      Eigen::EigenvaluesOnly);
+  const double absolute = error_eigen.eigenvalues().cwiseAbs().maxCoeff();
+  const double relative = absolute / kernel_eigen.eigenvalues().cwiseAbs().maxCoeff();
+  const double e = std::exp(1.0 / sigma);
+  const double psi = 1.0 + sigma + (e + 1.0) / (e - 1.0);
+  const auto good = [&](double eps) { return sigma * sigma * std::log(double(n)) / (eps * eps); };
+  const auto tail = [&](double eps) {
+    return double(n) * std::exp(-double(s) * eps * eps / (4.0 * psi * (4.0 * psi + eps)));
+  };
+  INFO("dense ||E||_2 " << absolute << ", relative " << relative << ", s_good " << good(absolute)
+                        << " / " << good(relative));
+  // The hand-computed values above, from the dense norms.
+  CHECK(std::ceil(good(absolute)) == Approx(354).margin(1.0));
+  CHECK(std::ceil(good(relative)) == Approx(360952).epsilon(1e-4));
+
+  const poslsh::KernelErrorMetrics metrics =
+      poslsh::kernel_error_metrics(hashes, n, sigma, masking);
+  CHECK(metrics.spectral_details.method == poslsh::SpectralMethod::lanczos);
+  // Lanczos against the dense eigenvalues: 1e-8 relative, so s_good agrees to 1 (the ceiling).
+  CHECK(metrics.epsilon == Approx(absolute).epsilon(1e-8));
+  CHECK(std::abs(metrics.good_samples - std::ceil(good(absolute))) <= 1.0);
+  CHECK(metrics.tail_bound == Approx(tail(absolute)).epsilon(1e-6));
+
+  poslsh::MetricOptions options;
+  options.epsilon_definition = poslsh::EpsilonDefinition::relative;
+  const poslsh::KernelErrorMetrics by_relative =
+      poslsh::kernel_error_metrics(hashes, n, sigma, masking, options);
+  CHECK(by_relative.epsilon == Approx(relative).epsilon(1e-8));
+  CHECK(by_relative.good_samples == Approx(std::ceil(good(relative))).epsilon(1e-7));
+  CHECK(by_relative.tail_bound == Approx(tail(relative)).epsilon(1e-8));
+  // An explicit epsilon overrides both definitions.
+  options.epsilon = 0.5;
+  CHECK(poslsh::kernel_error_metrics(hashes, n, sigma, masking, options).good_samples ==
+        std::ceil(good(0.5)));
 }
 
 TEMPLATE_TEST_CASE("output_error_metrics equals its definitions", "[analysis]", float, double) {
@@ -128,15 +184,52 @@ TEMPLATE_TEST_CASE("output_error_metrics equals its definitions", "[analysis]", 
   // = 96.25 (j = 0..10), so cosine = 5.5 / sqrt(11 * 3.85).
   CHECK(metrics.cosine == Approx(5.5 / std::sqrt(11 * 3.85)).epsilon(tolerance));
 
-  // Orthogonal outputs: cosine 0; a zero exact row with a non-zero estimate is an infinite
-  // relative row error (the p99 of two rows interpolates towards it).
+  CHECK(metrics.zero_rows == 0);
+
+  // Orthogonal outputs: cosine 0.
   RowMatrix<TestType> a(2, 2), b(2, 2);
   a << 1, 0, 0, 0;
   b << 0, 1, 0, 0;
   CHECK(poslsh::output_error_metrics<TestType>(a, b).cosine == 0.0);
-  b << 1, 0, 1, 0;
-  CHECK(std::isinf(poslsh::output_error_metrics<TestType>(a, b).row_relative_p99));
   CHECK(poslsh::output_error_metrics<TestType>(a, a).row_relative_p99 == 0.0);
+}
+
+TEMPLATE_TEST_CASE("output_error_metrics leaves zero exact rows out of the row-wise statistics",
+                   "[analysis]", float, double) {
+  // 11 rows as above (r_i = i/10), but exact row 5 is 0 and its estimate is (1, 2). The row-wise
+  // statistics are those of the other 10 values 0, .1, .2, .3, .4, .6, .7, .8, .9, 1 (positions
+  // p * 9): median (0.4 + 0.6) / 2 = 0.5, p90 0.9 + 0.1 * 0.1 = 0.91, p99 0.9 + 0.91 * 0.1 =
+  // 0.991. (With the zero row as an infinite relative error, p90 would sit at position 9 of 11
+  // values, 0 * inf = NaN.)
+  RowMatrix<TestType> exact(11, 2), approximate(11, 2);
+  for (Index i = 0; i < 11; ++i) {
+    exact.row(i) << TestType(3), TestType(4);
+    approximate.row(i) = exact.row(i) * static_cast<TestType>(1.0 - double(i) / 10.0);
+  }
+  exact.row(5).setZero();
+  approximate.row(5) << TestType(1), TestType(2);
+  const poslsh::OutputErrorMetrics metrics =
+      poslsh::output_error_metrics<TestType>(exact, approximate);
+  const double tolerance = 10 * poslsh_test::tolerance<TestType>();
+  CHECK(metrics.zero_rows == 1);
+  CHECK(metrics.row_relative_median == Approx(0.5).epsilon(tolerance));
+  CHECK(metrics.row_relative_p90 == Approx(0.91).epsilon(tolerance));
+  CHECK(metrics.row_relative_p99 == Approx(0.991).epsilon(tolerance));
+  // The matrix-wide errors keep the zero row: ||T* - T~||_F^2 = 25 sum_{i != 5} (i/10)^2 + 5
+  // = 25 (3.85 - 0.25) + 5 = 95, ||T*||_F^2 = 250.
+  CHECK(metrics.frobenius == Approx(std::sqrt(95.0)).epsilon(tolerance));
+  CHECK(metrics.relative_frobenius == Approx(std::sqrt(95.0 / 250.0)).epsilon(tolerance));
+
+  // Every exact row 0: no row-wise statistic (NaN), every row counted, F relative error +inf.
+  const RowMatrix<TestType> zero = RowMatrix<TestType>::Zero(11, 2);
+  const poslsh::OutputErrorMetrics all_zero =
+      poslsh::output_error_metrics<TestType>(zero, approximate);
+  CHECK(all_zero.zero_rows == 11);
+  CHECK(std::isnan(all_zero.row_relative_median));
+  CHECK(std::isnan(all_zero.row_relative_p90));
+  CHECK(std::isnan(all_zero.row_relative_p99));
+  CHECK(std::isinf(all_zero.relative_frobenius));
+  CHECK(all_zero.cosine == 0.0);
 }
 
 TEMPLATE_TEST_CASE("unnormalized_output_error_dense equals the dense (A o L*) V - (A o M~) V",
@@ -184,7 +277,8 @@ TEST_CASE("paper_metrics is the three metric groups in one call", "[analysis]") 
     attention.masking = masking;
     const RowMatrix<double> exact =
         poslsh::alibi_attention_reference<double>(q, k, v, sigma, attention);
-    const RowMatrix<double> estimate = dense_estimate(q, k, v, hashes, masking);
+    const RowMatrix<double> estimate =
+        poslsh_test::lsh_dense_oracle(q, k, v, hashes, masking, 1.0 / std::sqrt(double(d)));
     const poslsh::PaperMetrics metrics =
         poslsh::paper_metrics<double>(q, k, v, hashes, sigma, exact, estimate, attention);
     const poslsh::OutputErrorMetrics output = poslsh::output_error_metrics<double>(exact, estimate);
