@@ -5,15 +5,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <poslsh/analysis.hpp>
 #include <poslsh/hash.hpp>
-#include <poslsh/max_error.hpp>
-#include <poslsh/metrics.hpp>
 #include <poslsh/slopes.hpp>
-#include <poslsh/spectral_error.hpp>
 #include <string>
 #include <vector>
 
 #include "example_cli.hpp"
+#include "log_log_fit.hpp"
 
 namespace {
 
@@ -84,32 +83,11 @@ Settings parse(int argc, char** argv) {
   return settings;
 }
 
-/// Least-squares slope of log y against log x over the points with x >= 4 (all points if
-/// fewer than two qualify); NaN with fewer than two points.
-double log_log_slope(const std::vector<double>& x, const std::vector<double>& y, double& first,
-                     double& last) {
-  std::vector<std::size_t> used;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (x[i] >= 4) used.push_back(i);
-  }
-  if (used.size() < 2) {
-    used.clear();
-    for (std::size_t i = 0; i < x.size(); ++i) used.push_back(i);
-  }
-  if (used.size() < 2) return std::nan("");
-  first = x[used.front()];
-  last = x[used.back()];
-  double mean_x = 0.0, mean_y = 0.0;
-  for (std::size_t i : used) {
-    mean_x += std::log(x[i]) / static_cast<double>(used.size());
-    mean_y += std::log(y[i]) / static_cast<double>(used.size());
-  }
-  double covariance = 0.0, variance = 0.0;
-  for (std::size_t i : used) {
-    covariance += (std::log(x[i]) - mean_x) * (std::log(y[i]) - mean_y);
-    variance += (std::log(x[i]) - mean_x) * (std::log(x[i]) - mean_x);
-  }
-  return covariance / variance;
+/// The fit of log y against log x over s >= 4 (where the s^-1/2 regime holds), or over every
+/// point when fewer than two have s >= 4.
+cli::LogLogFit fit_over_large_s(const std::vector<double>& counts, const std::vector<double>& y) {
+  const cli::LogLogFit fit = cli::log_log_fit(counts, y, 4.0);
+  return fit.points >= 2 ? fit : cli::log_log_fit(counts, y);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -178,13 +156,12 @@ int main(int argc, char** argv) {
       spectral.push_back(norm.value);
       maximum.push_back(max_error);
     }
-    double first = 0.0, last = 0.0;
-    const double spectral_slope = log_log_slope(counts, spectral, first, last);
-    const double max_slope = log_log_slope(counts, maximum, first, last);
-    if (std::isfinite(spectral_slope)) {
+    const cli::LogLogFit spectral_fit = fit_over_large_s(counts, spectral);
+    const cli::LogLogFit max_fit = fit_over_large_s(counts, maximum);
+    if (std::isfinite(spectral_fit.slope)) {
       std::printf(
           "slope of log error vs log s over s = %g..%g (theory -0.5): spectral %.3f, max %.3f\n",
-          first, last, spectral_slope, max_slope);
+          spectral_fit.first, spectral_fit.last, spectral_fit.slope, max_fit.slope);
     }
   }
   if (csv != nullptr) std::fclose(csv);

@@ -7,10 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <poslsh/analysis.hpp>
 #include <poslsh/banded_attention.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/hash.hpp>
-#include <poslsh/metrics.hpp>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/tiled_attention.hpp>
 #include <random>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "example_cli.hpp"
+#include "log_log_fit.hpp"
 
 namespace {
 
@@ -186,17 +187,6 @@ poslsh::Index closest_budget(long long target, poslsh::Index lo, poslsh::Index h
   return first;
 }
 
-/// Least-squares slope of log y against log x over the points with x >= 4 (NaN if < 2).
-double log_log_slope(const std::vector<double>& x, const std::vector<double>& y) {
-  double count = 0.0, sx = 0.0, sy = 0.0, sxx = 0.0, sxy = 0.0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (x[i] < 4) continue;
-    const double lx = std::log(x[i]), ly = std::log(y[i]);
-    count += 1.0, sx += lx, sy += ly, sxx += lx * lx, sxy += lx * ly;
-  }
-  return count < 2.0 ? std::nan("") : (count * sxy - sx * sy) / (count * sxx - sx * sx);
-}
-
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -343,7 +333,7 @@ void run(const Settings& settings) {
         paper_width, static_cast<double>(paper.pairs) * per_query, paper.metrics.relative_frobenius,
         paper.max);
     write_csv(name, 0, "fixed_2sigma", paper, paper_width, 0);
-    const double slope = log_log_slope(counts, fused_errors);
+    const double slope = cli::log_log_slope(counts, fused_errors, 4.0);  // over s >= 4
     if (std::isfinite(slope))
       std::printf("fused: slope of log relative error vs log s %.3f\n", slope);
   }
