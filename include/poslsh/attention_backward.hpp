@@ -1,0 +1,627 @@
+// poslsh: training support. Every attention kernel with its per-row log-sum-exp (forward), and
+// the gradients dQ, dK, dV of every kernel from dO, O and lse (backward), FlashAttention-2
+// style: probabilities recomputed tile by tile from lse, no n x n buffer, O(n d) extra memory.
+//
+// Conventions (FlashAttention's softmax_lse): for scores x_ij and weights w_ij of a kernel,
+//   lse_i = M_i + log sum_j w_ij e^{x_ij - M_i}   (natural log, of the scaled scores),
+//   P_ij = w_ij e^{x_ij - lse_i},  out_i = sum_j P_ij v_j,
+// with x_ij = tau q_i.k_j - |i-j| / sigma, w = 1 for the exact kernels (tiled, banded: keys in
+// the band) and x_ij = tau q_i.k_j, w_ij = c_ij (samples putting i and j in one block) for the
+// LSH estimator (fused, per-sample, fixed blocks). A row without keys has lse = -inf. For a loss
+// L with dO = dL/dout and D_i = dO_i . out_i:
+//   dV = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dQ = tau dS K,  dK = tau dS^T Q.
+//
+// Checked (std::invalid_argument naming the argument): the kernel's own arguments, lse of size
+// n, out and dout n x d_v, dq and dk n x d, dv n x d_v (output rows must not overlap). Not
+// checked: the values, that lse and out come from the forward of the same inputs, and that the
+// gradient outputs overlap neither each other nor the inputs.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "poslsh/banded_attention.hpp"
+#include "poslsh/detail/backward/blocks.hpp"
+#include "poslsh/detail/backward/tiles.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/exact.hpp"
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/fused_attention.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/heads_view.hpp"
+#include "poslsh/multihead.hpp"
+#include "poslsh/per_sample_attention.hpp"
+#include "poslsh/slopes.hpp"
+#include "poslsh/tiled_attention.hpp"
+#include "poslsh/types.hpp"
+
+namespace poslsh {
+
+/// Writable view of a vector (one entry per query row), e.g. the lse output.
+template <typename Scalar>
+using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+/// Read-only view of a vector, e.g. the lse input of a backward pass.
+template <typename Scalar>
+using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+namespace detail {
+
+/// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).
+template <typename MatrixType>
+void require_matrix_shape(const char* function, const char* name, const MatrixType& m, Index rows,
+                          Index cols, bool output) {
+  require(m.rows() == rows && m.cols() == cols, function, name,
+          std::to_string(m.rows()) + "x" + std::to_string(m.cols()),
+          "shape must be " + std::to_string(rows) + "x" + std::to_string(cols));
+  require(!output || m.rows() <= 1 || m.outerStride() >= m.cols(), function, name, m.outerStride(),
+          "row stride must be >= its column count " + std::to_string(m.cols()) +
+              " (rows must not overlap)");
+}
+
+/// The lse vector: one entry per query row.
+template <typename VectorType>
+void require_lse_size(const char* function, const VectorType& lse, Index n) {
+  require(lse.size() == n, function, "lse", lse.size(),
+          "size must be q.rows() = " + std::to_string(n));
+}
+
+/// out, lse, dout, dq, dk, dv of a backward pass on Q (n x d), V (n x d_v).
+template <typename Scalar>
+void require_backward_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
+                                const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
+                                const ConstVectorRef<Scalar>& lse,
+                                const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+                                const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv) {
+  const Index n = q.rows(), d = q.cols(), dv_cols = v.cols();
+  require_matrix_shape(function, "out", out, n, dv_cols, false);
+  require_lse_size(function, lse, n);
+  require_matrix_shape(function, "dout", dout, n, dv_cols, false);
+  require_matrix_shape(function, "dq", dq, n, d, true);
+  require_matrix_shape(function, "dk", dk, n, d, true);
+  require_matrix_shape(function, "dv", dv, n, dv_cols, true);
+}
+
+/// Rows [row_begin, row_end) of the tile engine's attention with their lse (lse[i - row_begin]).
+template <typename Scalar, typename Bias, typename OutType>
+void engine_rows_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                          const ConstMatrixRef<Scalar>& v, double tau, Bias& bias,
+                          TileBuffers<Scalar>& buffers, Index row_begin, Index row_end,
+                          OutType&& out, Scalar* lse) {
+  TileEngine<Scalar, Bias> engine(q, k, v, tau, bias, buffers);
+  engine.run(row_begin, row_end, out, lse);
+}
+
+/// Exact ALiBi attention over `window` with lse (single-threaded). V without columns: lse from
+/// a column of zeros (the probabilities do not depend on V).
+template <typename Scalar>
+void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
+                    MatrixRef<Scalar> out, Scalar* lse) {
+  const Index n = q.rows();
+  if (v.cols() == 0) {
+    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
+    RowMatrix<Scalar> sink(n, 1);
+    exact_with_lse<Scalar>(q, k, zero, sigma, tau, window, sink, lse);
+    return;
+  }
+  AlibiBias<Scalar> bias(n, sigma, window);
+  TileBuffers<Scalar> buffers;
+  engine_rows_with_lse<Scalar>(q, k, v, tau, bias, buffers, 0, n, out, lse);
+}
+
+/// The fused estimator with lse, query tiles in parallel (OpenMP) as lsh_attention_fused.
+template <typename Scalar>
+void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    MatrixRef<Scalar> out, Scalar* lse) {
+  const Index n = q.rows();
+  if (v.cols() == 0) {
+    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
+    RowMatrix<Scalar> sink(n, 1);
+    fused_with_lse<Scalar>(q, k, zero, hashes, tau, causal, sink, lse);
+    return;
+  }
+  const long tiles = static_cast<long>((n + fused_query_tile - 1) / fused_query_tile);
+#pragma omp parallel
+  {
+    FusedWorkspace<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < tiles; ++t) {
+      const Index i0 = static_cast<Index>(t) * fused_query_tile;
+      const Index rows = std::min(fused_query_tile, n - i0);
+      CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
+      engine_rows_with_lse<Scalar>(q, k, v, static_cast<double>(tau), bias, work.buffers, i0,
+                                   i0 + rows, out.middleRows(i0, rows), lse + i0);
+    }
+  }
+}
+
+/// Zeroes the gradients, computes D and runs both passes of `rule` in parallel.
+template <typename Scalar, typename Rule>
+void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                       const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                       Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                       MatrixRef<Scalar>& dv) {
+  dq.setZero();
+  dk.setZero();
+  dv.setZero();
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
+  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  BackwardOutputs<Scalar> grads{dq, dk, dv};
+  backward_parallel(in, rule, grads);
+}
+
+/// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).
+template <typename Scalar>
+void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
+                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+  const Index n = q.rows();
+  // The tile engine's window is lo <= i - j <= hi; the rule's the same.
+  const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv);
+}
+
+/// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
+/// is the fused evaluation, each pair once).
+template <typename Scalar>
+void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+  const Index n = q.rows();
+  CountWindows windows;
+  windows.build(hashes, n, causal);
+  const CountRule<Scalar> rule(windows, n, causal);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv);
+}
+
+/// The count-weighted estimator's backward sample by sample, block by block (the per-sample
+/// kernel's structure): sum over samples of plain-attention gradients with the combined lse.
+template <typename Scalar>
+void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                         const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
+                         bool causal, const ConstMatrixRef<Scalar>& out,
+                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+  dq.setZero();
+  dk.setZero();
+  dv.setZero();
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
+  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  BackwardOutputs<Scalar> grads{dq, dk, dv};
+  for (const BinHash& hash : hashes) backward_hash_blocks(in, hash, causal, grads);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Forward with log-sum-exp.
+
+/// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
+///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
+/// (causal: j <= i), from the same tiles and online softmax (the running maximum M_i and sum);
+/// out is bitwise that of the overload without lse. Single-threaded. Throws
+/// std::invalid_argument naming a bad argument (lse: size n).
+template <typename Scalar>
+void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                           ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                           VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_tiled";
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  detail::require_lse_size(function, lse, q.rows());
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau, window, out, lse.data());
+}
+
+/// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
+/// M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i); out
+/// bitwise that of the overload without lse. Single-threaded.
+template <typename Scalar>
+void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, Index band,
+                            MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                            const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded";
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  detail::require_size(band, function, "band");
+  detail::require_lse_size(function, lse, q.rows());
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau,
+                                 detail::banded_window(n, band, options.masking), out, lse.data());
+}
+
+/// lsh_attention_fused with lse: lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i},
+/// c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same tiles; out bitwise that of
+/// the overload without lse. Query tiles in parallel (OpenMP), bitwise the same for any thread
+/// count.
+template <typename Scalar>
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+                         VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused";
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::require_lse_size(function, lse, q.rows());
+  const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  detail::fused_with_lse<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                 lse.data());
+}
+
+/// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
+/// e^{tau q_i.k_j - M_i} from the streaming softmax shared by the samples (equal to the fused
+/// kernel's lse to rounding); out bitwise that of the overload without lse.
+template <typename Scalar>
+void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                              MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                              const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample";
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::require_lse_size(function, lse, q.rows());
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  if (q.rows() == 0) return;
+  detail::per_sample_forward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                     lse.data());
+}
+
+/// fixed_blocks_attention with lse: lsh_attention_per_sample with lse for the single hash
+/// fixed_blocks_hash(sigma), so lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+template <typename Scalar>
+void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                            VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+/// Gradients of exact ALiBi attention (alibi_attention_tiled): with
+/// P_ij = e^{x_ij - lse_i}, x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i), dO = dout,
+/// D_i = dO_i . out_i:
+///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
+/// `out` and `lse` come from the forward with lse. Tiles of 64 x 64, P recomputed from lse
+/// (nothing n x n stored; extra memory O(n)). Two parallel passes (OpenMP): key tiles, each on
+/// one thread summing over its query tiles in increasing order, write dk and dv; query tiles,
+/// each on one thread summing over its key tiles in increasing order, write dq. Bitwise the
+/// same for any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                    ConstMatrixRef<Scalar> v, double sigma,
+                                    ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                    ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                    MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                    const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_tiled_backward";
+  detail::require_qkv_shapes(function, q, k, v);
+  detail::require_self_attention(function, q, k);
+  detail::require_sigma(sigma, function);
+  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_backward<Scalar>(q, k, v, sigma, tau, window, out, lse, dout, dq, dk, dv);
+}
+
+/// Gradients of banded exact ALiBi attention (alibi_attention_banded): the formulas of
+/// alibi_attention_tiled_backward with P_ij = 0 for |i - j| > band; only the tiles meeting the
+/// band are visited (cost O(n (band + tile) d)). Same passes and ordering, bitwise the same for
+/// any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded_backward";
+  detail::require_qkv_shapes(function, q, k, v);
+  detail::require_self_attention(function, q, k);
+  detail::require_sigma(sigma, function);
+  detail::require_size(band, function, "band");
+  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  detail::exact_backward<Scalar>(q, k, v, sigma, tau,
+                                 detail::banded_window(n, band, options.masking), out, lse, dout,
+                                 dq, dk, dv);
+}
+
+/// Gradients of the count-weighted LSH estimator (lsh_attention_fused): with
+/// P_ij = c_ij e^{tau q_i.k_j - lse_i}, c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
+/// D_i = dO_i . out_i:
+///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
+/// Each pair with c_ij > 0 is evaluated once per pass, on the forward's windows [lo_i, hi_i)
+/// and count tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles:
+/// O(n s) memory). Two parallel passes (OpenMP): key tiles, each on one thread summing over the
+/// query tiles reaching it in increasing order, write dk and dv; query tiles, each on one thread
+/// summing over the key tiles they reach in increasing order, write dq. Bitwise the same for any
+/// thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                  ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                  ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                  MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                  const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused_backward";
+  detail::require_qkv_shapes(function, q, k, v);
+  detail::require_self_attention(function, q, k);
+  validate_hashes(hashes, function);
+  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  if (q.rows() == 0) return;
+  detail::count_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out, lse,
+                                 dout, dq, dk, dv);
+}
+
+/// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
+/// the per-sample way: for each hash in order, plain-attention gradients on each of its blocks B
+/// (causal inside B) with the combined lse and D, summed over the samples:
+///   P^(k)_ij = e^{tau q_i.k_j - lse_i} [bin_k(i) = bin_k(j)],  sum_k P^(k) = P,
+/// so the result equals lsh_attention_fused_backward to rounding. Cost sum_k sum_B |B|^2 d.
+/// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order: bitwise
+/// the same for any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                       ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                       ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                       MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                       const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample_backward";
+  detail::require_qkv_shapes(function, q, k, v);
+  detail::require_self_attention(function, q, k);
+  validate_hashes(hashes, function);
+  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  if (q.rows() == 0) return;
+  detail::per_sample_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                      lse, dout, dq, dk, dv);
+}
+
+/// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
+/// fixed_blocks_hash(sigma), i.e. plain-attention gradients inside consecutive blocks of
+/// 2 sigma tokens.
+template <typename Scalar>
+void fixed_blocks_attention_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma,
+                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
+  lsh_attention_per_sample_backward<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
+                                            dout, dq, dk, dv, options);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-head.
+
+namespace detail {
+
+/// The views and the lse matrix of a multi-head call (forward: out writable; backward: out read
+/// and the gradient views written).
+template <typename Scalar>
+void require_multihead_views(const char* function, const HeadsView<const Scalar>& q,
+                             const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                             const std::vector<double>& sigmas, const MultiHeadOptions& options) {
+  q.validate(function, "q");
+  k.validate(function, "k");
+  v.validate(function, "v");
+  require(k.tokens == q.tokens, function, "k.tokens", k.tokens,
+          "must equal q.tokens = " + std::to_string(q.tokens));
+  require(v.tokens == q.tokens, function, "v.tokens", v.tokens,
+          "must equal q.tokens = " + std::to_string(q.tokens));
+  require(k.dim == q.dim, function, "k.dim", k.dim, "must equal q.dim = " + std::to_string(q.dim));
+  require(q.tokens == 0 || q.dim > 0, function, "q.dim", q.dim,
+          "head dimension d must be >= 1 when n > 0");
+  require(v.heads == k.heads, function, "v.heads", v.heads,
+          "must equal k.heads = " + std::to_string(k.heads));
+  require(q.heads % k.heads == 0, function, "k.heads", k.heads,
+          "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
+  require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas", sigmas.size(),
+          "must hold one sigma per query head");
+  for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
+  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
+    require_positive(options.samples, function, "options.samples");
+  }
+  if (options.method == Method::exact_banded) {
+    require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
+            options.band_error, "must be in (0, 1)");
+  }
+}
+
+/// A view `name` with the given tokens, heads and dim.
+template <typename Element>
+void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
+                        Index tokens, Index heads, Index dim) {
+  view.validate(function, name);
+  require(view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
+          std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
+              std::to_string(view.dim),
+          "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
+              std::to_string(dim) + " (tokens x heads x dim)");
+}
+
+/// The lse matrix of a multi-head call: one row per query head, one column per token.
+template <typename MatrixType>
+void require_multihead_lse(const char* function, const MatrixType& lse, Index heads, Index n) {
+  require(lse.rows() == heads && lse.cols() == n, function, "lse",
+          std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
+          "shape must be q.heads x q.tokens = " + std::to_string(heads) + "x" + std::to_string(n));
+}
+
+}  // namespace detail
+
+/// multihead_attention with the log-sum-exp of every query head: lse (H_q x n, row h = head h,
+/// FlashAttention's softmax_lse layout of one sequence) as in the single-head kernels with lse;
+/// out bitwise that of multihead_attention. The exact methods (exact_reference is computed by
+/// the tiled kernel, with its rounding) run heads in parallel; the LSH methods run heads in
+/// order, each parallel inside (OpenMP). Bitwise the same for any thread count. Throws
+/// std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                         HeadsView<const Scalar> v, HeadsView<Scalar> out, MatrixRef<Scalar> lse,
+                         const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention";
+  detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
+  const std::vector<double> sigmas =
+      options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;
+  detail::require_multihead_views(function, q, k, v, sigmas, options);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require_multihead_lse(function, lse, q.heads, q.tokens);
+  const Index n = q.tokens;
+  if (n == 0) return;
+  const Index group = q.heads / k.heads;
+  const AttentionOptions head_options{options.masking, options.scale};
+  detail::resolve_scale(function, head_options, q.dim);
+  const auto head_lse = [&](Index h) { return VectorRef<Scalar>(lse.row(h).transpose()); };
+  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample ||
+      options.method == Method::fixed_blocks) {
+    const std::vector<HashSet> hashes =
+        options.method == Method::fixed_blocks
+            ? std::vector<HashSet>{}
+            : multihead_hashes(sigmas, options.samples, options.seed);
+    for (Index h = 0; h < q.heads; ++h) {
+      const auto index = static_cast<std::size_t>(h);
+      if (options.method == Method::lsh_fused)
+        lsh_attention_fused<Scalar>(q.head(h), k.head(h / group), v.head(h / group), hashes[index],
+                                    out.head(h), head_lse(h), head_options);
+      else if (options.method == Method::lsh_per_sample)
+        lsh_attention_per_sample<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
+                                         hashes[index], out.head(h), head_lse(h), head_options);
+      else
+        fixed_blocks_attention<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
+                                       sigmas[index], out.head(h), head_lse(h), head_options);
+    }
+    return;
+  }
+  const auto heads = static_cast<long>(q.heads);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (long head = 0; head < heads; ++head) {
+    const auto h = static_cast<Index>(head);
+    const double sigma = sigmas[static_cast<std::size_t>(head)];
+    if (options.method == Method::exact_banded)
+      alibi_attention_banded<Scalar>(q.head(h), k.head(h / group), v.head(h / group), sigma,
+                                     band_for_bias_error(sigma, options.band_error), out.head(h),
+                                     head_lse(h), head_options);
+    else
+      alibi_attention_tiled<Scalar>(q.head(h), k.head(h / group), v.head(h / group), sigma,
+                                    out.head(h), head_lse(h), head_options);
+  }
+}
+
+/// Gradients of multihead_attention for dO = dout, from its out and lse (H_q x n, the forward
+/// with lse): for each query head h (K/V head g = h / G, G = H_q / H_kv), the single-head
+/// backward of the method (exact_tiled and exact_reference: alibi_attention_tiled_backward;
+/// exact_banded: alibi_attention_banded_backward with band_for_bias_error(sigma_h, band_error);
+/// lsh_fused: lsh_attention_fused_backward; lsh_per_sample: lsh_attention_per_sample_backward;
+/// fixed_blocks: fixed_blocks_attention_backward) gives dq_h, and
+///   dk_g = sum_{h : h / G = g} dK_h,  dv_g = sum_{h : h / G = g} dV_h,
+/// summed in increasing h. Heads run in order, each parallel inside (OpenMP) with the
+/// single-head kernels' fixed orders: bitwise the same for any thread count. Extra memory
+/// O(n d) for grouped-query attention (one head's dK, dV). Throws std::invalid_argument naming
+/// a bad argument.
+template <typename Scalar>
+void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                  HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                  ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                  HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
+                                  const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_backward";
+  detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
+  const std::vector<double> sigmas =
+      options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;
+  detail::require_multihead_views(function, q, k, v, sigmas, options);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require_multihead_lse(function, lse, q.heads, q.tokens);
+  detail::require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
+  detail::require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
+  detail::require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
+  detail::require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
+  const Index n = q.tokens;
+  if (n == 0) return;
+  const Index group = q.heads / k.heads;
+  const AttentionOptions head_options{options.masking, options.scale};
+  detail::resolve_scale(function, head_options, q.dim);
+  const std::vector<HashSet> hashes =
+      options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
+          ? multihead_hashes(sigmas, options.samples, options.seed)
+          : std::vector<HashSet>{};
+  RowMatrix<Scalar> dk_head, dv_head;
+  if (group > 1) {
+    dk_head.resize(n, q.dim);
+    dv_head.resize(n, v.dim);
+  }
+  for (Index h = 0; h < q.heads; ++h) {
+    const auto index = static_cast<std::size_t>(h);
+    const Index g = h / group;
+    const bool first = h % group == 0;
+    MatrixRef<Scalar> dk_target =
+        first ? MatrixRef<Scalar>(dk.head(g)) : MatrixRef<Scalar>(dk_head);
+    MatrixRef<Scalar> dv_target =
+        first ? MatrixRef<Scalar>(dv.head(g)) : MatrixRef<Scalar>(dv_head);
+    const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
+    const auto q_h = q.head(h);
+    const auto k_h = k.head(g);
+    const auto v_h = v.head(g);
+    const auto out_h = out.head(h);
+    const auto dout_h = dout.head(h);
+    switch (options.method) {
+      case Method::lsh_fused:
+        lsh_attention_fused_backward<Scalar>(q_h, k_h, v_h, hashes[index], out_h, lse_h, dout_h,
+                                             dq.head(h), dk_target, dv_target, head_options);
+        break;
+      case Method::lsh_per_sample:
+        lsh_attention_per_sample_backward<Scalar>(q_h, k_h, v_h, hashes[index], out_h, lse_h,
+                                                  dout_h, dq.head(h), dk_target, dv_target,
+                                                  head_options);
+        break;
+      case Method::fixed_blocks:
+        fixed_blocks_attention_backward<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, lse_h, dout_h,
+                                                dq.head(h), dk_target, dv_target, head_options);
+        break;
+      case Method::exact_banded:
+        alibi_attention_banded_backward<Scalar>(
+            q_h, k_h, v_h, sigmas[index], band_for_bias_error(sigmas[index], options.band_error),
+            out_h, lse_h, dout_h, dq.head(h), dk_target, dv_target, head_options);
+        break;
+      case Method::exact_tiled:
+      case Method::exact_reference:
+        alibi_attention_tiled_backward<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, lse_h, dout_h,
+                                               dq.head(h), dk_target, dv_target, head_options);
+        break;
+    }
+    if (!first) {
+      auto dk_g = dk.head(g);
+      auto dv_g = dv.head(g);
+      dk_g += dk_head;
+      dv_g += dv_head;
+    }
+  }
+}
+
+}  // namespace poslsh

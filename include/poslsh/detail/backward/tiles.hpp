@@ -1,0 +1,305 @@
+// poslsh internals: attention gradients tile by tile, FlashAttention-2 style, for any rule
+// that gives each query row i one interval of keys (its window) and probabilities
+//   P_ij = w_ij e^{x_ij - lse_i}   (0 outside the window),
+// recomputed from the forward's log-sum-exp lse_i. With D_i = sum_c dO_ic O_ic:
+//   dV = P^T dO,   dS_ij = P_ij (dO_i . v_j - D_i),   dQ = tau dS K,   dK = tau dS^T Q.
+// A pair of tiles (query rows [r0, r1), keys [k0, k1)) costs four small GEMMs on Eigen maps of
+// the strided inputs: S = Q K^T and dP = dO V^T, then either dV += P^T dO, dK += tau dS^T Q
+// (key pass) or dQ += tau dS K (query pass). The key pass owns a key tile and sums over its
+// query tiles in increasing order; the query pass owns a query tile and sums over its key tiles
+// in increasing order: every gradient row is written by one thread in a fixed order, so the
+// result is bitwise the same for any thread count, with no atomics and no n x n buffer.
+//
+// A rule (window policy) provides
+//   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
+//   KeyRange keys_reached(Index i0, Index i1)   the union of the windows of rows [i0, i1);
+//   void probabilities(Index i0, Index j0, TileMap s, Scalar tau, const Scalar* lse,
+//                      BackwardWork& work)      s = q_i.k_j (unscaled) in, P_ij out;
+// windows are intervals whose two ends are non-decreasing in i.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/types.hpp"
+#include "poslsh/types.hpp"
+
+namespace poslsh::detail {
+
+/// Query rows and keys per tile of the backward passes (aligned from the first row of the
+/// rule's domain).
+inline constexpr Index backward_tile = 64;
+
+template <typename Scalar>
+using BackwardTileMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>>;
+
+/// Per-thread scratch of the backward passes: P and dS tiles, a count tile.
+template <typename Scalar>
+struct BackwardWork {
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> probabilities, gradients, counts;
+  BackwardWork()
+      : probabilities(backward_tile * backward_tile),
+        gradients(backward_tile * backward_tile),
+        counts(backward_tile * (backward_tile + 1)) {}
+};
+
+/// The inputs of the backward passes: row i of every per-row array is entry i.
+template <typename Scalar>
+struct BackwardInputs {
+  const ConstMatrixRef<Scalar>& q;
+  const ConstMatrixRef<Scalar>& k;
+  const ConstMatrixRef<Scalar>& v;
+  const ConstMatrixRef<Scalar>& dout;
+  const Scalar* lse;
+  const Scalar* delta;  ///< D_i = dO_i . O_i
+  Scalar tau;
+};
+
+/// The gradient outputs (accumulated into: the caller zeroes them).
+template <typename Scalar>
+struct BackwardOutputs {
+  MatrixRef<Scalar>& dq;
+  MatrixRef<Scalar>& dk;
+  MatrixRef<Scalar>& dv;
+};
+
+/// Keys j of row i with lo <= i - j <= hi inside the domain [begin, end) (rows and keys), and
+/// x_ij = tau q_i.k_j - slope |i - j|, w = 1: exact ALiBi (causal lo = 0, banded |i-j| <= W) and
+/// plain attention on one block (slope 0).
+template <typename Scalar>
+class WindowRule {
+ public:
+  WindowRule(Index begin, Index end, Index lo, Index hi, Scalar slope)
+      : begin_(begin), end_(end), lo_(lo), hi_(hi), slope_(slope) {
+    for (Index a = 0; a < backward_tile; ++a) offsets_(a) = static_cast<Scalar>(a);
+  }
+  Index begin() const { return begin_; }
+  Index end() const { return end_; }
+
+  KeyRange rows_reaching(Index j0, Index j1) const {
+    return {std::max(begin_, j0 + lo_), std::min(end_, j1 + hi_)};
+  }
+  KeyRange keys_reached(Index i0, Index i1) const {
+    return {std::max(begin_, i0 - hi_), std::min(end_, i1 - lo_)};
+  }
+
+  void probabilities(Index i0, Index j0, BackwardTileMap<Scalar> s, Scalar tau, const Scalar* lse,
+                     BackwardWork<Scalar>&) const {
+    const Index rows = s.rows();
+    const auto row_lse = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(lse + i0, rows);
+    for (Index c = 0; c < s.cols(); ++c) {
+      const Index j = j0 + c;
+      // Rows r with lo <= i0 + r - j <= hi.
+      const Index first = std::clamp<Index>(j + lo_ - i0, 0, rows);
+      const Index last = std::clamp<Index>(j + hi_ - i0 + 1, first, rows);
+      auto column = s.col(c).array();
+      column.head(first).setZero();
+      const Index count = last - first;
+      if (slope_ == Scalar(0)) {
+        column.segment(first, count) =
+            (tau * column.segment(first, count) - row_lse.segment(first, count)).exp();
+      } else {
+        column.segment(first, count) =
+            (tau * column.segment(first, count) -
+             slope_ * (offsets_.segment(first, count) + static_cast<Scalar>(i0 - j)).abs() -
+             row_lse.segment(first, count))
+                .exp();
+      }
+      column.tail(rows - last).setZero();
+    }
+  }
+
+ private:
+  Index begin_, end_, lo_, hi_;
+  Scalar slope_;
+  Eigen::Array<Scalar, backward_tile, 1> offsets_;
+};
+
+/// The count structure of every query tile of n rows (tiles of backward_tile from row 0) and
+/// each row's window [lo_i, hi_i) of keys with c_ij > 0: what the fused forward builds tile by
+/// tile, kept for both backward passes (O(n s) memory).
+struct CountWindows {
+  std::vector<TileCounts> tiles;
+  std::vector<Index> lo, hi;
+
+  void build(const HashSet& hashes, Index n, bool causal) {
+    static_assert(backward_tile == tile_query_rows, "the count tiles are the forward's");
+    const Index count = (n + backward_tile - 1) / backward_tile;
+    tiles.assign(static_cast<std::size_t>(count), TileCounts{});
+    lo.resize(static_cast<std::size_t>(n));
+    hi.resize(static_cast<std::size_t>(n));
+    const auto tile_count = static_cast<long>(count);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (long t = 0; t < tile_count; ++t) {
+      const Index i0 = static_cast<Index>(t) * backward_tile;
+      const Index rows = std::min(backward_tile, n - i0);
+      TileCounts& counts = tiles[static_cast<std::size_t>(t)];
+      counts.build(hashes, i0, rows, n, causal);
+      std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
+      std::copy(counts.hi.begin(), counts.hi.end(), hi.begin() + i0);
+    }
+  }
+};
+
+/// Windows [lo_i, hi_i) and weights c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), scores
+/// x_ij = tau q_i.k_j: the fused LSH estimator, with the forward's windows and counts.
+template <typename Scalar>
+class CountRule {
+ public:
+  CountRule(const CountWindows& windows, Index n, bool causal)
+      : windows_(windows), n_(n), causal_(causal) {}
+  Index begin() const { return 0; }
+  Index end() const { return n_; }
+
+  KeyRange rows_reaching(Index j0, Index j1) const {
+    const auto& lo = windows_.lo;
+    const auto& hi = windows_.hi;
+    return {static_cast<Index>(std::upper_bound(hi.begin(), hi.end(), j0) - hi.begin()),
+            static_cast<Index>(std::lower_bound(lo.begin(), lo.end(), j1) - lo.begin())};
+  }
+  KeyRange keys_reached(Index i0, Index i1) const {
+    return {windows_.lo[static_cast<std::size_t>(i0)],
+            windows_.hi[static_cast<std::size_t>(i1 - 1)]};
+  }
+
+  void probabilities(Index i0, Index j0, BackwardTileMap<Scalar> s, Scalar tau, const Scalar* lse,
+                     BackwardWork<Scalar>& work) const {
+    const Index rows = s.rows(), keys = s.cols();
+    const Index tile = i0 / backward_tile;
+    const Index r0 = i0 - tile * backward_tile;
+    const TileCounts& counts = windows_.tiles[static_cast<std::size_t>(tile)];
+    // Difference array over keys (column keys holds the -1 past the last key), then running
+    // sums: c for rows [i0, i0 + rows) and keys [j0, j0 + keys). Small integers: exact.
+    BackwardTileMap<Scalar> c(work.counts.data(), rows, keys + 1);
+    c.setZero();
+    for (const CountRectangle& rect : counts.rectangles) {
+      const Index first = std::max(rect.row_begin, r0) - r0;
+      const Index last = std::min(rect.row_end, r0 + rows) - r0;
+      if (first >= last || rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
+      c.col(std::max(rect.key_begin, j0) - j0).segment(first, last - first).array() += Scalar(1);
+      if (rect.key_end < j0 + keys)
+        c.col(rect.key_end - j0).segment(first, last - first).array() -= Scalar(1);
+    }
+    const auto row_lse = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(lse + i0, rows);
+    for (Index b = 0; b < keys; ++b) {
+      if (b > 0) c.col(b) += c.col(b - 1);
+      auto column = s.col(b).array();
+      const auto weight = c.col(b).array();
+      column = (weight > Scalar(0)).select(weight * (tau * column - row_lse).exp(), Scalar(0));
+      // Causal: key j0 + b is hidden from rows i0 + r < j0 + b.
+      if (causal_) column.head(std::clamp<Index>(j0 + b - i0, 0, rows)).setZero();
+    }
+  }
+
+ private:
+  const CountWindows& windows_;
+  Index n_;
+  bool causal_;
+};
+
+/// The gradients of one pair of tiles: rows [r0, r0 + rows), keys [k0, k0 + keys). Leaves P in
+/// work.probabilities and tau dS in work.gradients (rows x keys, column-major).
+template <typename Scalar, typename Rule>
+void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index r0, Index rows,
+                   Index k0, Index keys, BackwardWork<Scalar>& work) {
+  BackwardTileMap<Scalar> p(work.probabilities.data(), rows, keys);
+  BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
+  p.noalias() = in.q.middleRows(r0, rows) * in.k.middleRows(k0, keys).transpose();
+  rule.probabilities(r0, k0, p, in.tau, in.lse, work);
+  ds.noalias() = in.dout.middleRows(r0, rows) * in.v.middleRows(k0, keys).transpose();
+  const auto delta = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(in.delta + r0, rows);
+  for (Index b = 0; b < keys; ++b)
+    ds.col(b).array() = in.tau * p.col(b).array() * (ds.col(b).array() - delta);
+}
+
+/// dK and dV of keys [j0, j1) (one key tile): sums over the query tiles reaching them, in
+/// increasing order.
+template <typename Scalar, typename Rule>
+void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index j1,
+                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+  const KeyRange reaching = rule.rows_reaching(j0, j1);
+  if (reaching.first >= reaching.last) return;
+  const Index base = rule.begin();
+  for (Index i0 = base + (reaching.first - base) / backward_tile * backward_tile;
+       i0 < reaching.last; i0 += backward_tile) {
+    const Index r0 = std::max(i0, reaching.first);
+    const Index r1 = std::min(i0 + backward_tile, reaching.last);
+    const KeyRange reached = rule.keys_reached(r0, r1);
+    const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
+    if (k0 >= k1) continue;
+    backward_pair(in, rule, r0, r1 - r0, k0, k1 - k0, work);
+    const Index rows = r1 - r0, keys = k1 - k0;
+    BackwardTileMap<Scalar> p(work.probabilities.data(), rows, keys);
+    BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
+    out.dv.middleRows(k0, keys).noalias() += p.transpose() * in.dout.middleRows(r0, rows);
+    out.dk.middleRows(k0, keys).noalias() += ds.transpose() * in.q.middleRows(r0, rows);
+  }
+}
+
+/// dQ of rows [i0, i1) (one query tile): sums over the key tiles they reach, in increasing
+/// order.
+template <typename Scalar, typename Rule>
+void backward_query_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index i0, Index i1,
+                         BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+  const KeyRange reached = rule.keys_reached(i0, i1);
+  if (reached.first >= reached.last) return;
+  const Index base = rule.begin();
+  for (Index j0 = base + (reached.first - base) / backward_tile * backward_tile; j0 < reached.last;
+       j0 += backward_tile) {
+    const Index k0 = std::max(j0, reached.first);
+    const Index k1 = std::min(j0 + backward_tile, reached.last);
+    const KeyRange reaching = rule.rows_reaching(k0, k1);
+    const Index r0 = std::max(i0, reaching.first), r1 = std::min(i1, reaching.last);
+    if (r0 >= r1) continue;
+    backward_pair(in, rule, r0, r1 - r0, k0, k1 - k0, work);
+    BackwardTileMap<Scalar> ds(work.gradients.data(), r1 - r0, k1 - k0);
+    out.dq.middleRows(r0, r1 - r0).noalias() += ds * in.k.middleRows(k0, k1 - k0);
+  }
+}
+
+/// Both passes over the rule's domain, each tile of one pass on one thread (OpenMP; call it
+/// outside a parallel region). Outputs are accumulated into.
+template <typename Scalar, typename Rule>
+void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
+                       BackwardOutputs<Scalar>& out) {
+  const Index begin = rule.begin(), end = rule.end();
+  const auto tiles = static_cast<long>((end - begin + backward_tile - 1) / backward_tile);
+#pragma omp parallel
+  {
+    BackwardWork<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < tiles; ++t) {
+      const Index j0 = begin + static_cast<Index>(t) * backward_tile;
+      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < tiles; ++t) {
+      const Index i0 = begin + static_cast<Index>(t) * backward_tile;
+      backward_query_tile(in, rule, i0, std::min(end, i0 + backward_tile), out, work);
+    }
+  }
+}
+
+/// Both passes over the rule's domain on the calling thread (a block of a per-sample hash).
+template <typename Scalar, typename Rule>
+void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
+                     BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+  for (Index j0 = rule.begin(); j0 < rule.end(); j0 += backward_tile)
+    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work);
+  for (Index i0 = rule.begin(); i0 < rule.end(); i0 += backward_tile)
+    backward_query_tile(in, rule, i0, std::min(rule.end(), i0 + backward_tile), out, work);
+}
+
+/// D_i = dO_i . O_i for every row.
+template <typename Scalar>
+Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Scalar>& out,
+                                                        const ConstMatrixRef<Scalar>& dout) {
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(out.rows());
+  for (Index i = 0; i < out.rows(); ++i) delta(i) = dout.row(i).dot(out.row(i));
+  return delta;
+}
+
+}  // namespace poslsh::detail
