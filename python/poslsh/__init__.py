@@ -34,6 +34,7 @@ from ._core import (  # noqa: F401
     block_plans,
     fixed_blocks_attention,
     fixed_blocks_hash,
+    has_backward,
     has_openmp,
     kernel_error_metrics,
     lsh_attention_decode,
@@ -48,3 +49,11 @@ from ._core import (  # noqa: F401
     rbf_hashes,
     spectral_error,
 )
+
+if has_backward:
+    from ._core import (  # noqa: F401
+        alibi_attention_tiled_backward,
+        alibi_attention_tiled_with_lse,
+        lsh_attention_fused_backward,
+        lsh_attention_fused_with_lse,
+    )

@@ -100,6 +100,7 @@ Index row_stride_of(const py::array& array, const char* function, const char* na
   const auto item = static_cast<py::ssize_t>(sizeof(T));
   const std::string strides =
       "(" + std::to_string(array.strides(0)) + ", " + std::to_string(array.strides(1)) + ")";
+  if (rows == 0 || cols == 0) return cols;  // nothing is addressed
   if (cols > 1 && array.strides(1) != item) {
     throw py::value_error(argument(function, name) + " has strides " + strides +
                           " bytes: its last axis must be contiguous (stride " +

@@ -16,6 +16,7 @@ ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
   bind_multihead(module);
   bind_interop(module);
   bind_analysis(module);
+  bind_backward(module);
   module.attr("__version__") = poslsh::version_string;
 #ifdef _OPENMP
   module.attr("has_openmp") = true;

@@ -43,7 +43,7 @@ poslsh::Masking masking_of_name(const std::string& name) {
 /// has more than one entry; `fallback` otherwise (the stride is then never used).
 template <typename T>
 Index axis_stride(const py::array& array, int axis, Index fallback, const char* name) {
-  if (array.shape(axis) <= 1) return fallback;
+  if (array.shape(axis) <= 1 || array.size() == 0) return fallback;
   const py::ssize_t stride = array.strides(axis);
   const auto item = static_cast<py::ssize_t>(sizeof(T));
   if (stride <= 0 || stride % item != 0) {
@@ -64,7 +64,8 @@ poslsh::HeadsView<Element> heads_view(const py::array& array, const Layout& layo
     throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
                           " dimensions: must be 3-D ([n, H, d] or [H, n, d], see layout)");
   }
-  if (array.shape(2) > 1 && array.strides(2) != static_cast<py::ssize_t>(sizeof(T))) {
+  if (array.size() > 0 && array.shape(2) > 1 &&
+      array.strides(2) != static_cast<py::ssize_t>(sizeof(T))) {
     throw py::value_error(
         argument(function, name) + " has stride " + std::to_string(array.strides(2)) +
         " bytes on its last axis: must be contiguous (" + std::to_string(sizeof(T)) + " bytes)");

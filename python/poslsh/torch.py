@@ -1,0 +1,131 @@
+"""PyTorch autograd Functions for exact ALiBi attention and LSH attention on CPU tensors.
+
+The tensors are handed to the C++ kernels through ``Tensor.numpy()``, which shares memory: no
+copy in either direction. Inputs are CPU float32 or float64 tensors of shape ``[n, d]`` (one
+head) whose last dimension has stride 1; any row stride (e.g. ``x[:, h, :]`` of an
+``[n, H, d]`` tensor). The output is a new contiguous tensor.
+
+    out = poslsh.torch.alibi_attention(q, k, v, sigma, causal=True, scale=None)
+        softmax(tau Q K^T - |i-j| / sigma) V
+    out = poslsh.torch.lsh_attention(q, k, v, hashes, causal=True, scale=None)
+        D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block masks of ``hashes``
+
+Gradients (dQ, dK, dV; not sigma, scale or the hashes) come from the library's backward
+passes, which recompute the probabilities from the forward's log-sum-exp tile by tile (no
+n x n buffer). When the compiled module was built without them (``poslsh.has_backward`` is
+False), ``backward`` raises NotImplementedError.
+
+This module is imported only on request (``import poslsh.torch``) and needs PyTorch.
+"""
+
+import torch
+
+from . import _core
+
+__all__ = ["AlibiAttention", "LshAttention", "alibi_attention", "lsh_attention"]
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def _array(tensor, name):
+    """The numpy view of a CPU tensor (shares memory; never a copy)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"poslsh.torch: argument '{name}' is on {tensor.device}: only CPU tensors are supported")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.float32 or torch.float64")
+    return tensor.detach().numpy()
+
+
+def _gradient(tensor):
+    """The incoming gradient as the kernels need it: a last dimension of stride 1 and positive
+    row strides. Autograd may pass an expanded tensor (stride 0, e.g. after ``sum()``); only
+    then is it copied."""
+    rows_ok = tensor.dim() != 2 or tensor.shape[0] <= 1 or tensor.stride(0) > 0
+    last_ok = tensor.shape[-1] <= 1 or tensor.stride(-1) == 1
+    return tensor if rows_ok and last_ok else tensor.contiguous()
+
+
+def _no_backward():
+    raise NotImplementedError(
+        "poslsh.torch: this build of poslsh has no backward kernels (poslsh.has_backward is "
+        "False): the forward works, gradients are not available"
+    )
+
+
+class AlibiAttention(torch.autograd.Function):
+    """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V on [n, d] CPU tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sigma, causal=True, scale=None):
+        n, d_v = q.shape[0], v.shape[1]
+        out = torch.empty((n, d_v), dtype=q.dtype)
+        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
+        if _core.has_backward:
+            lse = torch.empty((n,), dtype=q.dtype)
+            _core.alibi_attention_tiled_with_lse(
+                *arrays, sigma, causal=causal, scale=scale, out=out.numpy(), lse=lse.numpy()
+            )
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            _core.alibi_attention_tiled(*arrays, sigma, causal=causal, scale=scale, out=out.numpy())
+        ctx.sigma, ctx.causal, ctx.scale = sigma, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if not _core.has_backward:
+            _no_backward()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        _core.alibi_attention_tiled_backward(
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.sigma, out.numpy(), lse.numpy(),
+            _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
+            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+        )
+        return dq, dk, dv, None, None, None
+
+
+class LshAttention(torch.autograd.Function):
+    """LSH ALiBi attention D~^-1 (A o M~) V (the fused kernel) on [n, d] CPU tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, hashes, causal=True, scale=None):
+        n, d_v = q.shape[0], v.shape[1]
+        out = torch.empty((n, d_v), dtype=q.dtype)
+        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
+        if _core.has_backward:
+            lse = torch.empty((n,), dtype=q.dtype)
+            _core.lsh_attention_fused_with_lse(
+                *arrays, hashes, causal=causal, scale=scale, out=out.numpy(), lse=lse.numpy()
+            )
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            _core.lsh_attention_fused(*arrays, hashes, causal=causal, scale=scale, out=out.numpy())
+        ctx.hashes, ctx.causal, ctx.scale = hashes, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if not _core.has_backward:
+            _no_backward()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        _core.lsh_attention_fused_backward(
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.hashes, out.numpy(), lse.numpy(),
+            _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
+            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+        )
+        return dq, dk, dv, None, None, None
+
+
+def alibi_attention(q, k, v, sigma, *, causal=True, scale=None):
+    """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v)."""
+    return AlibiAttention.apply(q, k, v, sigma, causal, scale)
+
+
+def lsh_attention(q, k, v, hashes, *, causal=True, scale=None):
+    """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
+    in q, k, v)."""
+    return LshAttention.apply(q, k, v, hashes, causal, scale)

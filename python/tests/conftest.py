@@ -1,0 +1,23 @@
+"""Shared fixtures of the poslsh binding tests."""
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261130)
+
+
+def random_qkv(rng, n, d, dtype, d_v=None):
+    """q, k, v with entries in [-1, 1)."""
+    d_v = d if d_v is None else d_v
+    q = rng.uniform(-1.0, 1.0, (n, d)).astype(dtype)
+    k = rng.uniform(-1.0, 1.0, (n, d)).astype(dtype)
+    v = rng.uniform(-1.0, 1.0, (n, d_v)).astype(dtype)
+    return q, k, v
+
+
+def tolerance(dtype):
+    """Absolute tolerance of a kernel output against the float64 dense formula."""
+    return 2e-5 if np.dtype(dtype) == np.float32 else 1e-11
