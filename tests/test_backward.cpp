@@ -63,9 +63,12 @@ struct Gradients {
 
 template <typename Scalar>
 void forward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-             const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, Vector<Scalar>& lse) {
-  out.resize(q.rows(), v.cols());
-  lse.resize(q.rows());
+             const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, Vector<Scalar>& lse,
+             bool resize = true) {
+  if (resize) {
+    out.resize(q.rows(), v.cols());
+    lse.resize(q.rows());
+  }
   switch (s.kind) {
     case Kind::tiled:
       return poslsh::alibi_attention_tiled<Scalar>(q, k, v, s.sigma, out, lse, s.options);
@@ -219,4 +222,301 @@ TEST_CASE("float backward is within twice the float forward's error against doub
       CHECK(relative_max_error(gf.dv.cast<double>(), g.dv) <= bound);
     }
   }
+}
+
+namespace {
+
+/// Dense lse_i = log sum_j w_ij e^{x_ij} (stably), x = tau Q K^T + bias, weights `w` (0 = key
+/// left out).
+RowMatrix<double> dense_lse(const RowMatrix<double>& x, const RowMatrix<double>& w) {
+  RowMatrix<double> lse(x.rows(), 1);
+  for (Index i = 0; i < x.rows(); ++i) {
+    double top = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < x.cols(); ++j)
+      if (w(i, j) > 0) top = std::max(top, x(i, j));
+    double sum = 0.0;
+    for (Index j = 0; j < x.cols(); ++j)
+      if (w(i, j) > 0) sum += w(i, j) * std::exp(x(i, j) - top);
+    lse(i, 0) = top + std::log(sum);
+  }
+  return lse;
+}
+
+}  // namespace
+
+TEST_CASE("lse agrees with a dense log-sum-exp for every kernel", "[backward]") {
+  const Index n = 150, d = 8, dv = 4;
+  const RowMatrix<double> q = random_matrix<double>(n, d, 31);
+  const RowMatrix<double> k = random_matrix<double>(n, d, 32);
+  const RowMatrix<double> v = random_matrix<double>(n, dv, 33);
+  const double tau = 1.0 / std::sqrt(static_cast<double>(d));
+  const RowMatrix<double> scores = tau * q * k.transpose();
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (const Setup& s : setups(n, masking)) {
+      INFO(kind_name(s.kind) << ", sigma " << s.sigma << ", band " << s.band << ", s "
+                             << s.hashes.size() << ", causal " << (masking == Masking::causal));
+      RowMatrix<double> x = scores, w = RowMatrix<double>::Ones(n, n);
+      if (s.kind == Kind::tiled || s.kind == Kind::banded) {
+        for (Index i = 0; i < n; ++i)
+          for (Index j = 0; j < n; ++j) {
+            const Index distance = std::abs(i - j);
+            x(i, j) -= static_cast<double>(distance) / s.sigma;
+            if (s.kind == Kind::banded && distance > s.band) w(i, j) = 0;
+          }
+        if (masking == Masking::causal) w.triangularView<Eigen::StrictlyUpper>().setZero();
+      } else {
+        const HashSet hashes =
+            s.kind == Kind::fixed_blocks ? HashSet{poslsh::fixed_blocks_hash(s.sigma)} : s.hashes;
+        w = static_cast<double>(hashes.size()) *
+            poslsh::mean_mask_dense<double>(hashes, n, masking);
+      }
+      RowMatrix<double> out;
+      Vector<double> lse;
+      forward<double>(s, q, k, v, out, lse);
+      const RowMatrix<double> expected = dense_lse(x, w);
+      CHECK(relative_max_error(lse, expected.col(0)) <= 1e-12);
+      // The forward with lse gives bitwise the output of the forward without it.
+      RowMatrix<double> plain;
+      switch (s.kind) {
+        case Kind::tiled:
+          plain = poslsh::alibi_attention_tiled<double>(q, k, v, s.sigma, s.options);
+          break;
+        case Kind::banded:
+          plain = poslsh::alibi_attention_banded<double>(q, k, v, s.sigma, s.band, s.options);
+          break;
+        case Kind::fused:
+          plain = poslsh::lsh_attention_fused<double>(q, k, v, s.hashes, s.options);
+          break;
+        case Kind::per_sample:
+          plain = poslsh::lsh_attention_per_sample<double>(q, k, v, s.hashes, s.options);
+          break;
+        case Kind::fixed_blocks:
+          plain = poslsh::fixed_blocks_attention<double>(q, k, v, s.sigma, s.options);
+          break;
+      }
+      CHECK(out == plain);
+    }
+  }
+}
+
+TEST_CASE("fused and per-sample backward give the same gradients", "[backward]") {
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (Index n : {Index{1}, Index{70}, Index{200}}) {
+      const RowMatrix<float> q = random_matrix<float>(n, 12, 41);
+      const RowMatrix<float> k = random_matrix<float>(n, 12, 42);
+      const RowMatrix<float> v = random_matrix<float>(n, 7, 43);
+      const RowMatrix<float> dout = random_matrix<float>(n, 7, 44);
+      for (double sigma : {0.5, 16.0, 1e4}) {
+        for (Index s : {Index{1}, Index{3}, Index{16}}) {
+          INFO("n " << n << ", sigma " << sigma << ", s " << s);
+          const HashSet hashes = poslsh::rbf_hashes(sigma, s, 5, 2);
+          const Setup fused{Kind::fused, sigma, 0, hashes, with_masking(masking)};
+          const Setup per_sample{Kind::per_sample, sigma, 0, hashes, with_masking(masking)};
+          RowMatrix<float> out;
+          Vector<float> lse;
+          forward<float>(fused, q, k, v, out, lse);
+          const Gradients<float> a = backward<float>(fused, q, k, v, out, lse, dout);
+          const Gradients<float> b = backward<float>(per_sample, q, k, v, out, lse, dout);
+          CHECK(relative_max_error(a.dq, b.dq) <= poslsh_test::tolerance<float>());
+          CHECK(relative_max_error(a.dk, b.dk) <= poslsh_test::tolerance<float>());
+          CHECK(relative_max_error(a.dv, b.dv) <= poslsh_test::tolerance<float>());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gradients are bitwise the same for 1 and 2 threads", "[backward][determinism]") {
+#ifdef _OPENMP
+  const Index n = 700;
+  const RowMatrix<float> q = random_matrix<float>(n, 16, 51);
+  const RowMatrix<float> k = random_matrix<float>(n, 16, 52);
+  const RowMatrix<float> v = random_matrix<float>(n, 8, 53);
+  const RowMatrix<float> dout = random_matrix<float>(n, 8, 54);
+  const int restore = omp_get_max_threads();
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const HashSet hashes = poslsh::rbf_hashes(64.0, 4, 3, 0);
+    const std::vector<Setup> all = {
+        {Kind::tiled, 32.0, 0, {}, with_masking(masking)},
+        {Kind::banded, 32.0, 100, {}, with_masking(masking)},
+        {Kind::fused, 64.0, 0, hashes, with_masking(masking)},
+        {Kind::per_sample, 64.0, 0, hashes, with_masking(masking)},
+        {Kind::fixed_blocks, 64.0, 0, {}, with_masking(masking)},
+    };
+    for (const Setup& s : all) {
+      INFO(kind_name(s.kind) << ", causal " << (masking == Masking::causal));
+      omp_set_num_threads(1);
+      RowMatrix<float> out;
+      Vector<float> lse;
+      forward<float>(s, q, k, v, out, lse);
+      const Gradients<float> one = backward<float>(s, q, k, v, out, lse, dout);
+      omp_set_num_threads(2);
+      RowMatrix<float> out2;
+      Vector<float> lse2;
+      forward<float>(s, q, k, v, out2, lse2);
+      const Gradients<float> two = backward<float>(s, q, k, v, out, lse, dout);
+      CHECK(out == out2);
+      CHECK(lse == lse2);
+      CHECK(one.dq == two.dq);
+      CHECK(one.dk == two.dk);
+      CHECK(one.dv == two.dv);
+    }
+  }
+  omp_set_num_threads(restore);
+#else
+  WARN("built without OpenMP: nothing to compare");
+#endif
+}
+
+TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[backward]") {
+  const Index n = 90, heads = 4, kv_heads = 2, d = 8, dv = 6;
+  const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 61);
+  const RowMatrix<float> kb = random_matrix<float>(n, kv_heads * d, 62);
+  const RowMatrix<float> vb = random_matrix<float>(n, kv_heads * dv, 63);
+  const RowMatrix<float> doutb = random_matrix<float>(n, heads * dv, 64);
+  const auto q = poslsh::interleaved_heads<const float>(qb.data(), n, heads, d);
+  const auto k = poslsh::interleaved_heads<const float>(kb.data(), n, kv_heads, d);
+  const auto v = poslsh::interleaved_heads<const float>(vb.data(), n, kv_heads, dv);
+  const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, dv);
+  for (poslsh::Method method : {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample,
+                                poslsh::Method::fixed_blocks, poslsh::Method::exact_tiled,
+                                poslsh::Method::exact_banded, poslsh::Method::exact_reference}) {
+    INFO("method " << static_cast<int>(method));
+    poslsh::MultiHeadOptions options;
+    options.method = method;
+    options.samples = 3;
+    options.seed = 9;
+    RowMatrix<float> outb(n, heads * dv), lse(heads, n), dqb(n, heads * d), dkb(n, kv_heads * d),
+        dvb(n, kv_heads * dv);
+    const auto out = poslsh::interleaved_heads<float>(outb.data(), n, heads, dv);
+    poslsh::multihead_attention<float>(q, k, v, out, lse, options);
+    RowMatrix<float> plain(n, heads * dv);
+    poslsh::multihead_attention<float>(
+        q, k, v, poslsh::interleaved_heads<float>(plain.data(), n, heads, dv), options);
+    // exact_reference with lse is computed by the tiled kernel (same maths, other rounding).
+    if (method != poslsh::Method::exact_reference) CHECK(outb == plain);
+    poslsh::multihead_attention_backward<float>(
+        q, k, v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, dv), lse, dout,
+        poslsh::interleaved_heads<float>(dqb.data(), n, heads, d),
+        poslsh::interleaved_heads<float>(dkb.data(), n, kv_heads, d),
+        poslsh::interleaved_heads<float>(dvb.data(), n, kv_heads, dv), options);
+    const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
+    const std::vector<HashSet> hashes = poslsh::multihead_hashes(sigmas, 3, 9);
+    for (Index g = 0; g < kv_heads; ++g) {
+      RowMatrix<float> dk_sum = RowMatrix<float>::Zero(n, d),
+                       dv_sum = RowMatrix<float>::Zero(n, dv);
+      for (Index h = g * 2; h < g * 2 + 2; ++h) {
+        const auto index = static_cast<std::size_t>(h);
+        const Kind kind = method == poslsh::Method::lsh_fused        ? Kind::fused
+                          : method == poslsh::Method::lsh_per_sample ? Kind::per_sample
+                          : method == poslsh::Method::fixed_blocks   ? Kind::fixed_blocks
+                          : method == poslsh::Method::exact_banded   ? Kind::banded
+                                                                     : Kind::tiled;
+        const Setup s{kind, sigmas[index], poslsh::band_for_bias_error(sigmas[index], 1e-3),
+                      kind == Kind::fused || kind == Kind::per_sample ? hashes[index] : HashSet{},
+                      AttentionOptions{}};
+        const RowMatrix<float> q_h = qb.middleCols(h * d, d), k_g = kb.middleCols(g * d, d),
+                               v_g = vb.middleCols(g * dv, dv),
+                               dout_h = doutb.middleCols(h * dv, dv);
+        RowMatrix<float> out_h;
+        Vector<float> lse_h;
+        forward<float>(s, q_h, k_g, v_g, out_h, lse_h);
+        CHECK(out_h == outb.middleCols(h * dv, dv));
+        CHECK(lse_h == lse.row(h).transpose());
+        const Gradients<float> grads = backward<float>(s, q_h, k_g, v_g, out_h, lse_h, dout_h);
+        CHECK(grads.dq == dqb.middleCols(h * d, d));
+        dk_sum += grads.dk;
+        dv_sum += grads.dv;
+      }
+      CHECK(dk_sum == dkb.middleCols(g * d, d));
+      CHECK(dv_sum == dvb.middleCols(g * dv, dv));
+    }
+  }
+}
+
+TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[backward]") {
+  const Index n = 10, d = 4, dv = 3;
+  const RowMatrix<float> q = random_matrix<float>(n, d, 71), k = random_matrix<float>(n, d, 72),
+                         v = random_matrix<float>(n, dv, 73),
+                         dout = random_matrix<float>(n, dv, 74);
+  const HashSet hashes = poslsh::rbf_hashes(4.0, 2, 1);
+  RowMatrix<float> out(n, dv);
+  Vector<float> lse(n);
+  poslsh::lsh_attention_fused<float>(q, k, v, hashes, out, lse);
+  RowMatrix<float> dq(n, d), dk(n, d), dvv(n, dv);
+  RowMatrix<float> wrong_dq(n, d + 1), wrong_dk(n + 1, d), wrong_dv(n, dv + 1),
+      wrong_dout(n - 1, dv), wrong_out(n, dv + 1);
+  Vector<float> wrong_lse(n + 1);
+  using poslsh_test::require_invalid_argument;
+  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+    INFO(kind_name(kind));
+    const Setup s{kind, 4.0, 3, hashes, AttentionOptions{}};
+    Gradients<float> g;
+    require_invalid_argument([&] { backward<float>(s, q, k, v, out, lse, wrong_dout); }, "dout");
+    require_invalid_argument([&] { backward<float>(s, q, k, v, out, wrong_lse, dout); }, "lse");
+    require_invalid_argument([&] { backward<float>(s, q, k, v, wrong_out, lse, dout); }, "out");
+    RowMatrix<float> sink(n, dv);
+    require_invalid_argument([&] { forward<float>(s, q, k, v, sink, wrong_lse, false); }, "lse");
+  }
+  require_invalid_argument(
+      [&] {
+        poslsh::lsh_attention_fused_backward<float>(q, k, v, hashes, out, lse, dout, wrong_dq, dk,
+                                                    dvv);
+      },
+      "dq");
+  require_invalid_argument(
+      [&] {
+        poslsh::alibi_attention_tiled_backward<float>(q, k, v, 4.0, out, lse, dout, dq, wrong_dk,
+                                                      dvv);
+      },
+      "dk");
+  require_invalid_argument(
+      [&] {
+        poslsh::lsh_attention_per_sample_backward<float>(q, k, v, hashes, out, lse, dout, dq, dk,
+                                                         wrong_dv);
+      },
+      "dv");
+  require_invalid_argument(
+      [&] {
+        poslsh::alibi_attention_banded_backward<float>(q, k, v, 4.0, 3, out, lse, dout, dq, dk,
+                                                       wrong_dv);
+      },
+      "dv");
+  require_invalid_argument(
+      [&] {
+        poslsh::fixed_blocks_attention_backward<float>(q, k, v, 4.0, out, lse, dout, wrong_dq, dk,
+                                                       dvv);
+      },
+      "dq");
+  // Multi-head: lse must be heads x tokens, the gradient views the inputs' shapes.
+  const auto qv = poslsh::interleaved_heads<const float>(q.data(), n, 1, d);
+  const auto kv = poslsh::interleaved_heads<const float>(k.data(), n, 1, d);
+  const auto vv = poslsh::interleaved_heads<const float>(v.data(), n, 1, dv);
+  const auto ov = poslsh::interleaved_heads<const float>(out.data(), n, 1, dv);
+  const auto dov = poslsh::interleaved_heads<const float>(dout.data(), n, 1, dv);
+  RowMatrix<float> head_lse(1, n), bad_head_lse(2, n);
+  poslsh::MultiHeadOptions options;
+  options.sigmas = {4.0};
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention<float>(qv, kv, vv,
+                                           poslsh::interleaved_heads<float>(out.data(), n, 1, dv),
+                                           bad_head_lse, options);
+      },
+      "lse");
+  const auto backward_call = [&](const RowMatrix<float>& l, const poslsh::HeadsView<const float>& o,
+                                 float* dq_data, Index dq_dim) {
+    poslsh::multihead_attention_backward<float>(
+        qv, kv, vv, o, l, dov, poslsh::interleaved_heads<float>(dq_data, n, 1, dq_dim),
+        poslsh::interleaved_heads<float>(dk.data(), n, 1, d),
+        poslsh::interleaved_heads<float>(dvv.data(), n, 1, dv), options);
+  };
+  require_invalid_argument([&] { backward_call(bad_head_lse, ov, dq.data(), d); }, "lse");
+  require_invalid_argument([&] { backward_call(head_lse, ov, wrong_dq.data(), d + 1); }, "dq");
+  require_invalid_argument(
+      [&] {
+        backward_call(head_lse, poslsh::interleaved_heads<const float>(out.data(), n, 1, dv - 1),
+                      dq.data(), d);
+      },
+      "out");
 }

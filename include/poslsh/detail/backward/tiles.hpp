@@ -148,6 +148,8 @@ struct CountWindows {
 /// x_ij = tau q_i.k_j: the fused LSH estimator, with the forward's windows and counts.
 template <typename Scalar>
 class CountRule {
+  static constexpr Scalar max_exponent = Scalar(64);
+
  public:
   CountRule(const CountWindows& windows, Index n, bool causal)
       : windows_(windows), n_(n), causal_(causal) {}
@@ -188,7 +190,10 @@ class CountRule {
       if (b > 0) c.col(b) += c.col(b - 1);
       auto column = s.col(b).array();
       const auto weight = c.col(b).array();
-      column = (weight > Scalar(0)).select(weight * (tau * column - row_lse).exp(), Scalar(0));
+      // Exponents capped at max_exponent: where c = 0 the score may be anything, and
+      // 0 * e^{cap} is 0 where 0 * inf would be NaN; where c > 0 the exponent is <= 0 up to
+      // rounding (P_ij <= 1), far below the cap.
+      column = weight * (tau * column - row_lse).min(max_exponent).exp();
       // Causal: key j0 + b is hidden from rows i0 + r < j0 + b.
       if (causal_) column.head(std::clamp<Index>(j0 + b - i0, 0, rows)).setZero();
     }
