@@ -37,10 +37,16 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
   engine.run(i0, i0 + rows, out.middleRows(i0, rows));
 }
 
-/// Runs `tiles` (head, query tile) jobs in one parallel loop, job j being query tile
-/// j % tiles_per_head of head j / tiles_per_head: head_tile(head, i0, rows, work) computes rows
-/// [i0, i0 + rows) of that head with the calling thread's workspace. Every job writes its own
-/// rows with arithmetic that depends on the job alone: bitwise the same for any thread count.
+/// Runs the (head, query tile) jobs in one parallel loop, job j being head j % heads of query
+/// tile j / heads: head_tile(head, i0, rows, work) computes rows [i0, i0 + rows) of that head
+/// with the calling thread's workspace. Every job writes its own rows with arithmetic that
+/// depends on the job alone: bitwise the same for any thread count and any job order.
+/// The heads of a query tile run one after the other, so the jobs in flight read the same
+/// token rows (and nearby keys) of every head: with [n, H, d] inputs each row is one stretch
+/// of memory, fetched once for all heads. Head by head, each head would read a d-wide slice
+/// of rows H d apart (2 KiB for H = 8, d = 64 floats), a stride that hardware prefetchers do
+/// not follow and that maps every row to the same few cache sets: then the time per pair grew
+/// with n as the inputs outgrew the last-level cache (0.86x at n = 65536 vs 4096).
 template <typename Scalar, typename HeadTile>
 void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
   const Index tiles_per_head = (n + fused_query_tile - 1) / fused_query_tile;
@@ -50,8 +56,8 @@ void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
     FusedWorkspace<Scalar> work;
 #pragma omp for schedule(dynamic, 1)
     for (long job = 0; job < jobs; ++job) {
-      const Index h = static_cast<Index>(job) / tiles_per_head;
-      const Index i0 = (static_cast<Index>(job) % tiles_per_head) * fused_query_tile;
+      const Index h = static_cast<Index>(job) % heads;
+      const Index i0 = (static_cast<Index>(job) / heads) * fused_query_tile;
       head_tile(h, i0, std::min(fused_query_tile, n - i0), work);
     }
   }
