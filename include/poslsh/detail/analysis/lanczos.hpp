@@ -11,41 +11,33 @@
 
 namespace poslsh::detail {
 
-/// y = A x for a symmetric operator A (Spectra's operator concept).
+/// The symmetric product Spectra's Lanczos solver runs on (its operator concept): y = A x for a
+/// symmetric operator A, whose largest |eigenvalue| is ||A||_2, or y = A^T A x otherwise, whose
+/// largest eigenvalue is ||A||_2^2. One type for both, so one solver is compiled per Operator.
 template <typename Operator>
-class AnalysisSymmetricProduct {
+class AnalysisLanczosProduct {
  public:
   using Scalar = double;
-  explicit AnalysisSymmetricProduct(const Operator& op) : op_(op) {}
+  explicit AnalysisLanczosProduct(const Operator& op)
+      : op_(op), normal_(!op.symmetric()), middle_(normal_ ? op.size() : 0) {}
   Index rows() const { return op_.size(); }
   Index cols() const { return op_.size(); }
+  /// True for the product A^T A x (a non-symmetric A).
+  bool normal() const { return normal_; }
   void perform_op(const double* x_in, double* y_out) const {
     const Eigen::Map<const Eigen::VectorXd> x(x_in, op_.size());
     Eigen::Map<Eigen::VectorXd> y(y_out, op_.size());
-    op_.template apply<double>(x, y);
+    if (normal_) {
+      op_.template apply<double>(x, middle_);
+      op_.template apply_transpose<double>(middle_, y);
+    } else {
+      op_.template apply<double>(x, y);
+    }
   }
 
  private:
   const Operator& op_;
-};
-
-/// y = A^T A x, whose largest eigenvalue is ||A||_2^2.
-template <typename Operator>
-class AnalysisNormalProduct {
- public:
-  using Scalar = double;
-  explicit AnalysisNormalProduct(const Operator& op) : op_(op), middle_(op.size()) {}
-  Index rows() const { return op_.size(); }
-  Index cols() const { return op_.size(); }
-  void perform_op(const double* x_in, double* y_out) const {
-    const Eigen::Map<const Eigen::VectorXd> x(x_in, op_.size());
-    Eigen::Map<Eigen::VectorXd> y(y_out, op_.size());
-    op_.template apply<double>(x, middle_);
-    op_.template apply_transpose<double>(middle_, y);
-  }
-
- private:
-  const Operator& op_;
+  bool normal_;
   mutable Eigen::VectorXd middle_;
 };
 
