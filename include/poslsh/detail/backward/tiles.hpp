@@ -20,7 +20,10 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "poslsh/detail/tile/count_tile.hpp"
@@ -220,14 +223,61 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index r0,
     ds.col(b).array() = in.tau * p.col(b).array() * (ds.col(b).array() - delta);
 }
 
-/// dK and dV of keys [j0, j1) (one key tile): sums over the query tiles reaching them, in
-/// increasing order.
-template <typename Scalar, typename Rule>
+/// No ordering of the dQ additions: the caller visits the key tiles in increasing order on one
+/// thread.
+struct InOrder {
+  template <typename Add>
+  void add(Index, Index, Add&& add_to_dq) const {
+    add_to_dq();
+  }
+};
+
+/// The dQ additions of one query tile in increasing key tile order across threads: the key
+/// tiles that reach query tile I are the consecutive tiles first(I) .. last(I) (windows are
+/// intervals with non-decreasing ends), so next[I] counts them off. The thread holding key tile
+/// J waits until next[I] = J, adds, and sets next[I] = J + 1. Key tiles are handed out in
+/// increasing order and the thread holding the smallest unfinished one never waits, so every
+/// thread makes progress.
+class KeyTileOrder {
+ public:
+  template <typename Rule>
+  KeyTileOrder(const Rule& rule, Index tiles)
+      : next_(new std::atomic<Index>[static_cast<std::size_t>(std::max<Index>(tiles, 1))]) {
+    const Index begin = rule.begin(), end = rule.end();
+    for (Index t = 0; t < tiles; ++t) {
+      const Index i0 = begin + t * backward_tile;
+      const KeyRange reached = rule.keys_reached(i0, std::min(end, i0 + backward_tile));
+      next_[static_cast<std::size_t>(t)].store(
+          reached.first < reached.last ? (reached.first - begin) / backward_tile : 0,
+          std::memory_order_relaxed);
+    }
+  }
+
+  template <typename Add>
+  void add(Index query_tile, Index key_tile, Add&& add_to_dq) const {
+    std::atomic<Index>& next = next_[static_cast<std::size_t>(query_tile)];
+    for (int spin = 0; next.load(std::memory_order_acquire) != key_tile; ++spin) {
+      if (spin >= 64) std::this_thread::yield();
+    }
+    add_to_dq();
+    next.store(key_tile + 1, std::memory_order_release);
+  }
+
+ private:
+  std::unique_ptr<std::atomic<Index>[]> next_;
+};
+
+/// Key tile [j0, j1): for each query tile reaching it, in increasing order, P and dS of the
+/// pair once, then dV_J += P^T dO_I, dK_J += tau dS^T Q_I (this thread owns the key tile) and
+/// dQ_I += tau dS K_J (in increasing key tile order, as `order` enforces).
+template <typename Scalar, typename Rule, typename Order>
 void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index j1,
-                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
+                       const Order& order) {
   const KeyRange reaching = rule.rows_reaching(j0, j1);
   if (reaching.first >= reaching.last) return;
   const Index base = rule.begin();
+  const Index key_tile = (j0 - base) / backward_tile;
   for (Index i0 = base + (reaching.first - base) / backward_tile * backward_tile;
        i0 < reaching.last; i0 += backward_tile) {
     const Index r0 = std::max(i0, reaching.first);
@@ -241,61 +291,42 @@ void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
     out.dv.middleRows(k0, keys).noalias() += p.transpose() * in.dout.middleRows(r0, rows);
     out.dk.middleRows(k0, keys).noalias() += ds.transpose() * in.q.middleRows(r0, rows);
+    order.add((i0 - base) / backward_tile, key_tile, [&] {
+      out.dq.middleRows(r0, rows).noalias() += ds * in.k.middleRows(k0, keys);
+    });
   }
 }
 
-/// dQ of rows [i0, i1) (one query tile): sums over the key tiles they reach, in increasing
-/// order.
-template <typename Scalar, typename Rule>
-void backward_query_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index i0, Index i1,
-                         BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
-  const KeyRange reached = rule.keys_reached(i0, i1);
-  if (reached.first >= reached.last) return;
-  const Index base = rule.begin();
-  for (Index j0 = base + (reached.first - base) / backward_tile * backward_tile; j0 < reached.last;
-       j0 += backward_tile) {
-    const Index k0 = std::max(j0, reached.first);
-    const Index k1 = std::min(j0 + backward_tile, reached.last);
-    const KeyRange reaching = rule.rows_reaching(k0, k1);
-    const Index r0 = std::max(i0, reaching.first), r1 = std::min(i1, reaching.last);
-    if (r0 >= r1) continue;
-    backward_pair(in, rule, r0, r1 - r0, k0, k1 - k0, work);
-    BackwardTileMap<Scalar> ds(work.gradients.data(), r1 - r0, k1 - k0);
-    out.dq.middleRows(r0, r1 - r0).noalias() += ds * in.k.middleRows(k0, k1 - k0);
-  }
-}
-
-/// Both passes over the rule's domain, each tile of one pass on one thread (OpenMP; call it
-/// outside a parallel region). Outputs are accumulated into.
+/// One pass over the key tiles of the rule's domain, in parallel (OpenMP; call it outside a
+/// parallel region): dK, dV of a key tile by its thread summing over query tiles in increasing
+/// order, dQ of a query tile summed over key tiles in increasing order (KeyTileOrder). Outputs
+/// are accumulated into.
 template <typename Scalar, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   const Index begin = rule.begin(), end = rule.end();
-  const auto tiles = static_cast<long>((end - begin + backward_tile - 1) / backward_tile);
+  const Index tiles = (end - begin + backward_tile - 1) / backward_tile;
+  const KeyTileOrder order(rule, tiles);
+  const auto tile_count = static_cast<long>(tiles);
 #pragma omp parallel
   {
     BackwardWork<Scalar> work;
 #pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < tiles; ++t) {
+    for (long t = 0; t < tile_count; ++t) {
       const Index j0 = begin + static_cast<Index>(t) * backward_tile;
-      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work);
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < tiles; ++t) {
-      const Index i0 = begin + static_cast<Index>(t) * backward_tile;
-      backward_query_tile(in, rule, i0, std::min(end, i0 + backward_tile), out, work);
+      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work, order);
     }
   }
 }
 
-/// Both passes over the rule's domain on the calling thread (a block of a per-sample hash).
+/// The same pass on the calling thread (a block of a per-sample hash): key tiles in increasing
+/// order.
 template <typename Scalar, typename Rule>
 void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += backward_tile)
-    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work);
-  for (Index i0 = rule.begin(); i0 < rule.end(); i0 += backward_tile)
-    backward_query_tile(in, rule, i0, std::min(rule.end(), i0 + backward_tile), out, work);
+    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work,
+                      InOrder{});
 }
 
 /// D_i = dO_i . O_i for every row.
