@@ -55,4 +55,10 @@ extension = Pybind11Extension(
     cxx_std=17,
 )
 
-setup(version=version(), ext_modules=[extension], cmdclass={"build_ext": build_ext})
+setup(
+    version=version(),
+    ext_modules=[extension],
+    cmdclass={"build_ext": build_ext},
+    # Intermediate files in build-pip/, away from the CMake build directories.
+    options={"build": {"build_base": "build-pip"}, "egg_info": {"egg_base": "build-pip"}},
+)
