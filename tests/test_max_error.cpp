@@ -1,11 +1,13 @@
 // The band-and-edge max-norm error against the max over the dense |L* - M~|, and its s^-1/2
 // decay.
+#include <array>
 #include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
 #include <poslsh/max_error.hpp>
 #include <vector>
 
+#include "../examples/log_log_fit.hpp"
 #include "test_support.hpp"
 
 using poslsh::Index;
@@ -96,25 +98,29 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
   const double sigma = 16.0;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (std::uint64_t seed : {1u, 2u, 3u}) {
-      double mean_x = 0.0, mean_y = 0.0;
-      std::vector<double> log_s, log_error;
+      std::vector<double> samples, errors;
       for (Index s = 4; s <= 1024; s *= 2) {
-        log_s.push_back(std::log(double(s)));
-        log_error.push_back(std::log(
-            poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value));
-        mean_x += log_s.back() / 9.0;
-        mean_y += log_error.back() / 9.0;
+        samples.push_back(double(s));
+        errors.push_back(
+            poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value);
       }
-      double covariance = 0.0, variance = 0.0;
-      for (std::size_t i = 0; i < log_s.size(); ++i) {
-        covariance += (log_s[i] - mean_x) * (log_error[i] - mean_y);
-        variance += (log_s[i] - mean_x) * (log_s[i] - mean_x);
-      }
-      const double slope = covariance / variance;
+      const double slope = poslsh_examples::log_log_slope(samples, errors);
       INFO(name(masking) << ", seed " << seed << ": slope " << slope);
       CHECK(slope >= -0.65);
       CHECK(slope <= -0.35);
     }
+  }
+}
+
+TEST_CASE("max_error takes any container of BinHash", "[analysis]") {
+  const poslsh::HashSet hashes = poslsh::rbf_hashes(5.0, 3, 4, 2);
+  const std::array<poslsh::BinHash, 3> array{hashes[0], hashes[1], hashes[2]};
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const poslsh::MaxError from_set = poslsh::max_error(hashes, 300, 5.0, masking);
+    const poslsh::MaxError from_array = poslsh::max_error(array, 300, 5.0, masking);
+    CHECK(from_array.value == from_set.value);
+    CHECK(from_array.row == from_set.row);
+    CHECK(from_array.col == from_set.col);
   }
 }
 

@@ -1,5 +1,7 @@
 // Matrix-free products with L*, M~ and E = L* - M~ against the dense matrices of alibi_kernel.hpp
 // and masks.hpp.
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <poslsh/alibi_kernel.hpp>
 #include <poslsh/masks.hpp>
@@ -105,6 +107,13 @@ TEST_CASE("KernelErrorOperator is L* - M~ and its transpose, also in place", "[a
     Eigen::VectorXd ez(n);
     op.apply_transpose<double>(z, ez);
     CHECK(std::abs(y.dot(z) - x.dot(ez)) < 1e-12 * y.norm() * z.norm());
+    // The same hashes as a std::array: the same operator, bit for bit.
+    std::array<poslsh::BinHash, 9> array{};
+    std::copy(hashes.begin(), hashes.end(), array.begin());
+    const poslsh::KernelErrorOperator from_array(array, n, sigma, masking);
+    Eigen::VectorXd y_array(n);
+    from_array.apply<double>(x, y_array);
+    CHECK(y_array == y);
   }
 }
 
