@@ -281,8 +281,8 @@ TEMPLATE_TEST_CASE("s = 1: the LSH kernels are plain attention inside each block
 }
 
 TEMPLATE_TEST_CASE(
-    "s = 10000: the kernels agree and M~ is within the Hoeffding bound of the kernel", "[edge]",
-    float, double) {
+    "s = 10000: the kernels agree and M~ is within the Hoeffding bound of the kernel",
+    "[edge][slow]", float, double) {
   const Index n = 48, s = 10000;
   const double sigma = 3.0;
   const auto q = random_matrix<TestType>(n, 8, 51);
