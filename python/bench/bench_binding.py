@@ -46,6 +46,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=30, help="calls per round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cpp", help="path of poslsh_bench_binding_cpp")
+    parser.add_argument("--small-n", type=int, default=64,
+                        help="n of the per-call overhead measurement (0: skip it)")
     args = parser.parse_args()
 
     rng = np.random.default_rng(1)
@@ -78,6 +80,26 @@ def main():
         print(f"c++ (same call)           : {best_cpp:8.3f} ms (min of the rounds' minima {cpp})")
         print(f"ratio python(out=) / c++  : {best_out / best_cpp:.4f}")
         print(f"ratio python(new)  / c++  : {best_new / best_cpp:.4f}")
+    if cpp and args.small_n > 0:
+        # The binding's cost is per call (argument checks, views, GIL, output): measured on a
+        # small problem, where it is not hidden by the kernel's time, as the difference of the
+        # Python and C++ minima over many calls.
+        small = (args.small_n, args.heads, args.d)
+        qs, ks, vs = (rng.uniform(-1, 1, small).astype(np.float32) for _ in range(3))
+        outs = np.empty(small, dtype=np.float32)
+
+        def small_call():
+            poslsh.multihead_attention(qs, ks, vs, samples=16, seed=2024, out=outs)
+
+        small_call()
+        calls = 2000
+        python_small = min(min(time_python(small_call, calls)) for _ in range(3))
+        cpp_small = min(time_cpp(args.cpp, args.small_n, args.heads, args.d, calls)[0] for _ in range(3))
+        overhead = python_small - cpp_small
+        print(f"n = {args.small_n}: python {1e3 * python_small:.1f} us, c++ {1e3 * cpp_small:.1f} us, "
+              f"binding overhead {1e3 * overhead:.1f} us per call")
+        print(f"overhead / c++ time at n = {args.n}: {overhead / best_cpp:.2e} "
+              f"(ratio {1 + overhead / best_cpp:.5f})")
 
 
 if __name__ == "__main__":
