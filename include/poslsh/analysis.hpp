@@ -5,9 +5,9 @@
 //   operators.hpp       L* x, M~ x and (L* - M~) x without n x n storage
 //   max_error.hpp       ||L* - M~||_max, exactly
 //   block_stats.hpp     block sizes, b_max against sigma ln ln n
-//   spectral_error.hpp  ||L* - M~||_2 (dense or Lanczos), ||L*||_2      (Spectra)
+//   spectral_error.hpp  ||L* - M~||_2 (dense or Lanczos), ||L*||_2 (needs Spectra)
 //   metrics.hpp         the paper's bounds, kernel and attention output errors in one call
-//                                                                         (Spectra)
+//                       (needs Spectra)
 //
 // poslsh.hpp includes the first three (they need only Eigen) but not the last two, so a program
 // that does not measure spectral errors neither needs Spectra nor compiles it.

@@ -1,4 +1,6 @@
 // poslsh: block-size statistics of a hash set, against the sigma ln ln n scale of Theorem 2.1.
+// Part of the analysis module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it
+// too.
 #pragma once
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-// poslsh: the exact max-norm error ||L* - M~||_max without n x n storage.
+// poslsh: the exact max-norm error ||L* - M~||_max without n x n storage. Part of the analysis
+// module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
 #pragma once
 
 #include <algorithm>

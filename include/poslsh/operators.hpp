@@ -1,5 +1,6 @@
 // poslsh: matrix-free products with the ALiBi kernel L*, the mean mask M~ and their difference
-// E = L* - M~, so errors can be measured at sizes where n x n matrices do not fit.
+// E = L* - M~, so errors can be measured at sizes where n x n matrices do not fit. Part of the
+// analysis module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
 #pragma once
 
 #include <algorithm>
