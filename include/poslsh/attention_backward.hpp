@@ -144,7 +144,7 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
   }
 }
 
-/// Zeroes the gradients, computes D and runs both passes of `rule` in parallel.
+/// Zeroes the gradients, computes D and runs the pass of `rule` in parallel.
 template <typename Scalar, typename Rule>
 void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                        const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
@@ -301,11 +301,12 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// P_ij = e^{x_ij - lse_i}, x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i), dO = dout,
 /// D_i = dO_i . out_i:
 ///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
-/// `out` and `lse` come from the forward with lse. Tiles of 64 x 64, P recomputed from lse
-/// (nothing n x n stored; extra memory O(n)). Two parallel passes (OpenMP): key tiles, each on
-/// one thread summing over its query tiles in increasing order, write dk and dv; query tiles,
-/// each on one thread summing over its key tiles in increasing order, write dq. Bitwise the
-/// same for any thread count. Throws std::invalid_argument naming a bad argument.
+/// `out` and `lse` come from the forward with lse. One parallel pass (OpenMP) over key tiles of
+/// 64, each meeting its query rows in steps of 192 with P recomputed from lse (nothing n x n
+/// stored; extra memory O(n)): the thread of a key tile writes its dk and dv rows, summing over
+/// the steps in increasing order; the dq rows of a step are summed over key tiles in increasing
+/// order (a thread waits for the key tiles before its own). Bitwise the same for any thread
+/// count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                     ConstMatrixRef<Scalar> v, double sigma,
@@ -354,11 +355,12 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
 /// P_ij = c_ij e^{tau q_i.k_j - lse_i}, c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
 /// D_i = dO_i . out_i:
 ///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
-/// Each pair with c_ij > 0 is evaluated once per pass, on the forward's windows [lo_i, hi_i)
-/// and count tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles:
-/// O(n s) memory). Two parallel passes (OpenMP): key tiles, each on one thread summing over the
-/// query tiles reaching it in increasing order, write dk and dv; query tiles, each on one thread
-/// summing over the key tiles they reach in increasing order, write dq. Bitwise the same for any
+/// Each pair with c_ij > 0 is evaluated once, on the forward's windows [lo_i, hi_i) and count
+/// tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles: O(n s)
+/// memory). One parallel pass (OpenMP) over key tiles of 64, each meeting the query rows whose
+/// windows reach it in steps of 192: the thread of a key tile writes its dk and dv rows, summing
+/// over the steps in increasing order; the dq rows of a step are summed over key tiles in
+/// increasing order (a thread waits for the key tiles before its own). Bitwise the same for any
 /// thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,

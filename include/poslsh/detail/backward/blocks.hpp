@@ -27,7 +27,7 @@ WindowRule<Scalar> block_rule(Index begin, Index end, bool causal) {
 /// Adds the gradients of plain attention on every block of `hash` to `out`, with the
 /// probabilities P_ij = e^{x_ij - lse_i} of in.lse (the caller's normalization: the combined
 /// lse of all samples for the count-weighted estimator, the sample's own for the mean of
-/// outputs). Blocks run in parallel (OpenMP) on disjoint rows and keys; each block's passes run
+/// outputs). Blocks run in parallel (OpenMP) on disjoint rows and keys; each block's pass runs
 /// on one thread in a fixed order.
 template <typename Scalar>
 void backward_hash_blocks(const BackwardInputs<Scalar>& in, const BinHash& hash, bool causal,

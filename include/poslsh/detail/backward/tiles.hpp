@@ -3,17 +3,19 @@
 //   P_ij = w_ij e^{x_ij - lse_i}   (0 outside the window),
 // recomputed from the forward's log-sum-exp lse_i. With D_i = sum_c dO_ic O_ic:
 //   dV = P^T dO,   dS_ij = P_ij (dO_i . v_j - D_i),   dQ = tau dS K,   dK = tau dS^T Q.
-// A pair of tiles (query rows [r0, r1), keys [k0, k1)) costs four small GEMMs on Eigen maps of
-// the strided inputs: S = Q K^T and dP = dO V^T, then either dV += P^T dO, dK += tau dS^T Q
-// (key pass) or dQ += tau dS K (query pass). The key pass owns a key tile and sums over its
-// query tiles in increasing order; the query pass owns a query tile and sums over its key tiles
-// in increasing order: every gradient row is written by one thread in a fixed order, so the
-// result is bitwise the same for any thread count, with no atomics and no n x n buffer.
+// One pass over key tiles of 64 keys; each key tile meets the query rows reaching it in steps
+// of 192 rows (increasing). A step costs five GEMMs on Eigen maps of the strided inputs:
+// S = Q K^T, dP = dO V^T, then dV += P^T dO, dK += tau dS^T Q and dQ += tau dS K. The thread
+// holding a key tile owns its dK and dV rows and sums over its steps in increasing order; the
+// dQ rows of a step are added in increasing key tile order (a per-step counter makes a thread
+// wait for the key tiles before its own). Every gradient row is therefore the same sum in the
+// same order for any thread count: bitwise reproducible, with no floating-point atomics and no
+// n x n buffer.
 //
 // A rule (window policy) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
 //   KeyRange keys_reached(Index i0, Index i1)   the union of the windows of rows [i0, i1);
-//   void probabilities(Index i0, Index j0, TileMap s, Scalar tau, const Scalar* lse,
+//   void probabilities(Index i0, Index j0, BackwardTileRef s, Scalar tau, const Scalar* lse,
 //                      BackwardWork& work)      s = q_i.k_j (unscaled) in, P_ij out;
 // windows are intervals whose two ends are non-decreasing in i.
 #pragma once
@@ -32,21 +34,29 @@
 
 namespace poslsh::detail {
 
-/// Query rows and keys per tile of the backward passes (aligned from the first row of the
-/// rule's domain).
+/// Keys per tile of the backward pass (aligned from the first row of the rule's domain), and
+/// query rows per step (a multiple of the forward's query tile, whose count structure the LSH
+/// rule reuses; 192 = 4 register blocks of Eigen's AVX-512 float GEMM kernel).
 inline constexpr Index backward_tile = 64;
+inline constexpr Index backward_query_rows = 192;
+static_assert(backward_query_rows % tile_query_rows == 0, "whole count tiles per step");
 
 template <typename Scalar>
 using BackwardTileMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>>;
 
-/// Per-thread scratch of the backward passes: P and dS tiles, a count tile.
+/// A column-major tile view (a map or rows of one).
+template <typename Scalar>
+using BackwardTileRef =
+    Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
+
+/// Per-thread scratch of the backward pass: P and dS of a step, a count tile.
 template <typename Scalar>
 struct BackwardWork {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> probabilities, gradients, counts;
   BackwardWork()
-      : probabilities(backward_tile * backward_tile),
-        gradients(backward_tile * backward_tile),
-        counts(backward_tile * (backward_tile + 1)) {}
+      : probabilities(backward_query_rows * backward_tile),
+        gradients(backward_query_rows * backward_tile),
+        counts(tile_query_rows * (backward_tile + 1)) {}
 };
 
 /// The inputs of the backward passes: row i of every per-row array is entry i.
@@ -77,7 +87,7 @@ class WindowRule {
  public:
   WindowRule(Index begin, Index end, Index lo, Index hi, Scalar slope)
       : begin_(begin), end_(end), lo_(lo), hi_(hi), slope_(slope) {
-    for (Index a = 0; a < backward_tile; ++a) offsets_(a) = static_cast<Scalar>(a);
+    for (Index a = 0; a < backward_query_rows; ++a) offsets_(a) = static_cast<Scalar>(a);
   }
   Index begin() const { return begin_; }
   Index end() const { return end_; }
@@ -89,7 +99,7 @@ class WindowRule {
     return {std::max(begin_, i0 - hi_), std::min(end_, i1 - lo_)};
   }
 
-  void probabilities(Index i0, Index j0, BackwardTileMap<Scalar> s, Scalar tau, const Scalar* lse,
+  void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar* lse,
                      BackwardWork<Scalar>&) const {
     const Index rows = s.rows();
     const auto row_lse = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(lse + i0, rows);
@@ -98,7 +108,7 @@ class WindowRule {
       // Rows r with lo <= i0 + r - j <= hi.
       const Index first = std::clamp<Index>(j + lo_ - i0, 0, rows);
       const Index last = std::clamp<Index>(j + hi_ - i0 + 1, first, rows);
-      auto column = s.col(c).array();
+      Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> column(&s.coeffRef(0, c), rows);
       column.head(first).setZero();
       const Index count = last - first;
       if (slope_ == Scalar(0)) {
@@ -118,10 +128,10 @@ class WindowRule {
  private:
   Index begin_, end_, lo_, hi_;
   Scalar slope_;
-  Eigen::Array<Scalar, backward_tile, 1> offsets_;
+  Eigen::Array<Scalar, backward_query_rows, 1> offsets_;
 };
 
-/// The count structure of every query tile of n rows (tiles of backward_tile from row 0) and
+/// The count structure of every query tile of n rows (tiles of tile_query_rows from row 0) and
 /// each row's window [lo_i, hi_i) of keys with c_ij > 0: what the fused forward builds tile by
 /// tile, kept for both backward passes (O(n s) memory).
 struct CountWindows {
@@ -129,16 +139,15 @@ struct CountWindows {
   std::vector<Index> lo, hi;
 
   void build(const HashSet& hashes, Index n, bool causal) {
-    static_assert(backward_tile == tile_query_rows, "the count tiles are the forward's");
-    const Index count = (n + backward_tile - 1) / backward_tile;
+    const Index count = (n + tile_query_rows - 1) / tile_query_rows;
     tiles.assign(static_cast<std::size_t>(count), TileCounts{});
     lo.resize(static_cast<std::size_t>(n));
     hi.resize(static_cast<std::size_t>(n));
     const auto tile_count = static_cast<long>(count);
 #pragma omp parallel for schedule(dynamic, 4)
     for (long t = 0; t < tile_count; ++t) {
-      const Index i0 = static_cast<Index>(t) * backward_tile;
-      const Index rows = std::min(backward_tile, n - i0);
+      const Index i0 = static_cast<Index>(t) * tile_query_rows;
+      const Index rows = std::min(tile_query_rows, n - i0);
       TileCounts& counts = tiles[static_cast<std::size_t>(t)];
       counts.build(hashes, i0, rows, n, causal);
       std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
@@ -170,11 +179,24 @@ class CountRule {
             windows_.hi[static_cast<std::size_t>(i1 - 1)]};
   }
 
-  void probabilities(Index i0, Index j0, BackwardTileMap<Scalar> s, Scalar tau, const Scalar* lse,
+  void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar* lse,
                      BackwardWork<Scalar>& work) const {
+    // Row by row of the forward's count tiles.
+    for (Index r = 0; r < s.rows();) {
+      const Index i = i0 + r;
+      const Index rows = std::min(s.rows() - r, (i / tile_query_rows + 1) * tile_query_rows - i);
+      tile_probabilities(i, j0, s.middleRows(r, rows), tau, lse, work);
+      r += rows;
+    }
+  }
+
+ private:
+  // Rows [i0, i0 + s.rows()) inside one count tile.
+  void tile_probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau,
+                          const Scalar* lse, BackwardWork<Scalar>& work) const {
     const Index rows = s.rows(), keys = s.cols();
-    const Index tile = i0 / backward_tile;
-    const Index r0 = i0 - tile * backward_tile;
+    const Index tile = i0 / tile_query_rows;
+    const Index r0 = i0 - tile * tile_query_rows;
     const TileCounts& counts = windows_.tiles[static_cast<std::size_t>(tile)];
     // Difference array over keys (column keys holds the -1 past the last key), then running
     // sums: c for rows [i0, i0 + rows) and keys [j0, j0 + keys). Small integers: exact.
@@ -191,7 +213,7 @@ class CountRule {
     const auto row_lse = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(lse + i0, rows);
     for (Index b = 0; b < keys; ++b) {
       if (b > 0) c.col(b) += c.col(b - 1);
-      auto column = s.col(b).array();
+      Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> column(&s.coeffRef(0, b), rows);
       const auto weight = c.col(b).array();
       // Exponents capped at max_exponent: where c = 0 the score may be anything, and
       // 0 * e^{cap} is 0 where 0 * inf would be NaN; where c > 0 the exponent is <= 0 up to
@@ -202,7 +224,6 @@ class CountRule {
     }
   }
 
- private:
   const CountWindows& windows_;
   Index n_;
   bool causal_;
@@ -245,8 +266,8 @@ class KeyTileOrder {
       : next_(new std::atomic<Index>[static_cast<std::size_t>(std::max<Index>(tiles, 1))]) {
     const Index begin = rule.begin(), end = rule.end();
     for (Index t = 0; t < tiles; ++t) {
-      const Index i0 = begin + t * backward_tile;
-      const KeyRange reached = rule.keys_reached(i0, std::min(end, i0 + backward_tile));
+      const Index i0 = begin + t * backward_query_rows;
+      const KeyRange reached = rule.keys_reached(i0, std::min(end, i0 + backward_query_rows));
       next_[static_cast<std::size_t>(t)].store(
           reached.first < reached.last ? (reached.first - begin) / backward_tile : 0,
           std::memory_order_relaxed);
@@ -278,10 +299,10 @@ void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index
   if (reaching.first >= reaching.last) return;
   const Index base = rule.begin();
   const Index key_tile = (j0 - base) / backward_tile;
-  for (Index i0 = base + (reaching.first - base) / backward_tile * backward_tile;
-       i0 < reaching.last; i0 += backward_tile) {
+  for (Index i0 = base + (reaching.first - base) / backward_query_rows * backward_query_rows;
+       i0 < reaching.last; i0 += backward_query_rows) {
     const Index r0 = std::max(i0, reaching.first);
-    const Index r1 = std::min(i0 + backward_tile, reaching.last);
+    const Index r1 = std::min(i0 + backward_query_rows, reaching.last);
     const KeyRange reached = rule.keys_reached(r0, r1);
     const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
     if (k0 >= k1) continue;
@@ -291,9 +312,8 @@ void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
     out.dv.middleRows(k0, keys).noalias() += p.transpose() * in.dout.middleRows(r0, rows);
     out.dk.middleRows(k0, keys).noalias() += ds.transpose() * in.q.middleRows(r0, rows);
-    order.add((i0 - base) / backward_tile, key_tile, [&] {
-      out.dq.middleRows(r0, rows).noalias() += ds * in.k.middleRows(k0, keys);
-    });
+    order.add((i0 - base) / backward_query_rows, key_tile,
+              [&] { out.dq.middleRows(r0, rows).noalias() += ds * in.k.middleRows(k0, keys); });
   }
 }
 
@@ -305,9 +325,8 @@ template <typename Scalar, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   const Index begin = rule.begin(), end = rule.end();
-  const Index tiles = (end - begin + backward_tile - 1) / backward_tile;
-  const KeyTileOrder order(rule, tiles);
-  const auto tile_count = static_cast<long>(tiles);
+  const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  const auto tile_count = static_cast<long>((end - begin + backward_tile - 1) / backward_tile);
 #pragma omp parallel
   {
     BackwardWork<Scalar> work;
@@ -325,8 +344,7 @@ template <typename Scalar, typename Rule>
 void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += backward_tile)
-    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work,
-                      InOrder{});
+    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work, InOrder{});
 }
 
 /// D_i = dO_i . O_i for every row.
