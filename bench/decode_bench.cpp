@@ -23,13 +23,10 @@ void run_decode(benchmark::State& state, Index t, Decoder decoder) {
   const std::vector<double> sigmas = alibi_sigmas(static_cast<int>(heads));
   const std::vector<HashSet> hashes = multihead_hashes(sigmas, default_samples, seed);
   const Index position = t - 1;
-  // Keys read per token: t per head exactly; by LSH the window of row t - 1 (the keys with
-  // c > 0, [min_k begin_k(t - 1), t - 1]), from the fused kernel's count structure.
+  // Keys read per token: t per head exactly; by LSH [lsh_decode_first_key, t - 1].
   long long pairs = 0;
-  detail::TileCounts counts;
   for (const HashSet& head_hashes : hashes) {
-    counts.build(head_hashes, position, 1, t, true);
-    pairs += decoder == Decoder::exact ? t : counts.hi.front() - counts.lo.front();
+    pairs += decoder == Decoder::exact ? t : t - lsh_decode_first_key(head_hashes, position);
   }
   for (auto _ : state) {
     for (Index h = 0; h < heads; ++h) {

@@ -1,6 +1,7 @@
 // Decode against the last prefill row (LSH) and against the reference (exact).
 #include <poslsh/decode.hpp>
 #include <poslsh/fused_attention.hpp>
+#include <poslsh/masks.hpp>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/reference_attention.hpp>
 
@@ -78,4 +79,22 @@ TEST_CASE("decode rejects bad arguments", "[decode][invalid]") {
   RowMatrix<float> wide(1, 5);
   require_invalid_argument(
       [&] { poslsh::alibi_attention_decode_exact<float>(q, k, k, 3, 1.0, wide); }, "out");
+}
+
+TEST_CASE("lsh_decode_first_key is the first key of row t's window in the mean mask", "[decode]") {
+  const Index n = 300;
+  for (double sigma : {0.5, 4.0, 64.0, 1e6}) {
+    const HashSet hashes = poslsh::rbf_hashes(sigma, 16, 3, 1);
+    const auto mean = poslsh::mean_mask_dense<double>(hashes, n, poslsh::Masking::causal);
+    for (Index t : {0, 1, 63, 64, 200, 299}) {
+      Index first = 0;
+      while (mean(t, first) == 0.0) ++first;  // the diagonal is always in: first <= t
+      INFO("sigma " << sigma << ", t " << t);
+      CHECK(poslsh::lsh_decode_first_key(hashes, t) == first);
+    }
+  }
+  poslsh_test::require_invalid_argument(
+      [] { poslsh::lsh_decode_first_key(poslsh::rbf_hashes(2.0, 2, 1), -1); }, "t");
+  poslsh_test::require_invalid_argument([] { poslsh::lsh_decode_first_key(HashSet{}, 3); },
+                                        "hashes");
 }

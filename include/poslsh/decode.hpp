@@ -47,7 +47,26 @@ void weighted_decode(const QType& query, const KType& keys, const VType& values,
   state.finish(0, out);
 }
 
+/// begin_k(t) for every hash: the start of t's block in sample k.
+inline std::vector<Index> decode_block_begins(const HashSet& hashes, Index t) {
+  std::vector<Index> begins;
+  begins.reserve(hashes.size());
+  for (const BinHash& hash : hashes) begins.push_back(block_containing(hash, t, t + 1).begin);
+  return begins;
+}
+
 }  // namespace detail
+
+/// First key the LSH decoder reads at position t: min_k begin_k(t), the smallest start of the
+/// blocks that contain t, so that the keys with c_tj > 0 are [lsh_decode_first_key, t] (the
+/// decoder's cost is t + 1 - lsh_decode_first_key key rows). Throws std::invalid_argument if
+/// the hash set is empty or holds an invalid hash, or t < 0.
+inline Index lsh_decode_first_key(const HashSet& hashes, Index t) {
+  validate_hashes(hashes, "lsh_decode_first_key");
+  detail::require_size(t, "lsh_decode_first_key", "t");
+  const std::vector<Index> begins = detail::decode_block_begins(hashes, t);
+  return *std::min_element(begins.begin(), begins.end());
+}
 
 /// LSH decode: row t of lsh_attention_fused / lsh_attention_per_sample (causal) computed from
 /// the query q_t alone, out = sum_{j<=t} c_tj e^{tau q_t.k_j} v_j / sum_{j<=t} c_tj e^{tau
@@ -64,13 +83,8 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
   validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
   // c_tj = #{k : begin_k(t) <= j}: counts of block starts, then a running sum over keys.
-  Index first = t;
-  std::vector<Index> begins;
-  begins.reserve(hashes.size());
-  for (const BinHash& hash : hashes) {
-    begins.push_back(block_containing(hash, t, t + 1).begin);
-    first = std::min(first, begins.back());
-  }
+  const std::vector<Index> begins = detail::decode_block_begins(hashes, t);
+  const Index first = *std::min_element(begins.begin(), begins.end());
   detail::LogitScratch<Scalar> scratch;
   scratch.shape(1, t + 1 - first);
   auto logits = scratch.logits();
