@@ -66,7 +66,7 @@ class Merger {
     }
     const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> lse_map(
         static_cast<const T*>(lse_array.data()), static_cast<Index>(lse_array.shape(0)));
-    py::gil_scoped_release release;
+    // The GIL is kept: the merger is mutable state shared by the Python threads that see it.
     merger.add(output_map, lse_map);
   }
 
@@ -74,7 +74,6 @@ class Merger {
   py::array result_typed(const poslsh::LseMerger<T>& merger, py::handle out) const {
     py::array array = output_array<T>(out, rows_, cols_, "LseMerger.result", "the merger", {});
     OutputMap<T> out_map = output_matrix<T>(array, "LseMerger.result");
-    py::gil_scoped_release release;
     merger.result(out_map);
     return array;
   }
