@@ -520,3 +520,47 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
       },
       "out");
 }
+
+TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
+          "[backward][determinism]") {
+#ifdef _OPENMP
+  const Index n = 400, heads = 4, d = 16;
+  const int restore = omp_get_max_threads();
+  for (Index kv_heads : {Index{4}, Index{2}}) {
+    const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 81);
+    const RowMatrix<float> kb = random_matrix<float>(n, kv_heads * d, 82);
+    const RowMatrix<float> vb = random_matrix<float>(n, kv_heads * d, 83);
+    const RowMatrix<float> doutb = random_matrix<float>(n, heads * d, 84);
+    const auto q = poslsh::interleaved_heads<const float>(qb.data(), n, heads, d);
+    const auto k = poslsh::interleaved_heads<const float>(kb.data(), n, kv_heads, d);
+    const auto v = poslsh::interleaved_heads<const float>(vb.data(), n, kv_heads, d);
+    const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, d);
+    for (poslsh::Method method : {poslsh::Method::lsh_fused, poslsh::Method::exact_tiled,
+                                  poslsh::Method::exact_banded, poslsh::Method::lsh_per_sample}) {
+      INFO("kv heads " << kv_heads << ", method " << static_cast<int>(method));
+      poslsh::MultiHeadOptions options;
+      options.method = method;
+      options.samples = 4;
+      RowMatrix<float> outb(n, heads * d), lse(heads, n);
+      poslsh::multihead_attention<float>(
+          q, k, v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse, options);
+      RowMatrix<float> grads[2][3];
+      for (int t = 0; t < 2; ++t) {
+        omp_set_num_threads(t + 1);
+        grads[t][0].resize(n, heads * d);
+        grads[t][1].resize(n, kv_heads * d);
+        grads[t][2].resize(n, kv_heads * d);
+        poslsh::multihead_attention_backward<float>(
+            q, k, v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, d), lse, dout,
+            poslsh::interleaved_heads<float>(grads[t][0].data(), n, heads, d),
+            poslsh::interleaved_heads<float>(grads[t][1].data(), n, kv_heads, d),
+            poslsh::interleaved_heads<float>(grads[t][2].data(), n, kv_heads, d), options);
+      }
+      for (int g = 0; g < 3; ++g) CHECK(grads[0][g] == grads[1][g]);
+    }
+  }
+  omp_set_num_threads(restore);
+#else
+  WARN("built without OpenMP: nothing to compare");
+#endif
+}

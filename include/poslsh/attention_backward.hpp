@@ -144,13 +144,15 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
   }
 }
 
-/// Zeroes the gradients, computes D and runs the pass of `rule` in parallel.
+/// Zeroes the gradients, computes D and runs the pass of `rule`: in parallel, or on the calling
+/// thread (`parallel` false: one head of a parallel loop over heads; the same sums in the same
+/// order, so the same bits).
 template <typename Scalar, typename Rule>
 void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                        const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                       MatrixRef<Scalar>& dv) {
+                       MatrixRef<Scalar>& dv, bool parallel = true) {
   dq.setZero();
   dk.setZero();
   dv.setZero();
@@ -158,7 +160,12 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
-  backward_parallel(in, rule, grads);
+  if (parallel) {
+    backward_parallel(in, rule, grads);
+  } else {
+    BackwardWork<Scalar> work;
+    backward_serial(in, rule, grads, work);
+  }
 }
 
 /// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).
@@ -167,11 +174,12 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
+                            parallel);
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
@@ -181,12 +189,12 @@ void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true) {
   const Index n = q.rows();
   CountWindows windows;
   windows.build(hashes, n, causal);
   const CountRule<Scalar> rule(windows, n, causal);
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
@@ -543,8 +551,10 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
 /// lsh_fused: lsh_attention_fused_backward; lsh_per_sample: lsh_attention_per_sample_backward;
 /// fixed_blocks: fixed_blocks_attention_backward) gives dq_h, and
 ///   dk_g = sum_{h : h / G = g} dK_h,  dv_g = sum_{h : h / G = g} dV_h,
-/// summed in increasing h. Heads run in order, each parallel inside (OpenMP) with the
-/// single-head kernels' fixed orders: bitwise the same for any thread count. Extra memory
+/// summed in increasing h. Without grouping (H_q = H_kv), the fused and exact methods run one
+/// head per thread (OpenMP), each head's pass on its thread; otherwise heads run in order, each
+/// parallel inside. Either way every gradient row is the single-head kernel's sum in its fixed
+/// order: bitwise the same for any thread count (and as the single-head calls). Extra memory
 /// O(n d) for grouped-query attention (one head's dK, dV). Throws std::invalid_argument naming
 /// a bad argument.
 template <typename Scalar>
@@ -573,6 +583,37 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
       options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
           ? multihead_hashes(sigmas, options.samples, options.seed)
           : std::vector<HashSet>{};
+  const bool head_parallel =
+      group == 1 &&
+      (options.method == Method::lsh_fused || options.method == Method::exact_tiled ||
+       options.method == Method::exact_banded || options.method == Method::exact_reference);
+  if (head_parallel) {
+    // One head per thread, each head's pass on its thread (no K/V head is shared).
+    const auto tau = static_cast<Scalar>(detail::resolve_scale(function, head_options, q.dim));
+    const bool causal = options.masking == Masking::causal;
+    const auto heads = static_cast<long>(q.heads);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long head = 0; head < heads; ++head) {
+      const auto h = static_cast<Index>(head);
+      const auto index = static_cast<std::size_t>(head);
+      MatrixRef<Scalar> dq_h(dq.head(h)), dk_h(dk.head(h)), dv_h(dv.head(h));
+      const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
+      if (options.method == Method::lsh_fused) {
+        detail::count_backward<Scalar>(q.head(h), k.head(h), v.head(h), hashes[index], tau, causal,
+                                       out.head(h), lse_h, dout.head(h), dq_h, dk_h, dv_h, false);
+      } else {
+        const detail::ExactWindow window =
+            options.method == Method::exact_banded
+                ? detail::banded_window(n, band_for_bias_error(sigmas[index], options.band_error),
+                                        options.masking)
+                : detail::ExactWindow{causal ? 0 : -n, n};
+        detail::exact_backward<Scalar>(q.head(h), k.head(h), v.head(h), sigmas[index],
+                                       static_cast<double>(tau), window, out.head(h), lse_h,
+                                       dout.head(h), dq_h, dk_h, dv_h, false);
+      }
+    }
+    return;
+  }
   RowMatrix<Scalar> dk_head, dv_head;
   if (group > 1) {
     dk_head.resize(n, q.dim);
