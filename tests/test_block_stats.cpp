@@ -47,7 +47,8 @@ TEST_CASE("fixed blocks of width 2 sigma have every statistic equal to 2 sigma",
   CHECK(stats.mean_at_position == 16.0);
 }
 
-TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths", "[analysis]") {
+TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths",
+          "[analysis][slow]") {
   // Every block of one sample has the sample's width w (integer count floor(w) or ceil(w));
   // with n >> w both counts occur, so b_max = ceil(max_k w_k). Its mean lies in
   // [E max w, E max w + 1], E max w = sigma * int_0^inf 1 - (1 - e^-t (1 + t))^s dt.
@@ -78,7 +79,7 @@ TEST_CASE("b_max over s samples follows the largest of s Gamma(2, sigma) widths"
 }
 
 TEST_CASE("b_max over s = ceil(ln n) samples stays within a constant of sigma ln ln n",
-          "[analysis]") {
+          "[analysis][slow]") {
   // Theorem 2.1's shape: b_max / (sigma ln ln n) stays O(1) as n grows. The mean largest of
   // s = ceil(ln n) Gamma(2, sigma) widths is 4.0, 4.5, 4.8 sigma at n = 2^8, 2^12, 2^16 (the
   // integral of the previous test), so the ratio falls slowly from about 2.4 to 2.1.

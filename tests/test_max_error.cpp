@@ -28,7 +28,7 @@ RowMatrix<double> dense_error(const poslsh::HashSet& hashes, Index n, double sig
 
 }  // namespace
 
-TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis]") {
+TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis][slow]") {
   struct Case {
     Index n;
     double sigma;
@@ -57,7 +57,7 @@ TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis]") {
   }
 }
 
-TEST_CASE("max_error across the row-task seam and with hand-made hashes", "[analysis]") {
+TEST_CASE("max_error across the row-task seam and with hand-made hashes", "[analysis][slow]") {
   // n spans several row tasks, so the per-task walkers start mid-sequence.
   const Index n = 2 * poslsh::detail::analysis_rows_per_task + 77;
   const poslsh::HashSet hashes{poslsh::BinHash{3.5, 1.25}, poslsh::BinHash{10.0, 0.0},
@@ -90,7 +90,8 @@ TEST_CASE("max_error of an empty sequence is zero", "[analysis]") {
   CHECK(result.row == -1);
 }
 
-TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35", "[analysis]") {
+TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
+          "[analysis][slow]") {
   // n = 4096, sigma = 16, s = 4 .. 1024; single realisations give -0.45 to -0.51 (seeds 1 to
   // 5), so each seed is checked on its own. The max is a binomial deviation
   // |c/s - p| ~ sqrt(p (1 - p) / s) maximised over the band, hence the s^-1/2 shape.

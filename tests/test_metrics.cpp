@@ -44,7 +44,7 @@ TEST_CASE("bounds equal the paper's formulas", "[analysis]") {
   CHECK(poslsh::expectation_bound(1, 4.0, 3) == 0.0);
 }
 
-TEST_CASE("observed spectral error stays below the paper's expectation bound", "[analysis]") {
+TEST_CASE("observed spectral error stays below the paper's expectation bound", "[analysis][slow]") {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {2.0, 16.0, 128.0}) {
       for (Index n : {1024, 8192}) {
@@ -108,7 +108,7 @@ TEST_CASE("kernel_error_metrics gathers the errors, the norm and the bounds", "[
 }
 
 TEST_CASE("s_good and the tail bound from the absolute and the relative spectral error",
-          "[analysis]") {
+          "[analysis][slow]") {
   // rbf_hashes(16, 100, 2) at n = 1000: ||L* - M~||_2 = 2.235 and ||L*||_2 = 31.86, so with
   // epsilon = ||E||_2 (absolute, the paper's validation code) s_good = ceil(256 ln 1000 /
   // 2.235^2) = 354, and with epsilon = ||E||_2 / ||L*||_2 (relative) s_good = 360952.

@@ -46,7 +46,7 @@ SpectralOptions with_method(SpectralMethod method) {
 }  // namespace
 
 TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up to 1024",
-          "[analysis]") {
+          "[analysis][slow]") {
   struct Case {
     Index n;
     double sigma;
@@ -72,7 +72,7 @@ TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up
   }
 }
 
-TEST_CASE("an unconverged Lanczos run reports a lower bound", "[analysis]") {
+TEST_CASE("an unconverged Lanczos run reports a lower bound", "[analysis][slow]") {
   // sigma = 0.7 draws widths below 1 for this seed, so M~ = I and E = L* - I is Toeplitz: its
   // top eigenvalues are spaced ~1/n^2 apart and the residuals need ~5000 products.
   const Index n = 1024;
@@ -112,7 +112,8 @@ TEST_CASE("dense and automatic spectral error agree with a Jacobi SVD", "[analys
   }
 }
 
-TEST_CASE("alibi_kernel_norm equals the largest singular value of the dense kernel", "[analysis]") {
+TEST_CASE("alibi_kernel_norm equals the largest singular value of the dense kernel",
+          "[analysis][slow]") {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.05, 1.0, 16.0, 256.0, 3000.0}) {
       for (Index n : {1, 2, 3, 17, 300}) {
@@ -132,7 +133,7 @@ TEST_CASE("alibi_kernel_norm equals the largest singular value of the dense kern
 }
 
 TEST_CASE("alibi_kernel_norm approaches coth(1 / (2 sigma)) for long bidirectional sequences",
-          "[analysis]") {
+          "[analysis][slow]") {
   // The symbol of the Toeplitz matrix exp(-|k|/sigma) is (1 - r^2) / (1 - 2 r cos t + r^2),
   // largest at t = 0 where it is (1 + r) / (1 - r) = coth(1 / (2 sigma)); finite sections
   // approach it from below as n grows.
@@ -164,7 +165,7 @@ TEST_CASE("operator_spectral_norm on the kernel operator matches alibi_kernel_no
 }
 
 TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
-          "[analysis]") {
+          "[analysis][slow]") {
   // n = 4096, sigma = 16, s = 4 .. 1024 runs in about 0.2 s per seed. Single realisations
   // already land near -0.5 (seeds 1 to 5 give -0.44 to -0.53), so each seed is checked on its
   // own rather than averaged.
