@@ -94,8 +94,8 @@ TEST_CASE("mean of outputs backward matches central finite differences in double
           };
           for (int which = 0; which < 3; ++which) {
             INFO("n " << n << ", sigma " << sigma << ", s " << s << ", input " << which);
-            const RowMatrix<double> direction =
-                random_matrix<double>(grads[which].rows(), grads[which].cols(), 20 + which);
+            const RowMatrix<double> direction = random_matrix<double>(
+                grads[which].rows(), grads[which].cols(), static_cast<std::uint64_t>(20 + which));
             RowMatrix<double> plus[3] = {q, k, v}, minus[3] = {q, k, v};
             plus[which] += h * direction;
             minus[which] -= h * direction;
