@@ -5,6 +5,7 @@
 #pragma once
 
 #include "poslsh/alibi_kernel.hpp"
+#include "poslsh/attention_backward.hpp"
 #include "poslsh/banded_attention.hpp"
 #include "poslsh/block_kernel.hpp"
 #include "poslsh/block_plan.hpp"
@@ -16,6 +17,7 @@
 #include "poslsh/lse_merge.hpp"
 #include "poslsh/masks.hpp"
 #include "poslsh/max_error.hpp"
+#include "poslsh/mean_estimator.hpp"
 #include "poslsh/multihead.hpp"
 #include "poslsh/operators.hpp"
 #include "poslsh/partition.hpp"
