@@ -1,0 +1,451 @@
+// poslsh: variance-reduced samplers of the positional hash set. Every sampler draws each sample
+// from the same law as rbf_hash (w ~ Gamma(2, sigma), xi | w ~ U[0, w)), so each mask M(h_k)
+// has E[M(h_k)_ij] = exp(-|i-j| / sigma) and the mean mask M~ = (1/s) sum_k M(h_k) stays an
+// unbiased estimate of the ALiBi kernel L*. They differ only in how the samples of one set are
+// coupled: the variance of M~_ij is (1/s^2) (sum_k Var X_k + sum_{k != l} Cov(X_k, X_l)),
+// X_k = [bin_k(i) = bin_k(j)], and negative covariances lower it.
+//
+// Everything is counter-based (Philox4x32-10 keyed by seed, counter by stream, index and a
+// per-sampler tag), so a set depends only on its arguments, bit for bit on every platform.
+//
+// Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma;
+// s >= 1; n >= 0; options.group >= 1; the sampler has a BinHash form (not poisson) in
+// sample_hashes; a user-built partition set in validate_partition_set.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/random/philox.hpp"
+#include "poslsh/hash.hpp"
+#include "poslsh/partition.hpp"
+#include "poslsh/types.hpp"
+
+namespace poslsh {
+
+/// How the s samples of one hash set are drawn (all unbiased; see sample_hashes).
+enum class Sampler {
+  independent,      ///< rbf_hashes: s independent samples (bit for bit)
+  antithetic,       ///< widths in antithetic pairs F^-1(u), F^-1(1 - u)
+  stratified,       ///< widths F^-1((pi(k) + V_k) / s), one per stratum, random order pi
+  lattice_offsets,  ///< groups of g samples share a width; offsets w frac(U + j / g)
+  coupled_offsets,  ///< independent widths; offsets w_k frac(U + pi(k) / s) (one shared U)
+  rqmc,             ///< randomly shifted rank-1 lattice over (u_w, u_xi), w = F^-1(u_w)
+  poisson           ///< Poisson-process cuts of rate 1/sigma (partitions only, no BinHash)
+};
+
+/// All samplers, in declaration order (for sweeps).
+inline constexpr Sampler all_samplers[] = {
+    Sampler::independent,     Sampler::antithetic, Sampler::stratified, Sampler::lattice_offsets,
+    Sampler::coupled_offsets, Sampler::rqmc,       Sampler::poisson};
+
+/// The name of a sampler ("independent", "antithetic", ...).
+inline const char* sampler_name(Sampler sampler) {
+  switch (sampler) {
+    case Sampler::independent:
+      return "independent";
+    case Sampler::antithetic:
+      return "antithetic";
+    case Sampler::stratified:
+      return "stratified";
+    case Sampler::lattice_offsets:
+      return "lattice_offsets";
+    case Sampler::coupled_offsets:
+      return "coupled_offsets";
+    case Sampler::rqmc:
+      return "rqmc";
+    case Sampler::poisson:
+      return "poisson";
+  }
+  return "unknown";
+}
+
+/// The sampler called `name` (as sampler_name gives it). Throws std::invalid_argument naming
+/// 'name' for an unknown name.
+inline Sampler sampler_from_name(const std::string& name) {
+  for (Sampler sampler : all_samplers) {
+    if (name == sampler_name(sampler)) return sampler;
+  }
+  detail::throw_invalid("sampler_from_name", "name", name,
+                        "must be independent, antithetic, stratified, lattice_offsets, "
+                        "coupled_offsets, rqmc or poisson");
+}
+
+/// Options of the samplers.
+struct SamplerOptions {
+  /// Samples per shared width of Sampler::lattice_offsets (g >= 1; the last group of a set may
+  /// be shorter). g = 1 is the independent law drawn through F^-1.
+  Index group = 4;
+};
+
+namespace detail {
+
+/// log1p(x) - x without cancellation: the series -x^2/2 + x^3/3 - ... for |x| < 1/64 (14
+/// terms, truncation below 1e-25 relative), log1p(x) - x otherwise.
+inline double log1p_minus_x(double x) {
+  if (std::abs(x) >= 1.0 / 64.0) return std::log1p(x) - x;
+  double sum = 0.0;
+  for (int k = 15; k >= 2; --k) sum = x * (((k % 2 == 0) ? -1.0 : 1.0) / k + sum);
+  return x * sum;
+}
+
+}  // namespace detail
+
+/// The Gamma(2, 1) distribution function F(x) = 1 - (1 + x) e^{-x}, x >= 0.
+inline double gamma2_cdf(double x) {
+  if (!(x > 0.0)) return 0.0;
+  // 1 - (1 + x) e^{-x} = -expm1(log1p(x) - x), accurate for small x too.
+  return -std::expm1(detail::log1p_minus_x(x));
+}
+
+/// The Gamma(2, 1) quantile from the upper tail: the x >= 0 with 1 - F(x) = (1 + x) e^{-x} = q,
+/// q in (0, 1] (q = 1 - u gives F^-1(u); passing q directly keeps small tails exact). Newton on
+/// h(x) = log1p(x) - x - ln q, which is concave and decreasing on x >= 0: started at
+/// x_0 = L + 2 ln(1 + L) + 1 (L = -ln q), right of the root, the iterates decrease
+/// monotonically to it; one more step after the first below 1e-8 x. Relative accuracy about 1e-15
+/// in x, so |F(x) - u| is about 1e-16.
+inline double gamma2_upper_quantile(double q) {
+  if (!(q < 1.0)) return 0.0;
+  const double log_q = std::log(q);
+  const double tail = -log_q;
+  double x = tail + 2.0 * std::log1p(tail) + 1.0;
+  bool done = false;
+  for (int iteration = 0; iteration < 400; ++iteration) {
+    const double h = detail::log1p_minus_x(x) - log_q;
+    const double slope = -x / (1.0 + x);
+    const double step = h / slope;
+    x -= step;
+    if (!(x > 0.0)) x = 0.0;
+    // Quadratic convergence: once a step is below 1e-8 x the next is at rounding level.
+    if (std::abs(step) <= 1e-8 * x || x == 0.0) {
+      if (done || x == 0.0) break;
+      done = true;
+    }
+  }
+  return x;
+}
+
+/// The Gamma(2, 1) quantile F^-1(u), u in [0, 1). For u > 1/2 through
+/// gamma2_upper_quantile(1 - u) (1 - u is exact there). For u <= 1/2 safeguarded Newton on
+/// phi(x) = ln F(x) - ln u (phi' = x e^{-x} / F(x)) from x_0 = t + t^2/3 + t^3/36, t = sqrt(2 u)
+/// (the series inverse of F(x) = x^2/2 - x^3/3 + ...),
+/// bisecting whenever a step leaves the bracket [0, 1.7] (F(1.7) > 1/2); relative accuracy
+/// about 1e-15 in x for every u down to the smallest doubles.
+inline double gamma2_quantile(double u) {
+  if (!(u > 0.0)) return 0.0;
+  if (u > 0.5) return gamma2_upper_quantile(1.0 - u);
+  const double log_u = std::log(u);
+  double lo = 0.0, hi = 1.7;
+  const double root = std::sqrt(2.0 * u);
+  double x = std::min(root * (1.0 + root / 3.0 + root * root / 36.0), 1.6);
+  bool done = false;
+  for (int iteration = 0; iteration < 400; ++iteration) {
+    const double f = gamma2_cdf(x);
+    const double phi = std::log(f) - log_u;
+    if (phi == 0.0) break;
+    if (phi > 0.0) {
+      hi = x;
+    } else {
+      lo = x;
+    }
+    double next = x - phi * f / (x * std::exp(-x));
+    if (!(next >= lo && next <= hi)) next = 0.5 * (lo + hi);
+    const double step = next - x;
+    x = next;
+    if (std::abs(step) <= 1e-8 * x) {
+      if (done) break;
+      done = true;
+    }
+  }
+  return x;
+}
+
+namespace detail {
+
+/// Philox tags of the samplers (the top 4 bits of the counter's last word; rbf_hash uses 0, 1).
+enum SamplerTag : std::uint32_t {
+  tag_width = 2,
+  tag_offset = 3,
+  tag_shuffle = 4,
+  tag_shift = 5,
+  tag_cuts = 6
+};
+
+/// Four 32-bit words for (seed, stream, index, tag).
+inline PhiloxCounter sampler_words(std::uint64_t seed, std::uint64_t stream, std::uint64_t index,
+                                   std::uint32_t tag) {
+  const PhiloxKey key = {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+  const PhiloxCounter counter = {
+      static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(index >> 32),
+      static_cast<std::uint32_t>(stream), static_cast<std::uint32_t>(stream >> 32) ^ (tag << 28)};
+  return philox4x32_10(counter, key);
+}
+
+/// 53-bit uniform on the open interval (0, 1): (top 53 bits + 1/2) 2^-53.
+inline double uniform_open(std::uint32_t high, std::uint32_t low) {
+  const std::uint64_t bits = (std::uint64_t{high} << 32) | low;
+  return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
+}
+
+/// Two open uniforms for (seed, stream, index, tag).
+inline std::array<double, 2> sampler_uniforms(std::uint64_t seed, std::uint64_t stream,
+                                              std::uint64_t index, std::uint32_t tag) {
+  const PhiloxCounter words = sampler_words(seed, stream, index, tag);
+  return {uniform_open(words[0], words[1]), uniform_open(words[2], words[3])};
+}
+
+/// A uniformly random permutation of 0..s-1 (Fisher-Yates, counter-based draws).
+inline std::vector<Index> sampler_permutation(Index s, std::uint64_t seed, std::uint64_t stream) {
+  std::vector<Index> order(static_cast<std::size_t>(s));
+  std::iota(order.begin(), order.end(), Index{0});
+  for (Index k = s - 1; k > 0; --k) {
+    const double u = sampler_uniforms(seed, stream, static_cast<std::uint64_t>(k), tag_shuffle)[0];
+    const auto j = std::min(static_cast<Index>(u * static_cast<double>(k + 1)), k);
+    std::swap(order[static_cast<std::size_t>(k)], order[static_cast<std::size_t>(j)]);
+  }
+  return order;
+}
+
+/// The hash of width sigma F^-1-value x and offset fraction f in [0, 1).
+inline BinHash sampler_hash(double sigma, double x, double fraction) {
+  BinHash hash;
+  hash.width = std::max(sigma * x, BinHash::min_width);
+  hash.offset = std::min(fraction, 1.0 - 0x1.0p-53) * hash.width;
+  if (!(hash.offset < hash.width)) hash.offset = 0.0;
+  return hash;
+}
+
+/// frac(x) in [0, 1).
+inline double fractional(double x) {
+  const double f = x - std::floor(x);
+  return f < 1.0 ? f : 0.0;
+}
+
+/// The generator a of the rank-1 lattice {(k / s, frac(k a / s))}: the integer nearest
+/// s (sqrt(5) - 1) / 2 that is coprime to s (the Fibonacci lattice when s is a Fibonacci
+/// number), or 1 for s <= 2.
+inline Index rank1_generator(Index s) {
+  if (s <= 2) return 1;
+  const double golden = 0.5 * (std::sqrt(5.0) - 1.0);
+  const auto start = static_cast<Index>(std::llround(golden * static_cast<double>(s)));
+  for (Index delta = 0; delta < s; ++delta) {
+    for (Index a : {start - delta, start + delta}) {
+      if (a >= 1 && a < s && std::gcd(a, s) == 1) return a;
+    }
+  }
+  return 1;
+}
+
+}  // namespace detail
+
+/// Hash set of s samples for length scale sigma under `sampler`, keyed by (seed, stream) like
+/// rbf_hashes. Each sample's marginal law is exactly that of rbf_hash (w ~ Gamma(2, sigma),
+/// xi | w ~ U[0, w)); hence P[bin_k(i) = bin_k(j)] = E_w[(1 - r/w)_+] = e^{-r/sigma} for every
+/// k and E[M~] = L* for every sampler. Writing F(x) = 1 - (1 + x) e^{-x} (the Gamma(2, 1) law)
+/// and p_w(r) = (1 - r/w)_+ (the collision probability given w):
+///   independent      rbf_hashes(sigma, s, seed, stream), bit for bit.
+///   antithetic       sample 2m uses w = sigma F^-1(u_m), sample 2m+1 w = sigma F^-1(1 - u_m),
+///                    u_m ~ U(0, 1); offsets independent. u and 1 - u are both U(0, 1), so each
+///                    width is Gamma(2, sigma). p_w(r) is non-decreasing in w and F^-1 is
+///                    increasing, so p(F^-1(u)) and p(F^-1(1 - u)) are oppositely monotone in u
+///                    and their covariance is <= 0 (Chebyshev's sum inequality): the variance
+///                    per pair never exceeds the independent sampler's.
+///   stratified       w_k = sigma F^-1((pi(k) + V_k) / s), V_k ~ U(0, 1) independent, pi a
+///                    uniformly random permutation: pi(k) is uniform on {0..s-1}, so
+///                    (pi(k) + V_k) / s ~ U(0, 1) for each k. Proportional stratification:
+///                    the width part of the variance, Var_w p_w(r) / s, becomes the mean
+///                    within-stratum variance of p_w(r), never larger.
+///   lattice_offsets  groups of g = options.group samples share w = sigma F^-1(u) and take the
+///                    offsets w frac(U + j / g), j = 0..g-1, U ~ U(0, 1): frac(U + j / g) is
+///                    U(0, 1) for each j. Given w the g offsets are a shifted lattice, so the
+///                    number of them whose cut falls between i and j is floor(g r / w) or
+///                    ceil(g r / w): the offset part of the variance, E_w[p_w (1 - p_w)], falls
+///                    to E_w[f (1 - f)] / g^2 (f = frac(g r / w) for r < w), while the width part
+///                    is multiplied by g (g samples share one width).
+///   coupled_offsets  independent widths w_k = sigma F^-1(u_k); offsets w_k frac(U + pi(k) / s)
+///                    with one U ~ U(0, 1) and a random permutation pi: each fraction is U(0, 1)
+///                    and independent of w_k, so each sample has the rbf_hash law.
+///   rqmc             the randomly shifted rank-1 lattice (u_w, u_xi)_k = (frac((pi(k) + D_1)
+///                    / s), frac(pi(k) a / s + D_2)), a = detail::rank1_generator(s), one shift
+///                    (D_1, D_2) ~ U(0, 1)^2: each point is U(0, 1)^2, so w = sigma F^-1(u_w)
+///                    and xi = u_xi w have the rbf_hash law; the lattice spreads the s points
+///                    evenly over the unit square (the widths are stratified as above).
+///   poisson          no BinHash form (unequal block lengths): use sample_partition_set.
+/// Widths go through the quantile gamma2_quantile (Newton, accurate to about 1e-15) instead of
+/// rbf_hash's -sigma (ln U1 + ln U2). Only independent and coupled_offsets give each prefix of
+/// the set the same law as a set of that size; the others depend on s as a whole.
+/// Throws std::invalid_argument naming 'sigma', 's', 'options.group' or 'sampler' (poisson).
+inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream,
+                             Sampler sampler, const SamplerOptions& options = {}) {
+  constexpr const char* function = "sample_hashes";
+  detail::require_positive(s, function, "s");
+  detail::require_hash_sigma(sigma, function);
+  detail::require_positive(options.group, function, "options.group");
+  detail::require(sampler != Sampler::poisson, function, "sampler", "poisson",
+                  "has no BinHash form (unequal block lengths); use sample_partition_set");
+  if (sampler == Sampler::independent) return rbf_hashes(sigma, s, seed, stream);
+  HashSet hashes(static_cast<std::size_t>(s));
+  const auto width_uniform = [&](Index index) {
+    return detail::sampler_uniforms(seed, stream, static_cast<std::uint64_t>(index),
+                                    detail::tag_width);
+  };
+  const auto offset_uniform = [&](Index index) {
+    return detail::sampler_uniforms(seed, stream, static_cast<std::uint64_t>(index),
+                                    detail::tag_offset)[0];
+  };
+  const double s_double = static_cast<double>(s);
+  switch (sampler) {
+    case Sampler::antithetic:
+      for (Index k = 0; k < s; ++k) {
+        const double u = width_uniform(k / 2)[0];
+        // F^-1(1 - u) = upper quantile at q = u: no rounding of 1 - u on the small side.
+        const double x = (k % 2 == 0) ? gamma2_quantile(u) : gamma2_upper_quantile(u);
+        hashes[static_cast<std::size_t>(k)] = detail::sampler_hash(sigma, x, offset_uniform(k));
+      }
+      break;
+    case Sampler::stratified: {
+      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
+      for (Index k = 0; k < s; ++k) {
+        const double u =
+            (static_cast<double>(order[static_cast<std::size_t>(k)]) + width_uniform(k)[0]) /
+            s_double;
+        hashes[static_cast<std::size_t>(k)] = detail::sampler_hash(
+            sigma, gamma2_quantile(std::min(u, 1.0 - 0x1.0p-53)), offset_uniform(k));
+      }
+      break;
+    }
+    case Sampler::lattice_offsets: {
+      const Index g = options.group;
+      for (Index k = 0; k < s; ++k) {
+        const std::array<double, 2> u = width_uniform(k / g);
+        const double fraction =
+            detail::fractional(u[1] + static_cast<double>(k % g) / static_cast<double>(g));
+        hashes[static_cast<std::size_t>(k)] =
+            detail::sampler_hash(sigma, gamma2_quantile(u[0]), fraction);
+      }
+      break;
+    }
+    case Sampler::coupled_offsets: {
+      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
+      const double shift = detail::sampler_uniforms(seed, stream, 0, detail::tag_shift)[0];
+      for (Index k = 0; k < s; ++k) {
+        const double fraction = detail::fractional(
+            shift + static_cast<double>(order[static_cast<std::size_t>(k)]) / s_double);
+        hashes[static_cast<std::size_t>(k)] =
+            detail::sampler_hash(sigma, gamma2_quantile(width_uniform(k)[0]), fraction);
+      }
+      break;
+    }
+    case Sampler::rqmc: {
+      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
+      const std::array<double, 2> shift =
+          detail::sampler_uniforms(seed, stream, 0, detail::tag_shift);
+      const Index a = detail::rank1_generator(s);
+      for (Index k = 0; k < s; ++k) {
+        const Index point = order[static_cast<std::size_t>(k)];
+        const double u_width =
+            detail::fractional((static_cast<double>(point) + shift[0]) / s_double);
+        const double u_offset =
+            detail::fractional(static_cast<double>((point * a) % s) / s_double + shift[1]);
+        hashes[static_cast<std::size_t>(k)] =
+            detail::sampler_hash(sigma, gamma2_quantile(u_width), u_offset);
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  return hashes;
+}
+
+/// The block partitions of a set of s samples on [0, n): sample k's blocks are
+/// [edges[offsets[k] + r], edges[offsets[k] + r + 1]), from 0 to n. The analysis functions that
+/// take one (partition_error_metrics, BandCountOperator, ...) accept any partition, including
+/// the unequal blocks of Sampler::poisson that a BinHash cannot describe.
+using PartitionSet = detail::AnalysisPartitions;
+
+/// The partitions of a hash set on [0, n) (block_boundaries of each hash). Throws
+/// std::invalid_argument if the set is empty, a hash is invalid or n < 0.
+inline PartitionSet partition_set(const HashSet& hashes, Index n) {
+  return detail::analysis_partitions(hashes, n, "partition_set");
+}
+
+/// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges 0 = t_0 < t_1
+/// < ... < t_m = n (n = 0: the single edge 0) and offsets increasing into `edges`.
+inline void validate_partition_set(const PartitionSet& set, const char* function) {
+  detail::require_size(set.n, function, "partitions.n");
+  detail::require(!set.offsets.empty() && set.offsets.front() == 0 &&
+                      set.offsets.back() == set.edges.size() && set.samples() >= 1,
+                  function, "partitions.offsets", set.offsets.size(),
+                  "must start at 0, end at edges.size() and hold at least one sample");
+  for (Index k = 0; k < set.samples(); ++k) {
+    const Index* first = set.begin(k);
+    const Index* last = set.end(k);
+    bool ok = last - first >= 1 && first[0] == 0 && last[-1] == set.n;
+    for (const Index* edge = first; ok && edge + 1 < last; ++edge) ok = edge[0] < edge[1];
+    detail::require(ok, function, "partitions.edges", k,
+                    "sample's edges must run 0 = t_0 < t_1 < ... < t_m = n");
+  }
+}
+
+/// The Poisson-cut partition of sample k of (seed, stream) on [0, n): cuts of a Poisson process
+/// of rate 1/sigma on the real line, one cut between positions i and i+1 (the integers' unit
+/// gaps) when the process has a point in that gap. The gaps are independent, each free of
+/// points with probability e^{-1/sigma}, so positions i < j share a block with probability
+/// P[no point in (i, j]] = e^{-(j - i)/sigma} exactly: E[M(partition)] = L*. The block lengths
+/// are then i.i.d. 1 + floor(-sigma ln U) (geometric, mean 1 / (1 - e^{-1/sigma})), the last
+/// one cut at n; O(n / sigma + 1) draws.
+inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t seed,
+                                            std::uint64_t stream, std::uint64_t sample) {
+  std::vector<Index> edges{0};
+  if (n == 0) return edges;
+  std::uint64_t draw = 0;  // counter index (sample << 32) + draw: s and n / sigma below 2^32
+  Index position = 0;
+  const double limit = static_cast<double>(n);
+  while (position < n) {
+    // Two lengths per Philox call.
+    const detail::PhiloxCounter words =
+        detail::sampler_words(seed, stream, (sample << 32) + draw++, detail::tag_cuts);
+    for (int half = 0; half < 2 && position < n; ++half) {
+      const double u = detail::uniform_open(words[2 * half], words[2 * half + 1]);
+      const double gap = 1.0 + std::floor(-sigma * std::log(u));
+      position =
+          gap >= limit - static_cast<double>(position) ? n : position + static_cast<Index>(gap);
+      edges.push_back(position);
+    }
+  }
+  return edges;
+}
+
+/// The partitions of s samples on [0, n) under `sampler`: partition_set(sample_hashes(...))
+/// for the BinHash samplers, poisson_cut_edges(sigma, n, seed, stream, k) for Sampler::poisson.
+/// Throws std::invalid_argument naming 'sigma', 's', 'n' or 'options.group'.
+inline PartitionSet sample_partition_set(double sigma, Index s, Index n, std::uint64_t seed,
+                                         std::uint64_t stream, Sampler sampler,
+                                         const SamplerOptions& options = {}) {
+  constexpr const char* function = "sample_partition_set";
+  detail::require_size(n, function, "n");
+  if (sampler != Sampler::poisson) {
+    return partition_set(sample_hashes(sigma, s, seed, stream, sampler, options), n);
+  }
+  detail::require_positive(s, function, "s");
+  detail::require_hash_sigma(sigma, function);
+  PartitionSet set;
+  set.n = n;
+  for (Index k = 0; k < s; ++k) {
+    const std::vector<Index> edges =
+        poisson_cut_edges(sigma, n, seed, stream, static_cast<std::uint64_t>(k));
+    set.edges.insert(set.edges.end(), edges.begin(), edges.end());
+    set.offsets.push_back(set.edges.size());
+  }
+  return set;
+}
+
+}  // namespace poslsh
