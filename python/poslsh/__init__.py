@@ -16,18 +16,12 @@ has autograd Functions.
 from ._core import (  # noqa: F401
     BlockPlan,
     HashSet,
-    KernelErrorMetrics,
     LseMerger,
-    OutputErrorMetrics,
-    PaperMetrics,
-    SpectralNorm,
-    UnnormalizedOutputError,
     __version__,
     alibi_attention_banded,
     alibi_attention_decode_exact,
     alibi_attention_reference,
     alibi_attention_tiled,
-    alibi_kernel_norm,
     alibi_sigmas,
     alibi_slopes,
     band_for_bias_error,
@@ -36,18 +30,14 @@ from ._core import (  # noqa: F401
     fixed_blocks_hash,
     has_backward,
     has_openmp,
-    kernel_error_metrics,
+    has_spectra,
     lsh_attention_decode,
     lsh_attention_fused,
     lsh_attention_per_sample,
     lsh_fused_pair_count,
-    max_error,
     max_threads,
     multihead_attention,
-    output_error_metrics,
-    paper_metrics,
     rbf_hashes,
-    spectral_error,
 )
 
 if has_backward:
@@ -56,4 +46,19 @@ if has_backward:
         alibi_attention_tiled_with_lse,
         lsh_attention_fused_backward,
         lsh_attention_fused_with_lse,
+    )
+
+if has_spectra:
+    from ._core import (  # noqa: F401
+        KernelErrorMetrics,
+        OutputErrorMetrics,
+        PaperMetrics,
+        SpectralNorm,
+        UnnormalizedOutputError,
+        alibi_kernel_norm,
+        kernel_error_metrics,
+        max_error,
+        output_error_metrics,
+        paper_metrics,
+        spectral_error,
     )

@@ -2,6 +2,10 @@
 // output errors (the paper's metric set).
 #include "common.hpp"
 
+// The spectral norms need Spectra (Debian: libspectra-dev); without it the module has no
+// analysis functions and poslsh.has_spectra is False.
+#if __has_include(<Spectra/SymEigsSolver.h>)
+#define POSLSH_PYTHON_HAS_SPECTRA 1
 #if __has_include("poslsh/analysis.hpp")
 #include "poslsh/analysis.hpp"
 #else
@@ -9,8 +13,11 @@
 #include "poslsh/metrics.hpp"
 #include "poslsh/spectral_error.hpp"
 #endif
+#endif
 
 namespace poslsh_python {
+
+#ifdef POSLSH_PYTHON_HAS_SPECTRA
 
 namespace {
 
@@ -80,6 +87,7 @@ std::string fields_repr(const char* name, const py::object& self,
 }  // namespace
 
 void bind_analysis(py::module_& module) {
+  module.attr("has_spectra") = true;
   py::class_<poslsh::SpectralNorm>(module, "SpectralNorm",
                                    "A spectral norm and how it was computed.")
       .def_readonly("value", &poslsh::SpectralNorm::value)
@@ -280,5 +288,11 @@ n <= dense_limit, else None), and output_error_metrics(exact, approximate).
 Returns a PaperMetrics.
 )doc");
 }
+
+#else
+
+void bind_analysis(py::module_& module) { module.attr("has_spectra") = false; }
+
+#endif
 
 }  // namespace poslsh_python

@@ -9,6 +9,8 @@ import poslsh
 import reference
 from conftest import random_qkv
 
+pytestmark = pytest.mark.skipif(not poslsh.has_spectra, reason="module built without Spectra")
+
 
 def psi(sigma):
     return 1 + sigma + 1 / math.tanh(0.5 / sigma)
