@@ -212,10 +212,11 @@ TEST_CASE("float backward is within twice the float forward's error against doub
       const Gradients<double> g = backward<double>(s, q, k, v, out, lse, dout);
       const Gradients<float> gf = backward<float>(s, qf, kf, vf, outf, lsef, doutf);
       const double forward_error = relative_max_error(outf.cast<double>(), out);
-      // The float lse carries a rounding of eps |lse| / 2 into every probability of its row;
-      // the floor 4 eps covers it (|lse| <= 8 here).
+      // The float lse carries a rounding of eps |lse| / 2 into every probability of its row, and
+      // the tile GEMMs round differently from the forward's kernels (more without FMA): the floor
+      // 8 eps covers both (|lse| <= 8 here).
       const double bound =
-          2.0 * std::max(forward_error, 4.0 * std::numeric_limits<float>::epsilon());
+          2.0 * std::max(forward_error, 8.0 * std::numeric_limits<float>::epsilon());
       INFO("forward error " << forward_error);
       CHECK(relative_max_error(gf.dq.cast<double>(), g.dq) <= bound);
       CHECK(relative_max_error(gf.dk.cast<double>(), g.dk) <= bound);
