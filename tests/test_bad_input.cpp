@@ -253,7 +253,8 @@ TEMPLATE_TEST_CASE("the decoders reject a bad position, query, cache and masking
   require_rejected([&] { lsh(query, keys, values, Index{10}, hashes, out, AttentionOptions{}); },
                    "t", 10);
   require_rejected(
-      [&] { lsh(two_queries, keys, values, Index{3}, hashes, out, AttentionOptions{}); }, "query",
+      // Two query rows end at t = 0: more rows than positions 0 .. t.
+      [&] { lsh(two_queries, keys, values, Index{0}, hashes, out, AttentionOptions{}); }, "query",
       2);
   require_rejected(
       [&] { lsh(query, keys_narrow, values, Index{3}, hashes, out, AttentionOptions{}); }, "keys",

@@ -65,7 +65,8 @@ TEST_CASE("decode rejects bad arguments", "[decode][invalid]") {
                            "t");
   require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, -1, hashes, out); },
                            "t");
-  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q2, k, k, 3, hashes, out); },
+  // Two query rows end at t = 0: more rows than positions 0 .. t.
+  require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q2, k, k, 0, hashes, out); },
                            "query");
   require_invalid_argument([&] { poslsh::lsh_attention_decode<float>(q, k, k, 3, HashSet{}, out); },
                            "hashes");

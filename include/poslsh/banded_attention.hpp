@@ -33,22 +33,24 @@ inline ExactWindow banded_window(Index n, Index band, Masking masking) {
 
 }  // namespace detail
 
-/// Rows [row_begin, row_end) of alibi_attention_banded, written to `out_rows`
-/// ((row_end - row_begin) x d_v); any split of [0, n) into ranges gives bitwise the full
-/// result. Single-threaded. Throws std::invalid_argument naming a bad argument.
+/// Rows [row_begin, row_end) of q of alibi_attention_banded, written to `out_rows`
+/// ((row_end - row_begin) x d_v); any split of the rows into ranges (and any chunk of queries
+/// at an offset, options.query_offset) gives bitwise the full result. Single-threaded. Throws
+/// std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                  ConstMatrixRef<Scalar> v, double sigma, Index band,
                                  Index row_begin, Index row_end, MatrixRef<Scalar> out_rows,
                                  const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_banded_rows";
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin, row_end, out_rows);
+  const Index p0 = detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin,
+                                                           row_end, out_rows, options);
   detail::require_size(band, function, "band");
   const double tau = detail::resolve_scale(function, options, q.cols());
   if (row_begin == row_end) return;
   detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
-                                   detail::banded_window(q.rows(), band, options.masking),
-                                   row_begin, row_end, out_rows);
+                                   detail::banded_window(k.rows(), band, options.masking),
+                                   p0 + row_begin, p0 + row_end, out_rows, p0);
 }
 
 /// Banded exact ALiBi attention: the softmax of tau Q K^T - |i-j| / sigma over the keys with
@@ -59,19 +61,24 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar
 /// exp(-|i-j|/sigma) is below eps; band >= n - 1 gives the exact attention. Same tiles and
 /// online softmax as alibi_attention_tiled; key tiles outside the band are never touched, so
 /// the cost is O(n (band + tile) d). Q is n x d, K n x d, V n x d_v, `out` n x d_v, any row
-/// strides; single-threaded. Throws std::invalid_argument naming a bad argument.
+/// strides; single-threaded. Queries at an offset (options.query_offset = p0; unset: L - m):
+/// Q m x d at positions p0 .. p0 + m - 1, K and V L rows, |i - j| and j <= i read with
+/// i = p0 + r; row r is bitwise row p0 + r of the self-attention over the L positions. Throws
+/// std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, Index band,
                             MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_banded";
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  const Index p0 =
+      detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out, options);
   detail::require_size(band, function, "band");
   const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index n = q.rows();
-  if (n == 0) return;
+  const Index m = q.rows();
+  if (m == 0) return;
   detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
-                                   detail::banded_window(n, band, options.masking), 0, n, out);
+                                   detail::banded_window(k.rows(), band, options.masking), p0,
+                                   p0 + m, out, p0);
 }
 
 /// Returning form of alibi_attention_banded.

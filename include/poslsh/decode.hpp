@@ -1,9 +1,14 @@
-// poslsh: decode, one new query at position t over a KV cache of rows 0..t (causal).
+// poslsh: decode, new queries ending at position t over a KV cache of rows 0..t (causal): one
+// query (m = 1), or m >= 1 queries at positions t - m + 1 .. t (multi-token decode), each row
+// computed as the one-query decode at its position. The prefill kernels with
+// AttentionOptions::query_offset are the other multi-token decode: their rows are bitwise
+// those of the full prefill.
 //
-// Checked (std::invalid_argument naming the argument): query has 1 row, shapes of keys, values
-// and out, 0 <= t < keys.rows(), causal masking, a finite scale; the LSH decoder: a non-empty
-// set of valid hashes; the exact decoder: sigma finite and > 0. Not checked: the values (a NaN
-// in the query gives a NaN output; see types.hpp) and cache rows past t, which are never read.
+// Checked (std::invalid_argument naming the argument): query has 1 .. t + 1 rows, shapes of keys,
+// values and out, 0 <= t < keys.rows(), causal masking, a finite scale; the LSH decoder: a
+// non-empty set of valid hashes; the exact decoder: sigma finite and > 0. Not checked: the values
+// (a NaN in the query gives a NaN output; see types.hpp) and cache rows past t, which are never
+// read.
 #pragma once
 
 #include <algorithm>
@@ -25,11 +30,14 @@ template <typename QType, typename KType, typename VType, typename OutType>
 void require_decode_arguments(const char* function, const QType& query, const KType& keys,
                               const VType& values, Index t, const OutType& out,
                               const AttentionOptions& options) {
-  require(query.rows() == 1, function, "query", query.rows(), "must have exactly 1 row");
+  require(query.rows() >= 1, function, "query", query.rows(), "must have at least 1 row");
   require_qkv_shapes(function, query, keys, values, QkvNames{"query", "keys", "values"});
   require(t >= 0 && t < keys.rows(), function, "t", t,
           "must lie in [0, keys.rows()) = [0, " + std::to_string(keys.rows()) + ")");
-  require_output_shape(function, out, 1, values.cols());
+  require(query.rows() <= t + 1, function, "query", query.rows(),
+          "row count m must be <= t + 1 = " + std::to_string(t + 1) +
+              " (rows at positions t - m + 1 .. t)");
+  require_output_shape(function, out, query.rows(), values.cols());
   require(options.masking == Masking::causal, function, "options.masking", "bidirectional",
           "decode attends to the cache 0..t only: must be causal");
 }
@@ -73,6 +81,7 @@ inline Index lsh_decode_first_key(const HashSet& hashes, Index t) {
 /// q_t.k_j}, c_tj = #{k : bin_k(t) = bin_k(j)}. Only keys [min_k begin_k(t), t] are read, where
 /// begin_k(t) is the start of t's block in sample k: O(s + band d), independent of t.
 /// `keys` and `values` hold at least t + 1 rows (the cache); rows after t are not read.
+/// With m query rows, row r is this at position p = t - m + 1 + r (keys 0 .. p).
 /// Throws std::invalid_argument naming a bad argument (shapes, t, hashes, masking).
 template <typename Scalar>
 void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> keys,
@@ -82,21 +91,28 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> k
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, query.cols()));
-  // c_tj = #{k : begin_k(t) <= j}: counts of block starts, then a running sum over keys.
-  const std::vector<Index> begins = detail::decode_block_begins(hashes, t);
-  const Index first = *std::min_element(begins.begin(), begins.end());
+  const Index m = query.rows();
   detail::LogitScratch<Scalar> scratch;
-  scratch.shape(1, t + 1 - first);
-  auto logits = scratch.logits();
-  logits.setZero();
-  for (Index begin : begins) logits(0, begin - first) += Scalar(1);
-  for (Index c = 1; c < logits.cols(); ++c) logits(0, c) += logits(0, c - 1);
-  detail::log_counts(logits.row(0));
-  detail::weighted_decode<Scalar>(query, keys, values, first, t, tau, scratch, out);
+  for (Index r = 0; r < m; ++r) {
+    const Index position = t - m + 1 + r;
+    // c_pj = #{k : begin_k(p) <= j}: counts of block starts, then a running sum over keys.
+    const std::vector<Index> begins = detail::decode_block_begins(hashes, position);
+    const Index first = *std::min_element(begins.begin(), begins.end());
+    scratch.shape(1, position + 1 - first);
+    auto logits = scratch.logits();
+    logits.setZero();
+    for (Index begin : begins) logits(0, begin - first) += Scalar(1);
+    for (Index c = 1; c < logits.cols(); ++c) logits(0, c) += logits(0, c - 1);
+    detail::log_counts(logits.row(0));
+    auto out_row = out.middleRows(r, 1);
+    detail::weighted_decode<Scalar>(query.middleRows(r, 1), keys, values, first, position, tau,
+                                    scratch, out_row);
+  }
 }
 
 /// Exact ALiBi decode: out = softmax_j(tau q_t.k_j - (t - j) / sigma) v_j over j = 0..t.
-/// O(t d): the cost a KV cache pays without LSH. Throws std::invalid_argument as above.
+/// O(t d): the cost a KV cache pays without LSH. With m query rows, row r is this at position
+/// p = t - m + 1 + r (keys 0 .. p). Throws std::invalid_argument as above.
 template <typename Scalar>
 void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> keys,
                                   ConstMatrixRef<Scalar> values, Index t, double sigma,
@@ -108,12 +124,18 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
   // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24), with the
   // slope kept finite for distances up to t.
   const Scalar slope = detail::finite_alibi_slope<Scalar>(sigma, t);
+  const Index m = query.rows();
   detail::LogitScratch<Scalar> scratch;
-  scratch.shape(1, t + 1);
-  scratch.logits() = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(
-                         t + 1, -static_cast<Scalar>(t), Scalar(0)) *
-                     slope;
-  detail::weighted_decode<Scalar>(query, keys, values, 0, t, tau, scratch, out);
+  for (Index r = 0; r < m; ++r) {
+    const Index position = t - m + 1 + r;
+    scratch.shape(1, position + 1);
+    scratch.logits() = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::LinSpaced(
+                           position + 1, -static_cast<Scalar>(position), Scalar(0)) *
+                       slope;
+    auto out_row = out.middleRows(r, 1);
+    detail::weighted_decode<Scalar>(query.middleRows(r, 1), keys, values, 0, position, tau, scratch,
+                                    out_row);
+  }
 }
 
 }  // namespace poslsh

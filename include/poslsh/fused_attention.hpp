@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <utility>
 
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
@@ -26,15 +27,18 @@ struct FusedWorkspace {
   TileBuffers<Scalar> buffers;
 };
 
-/// Rows [i0, i0 + rows) of the fused estimator, written to out.middleRows(i0, rows).
+/// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
+/// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
+/// position query_offset + r.
 template <typename Scalar, typename OutType>
 void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                 const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
-                Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work) {
-  CountBias<Scalar> bias(hashes, q.rows(), causal, work.counts, work.count_tile);
+                Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
+                Index query_offset = 0) {
+  CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
   TileEngine<Scalar, CountBias<Scalar>> engine(q, k, v, static_cast<double>(tau), bias,
-                                               work.buffers);
-  engine.run(i0, i0 + rows, out.middleRows(i0, rows));
+                                               work.buffers, query_offset);
+  engine.run(i0, i0 + rows, out.middleRows(i0 - query_offset, rows));
 }
 
 /// Runs the (head, query tile) jobs in one parallel loop, job j being head j % heads of query
@@ -47,9 +51,13 @@ void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k
 /// of rows H d apart (2 KiB for H = 8, d = 64 floats), a stride that hardware prefetchers do
 /// not follow and that maps every row to the same few cache sets: then the time per pair grew
 /// with n as the inputs outgrew the last-level cache (0.86x at n = 65536 vs 4096).
+/// Rows at positions [row_begin, row_end): query tiles aligned to multiples of
+/// fused_query_tile in positions, the first and the last cut to the range.
 template <typename Scalar, typename HeadTile>
-void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
-  const Index tiles_per_head = (n + fused_query_tile - 1) / fused_query_tile;
+void run_fused_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
+  if (row_begin >= row_end) return;
+  const Index first_tile = row_begin / fused_query_tile;
+  const Index tiles_per_head = (row_end + fused_query_tile - 1) / fused_query_tile - first_tile;
   const auto jobs = static_cast<long>(heads * tiles_per_head);
 #pragma omp parallel
   {
@@ -57,10 +65,17 @@ void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
 #pragma omp for schedule(dynamic, 1)
     for (long job = 0; job < jobs; ++job) {
       const Index h = static_cast<Index>(job) % heads;
-      const Index i0 = (static_cast<Index>(job) / heads) * fused_query_tile;
-      head_tile(h, i0, std::min(fused_query_tile, n - i0), work);
+      const Index i0 = (first_tile + static_cast<Index>(job) / heads) * fused_query_tile;
+      const Index r0 = std::max(i0, row_begin);
+      head_tile(h, r0, std::min(i0 + fused_query_tile, row_end) - r0, work);
     }
   }
+}
+
+/// Rows [0, n) (self-attention).
+template <typename Scalar, typename HeadTile>
+void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
+  run_fused_tiles<Scalar>(heads, Index{0}, n, std::forward<HeadTile>(head_tile));
 }
 
 }  // namespace detail
@@ -74,20 +89,23 @@ void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
 /// count tile (built from the blocks by difference arrays) inside an online softmax whose
 /// running maximum is over entries of non-zero weight. Extra memory O(tile) per thread. Tiles
 /// run in parallel (OpenMP) and write disjoint rows: bitwise the same output for any thread
-/// count. Throws std::invalid_argument naming a bad argument.
+/// count. Queries at an offset (options.query_offset = p0; unset: L - m): Q is m x d at
+/// positions p0 .. p0 + m - 1 over K, V of L rows, c_{p0+r, j} read at the absolute positions
+/// (causal: j <= p0 + r), and row r is bitwise row p0 + r of the kernel on all L positions
+/// (chunked prefill, multi-token decode). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                          ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
                          const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
-  detail::require_lsh_arguments(function, q, k, v, hashes, out);
-  const Index n = q.rows();
-  if (n == 0) return;
+  const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
+  const Index m = q.rows();
+  if (m == 0) return;
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
   detail::run_fused_tiles<Scalar>(
-      1, n, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
-        detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0, rows, out, work);
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+        detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0, rows, out, work, p0);
       });
 }
 

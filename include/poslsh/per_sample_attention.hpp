@@ -24,13 +24,17 @@ namespace detail {
 inline constexpr Index per_sample_tile = 128;
 
 /// Plain attention of block [begin, end) (no positional bias; causal inside the block when
-/// causal), folded into `state` tile by tile with weight 1 per visible pair.
+/// causal), folded into `state` tile by tile with weight 1 per visible pair. Query position i
+/// is row i - base of q and of the state; only the query tiles meeting positions
+/// [rows_first, rows_last) are computed (each whole, as when all are).
 template <typename Scalar>
 void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
                 Scalar tau, bool causal, Index begin, Index end, StreamingSoftmax<Scalar>& state,
-                LogitScratch<Scalar>& scratch) {
+                LogitScratch<Scalar>& scratch, Index base = 0, Index rows_first = 0,
+                Index rows_last = std::numeric_limits<Index>::max()) {
   for (Index i0 = begin; i0 < end; i0 += per_sample_tile) {
     const Index rows = std::min(per_sample_tile, end - i0);
+    if (i0 + rows <= rows_first || i0 >= rows_last) continue;
     const Index key_end = causal ? i0 + rows : end;
     for (Index j0 = begin; j0 < key_end; j0 += per_sample_tile) {
       const Index cols = std::min(per_sample_tile, key_end - j0);
@@ -45,10 +49,47 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
               .setConstant(-std::numeric_limits<Scalar>::infinity());
         }
       }
-      logits.noalias() += (tau * q.middleRows(i0, rows)) * k.middleRows(j0, cols).transpose();
-      state.update(i0, scratch, v.middleRows(j0, cols));
+      logits.noalias() +=
+          (tau * q.middleRows(i0 - base, rows)) * k.middleRows(j0, cols).transpose();
+      state.update(i0 - base, scratch, v.middleRows(j0, cols));
     }
   }
+}
+
+/// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
+/// positions: the query tiles holding them are computed whole, on a copy of their rows with
+/// zeros at the positions outside q, and a state whose first row is 64-aligned like the
+/// state of all positions, so every row gets bitwise the arithmetic of the full call.
+template <typename Scalar>
+void per_sample_offset_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                            const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
+                            bool causal, Index p0, MatrixRef<Scalar>& out) {
+  constexpr Index align = 64;
+  const Index m = q.rows(), n = k.rows();
+  const Index base = std::max<Index>(0, p0 - per_sample_tile) / align * align;
+  const Index end = std::min(n, p0 + m + per_sample_tile);
+  RowMatrix<Scalar> rows = RowMatrix<Scalar>::Zero(end - base, q.cols());
+  rows.middleRows(p0 - base, m) = q;
+  const ConstMatrixRef<Scalar> q_rows(rows);
+  StreamingSoftmax<Scalar> state;
+  state.reset(end - base, v.cols());
+  for (const BinHash& hash : hashes) {
+    const std::vector<Index> boundaries = block_boundaries(hash, n);
+    const auto blocks = static_cast<long>(boundaries.size() - 1);
+#pragma omp parallel
+    {
+      LogitScratch<Scalar> scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (long r = 0; r < blocks; ++r) {
+        const auto index = static_cast<std::size_t>(r);
+        const Index begin = boundaries[index], block_end = boundaries[index + 1];
+        if (block_end <= p0 || begin >= p0 + m) continue;
+        fold_block<Scalar>(q_rows, k, v, tau, causal, begin, block_end, state, scratch, base, p0,
+                           p0 + m);
+      }
+    }
+  }
+  state.finish(p0 - base, out);
 }
 
 }  // namespace detail
@@ -60,18 +101,30 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
 ///   T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k),  A_ij = exp(tau q_i . k_j),
 /// (not the mean of the s per-sample softmaxes). Cost sum_k sum_B |B|^2 d; extra memory
 /// O(n d_v). Blocks of one sample run in parallel (OpenMP) on disjoint rows, so the output is
-/// bitwise the same for any thread count. Throws std::invalid_argument naming a bad argument
-/// (shapes, empty or invalid hashes, non-finite scale).
+/// bitwise the same for any thread count. Queries at an offset (options.query_offset = p0;
+/// unset: L - m): Q is m x d at positions p0 .. p0 + m - 1 over K, V of L rows, blocks and
+/// masks at the absolute positions, and row r is bitwise row p0 + r of the kernel on all L
+/// positions (the query tiles holding the rows are computed whole: extra cost up to two tiles
+/// of 128 rows per block). Causal chunked prefill with the keys so far (K = the first p0 + m
+/// positions) therefore gives the rows of this kernel on those p0 + m positions: equal to the
+/// rows of a prefill of a longer prompt to rounding, not bitwise, since a causal row's tile
+/// ends where its block is cut by the sequence end (bidirectional chunks see all L keys and
+/// are bitwise the rows of one prefill). Throws std::invalid_argument naming a bad argument
+/// (shapes, empty or invalid hashes, non-finite scale, offset).
 template <typename Scalar>
 void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                               ConstMatrixRef<Scalar> v, const HashSet& hashes,
                               MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample";
-  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const Index n = q.rows();
   if (n == 0) return;
   const bool causal = options.masking == Masking::causal;
+  if (p0 != 0 || n != k.rows()) {
+    detail::per_sample_offset_rows<Scalar>(q, k, v, hashes, tau, causal, p0, out);
+    return;
+  }
   detail::StreamingSoftmax<Scalar> state;
   state.reset(n, v.cols());
   for (const BinHash& hash : hashes) {

@@ -20,6 +20,7 @@
 #include "poslsh/mean_estimator.hpp"
 #include "poslsh/multihead.hpp"
 #include "poslsh/operators.hpp"
+#include "poslsh/paged_kv.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/reference_attention.hpp"

@@ -13,28 +13,35 @@ namespace poslsh {
 /// of it from row 0; a row range that starts and ends on multiples of it costs no extra work.
 inline constexpr Index tiled_query_tile = detail::tile_query_rows;
 
-/// Rows [row_begin, row_end) of the exact ALiBi attention
-///   T* = softmax(tau Q K^T - |i-j| / sigma) V   (causal: keys j <= i),
-/// written to `out_rows` ((row_end - row_begin) x d_v). Q and K are n x d, V is n x d_v; all
-/// n keys are used. Single-threaded; meant for splitting one head's queries across threads.
-/// Each row's result depends on the row alone: any split of [0, n) into ranges gives bitwise
-/// the output of alibi_attention_tiled. Throws std::invalid_argument naming a bad argument.
+/// Rows [row_begin, row_end) of q of the exact ALiBi attention
+///   T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: keys j <= p0 + r),
+/// written to `out_rows` ((row_end - row_begin) x d_v). Q is m x d at positions p0 .. p0 + m - 1
+/// (p0 = options.query_offset, unset: L - m), K is L x d, V is L x d_v; self-attention is
+/// m = L, p0 = 0. Single-threaded; meant for splitting one head's queries across threads.
+/// Each row's result depends on its position alone: any split of the rows into ranges, and
+/// any chunk of queries holding the row, gives bitwise the output of alibi_attention_tiled.
+/// Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                 ConstMatrixRef<Scalar> v, double sigma, Index row_begin,
                                 Index row_end, MatrixRef<Scalar> out_rows,
                                 const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_tiled_rows";
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin, row_end, out_rows);
+  const Index p0 = detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin,
+                                                           row_end, out_rows, options);
   const double tau = detail::resolve_scale(function, options, q.cols());
   if (row_begin == row_end) return;
-  const Index n = q.rows();
+  const Index n = k.rows();
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, row_begin, row_end, out_rows);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, p0 + row_begin, p0 + row_end,
+                                   out_rows, p0);
 }
 
 /// Exact ALiBi attention T* = softmax(tau Q K^T - |i-j| / sigma) V (row-wise softmax; the
-/// causal form keeps j <= i), i.e. D^-1 (A o L*) V, computed without any n x n matrix:
+/// causal form keeps j <= i), i.e. D^-1 (A o L*) V, computed without any n x n matrix.
+/// With queries at an offset (options.query_offset = p0; unset: L - m, bottom-right aligned)
+/// Q is m x d, K is L x d, and row r is T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V
+/// (causal: j <= p0 + r), bitwise row p0 + r of the self-attention over the L positions:
 /// query tiles of tiled_query_tile rows times key tiles of 64, scores by register-blocked
 /// packet kernels, the ALiBi bias from the integer distance on the fly, an online softmax
 /// (running maximum over kept entries, running sum, accumulator) per query row, causal key
@@ -47,12 +54,13 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
                            const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_tiled";
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  const Index p0 =
+      detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out, options);
   const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index n = q.rows();
-  if (n == 0) return;
+  const Index m = q.rows(), n = k.rows();
+  if (m == 0) return;
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, 0, n, out);
+  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, p0, p0 + m, out, p0);
 }
 
 /// Returning form of alibi_attention_tiled.

@@ -47,6 +47,16 @@ struct AttentionOptions {
   Masking masking = Masking::causal;
   /// Score scale tau in A_ij = exp(tau q_i . k_j); unset means 1/sqrt(d).
   std::optional<double> scale{};
+  /// Position p0 of the first query row: the m rows of q are the queries at positions
+  /// p0 .. p0 + m - 1 over the L rows of k and v at positions 0 .. L - 1 (causal: key j is
+  /// kept for query row r iff j <= p0 + r; the bias is -|p0 + r - j| / sigma). Requires
+  /// 0 <= p0 and p0 + m <= L. Unset means bottom-right alignment, p0 = L - m (FlashAttention's
+  /// convention: the queries are the last m positions; p0 = 0 for self-attention, m = L).
+  /// Row r's result is bitwise the row at position p0 + r of the same kernel on all L
+  /// positions, so a prompt prefilled in chunks of any size (each chunk with the keys so far,
+  /// or all L keys when bidirectional) gives bitwise the rows of one prefill, and a few new
+  /// tokens at the end of a cache (multi-token decode) are the same call with small m.
+  std::optional<Index> query_offset{};
 };
 
 }  // namespace poslsh

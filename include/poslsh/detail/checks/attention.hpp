@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "poslsh/detail/checks/require.hpp"
@@ -36,6 +37,33 @@ template <typename QType, typename KType>
 void require_self_attention(const char* function, const QType& q, const KType& k) {
   require(k.rows() == q.rows(), function, "k", k.rows(),
           "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+}
+
+/// The position p0 of q's first row (AttentionOptions::query_offset): the given offset, or
+/// k.rows() - q.rows() when unset (bottom-right alignment). Requires 0 <= p0 and
+/// p0 + q.rows() <= k.rows(): the one rule on query and key row counts of the prefill kernels.
+/// The rule on counts: m queries over L keys, offset `offset` (unset: L - m); `keys_name` and
+/// `offset_name` name the arguments in messages.
+inline Index resolve_query_offset(const char* function, const std::optional<Index>& offset, Index m,
+                                  Index L, const char* keys_name = "k",
+                                  const char* offset_name = "options.query_offset") {
+  if (!offset) {
+    require(L >= m, function, keys_name, L,
+            "row count must be >= the query count " + std::to_string(m) +
+                " (an unset offset means the queries are the last ones of the key positions)");
+    return L - m;
+  }
+  const Index p0 = *offset;
+  require(p0 >= 0 && p0 <= L - m, function, offset_name, p0,
+          "must lie in [0, keys - queries] = [0, " + std::to_string(L - m) +
+              "] (queries at positions p0 .. p0 + m - 1 over keys 0 .. L - 1)");
+  return p0;
+}
+
+template <typename QType, typename KType>
+Index resolve_query_offset(const char* function, const AttentionOptions& options, const QType& q,
+                           const KType& k) {
+  return resolve_query_offset(function, options.query_offset, q.rows(), k.rows());
 }
 
 /// Checks the output's shape (rows x cols) and that its rows do not overlap (row stride >= cols

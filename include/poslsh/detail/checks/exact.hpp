@@ -9,6 +9,11 @@
 
 namespace poslsh::detail {
 
+template <typename Scalar, typename OutType>
+void require_exact_rows(const char* function, const ConstMatrixRef<Scalar>& q,
+                        const ConstMatrixRef<Scalar>& v, double sigma, Index row_begin,
+                        Index row_end, const OutType& out);
+
 /// Q (n x d), K (n x d), V (n x d_v), sigma, and rows [row_begin, row_end) of the output in
 /// `out` ((row_end - row_begin) x d_v). Names the offending argument.
 template <typename Scalar, typename OutType>
@@ -17,6 +22,27 @@ void require_exact_arguments(const char* function, const ConstMatrixRef<Scalar>&
                              double sigma, Index row_begin, Index row_end, const OutType& out) {
   require_qkv_shapes(function, q, k, v);
   require_self_attention(function, q, k);
+  require_exact_rows(function, q, v, sigma, row_begin, row_end, out);
+}
+
+/// The same for queries at an offset: Q (m x d) at positions p0 .. p0 + m - 1 over K (L x d),
+/// V (L x d_v) (resolve_query_offset); returns p0.
+template <typename Scalar, typename OutType>
+Index require_exact_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
+                              const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                              double sigma, Index row_begin, Index row_end, const OutType& out,
+                              const AttentionOptions& options) {
+  require_qkv_shapes(function, q, k, v);
+  const Index p0 = resolve_query_offset(function, options, q, k);
+  require_exact_rows(function, q, v, sigma, row_begin, row_end, out);
+  return p0;
+}
+
+/// sigma and the rows [row_begin, row_end) of q with their output (shared by the two above).
+template <typename Scalar, typename OutType>
+void require_exact_rows(const char* function, const ConstMatrixRef<Scalar>& q,
+                        const ConstMatrixRef<Scalar>& v, double sigma, Index row_begin,
+                        Index row_end, const OutType& out) {
   require_sigma(sigma, function);
   require(row_begin >= 0 && row_begin <= q.rows(), function, "row_begin", row_begin,
           "must be in [0, q.rows()] = [0, " + std::to_string(q.rows()) + "]");

@@ -18,4 +18,17 @@ void require_lsh_arguments(const char* function, const QType& q, const KType& k,
   validate_hashes(hashes, function);
 }
 
+/// The same for queries at an offset: Q (m x d) at positions p0 .. p0 + m - 1 over K, V of
+/// L rows (resolve_query_offset), output m x d_v; returns p0.
+template <typename QType, typename KType, typename VType, typename OutType>
+Index require_lsh_arguments(const char* function, const QType& q, const KType& k, const VType& v,
+                            const HashSet& hashes, const OutType& out,
+                            const AttentionOptions& options) {
+  require_qkv_shapes(function, q, k, v);
+  const Index p0 = resolve_query_offset(function, options, q, k);
+  require_output_shape(function, out, q.rows(), v.cols());
+  validate_hashes(hashes, function);
+  return p0;
+}
+
 }  // namespace poslsh::detail

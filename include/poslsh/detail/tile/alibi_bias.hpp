@@ -100,15 +100,16 @@ class AlibiBias {
   Index i0_ = 0, j0_ = 0;
 };
 
-/// Rows [row_begin, row_end) of exact ALiBi attention over `window`, written to out rows
-/// 0 .. row_end - row_begin (q used unscaled, tau applied here).
+/// Rows at positions [row_begin, row_end) of exact ALiBi attention over `window`, written to
+/// out rows 0 .. row_end - row_begin (q used unscaled, tau applied here); row r of q is the
+/// query at position query_offset + r, the keys are at positions 0 .. k.rows() - 1.
 template <typename Scalar, typename OutType>
 void exact_alibi_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                       const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
-                      Index row_begin, Index row_end, OutType&& out) {
-  AlibiBias<Scalar> bias(q.rows(), sigma, window);
+                      Index row_begin, Index row_end, OutType&& out, Index query_offset = 0) {
+  AlibiBias<Scalar> bias(k.rows(), sigma, window);
   TileBuffers<Scalar> buffers;
-  TileEngine<Scalar, AlibiBias<Scalar>> engine(q, k, v, tau, bias, buffers);
+  TileEngine<Scalar, AlibiBias<Scalar>> engine(q, k, v, tau, bias, buffers, query_offset);
   engine.run(row_begin, row_end, out);
 }
 

@@ -13,6 +13,11 @@
 // the diagonal first. Every query row's arithmetic depends only on the row and its tile
 // (tiles are aligned to multiples of tile_query_rows from row 0), never on the other rows
 // computed: any split of the rows into ranges gives bitwise the same output.
+// Query rows may sit at an offset p0 (chunked prefill, multi-token decode): row r of q is the
+// query at absolute position p0 + r, over the keys at positions 0 .. k.rows() - 1. Rows,
+// windows and query tiles are all in absolute positions (tiles aligned to multiples of
+// tile_query_rows from position 0), so the row at position i gives bitwise the same result
+// for any p0 and any chunk holding it, provided the keys and the policy are the same.
 // The bias policy concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
@@ -20,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
@@ -28,8 +34,44 @@
 
 namespace poslsh::detail {
 
-/// One head's attention under the bias policy `Bias` (see the file comment).
-template <typename Scalar, typename Bias>
+/// The key and value rows of one key tile: key j0 + b at k + b k_stride, its value at
+/// v + b v_stride.
+template <typename Scalar>
+struct KeyTileRows {
+  const Scalar* k;
+  Index k_stride;
+  const Scalar* v;
+  Index v_stride;
+};
+
+/// The engine's default key source: K and V as row-strided matrices. A key source provides
+/// rows() (the key count L), value_cols(), tile(j0, keys) (the KeyTileRows of keys
+/// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile) and
+/// prefetch(first, last, d, d_v) (a hint for rows [first, last)). Paged caches:
+/// detail/tile/paged_rows.hpp.
+template <typename Scalar>
+class ContiguousKV {
+ public:
+  ContiguousKV(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v) : k_(k), v_(v) {}
+  Index rows() const { return k_.rows(); }
+  Index value_cols() const { return v_.cols(); }
+  KeyTileRows<Scalar> tile(Index j0, Index) const {
+    return {k_.data() + j0 * k_.outerStride(), k_.outerStride(), v_.data() + j0 * v_.outerStride(),
+            v_.outerStride()};
+  }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
+    tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
+  }
+
+ private:
+  const ConstMatrixRef<Scalar>& k_;
+  const ConstMatrixRef<Scalar>& v_;
+};
+
+/// One head's attention under the bias policy `Bias` (see the file comment), keys and values
+/// read through the key source `KV` (ContiguousKV: two row-strided matrices).
+template <typename Scalar, typename Bias, typename KV = ContiguousKV<Scalar>>
 class TileEngine {
   using Packet = TilePacket<Scalar>;
   static constexpr Index P = tile_packet_size<Scalar>;
@@ -46,24 +88,32 @@ class TileEngine {
                 "the query tile must be whole packets, a packet whole value blocks");
 
  public:
-  /// q (n x d) is used unscaled; tau is applied here. `bias` and `buffers` outlive the engine.
+  /// q (m x d, row r at position query_offset + r) is used unscaled; tau is applied here. K and
+  /// V hold the keys at positions 0 .. k.rows() - 1. `bias` and `buffers` outlive the engine.
   TileEngine(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-             const ConstMatrixRef<Scalar>& v, double tau, Bias& bias, TileBuffers<Scalar>& buffers)
+             const ConstMatrixRef<Scalar>& v, double tau, Bias& bias, TileBuffers<Scalar>& buffers,
+             Index query_offset = 0)
+      : TileEngine(q, KV(k, v), tau, bias, buffers, query_offset) {}
+
+  /// The same with the keys and values of the key source `kv` (d_v = kv.value_cols()).
+  TileEngine(const ConstMatrixRef<Scalar>& q, KV kv, double tau, Bias& bias,
+             TileBuffers<Scalar>& buffers, Index query_offset = 0)
       : q_(q),
-        k_(k),
-        v_(v),
-        n_(q.rows()),
+        kv_(std::move(kv)),
+        n_(kv_.rows()),
+        p0_(query_offset),
         d_(q.cols()),
-        dv_(v.cols()),
-        dvp_((v.cols() + P - 1) / P * P),
+        dv_(kv_.value_cols()),
+        dvp_((dv_ + P - 1) / P * P),
         tau_(static_cast<Scalar>(tau)),
-        pack_values_(v.cols() % P != 0),
+        pack_values_(dv_ % P != 0),
         bias_(bias),
         b_(buffers) {
     b_.prepare(d_, dvp_, pack_values_);
   }
 
-  /// Rows [row_begin, row_end) of the output, written to out rows 0 .. row_end - row_begin;
+  /// Rows at positions [row_begin, row_end) (within [p0, p0 + q.rows())), written to out rows
+  /// 0 .. row_end - row_begin;
   /// with `lse`, also lse[i - row_begin] = M_i + log l_i (-inf for a row without keys).
   template <typename OutType>
   void run(Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
@@ -88,7 +138,7 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
   void query_tile(Index i0, Index r0, Index r1) {
-    tile_pack_queries<Scalar>(q_, i0, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
+    tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
     b_.running_max.head(Bq).setConstant(minus_infinity);
     b_.running_sum.head(Bq).setZero();
     b_.acc.head(Bq * dvp_).setZero();
@@ -103,10 +153,9 @@ class TileEngine {
     // The next tile's queries, and the keys and values just past this tile's: their memory
     // latency then hides behind this tile's work (as this tile's output rows, prefetched by
     // run()).
-    tile_prefetch_rows(q_.data(), q_.outerStride(), i0 + Bq, std::min(n_, i0 + 2 * Bq), d_);
-    const Index next_keys = std::min(n_, key_hi + 1 + Bq);
-    tile_prefetch_rows(k_.data(), k_.outerStride(), key_hi + 1, next_keys, d_);
-    tile_prefetch_rows(v_.data(), v_.outerStride(), key_hi + 1, next_keys, dv_);
+    tile_prefetch_rows(q_.data(), q_.outerStride(), std::max<Index>(0, i0 + Bq - p0_),
+                       std::min(q_.rows(), i0 + 2 * Bq - p0_), d_);
+    kv_.prefetch(key_hi + 1, std::min(n_, key_hi + 1 + Bq), d_, dv_);
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
@@ -121,6 +170,7 @@ class TileEngine {
     const KeyTileCut cut = bias_.key_tile(j0, keys, packets_);
     if (cut == KeyTileCut::skip) return;
     j0_ = j0;
+    rows_of_tile_ = kv_.tile(j0, keys);
     const bool masked = cut == KeyTileCut::masked;
     if (masked)
       score_tile<true>(keys);
@@ -213,8 +263,8 @@ class TileEngine {
     const auto scorer = bias_.scorer();
     Packet acc[Keys][Packets];
     tile_score_block<Scalar, Keys, Packets>(b_.qt.data() + a0, Bq,
-                                            k_.data() + (j0_ + b0) * k_.outerStride(),
-                                            k_.outerStride(), d_, acc);
+                                            rows_of_tile_.k + b0 * rows_of_tile_.k_stride,
+                                            rows_of_tile_.k_stride, d_, acc);
     POSLSH_TILE_UNROLL
     for (int p = 0; p < Packets; ++p) {
       const Index a = a0 + p * P;
@@ -272,12 +322,12 @@ class TileEngine {
   // acc <- alpha acc + P V over the tile's keys, for the value blocks holding computed rows.
   // A block of rows only visits the keys its windows reach: the others have probability 0,
   // and a block that reaches none has alpha = 1 (its maximum did not move), so nothing to do.
-  void value_tile(Index j0, Index keys) {
-    const Scalar* values = v_.data() + j0 * v_.outerStride();
-    Index stride = v_.outerStride();
+  void value_tile(Index, Index keys) {
+    const Scalar* values = rows_of_tile_.v;
+    Index stride = rows_of_tile_.v_stride;
     if (pack_values_) {
       for (Index b = 0; b < keys; ++b)
-        for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = v_(j0 + b, c);
+        for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = values[b * stride + c];
       values = b_.values.data();
       stride = dvp_;
     }
@@ -306,14 +356,14 @@ class TileEngine {
   }
 
   const ConstMatrixRef<Scalar>& q_;
-  const ConstMatrixRef<Scalar>& k_;
-  const ConstMatrixRef<Scalar>& v_;
-  Index n_, d_, dv_, dvp_;
+  KV kv_;
+  Index n_, p0_, d_, dv_, dvp_;
   Scalar tau_;
   bool pack_values_;
   Bias& bias_;
   TileBuffers<Scalar>& b_;
   Index j0_ = 0;
+  KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 

@@ -1,0 +1,227 @@
+// Queries at an offset (AttentionOptions::query_offset): chunked prefill and multi-token decode
+// give bitwise the rows of one prefill, for every method, causal and bidirectional; bottom-right
+// alignment when the offset is unset; bad offsets are rejected by name.
+#include <poslsh/banded_attention.hpp>
+#include <poslsh/decode.hpp>
+#include <poslsh/fused_attention.hpp>
+#include <poslsh/per_sample_attention.hpp>
+#include <poslsh/tiled_attention.hpp>
+
+#include "test_support.hpp"
+
+using poslsh::AttentionOptions;
+using poslsh::ConstMatrixRef;
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::MatrixRef;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+
+namespace {
+
+enum class Kind { tiled, banded, fused, per_sample, fixed_blocks };
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::tiled:
+      return "tiled";
+    case Kind::banded:
+      return "banded";
+    case Kind::fused:
+      return "fused";
+    case Kind::per_sample:
+      return "per_sample";
+    default:
+      return "fixed_blocks";
+  }
+}
+
+template <typename Scalar>
+void run_kind(Kind kind, ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+              ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+              const AttentionOptions& options) {
+  switch (kind) {
+    case Kind::tiled:
+      return poslsh::alibi_attention_tiled<Scalar>(q, k, v, 12.0, out, options);
+    case Kind::banded:
+      return poslsh::alibi_attention_banded<Scalar>(q, k, v, 12.0, 90, out, options);
+    case Kind::fused:
+      return poslsh::lsh_attention_fused<Scalar>(q, k, v, hashes, out, options);
+    case Kind::per_sample:
+      return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, out, options);
+    case Kind::fixed_blocks:
+      return poslsh::fixed_blocks_attention<Scalar>(q, k, v, 20.0, out, options);
+  }
+}
+
+bool bitwise_equal(const RowMatrix<float>& a, const RowMatrix<float>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         (a.array() == b.array() || (a.array() != a.array() && b.array() != b.array())).all();
+}
+
+}  // namespace
+
+TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]") {
+  const Index n = 1030, d = 16, dv = 24;
+  const auto q = random_matrix<float>(n, d, 301);
+  const auto k = random_matrix<float>(n, d, 302);
+  const auto v = random_matrix<float>(n, dv, 303);
+  const HashSet hashes = poslsh::rbf_hashes(24.0, 4, 9, 1);
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (Kind kind :
+         {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+      AttentionOptions options;
+      options.masking = masking;
+      RowMatrix<float> full(n, dv);
+      run_kind<float>(kind, q, k, v, hashes, full, options);
+      const bool per_sample = kind == Kind::per_sample || kind == Kind::fixed_blocks;
+      for (Index chunk : {1, 7, 64, 1000}) {
+        INFO(kind_name(kind) << (masking == Masking::causal ? " causal" : " bidirectional")
+                             << ", chunk " << chunk);
+        RowMatrix<float> chunked = full;
+        // Chunks of one row are cheap for the tile engine; the per-sample kernels computes whole
+        // tiles of 128 rows per chunk, so there a sample of single-row chunks is checked.
+        const Index step = chunk == 1 && per_sample ? 37 : chunk;
+        for (Index p0 = 0; p0 < n; p0 += step) {
+          const Index m = std::min(chunk, n - p0);
+          RowMatrix<float> out(m, dv);
+          AttentionOptions chunk_options = options;
+          if (masking == Masking::causal) {
+            // The keys so far (bottom-right alignment: p0 = keys - m).
+            run_kind<float>(kind, q.middleRows(p0, m), k.topRows(p0 + m), v.topRows(p0 + m), hashes,
+                            out, chunk_options);
+          } else {
+            chunk_options.query_offset = p0;
+            run_kind<float>(kind, q.middleRows(p0, m), k, v, hashes, out, chunk_options);
+          }
+          chunked.middleRows(p0, m) = out;
+          if (per_sample && masking == Masking::causal) {
+            // The per-sample kernel's causal rows depend on n through the last query tile of a
+            // block (cut at n): the chunk equals the kernel on its prefix bitwise, and the full
+            // prefill to rounding.
+            CHECK(poslsh_test::relative_max_error(out, full.middleRows(p0, m)) < 2e-5);
+            if ((p0 / step) % 10 == 3) {
+              RowMatrix<float> prefix(p0 + m, dv);
+              run_kind<float>(kind, q.topRows(p0 + m), k.topRows(p0 + m), v.topRows(p0 + m), hashes,
+                              prefix, options);
+              CHECK(bitwise_equal(out, prefix.bottomRows(m)));
+            }
+            continue;
+          }
+          if (!bitwise_equal(out, full.middleRows(p0, m))) {
+            INFO("rows " << p0 << " .. " << p0 + m - 1);
+            CHECK(bitwise_equal(out, full.middleRows(p0, m)));
+          }
+        }
+        if (!per_sample || masking == Masking::bidirectional) CHECK(bitwise_equal(chunked, full));
+      }
+    }
+  }
+}
+
+TEST_CASE("causal queries at an explicit offset ignore the later keys", "[offsets]") {
+  const Index n = 300, d = 8;
+  const auto q = random_matrix<float>(n, d, 311);
+  const auto k = random_matrix<float>(n, d, 312);
+  const auto v = random_matrix<float>(n, d, 313);
+  const HashSet hashes = poslsh::rbf_hashes(10.0, 8, 3, 0);
+  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+    INFO(kind_name(kind));
+    RowMatrix<float> full(n, d);
+    run_kind<float>(kind, q, k, v, hashes, full, {});
+    // An explicit offset with all n keys: the rows of the kernel on all n positions.
+    for (Index p0 : {0, 1, 63, 100, 290}) {
+      const Index m = std::min<Index>(10, n - p0);
+      AttentionOptions options;
+      options.query_offset = p0;
+      RowMatrix<float> out(m, d);
+      run_kind<float>(kind, q.middleRows(p0, m), k, v, hashes, out, options);
+      CHECK(bitwise_equal(out, full.middleRows(p0, m)));
+    }
+  }
+}
+
+TEST_CASE("tiled row ranges of queries at an offset", "[offsets]") {
+  const Index n = 500, d = 8, p0 = 130, m = 200;
+  const auto q = random_matrix<double>(n, d, 321);
+  const auto k = random_matrix<double>(n, d, 322);
+  const auto v = random_matrix<double>(n, d, 323);
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    AttentionOptions options;
+    options.masking = masking;
+    const RowMatrix<double> full = poslsh::alibi_attention_tiled<double>(q, k, v, 7.0, options);
+    options.query_offset = p0;
+    RowMatrix<double> rows(50, d);
+    poslsh::alibi_attention_tiled_rows<double>(q.middleRows(p0, m), k, v, 7.0, 20, 70, rows,
+                                               options);
+    CHECK((rows.array() == full.middleRows(p0 + 20, 50).array()).all());
+    poslsh::alibi_attention_banded_rows<double>(q.middleRows(p0, m), k, v, 7.0, 30, 20, 70, rows,
+                                                options);
+    const RowMatrix<double> banded = poslsh::alibi_attention_banded<double>(q, k, v, 7.0, 30, [&] {
+      AttentionOptions o;
+      o.masking = masking;
+      return o;
+    }());
+    CHECK((rows.array() == banded.middleRows(p0 + 20, 50).array()).all());
+  }
+}
+
+TEST_CASE("multi-token decode: m query rows ending at t", "[offsets][decode]") {
+  const Index n = 400, d = 16;
+  const auto q = random_matrix<float>(n, d, 331);
+  const auto k = random_matrix<float>(n, d, 332);
+  const auto v = random_matrix<float>(n, d, 333);
+  const HashSet hashes = poslsh::rbf_hashes(16.0, 16, 4, 2);
+  const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(q, k, v, hashes);
+  const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(q, k, v, 16.0);
+  for (Index t : {3, 64, 399}) {
+    for (Index m : {1, 4}) {
+      INFO("t " << t << ", m " << m);
+      RowMatrix<float> lsh(m, d), alibi(m, d), one(1, d);
+      poslsh::lsh_attention_decode<float>(q.middleRows(t - m + 1, m), k, v, t, hashes, lsh);
+      poslsh::alibi_attention_decode_exact<float>(q.middleRows(t - m + 1, m), k, v, t, 16.0, alibi);
+      for (Index r = 0; r < m; ++r) {
+        const Index position = t - m + 1 + r;
+        poslsh::lsh_attention_decode<float>(q.row(position), k, v, position, hashes, one);
+        CHECK((one.array() == lsh.row(r).array()).all());
+        poslsh::alibi_attention_decode_exact<float>(q.row(position), k, v, position, 16.0, one);
+        CHECK((one.array() == alibi.row(r).array()).all());
+      }
+      CHECK(poslsh_test::relative_max_error(lsh, fused.middleRows(t - m + 1, m)) < 2e-5);
+      CHECK(poslsh_test::relative_max_error(alibi, exact.middleRows(t - m + 1, m)) < 2e-5);
+      // The prefill kernels at the cache's end are the bitwise multi-token decode.
+      RowMatrix<float> prefill(m, d);
+      poslsh::lsh_attention_fused<float>(q.middleRows(t - m + 1, m), k.topRows(t + 1),
+                                         v.topRows(t + 1), hashes, prefill);
+      CHECK((prefill.array() == fused.middleRows(t - m + 1, m).array()).all());
+    }
+  }
+}
+
+TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]") {
+  const auto q = random_matrix<float>(10, 4, 341);
+  const auto k = random_matrix<float>(20, 4, 342);
+  const HashSet hashes = poslsh::rbf_hashes(8.0, 2, 1, 0);
+  RowMatrix<float> out(10, 4);
+  for (Index p0 : {-1, 11, 1000}) {
+    AttentionOptions options;
+    options.query_offset = p0;
+    for (Kind kind :
+         {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+      poslsh_test::require_invalid_argument(
+          [&] { run_kind<float>(kind, q, k, k, hashes, out, options); }, "options.query_offset");
+    }
+  }
+  // Unset offset: the queries are the last q.rows() keys, so k needs at least as many rows.
+  RowMatrix<float> wide(20, 4);
+  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+    poslsh_test::require_invalid_argument([&] { run_kind<float>(kind, k, q, q, hashes, wide, {}); },
+                                          "k");
+  }
+  RowMatrix<float> two(2, 4);
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::lsh_attention_decode<float>(k.topRows(2), q, q, 0, hashes, two); }, "query");
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::lsh_attention_decode<float>(k.topRows(2), q, q, 5, hashes, out); }, "out");
+}

@@ -1,0 +1,197 @@
+// Paged KV caches: the fused LSH and exact tiled kernels through a block table equal the
+// contiguous kernels bitwise (prefill, chunked prefill across page boundaries, decode), and
+// bad caches are rejected by name.
+#include <algorithm>
+#include <numeric>
+#include <poslsh/fused_attention.hpp>
+#include <poslsh/paged_kv.hpp>
+#include <poslsh/tiled_attention.hpp>
+#include <random>
+
+#include "test_support.hpp"
+
+using poslsh::AttentionOptions;
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::PagedKV;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+
+namespace {
+
+constexpr Index Hkv = 2, d = 16, dv = 24;
+
+// A page pool holding the [n, Hkv, d] keys and [n, Hkv, dv] values of one sequence in
+// shuffled pages, with spare pages of NaN (never read).
+struct PagedCache {
+  std::vector<float> k_pool, v_pool;
+  std::vector<std::int32_t> table, lengths;
+  PagedKV<float> view;
+
+  PagedCache(const RowMatrix<float>& k, const RowMatrix<float>& v, Index page_size,
+             std::uint64_t seed) {
+    const Index n = k.rows();
+    const Index pages = (n + page_size - 1) / page_size;
+    const Index pool = pages + 3;
+    std::vector<std::int32_t> order(static_cast<std::size_t>(pool));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    k_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * d), nan);
+    v_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * dv), nan);
+    table.assign(static_cast<std::size_t>(pages + 1), -1);  // one spare entry past the end
+    for (Index p = 0; p < pages; ++p) table[static_cast<std::size_t>(p)] = order[p];
+    for (Index j = 0; j < n; ++j) {
+      const Index row = table[static_cast<std::size_t>(j / page_size)] * page_size + j % page_size;
+      std::copy_n(k.row(j).data(), Hkv * d, k_pool.data() + row * Hkv * d);
+      std::copy_n(v.row(j).data(), Hkv * dv, v_pool.data() + row * Hkv * dv);
+    }
+    lengths = {static_cast<std::int32_t>(n)};
+    view.k_pages = k_pool.data();
+    view.v_pages = v_pool.data();
+    view.num_pages = pool;
+    view.page_size = page_size;
+    view.heads = Hkv;
+    view.dim = d;
+    view.dim_v = dv;
+    view.block_table = table.data();
+    view.batch = 1;
+    view.max_pages = pages + 1;
+    view.seq_lens = lengths.data();
+  }
+};
+
+template <typename Block>
+poslsh::ConstMatrixRef<float> head_of(const Block& rows, Index h, Index width) {
+  return rows.middleCols(h * width, width);
+}
+
+bool same(const RowMatrix<float>& a, const RowMatrix<float>& b) {
+  return (a.array() == b.array()).all();
+}
+
+}  // namespace
+
+TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
+  const Index n = 700;
+  const auto q = random_matrix<float>(n, d, 501);
+  const auto k = random_matrix<float>(n, Hkv * d, 502);
+  const auto v = random_matrix<float>(n, Hkv * dv, 503);
+  const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 5, 1);
+  for (Index page_size : {16, 64, 100, 256}) {
+    const PagedCache cache(k, v, page_size, 7 + static_cast<std::uint64_t>(page_size));
+    for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (Index h = 0; h < Hkv; ++h) {
+        INFO("page size " << page_size << ", head " << h << ", causal "
+                          << (masking == Masking::causal));
+        AttentionOptions options;
+        options.masking = masking;
+        const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(
+            q, head_of(k, h, d), head_of(v, h, dv), hashes, options);
+        const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
+            q, head_of(k, h, d), head_of(v, h, dv), 11.0, options);
+        RowMatrix<float> out(n, dv);
+        poslsh::lsh_attention_fused_paged<float>(q, cache.view, 0, h, hashes, out, options);
+        CHECK(same(out, fused));
+        poslsh::alibi_attention_tiled_paged<float>(q, cache.view, 0, h, 11.0, out, options);
+        CHECK(same(out, exact));
+      }
+    }
+  }
+}
+
+TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][offsets]") {
+  const Index n = 600;
+  const auto q = random_matrix<float>(n, d, 511);
+  const auto k = random_matrix<float>(n, Hkv * d, 512);
+  const auto v = random_matrix<float>(n, Hkv * dv, 513);
+  const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 6, 0);
+  const Index h = 1;
+  const RowMatrix<float> fused =
+      poslsh::lsh_attention_fused<float>(q, head_of(k, h, d), head_of(v, h, dv), hashes);
+  const RowMatrix<float> exact =
+      poslsh::alibi_attention_tiled<float>(q, head_of(k, h, d), head_of(v, h, dv), 11.0);
+  for (Index page_size : {16, 256}) {
+    PagedCache cache(k, v, page_size, 21);
+    for (Index chunk : {1, 7, 64, 1000}) {
+      INFO("page size " << page_size << ", chunk " << chunk);
+      RowMatrix<float> lsh(n, dv), alibi(n, dv);
+      for (Index p0 = 0; p0 < n; p0 += chunk) {
+        const Index m = std::min(chunk, n - p0);
+        cache.lengths[0] = static_cast<std::int32_t>(p0 + m);  // the cache so far
+        RowMatrix<float> out(m, dv);
+        poslsh::lsh_attention_fused_paged<float>(q.middleRows(p0, m), cache.view, 0, h, hashes,
+                                                 out);
+        lsh.middleRows(p0, m) = out;
+        poslsh::alibi_attention_tiled_paged<float>(q.middleRows(p0, m), cache.view, 0, h, 11.0,
+                                                   out);
+        alibi.middleRows(p0, m) = out;
+      }
+      CHECK(same(lsh, fused));
+      CHECK(same(alibi, exact));
+    }
+  }
+  // Bidirectional chunks see the whole cache (explicit offsets).
+  PagedCache cache(k, v, 16, 22);
+  AttentionOptions options;
+  options.masking = Masking::bidirectional;
+  const RowMatrix<float> full =
+      poslsh::lsh_attention_fused<float>(q, head_of(k, h, d), head_of(v, h, dv), hashes, options);
+  for (Index p0 : {0, 5, 250, 590}) {
+    options.query_offset = p0;
+    RowMatrix<float> out(10, dv);
+    poslsh::lsh_attention_fused_paged<float>(q.middleRows(p0, 10), cache.view, 0, h, hashes, out,
+                                             options);
+    CHECK(same(out, full.middleRows(p0, 10)));
+  }
+}
+
+TEST_CASE("bad paged caches throw naming the argument", "[paged][bad_input]") {
+  const Index n = 100;
+  const auto q = random_matrix<float>(4, d, 521);
+  const auto k = random_matrix<float>(n, Hkv * d, 522);
+  const auto v = random_matrix<float>(n, Hkv * dv, 523);
+  const HashSet hashes = poslsh::rbf_hashes(20.0, 2, 6, 0);
+  RowMatrix<float> out(4, dv);
+  const auto fused = [&](const PagedKV<float>& view, Index sequence = 0, Index head = 0) {
+    return [&, view, sequence, head] {
+      poslsh::lsh_attention_fused_paged<float>(q, view, sequence, head, hashes, out);
+    };
+  };
+  PagedCache cache(k, v, 16, 3);
+  fused(cache.view)();  // valid
+  {
+    PagedCache bad(k, v, 16, 3);
+    bad.table[2] = static_cast<std::int32_t>(bad.view.num_pages);
+    poslsh_test::require_invalid_argument(fused(bad.view), "cache.block_table");
+    bad.table[2] = -1;
+    poslsh_test::require_invalid_argument(fused(bad.view), "cache.block_table");
+  }
+  {
+    PagedKV<float> short_table = cache.view;
+    short_table.max_pages = 6;  // 100 tokens need 7 pages of 16
+    poslsh_test::require_invalid_argument(fused(short_table), "cache.block_table");
+    PagedKV<float> long_sequence = cache.view;
+    std::int32_t length = 200;
+    long_sequence.seq_lens = &length;
+    poslsh_test::require_invalid_argument(fused(long_sequence), "cache.block_table");
+    length = -1;
+    poslsh_test::require_invalid_argument(fused(long_sequence), "cache.seq_lens");
+    length = 3;  // fewer keys than the 4 queries
+    poslsh_test::require_invalid_argument(fused(long_sequence), "cache.seq_lens");
+    PagedKV<float> zero_page = cache.view;
+    zero_page.page_size = 0;
+    poslsh_test::require_invalid_argument(fused(zero_page), "cache.page_size");
+  }
+  poslsh_test::require_invalid_argument(fused(cache.view, 1), "sequence");
+  poslsh_test::require_invalid_argument(fused(cache.view, 0, 2), "kv_head");
+  AttentionOptions options;
+  options.query_offset = 97;
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_paged<float>(q, cache.view, 0, 0, 4.0, out, options); },
+      "options.query_offset");
+  RowMatrix<float> wide = random_matrix<float>(4, d + 1, 524);
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled_paged<float>(wide, cache.view, 0, 0, 4.0, out); }, "q");
+}

@@ -1,0 +1,146 @@
+// Packed variable-length batches (multihead_attention_varlen) against per-sequence
+// multihead_attention calls, bitwise; empty and one-token sequences; bad cu_seqlens.
+#include <poslsh/multihead.hpp>
+
+#include "test_support.hpp"
+
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::Method;
+using poslsh::MultiHeadOptions;
+using poslsh::RowMatrix;
+using poslsh_test::random_matrix;
+
+namespace {
+
+constexpr Index Hq = 4, Hkv = 2, d = 16;
+
+// Each sequence on its own: views of its rows of the packed buffers, options.query_offset =
+// the sequence's offset when given.
+void per_sequence(const RowMatrix<float>& q, const RowMatrix<float>& k, const RowMatrix<float>& v,
+                  RowMatrix<float>& out, const std::vector<std::int32_t>& cu_q,
+                  const std::vector<std::int32_t>& cu_k, MultiHeadOptions options,
+                  const std::vector<Index>& offsets) {
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const Index m = cu_q[b + 1] - cu_q[b], L = cu_k[b + 1] - cu_k[b];
+    if (!offsets.empty()) options.query_offset = offsets[b];
+    poslsh::multihead_attention<float>(
+        poslsh::interleaved_heads<const float>(q.data() + cu_q[b] * q.cols(), m, Hq, d),
+        poslsh::interleaved_heads<const float>(k.data() + cu_k[b] * k.cols(), L, Hkv, d),
+        poslsh::interleaved_heads<const float>(v.data() + cu_k[b] * v.cols(), L, Hkv, d),
+        poslsh::interleaved_heads<float>(out.data() + cu_q[b] * out.cols(), m, Hq, d), options);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("packed batches equal per-sequence calls bitwise", "[varlen]") {
+  // Lengths: empty, one token, shorter than a tile, several tiles, and q shorter than k
+  // (a prefill chunk or decode at the end of each sequence).
+  const std::vector<std::int32_t> cu_k = {0, 0, 1, 50, 250, 251, 600};
+  const std::vector<std::int32_t> self = cu_k;
+  const std::vector<std::int32_t> chunk = {0, 0, 1, 8, 108, 109, 209};
+  const auto k = random_matrix<float>(cu_k.back(), Hkv * d, 401);
+  const auto v = random_matrix<float>(cu_k.back(), Hkv * d, 402);
+  for (const auto* cu_q : {&self, &chunk}) {
+    const auto q = random_matrix<float>(cu_q->back(), Hq * d, 403);
+    for (bool explicit_offsets : {false, true}) {
+      std::vector<Index> offsets;
+      if (explicit_offsets)
+        for (std::size_t b = 0; b + 1 < cu_q->size(); ++b)
+          offsets.push_back(((*cu_q)[b + 1] - (*cu_q)[b]) == (cu_k[b + 1] - cu_k[b]) ? 0 : 1);
+      for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+        for (Method method : {Method::lsh_fused, Method::exact_tiled, Method::exact_banded,
+                              Method::lsh_per_sample, Method::fixed_blocks}) {
+          INFO("method " << static_cast<int>(method) << ", causal " << (masking == Masking::causal)
+                         << ", chunk " << (cu_q == &chunk) << ", explicit offsets "
+                         << explicit_offsets);
+          MultiHeadOptions options;
+          options.masking = masking;
+          options.method = method;
+          options.samples = 4;
+          RowMatrix<float> packed = RowMatrix<float>::Constant(q.rows(), Hq * d, -7.0f);
+          RowMatrix<float> expected = packed;
+          poslsh::multihead_attention_varlen<float>(
+              poslsh::interleaved_heads<const float>(q.data(), q.rows(), Hq, d),
+              poslsh::interleaved_heads<const float>(k.data(), k.rows(), Hkv, d),
+              poslsh::interleaved_heads<const float>(v.data(), v.rows(), Hkv, d),
+              poslsh::interleaved_heads<float>(packed.data(), packed.rows(), Hq, d), *cu_q, cu_k,
+              options, offsets);
+          per_sequence(q, k, v, expected, *cu_q, cu_k, options, offsets);
+          CHECK((packed.array() == expected.array()).all());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("varlen: one sequence equals multihead_attention", "[varlen]") {
+  const Index n = 130;
+  const auto q = random_matrix<double>(n, Hq * d, 411);
+  const auto k = random_matrix<double>(n, Hkv * d, 412);
+  RowMatrix<double> a(n, Hq * d), b(n, Hq * d);
+  MultiHeadOptions options;
+  poslsh::multihead_attention_varlen<double>(
+      poslsh::interleaved_heads<const double>(q.data(), n, Hq, d),
+      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
+      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
+      poslsh::interleaved_heads<double>(a.data(), n, Hq, d), {0, static_cast<std::int32_t>(n)},
+      {0, static_cast<std::int32_t>(n)}, options);
+  poslsh::multihead_attention<double>(poslsh::interleaved_heads<const double>(q.data(), n, Hq, d),
+                                      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
+                                      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
+                                      poslsh::interleaved_heads<double>(b.data(), n, Hq, d),
+                                      options);
+  CHECK((a.array() == b.array()).all());
+}
+
+TEST_CASE("varlen: inconsistent cu_seqlens and offsets throw naming the argument",
+          "[varlen][bad_input]") {
+  const auto q = random_matrix<float>(20, Hq * d, 421);
+  const auto k = random_matrix<float>(30, Hkv * d, 422);
+  RowMatrix<float> out(20, Hq * d);
+  const auto call = [&](std::vector<std::int32_t> cu_q, std::vector<std::int32_t> cu_k,
+                        std::vector<Index> offsets = {}, MultiHeadOptions options = {}) {
+    poslsh::multihead_attention_varlen<float>(
+        poslsh::interleaved_heads<const float>(q.data(), 20, Hq, d),
+        poslsh::interleaved_heads<const float>(k.data(), 30, Hkv, d),
+        poslsh::interleaved_heads<const float>(k.data(), 30, Hkv, d),
+        poslsh::interleaved_heads<float>(out.data(), 20, Hq, d), cu_q, cu_k, options, offsets);
+  };
+  call({0, 10, 20}, {0, 15, 30});  // valid
+  poslsh_test::require_invalid_argument([&] { call({}, {0, 30}); }, "cu_seqlens_q");
+  poslsh_test::require_invalid_argument([&] { call({1, 20}, {0, 30}); }, "cu_seqlens_q");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        call({0, 12, 10, 20}, {0, 1, 2, 30});
+      },
+      "cu_seqlens_q");
+  poslsh_test::require_invalid_argument([&] { call({0, 10, 19}, {0, 15, 30}); }, "cu_seqlens_q");
+  poslsh_test::require_invalid_argument([&] { call({0, 10, 20}, {0, 15, 31}); }, "cu_seqlens_k");
+  poslsh_test::require_invalid_argument([&] { call({0, 10, 20}, {0, 30}); }, "cu_seqlens_k");
+  // Sequence 0 has more queries than keys (bottom-right alignment impossible).
+  poslsh_test::require_invalid_argument([&] { call({0, 10, 20}, {0, 5, 30}); }, "cu_seqlens_k");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        call({0, 10, 20}, {0, 15, 30}, {0, 6});
+      },
+      "query_offsets");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        call({0, 10, 20}, {0, 15, 30}, {-1, 0});
+      },
+      "query_offsets");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        call({0, 10, 20}, {0, 15, 30}, {0});
+      },
+      "query_offsets");
+  MultiHeadOptions with_offset;
+  with_offset.query_offset = 0;
+  poslsh_test::require_invalid_argument(
+      [&] {
+        call({0, 10, 20}, {0, 15, 30}, {}, with_offset);
+      },
+      "options.query_offset");
+}
