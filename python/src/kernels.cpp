@@ -234,7 +234,8 @@ lsh_attention_fused:
 )doc")
           .c_str());
 
-  // Decoders: one query (a [d] or [1, d] array) at position t over cache rows 0..t.
+  // Decoders: one query (a [d] array) at position t, or m queries ([m, d]) at t - m + 1 .. t,
+  // over the cache rows.
   const auto decode = [](const char* function, py::handle query, py::handle keys, py::handle values,
                          py::handle out, std::optional<double> scale, auto&& kernel) -> py::array {
     const py::array query_array = require_array(query, function, "query");
@@ -286,9 +287,10 @@ LSH decode: row t of the causal lsh_attention_fused, from the query q_t alone,
     out = sum_{j<=t} c_tj e^{tau q_t.k_j} v_j / sum_{j<=t} c_tj e^{tau q_t.k_j},
     c_tj = #{k : bin_k(t) = bin_k(j)}
 
-reading only the keys of t's blocks: cost independent of t. query: [d] or [1, d]; keys [N, d]
-and values [N, d_v] with N > t (the KV cache; rows after t are not read). The result has the
-shape of query ([d_v] or [1, d_v]).
+reading only the keys of t's blocks: cost independent of t. query: [d] (one query at t) or
+[m, d] (m <= t + 1 queries at positions t - m + 1 .. t, each row decoded at its position);
+keys [N, d] and values [N, d_v] with N > t (the KV cache; rows after t are not read). The
+result has the shape of query ([d_v] or [m, d_v]).
 )doc");
 
   module.def(
@@ -308,7 +310,7 @@ Exact ALiBi decode, O(t d):
 
     out = softmax_j(tau q_t.k_j - (t - j) / sigma) v_j  over j = 0..t
 
-Shapes as lsh_attention_decode.
+(row r of an [m, d] query: the same at position t - m + 1 + r). Shapes as lsh_attention_decode.
 )doc");
 }
 

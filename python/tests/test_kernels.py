@@ -116,8 +116,26 @@ def test_decode_errors(rng):
     hashes = poslsh.rbf_hashes(4.0, 2, seed=0)
     with pytest.raises(ValueError, match=r"lsh_attention_decode: argument 't' = 10: must lie in \[0, keys.rows\(\)\)"):
         poslsh.lsh_attention_decode(q[0], k, v, 10, hashes)
-    with pytest.raises(ValueError, match="argument 'query' = 2: must have exactly 1 row"):
-        poslsh.lsh_attention_decode(q[:2], k, v, 3, hashes)
+    with pytest.raises(ValueError, match=r"lsh_attention_decode: argument 'query' = 5: row count m must be <= t \+ 1 = 4"):
+        poslsh.lsh_attention_decode(q[:5], k, v, 3, hashes)
+    with pytest.raises(ValueError, match="argument 'query' has strides"):
+        poslsh.lsh_attention_decode(np.asfortranarray(q[:2]), k, v, 3, hashes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_token_decode(rng, dtype):
+    """m queries at positions t - m + 1 .. t: the rows of the prefill at those positions."""
+    n, d, sigma, t, m = 90, 8, 6.0, 70, 4
+    q, k, v = random_qkv(rng, n, d, dtype)
+    hashes = poslsh.rbf_hashes(sigma, 8, seed=6)
+    lsh_rows = reference.lsh_attention(q[: t + 1], k[: t + 1], v[: t + 1], hashes.widths, hashes.offsets)
+    exact_rows = reference.alibi_attention(q[: t + 1], k[: t + 1], v[: t + 1], sigma)
+    queries = q[t - m + 1 : t + 1]
+    lsh = poslsh.lsh_attention_decode(queries, k, v, t, hashes)
+    assert lsh.shape == (m, d)
+    np.testing.assert_allclose(lsh, lsh_rows[t - m + 1 :], rtol=0, atol=tolerance(dtype))
+    exact = poslsh.alibi_attention_decode_exact(queries, k, v, t, sigma)
+    np.testing.assert_allclose(exact, exact_rows[t - m + 1 :], rtol=0, atol=tolerance(dtype))
 
 
 @pytest.mark.parametrize("function", ["alibi_attention_tiled", "lsh_attention_fused"])
