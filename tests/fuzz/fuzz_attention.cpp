@@ -15,6 +15,7 @@
 // eps d max_ij |tau| sum_c |q_ic k_jc| in a logit, which moves the output by that much
 // relative to max |v|; plus a few eps for the exponentials and sums.
 #include <poslsh/block_stats.hpp>
+#include <poslsh/paged_kv.hpp>
 #include <poslsh/poslsh.hpp>
 
 #ifdef _OPENMP
@@ -233,7 +234,7 @@ void check_rejections(ByteReader& input, const Problem<Scalar>& problem, const P
   AttentionOptions options = problem.options;
   const HashSet& hashes = problem.hashes;
   bool thrown = false;
-  switch (input.byte() % 12) {
+  switch (input.byte() % 14) {
     case 0:
       thrown = rejects(
           [&] {
@@ -345,6 +346,51 @@ void check_rejections(ByteReader& input, const Problem<Scalar>& problem, const P
           },
           "tiled, masking");
       break;
+    case 11: {
+      // A query offset outside [0, L - m].
+      options.query_offset =
+          input.flag() ? -1 - input.in_range(0, 5) : n - q.view().rows() + 1 + input.in_range(0, 5);
+      thrown = rejects(
+          [&] {
+            if (input.flag())
+              poslsh::lsh_attention_fused<Scalar>(q.view(), k.view(), v.view(), hashes, out,
+                                                  options);
+            else
+              poslsh::alibi_attention_tiled<Scalar>(q.view(), k.view(), v.view(), problem.sigma,
+                                                    out, options);
+          },
+          "query offset");
+      break;
+    }
+    case 12: {
+      // A paged cache whose block table is too short or points outside the pool.
+      const Index page_size = input.in_range(1, 40);
+      const Index pages = (n + page_size - 1) / page_size;
+      std::vector<Scalar> pool(static_cast<std::size_t>(std::max<Index>(1, pages) * page_size *
+                                                        std::max<Index>(problem.d, 1)),
+                               Scalar(0));
+      std::vector<std::int32_t> table(static_cast<std::size_t>(std::max<Index>(pages, 1)), 0);
+      for (Index p = 0; p < pages; ++p)
+        table[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(p);
+      std::int32_t length = static_cast<std::int32_t>(std::max<Index>(n, 1));
+      poslsh::PagedKV<Scalar> cache{pool.data(), pool.data(),  pages, page_size, 1,      problem.d,
+                                    problem.d,   table.data(), 1,     pages,     &length};
+      if (input.flag() || pages == 0) {
+        cache.max_pages = (length + page_size - 1) / page_size - 1;  // one page short
+      } else {
+        table[static_cast<std::size_t>(input.in_range(0, pages - 1))] =
+            input.flag() ? -1 : static_cast<std::int32_t>(pages + input.in_range(0, 3));
+      }
+      RowMatrix<Scalar> one(1, problem.d);
+      const RowMatrix<Scalar> query = RowMatrix<Scalar>::Zero(1, problem.d);
+      thrown = rejects(
+          [&] {
+            poslsh::lsh_attention_fused_paged<Scalar>(query, cache, 0, 0,
+                                                      poslsh::rbf_hashes(2.0, 2, 1), one, options);
+          },
+          "paged cache, block table");
+      break;
+    }
     default: {
       const Index cols = problem.d + 1;
       RowMatrix<Scalar> k_wide = RowMatrix<Scalar>::Zero(n, cols);
@@ -483,6 +529,23 @@ void run(ByteReader& input) {
                                               split, n, band_tail, options);
   if (!(pieces == tiled_out)) fail("tiled row ranges != tiled");
   if (!(band_pieces == banded)) fail("banded row ranges != banded");
+  // Chunked prefill: the rows [split, chunk_end) as queries at offset split (causal: over the
+  // keys so far) give the full results' bits (tiled, fused).
+  if (split < n) {
+    const Index chunk_end = split + input.in_range(1, n - split);
+    const Index m = chunk_end - split, keys = causal ? chunk_end : n;
+    AttentionOptions chunk_options = options;
+    chunk_options.query_offset = split;
+    RowMatrix<Scalar> chunk_tiled(m, dv), chunk_fused(m, dv);
+    poslsh::alibi_attention_tiled<Scalar>(q.view().middleRows(split, m), k.view().topRows(keys),
+                                          v.view().topRows(keys), problem.sigma, chunk_tiled,
+                                          chunk_options);
+    poslsh::lsh_attention_fused<Scalar>(q.view().middleRows(split, m), k.view().topRows(keys),
+                                        v.view().topRows(keys), problem.hashes, chunk_fused,
+                                        chunk_options);
+    if (!(chunk_tiled == tiled_out.middleRows(split, m))) fail("tiled chunk != tiled rows");
+    if (!(chunk_fused == fused_a.middleRows(split, m))) fail("fused chunk != fused rows");
+  }
 
   if (causal && n > 0) {
     // Decode of row t equals row t of the prefills.
