@@ -382,35 +382,46 @@ def read_rows(path):
         return list(csv.DictReader(handle))
 
 
-def summary_table(rows, factors_order=None):
-    """Markdown table: mean +- sample std over seeds of val bpb per (mode, s, eval attention)."""
+def summary_table(rows):
+    """Markdown table: mean ± sample std over seeds of val bpb per (mode, s, eval attention), and
+    the paired difference to exact ALiBi at each length (same seed, hence same initialisation
+    draw and same batches; mean ± std over seeds)."""
     groups = {}
     for row in rows:
         key = (row["mode"], row["s"], row.get("eval_attention") or row["mode"])
-        groups.setdefault(key, {}).setdefault(int(row["eval_context"]), []).append(float(row["val_bpb"]))
-        groups[key].setdefault("seconds", []).append(float(row["train_seconds"]))
+        per_length = groups.setdefault(key, {})
+        per_length.setdefault(int(row["eval_context"]), {})[int(row["seed"])] = float(row["val_bpb"])
+        per_length.setdefault("seconds", []).append(float(row["train_seconds"]))
     lengths = sorted({int(r["eval_context"]) for r in rows})
+    reference = groups.get(("alibi", "", "alibi"), {})
     order = {m: i for i, m in enumerate(MODES)}
     keys = sorted(groups, key=lambda k: (order.get(k[0], 99), int(k[1] or 0), k[2] != k[0]))
-    head = "| trained with | s | evaluated with | seeds | " + " | ".join(
-        f"val bpb @ {n}" for n in lengths) + " | train s / run |"
-    lines = [head, "|" + "---|" * (5 + len(lengths))]
+
+    def cell(values):
+        if not values:
+            return ""
+        spread = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+        return f"{float(np.mean(values)):.3f} ± {spread:.3f}"
+
+    head = ("| trained with | s | evaluated with | seeds | "
+            + " | ".join(f"val bpb @ {n}" for n in lengths) + " | "
+            + " | ".join(f"minus alibi @ {n}" for n in lengths) + " | train s / run |")
+    lines = [head, "|" + "---|" * (5 + 2 * len(lengths))]
     for key in keys:
-        cells = []
-        seeds = 0
+        by_length = groups[key]
+        seeds = max(len(by_length.get(n, {})) for n in lengths)
+        values = [cell(list(by_length.get(n, {}).values())) for n in lengths]
+        deltas = []
         for n in lengths:
-            values = groups[key].get(n, [])
-            seeds = max(seeds, len(values))
-            if not values:
-                cells.append("")
-                continue
-            mean = float(np.mean(values))
-            spread = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-            cells.append(f"{mean:.3f} ± {spread:.3f}")
-        seconds = np.mean(groups[key]["seconds"])
+            mine, base = by_length.get(n, {}), reference.get(n, {})
+            paired = [mine[s] - base[s] for s in sorted(mine) if s in base]
+            deltas.append("" if key == ("alibi", "", "alibi") or not paired
+                          else cell(paired))
+        deltas = [("+" + d if d and not d.startswith("-") else d) for d in deltas]
+        seconds = np.mean(by_length["seconds"])
         eval_name = "same" if key[2] == key[0] else key[2]
-        lines.append(f"| {key[0]} | {key[1] or '-'} | {eval_name} | {seeds} | " + " | ".join(cells)
-                     + f" | {seconds:.0f} |")
+        lines.append(f"| {key[0]} | {key[1] or '-'} | {eval_name} | {seeds} | " + " | ".join(values)
+                     + " | " + " | ".join(deltas) + f" | {seconds:.0f} |")
     return "\n".join(lines)
 
 
