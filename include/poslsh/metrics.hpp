@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "poslsh/band_counts.hpp"
 #include "poslsh/detail/analysis/output.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/attention.hpp"
@@ -83,6 +84,11 @@ struct MetricOptions {
   EpsilonDefinition epsilon_definition = EpsilonDefinition::absolute;
   /// How ||L* - M~||_2 is computed (dense at small n, Lanczos otherwise).
   SpectralOptions spectral{};
+  /// How M~ is represented for the Lanczos products and the max-norm scan (band_counts.hpp):
+  /// automatic takes the cheaper by choose_mask_representation (block sums for small s, the
+  /// union-band counts when s n / sigma dwarfs n times the band). Both give the same values to
+  /// rounding (the max-norm error bit for bit).
+  MaskRepresentation representation = MaskRepresentation::automatic;
   /// paper_metrics computes the unnormalized output errors, O(n^2 d) time, only when
   /// n <= dense_limit; above it they are left unset.
   Index dense_limit = 8192;
@@ -135,40 +141,92 @@ struct PaperMetrics {
   OutputErrorMetrics output{};
 };
 
-/// Kernel errors and bounds of the hash set (a HashSet or any container of BinHash):
-/// spectral_error, max_error, alibi_kernel_norm, expectation_bound, and good_sample_count and
-/// tail_bound at epsilon = options.epsilon if set, else at the observed error chosen by
-/// options.epsilon_definition (default ||L* - M~||_2; see EpsilonDefinition). An exact M~
-/// (epsilon 0) gives s_good = +inf and the tail bound n. Throws std::invalid_argument naming a
-/// bad argument (empty or invalid hashes, n < 1, sigma, options).
-template <typename Hashes = HashSet>
-KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double sigma,
-                                        Masking masking, const MetricOptions& options = {}) {
-  constexpr const char* function = "kernel_error_metrics";
-  const HashSet& hashes = detail::analysis_hash_set(hash_set);
-  detail::require_positive(n, function, "n");
-  detail::require_sigma(sigma, function);
+namespace detail {
+
+/// kernel_error_metrics and partition_error_metrics: the spectral and max-norm errors of the
+/// stored partitions in the representation chosen by options.representation, then the norm
+/// and the bounds. `hashes` (may be null) gives the dense spectral path its dense formula.
+inline KernelErrorMetrics analysis_error_metrics(const AnalysisPartitions& set, double sigma,
+                                                 Masking masking, const MetricOptions& options,
+                                                 const HashSet* hashes, const char* function) {
+  const Index n = set.n;
+  require_positive(n, function, "n");
+  require_sigma(sigma, function);
+  analysis_require_spectral_options(options.spectral, function);
   if (options.epsilon) {
-    detail::require(std::isfinite(*options.epsilon) && *options.epsilon > 0.0, function,
-                    "options.epsilon", *options.epsilon, "must be finite and > 0");
+    require(std::isfinite(*options.epsilon) && *options.epsilon > 0.0, function, "options.epsilon",
+            *options.epsilon, "must be finite and > 0");
   }
   KernelErrorMetrics metrics;
-  metrics.spectral_details = spectral_error(hashes, n, sigma, masking, options.spectral);
+  const bool dense =
+      options.spectral.method == SpectralMethod::dense ||
+      (options.spectral.method == SpectralMethod::automatic && n <= options.spectral.dense_limit);
+  const MaskRepresentation representation = options.representation == MaskRepresentation::automatic
+                                                ? choose_mask_representation(set)
+                                                : options.representation;
+  if (representation == MaskRepresentation::band_counts) {
+    const BandKernelErrorOperator error(set, sigma, masking);
+    metrics.spectral_details = hashes != nullptr && dense
+                                   ? spectral_error(*hashes, n, sigma, masking, options.spectral)
+                                   : operator_spectral_norm(error, options.spectral);
+    metrics.max = error.mean_mask().max_error(sigma).value;
+  } else {
+    if (hashes != nullptr) {
+      metrics.spectral_details = spectral_error(*hashes, n, sigma, masking, options.spectral);
+      metrics.max = max_error(*hashes, n, sigma, masking).value;
+    } else {
+      const KernelErrorOperator error(set, sigma, masking);
+      metrics.spectral_details = operator_spectral_norm(error, options.spectral);
+      metrics.max = analysis_max_error_partitions(set, sigma, masking).value;
+    }
+  }
   metrics.spectral = metrics.spectral_details.value;
-  metrics.max = max_error(hashes, n, sigma, masking).value;
   metrics.kernel_norm = alibi_kernel_norm(n, sigma, masking);
   metrics.relative_spectral = metrics.spectral / metrics.kernel_norm;
   const double observed = options.epsilon_definition == EpsilonDefinition::relative
                               ? metrics.relative_spectral
                               : metrics.spectral;
   metrics.epsilon = options.epsilon.value_or(observed);
-  const auto s = static_cast<Index>(hashes.size());
+  const Index s = set.samples();
   metrics.expectation_bound = expectation_bound(n, sigma, s);
   const bool usable = metrics.epsilon > 0.0;  // an exact M~ (epsilon 0) has no finite s_good
-  metrics.good_samples =
-      usable ? good_sample_count(n, sigma, metrics.epsilon) : detail::analysis_infinity;
+  metrics.good_samples = usable ? good_sample_count(n, sigma, metrics.epsilon) : analysis_infinity;
   metrics.tail_bound = usable ? tail_bound(n, sigma, s, metrics.epsilon) : static_cast<double>(n);
   return metrics;
+}
+
+}  // namespace detail
+
+/// Kernel errors and bounds of the hash set (a HashSet or any container of BinHash):
+/// spectral_error, max_error, alibi_kernel_norm, expectation_bound, and good_sample_count and
+/// tail_bound at epsilon = options.epsilon if set, else at the observed error chosen by
+/// options.epsilon_definition (default ||L* - M~||_2; see EpsilonDefinition). An exact M~
+/// (epsilon 0) gives s_good = +inf and the tail bound n. The Lanczos products and the max-norm
+/// scan use M~ as options.representation says (automatic: block sums or the union-band counts,
+/// whichever choose_mask_representation predicts cheaper; both use OpenMP and give results
+/// that do not depend on the thread count). Throws std::invalid_argument naming a bad argument
+/// (empty or invalid hashes, n < 1, sigma, options).
+template <typename Hashes = HashSet>
+KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double sigma,
+                                        Masking masking, const MetricOptions& options = {}) {
+  constexpr const char* function = "kernel_error_metrics";
+  const HashSet& hashes = detail::analysis_hash_set(hash_set);
+  detail::require_positive(n, function, "n");
+  const detail::AnalysisPartitions set = detail::analysis_partitions(hashes, n, function);
+  return detail::analysis_error_metrics(set, sigma, masking, options, &hashes, function);
+}
+
+/// kernel_error_metrics of stored partitions (a PartitionSet, e.g. from sample_partition_set,
+/// whose Poisson cuts have no BinHash form): the same errors, norm and bounds, s = the number
+/// of partitions. Dense spectral norms (n <= options.spectral.dense_limit) are formed from the
+/// operator's columns. Throws std::invalid_argument naming a bad argument (partitions, n < 1,
+/// sigma, options).
+inline KernelErrorMetrics partition_error_metrics(const detail::AnalysisPartitions& partitions,
+                                                  double sigma, Masking masking,
+                                                  const MetricOptions& options = {}) {
+  detail::validate_analysis_partitions(partitions, "partition_error_metrics");
+  return detail::analysis_error_metrics(partitions, sigma, masking, options, nullptr,
+                                        "partition_error_metrics");
 }
 
 /// Output errors of an approximation T~ against the exact T* (see OutputErrorMetrics, also for

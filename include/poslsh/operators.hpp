@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "poslsh/detail/analysis/partitions.hpp"
@@ -135,6 +136,13 @@ class MeanMaskOperator {
       : partitions_(detail::analysis_partitions(hashes, n, "MeanMaskOperator")),
         masking_(masking) {}
 
+  /// From stored partitions (any blocks, e.g. sample_partition_set's Poisson cuts). Throws
+  /// std::invalid_argument naming 'partitions.*' if they are invalid.
+  MeanMaskOperator(detail::AnalysisPartitions partitions, Masking masking)
+      : partitions_(std::move(partitions)), masking_(masking) {
+    detail::validate_analysis_partitions(partitions_, "MeanMaskOperator");
+  }
+
   Index size() const { return partitions_.n; }
   Index samples() const { return partitions_.samples(); }
   Masking masking() const { return masking_; }
@@ -237,6 +245,11 @@ class KernelErrorOperator {
   template <typename Hashes = HashSet>
   KernelErrorOperator(const Hashes& hashes, Index n, double sigma, Masking masking)
       : kernel_(n, sigma, masking), mask_(hashes, n, masking) {}
+
+  /// From stored partitions (see MeanMaskOperator). Throws std::invalid_argument naming a bad
+  /// argument (partitions, sigma).
+  KernelErrorOperator(detail::AnalysisPartitions partitions, double sigma, Masking masking)
+      : kernel_(partitions.n, sigma, masking), mask_(std::move(partitions), masking) {}
 
   Index size() const { return kernel_.size(); }
   bool symmetric() const { return kernel_.symmetric(); }

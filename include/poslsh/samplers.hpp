@@ -378,21 +378,11 @@ inline PartitionSet partition_set(const HashSet& hashes, Index n) {
 }
 
 /// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges 0 = t_0 < t_1
-/// < ... < t_m = n (n = 0: the single edge 0) and offsets increasing into `edges`.
+/// < ... < t_m = n (n = 0: the single edge 0) and offsets running from 0 to edges.size().
+/// Throws std::invalid_argument naming 'partitions.n', 'partitions.offsets' or
+/// 'partitions.edges'.
 inline void validate_partition_set(const PartitionSet& set, const char* function) {
-  detail::require_size(set.n, function, "partitions.n");
-  detail::require(!set.offsets.empty() && set.offsets.front() == 0 &&
-                      set.offsets.back() == set.edges.size() && set.samples() >= 1,
-                  function, "partitions.offsets", set.offsets.size(),
-                  "must start at 0, end at edges.size() and hold at least one sample");
-  for (Index k = 0; k < set.samples(); ++k) {
-    const Index* first = set.begin(k);
-    const Index* last = set.end(k);
-    bool ok = last - first >= 1 && first[0] == 0 && last[-1] == set.n;
-    for (const Index* edge = first; ok && edge + 1 < last; ++edge) ok = edge[0] < edge[1];
-    detail::require(ok, function, "partitions.edges", k,
-                    "sample's edges must run 0 = t_0 < t_1 < ... < t_m = n");
-  }
+  detail::validate_analysis_partitions(set, function);
 }
 
 /// The Poisson-cut partition of sample k of (seed, stream) on [0, n): cuts of a Poisson process
