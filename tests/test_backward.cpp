@@ -489,6 +489,18 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
                                                        dvv);
       },
       "dq");
+  // Queries at an offset are not supported by the forwards with lse and the backward passes.
+  AttentionOptions offset;
+  offset.query_offset = 3;
+  require_invalid_argument(
+      [&] {
+        poslsh::lsh_attention_fused_backward<float>(q, k, v, hashes, out, lse, dout, dq, dk, dvv,
+                                                    offset);
+      },
+      "options.query_offset");
+  require_invalid_argument(
+      [&] { poslsh::alibi_attention_tiled<float>(q, k, v, 4.0, out, lse, offset); },
+      "options.query_offset");
   // Multi-head: lse must be heads x tokens, the gradient views the inputs' shapes.
   const auto qv = poslsh::interleaved_heads<const float>(q.data(), n, 1, d);
   const auto kv = poslsh::interleaved_heads<const float>(k.data(), n, 1, d);

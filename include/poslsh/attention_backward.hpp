@@ -66,6 +66,14 @@ void require_matrix_shape(const char* function, const char* name, const MatrixTy
               " (rows must not overlap)");
 }
 
+/// The forwards with lse and the backward passes are for self-attention at positions 0 .. n-1:
+/// options.query_offset unset or 0.
+inline void require_self_positions(const char* function, const AttentionOptions& options) {
+  require(!options.query_offset || *options.query_offset == 0, function, "options.query_offset",
+          options.query_offset ? *options.query_offset : 0,
+          "must be unset or 0 (queries at positions 0 .. n-1)");
+}
+
 /// The lse vector: one entry per query row.
 template <typename VectorType>
 void require_lse_size(const char* function, const VectorType& lse, Index n) {
@@ -230,6 +238,7 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
                            VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_tiled";
+  detail::require_self_positions(function, options);
   detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
   detail::require_lse_size(function, lse, q.rows());
   const double tau = detail::resolve_scale(function, options, q.cols());
@@ -248,6 +257,7 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             MatrixRef<Scalar> out, VectorRef<Scalar> lse,
                             const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_banded";
+  detail::require_self_positions(function, options);
   detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
   detail::require_size(band, function, "band");
   detail::require_lse_size(function, lse, q.rows());
@@ -267,6 +277,7 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                          ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
                          VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
+  detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
   const Index n = q.rows();
@@ -285,6 +296,7 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
                               MatrixRef<Scalar> out, VectorRef<Scalar> lse,
                               const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample";
+  detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
@@ -323,6 +335,7 @@ void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sca
                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                     const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_tiled_backward";
+  detail::require_self_positions(function, options);
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
@@ -346,6 +359,7 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
                                      MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                      const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_banded_backward";
+  detail::require_self_positions(function, options);
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
@@ -378,6 +392,7 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
                                   MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                   const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused_backward";
+  detail::require_self_positions(function, options);
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   validate_hashes(hashes, function);
@@ -403,6 +418,7 @@ void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<
                                        MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                        const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample_backward";
+  detail::require_self_positions(function, options);
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   validate_hashes(hashes, function);
@@ -497,6 +513,7 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                          HeadsView<const Scalar> v, HeadsView<Scalar> out, MatrixRef<Scalar> lse,
                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention";
+  detail::require_self_positions(function, options);
   detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
   const std::vector<double> sigmas =
       options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;
@@ -564,6 +581,7 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
                                   HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
                                   const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_backward";
+  detail::require_self_positions(function, options);
   detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
   const std::vector<double> sigmas =
       options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;

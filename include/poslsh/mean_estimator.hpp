@@ -32,6 +32,7 @@ void lsh_attention_mean_of_outputs(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scal
                                    ConstMatrixRef<Scalar> v, const HashSet& hashes,
                                    MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_mean_of_outputs";
+  detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
   const Index n = q.rows();
@@ -72,6 +73,7 @@ void lsh_attention_mean_of_outputs_backward(ConstMatrixRef<Scalar> q, ConstMatri
                                             MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                             const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_mean_of_outputs_backward";
+  detail::require_self_positions(function, options);
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   validate_hashes(hashes, function);
