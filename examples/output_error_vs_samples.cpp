@@ -2,7 +2,8 @@
 // samples s, for the per-sample and fused LSH kernels and the fixed-blocks and banded
 // baselines at the same pair budget, on random and on structured Q, K, V.
 //   output_error_vs_samples [--n N] [--d D] [--sigma SIGMA] [--samples LIST] [--data LIST]
-//                           [--causal | --bidirectional] [--double] [--seed SEED] [--csv FILE]
+//                           [--causal | --bidirectional] [--double] [--seed SEED]
+//                           [--sampler NAME] [--csv FILE]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,8 +13,10 @@
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/hash.hpp>
 #include <poslsh/per_sample_attention.hpp>
+#include <poslsh/samplers.hpp>
 #include <poslsh/tiled_attention.hpp>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -31,7 +34,8 @@ const char* const usage =
 
 T* = softmax(tau Q K^T - |i-j| / sigma) V is the exact ALiBi attention (alibi_attention_tiled,
 tau = 1/sqrt(d)). For each data set and s the program runs, against T*,
-  per-sample  lsh_attention_per_sample with the hashes rbf_hashes(sigma, s, seed)
+  per-sample  lsh_attention_per_sample with the hashes sample_hashes(sigma, s, seed, 0,
+              sampler) (default rbf_hashes(sigma, s, seed))
   fused       lsh_attention_fused with the same hashes (the same estimator, each pair once)
   fixed       plain attention in blocks of width W from position 0 (the paper's baseline)
   banded      exact ALiBi attention on the keys with |i - j| <= B (alibi_attention_banded)
@@ -60,6 +64,9 @@ Options:
   --bidirectional   bidirectional attention
   --double          compute in double (default float)
   --seed SEED       hash and data seed (default 1)
+  --sampler NAME    how the s hashes are drawn (sample_hashes; all unbiased): independent
+                    (default, rbf_hashes), antithetic, stratified, lattice_offsets,
+                    coupled_offsets, rqmc (poisson has no BinHash form for the kernels)
   --csv FILE        also write one row per (data, s, method) to FILE as CSV
   --help            this text
 
@@ -75,6 +82,7 @@ struct Settings {
   poslsh::Masking masking = poslsh::Masking::causal;
   bool use_double = false;
   std::uint64_t seed = 1;
+  poslsh::Sampler sampler = poslsh::Sampler::independent;
   std::string csv;
 };
 
@@ -100,6 +108,14 @@ Settings parse(int argc, char** argv) {
         if (name != "random" && name != "smooth" && name != "heavy")
           cli::fail(program, "unknown data set '" + name + "'");
       }
+    } else if (args.flag() == "--sampler") {
+      try {
+        settings.sampler = poslsh::sampler_from_name(args.value());
+      } catch (const std::invalid_argument&) {
+        cli::fail(program, "unknown sampler (see --help)");
+      }
+      if (settings.sampler == poslsh::Sampler::poisson)
+        cli::fail(program, "--sampler poisson has no BinHash form for the attention kernels");
     } else if (!(args.number("--n", settings.n) || args.number("--d", settings.d) ||
                  args.number("--sigma", settings.sigma) ||
                  args.positive_list("--samples", settings.samples) ||
@@ -228,7 +244,8 @@ Row measure_row(const poslsh::RowMatrix<Scalar>& q, const poslsh::RowMatrix<Scal
   const poslsh::Index n = settings.n;
   const poslsh::Masking masking = settings.masking;
   const poslsh::AttentionOptions options{masking};
-  const poslsh::HashSet hashes = poslsh::rbf_hashes(settings.sigma, s, settings.seed, 0);
+  const poslsh::HashSet hashes =
+      poslsh::sample_hashes(settings.sigma, s, settings.seed, 0, settings.sampler);
   Row row;
   row.budget = poslsh::lsh_fused_pair_count(hashes, n, masking);
   long long per_sample_pairs = 0;
@@ -268,20 +285,20 @@ void run(const Settings& settings) {
       cli::open_csv(program, settings.csv,
                     "data,n,d,sigma,masking,scalar,seed,s,method,pairs,pairs_per_query,width,band,"
                     "frobenius,relative_frobenius,max,row_relative_median,row_relative_p90,"
-                    "row_relative_p99,cosine,seconds\n");
+                    "row_relative_p99,cosine,seconds,sampler\n");
   const auto write_csv = [&](const std::string& data, poslsh::Index s, const char* method,
                              const Result& r, double width, poslsh::Index band) {
     if (csv == nullptr) return;
-    std::fprintf(csv,
-                 "%s,%ld,%ld,%.17g,%s,%s,%llu,%ld,%s,%lld,%.6f,%g,%ld,%.9g,%.9g,%.9g,%.9g,%.9g,"
-                 "%.9g,%.12g,%.6f\n",
-                 data.c_str(), static_cast<long>(n), static_cast<long>(settings.d), settings.sigma,
-                 masking, sizeof(Scalar) == 4 ? "float" : "double",
-                 static_cast<unsigned long long>(settings.seed), static_cast<long>(s), method,
-                 r.pairs, static_cast<double>(r.pairs) * per_query, width, static_cast<long>(band),
-                 r.metrics.frobenius, r.metrics.relative_frobenius, r.max,
-                 r.metrics.row_relative_median, r.metrics.row_relative_p90,
-                 r.metrics.row_relative_p99, r.metrics.cosine, r.seconds);
+    std::fprintf(
+        csv,
+        "%s,%ld,%ld,%.17g,%s,%s,%llu,%ld,%s,%lld,%.6f,%g,%ld,%.9g,%.9g,%.9g,%.9g,%.9g,"
+        "%.9g,%.12g,%.6f,%s\n",
+        data.c_str(), static_cast<long>(n), static_cast<long>(settings.d), settings.sigma, masking,
+        sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed),
+        static_cast<long>(s), method, r.pairs, static_cast<double>(r.pairs) * per_query, width,
+        static_cast<long>(band), r.metrics.frobenius, r.metrics.relative_frobenius, r.max,
+        r.metrics.row_relative_median, r.metrics.row_relative_p90, r.metrics.row_relative_p99,
+        r.metrics.cosine, r.seconds, poslsh::sampler_name(settings.sampler));
   };
 
   const auto start = std::chrono::steady_clock::now();
@@ -289,9 +306,10 @@ void run(const Settings& settings) {
       "Attention output error of ALiBi approximations against the exact T* (alibi_attention_\n"
       "tiled); n = %ld, d = %ld, sigma = %g, %s, %s, seed %llu. fixed (block width W) and\n"
       "banded (|i-j| <= B) get the fused kernel's pairs per query. Columns: relative error\n"
-      "||T*-T~||_F/||T*||_F per method, then the largest entry max|T*-T~|.\n",
+      "||T*-T~||_F/||T*||_F per method, then the largest entry max|T*-T~|. Sampler: %s.\n",
       static_cast<long>(n), static_cast<long>(settings.d), settings.sigma, masking,
-      sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed));
+      sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed),
+      poslsh::sampler_name(settings.sampler));
 
   for (const std::string& name : settings.data) {
     const Data data = make_data(name, n, settings.d, settings.sigma, settings.seed);
