@@ -2,10 +2,11 @@
 //
 // Argument checking, common to every kernel: shapes (q n x d with d >= 1 when n >= 1, k and v
 // with the rows and columns q implies, out n x d_v with rows that do not overlap), the options
-// (scale finite, masking one of the two enumerators), sigma (finite, > 0), s >= 1 and valid
-// hashes, row ranges, decode position t; a bad argument throws std::invalid_argument whose
-// message names it in single quotes with its value. Not checked, by design (it would cost a
-// pass over the data): the values of q, k and v. Their effect:
+// (scale finite, masking one of the two enumerators, query_offset in [0, L - m]), sigma
+// (finite, > 0), s >= 1 and valid hashes, row ranges, decode position t; a bad argument
+// throws std::invalid_argument whose message names it in single quotes with its value. Not
+// checked, by design (it would cost a pass over the data): the values of q, k and v. Their
+// effect:
 //  - a NaN in row i of q gives a NaN in every entry of row i of the output; the other rows are
 //    bitwise what they are without it (each row is computed on its own);
 //  - a NaN or inf in row j of k or v gives NaN in every output row that attends to key j, and
