@@ -80,9 +80,11 @@ TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]
         INFO(kind_name(kind) << (masking == Masking::causal ? " causal" : " bidirectional")
                              << ", chunk " << chunk);
         RowMatrix<float> chunked = full;
-        // Chunks of one row are cheap for the tile engine; the per-sample kernels computes whole
-        // tiles of 128 rows per chunk, so there a sample of single-row chunks is checked.
-        const Index step = chunk == 1 && per_sample ? 37 : chunk;
+        // Small chunks: a sample of them (every 5th single-row chunk for the tile kernels; the
+        // per-sample kernels compute whole tiles of 128 rows per chunk, so fewer there).
+        const Index step = chunk == 1                 ? (per_sample ? 37 : 5)
+                           : chunk == 7 && per_sample ? 35
+                                                      : chunk;
         for (Index p0 = 0; p0 < n; p0 += step) {
           const Index m = std::min(chunk, n - p0);
           RowMatrix<float> out(m, dv);
@@ -101,7 +103,7 @@ TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]
             // block (cut at n): the chunk equals the kernel on its prefix bitwise, and the full
             // prefill to rounding.
             CHECK(poslsh_test::relative_max_error(out, full.middleRows(p0, m)) < 2e-5);
-            if ((p0 / step) % 10 == 3) {
+            if ((p0 / step) % 4 == 3) {
               RowMatrix<float> prefix(p0 + m, dv);
               run_kind<float>(kind, q.topRows(p0 + m), k.topRows(p0 + m), v.topRows(p0 + m), hashes,
                               prefix, options);
@@ -114,7 +116,8 @@ TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]
             CHECK(bitwise_equal(out, full.middleRows(p0, m)));
           }
         }
-        if (!per_sample || masking == Masking::bidirectional) CHECK(bitwise_equal(chunked, full));
+        if (step == chunk && (!per_sample || masking == Masking::bidirectional))
+          CHECK(bitwise_equal(chunked, full));
       }
     }
   }
