@@ -41,7 +41,8 @@ struct PagedCache {
     k_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * d), nan);
     v_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * dv), nan);
     table.assign(static_cast<std::size_t>(pages + 1), -1);  // one spare entry past the end
-    for (Index p = 0; p < pages; ++p) table[static_cast<std::size_t>(p)] = order[p];
+    for (Index p = 0; p < pages; ++p)
+      table[static_cast<std::size_t>(p)] = order[static_cast<std::size_t>(p)];
     for (Index j = 0; j < n; ++j) {
       const Index row = table[static_cast<std::size_t>(j / page_size)] * page_size + j % page_size;
       std::copy_n(k.row(j).data(), Hkv * d, k_pool.data() + row * Hkv * d);
