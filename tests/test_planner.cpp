@@ -42,7 +42,8 @@ TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planne
           double best = poslsh::exact_pair_count(n, masking) / options.throughput.exact_tiled;
           PlannedMethod method = PlannedMethod::exact_tiled;
           for (Index w = 0; w + 1 < n; ++w) {
-            const double error = options.banded_factor * std::exp(-(w + 1.0) / sigma);
+            const double error =
+                options.banded_factor * std::exp(-(static_cast<double>(w) + 1.0) / sigma);
             const double cost =
                 poslsh::banded_pair_count(n, w, masking) / options.throughput.banded;
             if (error <= target && cost < best) {
@@ -87,7 +88,8 @@ TEST_CASE("the banded error model bounds the measured output error", "[planner]"
           poslsh::alibi_attention_tiled<float>(q, k, v, sigma, poslsh_test::with_masking(masking));
       for (double target : {0.1, 0.01}) {
         const Index band = poslsh::planner_band(sigma, target, options.banded_factor);
-        const double predicted = options.banded_factor * std::exp(-(band + 1.0) / sigma);
+        const double predicted =
+            options.banded_factor * std::exp(-(static_cast<double>(band) + 1.0) / sigma);
         const double measured =
             relative_error(exact, poslsh::alibi_attention_banded<float>(
                                       q, k, v, sigma, band, poslsh_test::with_masking(masking)));

@@ -46,7 +46,7 @@ inline MaxError analysis_max_error_partitions(const AnalysisPartitions& partitio
   const Index tasks = (n + analysis_rows_per_task - 1) / analysis_rows_per_task;
   std::vector<MaxError> results(static_cast<std::size_t>(tasks));
   const bool causal = masking == Masking::causal;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
   for (Index task = 0; task < tasks; ++task) {
     const Index first = task * analysis_rows_per_task;
     const Index last = std::min(n, first + analysis_rows_per_task);
@@ -74,7 +74,8 @@ inline long long partition_pair_count(const detail::AnalysisPartitions& set, Mas
   std::vector<Index> lo(static_cast<std::size_t>(n), n);
   std::vector<Index> hi(static_cast<std::size_t>(n), 0);
   // Samples split over threads into private tables, merged by min / max (order-free).
-#pragma omp parallel
+  const bool parallel = set.edges.size() > detail::analysis_parallel_edges;
+#pragma omp parallel if (parallel)
   {
     std::vector<Index> my_lo(static_cast<std::size_t>(n), n);
     std::vector<Index> my_hi(static_cast<std::size_t>(n), 0);
@@ -224,7 +225,7 @@ class BandCountOperator {
     constexpr Index rows_per_task = 512;
     const Index tasks = (n_ + rows_per_task - 1) / rows_per_task;
     std::vector<MaxError> results(static_cast<std::size_t>(tasks));
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (entries_ > parallel_product_entries)
     for (Index task = 0; task < tasks; ++task) {
       MaxError best;
       const auto consider = [&best](double value, Index i, Index j) {
@@ -269,7 +270,8 @@ class BandCountOperator {
     constexpr Index rows_per_chunk = 64;
     const Index chunks = (n_ + rows_per_chunk - 1) / rows_per_chunk;
     const Index b = band_;
-#pragma omp parallel
+    const bool parallel = set.edges.size() > detail::analysis_parallel_edges;
+#pragma omp parallel if (parallel)
     {
       Index threads = 1, thread = 0;
 #ifdef _OPENMP
@@ -305,7 +307,7 @@ class BandCountOperator {
         }
       }
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_ * stride_ > parallel_product_entries)
     for (Index i = 0; i < n_; ++i) {
       double* row = table_.data() + static_cast<std::size_t>(i * stride_);
       for (Index m = 1; m < stride_; ++m) row[m] += row[m - 1];
@@ -317,7 +319,8 @@ class BandCountOperator {
     }
     const double s = static_cast<double>(samples_);
     long long entries = 0;
-#pragma omp parallel for schedule(static) reduction(+ : entries)
+    const bool rows_parallel = n_ * stride_ > parallel_product_entries;
+#pragma omp parallel for schedule(static) reduction(+ : entries) if (rows_parallel)
     for (Index i = 0; i < n_; ++i) {
       double* row = table_.data() + static_cast<std::size_t>(i * stride_);
       Index lo = b, hi = b + 1;  // C_ii = s > 0

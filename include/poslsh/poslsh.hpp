@@ -6,6 +6,7 @@
 
 #include "poslsh/alibi_kernel.hpp"
 #include "poslsh/attention_backward.hpp"
+#include "poslsh/band_counts.hpp"
 #include "poslsh/banded_attention.hpp"
 #include "poslsh/block_kernel.hpp"
 #include "poslsh/block_plan.hpp"
@@ -23,7 +24,9 @@
 #include "poslsh/paged_kv.hpp"
 #include "poslsh/partition.hpp"
 #include "poslsh/per_sample_attention.hpp"
+#include "poslsh/planner.hpp"
 #include "poslsh/reference_attention.hpp"
+#include "poslsh/samplers.hpp"
 #include "poslsh/slopes.hpp"
 #include "poslsh/tiled_attention.hpp"
 #include "poslsh/types.hpp"

@@ -403,7 +403,7 @@ inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t
     // Two lengths per Philox call.
     const detail::PhiloxCounter words =
         detail::sampler_words(seed, stream, (sample << 32) + draw++, detail::tag_cuts);
-    for (int half = 0; half < 2 && position < n; ++half) {
+    for (std::size_t half = 0; half < 2 && position < n; ++half) {
       const double u = detail::uniform_open(words[2 * half], words[2 * half + 1]);
       const double gap = 1.0 + std::floor(-sigma * std::log(u));
       position =

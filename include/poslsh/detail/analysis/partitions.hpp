@@ -66,28 +66,42 @@ decltype(auto) analysis_hash_set(const Hashes& hashes) {
   }
 }
 
-/// block_boundaries(hash, n) of a valid hash and n >= 0, unchecked and faster: the first
-/// position of bin b is ceil(b w + xi) up to rounding, corrected against bin() (so the edges
-/// are exactly where bin() changes, as block_boundaries gives them).
-inline std::vector<Index> analysis_block_edges(const BinHash& hash, Index n) {
-  if (hash.width < 1.0 || n <= 1) return block_boundaries(hash, n);
-  std::vector<Index> edges;
-  edges.reserve(static_cast<std::size_t>(static_cast<double>(n) / hash.width) + 3);
-  edges.push_back(0);
+/// Edge tables at most this large are built on one thread: below it the work takes well under
+/// a millisecond, less than starting a parallel region costs on a busy machine.
+inline constexpr std::size_t analysis_parallel_edges = std::size_t{1} << 16;
+
+/// Number of block edges of a valid hash on [0, n): n + 1 when w < 1 (every position is a
+/// block), else bin(n-1) - bin(0) + 2 (a bin of width w >= 1 always holds an integer, so every
+/// bin from bin(0) to bin(n-1) is a block); 1 when n = 0.
+inline std::size_t analysis_edge_count(const BinHash& hash, Index n) {
+  if (n == 0) return 1;
+  if (hash.width < 1.0) return static_cast<std::size_t>(n) + 1;
+  return static_cast<std::size_t>(hash.bin(n - 1) - hash.bin(0)) + 2;
+}
+
+/// Writes block_boundaries(hash, n) of a valid hash and n >= 0 to `out` (analysis_edge_count
+/// entries), unchecked and faster: the first position of bin b is ceil(b w + xi) up to
+/// rounding, corrected against bin() (so the edges are exactly where bin() changes).
+inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out) {
+  if (hash.width < 1.0 || n <= 1) {
+    const std::vector<Index> edges = block_boundaries(hash, n);
+    std::copy(edges.begin(), edges.end(), out);
+    return;
+  }
+  Index* edge = out;
+  *edge = 0;
   std::int64_t bin = hash.bin(0);
-  while (true) {
+  const std::int64_t last_bin = hash.bin(n - 1);
+  while (bin < last_bin) {
     ++bin;
     const double guess = std::ceil(static_cast<double>(bin) * hash.width + hash.offset);
-    if (guess >= static_cast<double>(n) + 1.0) break;
-    auto p = static_cast<Index>(std::max(guess, static_cast<double>(edges.back() + 1)));
-    while (p > edges.back() + 1 && hash.bin(p - 1) >= bin) --p;
-    while (p < n && hash.bin(p) < bin) ++p;
-    if (p >= n) break;
-    bin = hash.bin(p);  // width >= 1: one bin per step
-    edges.push_back(p);
+    auto p = static_cast<Index>(
+        std::clamp(guess, static_cast<double>(*edge + 1), static_cast<double>(n - 1)));
+    while (p > *edge + 1 && hash.bin(p - 1) >= bin) --p;
+    while (p < n - 1 && hash.bin(p) < bin) ++p;
+    *++edge = p;  // width >= 1: bin(p) == bin
   }
-  edges.push_back(n);
-  return edges;
+  *++edge = n;
 }
 
 /// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
@@ -98,27 +112,20 @@ AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const ch
   require_size(n, function, "n");
   AnalysisPartitions partitions;
   partitions.n = n;
-  // Samples in parallel (OpenMP), each into its own vector, then concatenated in order: the
-  // same table whatever the thread count.
+  // Edge counts first (analysis_edge_count), then every sample's edges written in parallel
+  // (OpenMP) at its offset: the same table whatever the thread count.
   const auto samples = static_cast<Index>(hashes.size());
-  std::vector<std::vector<Index>> per_sample(static_cast<std::size_t>(samples));
-#pragma omp parallel for schedule(dynamic, 256)
+  partitions.offsets.resize(static_cast<std::size_t>(samples) + 1);
   for (Index k = 0; k < samples; ++k) {
-    per_sample[static_cast<std::size_t>(k)] =
-        analysis_block_edges(hashes[static_cast<std::size_t>(k)], n);
+    const auto uk = static_cast<std::size_t>(k);
+    partitions.offsets[uk + 1] = partitions.offsets[uk] + analysis_edge_count(hashes[uk], n);
   }
-  std::size_t total = 0;
-  for (const std::vector<Index>& edges : per_sample) {
-    total += edges.size();
-    partitions.offsets.push_back(total);
-  }
-  partitions.edges.resize(total);
-#pragma omp parallel for schedule(dynamic, 256)
+  partitions.edges.resize(partitions.offsets.back());
+  const bool parallel = partitions.edges.size() > analysis_parallel_edges;
+#pragma omp parallel for schedule(dynamic, 256) if (parallel)
   for (Index k = 0; k < samples; ++k) {
-    const std::vector<Index>& edges = per_sample[static_cast<std::size_t>(k)];
-    std::copy(edges.begin(), edges.end(),
-              partitions.edges.begin() +
-                  static_cast<std::ptrdiff_t>(partitions.offsets[static_cast<std::size_t>(k)]));
+    const auto uk = static_cast<std::size_t>(k);
+    analysis_write_block_edges(hashes[uk], n, partitions.edges.data() + partitions.offsets[uk]);
   }
   return partitions;
 }
