@@ -2,9 +2,11 @@
 // give bitwise the rows of one prefill, for every method, causal and bidirectional; bottom-right
 // alignment when the offset is unset; bad offsets are rejected by name.
 #include <poslsh/banded_attention.hpp>
+#include <poslsh/block_kernel.hpp>
 #include <poslsh/decode.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/per_sample_attention.hpp>
+#include <poslsh/reference_attention.hpp>
 #include <poslsh/tiled_attention.hpp>
 
 #include "test_support.hpp"
@@ -216,8 +218,17 @@ TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]")
           [&] { run_kind<float>(kind, q, k, k, hashes, out, options); }, "options.query_offset");
     }
   }
-  // Unset offset: the queries are the last q.rows() keys, so k needs at least as many rows.
   RowMatrix<float> wide(20, 4);
+  // Self-attention-only entry points accept no offset but 0.
+  AttentionOptions shifted;
+  shifted.query_offset = 1;
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::alibi_attention_reference<float>(k, k, k, 4.0, wide, shifted); },
+      "options.query_offset");
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::lsh_attention_by_blocks<float>(k, k, k, hashes, wide, shifted); },
+      "options.query_offset");
+  // Unset offset: the queries are the last q.rows() keys, so k needs at least as many rows.
   for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
     poslsh_test::require_invalid_argument([&] { run_kind<float>(kind, k, q, q, hashes, wide, {}); },
                                           "k");

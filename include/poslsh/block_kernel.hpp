@@ -46,6 +46,7 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                              BlockKernel&& block_kernel = BlockKernel{}) {
   constexpr const char* function = "lsh_attention_by_blocks";
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
   const Index n = q.rows();
   if (n == 0) return;
   const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));

@@ -20,7 +20,8 @@ namespace poslsh {
 /// causal form keeps j <= i), i.e. D^-1 (A o L*) V with A_ij = exp(tau q_i . k_j). The row
 /// maximum is subtracted before exp, so scores of any finite magnitude give finite output.
 /// Q is n x d, K and V are n x d and n x d_v, `out` is n x d_v. Builds the n x n score matrix:
-/// for checks and small n only. Throws std::invalid_argument naming a bad argument.
+/// for checks and small n only. Self-attention only (options.query_offset unset or 0).
+/// Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
@@ -28,6 +29,7 @@ void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> 
   constexpr const char* function = "alibi_attention_reference";
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
+  detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
   detail::require_sigma(sigma, function);
   detail::require_output_shape(function, out, q.rows(), v.cols());
   const double tau = detail::resolve_scale(function, options, q.cols());  // checks the options
