@@ -641,10 +641,12 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
     const auto index = static_cast<std::size_t>(h);
     const Index g = h / group;
     const bool first = h % group == 0;
+    // With groups, every head's dK and dV go to contiguous scratch first, so each head's
+    // gradient has the bits of a single-head call, then the group sums them in head order.
     MatrixRef<Scalar> dk_target =
-        first ? MatrixRef<Scalar>(dk.head(g)) : MatrixRef<Scalar>(dk_head);
+        group == 1 ? MatrixRef<Scalar>(dk.head(g)) : MatrixRef<Scalar>(dk_head);
     MatrixRef<Scalar> dv_target =
-        first ? MatrixRef<Scalar>(dv.head(g)) : MatrixRef<Scalar>(dv_head);
+        group == 1 ? MatrixRef<Scalar>(dv.head(g)) : MatrixRef<Scalar>(dv_head);
     const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
     const auto q_h = q.head(h);
     const auto k_h = k.head(g);
@@ -676,11 +678,16 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
                                                dq.head(h), dk_target, dv_target, head_options);
         break;
     }
-    if (!first) {
+    if (group > 1) {
       auto dk_g = dk.head(g);
       auto dv_g = dv.head(g);
-      dk_g += dk_head;
-      dv_g += dv_head;
+      if (first) {
+        dk_g = dk_head;
+        dv_g = dv_head;
+      } else {
+        dk_g += dk_head;
+        dv_g += dv_head;
+      }
     }
   }
 }
