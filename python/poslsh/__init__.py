@@ -42,10 +42,18 @@ from ._core import (  # noqa: F401
 
 if has_backward:
     from ._core import (  # noqa: F401
+        alibi_attention_banded_backward,
+        alibi_attention_banded_with_lse,
         alibi_attention_tiled_backward,
         alibi_attention_tiled_with_lse,
+        fixed_blocks_attention_backward,
+        fixed_blocks_attention_with_lse,
         lsh_attention_fused_backward,
         lsh_attention_fused_with_lse,
+        lsh_attention_mean_of_outputs,
+        lsh_attention_mean_of_outputs_backward,
+        lsh_attention_per_sample_backward,
+        lsh_attention_per_sample_with_lse,
     )
 
 if has_spectra:

@@ -10,15 +10,21 @@ import pytest
 import poslsh
 
 
-def long_call(rng, seconds_hint=None):
-    """A single-threaded exact kernel call of a few hundred milliseconds."""
+def long_call(rng, seconds=0.2):
+    """A single-threaded exact kernel call of at least `seconds` on this machine: n starts at
+    3072 and doubles (4x the work) until one call takes that long."""
     n, d = 3072, 64
-    q, k, v = (rng.uniform(-1, 1, (n, d)).astype(np.float32) for _ in range(3))
+    while True:
+        q, k, v = (rng.uniform(-1, 1, (n, d)).astype(np.float32) for _ in range(3))
 
-    def call():
-        return poslsh.alibi_attention_tiled(q, k, v, 16.0, num_threads=1)
+        def call(q=q, k=k, v=v):
+            return poslsh.alibi_attention_tiled(q, k, v, 16.0, num_threads=1)
 
-    return call
+        begin = time.perf_counter()
+        call()
+        if time.perf_counter() - begin >= seconds or n >= 49152:
+            return call
+        n *= 2
 
 
 def test_python_runs_while_a_kernel_runs(rng):
