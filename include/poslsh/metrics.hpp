@@ -146,9 +146,11 @@ namespace detail {
 /// kernel_error_metrics and partition_error_metrics: the spectral and max-norm errors of the
 /// stored partitions in the representation chosen by options.representation, then the norm
 /// and the bounds. `hashes` (may be null) gives the dense spectral path its dense formula.
-inline KernelErrorMetrics analysis_error_metrics(const AnalysisPartitions& set, double sigma,
-                                                 Masking masking, const MetricOptions& options,
-                                                 const HashSet* hashes, const char* function) {
+/// (A template only so that its Lanczos and eigen-solver code is compiled where it is called.)
+template <typename Partitions = AnalysisPartitions>
+KernelErrorMetrics analysis_error_metrics(const Partitions& set, double sigma, Masking masking,
+                                          const MetricOptions& options, const HashSet* hashes,
+                                          const char* function) {
   const Index n = set.n;
   require_positive(n, function, "n");
   require_sigma(sigma, function);
@@ -221,9 +223,9 @@ KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double 
 /// of partitions. Dense spectral norms (n <= options.spectral.dense_limit) are formed from the
 /// operator's columns. Throws std::invalid_argument naming a bad argument (partitions, n < 1,
 /// sigma, options).
-inline KernelErrorMetrics partition_error_metrics(const detail::AnalysisPartitions& partitions,
-                                                  double sigma, Masking masking,
-                                                  const MetricOptions& options = {}) {
+template <typename Partitions = detail::AnalysisPartitions>
+KernelErrorMetrics partition_error_metrics(const Partitions& partitions, double sigma,
+                                           Masking masking, const MetricOptions& options = {}) {
   detail::validate_analysis_partitions(partitions, "partition_error_metrics");
   return detail::analysis_error_metrics(partitions, sigma, masking, options, nullptr,
                                         "partition_error_metrics");
