@@ -523,7 +523,7 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
   const Index n = q.tokens;
   if (n == 0) return;
   const Index group = q.heads / k.heads;
-  const AttentionOptions head_options{options.masking, options.scale};
+  const AttentionOptions& head_options = options;  // query_offset checked unset or 0 above
   detail::resolve_scale(function, head_options, q.dim);
   const auto head_lse = [&](Index h) { return VectorRef<Scalar>(lse.row(h).transpose()); };
   if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample ||
@@ -595,7 +595,7 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
   const Index n = q.tokens;
   if (n == 0) return;
   const Index group = q.heads / k.heads;
-  const AttentionOptions head_options{options.masking, options.scale};
+  const AttentionOptions& head_options = options;  // query_offset checked unset or 0 above
   detail::resolve_scale(function, head_options, q.dim);
   const std::vector<HashSet> hashes =
       options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
