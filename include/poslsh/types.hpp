@@ -21,10 +21,43 @@
 #include <Eigen/Core>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace poslsh {
 
 using Index = Eigen::Index;
+
+/// True for the half-precision storage types the kernels accept, Eigen::half (IEEE binary16,
+/// llama.cpp's default KV cache) and Eigen::bfloat16 (most models' weights and caches): values
+/// of these types are only stored; the kernels widen them to float as they load them and
+/// round to them only when writing an output of that type.
+template <typename T>
+inline constexpr bool is_half_precision_v =
+    std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
+/// True for the scalar types of the kernels' Q, K, V and output views: float, double,
+/// Eigen::half and Eigen::bfloat16.
+template <typename T>
+inline constexpr bool is_storage_scalar_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || is_half_precision_v<T>;
+
+/// The scalar the kernels compute in for views of the given storage types: double when every
+/// one is double, float otherwise (float and the half-precision types mix freely, e.g. float
+/// queries over a bfloat16 KV cache). Double does not mix with the other types (a compile
+/// error): the double kernels are the reference path and stay all-double.
+template <typename... Storage>
+struct compute_scalar {
+  static_assert((is_storage_scalar_v<Storage> && ...),
+                "poslsh kernels take float, double, Eigen::half or Eigen::bfloat16 views");
+  static constexpr bool all_double = (std::is_same_v<Storage, double> && ...);
+  static_assert(all_double || !(std::is_same_v<Storage, double> || ...),
+                "double views cannot be mixed with float or half-precision views");
+  using type = std::conditional_t<all_double, double, float>;
+};
+
+/// compute_scalar<Storage...>::type.
+template <typename... Storage>
+using compute_scalar_t = typename compute_scalar<Storage...>::type;
 
 /// Row-major dynamic matrix: row i is token i.
 template <typename Scalar>
