@@ -36,21 +36,25 @@ inline ExactWindow banded_window(Index n, Index band, Masking masking) {
 /// Rows [row_begin, row_end) of q of alibi_attention_banded, written to `out_rows`
 /// ((row_end - row_begin) x d_v); any split of the rows into ranges (and any chunk of queries
 /// at an offset, options.query_offset) gives bitwise the full result. Single-threaded. Throws
-/// std::invalid_argument naming a bad argument.
-template <typename Scalar>
-void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                 ConstMatrixRef<Scalar> v, double sigma, Index band,
-                                 Index row_begin, Index row_end, MatrixRef<Scalar> out_rows,
+/// std::invalid_argument naming a bad argument. Half-precision Q, K, V or output (KVScalar,
+/// OutScalar, computed in float): as alibi_attention_tiled (tiled_attention.hpp).
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
+                                 ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                 ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
+                                 Index band, Index row_begin, Index row_end,
+                                 MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
                                  const AttentionOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "alibi_attention_banded_rows";
-  const Index p0 = detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, row_begin,
-                                                           row_end, out_rows, options);
+  const Index p0 =
+      detail::require_exact_views(function, q, k, v, sigma, row_begin, row_end, out_rows, options);
   detail::require_size(band, function, "band");
   const double tau = detail::resolve_scale(function, options, q.cols());
   if (row_begin == row_end) return;
-  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
-                                   detail::banded_window(k.rows(), band, options.masking),
-                                   p0 + row_begin, p0 + row_end, out_rows, p0);
+  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(
+      q, k, v, sigma, tau, detail::banded_window(k.rows(), band, options.masking), p0 + row_begin,
+      p0 + row_end, out_rows, p0);
 }
 
 /// Banded exact ALiBi attention: the softmax of tau Q K^T - |i-j| / sigma over the keys with
@@ -64,30 +68,35 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar
 /// strides; single-threaded. Queries at an offset (options.query_offset = p0; unset: L - m):
 /// Q m x d at positions p0 .. p0 + m - 1, K and V L rows, |i - j| and j <= i read with
 /// i = p0 + r; row r is bitwise row p0 + r of the self-attention over the L positions. Throws
-/// std::invalid_argument naming a bad argument.
-template <typename Scalar>
-void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, Index band,
-                            MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+/// std::invalid_argument naming a bad argument. Half-precision Q, K, V or output (KVScalar,
+/// OutScalar, computed in float): as alibi_attention_tiled (tiled_attention.hpp).
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void alibi_attention_banded(ConstMatrixRef<Scalar> q,
+                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
+                            Index band, MatrixRef<detail::nondeduced_t<OutScalar>> out,
+                            const AttentionOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "alibi_attention_banded";
-  const Index p0 =
-      detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out, options);
+  const Index p0 = detail::require_exact_views(function, q, k, v, sigma, 0, q.rows(), out, options);
   detail::require_size(band, function, "band");
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index m = q.rows();
   if (m == 0) return;
-  detail::exact_alibi_rows<Scalar>(q, k, v, sigma, tau,
-                                   detail::banded_window(k.rows(), band, options.masking), p0,
-                                   p0 + m, out, p0);
+  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(
+      q, k, v, sigma, tau, detail::banded_window(k.rows(), band, options.masking), p0, p0 + m, out,
+      p0);
 }
 
-/// Returning form of alibi_attention_banded.
-template <typename Scalar>
-RowMatrix<Scalar> alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                         ConstMatrixRef<Scalar> v, double sigma, Index band,
+/// Returning form of alibi_attention_banded (the output in Q's scalar type).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> alibi_attention_banded(ConstMatrixRef<Scalar> q,
+                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                         double sigma, Index band,
                                          const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
-  alibi_attention_banded<Scalar>(q, k, v, sigma, band, out, options);
+  alibi_attention_banded<Scalar, KVScalar, Scalar>(q, k, v, sigma, band, out, options);
   return out;
 }
 

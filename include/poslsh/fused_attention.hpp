@@ -29,16 +29,18 @@ struct FusedWorkspace {
 
 /// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
 /// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
-/// position query_offset + r.
-template <typename Scalar, typename OutType>
-void fused_tile(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
-                Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
+/// position query_offset + r. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may be
+/// stored in a half-precision type, out in any scalar type (engine_rows).
+template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename OutType>
+void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
+                const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
+                const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const HashSet& hashes, Scalar tau,
+                bool causal, Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
                 Index query_offset = 0) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
-  TileEngine<Scalar, CountBias<Scalar>> engine(q, k, v, static_cast<double>(tau), bias,
-                                               work.buffers, query_offset);
-  engine.run(i0, i0 + rows, out.middleRows(i0 - query_offset, rows));
+  engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
+                                         query_offset, i0, i0 + rows,
+                                         out.middleRows(i0 - query_offset, rows));
 }
 
 /// Runs the (head, query tile) jobs in one parallel loop, job j being head j % heads of query
@@ -93,29 +95,39 @@ void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
 /// positions p0 .. p0 + m - 1 over K, V of L rows, c_{p0+r, j} read at the absolute positions
 /// (causal: j <= p0 + r), and row r is bitwise row p0 + r of the kernel on all L positions
 /// (chunked prefill, multi-token decode). Throws std::invalid_argument naming a bad argument.
-template <typename Scalar>
-void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+/// Scalar types: Q is Scalar, K and V KVScalar, out OutScalar (each float, double,
+/// Eigen::half or Eigen::bfloat16; KVScalar and OutScalar default to Scalar and are not
+/// deduced); computed in compute_scalar_t<Scalar, KVScalar, OutScalar>: half-precision inputs
+/// widened exactly to float as they are loaded, scores, counts, softmax and sums in float, a
+/// half-precision output the float result rounded once. Bitwise the float kernel's output on
+/// the widened inputs, rounded once to OutScalar.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const HashSet& hashes,
+                         MatrixRef<detail::nondeduced_t<OutScalar>> out,
                          const AttentionOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_fused";
   const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
   const Index m = q.rows();
   if (m == 0) return;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau = static_cast<Compute>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  detail::run_fused_tiles<Scalar>(
-      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
-        detail::fused_tile<Scalar>(q, k, v, hashes, tau, causal, i0, rows, out, work, p0);
+  detail::run_fused_tiles<Compute>(
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Compute>& work) {
+        detail::fused_tile<Compute, Scalar, KVScalar>(q, k, v, hashes, tau, causal, i0, rows, out,
+                                                      work, p0);
       });
 }
 
-/// Returning form of lsh_attention_fused.
-template <typename Scalar>
-RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                      ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                                      const AttentionOptions& options = {}) {
+/// Returning form of lsh_attention_fused (the output in Q's scalar type).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
+                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                      const HashSet& hashes, const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
-  lsh_attention_fused<Scalar>(q, k, v, hashes, out, options);
+  lsh_attention_fused<Scalar, KVScalar, Scalar>(q, k, v, hashes, out, options);
   return out;
 }
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "poslsh/banded_attention.hpp"
@@ -59,10 +61,11 @@ namespace detail {
 
 /// Checks the views and options of multihead_attention (function `function`) and, when
 /// `one_sequence`, q's tokens against k's (resolve_query_offset: returns p0; else 0).
-template <typename Scalar>
+template <typename Scalar, typename KVScalar, typename OutScalar>
 Index require_multihead_arguments(const char* function, const HeadsView<const Scalar>& q,
-                                  const HeadsView<const Scalar>& k,
-                                  const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                                  const HeadsView<const KVScalar>& k,
+                                  const HeadsView<const KVScalar>& v,
+                                  const HeadsView<OutScalar>& out,
                                   const std::vector<double>& sigmas,
                                   const MultiHeadOptions& options, bool one_sequence) {
   q.validate(function, "q");
@@ -98,15 +101,19 @@ Index require_multihead_arguments(const char* function, const HeadsView<const Sc
 
 /// Head h's output rows at positions [r0, r0 + rows) of a query tile, for the methods that
 /// run query tile by query tile (fused, exact tiled, exact banded): q_h has its rows at
-/// positions p0 .. p0 + q_h.rows() - 1 over the keys of k_h.
-template <typename Scalar, typename QType, typename KType, typename OutType>
+/// positions p0 .. p0 + q_h.rows() - 1 over the keys of k_h. Computed in Scalar; q_h stored
+/// in QScalar, k_h and v_h in KVScalar (half-precision types are widened as they are loaded).
+template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename QType,
+          typename KType, typename OutType>
 void multihead_tile(const MultiHeadOptions& options, const QType& q_h, const KType& k_h,
                     const KType& v_h, OutType& out_h, const HashSet* hashes, double sigma,
                     Scalar tau, Index p0, Index r0, Index rows, FusedWorkspace<Scalar>& work) {
   const bool causal = options.masking == Masking::causal;
-  const ConstMatrixRef<Scalar> q_ref(q_h), k_ref(k_h), v_ref(v_h);
+  const ConstMatrixRef<QScalar> q_ref(q_h);
+  const ConstMatrixRef<KVScalar> k_ref(k_h), v_ref(v_h);
   if (options.method == Method::lsh_fused) {
-    fused_tile<Scalar>(q_ref, k_ref, v_ref, *hashes, tau, causal, r0, rows, out_h, work, p0);
+    fused_tile<Scalar, QScalar, KVScalar>(q_ref, k_ref, v_ref, *hashes, tau, causal, r0, rows,
+                                          out_h, work, p0);
     return;
   }
   const Index n = k_ref.rows();
@@ -115,14 +122,124 @@ void multihead_tile(const MultiHeadOptions& options, const QType& q_h, const KTy
           ? banded_window(n, band_for_bias_error(sigma, options.band_error), options.masking)
           : ExactWindow{causal ? 0 : -n, n};
   AlibiBias<Scalar> bias(n, sigma, window);
-  TileEngine<Scalar, AlibiBias<Scalar>> engine(q_ref, k_ref, v_ref, static_cast<double>(tau), bias,
-                                               work.buffers, p0);
-  engine.run(r0, r0 + rows, out_h.middleRows(r0 - p0, rows));
+  engine_rows<Scalar, QScalar, KVScalar>(q_ref, k_ref, v_ref, static_cast<double>(tau), bias,
+                                         work.buffers, p0, r0, r0 + rows,
+                                         out_h.middleRows(r0 - p0, rows));
 }
 
 inline bool runs_by_tiles(Method method) {
   return method == Method::lsh_fused || method == Method::exact_tiled ||
          method == Method::exact_banded;
+}
+
+/// Whether lsh_attention_per_sample, fixed_blocks_attention and alibi_attention_reference
+/// take Q in Scalar, K and V in KVScalar and the output in OutScalar (the signature
+/// kernel<Scalar, KVScalar, OutScalar>(q, k, v, ..., out, options)).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename = void>
+struct mixed_per_sample : std::false_type {};
+template <typename Scalar, typename KVScalar, typename OutScalar>
+struct mixed_per_sample<
+    Scalar, KVScalar, OutScalar,
+    std::void_t<decltype(lsh_attention_per_sample<Scalar, KVScalar, OutScalar>(
+        std::declval<ConstMatrixRef<Scalar>>(), std::declval<ConstMatrixRef<KVScalar>>(),
+        std::declval<ConstMatrixRef<KVScalar>>(), std::declval<const HashSet&>(),
+        std::declval<MatrixRef<OutScalar>>(), std::declval<const AttentionOptions&>()))>>
+    : std::true_type {};
+template <typename Scalar, typename KVScalar, typename OutScalar, typename = void>
+struct mixed_fixed_blocks : std::false_type {};
+template <typename Scalar, typename KVScalar, typename OutScalar>
+struct mixed_fixed_blocks<
+    Scalar, KVScalar, OutScalar,
+    std::void_t<decltype(fixed_blocks_attention<Scalar, KVScalar, OutScalar>(
+        std::declval<ConstMatrixRef<Scalar>>(), std::declval<ConstMatrixRef<KVScalar>>(),
+        std::declval<ConstMatrixRef<KVScalar>>(), 1.0, std::declval<MatrixRef<OutScalar>>(),
+        std::declval<const AttentionOptions&>()))>> : std::true_type {};
+template <typename Scalar, typename KVScalar, typename OutScalar, typename = void>
+struct mixed_reference : std::false_type {};
+template <typename Scalar, typename KVScalar, typename OutScalar>
+struct mixed_reference<
+    Scalar, KVScalar, OutScalar,
+    std::void_t<decltype(alibi_attention_reference<Scalar, KVScalar, OutScalar>(
+        std::declval<ConstMatrixRef<Scalar>>(), std::declval<ConstMatrixRef<KVScalar>>(),
+        std::declval<ConstMatrixRef<KVScalar>>(), 1.0, std::declval<MatrixRef<OutScalar>>(),
+        std::declval<const AttentionOptions&>()))>> : std::true_type {};
+
+/// kernel(q, k, v, out) on copies of one head's views widened to Compute, the result rounded
+/// once into out_h: for a single-head kernel that takes one scalar type only.
+template <typename Compute, typename QType, typename KType, typename OutType, typename Kernel>
+void run_widened_head(const QType& q_h, const KType& k_h, const KType& v_h, OutType& out_h,
+                      Kernel&& kernel) {
+  using OutScalar = typename OutType::Scalar;
+  const RowMatrix<Compute> q = q_h.template cast<Compute>();
+  const RowMatrix<Compute> k = k_h.template cast<Compute>();
+  const RowMatrix<Compute> v = v_h.template cast<Compute>();
+  RowMatrix<Compute> out(out_h.rows(), out_h.cols());
+  kernel(q, k, v, out);
+  out_h = out.template cast<OutScalar>();
+}
+
+/// One head of multihead_attention (or of one sequence of the varlen form) by a method that
+/// runs head by head: q_h (Scalar) over k_h, v_h (KVScalar) into out_h (OutScalar). Mixed types
+/// go to the kernel's <Scalar, KVScalar, OutScalar> form, or, for a kernel without one, to its
+/// compute-type form on widened copies of the head (run_widened_head).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename QType, typename KType,
+          typename OutType>
+void multihead_head(Method method, const QType& q_h, const KType& k_h, const KType& v_h,
+                    OutType& out_h, const HashSet* hashes, double sigma, double band_error,
+                    const AttentionOptions& head_options) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  constexpr bool plain = std::is_same_v<Scalar, Compute> && std::is_same_v<KVScalar, Compute> &&
+                         std::is_same_v<OutScalar, Compute>;
+  switch (method) {
+    case Method::lsh_per_sample:
+      if constexpr (plain) {
+        lsh_attention_per_sample<Scalar>(q_h, k_h, v_h, *hashes, out_h, head_options);
+      } else if constexpr (mixed_per_sample<Scalar, KVScalar, OutScalar>::value) {
+        lsh_attention_per_sample<Scalar, KVScalar, OutScalar>(
+            ConstMatrixRef<Scalar>(q_h), ConstMatrixRef<KVScalar>(k_h),
+            ConstMatrixRef<KVScalar>(v_h), *hashes, MatrixRef<OutScalar>(out_h), head_options);
+      } else {
+        run_widened_head<Compute>(q_h, k_h, v_h, out_h, [&](auto& q, auto& k, auto& v, auto& out) {
+          lsh_attention_per_sample<Compute>(q, k, v, *hashes, out, head_options);
+        });
+      }
+      break;
+    case Method::fixed_blocks:
+      if constexpr (plain) {
+        fixed_blocks_attention<Scalar>(q_h, k_h, v_h, sigma, out_h, head_options);
+      } else if constexpr (mixed_fixed_blocks<Scalar, KVScalar, OutScalar>::value) {
+        fixed_blocks_attention<Scalar, KVScalar, OutScalar>(
+            ConstMatrixRef<Scalar>(q_h), ConstMatrixRef<KVScalar>(k_h),
+            ConstMatrixRef<KVScalar>(v_h), sigma, MatrixRef<OutScalar>(out_h), head_options);
+      } else {
+        run_widened_head<Compute>(q_h, k_h, v_h, out_h, [&](auto& q, auto& k, auto& v, auto& out) {
+          fixed_blocks_attention<Compute>(q, k, v, sigma, out, head_options);
+        });
+      }
+      break;
+    case Method::exact_tiled:
+      alibi_attention_tiled<Scalar, KVScalar, OutScalar>(q_h, k_h, v_h, sigma, out_h, head_options);
+      break;
+    case Method::exact_banded:
+      alibi_attention_banded<Scalar, KVScalar, OutScalar>(
+          q_h, k_h, v_h, sigma, band_for_bias_error(sigma, band_error), out_h, head_options);
+      break;
+    case Method::exact_reference:
+      if constexpr (plain) {
+        alibi_attention_reference<Scalar>(q_h, k_h, v_h, sigma, out_h, head_options);
+      } else if constexpr (mixed_reference<Scalar, KVScalar, OutScalar>::value) {
+        alibi_attention_reference<Scalar, KVScalar, OutScalar>(
+            ConstMatrixRef<Scalar>(q_h), ConstMatrixRef<KVScalar>(k_h),
+            ConstMatrixRef<KVScalar>(v_h), sigma, MatrixRef<OutScalar>(out_h), head_options);
+      } else {
+        run_widened_head<Compute>(q_h, k_h, v_h, out_h, [&](auto& q, auto& k, auto& v, auto& out) {
+          alibi_attention_reference<Compute>(q, k, v, sigma, out, head_options);
+        });
+      }
+      break;
+    case Method::lsh_fused:
+      break;
+  }
 }
 
 }  // namespace detail
@@ -138,10 +255,18 @@ inline bool runs_by_tiles(Method method) {
 /// p0 .. p0 + m - 1 over the L tokens of k and v, each head as in the single-head kernels
 /// (row r bitwise row p0 + r of the call on all L positions). Throws std::invalid_argument
 /// naming a bad argument.
-template <typename Scalar>
-void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                         HeadsView<const Scalar> v, HeadsView<Scalar> out,
+/// Scalar types: q in Scalar, k and v in KVScalar, out in OutScalar (float, double,
+/// Eigen::half or Eigen::bfloat16, deduced from the views; e.g. float queries over a bfloat16
+/// KV cache into a float output, ggml's layout), computed in compute_scalar_t<Scalar,
+/// KVScalar, OutScalar>: the tile methods (lsh_fused, exact_tiled, exact_banded) widen
+/// half-precision values to float as they load them and round the output once, bitwise the
+/// float computation on the widened inputs rounded once; the other methods run their kernel's
+/// mixed-type form, or their float form on widened copies of each head.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void multihead_attention(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
+                         HeadsView<const KVScalar> v, HeadsView<OutScalar> out,
                          const MultiHeadOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "multihead_attention";
   detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
   const std::vector<double> sigmas =
@@ -153,20 +278,20 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
   const Index group = q.heads / k.heads;
   AttentionOptions head_options = options;
   head_options.query_offset = p0;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, head_options, q.dim));
+  const auto tau = static_cast<Compute>(detail::resolve_scale(function, head_options, q.dim));
   const std::vector<HashSet> hashes =
       options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
           ? multihead_hashes(sigmas, options.samples, options.seed)
           : std::vector<HashSet>{};
   if (options.method == Method::lsh_fused) {
     const bool causal = options.masking == Masking::causal;
-    detail::run_fused_tiles<Scalar>(
+    detail::run_fused_tiles<Compute>(
         q.heads, p0, p0 + n,
-        [&](Index h, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+        [&](Index h, Index i0, Index rows, detail::FusedWorkspace<Compute>& work) {
           auto out_head = out.head(h);
-          detail::fused_tile<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
-                                     hashes[static_cast<std::size_t>(h)], tau, causal, i0, rows,
-                                     out_head, work, p0);
+          detail::fused_tile<Compute, Scalar, KVScalar>(
+              q.head(h), k.head(h / group), v.head(h / group), hashes[static_cast<std::size_t>(h)],
+              tau, causal, i0, rows, out_head, work, p0);
         });
     return;
   }
@@ -179,27 +304,9 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
     const auto k_h = k.head(h / group);
     const auto v_h = v.head(h / group);
     auto out_h = out.head(h);
-    switch (options.method) {
-      case Method::lsh_per_sample:
-        lsh_attention_per_sample<Scalar>(q_h, k_h, v_h, hashes[index], out_h, head_options);
-        break;
-      case Method::fixed_blocks:
-        fixed_blocks_attention<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
-        break;
-      case Method::exact_tiled:
-        alibi_attention_tiled<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
-        break;
-      case Method::exact_banded:
-        alibi_attention_banded<Scalar>(q_h, k_h, v_h, sigmas[index],
-                                       band_for_bias_error(sigmas[index], options.band_error),
-                                       out_h, head_options);
-        break;
-      case Method::exact_reference:
-        alibi_attention_reference<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
-        break;
-      case Method::lsh_fused:
-        break;
-    }
+    detail::multihead_head<Scalar, KVScalar, OutScalar>(
+        options.method, q_h, k_h, v_h, out_h, hashes.empty() ? nullptr : &hashes[index],
+        sigmas[index], options.band_error, head_options);
   }
 }
 
@@ -251,14 +358,16 @@ HeadsView<Element> token_range(const HeadsView<Element>& view, Index begin, Inde
 /// exact_tiled, exact_banded) run all (sequence, query tile, head) jobs in one parallel loop,
 /// the others all (sequence, head) pairs; bitwise the same for any thread count.
 /// options.query_offset must be unset (per-sequence offsets are query_offsets). Empty
-/// sequences are allowed. Throws std::invalid_argument naming a bad argument.
-template <typename Scalar>
-void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
+/// sequences are allowed. Throws std::invalid_argument naming a bad argument. Scalar types as
+/// multihead_attention.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
+                                HeadsView<const KVScalar> v, HeadsView<OutScalar> out,
                                 const std::vector<std::int32_t>& cu_seqlens_q,
                                 const std::vector<std::int32_t>& cu_seqlens_k,
                                 const MultiHeadOptions& options = {},
                                 const std::vector<Index>& query_offsets = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "multihead_attention_varlen";
   detail::require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
   const std::vector<double> sigmas =
@@ -286,15 +395,16 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
         L, "cu_seqlens_k", "query_offsets");
   }
   const Index group = q.heads / k.heads;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.dim));
+  const auto tau = static_cast<Compute>(detail::resolve_scale(function, options, q.dim));
   const std::vector<HashSet> hashes =
       options.method == Method::lsh_fused || options.method == Method::lsh_per_sample
           ? multihead_hashes(sigmas, options.samples, options.seed)
           : std::vector<HashSet>{};
   const auto sequence_views = [&](std::size_t b) {
     struct Views {
-      HeadsView<const Scalar> q, k, v;
-      HeadsView<Scalar> out;
+      HeadsView<const Scalar> q;
+      HeadsView<const KVScalar> k, v;
+      HeadsView<OutScalar> out;
     };
     return Views{detail::token_range(q, cu_seqlens_q[b], cu_seqlens_q[b + 1]),
                  detail::token_range(k, cu_seqlens_k[b], cu_seqlens_k[b + 1]),
@@ -320,7 +430,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
     const auto jobs = static_cast<long>(tiles.size()) * static_cast<long>(q.heads);
 #pragma omp parallel
     {
-      detail::FusedWorkspace<Scalar> work;
+      detail::FusedWorkspace<Compute> work;
 #pragma omp for schedule(dynamic, 1)
       for (long job = 0; job < jobs; ++job) {
         const Tile& tile = tiles[static_cast<std::size_t>(job / q.heads)];
@@ -328,10 +438,10 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
         const auto views = sequence_views(tile.sequence);
         auto out_h = views.out.head(h);
         const auto index = static_cast<std::size_t>(h);
-        detail::multihead_tile<Scalar>(options, views.q.head(h), views.k.head(h / group),
-                                       views.v.head(h / group), out_h,
-                                       hashes.empty() ? nullptr : &hashes[index], sigmas[index],
-                                       tau, offsets[tile.sequence], tile.r0, tile.rows, work);
+        detail::multihead_tile<Compute, Scalar, KVScalar>(
+            options, views.q.head(h), views.k.head(h / group), views.v.head(h / group), out_h,
+            hashes.empty() ? nullptr : &hashes[index], sigmas[index], tau, offsets[tile.sequence],
+            tile.r0, tile.rows, work);
       }
     }
     return;
@@ -350,19 +460,9 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
     const auto k_h = views.k.head(h / group);
     const auto v_h = views.v.head(h / group);
     auto out_h = views.out.head(h);
-    switch (options.method) {
-      case Method::lsh_per_sample:
-        lsh_attention_per_sample<Scalar>(q_h, k_h, v_h, hashes[index], out_h, head_options);
-        break;
-      case Method::fixed_blocks:
-        fixed_blocks_attention<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
-        break;
-      case Method::exact_reference:
-        alibi_attention_reference<Scalar>(q_h, k_h, v_h, sigmas[index], out_h, head_options);
-        break;
-      default:
-        break;
-    }
+    detail::multihead_head<Scalar, KVScalar, OutScalar>(
+        options.method, q_h, k_h, v_h, out_h, hashes.empty() ? nullptr : &hashes[index],
+        sigmas[index], options.band_error, head_options);
   }
 }
 

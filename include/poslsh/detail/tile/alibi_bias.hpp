@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/tile/engine.hpp"
@@ -102,15 +103,19 @@ class AlibiBias {
 
 /// Rows at positions [row_begin, row_end) of exact ALiBi attention over `window`, written to
 /// out rows 0 .. row_end - row_begin (q used unscaled, tau applied here); row r of q is the
-/// query at position query_offset + r, the keys are at positions 0 .. k.rows() - 1.
-template <typename Scalar, typename OutType>
-void exact_alibi_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                      const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
-                      Index row_begin, Index row_end, OutType&& out, Index query_offset = 0) {
+/// query at position query_offset + r, the keys are at positions 0 .. k.rows() - 1. Computed
+/// in Scalar; Q (QScalar) and K, V (KVScalar) may be stored in a half-precision type, out in
+/// any scalar type (engine_rows). The bias is formed in Scalar from the integer distance.
+template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename OutType>
+void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
+                      const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
+                      const ConstMatrixRef<nondeduced_t<KVScalar>>& v, double sigma, double tau,
+                      ExactWindow window, Index row_begin, Index row_end, OutType&& out,
+                      Index query_offset = 0) {
   AlibiBias<Scalar> bias(k.rows(), sigma, window);
   TileBuffers<Scalar> buffers;
-  TileEngine<Scalar, AlibiBias<Scalar>> engine(q, k, v, tau, bias, buffers, query_offset);
-  engine.run(row_begin, row_end, out);
+  engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, buffers, query_offset, row_begin,
+                                         row_end, std::forward<OutType>(out));
 }
 
 }  // namespace poslsh::detail

@@ -18,6 +18,11 @@
 // windows and query tiles are all in absolute positions (tiles aligned to multiples of
 // tile_query_rows from position 0), so the row at position i gives bitwise the same result
 // for any p0 and any chunk holding it, provided the keys and the policy are the same.
+// Q, K and V may be stored in a half-precision type (Eigen::half, Eigen::bfloat16) while the
+// engine computes in Scalar (float): the query tile is widened as it is packed, each key tile's
+// K and V rows are widened into a buffer when the tile is first used (WideningKV), and each
+// output row is rounded to the output's type once, as it is written. A row's result is then
+// bitwise the engine's on Scalar matrices holding the widened values, rounded once.
 // The bias policy concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
@@ -25,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
@@ -69,9 +75,48 @@ class ContiguousKV {
   const ConstMatrixRef<Scalar>& v_;
 };
 
+/// The key source of K and V stored in a half-precision type `Storage` (row-strided matrices):
+/// tile(j0, keys) widens the tile's K and V rows to Scalar into the buffers `wide_k` and
+/// `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile visited, 1/64
+/// of the tile's multiply-adds (a query tile of 64 rows uses each key row 64 times).
+template <typename Scalar, typename Storage>
+class WideningKV {
+ public:
+  using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  WideningKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v, Buffer& wide_k,
+             Buffer& wide_v)
+      : k_(k), v_(v), wide_k_(wide_k), wide_v_(wide_v) {
+    if (wide_k_.size() < tile_key_cols * k_.cols()) wide_k_.resize(tile_key_cols * k_.cols());
+    if (wide_v_.size() < tile_key_cols * v_.cols()) wide_v_.resize(tile_key_cols * v_.cols());
+  }
+  Index rows() const { return k_.rows(); }
+  Index value_cols() const { return v_.cols(); }
+  KeyTileRows<Scalar> tile(Index j0, Index keys) {
+    const Index d = k_.cols(), dv = v_.cols();
+    for (Index b = 0; b < keys; ++b) {
+      tile_widen<Scalar>(k_.data() + (j0 + b) * k_.outerStride(), wide_k_.data() + b * d, d);
+      tile_widen<Scalar>(v_.data() + (j0 + b) * v_.outerStride(), wide_v_.data() + b * dv, dv);
+    }
+    return {wide_k_.data(), d, wide_v_.data(), dv};
+  }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
+    tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
+  }
+
+ private:
+  const ConstMatrixRef<Storage>& k_;
+  const ConstMatrixRef<Storage>& v_;
+  Buffer& wide_k_;
+  Buffer& wide_v_;
+};
+
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
-/// read through the key source `KV` (ContiguousKV: two row-strided matrices).
-template <typename Scalar, typename Bias, typename KV = ContiguousKV<Scalar>>
+/// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
+/// half-precision ones), queries stored as QScalar (Scalar or a half-precision type, widened
+/// to Scalar as each query tile is packed).
+template <typename Scalar, typename Bias, typename KV = ContiguousKV<Scalar>,
+          typename QScalar = Scalar>
 class TileEngine {
   using Packet = TilePacket<Scalar>;
   static constexpr Index P = tile_packet_size<Scalar>;
@@ -90,13 +135,13 @@ class TileEngine {
  public:
   /// q (m x d, row r at position query_offset + r) is used unscaled; tau is applied here. K and
   /// V hold the keys at positions 0 .. k.rows() - 1. `bias` and `buffers` outlive the engine.
-  TileEngine(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+  TileEngine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<Scalar>& k,
              const ConstMatrixRef<Scalar>& v, double tau, Bias& bias, TileBuffers<Scalar>& buffers,
              Index query_offset = 0)
       : TileEngine(q, KV(k, v), tau, bias, buffers, query_offset) {}
 
   /// The same with the keys and values of the key source `kv` (d_v = kv.value_cols()).
-  TileEngine(const ConstMatrixRef<Scalar>& q, KV kv, double tau, Bias& bias,
+  TileEngine(const ConstMatrixRef<QScalar>& q, KV kv, double tau, Bias& bias,
              TileBuffers<Scalar>& buffers, Index query_offset = 0)
       : q_(q),
         kv_(std::move(kv)),
@@ -110,13 +155,18 @@ class TileEngine {
         bias_(bias),
         b_(buffers) {
     b_.prepare(d_, dvp_, pack_values_);
+    if constexpr (!std::is_same_v<QScalar, Scalar>) {
+      if (b_.wide_q.size() < Bq * d_) b_.wide_q.resize(Bq * d_);
+    }
   }
 
   /// Rows at positions [row_begin, row_end) (within [p0, p0 + q.rows())), written to out rows
   /// 0 .. row_end - row_begin;
   /// with `lse`, also lse[i - row_begin] = M_i + log l_i (-inf for a row without keys).
+  /// An output of another scalar type gets each row rounded once from Scalar.
   template <typename OutType>
   void run(Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
+    using OutScalar = typename std::decay_t<OutType>::Scalar;
     if (row_begin >= row_end || dv_ == 0) return;
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
@@ -126,8 +176,14 @@ class TileEngine {
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
-        out.row(i - row_begin) =
-            b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
+        if constexpr (std::is_same_v<OutScalar, Scalar>) {
+          out.row(i - row_begin) =
+              b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
+        } else {
+          out.row(i - row_begin) =
+              (b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a))
+                  .template cast<OutScalar>();
+        }
         if (lse != nullptr) lse[i - row_begin] = b_.running_max(a) + std::log(b_.running_sum(a));
       }
     }
@@ -138,7 +194,11 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
   void query_tile(Index i0, Index r0, Index r1) {
-    tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
+    if constexpr (std::is_same_v<QScalar, Scalar>)
+      tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
+    else
+      tile_pack_queries_widened<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq,
+                                        b_.wide_q.data());
     b_.running_max.head(Bq).setConstant(minus_infinity);
     b_.running_sum.head(Bq).setZero();
     b_.acc.head(Bq * dvp_).setZero();
@@ -355,7 +415,7 @@ class TileEngine {
                                                   b_.acc.data() + a * dvp_ + c, dvp_);
   }
 
-  const ConstMatrixRef<Scalar>& q_;
+  const ConstMatrixRef<QScalar>& q_;
   KV kv_;
   Index n_, p0_, d_, dv_, dvp_;
   Scalar tau_;
@@ -366,6 +426,27 @@ class TileEngine {
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
+
+/// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
+/// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) at positions
+/// query_offset .. over K and V (KVScalar), read directly when KVScalar is Scalar and through
+/// WideningKV when it is a half-precision type; out of any scalar type.
+template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
+void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
+                 const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
+                 TileBuffers<Scalar>& buffers, Index query_offset, Index row_begin, Index row_end,
+                 OutType&& out, Scalar* lse = nullptr) {
+  if constexpr (std::is_same_v<KVScalar, Scalar>) {
+    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
+        q, ContiguousKV<Scalar>(k, v), tau, bias, buffers, query_offset);
+    engine.run(row_begin, row_end, std::forward<OutType>(out), lse);
+  } else {
+    TileEngine<Scalar, Bias, WideningKV<Scalar, KVScalar>, QScalar> engine(
+        q, WideningKV<Scalar, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), tau, bias, buffers,
+        query_offset);
+    engine.run(row_begin, row_end, std::forward<OutType>(out), lse);
+  }
+}
 
 }  // namespace poslsh::detail
 

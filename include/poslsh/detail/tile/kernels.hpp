@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 #include <cstdint>
+#include <type_traits>
 
 #include "poslsh/types.hpp"
 
@@ -112,6 +113,43 @@ void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Inde
   if (d_blocks < d)
     qt.bottomRows(d - d_blocks) =
         scale * q.middleRows(i0, tile).rightCols(d - d_blocks).transpose();
+}
+
+/// dst[c] = src[c] widened to Scalar (exactly: every Eigen::half and Eigen::bfloat16 value is a
+/// float) for c < count; AVX-512 and AVX convert a packet at a time.
+template <typename Scalar, typename Storage>
+inline void tile_widen(const Storage* src, Scalar* dst, Index count) {
+  namespace ei = Eigen::internal;
+  Index c = 0;
+  if constexpr (std::is_same_v<Scalar, float>) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    using Narrow =
+        std::conditional_t<std::is_same_v<Storage, Eigen::half>, ei::Packet16h, ei::Packet16bf>;
+    for (; c + 16 <= count; c += 16)
+      ei::pstoreu(dst + c, ei::pcast<Narrow, ei::Packet16f>(ei::ploadu<Narrow>(src + c)));
+#elif defined(EIGEN_VECTORIZE_AVX)
+    using Narrow =
+        std::conditional_t<std::is_same_v<Storage, Eigen::half>, ei::Packet8h, ei::Packet8bf>;
+    for (; c + 8 <= count; c += 8)
+      ei::pstoreu(dst + c, ei::pcast<Narrow, ei::Packet8f>(ei::ploadu<Narrow>(src + c)));
+#endif
+  }
+  for (; c < count; ++c) dst[c] = static_cast<Scalar>(src[c]);
+}
+
+/// tile_pack_queries of a Q stored in a half-precision type: rows [i0 + a0, i0 + a1) of q are
+/// widened to Scalar into `wide` (tile x d, row-major, row a for query i0 + a), then packed
+/// as tile_pack_queries packs them from a Scalar matrix (the same bits as for a Q that held
+/// the widened values).
+template <typename Scalar, typename Storage>
+void tile_pack_queries_widened(const ConstMatrixRef<Storage>& q, Index i0, Index a0, Index a1,
+                               Scalar scale, Scalar* qt_data, Index tile, Scalar* wide) {
+  const Index d = q.cols();
+  for (Index a = a0; a < a1; ++a)
+    tile_widen<Scalar>(q.data() + (i0 + a) * q.outerStride(), wide + a * d, d);
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> widened(
+      wide, tile, d, Eigen::OuterStride<>(d));
+  tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(widened), 0, a0, a1, scale, qt_data, tile);
 }
 
 /// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:

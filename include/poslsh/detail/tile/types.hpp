@@ -39,12 +39,24 @@ struct KeyRange {
 /// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
 enum class KeyTileCut { skip, full, masked };
 
+/// T itself, in a context where a function template argument is not deduced: a kernel's
+/// parameter ConstMatrixRef<nondeduced_t<KVScalar>> takes any argument convertible to the view
+/// of the given (or defaulted) KVScalar, as a non-template parameter would.
+template <typename T>
+struct nondeduced {
+  using type = T;
+};
+template <typename T>
+using nondeduced_t = typename nondeduced<T>::type;
+
 /// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
-/// they only grow.
+/// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
+/// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV).
 template <typename Scalar>
 struct TileBuffers {
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
   Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
+  Buffer wide_q, wide_k, wide_v;
 
   void prepare(Index d, Index dv_padded, bool pack_values) {
     constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
