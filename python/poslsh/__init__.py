@@ -22,6 +22,7 @@ from ._core import (  # noqa: F401
     alibi_attention_decode_exact,
     alibi_attention_reference,
     alibi_attention_tiled,
+    alibi_attention_tiled_paged,
     alibi_sigmas,
     alibi_slopes,
     band_for_bias_error,
@@ -33,10 +34,12 @@ from ._core import (  # noqa: F401
     has_spectra,
     lsh_attention_decode,
     lsh_attention_fused,
+    lsh_attention_fused_paged,
     lsh_attention_per_sample,
     lsh_fused_pair_count,
     max_threads,
     multihead_attention,
+    multihead_attention_varlen,
     rbf_hashes,
 )
 
@@ -54,6 +57,8 @@ if has_backward:
         lsh_attention_mean_of_outputs_backward,
         lsh_attention_per_sample_backward,
         lsh_attention_per_sample_with_lse,
+        multihead_attention_backward,
+        multihead_attention_with_lse,
     )
 
 if has_spectra:

@@ -150,10 +150,11 @@ inline std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const py::array& ar
   return {first, last + static_cast<std::uintptr_t>(array.itemsize())};
 }
 
-/// ValueError if `out` shares memory with one of `inputs` (bounds first, numpy.shares_memory
-/// when the bounds overlap).
+/// ValueError if `out` (the argument `out_name`) shares memory with one of `inputs` (bounds
+/// first, numpy.shares_memory when the bounds overlap).
 inline void require_no_overlap(const py::array& out, const char* function,
-                               std::initializer_list<std::pair<py::handle, const char*>> inputs) {
+                               std::initializer_list<std::pair<py::handle, const char*>> inputs,
+                               const char* out_name = "out") {
   const auto out_extent = byte_extent(out);
   if (out_extent.first == out_extent.second) return;
   for (const auto& [input, name] : inputs) {
@@ -163,8 +164,8 @@ inline void require_no_overlap(const py::array& out, const char* function,
     if (extent.first >= out_extent.second || out_extent.first >= extent.second) continue;
     const bool shared = py::module_::import("numpy").attr("shares_memory")(out, array).cast<bool>();
     if (shared) {
-      throw py::value_error(argument(function, "out") + " shares memory with '" + name +
-                            "': the output must not overlap an input");
+      throw py::value_error(argument(function, out_name) + " shares memory with '" + name +
+                            "': an output must overlap neither an input nor another output");
     }
   }
 }
@@ -262,5 +263,7 @@ void bind_multihead(py::module_& module);
 void bind_interop(py::module_& module);
 void bind_analysis(py::module_& module);
 void bind_backward(py::module_& module);
+void bind_multihead_backward(py::module_& module);
+void bind_paged(py::module_& module);
 
 }  // namespace poslsh_python

@@ -44,22 +44,28 @@ py::array qkv_call(const char* function, py::handle q, py::handle k, py::handle 
   });
 }
 
-poslsh::AttentionOptions attention_options(bool causal, std::optional<double> scale) {
-  return poslsh::AttentionOptions{masking_of(causal), scale};
+poslsh::AttentionOptions attention_options(bool causal, std::optional<double> scale,
+                                           std::optional<Index> query_offset = std::nullopt) {
+  poslsh::AttentionOptions options{masking_of(causal), scale};
+  options.query_offset = query_offset;
+  return options;
 }
 
-/// Runs rows(begin, end) over [0, n) in tiles of tiled_query_tile rows, in parallel (OpenMP).
-/// The exact kernels give each row bitwise the same result for any split.
+/// Runs rows(begin, end) over the rows [0, n) of queries at positions p0 .. p0 + n - 1, in
+/// chunks cut at the positions that are multiples of tiled_query_tile (the kernels' tiles, so
+/// no chunk costs extra work), in parallel (OpenMP). The exact kernels give each row bitwise
+/// the same result for any split.
 template <typename Rows>
-void parallel_rows(Index n, Rows&& rows) {
+void parallel_rows(Index n, Index p0, Rows&& rows) {
   const Index tile = poslsh::tiled_query_tile;
-  const auto chunks = static_cast<long>((n + tile - 1) / tile);
+  const Index first = p0 / tile;
+  const auto chunks = n == 0 ? 0L : static_cast<long>((p0 + n + tile - 1) / tile - first);
   std::exception_ptr error;
 #pragma omp parallel for schedule(dynamic, 1)
   for (long chunk = 0; chunk < chunks; ++chunk) {
-    const Index begin = static_cast<Index>(chunk) * tile;
+    const Index begin = std::max<Index>(0, (first + static_cast<Index>(chunk)) * tile - p0);
     try {
-      rows(begin, std::min(n, begin + tile));
+      rows(begin, std::min(n, (first + static_cast<Index>(chunk) + 1) * tile - p0));
     } catch (...) {
 #pragma omp critical(poslsh_python_rows)
       if (!error) error = std::current_exception();
@@ -79,6 +85,17 @@ message) or TypeError (dtype, non-array).)doc";
 
 std::string with_tail(const char* head) { return std::string(head) + qkv_doc_tail; }
 
+const char* const offset_doc = R"doc(
+query_offset: position p0 of q's first row. q may have m <= L rows over the L rows of k and
+v: row r is the query at position p0 + r (causal: keys j <= p0 + r; the position terms use
+i = p0 + r), and is bitwise row p0 + r of the call on all L positions, so a prompt prefilled
+in chunks gives the rows of one prefill. None (default): p0 = L - m (bottom-right; 0 for
+self-attention). Requires 0 <= p0 <= L - m.)doc";
+
+std::string with_offset_tail(const char* head) {
+  return std::string(head) + qkv_doc_tail + offset_doc;
+}
+
 }  // namespace
 
 void bind_kernels(py::module_& module) {
@@ -87,18 +104,19 @@ void bind_kernels(py::module_& module) {
   module.def(
       "alibi_attention_tiled",
       [](py::handle q, py::handle k, py::handle v, double sigma, bool causal,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
         constexpr const char* function = "alibi_attention_tiled";
-        const auto options = attention_options(causal, scale);
+        const auto options = attention_options(causal, scale, query_offset);
         return qkv_call(function, q, k, v, out, threads,
                         [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
                           using T = typename decltype(tag)::type;
                           // Same checks and messages as alibi_attention_tiled, then row tiles
                           // in parallel (bitwise the single-threaded result).
-                          poslsh::detail::require_exact_arguments<T>(function, qm, km, vm, sigma, 0,
-                                                                     qm.rows(), om);
+                          const Index p0 = poslsh::detail::require_exact_arguments<T>(
+                              function, qm, km, vm, sigma, 0, qm.rows(), om, options);
                           poslsh::detail::resolve_scale(function, options, qm.cols());
-                          parallel_rows(qm.rows(), [&](Index begin, Index end) {
+                          parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
                             poslsh::alibi_attention_tiled_rows<T>(qm, km, vm, sigma, begin, end,
                                                                   om.middleRows(begin, end - begin),
                                                                   options);
@@ -106,9 +124,9 @@ void bind_kernels(py::module_& module) {
                         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
-      with_tail(R"doc(Exact ALiBi attention, streamed in tiles (O(n d) memory):
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      with_offset_tail(R"doc(Exact ALiBi attention, streamed in tiles (O(n d) memory):
 
     T* = softmax(tau Q K^T - |i-j| / sigma) V   (row-wise; causal keeps j <= i)
 
@@ -139,17 +157,18 @@ Query tiles of 64 rows run in parallel.
   module.def(
       "alibi_attention_banded",
       [](py::handle q, py::handle k, py::handle v, double sigma, Index band, bool causal,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
         constexpr const char* function = "alibi_attention_banded";
-        const auto options = attention_options(causal, scale);
+        const auto options = attention_options(causal, scale, query_offset);
         return qkv_call(function, q, k, v, out, threads,
                         [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
                           using T = typename decltype(tag)::type;
-                          poslsh::detail::require_exact_arguments<T>(function, qm, km, vm, sigma, 0,
-                                                                     qm.rows(), om);
+                          const Index p0 = poslsh::detail::require_exact_arguments<T>(
+                              function, qm, km, vm, sigma, 0, qm.rows(), om, options);
                           poslsh::detail::require_size(band, function, "band");
                           poslsh::detail::resolve_scale(function, options, qm.cols());
-                          parallel_rows(qm.rows(), [&](Index begin, Index end) {
+                          parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
                             poslsh::alibi_attention_banded_rows<T>(
                                 qm, km, vm, sigma, band, begin, end,
                                 om.middleRows(begin, end - begin), options);
@@ -157,9 +176,9 @@ Query tiles of 64 rows run in parallel.
                         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::arg("band"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
-      with_tail(R"doc(Exact ALiBi attention on the keys with |i - j| <= band only:
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      with_offset_tail(R"doc(Exact ALiBi attention on the keys with |i - j| <= band only:
 
     out_i = sum_{|i-j|<=band} e^{x_ij} v_j / sum_{|i-j|<=band} e^{x_ij},
     x_ij = tau q_i.k_j - |i-j| / sigma
@@ -171,9 +190,10 @@ band = band_for_bias_error(sigma, eps) drops only kernel entries exp(-|i-j|/sigm
   module.def(
       "lsh_attention_fused",
       [](py::handle q, py::handle k, py::handle v, py::handle hashes, bool causal,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_attention_fused");
-        const auto options = attention_options(causal, scale);
+        const auto options = attention_options(causal, scale, query_offset);
         return qkv_call("lsh_attention_fused", q, k, v, out, threads,
                         [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
                           using T = typename decltype(tag)::type;
@@ -181,9 +201,9 @@ band = band_for_bias_error(sigma, eps) drops only kernel entries exp(-|i-j|/sigm
                         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
-      with_tail(R"doc(Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      with_offset_tail(R"doc(Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
 
     T~ = D~^-1 (A o M~) V,  A_ij = exp(tau q_i.k_j),  M~ = C / s,
     c_ij = #{k : bin_k(i) = bin_k(j)}  (causal: j <= i),  D~ = diag((A o M~) 1)
@@ -195,9 +215,10 @@ i.e. softmax(tau Q K^T + log M~) V, with E[M~] = L* = exp(-|i-j| / sigma).
   module.def(
       "lsh_attention_per_sample",
       [](py::handle q, py::handle k, py::handle v, py::handle hashes, bool causal,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_attention_per_sample");
-        const auto options = attention_options(causal, scale);
+        const auto options = attention_options(causal, scale, query_offset);
         return qkv_call("lsh_attention_per_sample", q, k, v, out, threads,
                         [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
                           using T = typename decltype(tag)::type;
@@ -205,9 +226,10 @@ i.e. softmax(tau Q K^T + log M~) V, with E[M~] = L* = exp(-|i-j| / sigma).
                         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
-      with_tail(R"doc(The paper's per-sample LSH attention: plain attention inside every block of
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      with_offset_tail(
+          R"doc(The paper's per-sample LSH attention: plain attention inside every block of
 every sample, numerators and denominators summed over samples. Same estimator as
 lsh_attention_fused:
 
@@ -218,8 +240,9 @@ lsh_attention_fused:
   module.def(
       "fixed_blocks_attention",
       [](py::handle q, py::handle k, py::handle v, double sigma, bool causal,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
-        const auto options = attention_options(causal, scale);
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
+        const auto options = attention_options(causal, scale, query_offset);
         return qkv_call("fixed_blocks_attention", q, k, v, out, threads,
                         [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
                           using T = typename decltype(tag)::type;
@@ -227,9 +250,9 @@ lsh_attention_fused:
                         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
-      with_tail(R"doc(The fixed-blocks baseline: plain attention inside consecutive blocks of
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      with_offset_tail(R"doc(The fixed-blocks baseline: plain attention inside consecutive blocks of
 2 sigma tokens from position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
 )doc")
           .c_str());

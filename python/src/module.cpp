@@ -17,6 +17,8 @@ ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
   bind_interop(module);
   bind_analysis(module);
   bind_backward(module);
+  bind_multihead_backward(module);
+  bind_paged(module);
   module.attr("__version__") = poslsh::version_string;
 #ifdef _OPENMP
   module.attr("has_openmp") = true;

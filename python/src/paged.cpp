@@ -1,0 +1,199 @@
+// poslsh Python bindings: attention over a paged KV cache (FlashAttention's layout: pages of
+// [page_size, H_kv, d] rows, an int32 block table per sequence), read in place.
+#include <cstdint>
+
+#include "common.hpp"
+#include "poslsh/paged_kv.hpp"
+
+namespace poslsh_python {
+
+namespace {
+
+/// Checks that `array` is C-contiguous (the library reads it with row-major strides).
+void require_c_contiguous(const py::array& array, const char* function, const char* name) {
+  if (!(array.flags() & py::array::c_style)) {
+    throw py::value_error(argument(function, name) +
+                          " must be C-contiguous (the cache is read with row-major strides); "
+                          "np.ascontiguousarray() copies it");
+  }
+}
+
+std::string shape_of(const py::array& array) {
+  std::string shape;
+  for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
+    shape += (axis ? ", " : "") + std::to_string(array.shape(axis));
+  }
+  return "(" + shape + ")";
+}
+
+/// A C-contiguous int32 array of `ndim` dimensions (block_table, seq_lens), used in place.
+py::array int32_array(py::handle object, int ndim, const char* function, const char* name) {
+  py::array array = require_array(object, function, name);
+  if (!py::isinstance<py::array_t<std::int32_t>>(array)) {
+    throw py::type_error(argument(function, name) + " has dtype " + dtype_name(array) +
+                         ": must be int32 (arrays are never converted; use .astype(np.int32))");
+  }
+  if (array.ndim() != ndim) {
+    throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
+                          " dimensions: must be " + std::to_string(ndim) + "-D");
+  }
+  require_c_contiguous(array, function, name);
+  return array;
+}
+
+/// The paged cache of the arrays (checked: dtype T, 4-D C-contiguous pages whose page count,
+/// page size and heads agree, block table rows = seq_lens entries). The arrays must outlive
+/// the view.
+template <typename T>
+poslsh::PagedKV<T> paged_cache(const py::array& k_pages, const py::array& v_pages,
+                               const py::array& block_table, const py::array& seq_lens,
+                               const char* function) {
+  for (const auto& [array, name] :
+       {std::pair<const py::array&, const char*>{k_pages, "k_pages"}, {v_pages, "v_pages"}}) {
+    require_dtype<T>(array, function, name, "q");
+    if (array.ndim() != 4) {
+      throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
+                            " dimensions: must be 4-D [num_pages, page_size, H_kv, d]");
+    }
+    require_c_contiguous(array, function, name);
+  }
+  if (v_pages.shape(0) != k_pages.shape(0) || v_pages.shape(1) != k_pages.shape(1) ||
+      v_pages.shape(2) != k_pages.shape(2)) {
+    throw py::value_error(argument(function, "v_pages") + " has shape " + shape_of(v_pages) +
+                          ": its first three axes must equal those of k_pages " +
+                          shape_of(k_pages) + " (num_pages, page_size, H_kv)");
+  }
+  if (seq_lens.shape(0) != block_table.shape(0)) {
+    throw py::value_error(argument(function, "seq_lens") + " has " +
+                          std::to_string(seq_lens.shape(0)) +
+                          " entries: must have one per block table row (" +
+                          std::to_string(block_table.shape(0)) + ")");
+  }
+  poslsh::PagedKV<T> cache;
+  cache.k_pages = static_cast<const T*>(k_pages.data());
+  cache.v_pages = static_cast<const T*>(v_pages.data());
+  cache.num_pages = static_cast<Index>(k_pages.shape(0));
+  cache.page_size = static_cast<Index>(k_pages.shape(1));
+  cache.heads = static_cast<Index>(k_pages.shape(2));
+  cache.dim = static_cast<Index>(k_pages.shape(3));
+  cache.dim_v = static_cast<Index>(v_pages.shape(3));
+  cache.block_table = static_cast<const std::int32_t*>(block_table.data());
+  cache.batch = static_cast<Index>(block_table.shape(0));
+  cache.max_pages = static_cast<Index>(block_table.shape(1));
+  cache.seq_lens = static_cast<const std::int32_t*>(seq_lens.data());
+  return cache;
+}
+
+/// Maps q and the cache (dtype of q), prepares the output (q.rows() x d_v), then runs
+/// kernel(tag, q, cache, out) without the GIL. Returns the output array.
+template <typename Kernel>
+py::array paged_call(const char* function, py::handle q, py::handle k_pages, py::handle v_pages,
+                     py::handle block_table, py::handle seq_lens, py::handle out,
+                     std::optional<int> threads, Kernel&& kernel) {
+  threads = thread_count(threads, function);
+  const py::array first = require_array(q, function, "q");
+  const py::array table = int32_array(block_table, 2, function, "block_table");
+  const py::array lengths = int32_array(seq_lens, 1, function, "seq_lens");
+  return dispatch(first, function, "q", [&](auto tag) -> py::array {
+    using T = typename decltype(tag)::type;
+    const InputMap<T> q_map = input_matrix<T>(q, function, "q", "q");
+    const py::array k_array = require_array(k_pages, function, "k_pages");
+    const py::array v_array = require_array(v_pages, function, "v_pages");
+    const poslsh::PagedKV<T> cache = paged_cache<T>(k_array, v_array, table, lengths, function);
+    py::array result = output_array<T>(out, q_map.rows(), cache.dim_v, function, "q",
+                                       {{q, "q"},
+                                        {k_pages, "k_pages"},
+                                        {v_pages, "v_pages"},
+                                        {block_table, "block_table"},
+                                        {seq_lens, "seq_lens"}});
+    OutputMap<T> out_map = output_matrix<T>(result, function);
+    {
+      KernelScope scope(threads);
+      kernel(tag, q_map, cache, out_map);
+    }
+    return result;
+  });
+}
+
+const char* const paged_doc_tail = R"doc(
+The cache (FlashAttention's paged layout, read in place, never copied): k_pages
+[num_pages, page_size, H_kv, d] and v_pages [num_pages, page_size, H_kv, d_v], C-contiguous,
+the dtype of q; block_table int32 [batch, max_pages] and seq_lens int32 [batch], C-contiguous:
+token j of sequence b is row j % page_size of page block_table[b, j // page_size], and the
+sequence has L = seq_lens[b] tokens. Only the pages of those tokens are read; their indices are
+checked against num_pages. sequence: b; kv_head: the KV head read.
+q: [m, d] (any row stride, last axis contiguous), the queries at positions p0 .. p0 + m - 1;
+query_offset: p0, None (default) means L - m (bottom-right: prefill chunks and decode append
+their queries at the cache's end). causal: keys j <= p0 + r (default) or all L keys. scale: tau,
+None means 1/sqrt(d). out: optional [m, d_v] array written in place and returned.
+num_threads: OpenMP threads for this call. The GIL is released while the kernel runs. Bad
+arguments raise ValueError (the library's message) or TypeError (dtype, non-array).)doc";
+
+}  // namespace
+
+void bind_paged(py::module_& module) {
+  module.def(
+      "lsh_attention_fused_paged",
+      [](py::handle q, py::handle k_pages, py::handle v_pages, py::handle block_table,
+         py::handle seq_lens, Index sequence, Index kv_head, py::handle hashes, bool causal,
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
+        constexpr const char* function = "lsh_attention_fused_paged";
+        const poslsh::HashSet& set = hash_set(hashes, function);
+        poslsh::AttentionOptions options{masking_of(causal), scale};
+        options.query_offset = query_offset;
+        return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
+                          [&](auto tag, const auto& qm, const auto& cache, auto& om) {
+                            using T = typename decltype(tag)::type;
+                            poslsh::lsh_attention_fused_paged<T>(qm, cache, sequence, kv_head, set,
+                                                                 om, options);
+                          });
+      },
+      py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),
+      py::arg("seq_lens"), py::arg("sequence"), py::arg("kv_head"), py::arg("hashes"),
+      py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
+      py::arg("query_offset") = py::none(), py::arg("out") = py::none(),
+      py::arg("num_threads") = py::none(),
+      (std::string(R"doc(Fused LSH ALiBi attention (lsh_attention_fused) over a paged KV cache:
+
+    out_r = sum_j c_{p0+r,j} e^{tau q_r.k_j} v_j / sum_j c_{p0+r,j} e^{tau q_r.k_j},
+    c_ij = #{k : bin_k(i) = bin_k(j)}   (causal: j <= i),  j over the L cache tokens
+
+bitwise lsh_attention_fused on the same keys and values in contiguous arrays, for any page
+size. Query tiles run in parallel.
+)doc") +
+       paged_doc_tail)
+          .c_str());
+
+  module.def(
+      "alibi_attention_tiled_paged",
+      [](py::handle q, py::handle k_pages, py::handle v_pages, py::handle block_table,
+         py::handle seq_lens, Index sequence, Index kv_head, double sigma, bool causal,
+         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
+         std::optional<int> threads) {
+        constexpr const char* function = "alibi_attention_tiled_paged";
+        poslsh::AttentionOptions options{masking_of(causal), scale};
+        options.query_offset = query_offset;
+        return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
+                          [&](auto tag, const auto& qm, const auto& cache, auto& om) {
+                            using T = typename decltype(tag)::type;
+                            poslsh::alibi_attention_tiled_paged<T>(qm, cache, sequence, kv_head,
+                                                                   sigma, om, options);
+                          });
+      },
+      py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),
+      py::arg("seq_lens"), py::arg("sequence"), py::arg("kv_head"), py::arg("sigma"), py::kw_only(),
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      (std::string(R"doc(Exact ALiBi attention (alibi_attention_tiled) over a paged KV cache:
+
+    out_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: j <= p0 + r)
+
+bitwise alibi_attention_tiled on the same keys and values in contiguous arrays, for any page
+size. Single-threaded (as the library's kernel).
+)doc") +
+       paged_doc_tail)
+          .c_str());
+}
+
+}  // namespace poslsh_python

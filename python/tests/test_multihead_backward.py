@@ -1,0 +1,225 @@
+"""multihead_attention_with_lse and multihead_attention_backward on [n, H, d] and [H, n, d]
+arrays (grouped-query included) against dense numpy gradients written here, and against
+central finite differences of the forward."""
+
+import numpy as np
+import pytest
+
+import poslsh
+import reference
+
+needs_backward = pytest.mark.skipif(not poslsh.has_backward, reason="module built without the backward kernels")
+
+METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded", "exact_reference"]
+
+
+def heads_of(array, layout):
+    """[n, H, d] views of an array in the given layout."""
+    return array if layout == "nhd" else array.transpose(1, 0, 2)
+
+
+def head_scores(method, q, k, sigma, h, causal, samples, seed, band_error, tau):
+    """(x, w) of query head h: scores x_ij and weights w_ij of the method, n x n, float64."""
+    n = q.shape[0]
+    keep = reference.visible(n, causal).astype(np.float64)
+    scores = tau * (q @ k.T)
+    distance = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
+    if method in ("exact_tiled", "exact_reference"):
+        return scores - distance / sigma, keep
+    if method == "exact_banded":
+        band = int(np.ceil(sigma * np.log(1.0 / band_error)))
+        return scores - distance / sigma, keep * (distance <= band)
+    if method == "fixed_blocks":
+        widths, offsets = [2.0 * sigma], [0.0]
+    else:
+        hashes = poslsh.rbf_hashes(sigma, samples, seed, stream=h)
+        widths, offsets = hashes.widths, hashes.offsets
+    # c_ij = s M~_ij: the number of samples putting i and j in one block.
+    return scores, len(widths) * reference.mean_mask(widths, offsets, n, causal)
+
+
+def dense_multihead(method, q, k, v, dout, sigmas, causal, samples=4, seed=0, band_error=1e-2, scale=None):
+    """out, lse [H, n] and dq, dk, dv of every head from the weighted softmax
+    P_ij = w_ij e^{x_ij - lse_i}: dV = P^T dO, dS = P o (dO V^T - D), D_i = dO_i . O_i,
+    dQ = tau dS K, dK = tau dS^T Q; dK, dV summed over the query heads of a KV head.
+    Arrays [n, H, d] in float64."""
+    q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
+    n, heads, d = q.shape
+    group = heads // k.shape[1]
+    tau = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros((n, heads, v.shape[2]))
+    lse = np.zeros((heads, n))
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for h in range(heads):
+        g = h // group
+        qh, kh, vh, doh = q[:, h], k[:, g], v[:, g], dout[:, h]
+        x, w = head_scores(method, qh, kh, sigmas[h], h, causal, samples, seed, band_error, tau)
+        with np.errstate(divide="ignore"):
+            logits = x + np.log(w)
+        top = logits.max(axis=1, keepdims=True)
+        lse[h] = (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True)))[:, 0]
+        p = np.exp(logits - lse[h][:, None])
+        oh = p @ vh
+        out[:, h] = oh
+        delta = (doh * oh).sum(axis=1, keepdims=True)
+        ds = p * (doh @ vh.T - delta)
+        dq[:, h] = tau * ds @ kh
+        dk[:, g] += tau * ds.T @ qh
+        dv[:, g] += p.T @ doh
+    return out, lse, dq, dk, dv
+
+
+@needs_backward
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_equal_the_dense_formulas(rng, method, layout, causal):
+    n, heads, kv_heads, d, d_v = 75, 4, 2, 6, 5
+    shape = (lambda h, w: (n, h, w)) if layout == "nhd" else (lambda h, w: (h, n, w))
+    q = rng.uniform(-1, 1, shape(heads, d))
+    k = rng.uniform(-1, 1, shape(kv_heads, d))
+    v = rng.uniform(-1, 1, shape(kv_heads, d_v))
+    dout = rng.uniform(-1, 1, shape(heads, d_v))
+    sigmas = np.array([3.0, 5.0, 8.0, 13.0])
+    keywords = dict(layout=layout, method=method, masking="causal" if causal else "bidirectional",
+                    sigmas=sigmas, samples=4, seed=7, band_error=1e-2)
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords)
+    assert out.shape == shape(heads, d_v) and lse.shape == (heads, n)
+    dq, dk, dv = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, **keywords)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    want = dense_multihead(method, *(heads_of(x, layout) for x in (q, k, v, dout)), sigmas, causal,
+                           samples=4, seed=7, band_error=1e-2)
+    np.testing.assert_allclose(heads_of(out, layout), want[0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, want[1], rtol=0, atol=1e-12)
+    for got, expected in zip((dq, dk, dv), want[2:]):
+        np.testing.assert_allclose(heads_of(got, layout), expected, rtol=0, atol=1e-11)
+    # out is bitwise that of multihead_attention (exact_reference: computed by the tiled kernel).
+    if method == "exact_reference":
+        keywords["method"] = "exact_tiled"
+    np.testing.assert_array_equal(out, poslsh.multihead_attention(q, k, v, **keywords))
+
+
+@needs_backward
+@pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled"])
+def test_float32_against_the_dense_formulas(rng, method):
+    n, heads, d = 130, 2, 16
+    q, k, v, dout = (rng.uniform(-1, 1, (n, heads, d)).astype(np.float32) for _ in range(4))
+    sigmas = poslsh.alibi_sigmas(heads)
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, method=method, samples=8, seed=2)
+    assert out.dtype == lse.dtype == np.float32
+    grads = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, method=method, samples=8, seed=2)
+    want = dense_multihead(method, q, k, v, dout, sigmas, True, samples=8, seed=2)
+    np.testing.assert_allclose(out, want[0], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(lse, want[1], rtol=0, atol=2e-5)
+    for got, expected in zip(grads, want[2:]):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+
+
+@needs_backward
+@pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled", "fixed_blocks"])
+def test_gradients_equal_finite_differences(rng, method):
+    """dL/dx for L = sum(dout * out) by central differences of multihead_attention (float64)."""
+    n, heads, kv_heads, d = 14, 2, 1, 3
+    q = rng.uniform(-1, 1, (n, heads, d))
+    k = rng.uniform(-1, 1, (n, kv_heads, d))
+    v = rng.uniform(-1, 1, (n, kv_heads, d))
+    dout = rng.uniform(-1, 1, (n, heads, d))
+    keywords = dict(method=method, sigmas=[2.0, 4.0], samples=3, seed=5, masking="bidirectional")
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords)
+    grads = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, **keywords)
+    step = 1e-6
+    for array, grad in zip((q, k, v), grads):
+        numeric = np.zeros(array.shape)
+        for index in np.ndindex(array.shape):
+            saved = array[index]
+            array[index] = saved + step
+            plus = (dout * poslsh.multihead_attention(q, k, v, **keywords)).sum()
+            array[index] = saved - step
+            minus = (dout * poslsh.multihead_attention(q, k, v, **keywords)).sum()
+            array[index] = saved
+            numeric[index] = (plus - minus) / (2 * step)
+        np.testing.assert_allclose(grad, numeric, rtol=0, atol=1e-8)
+
+
+@needs_backward
+def test_without_groups_each_head_is_the_single_head_backward(rng):
+    n, heads, d = 140, 3, 8
+    q, k, v, dout = (rng.uniform(-1, 1, (n, heads, d)) for _ in range(4))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, samples=6, seed=4)
+    dq, dk, dv = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, samples=6, seed=4)
+    sigmas = poslsh.alibi_sigmas(heads)
+    for h in range(heads):
+        hashes = poslsh.rbf_hashes(sigmas[h], 6, 4, stream=h)
+        single_out, single_lse = poslsh.lsh_attention_fused_with_lse(q[:, h], k[:, h], v[:, h], hashes)
+        np.testing.assert_array_equal(out[:, h], single_out)
+        np.testing.assert_array_equal(lse[h], single_lse)
+        single = poslsh.lsh_attention_fused_backward(q[:, h], k[:, h], v[:, h], hashes, out[:, h], lse[h], dout[:, h])
+        for got, want in zip((dq[:, h], dk[:, h], dv[:, h]), single):
+            np.testing.assert_array_equal(got, want)
+
+
+@needs_backward
+def test_outputs_in_place_and_packed_inputs(rng):
+    """Inputs are slices of a packed [n, 3, H, d] buffer; out=, lse=, dq=, dk=, dv= are views
+    into larger buffers, written in place and returned."""
+    n, heads, d = 50, 2, 4
+    qkv = rng.uniform(-1, 1, (n, 3, heads, d))
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    dout = rng.uniform(-1, 1, (n, heads, d))
+    out_parent = np.full((n, heads + 1, d), np.nan)
+    lse_parent = np.full((heads, n + 3), np.nan)
+    out, lse = out_parent[:, 1:], lse_parent[:, 2 : n + 2]
+    returned = poslsh.multihead_attention_with_lse(q, k, v, method="exact_tiled", out=out, lse=lse)
+    assert returned[0] is out and returned[1] is lse
+    assert np.isnan(out_parent[:, 0]).all() and np.isnan(lse_parent[:, :2]).all()
+    grads_parent = np.full((3, n, heads, d), np.nan)
+    dq, dk, dv = grads_parent[0], grads_parent[1], grads_parent[2]
+    returned = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, method="exact_tiled", dq=dq, dk=dk, dv=dv)
+    assert returned[0] is dq and returned[1] is dk and returned[2] is dv
+    want = dense_multihead("exact_tiled", q, k, v, dout, poslsh.alibi_sigmas(heads), True)
+    np.testing.assert_allclose(lse, want[1], rtol=0, atol=1e-12)
+    for got, expected in zip(grads_parent, want[2:]):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-11)
+
+
+@needs_backward
+def test_thread_count_does_not_change_bits(rng):
+    n, heads, kv_heads, d = 300, 4, 2, 16
+    q, dout = (rng.uniform(-1, 1, (n, heads, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.uniform(-1, 1, (n, kv_heads, d)).astype(np.float32) for _ in range(2))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, num_threads=1)
+    one = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, num_threads=1)
+    two = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, num_threads=2)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_backward
+def test_errors(rng):
+    n, heads, d = 10, 4, 8
+    q, dout = (rng.uniform(-1, 1, (n, heads, d)) for _ in range(2))
+    k, v = (rng.uniform(-1, 1, (n, 2, d)) for _ in range(2))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v)
+    backward = poslsh.multihead_attention_backward
+    with pytest.raises(TypeError, match="multihead_attention_backward: argument 'dout' has dtype float32: must be float64 like 'q'"):
+        backward(q, k, v, out, lse, dout.astype(np.float32))
+    with pytest.raises(TypeError, match="argument 'lse' has dtype float32: must be float64"):
+        backward(q, k, v, out, lse.astype(np.float32), dout)
+    with pytest.raises(ValueError, match=r"argument 'lse' must be a 2-D array of shape \(4, 10\)"):
+        backward(q, k, v, out, lse[:, :5], dout)
+    with pytest.raises(ValueError, match="multihead_attention_backward: argument 'dk' = 10x4x8: must be 10x2x8"):
+        backward(q, k, v, out, lse, dout, dk=np.zeros((n, heads, d)))
+    with pytest.raises(ValueError, match="argument 'dq' shares memory with 'dout'"):
+        backward(q, k, v, out, lse, dout, dq=dout)
+    with pytest.raises(ValueError, match="argument 'dv' shares memory with 'dk'"):
+        grads = np.zeros((n, 2, d))
+        backward(q, k, v, out, lse, dout, dk=grads, dv=grads)
+    with pytest.raises(ValueError, match="argument 'method' = 'flash'"):
+        backward(q, k, v, out, lse, dout, method="flash")
+    with pytest.raises(ValueError, match="multihead_attention: argument 'k.tokens' = 9: must equal q.tokens = 10"):
+        poslsh.multihead_attention_with_lse(q, k[:9], v[:9])
+    with pytest.raises(ValueError, match="argument 'lse' is read-only"):
+        frozen = np.zeros((heads, n))
+        frozen.flags.writeable = False
+        poslsh.multihead_attention_with_lse(q, k, v, lse=frozen)
