@@ -60,7 +60,8 @@ def test_paged_equals_contiguous_bitwise(rng, page_size, dtype, causal):
 def test_paged_against_the_dense_formula_and_out(rng):
     lengths, d, sigma = [70], 8, 5.0
     keys, values, k_pages, v_pages, table, seq_lens = paged_cache(rng, lengths, 16, 1, d, d, np.float64)
-    q = rng.uniform(-1, 1, (70, d))
+    wide = rng.uniform(-1, 1, (70, 3 * d))
+    q = wide[:, d : 2 * d]  # row stride 3 d: used in place
     k, v = keys[0][:, 0], values[0][:, 0]
     parent = np.full((70, 2 * d), np.nan)
     out = poslsh.alibi_attention_tiled_paged(q, k_pages, v_pages, table, seq_lens, 0, 0, sigma, out=parent[:, d:])
