@@ -9,6 +9,9 @@ head) whose last dimension has stride 1; any row stride (e.g. ``x[:, h, :]`` of 
         softmax(tau Q K^T - |i-j| / sigma) V
     out = poslsh.torch.lsh_attention(q, k, v, hashes, causal=True, scale=None)
         D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block masks of ``hashes``
+    out = poslsh.torch.multihead_attention(q, k, v, layout="nhd", method="lsh_fused", ...)
+        poslsh.multihead_attention on [n, H, d] (or [H, n, d]) tensors, grouped-query included;
+        gradients from poslsh.multihead_attention_backward
 
 Gradients (dQ, dK, dV; not sigma, scale or the hashes) come from the library's backward
 passes, which recompute the probabilities from the forward's log-sum-exp tile by tile (no
@@ -22,7 +25,8 @@ import torch
 
 from . import _core
 
-__all__ = ["AlibiAttention", "LshAttention", "alibi_attention", "lsh_attention"]
+__all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "lsh_attention",
+           "multihead_attention"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -45,6 +49,14 @@ def _gradient(tensor):
     rows_ok = tensor.dim() != 2 or tensor.shape[0] <= 1 or tensor.stride(0) > 0
     last_ok = tensor.shape[-1] <= 1 or tensor.stride(-1) == 1
     return tensor if rows_ok and last_ok else tensor.contiguous()
+
+
+def _heads_gradient(tensor):
+    """A 3-D incoming gradient as the multi-head kernels need it: a last dimension of stride 1
+    and positive strides on the other two; only otherwise (e.g. expanded by ``sum()``) copied."""
+    last_ok = tensor.shape[-1] <= 1 or tensor.stride(-1) == 1
+    axes_ok = all(tensor.shape[axis] <= 1 or tensor.stride(axis) > 0 for axis in (0, 1))
+    return tensor if last_ok and axes_ok else tensor.contiguous()
 
 
 def _no_backward():
@@ -129,3 +141,46 @@ def lsh_attention(q, k, v, hashes, *, causal=True, scale=None):
     """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
     in q, k, v)."""
     return LshAttention.apply(q, k, v, hashes, causal, scale)
+
+
+class MultiheadAttention(torch.autograd.Function):
+    """poslsh.multihead_attention (self-attention) on [n, H, d] or [H, n, d] CPU tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keywords):
+        tokens, heads = (q.shape[0], q.shape[1]) if keywords["layout"] == "nhd" else (q.shape[1], q.shape[0])
+        shape = (tokens, heads, v.shape[2]) if keywords["layout"] == "nhd" else (heads, tokens, v.shape[2])
+        out = torch.empty(shape, dtype=q.dtype)
+        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
+        if _core.has_backward:
+            lse = torch.empty((heads, tokens), dtype=q.dtype)
+            _core.multihead_attention_with_lse(*arrays, **keywords, out=out.numpy(), lse=lse.numpy())
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            _core.multihead_attention(*arrays, **keywords, out=out.numpy())
+        ctx.keywords = keywords
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if not _core.has_backward:
+            _no_backward()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        _core.multihead_attention_backward(
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), out.numpy(), lse.numpy(),
+            _array(_heads_gradient(dout), "dout"), **ctx.keywords,
+            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+        )
+        return dq, dk, dv, None
+
+
+def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,
+                        samples=16, seed=0, band_error=1e-3):
+    """poslsh.multihead_attention (self-attention, grouped-query when k, v have fewer heads),
+    differentiable in q, k, v: for query head h (K/V head h // G)
+    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h), dK and dV summed over each group."""
+    keywords = dict(layout=layout, method=method, masking=masking, scale=scale,
+                    sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
+                    band_error=band_error)
+    return MultiheadAttention.apply(q, k, v, keywords)
