@@ -8,7 +8,8 @@
 //   refact-1.6b          H = 32 query heads, 1 KV head, d = 64     n = 4096
 //   jinabert-v2-base     H = 12, d = 64, bidirectional        n = 8192
 //   mpt-7b-storywriter   H = 32, d = 128, max_bias = 16       n = 4096
-// method: exact_tiled, exact_banded (band_error 1e-3) or lsh_fused (s = 16).
+// method: exact_tiled, exact_banded (band_error 1e-3) or lsh_fused (s = 16); lsh_fused_bf16kv
+// is lsh_fused with K and V in Eigen::bfloat16 (a bfloat16 KV cache) and float Q and output.
 // Counters: pairs (evaluated pairs per second), GFLOP (4 d FLOPs per evaluated pair per
 // second), exact_GFLOP (exact-equivalent throughput: the FLOPs of exact attention, 4 d per
 // causal or bidirectional pair of every head, over the time), and the share of the time spent
@@ -56,6 +57,7 @@ const std::vector<ModelShape>& model_shapes() {
 /// The q, k, v and out buffers of a model shape ([n, H, d]), filled by input_value.
 struct ModelTensors {
   std::vector<float> q, k, v, out;
+  std::vector<Eigen::bfloat16> k_bf16, v_bf16;  // k and v rounded, made on first use
   ModelTensors(const ModelShape& shape) {
     const Index n = shape.tokens, d = shape.head_dim;
     q.resize(static_cast<std::size_t>(n * shape.query_heads * d));
@@ -81,9 +83,16 @@ ModelTensors& tensors_of(const ModelShape& shape) {
   return found->second;
 }
 
-void run_model(benchmark::State& state, ModelShape shape, Method method) {
+void run_model(benchmark::State& state, ModelShape shape, Method method, bool bf16_kv) {
   const Index n = shape.tokens, d = shape.head_dim, H = shape.query_heads;
   ModelTensors& t = tensors_of(shape);
+  if (bf16_kv && t.k_bf16.empty()) {
+    for (const float value : t.k) t.k_bf16.push_back(static_cast<Eigen::bfloat16>(value));
+    for (const float value : t.v) t.v_bf16.push_back(static_cast<Eigen::bfloat16>(value));
+  }
+  using Eigen::bfloat16;
+  const auto k_bf16 = interleaved_heads<const bfloat16>(t.k_bf16.data(), n, shape.kv_heads, d);
+  const auto v_bf16 = interleaved_heads<const bfloat16>(t.v_bf16.data(), n, shape.kv_heads, d);
   const auto q = interleaved_heads<const float>(t.q.data(), n, H, d);
   const auto k = interleaved_heads<const float>(t.k.data(), n, shape.kv_heads, d);
   const auto v = interleaved_heads<const float>(t.v.data(), n, shape.kv_heads, d);
@@ -95,7 +104,10 @@ void run_model(benchmark::State& state, ModelShape shape, Method method) {
   options.seed = seed;
   options.sigmas = sigmas_from_slopes(alibi_slopes(static_cast<int>(H), shape.max_bias));
   for (auto _ : state) {
-    multihead_attention<float>(q, k, v, out, options);
+    if (bf16_kv)
+      multihead_attention<float, bfloat16, float>(q, k_bf16, v_bf16, out, options);
+    else
+      multihead_attention<float>(q, k, v, out, options);
     benchmark::ClobberMemory();
   }
   const bool causal = shape.masking == Masking::causal;
@@ -135,7 +147,11 @@ void run_model(benchmark::State& state, ModelShape shape, Method method) {
     AttentionOptions head_options;
     head_options.masking = shape.masking;
     const auto begin = std::chrono::steady_clock::now();
-    if (method == Method::lsh_fused)
+    if (method == Method::lsh_fused && bf16_kv)
+      lsh_attention_fused<float, bfloat16, float>(q.head(h), k_bf16.head(h / group),
+                                                  v_bf16.head(h / group), hashes[index],
+                                                  out.head(h), head_options);
+    else if (method == Method::lsh_fused)
       lsh_attention_fused<float>(q.head(h), k.head(h / group), v.head(h / group), hashes[index],
                                  out.head(h), head_options);
     else if (method == Method::exact_banded)
@@ -164,12 +180,19 @@ void run_model(benchmark::State& state, ModelShape shape, Method method) {
 
 const bool registered = [] {
   for (const ModelShape& shape : model_shapes()) {
-    for (const auto& [method_name, method] : {std::pair{"exact_tiled", Method::exact_tiled},
-                                              std::pair{"exact_banded", Method::exact_banded},
-                                              std::pair{"lsh_fused", Method::lsh_fused}}) {
-      const std::string name = std::string("model/") + shape.name + "/" + method_name + "/" +
-                               std::to_string(shape.tokens);
-      benchmark::RegisterBenchmark(name.c_str(), run_model, shape, method)
+    struct Row {
+      const char* name;
+      Method method;
+      bool bf16_kv;
+    };
+    for (const Row& row : {Row{"exact_tiled", Method::exact_tiled, false},
+                           Row{"exact_banded", Method::exact_banded, false},
+                           Row{"lsh_fused", Method::lsh_fused, false},
+                           Row{"lsh_fused_bf16kv", Method::lsh_fused, true}}) {
+      const Method method = row.method;
+      const std::string name =
+          std::string("model/") + shape.name + "/" + row.name + "/" + std::to_string(shape.tokens);
+      benchmark::RegisterBenchmark(name.c_str(), run_model, shape, method, row.bf16_kv)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime()
           ->Iterations(method == Method::exact_tiled ? 1 : 3);

@@ -1,5 +1,10 @@
-// poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>.
+// poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>; the tile
+// methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
+// Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bench_support.hpp"
 
@@ -50,12 +55,74 @@ void run_multihead(benchmark::State& state, Index n, const MultiHeadOptions& opt
   set_kernel_counters(state, pairs, n * heads);
 }
 
+/// Tensor `which` of n tokens rounded to Half ([n, H, d]), made once outside the timed loops
+/// (the tensors of one n at a time).
+template <typename Half>
+std::vector<Half>& half_tensor(Which which, Index n) {
+  static std::map<std::pair<int, Index>, std::vector<Half>> cache;
+  const std::pair<int, Index> key{static_cast<int>(which), n};
+  auto found = cache.find(key);
+  if (found == cache.end()) {
+    for (auto it = cache.begin(); it != cache.end();)
+      it = it->first.second != n ? cache.erase(it) : ++it;
+    const auto size = static_cast<long>(n * heads * dim);
+    std::vector<Half> values(static_cast<std::size_t>(size));
+    const float* source = which == Which::out ? nullptr : tensor(which, n).data();
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < size; ++i)
+      values[static_cast<std::size_t>(i)] = static_cast<Half>(source == nullptr ? 0.0f : source[i]);
+    found = cache.emplace(key, std::move(values)).first;
+  }
+  return found->second;
+}
+
+template <typename Half>
+HeadsView<const Half> half_view(Which which, Index n) {
+  return interleaved_heads<const Half>(half_tensor<Half>(which, n).data(), n, heads, dim);
+}
+
+/// One multihead_attention call per iteration with Q, K, V and the output in Half.
+template <typename Half>
+void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions& options) {
+  const auto q = half_view<Half>(Which::q, n);
+  const auto k = half_view<Half>(Which::k, n);
+  const auto v = half_view<Half>(Which::v, n);
+  const auto out = interleaved_heads<Half>(half_tensor<Half>(Which::out, n).data(), n, heads, dim);
+  const long long pairs = method_pairs(options, n);
+  for (auto _ : state) {
+    multihead_attention<Half, Half, Half>(q, k, v, out, options);
+    benchmark::DoNotOptimize(out.data);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, pairs, n * heads);
+}
+
+/// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
+void run_multihead_bf16_kv(benchmark::State& state, Index n, const MultiHeadOptions& options) {
+  const auto q = input_view(Which::q, n);
+  const auto k = half_view<Eigen::bfloat16>(Which::k, n);
+  const auto v = half_view<Eigen::bfloat16>(Which::v, n);
+  const auto out = output_view(n);
+  const long long pairs = method_pairs(options, n);
+  for (auto _ : state) {
+    multihead_attention<float, Eigen::bfloat16, float>(q, k, v, out, options);
+    benchmark::DoNotOptimize(out.data);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, pairs, n * heads);
+}
+
 /// Rows of more than 0.5 s per call run once; shorter ones repeat for at least 0.5 s.
-void register_row(const std::string& name, Index n, const MultiHeadOptions& options) {
-  with_min_statistic(benchmark::RegisterBenchmark(name.c_str(), run_multihead, n, options))
+template <typename Run>
+void register_row(const std::string& name, Index n, const MultiHeadOptions& options, Run run) {
+  with_min_statistic(benchmark::RegisterBenchmark(name.c_str(), run, n, options))
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime()
       ->MinTime(0.5);
+}
+
+void register_row(const std::string& name, Index n, const MultiHeadOptions& options) {
+  register_row(name, n, options, run_multihead);
 }
 
 struct MethodRow {
@@ -93,6 +160,16 @@ void register_prefill(bool long_runs) {
       options.samples = default_samples;
       options.seed = seed;
       register_row(std::string(row.name) + "/" + std::to_string(n), n, options);
+      // The half-precision rows of the tile methods right after their float row.
+      const std::string suffix = "/" + std::to_string(n);
+      if (row.method == Method::exact_tiled || row.method == Method::lsh_fused)
+        register_row(std::string(row.name) + "_bf16" + suffix, n, options,
+                     run_multihead_half<Eigen::bfloat16>);
+      if (row.method == Method::lsh_fused) {
+        register_row(std::string(row.name) + "_f16" + suffix, n, options,
+                     run_multihead_half<Eigen::half>);
+        register_row(std::string(row.name) + "_bf16kv" + suffix, n, options, run_multihead_bf16_kv);
+      }
     }
   }
   if (long_runs) {

@@ -12,6 +12,7 @@
 #include <poslsh/partition.hpp>
 #include <poslsh/reference_attention.hpp>
 #include <poslsh/tiled_attention.hpp>
+#include <random>
 #include <vector>
 
 #include "test_support.hpp"
@@ -131,7 +132,7 @@ TEMPLATE_TEST_CASE(
     "[half]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
   const Index dims[] = {64, 80, 128};
-  const Index sizes[] = {317, 640, 1000};
+  const Index sizes[] = {300, 513, 777};
   std::uint64_t seed = 100;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.5, 16.0, 1e4}) {
@@ -243,12 +244,15 @@ TEMPLATE_TEST_CASE("half-precision row ranges and returning forms match the whol
 
 TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact", "[half]") {
   using Half = Eigen::bfloat16;
-  const Index L = 100003, m = 3, d = 64;
+  // Row r of a query chunk at offset p0 is the query at position p0 + r: p0 = 66000 and
+  // 70000 put it past 65536, where bfloat16 cannot hold the position (nor past 256).
+  const Index L = 70003, m = 3, d = 64;
   const auto kh = random_half<Half>(L, d, 41);
   const auto vh = random_half<Half>(L, d, 42);
   const auto all_q = random_half<Half>(L, d, 43);
-  const RowMatrix<double> k = to_double(kh), v = to_double(vh);
-  for (Index p0 : {Index{300}, Index{70000}, Index{100000}}) {
+  const RowMatrix<float> kw = widened(kh), vw = widened(vh);
+  const RowMatrix<double> k = kw.cast<double>(), v = vw.cast<double>();
+  for (Index p0 : {Index{300}, Index{66000}, Index{70000}}) {
     const RowMatrix<Half> qh = all_q.middleRows(p0, m);
     const RowMatrix<double> q = to_double(qh);
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
@@ -259,13 +263,12 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
         options.query_offset = p0;
         RowMatrix<float> from_half(m, d), from_float(m, d);
         poslsh::alibi_attention_tiled<Half, Half, float>(qh, kh, vh, sigma, from_half, options);
-        poslsh::alibi_attention_tiled<float>(widened(qh), widened(kh), widened(vh), sigma,
-                                             from_float, options);
+        poslsh::alibi_attention_tiled<float>(widened(qh), kw, vw, sigma, from_float, options);
         CHECK(same_bits(from_half, from_float));
         const RowMatrix<double> expected =
             dense_alibi(q, k, v, sigma, 0.125, masking == Masking::causal ? 0 : -L, L, p0);
-        // A bias rounded to bfloat16 positions (steps of 256 or 512 here) would move the
-        // scores by up to 16 / sigma; the float kernel's error is rounding only.
+        // A bias from positions rounded to bfloat16 (steps of 512 past 65536) would move the
+        // scores by up to 256 / sigma; the float kernel's error is rounding only.
         CHECK(max_error(from_half, expected) < 1e-5);
       }
     }
@@ -275,7 +278,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
     RowMatrix<float> fused_half(m, d);
     poslsh::lsh_attention_fused<Half, Half, float>(qh, kh, vh, hashes, fused_half, options);
     const RowMatrix<float> fused_float =
-        poslsh::lsh_attention_fused<float>(widened(qh), widened(kh), widened(vh), hashes, options);
+        poslsh::lsh_attention_fused<float>(widened(qh), kw, vw, hashes, options);
     CHECK(same_bits(fused_half, fused_float));
   }
 }
@@ -366,6 +369,58 @@ TEST_CASE("multihead_attention_varlen with bfloat16 K/V equals the float call on
                                        cu, options);
     CHECK(same_bits(mixed, expected));
   }
+}
+
+TEMPLATE_TEST_CASE("widening and rounding of rows: the bits of Eigen's conversions", "[half]",
+                   Eigen::bfloat16, Eigen::half) {
+  using Half = TestType;
+  // Bit for bit, except that a NaN only has to stay a NaN (the packet conversions quiet
+  // signalling NaNs, the scalar ones may not).
+  const auto differ = [](auto expected, auto actual) {
+    using Bits = std::conditional_t<sizeof(expected) == 4, std::uint32_t, std::uint16_t>;
+    if (Eigen::numext::isnan(expected)) return !Eigen::numext::isnan(actual);
+    return Eigen::numext::bit_cast<Bits>(expected) != Eigen::numext::bit_cast<Bits>(actual);
+  };
+  // Every 16-bit pattern widened, at every alignment of the packet loop's tail.
+  std::vector<Half> all(65536 + 7);
+  for (std::size_t i = 0; i < all.size(); ++i)
+    all[i] = Eigen::numext::bit_cast<Half>(static_cast<std::uint16_t>(i % 65536));
+  std::vector<float> wide(all.size());
+  for (Index offset : {0, 1, 7}) {
+    const Index count = static_cast<Index>(all.size()) - offset;
+    poslsh::detail::tile_widen<float>(all.data() + offset, wide.data(), count);
+    Index mismatches = 0;
+    for (Index i = 0; i < count; ++i) {
+      const float expected = static_cast<float>(all[static_cast<std::size_t>(i + offset)]);
+      mismatches += differ(expected, wide[static_cast<std::size_t>(i)]);
+    }
+    CHECK(mismatches == 0);
+  }
+  // Floats rounded: random bit patterns (NaNs, infinities, subnormals, ties included) and
+  // values halfway between two Half values.
+  std::mt19937_64 random(5);
+  std::vector<float> values;
+  for (int i = 0; i < 100000; ++i)
+    values.push_back(Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(random())));
+  for (std::uint32_t bits = 0; bits < 65535; bits += 7) {
+    const float low = static_cast<float>(Eigen::numext::bit_cast<Half>(std::uint16_t(bits)));
+    const float high = static_cast<float>(Eigen::numext::bit_cast<Half>(std::uint16_t(bits + 1)));
+    values.push_back(0.5f * (low + high));
+  }
+  for (float special :
+       {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+        -std::numeric_limits<float>::quiet_NaN(), 65504.0f, 65520.0f, 1e-8f,
+        std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min()})
+    values.push_back(special);
+  std::vector<Half> narrow(values.size());
+  poslsh::detail::tile_narrow<Half>(values.data(), narrow.data(),
+                                    static_cast<Index>(values.size()));
+  Index mismatches = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    mismatches += differ(static_cast<Half>(values[i]), narrow[i]);
+  }
+  CHECK(mismatches == 0);
 }
 
 TEST_CASE("half-precision kernels name a bad argument as for float", "[half]") {

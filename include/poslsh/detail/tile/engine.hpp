@@ -168,6 +168,9 @@ class TileEngine {
   void run(Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
     using OutScalar = typename std::decay_t<OutType>::Scalar;
     if (row_begin >= row_end || dv_ == 0) return;
+    if constexpr (!std::is_same_v<OutScalar, Scalar>) {
+      if (b_.wide_out.size() < dv_) b_.wide_out.resize(dv_);
+    }
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
       const Index r1 = std::min(i0 + Bq, row_end);
@@ -179,6 +182,12 @@ class TileEngine {
         if constexpr (std::is_same_v<OutScalar, Scalar>) {
           out.row(i - row_begin) =
               b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
+        } else if (out.innerStride() == 1) {
+          // Divided in Scalar, rounded once as it is stored.
+          Scalar* divided = b_.wide_out.data();
+          Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(divided, dv_) =
+              b_.acc.segment(a * dvp_, dv_) / b_.running_sum(a);
+          tile_narrow<OutScalar>(divided, &out.coeffRef(i - row_begin, 0), dv_);
         } else {
           out.row(i - row_begin) =
               (b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a))

@@ -12,6 +12,9 @@
 #include <Eigen/Core>
 #include <cstdint>
 #include <type_traits>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "poslsh/types.hpp"
 
@@ -116,25 +119,79 @@ void tile_pack_queries(const ConstMatrixRef<Scalar>& q, Index i0, Index a0, Inde
 }
 
 /// dst[c] = src[c] widened to Scalar (exactly: every Eigen::half and Eigen::bfloat16 value is a
-/// float) for c < count; AVX-512 and AVX convert a packet at a time.
+/// float) for c < count; with AVX-512 or AVX2 (and F16C for Eigen::half) 16 or 8 values at a
+/// time (bfloat16: the 16 bits shifted into the top of a float; half: vcvtph2ps).
 template <typename Scalar, typename Storage>
 inline void tile_widen(const Storage* src, Scalar* dst, Index count) {
-  namespace ei = Eigen::internal;
   Index c = 0;
   if constexpr (std::is_same_v<Scalar, float>) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    using Narrow =
-        std::conditional_t<std::is_same_v<Storage, Eigen::half>, ei::Packet16h, ei::Packet16bf>;
-    for (; c + 16 <= count; c += 16)
-      ei::pstoreu(dst + c, ei::pcast<Narrow, ei::Packet16f>(ei::ploadu<Narrow>(src + c)));
-#elif defined(EIGEN_VECTORIZE_AVX)
-    using Narrow =
-        std::conditional_t<std::is_same_v<Storage, Eigen::half>, ei::Packet8h, ei::Packet8bf>;
-    for (; c + 8 <= count; c += 8)
-      ei::pstoreu(dst + c, ei::pcast<Narrow, ei::Packet8f>(ei::ploadu<Narrow>(src + c)));
+    static_assert(sizeof(Storage) == 2, "a half-precision storage type");
+    const auto* bits = reinterpret_cast<const std::uint16_t*>(src);
+    static_cast<void>(bits);
+    if constexpr (std::is_same_v<Storage, Eigen::bfloat16>) {
+#if defined(__AVX512F__)
+      for (; c + 16 <= count; c += 16) {
+        const __m512i wide =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + c)));
+        _mm512_storeu_ps(dst + c, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+      }
+#elif defined(__AVX2__)
+      for (; c + 8 <= count; c += 8) {
+        const __m256i wide =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + c)));
+        _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
 #endif
+    } else {
+#if defined(__AVX512F__)
+      for (; c + 16 <= count; c += 16)
+        _mm512_storeu_ps(
+            dst + c,
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + c))));
+#elif defined(__F16C__) && defined(__AVX__)
+      for (; c + 8 <= count; c += 8)
+        _mm256_storeu_ps(
+            dst + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + c))));
+#endif
+    }
   }
   for (; c < count; ++c) dst[c] = static_cast<Scalar>(src[c]);
+}
+
+/// dst[c] = src[c] rounded to the half-precision type Storage (round to nearest even, as
+/// Eigen's conversions: a NaN becomes Eigen's quiet NaN of its sign for bfloat16) for
+/// c < count; with AVX-512 (and F16C for Eigen::half) 16 values at a time.
+template <typename Storage, typename Scalar>
+inline void tile_narrow(const Scalar* src, Storage* dst, Index count) {
+  Index c = 0;
+  if constexpr (std::is_same_v<Scalar, float>) {
+    static_assert(sizeof(Storage) == 2, "a half-precision storage type");
+    auto* bits = reinterpret_cast<std::uint16_t*>(dst);
+    static_cast<void>(bits);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<Storage, Eigen::bfloat16>) {
+      const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+      const __m512i positive_nan = _mm512_set1_epi32(0x7fc0),
+                    negative_nan = _mm512_set1_epi32(0xffc0);
+      for (; c + 16 <= count; c += 16) {
+        const __m512 value = _mm512_loadu_ps(src + c);
+        const __m512i x = _mm512_castps_si512(value);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+        const __mmask16 negative = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
+        rounded = _mm512_mask_mov_epi32(rounded, nan, positive_nan);
+        rounded = _mm512_mask_mov_epi32(rounded, nan & negative, negative_nan);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + c), _mm512_cvtepi32_epi16(rounded));
+      }
+    } else {
+      for (; c + 16 <= count; c += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + c),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
+  }
+  for (; c < count; ++c) dst[c] = static_cast<Storage>(src[c]);
 }
 
 /// tile_pack_queries of a Q stored in a half-precision type: rows [i0 + a0, i0 + a1) of q are

@@ -51,12 +51,13 @@ using nondeduced_t = typename nondeduced<T>::type;
 
 /// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
-/// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV).
+/// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
+/// an output row before it is rounded to a half-precision output.
 template <typename Scalar>
 struct TileBuffers {
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
   Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
-  Buffer wide_q, wide_k, wide_v;
+  Buffer wide_q, wide_k, wide_v, wide_out;
 
   void prepare(Index d, Index dv_padded, bool pack_values) {
     constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
