@@ -1,6 +1,7 @@
 // poslsh: training support. Every attention kernel with its per-row log-sum-exp (forward), and
 // the gradients dQ, dK, dV of every kernel from dO, O and lse (backward), FlashAttention-2
 // style: probabilities recomputed tile by tile from lse, no n x n buffer, O(n d) extra memory.
+// Reduction order and kernels: detail/backward/tiles.hpp; float accuracy: docs/backward.md.
 //
 // Conventions (FlashAttention's softmax_lse): for scores x_ij and weights w_ij of a kernel,
 //   lse_i = M_i + log sum_j w_ij e^{x_ij - M_i}   (natural log, of the scaled scores),
@@ -172,7 +173,9 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
     backward_parallel(in, rule, grads);
   } else {
     BackwardWork<Scalar> work;
-    backward_serial(in, rule, grads, work);
+    PackedSteps<Scalar> packed;
+    packed.pack(q, dout, rule.begin(), rule.end(), false);
+    backward_serial(in, rule, grads, work, &packed);
   }
 }
 
@@ -322,11 +325,13 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// D_i = dO_i . out_i:
 ///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
 /// `out` and `lse` come from the forward with lse. One parallel pass (OpenMP) over key tiles of
-/// 64, each meeting its query rows in steps of 192 with P recomputed from lse (nothing n x n
-/// stored; extra memory O(n)): the thread of a key tile writes its dk and dv rows, summing over
-/// the steps in increasing order; the dq rows of a step are summed over key tiles in increasing
-/// order (a thread waits for the key tiles before its own). Bitwise the same for any thread
-/// count. Throws std::invalid_argument naming a bad argument.
+/// 64, each meeting its query rows in steps of 64 with P recomputed from lse (nothing n x n
+/// stored; extra memory O(n (d + d_v)): Q and dO packed per step): the thread of a key tile
+/// writes its dk and dv rows, summing each step's rows in increasing order and the steps' sums
+/// in increasing order; each key tile's contribution to a dq row is summed over its keys in
+/// increasing order and added in increasing key tile order (a thread waits for the key tiles
+/// before its own). Bitwise the same for any thread count. Throws std::invalid_argument naming
+/// a bad argument.
 template <typename Scalar>
 void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                     ConstMatrixRef<Scalar> v, double sigma,
@@ -379,11 +384,10 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
 ///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
 /// Each pair with c_ij > 0 is evaluated once, on the forward's windows [lo_i, hi_i) and count
 /// tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles: O(n s)
-/// memory). One parallel pass (OpenMP) over key tiles of 64, each meeting the query rows whose
-/// windows reach it in steps of 192: the thread of a key tile writes its dk and dv rows, summing
-/// over the steps in increasing order; the dq rows of a step are summed over key tiles in
-/// increasing order (a thread waits for the key tiles before its own). Bitwise the same for any
-/// thread count. Throws std::invalid_argument naming a bad argument.
+/// memory, and O(n (d + d_v)) for Q and dO packed per step). One parallel pass (OpenMP) over
+/// key tiles of 64, each meeting the query rows whose windows reach it in steps of 64, in the
+/// reduction order of alibi_attention_tiled_backward. Bitwise the same for any thread count.
+/// Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                   ConstMatrixRef<Scalar> v, const HashSet& hashes,

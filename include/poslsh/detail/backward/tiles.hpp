@@ -4,13 +4,24 @@
 // recomputed from the forward's log-sum-exp lse_i. With D_i = sum_c dO_ic O_ic:
 //   dV = P^T dO,   dS_ij = P_ij (dO_i . v_j - D_i),   dQ = tau dS K,   dK = tau dS^T Q.
 // One pass over key tiles of 64 keys; each key tile meets the query rows reaching it in steps
-// of 192 rows (increasing). A step costs five GEMMs on Eigen maps of the strided inputs:
-// S = Q K^T, dP = dO V^T, then dV += P^T dO, dK += tau dS^T Q and dQ += tau dS K. The thread
-// holding a key tile owns its dK and dV rows and sums over its steps in increasing order; the
-// dQ rows of a step are added in increasing key tile order (a per-step counter makes a thread
-// wait for the key tiles before its own). Every gradient row is therefore the same sum in the
-// same order for any thread count: bitwise reproducible, with no floating-point atomics and no
-// n x n buffer.
+// of 64 rows (increasing, aligned from the domain's first row). A step costs five products in
+// register-blocked packet kernels (detail/backward/kernels.hpp) on operands packed contiguous
+// and aligned (Q^T, dO^T and the rows of Q and dO once per step and pass, K once per key tile):
+// S^T = K Q^T and dP^T = V dO^T over the keys the step's rows reach, P and
+// dS = tau P o (dP - D) entry by entry, then dV_J += P^T dO and dK_J += dS^T Q (each key over
+// the rows that reach it) and dQ_I += dS K_J (each row over the keys it reaches).
+// Reduction order, the same for any thread count (bitwise reproducible, no floating-point
+// atomics, no n x n buffer):
+//   dV_j, dK_j  the thread holding key tile J sums, step by step in increasing order, the
+//               step's terms (rows i in increasing order, in registers from zero) and adds
+//               each step's sum to a running sum that starts at zero; the output row gets
+//               output + running sum at the end (the output is zero, or a previous block's
+//               sum in the per-sample pass);
+//   dQ_i        each key tile's terms (keys j in increasing order, in registers from zero)
+//               make one partial sum, added to the output row in increasing key tile order
+//               (a per-step counter makes a thread wait for the key tiles before its own).
+// Partial sums per step of 64 rows also make the rounding error of dK and dV grow with the
+// number of steps plus 64 rather than with the number of rows.
 //
 // A rule (window policy) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
@@ -28,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
@@ -35,10 +47,10 @@
 namespace poslsh::detail {
 
 /// Keys per tile of the backward pass (aligned from the first row of the rule's domain), and
-/// query rows per step (a multiple of the forward's query tile, whose count structure the LSH
-/// rule reuses; 192 = 4 register blocks of Eigen's AVX-512 float GEMM kernel).
+/// query rows per step (aligned the same way; the forward's query tile, whose count structure
+/// the LSH rule reuses).
 inline constexpr Index backward_tile = 64;
-inline constexpr Index backward_query_rows = 192;
+inline constexpr Index backward_query_rows = backward_step_rows;
 static_assert(backward_query_rows % tile_query_rows == 0, "whole count tiles per step");
 
 template <typename Scalar>
@@ -49,14 +61,44 @@ template <typename Scalar>
 using BackwardTileRef =
     Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
 
-/// Per-thread scratch of the backward pass: P and dS of a step, a count tile.
+/// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars, aligned; they only grow):
+/// P^T and dS^T of a step (key b, row a at b * backward_query_rows + a), a count tile, and the
+/// packed operands: Q^T and dO^T of the step (d x 64, d_v x 64), its Q, dO rows, the key tile's
+/// K rows and its dK, dV sums and the step's dQ contribution (rows padded to whole packets
+/// with zeros), and D of the step.
 template <typename Scalar>
 struct BackwardWork {
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> probabilities, gradients, counts;
+  using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+  Buffer probabilities, gradients, counts;
+  Buffer qt, ot, q_rows, o_rows, k_rows, dk_sum, dv_sum, dq_part, delta;
+  Index d = -1, dv = -1, dp = 0, dvp = 0;
+  Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
+
   BackwardWork()
-      : probabilities(backward_query_rows * backward_tile),
-        gradients(backward_query_rows * backward_tile),
-        counts(tile_query_rows * (backward_tile + 1)) {}
+      : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
+        gradients(Buffer::Zero(backward_query_rows * backward_tile)),
+        counts(tile_query_rows * (backward_tile + 1)),
+        delta(Buffer::Zero(backward_query_rows)) {}
+
+  /// Sizes the packed buffers for d and d_v (zeroed when they change: the padding stays 0).
+  void prepare(Index d_new, Index dv_new) {
+    if (d_new == d && dv_new == dv) return;
+    constexpr Index P = tile_packet_size<Scalar>;
+    d = d_new;
+    dv = dv_new;
+    dp = (d + P - 1) / P * P;
+    dvp = (dv + P - 1) / P * P;
+    constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+    qt.setZero(std::max<Index>(d, 1) * Bq);
+    ot.setZero(std::max<Index>(dv, 1) * Bq);
+    q_rows.setZero(std::max<Index>(Bq * dp, 1));
+    o_rows.setZero(std::max<Index>(Bq * dvp, 1));
+    k_rows.setZero(std::max<Index>(Bk * dp, 1));
+    dk_sum.setZero(std::max<Index>(Bk * dp, 1));
+    dv_sum.setZero(std::max<Index>(Bk * dvp, 1));
+    dq_part.setZero(std::max<Index>(Bq * dp, 1));
+    packed_step = -1;
+  }
 };
 
 /// The inputs of the backward passes: row i of every per-row array is entry i.
@@ -229,21 +271,6 @@ class CountRule {
   bool causal_;
 };
 
-/// The gradients of one pair of tiles: rows [r0, r0 + rows), keys [k0, k0 + keys). Leaves P in
-/// work.probabilities and tau dS in work.gradients (rows x keys, column-major).
-template <typename Scalar, typename Rule>
-void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index r0, Index rows,
-                   Index k0, Index keys, BackwardWork<Scalar>& work) {
-  BackwardTileMap<Scalar> p(work.probabilities.data(), rows, keys);
-  BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
-  p.noalias() = in.q.middleRows(r0, rows) * in.k.middleRows(k0, keys).transpose();
-  rule.probabilities(r0, k0, p, in.tau, in.lse, work);
-  ds.noalias() = in.dout.middleRows(r0, rows) * in.v.middleRows(k0, keys).transpose();
-  const auto delta = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(in.delta + r0, rows);
-  for (Index b = 0; b < keys; ++b)
-    ds.col(b).array() = in.tau * p.col(b).array() * (ds.col(b).array() - delta);
-}
-
 /// No ordering of the dQ additions: the caller visits the key tiles in increasing order on one
 /// thread.
 struct InOrder {
@@ -253,8 +280,8 @@ struct InOrder {
   }
 };
 
-/// The dQ additions of one query tile in increasing key tile order across threads: the key
-/// tiles that reach query tile I are the consecutive tiles first(I) .. last(I) (windows are
+/// The dQ additions of one query step in increasing key tile order across threads: the key
+/// tiles that reach step I are the consecutive tiles first(I) .. last(I) (windows are
 /// intervals with non-decreasing ends), so next[I] counts them off. The thread holding key tile
 /// J waits until next[I] = J, adds, and sets next[I] = J + 1. Key tiles are handed out in
 /// increasing order and the thread holding the smallest unfinished one never waits, so every
@@ -288,44 +315,209 @@ class KeyTileOrder {
   std::unique_ptr<std::atomic<Index>[]> next_;
 };
 
-/// Key tile [j0, j1): for each query tile reaching it, in increasing order, P and dS of the
-/// pair once, then dV_J += P^T dO_I, dK_J += tau dS^T Q_I (this thread owns the key tile) and
-/// dQ_I += tau dS K_J (in increasing key tile order, as `order` enforces).
+/// The operands of one query step (64 rows from i0, zero past the domain's end): Q^T and dO^T
+/// (d x 64, d_v x 64) and the rows of Q and dO (64 x d_p, 64 x d_vp: padded to whole packets
+/// with zeros), contiguous and aligned, so that the kernels' loads neither split nor conflict in
+/// the L1 cache as rows of a large stride (e.g. [n, H, d] buffers) do.
+template <typename Scalar>
+struct StepOperands {
+  const Scalar* qt;
+  const Scalar* ot;
+  const Scalar* q_rows;
+  const Scalar* o_rows;
+};
+
+/// Packs the step at i0 (`rows` rows of q and dout) into qt, ot, q_rows, o_rows (padded
+/// columns d_p, d_vp; the padding must be zero already).
+template <typename Scalar>
+void pack_step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index i0,
+               Index rows, Index dp, Index dvp, Scalar* qt, Scalar* ot, Scalar* q_rows,
+               Scalar* o_rows) {
+  constexpr Index Bq = backward_query_rows;
+  tile_pack_queries<Scalar>(q, i0, 0, rows, Scalar(1), qt, Bq);
+  tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
+  Eigen::Map<RowMatrix<Scalar>> qr(q_rows, Bq, dp), orows(o_rows, Bq, dvp);
+  qr.topLeftCorner(rows, q.cols()) = q.middleRows(i0, rows);
+  qr.bottomRows(Bq - rows).setZero();
+  orows.topLeftCorner(rows, dout.cols()) = dout.middleRows(i0, rows);
+  orows.bottomRows(Bq - rows).setZero();
+}
+
+/// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
+/// backward_query_rows from begin), packed once per pass: O(n (d + d_v)) scalars.
+template <typename Scalar>
+struct PackedSteps {
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> qt, ot, q_rows, o_rows;
+  Index begin = 0, d = 0, dv = 0, dp = 0, dvp = 0;
+
+  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel`.
+  void pack(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index begin_row,
+            Index end_row, bool parallel) {
+    constexpr Index Bq = backward_query_rows;
+    constexpr Index P = tile_packet_size<Scalar>;
+    begin = begin_row;
+    d = q.cols();
+    dv = dout.cols();
+    dp = (d + P - 1) / P * P;
+    dvp = (dv + P - 1) / P * P;
+    const Index steps = (end_row - begin + Bq - 1) / Bq;
+    qt.resize(std::max<Index>(steps * d * Bq, 1));
+    ot.resize(std::max<Index>(steps * dv * Bq, 1));
+    q_rows.setZero(std::max<Index>(steps * dp * Bq, 1));
+    o_rows.setZero(std::max<Index>(steps * dvp * Bq, 1));
+    const auto count = static_cast<long>(steps);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (long t = 0; t < count; ++t) {
+      const Index step = static_cast<Index>(t);
+      const Index i0 = begin + step * Bq;
+      pack_step<Scalar>(q, dout, i0, std::min(Bq, end_row - i0), dp, dvp, qt.data() + step * d * Bq,
+                        ot.data() + step * dv * Bq, q_rows.data() + step * dp * Bq,
+                        o_rows.data() + step * dvp * Bq);
+    }
+  }
+
+  /// The operands of the step at i0.
+  StepOperands<Scalar> step(Index i0) const {
+    constexpr Index Bq = backward_query_rows;
+    const Index t = (i0 - begin) / Bq;
+    return {qt.data() + t * d * Bq, ot.data() + t * dv * Bq, q_rows.data() + t * dp * Bq,
+            o_rows.data() + t * dvp * Bq};
+  }
+};
+
+/// Rows [first, first + count) of m copied to `buffer` (`padded` columns, zero past m's):
+/// contiguous, aligned rows for the product kernels.
+template <typename Scalar>
+const Scalar* backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, Index padded,
+                            Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& buffer) {
+  Eigen::Map<RowMatrix<Scalar>>(buffer.data(), count, padded).leftCols(m.cols()) =
+      m.middleRows(first, count);
+  return buffer.data();
+}
+
+/// The key tile [j0, j1) against rows [r0, r1) of the query step at i0 (r1 - i0 <= 64), keys
+/// [k0, k1) of the tile (every key those rows reach), Q^T and dO^T of the step in qt, ot: with
+/// P recomputed by the rule and D of the step in work.delta (indexed from i0),
+///   S^T = K Q^T, P^T (rule), dP^T = V dO^T, dS^T = tau P^T o (dP^T - D),
+///   dV_J += P^T dO,  dK_J += dS^T Q  (work.dv_sum, work.dk_sum: each key j over the rows that
+///   reach it),  work.dq_part = dS K_J  (each row over the keys it reaches, from zero).
+/// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
+template <typename Scalar, typename Rule>
+void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index i0, Index r0,
+                   Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
+                   const Scalar* k_rows, BackwardWork<Scalar>& work) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
+  constexpr Index Bq = backward_query_rows;
+  const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
+  const Index a0 = r0 - i0, a1 = r1 - i0;
+  const Index first_packet = a0 / P, packets = (a1 + P - 1) / P - first_packet;
+  const Index b0 = k0 - j0, b1 = k1 - j0;
+  Scalar* p = work.probabilities.data();
+  Scalar* ds = work.gradients.data();
+  // P^T from S^T (rows of the packets holding [a0, a1)).
+  backward_scores<Scalar>(step.qt + first_packet * P, in.k.data() + j0 * in.k.outerStride(),
+                          in.k.outerStride(), d, b0, b1, packets, p + first_packet * P);
+  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
+      p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
+  rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
+  // dS^T = tau P^T o (dP^T - D).
+  backward_scores<Scalar>(step.ot + first_packet * P, in.v.data() + j0 * in.v.outerStride(),
+                          in.v.outerStride(), dv, b0, b1, packets, ds + first_packet * P);
+  const Packet tau = ei::pset1<Packet>(in.tau);
+  for (Index b = b0; b < b1; ++b) {
+    for (Index a = first_packet * P; a < a1; a += P) {
+      const Packet prob = ei::pload<Packet>(p + b * Bq + a);
+      const Packet dprob = ei::pload<Packet>(ds + b * Bq + a);
+      ei::pstore(
+          ds + b * Bq + a,
+          ei::pmul(ei::pmul(tau, prob), ei::psub(dprob, ei::pload<Packet>(work.delta.data() + a))));
+    }
+  }
+  // dV_J += P^T dO and dK_J += dS^T Q: keys [c0, c1) over the step's rows reaching them.
+  const auto rows_of = [&](Index c0, Index c1) {
+    const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1);
+    const Index first = std::clamp<Index>(reaching.first - i0, a0, a1);
+    return KeyRange{first, std::clamp<Index>(reaching.last - i0, first, a1)};
+  };
+  backward_products<Scalar>(p + b0 * Bq, Bq, 1, step.o_rows, dvp, b1 - b0, dvp / P,
+                            work.dv_sum.data() + b0 * dvp, dvp, rows_of);
+  backward_products<Scalar>(ds + b0 * Bq, Bq, 1, step.q_rows, dp, b1 - b0, dp / P,
+                            work.dk_sum.data() + b0 * dp, dp, rows_of);
+  // dQ contribution: rows [e0, e1) over the keys of [k0, k1) they reach.
+  const auto keys_of = [&](Index e0, Index e1) {
+    const KeyRange reached = rule.keys_reached(r0 + e0, r0 + e1);
+    const Index first = std::clamp<Index>(reached.first - j0, b0, b1);
+    return KeyRange{first, std::clamp<Index>(reached.last - j0, first, b1)};
+  };
+  work.dq_part.head((a1 - a0) * dp).setZero();
+  backward_products<Scalar>(ds + a0, 1, Bq, k_rows, dp, a1 - a0, dp / P, work.dq_part.data(), dp,
+                            keys_of);
+}
+
+/// Key tile [j0, j1): for each query step reaching it, in increasing order, the pair's
+/// gradients (backward_pair); the key tile's dK, dV rows are summed in work.dk_sum,
+/// work.dv_sum and added to the outputs at the end (this thread owns the key tile), and
+/// dQ_I += (dS K_J) in increasing key tile order, as `order` enforces. Q^T and dO^T of the
+/// steps from `packed`, or packed here per step when it is null.
 template <typename Scalar, typename Rule, typename Order>
 void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index j1,
-                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
-                       const Order& order) {
+                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work, const Order& order,
+                       const PackedSteps<Scalar>* packed) {
+  constexpr Index Bq = backward_query_rows;
   const KeyRange reaching = rule.rows_reaching(j0, j1);
   if (reaching.first >= reaching.last) return;
-  const Index base = rule.begin();
+  work.prepare(in.q.cols(), in.v.cols());
+  const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
+  const Index keys = j1 - j0;
+  const Scalar* k_rows = backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows);
+  work.dk_sum.head(keys * dp).setZero();
+  work.dv_sum.head(keys * dvp).setZero();
+  const Index base = rule.begin(), end = rule.end();
   const Index key_tile = (j0 - base) / backward_tile;
-  for (Index i0 = base + (reaching.first - base) / backward_query_rows * backward_query_rows;
-       i0 < reaching.last; i0 += backward_query_rows) {
+  for (Index i0 = base + (reaching.first - base) / Bq * Bq; i0 < reaching.last; i0 += Bq) {
     const Index r0 = std::max(i0, reaching.first);
-    const Index r1 = std::min(i0 + backward_query_rows, reaching.last);
+    const Index r1 = std::min(i0 + Bq, reaching.last);
     const KeyRange reached = rule.keys_reached(r0, r1);
     const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
     if (k0 >= k1) continue;
-    backward_pair(in, rule, r0, r1 - r0, k0, k1 - k0, work);
-    const Index rows = r1 - r0, keys = k1 - k0;
-    BackwardTileMap<Scalar> p(work.probabilities.data(), rows, keys);
-    BackwardTileMap<Scalar> ds(work.gradients.data(), rows, keys);
-    out.dv.middleRows(k0, keys).noalias() += p.transpose() * in.dout.middleRows(r0, rows);
-    out.dk.middleRows(k0, keys).noalias() += ds.transpose() * in.q.middleRows(r0, rows);
-    order.add((i0 - base) / backward_query_rows, key_tile,
-              [&] { out.dq.middleRows(r0, rows).noalias() += ds * in.k.middleRows(k0, keys); });
+    const Index step_rows = std::min(Bq, end - i0);
+    work.delta.head(step_rows) =
+        Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(in.delta + i0, step_rows);
+    work.delta.segment(step_rows, Bq - step_rows).setZero();
+    StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
+                              work.o_rows.data()};
+    if (packed != nullptr) {
+      step = packed->step(i0);
+    } else if (work.packed_step != i0) {
+      pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
+                        work.q_rows.data(), work.o_rows.data());
+      work.packed_step = i0;
+    }
+    backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, k_rows, work);
+    order.add((i0 - base) / Bq, key_tile, [&] {
+      out.dq.middleRows(r0, r1 - r0) +=
+          Eigen::Map<const RowMatrix<Scalar>>(work.dq_part.data(), r1 - r0, dp).leftCols(d);
+    });
   }
+  out.dk.middleRows(j0, keys) +=
+      Eigen::Map<const RowMatrix<Scalar>>(work.dk_sum.data(), keys, dp).leftCols(d);
+  out.dv.middleRows(j0, keys) +=
+      Eigen::Map<const RowMatrix<Scalar>>(work.dv_sum.data(), keys, dvp).leftCols(dv);
 }
 
 /// One pass over the key tiles of the rule's domain, in parallel (OpenMP; call it outside a
-/// parallel region): dK, dV of a key tile by its thread summing over query tiles in increasing
-/// order, dQ of a query tile summed over key tiles in increasing order (KeyTileOrder). Outputs
-/// are accumulated into.
+/// parallel region): dK, dV of a key tile by its thread summing over query steps in increasing
+/// order, dQ of a query step summed over key tiles in increasing order (KeyTileOrder). Q^T and
+/// dO^T of every step are packed first (O(n (d + d_v)) memory). Outputs are accumulated into.
 template <typename Scalar, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   const Index begin = rule.begin(), end = rule.end();
   const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  PackedSteps<Scalar> packed;
+  packed.pack(in.q, in.dout, begin, end, true);
   const auto tile_count = static_cast<long>((end - begin + backward_tile - 1) / backward_tile);
 #pragma omp parallel
   {
@@ -333,18 +525,22 @@ void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
 #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < tile_count; ++t) {
       const Index j0 = begin + static_cast<Index>(t) * backward_tile;
-      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work, order);
+      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work, order, &packed);
     }
   }
 }
 
-/// The same pass on the calling thread (a block of a per-sample hash): key tiles in increasing
-/// order.
+/// The same pass on the calling thread (a block of a per-sample hash, or one head of a
+/// parallel loop over heads): key tiles in increasing order, Q^T and dO^T of the steps from
+/// `packed` (every step of the rule's domain) or, when it is null, packed as they come.
 template <typename Scalar, typename Rule>
 void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
-                     BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+                     BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
+                     const PackedSteps<Scalar>* packed = nullptr) {
+  work.packed_step = -1;
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += backward_tile)
-    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work, InOrder{});
+    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work, InOrder{},
+                      packed);
 }
 
 /// D_i = dO_i . O_i for every row.
