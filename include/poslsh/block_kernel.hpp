@@ -2,6 +2,8 @@
 // attention kernel that returns the block outputs and their log-sum-exp, merged by LseMerger.
 #pragma once
 
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "poslsh/detail/checks/lsh.hpp"
@@ -17,17 +19,19 @@ namespace poslsh {
 /// The library's block kernel: plain softmax attention on one block (no positional bias;
 /// causal inside the block when `causal`), out_i = sum_j e^{tau q_i.k_j} v_j / sum_j e^{tau
 /// q_i.k_j}, and lse_i = log sum_j e^{tau q_i.k_j} (natural log of the scaled scores, as
-/// FlashAttention's softmax_lse). Any callable with this call signature can replace it in
-/// lsh_attention_by_blocks.
-template <typename Scalar>
+/// FlashAttention's softmax_lse). Q in Scalar, K and V in KVScalar (half-precision tiles are
+/// widened to float as they are read); out, lse and tau in C = compute_scalar_t<Scalar,
+/// KVScalar>. Any callable with this call signature can replace it in lsh_attention_by_blocks.
+template <typename Scalar, typename KVScalar = Scalar>
 struct PlainBlockAttention {
-  void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-                  bool causal, Scalar tau, MatrixRef<Scalar> out,
-                  Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> lse) const {
-    detail::StreamingSoftmax<Scalar> state;
-    detail::LogitScratch<Scalar> scratch;
+  using C = compute_scalar_t<Scalar, KVScalar>;
+  void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k, ConstMatrixRef<KVScalar> v,
+                  bool causal, C tau, MatrixRef<C> out,
+                  Eigen::Ref<Eigen::Matrix<C, Eigen::Dynamic, 1>> lse) const {
+    detail::StreamingSoftmax<C> state;
+    detail::LogitScratch<C> scratch;
     state.reset(q.rows(), v.cols());
-    detail::fold_block<Scalar>(q, k, v, tau, causal, 0, q.rows(), state, scratch);
+    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, q.rows(), state, scratch);
     state.finish(0, out);
     lse = (state.running_max + state.running_sum.log()).matrix();
   }
@@ -36,24 +40,35 @@ struct PlainBlockAttention {
 /// The per-sample LSH estimator T~ = D~^-1 (A o M~) V (same as lsh_attention_per_sample) with
 /// the block attentions done by `block_kernel`: for each hash h_k, each block B of h_k is passed
 /// as (Q_B, K_B, V_B, causal, tau, O_B, lse_B) and the per-sample output O_k and lse_k are
-/// merged by LseMerger (O(n d_v) extra memory). Blocks are processed one after the other on the
-/// calling thread, so the callable need not be thread-safe. Throws std::invalid_argument naming
-/// a bad argument; exceptions from the callable propagate.
-template <typename Scalar, typename BlockKernel = PlainBlockAttention<Scalar>>
-void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                             ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+/// merged by LseMerger (O(n d_v) extra memory):
+///   T~_i = sum_k e^{lse_ki - M_i} O_ki / sum_k e^{lse_ki - M_i},  M_i = max_k lse_ki.
+/// Q_B is a view of Q (Scalar), K_B and V_B views of K and V (KVScalar), unconverted, so a
+/// kernel can read a half-precision cache as it is; tau, O_B, lse_B and the merge are in
+/// C = compute_scalar_t<Scalar, KVScalar, OutScalar>, and a half-precision out is the merged
+/// result rounded once. Blocks are processed one after the other on the calling thread, so the
+/// callable need not be thread-safe. Throws std::invalid_argument naming a bad argument;
+/// exceptions from the callable propagate.
+template <
+    typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
+    typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
+    typename = std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>>
+void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
+                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                             const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
                              const AttentionOptions& options = {},
                              BlockKernel&& block_kernel = BlockKernel{}) {
+  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_by_blocks";
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
   const Index n = q.rows();
   if (n == 0) return;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  LseMerger<Scalar> merger(n, v.cols());
-  RowMatrix<Scalar> sample_output(n, v.cols());
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> sample_lse(n);
+  LseMerger<C> merger(n, v.cols());
+  RowMatrix<C> sample_output(n, v.cols());
+  Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
   for (const BinHash& hash : hashes) {
     const std::vector<Index> boundaries = block_boundaries(hash, n);
     for (std::size_t r = 0; r + 1 < boundaries.size(); ++r) {
@@ -65,7 +80,24 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
     }
     merger.add(sample_output, sample_lse);
   }
-  merger.result(out);
+  if constexpr (std::is_same_v<OutScalar, C>) {
+    merger.result(out);
+  } else {
+    merger.result(sample_output);
+    out = sample_output.template cast<OutScalar>();
+  }
+}
+
+/// lsh_attention_by_blocks<Scalar, Scalar, Scalar, BlockKernel>: the form that names the block
+/// kernel type second, for views that all hold Scalar.
+template <typename Scalar, typename BlockKernel,
+          typename = std::enable_if_t<!is_storage_scalar_v<std::decay_t<BlockKernel>>>>
+void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                             ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+                             const AttentionOptions& options,
+                             detail::nondeduced_t<BlockKernel>&& block_kernel) {
+  lsh_attention_by_blocks<Scalar, Scalar, Scalar, BlockKernel>(
+      q, k, v, hashes, out, options, std::forward<BlockKernel>(block_kernel));
 }
 
 }  // namespace poslsh

@@ -26,15 +26,19 @@ inline constexpr Index per_sample_tile = 128;
 /// Plain attention of block [begin, end) (no positional bias; causal inside the block when
 /// causal), folded into `state` tile by tile with weight 1 per visible pair. Query position i
 /// is row i - base of q and of the state; only the query tiles meeting positions
-/// [rows_first, rows_last) are computed (each whole, as when all are).
-template <typename Scalar>
-void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-                Scalar tau, bool causal, Index begin, Index end, StreamingSoftmax<Scalar>& state,
-                LogitScratch<Scalar>& scratch, Index base = 0, Index rows_first = 0,
-                Index rows_last = std::numeric_limits<Index>::max()) {
+/// [rows_first, rows_last) are computed (each whole, as when all are). Half-precision tiles
+/// are widened to the compute scalar C in the scratch's buffers first; the arithmetic is then
+/// that of C views holding the widened values.
+template <typename Scalar, typename KVScalar = Scalar,
+          typename C = compute_scalar_t<Scalar, KVScalar>>
+void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<nondeduced_t<KVScalar>> k,
+                ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal, Index begin,
+                Index end, StreamingSoftmax<C>& state, LogitScratch<C>& scratch, Index base = 0,
+                Index rows_first = 0, Index rows_last = std::numeric_limits<Index>::max()) {
   for (Index i0 = begin; i0 < end; i0 += per_sample_tile) {
     const Index rows = std::min(per_sample_tile, end - i0);
     if (i0 + rows <= rows_first || i0 >= rows_last) continue;
+    const auto q_tile = widened_rows<C>(q, i0 - base, rows, scratch.q_wide);
     const Index key_end = causal ? i0 + rows : end;
     for (Index j0 = begin; j0 < key_end; j0 += per_sample_tile) {
       const Index cols = std::min(per_sample_tile, key_end - j0);
@@ -46,46 +50,46 @@ void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixR
         for (Index c = 0; c < cols; ++c) {
           logits.col(c)
               .head(std::clamp<Index>(j0 + c - i0, 0, rows))
-              .setConstant(-std::numeric_limits<Scalar>::infinity());
+              .setConstant(-std::numeric_limits<C>::infinity());
         }
       }
-      logits.noalias() +=
-          (tau * q.middleRows(i0 - base, rows)) * k.middleRows(j0, cols).transpose();
-      state.update(i0 - base, scratch, v.middleRows(j0, cols));
+      logits.noalias() += (tau * q_tile) * widened_rows<C>(k, j0, cols, scratch.k_wide).transpose();
+      state.update(i0 - base, scratch, widened_rows<C>(v, j0, cols, scratch.v_wide));
     }
   }
 }
 
 /// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
-/// positions: the query tiles holding them are computed whole, on a copy of their rows with
-/// zeros at the positions outside q, and a state whose first row is 64-aligned like the
-/// state of all positions, so every row gets bitwise the arithmetic of the full call.
-template <typename Scalar>
-void per_sample_offset_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                            const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
-                            bool causal, Index p0, MatrixRef<Scalar>& out) {
+/// positions: the query tiles holding them are computed whole, on a copy of their rows (in the
+/// compute scalar C) with zeros at the positions outside q, and a state whose first row is
+/// 64-aligned like the state of all positions, so every row gets bitwise the arithmetic of the
+/// full call.
+template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
+void per_sample_offset_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
+                            const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau,
+                            bool causal, Index p0, MatrixRef<OutScalar>& out) {
   constexpr Index align = 64;
   const Index m = q.rows(), n = k.rows();
   const Index base = std::max<Index>(0, p0 - per_sample_tile) / align * align;
   const Index end = std::min(n, p0 + m + per_sample_tile);
-  RowMatrix<Scalar> rows = RowMatrix<Scalar>::Zero(end - base, q.cols());
-  rows.middleRows(p0 - base, m) = q;
-  const ConstMatrixRef<Scalar> q_rows(rows);
-  StreamingSoftmax<Scalar> state;
+  RowMatrix<C> rows = RowMatrix<C>::Zero(end - base, q.cols());
+  rows.middleRows(p0 - base, m) = q.template cast<C>();
+  const ConstMatrixRef<C> q_rows(rows);
+  StreamingSoftmax<C> state;
   state.reset(end - base, v.cols());
   for (const BinHash& hash : hashes) {
     const std::vector<Index> boundaries = block_boundaries(hash, n);
     const auto blocks = static_cast<long>(boundaries.size() - 1);
 #pragma omp parallel
     {
-      LogitScratch<Scalar> scratch;
+      LogitScratch<C> scratch;
 #pragma omp for schedule(dynamic, 1)
       for (long r = 0; r < blocks; ++r) {
         const auto index = static_cast<std::size_t>(r);
         const Index begin = boundaries[index], block_end = boundaries[index + 1];
         if (block_end <= p0 || begin >= p0 + m) continue;
-        fold_block<Scalar>(q_rows, k, v, tau, causal, begin, block_end, state, scratch, base, p0,
-                           p0 + m);
+        fold_block<C, KVScalar>(q_rows, k, v, tau, causal, begin, block_end, state, scratch, base,
+                                p0, p0 + m);
       }
     }
   }
@@ -109,68 +113,84 @@ void per_sample_offset_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRe
 /// positions) therefore gives the rows of this kernel on those p0 + m positions: equal to the
 /// rows of a prefill of a longer prompt to rounding, not bitwise, since a causal row's tile
 /// ends where its block is cut by the sequence end (bidirectional chunks see all L keys and
-/// are bitwise the rows of one prefill). Throws std::invalid_argument naming a bad argument
-/// (shapes, empty or invalid hashes, non-finite scale, offset).
-template <typename Scalar>
-void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                              MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+/// are bitwise the rows of one prefill).
+/// Scalars: Q in Scalar, K and V in KVScalar, out in OutScalar (float, double, Eigen::half or
+/// Eigen::bfloat16; double only with double). Computed in C = compute_scalar_t<Scalar,
+/// KVScalar, OutScalar>: half-precision tiles of 128 rows are widened to float as they are
+/// read, so the result is bitwise that of the float kernel on the widened inputs, and a
+/// half-precision output is that float result rounded once. Throws std::invalid_argument
+/// naming a bad argument (shapes, empty or invalid hashes, non-finite scale, offset).
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
+                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                              const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
+                              const AttentionOptions& options = {}) {
+  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_per_sample";
   const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
   const Index n = q.rows();
   if (n == 0) return;
   const bool causal = options.masking == Masking::causal;
   if (p0 != 0 || n != k.rows()) {
-    detail::per_sample_offset_rows<Scalar>(q, k, v, hashes, tau, causal, p0, out);
+    detail::per_sample_offset_rows<Scalar, KVScalar, OutScalar, C>(q, k, v, hashes, tau, causal, p0,
+                                                                   out);
     return;
   }
-  detail::StreamingSoftmax<Scalar> state;
+  detail::StreamingSoftmax<C> state;
   state.reset(n, v.cols());
   for (const BinHash& hash : hashes) {
     const std::vector<Index> boundaries = block_boundaries(hash, n);
     const auto blocks = static_cast<long>(boundaries.size() - 1);
 #pragma omp parallel
     {
-      detail::LogitScratch<Scalar> scratch;
+      detail::LogitScratch<C> scratch;
 #pragma omp for schedule(dynamic, 1)
       for (long r = 0; r < blocks; ++r) {
         const auto index = static_cast<std::size_t>(r);
-        detail::fold_block<Scalar>(q, k, v, tau, causal, boundaries[index], boundaries[index + 1],
-                                   state, scratch);
+        detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, boundaries[index],
+                                             boundaries[index + 1], state, scratch);
       }
     }
   }
   state.finish(0, out);
 }
 
-/// Returning form of lsh_attention_per_sample.
-template <typename Scalar>
-RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                           ConstMatrixRef<Scalar> v, const HashSet& hashes,
+/// Returning form of lsh_attention_per_sample (output in Scalar, the type of Q).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
+                                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                           const HashSet& hashes,
                                            const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
-  lsh_attention_per_sample<Scalar>(q, k, v, hashes, out, options);
+  lsh_attention_per_sample<Scalar, KVScalar, Scalar>(q, k, v, hashes, out, options);
   return out;
 }
 
 /// The paper's fixed-blocks baseline: per-sample attention with the single deterministic hash
 /// fixed_blocks_hash(sigma) (blocks of width 2 sigma from position 0), i.e. plain attention
-/// inside consecutive blocks of 2 sigma tokens.
-template <typename Scalar>
-void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+/// inside consecutive blocks of 2 sigma tokens: out_i = sum_{j in B(i)} e^{tau q_i.k_j} v_j /
+/// sum_{j in B(i)} e^{tau q_i.k_j} (causal: j <= i). Scalars as lsh_attention_per_sample.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void fixed_blocks_attention(ConstMatrixRef<Scalar> q,
+                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
+                            MatrixRef<detail::nondeduced_t<OutScalar>> out,
                             const AttentionOptions& options = {}) {
-  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, options);
+  lsh_attention_per_sample<Scalar, KVScalar, OutScalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)},
+                                                        out, options);
 }
 
-/// Returning form of fixed_blocks_attention.
-template <typename Scalar>
-RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                         ConstMatrixRef<Scalar> v, double sigma,
-                                         const AttentionOptions& options = {}) {
+/// Returning form of fixed_blocks_attention (output in Scalar, the type of Q).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q,
+                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                         double sigma, const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
-  fixed_blocks_attention<Scalar>(q, k, v, sigma, out, options);
+  fixed_blocks_attention<Scalar, KVScalar, Scalar>(q, k, v, sigma, out, options);
   return out;
 }
 

@@ -8,16 +8,85 @@
 // underflow the real entries of a row) and get probability e^-inf, which Eigen's vectorized
 // exp returns as its smallest result (about 1e-38 in float, 1e-308 in double) relative to the
 // row's largest weight 1: far below rounding. The final output is acc_r / l_r.
+//
+// Half-precision views (Eigen::half, Eigen::bfloat16) are never multiplied as such: their rows
+// are widened to the compute scalar (float) tile by tile into the scratch's reusable buffers
+// (widened_rows), and the float code runs on those; an output of a half type is the float
+// result rounded once (finish).
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
+#include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace poslsh::detail {
+
+/// Reusable buffer of widened rows: grows only, so tiles of changing shape never reallocate.
+template <typename Compute>
+struct WidenBuffer {
+  Eigen::Matrix<Compute, Eigen::Dynamic, 1> storage;
+};
+
+/// dst[i] = float(src[i]) for i < count: exact (every bfloat16 is the float with the same
+/// top 16 bits), written as a shift that compilers vectorize.
+inline void widen_contiguous(const Eigen::bfloat16* src, float* dst, Index count) {
+#pragma omp simd
+  for (Index i = 0; i < count; ++i) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(src[i].value) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    dst[i] = value;
+  }
+}
+
+/// dst[i] = float(src[i]) for i < count: exact (binary16 values are floats); 8 at a time with
+/// F16C when the target has it.
+inline void widen_contiguous(const Eigen::half* src, float* dst, Index count) {
+  Index i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= count; i += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(halves));
+  }
+#endif
+  for (; i < count; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+/// Rows [first, first + count) of `view` as Compute: the view's own rows when it already holds
+/// Compute (no copy), else widened into `buffer` (each value converted exactly: every half,
+/// bfloat16 and float value is a float) and returned as a contiguous map of it.
+template <typename Compute, typename Storage>
+auto widened_rows(const ConstMatrixRef<Storage>& view, Index first, Index count,
+                  WidenBuffer<Compute>& buffer) {
+  if constexpr (std::is_same_v<Storage, Compute>) {
+    (void)buffer;
+    return view.middleRows(first, count);
+  } else {
+    const Index cols = view.cols();
+    if (count * cols > buffer.storage.size()) buffer.storage.resize(count * cols);
+    Compute* rows = buffer.storage.data();
+    for (Index r = 0; r < count; ++r) {
+      if constexpr (is_half_precision_v<Storage>) {
+        widen_contiguous(view.row(first + r).data(), rows + r * cols, cols);
+      } else {
+        Eigen::Map<Eigen::Matrix<Compute, 1, Eigen::Dynamic>>(rows + r * cols, cols) =
+            view.row(first + r).template cast<Compute>();
+      }
+    }
+    return Eigen::Map<const RowMatrix<Compute>>(rows, count, cols);
+  }
+}
 
 /// Logit tiles are column-major (rows x keys): every step below is a loop over key columns of
 /// vector operations across query rows, and difference arrays over keys become vector adds.
@@ -38,6 +107,8 @@ struct LogitScratch {
   Eigen::Array<Scalar, Eigen::Dynamic, 1> shift;
   Eigen::Array<Scalar, Eigen::Dynamic, 1> rescale;
   Eigen::Array<Scalar, Eigen::Dynamic, 1> tile_sum;
+  /// Widened rows of half-precision Q, K and V tiles (unused for float and double views).
+  WidenBuffer<Scalar> q_wide, k_wide, v_wide;
 
   /// Sets the tile shape (contents unspecified).
   void shape(Index tile_rows, Index tile_cols) {
@@ -101,12 +172,20 @@ struct StreamingSoftmax {
     acc.noalias() += logits * values;
   }
 
-  /// out_r = acc_r / l_r for rows [row0, row0 + out.rows()).
+  /// out_r = acc_r / l_r for rows [row0, row0 + out.rows()); an output of another scalar type
+  /// (a half type) gets each value computed in Scalar, then rounded once.
   template <typename OutType>
   void finish(Index row0, OutType&& out) const {
+    using OutScalar = typename std::decay_t<OutType>::Scalar;
     const Index rows = out.rows();
-    out = running_sum.segment(row0, rows).inverse().matrix().asDiagonal() *
-          accumulator.middleRows(row0, rows);
+    if constexpr (std::is_same_v<OutScalar, Scalar>) {
+      out = running_sum.segment(row0, rows).inverse().matrix().asDiagonal() *
+            accumulator.middleRows(row0, rows);
+    } else {
+      out = (running_sum.segment(row0, rows).inverse().matrix().asDiagonal() *
+             accumulator.middleRows(row0, rows))
+                .template cast<OutScalar>();
+    }
   }
 };
 
