@@ -9,6 +9,7 @@
 #include <poslsh/masks.hpp>
 #include <poslsh/samplers.hpp>
 
+#include "analysis_instantiations.hpp"
 #include "test_support.hpp"
 
 #ifdef _OPENMP

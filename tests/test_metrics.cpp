@@ -11,6 +11,7 @@
 #include <poslsh/reference_attention.hpp>
 
 #include "lsh_oracle.hpp"
+#include "analysis_instantiations.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../examples/log_log_fit.hpp"
+#include "analysis_instantiations.hpp"
 #include "test_support.hpp"
 
 using poslsh::Index;
