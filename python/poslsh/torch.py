@@ -18,6 +18,17 @@ passes, which recompute the probabilities from the forward's log-sum-exp tile by
 n x n buffer). When the compiled module was built without them (``poslsh.has_backward`` is
 False), ``backward`` raises NotImplementedError.
 
+Forward-only kernels for inference on half-precision tensors (no autograd):
+
+    out = poslsh.torch.alibi_attention_forward(q, k, v, sigma, ..., out_dtype=None, out=None)
+    out = poslsh.torch.lsh_attention_forward(q, k, v, hashes, ...)
+    out = poslsh.torch.multihead_attention_forward(q, k, v, layout="nhd", method="lsh_fused", ...)
+
+take torch.bfloat16 and torch.float16 tensors (also float32 queries over a bfloat16 or float16
+KV cache, and plain float32/float64), computed in float32, output in q's dtype (the float32
+result rounded once) or float32 with out_dtype=torch.float32. bfloat16 tensors go to the
+kernels as poslsh.BFloat16Bits over ``tensor.view(torch.int16).numpy()``: the same memory.
+
 This module is imported only on request (``import poslsh.torch``) and needs PyTorch.
 """
 
@@ -25,8 +36,8 @@ import torch
 
 from . import _core
 
-__all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "lsh_attention",
-           "multihead_attention"]
+__all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "alibi_attention_forward",
+           "lsh_attention", "lsh_attention_forward", "multihead_attention", "multihead_attention_forward"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -184,3 +195,87 @@ def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="c
                     sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
                     band_error=band_error)
     return MultiheadAttention.apply(q, k, v, keywords)
+
+
+# Forward-only kernels on half-precision tensors (inference). -------------------------------
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _storage(tensor, name):
+    """The argument the compiled kernels take for a CPU tensor, sharing its memory: a numpy view
+    (float16, float32, float64) or, for bfloat16 (numpy has no such dtype), poslsh.BFloat16Bits
+    over the tensor's int16 view (the bit patterns, same strides)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"poslsh.torch: argument '{name}' is on {tensor.device}: only CPU tensors are supported")
+    if tensor.dtype not in _HALF_DTYPES:
+        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.bfloat16, "
+                        "torch.float16, torch.float32 or torch.float64")
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return _core.BFloat16Bits(tensor.view(torch.int16).numpy())
+    return tensor.numpy()
+
+
+def _forward_only(function, tensors):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"poslsh.torch.{function} is forward-only (no gradients): call it under torch.no_grad() or on "
+            "tensors that do not require grad; alibi_attention, lsh_attention and multihead_attention are "
+            "differentiable (float32, float64)")
+
+
+def _forward_out(out, shape, q, out_dtype):
+    """The output tensor: `out` as given, or a new contiguous tensor of `shape` in out_dtype
+    (default: q's dtype)."""
+    if out is not None:
+        return out
+    return torch.empty(shape, dtype=q.dtype if out_dtype is None else out_dtype)
+
+
+def alibi_attention_forward(q, k, v, sigma, *, causal=True, scale=None, query_offset=None, out_dtype=None,
+                            out=None):
+    """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (poslsh.alibi_attention_tiled),
+    forward only, on CPU tensors of shape [m, d] (q), [L, d] (k), [L, d_v] (v), read in place.
+
+    dtypes: q, k, v all bfloat16, all float16, all float32 or all float64; or float32 q over
+    bfloat16 or float16 k, v. Half precision is computed in float32; the output is q's dtype
+    (bfloat16 and float16: the float32 result rounded once) unless out_dtype=torch.float32
+    (half-precision q only). out: a tensor written in place (any row stride) and returned.
+    Not differentiable (RuntimeError if an input requires grad while grad mode is on)."""
+    _forward_only("alibi_attention_forward", (q, k, v))
+    result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
+    _core.alibi_attention_tiled(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), sigma, causal=causal,
+                                scale=scale, query_offset=query_offset, out=_storage(result, "out"))
+    return result
+
+
+def lsh_attention_forward(q, k, v, hashes, *, causal=True, scale=None, query_offset=None, out_dtype=None,
+                          out=None):
+    """LSH ALiBi attention D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block
+    masks of `hashes` (poslsh.lsh_attention_fused), forward only; dtypes, out_dtype and out as
+    alibi_attention_forward."""
+    _forward_only("lsh_attention_forward", (q, k, v))
+    result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
+    _core.lsh_attention_fused(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), hashes, causal=causal,
+                              scale=scale, query_offset=query_offset, out=_storage(result, "out"))
+    return result
+
+
+def multihead_attention_forward(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None,
+                                sigmas=None, samples=16, seed=0, band_error=1e-3, query_offset=None,
+                                out_dtype=None, out=None):
+    """poslsh.multihead_attention, forward only, on [m, H_q, d] / [L, H_kv, d] tensors (layout
+    "nhd") or [H, n, d] ("hnd"): for query head h (K/V head h // G)
+    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h). dtypes, out_dtype and out as
+    alibi_attention_forward."""
+    _forward_only("multihead_attention_forward", (q, k, v))
+    shape = (q.shape[0], q.shape[1], v.shape[-1]) if q.dim() == 3 else (0, 0, 0)  # [m, H, d_v] or [H, m, d_v]
+    result = _forward_out(out, shape, q, out_dtype)
+    _core.multihead_attention(
+        _storage(q, "q"), _storage(k, "k"), _storage(v, "v"), layout=layout, method=method, masking=masking,
+        scale=scale, sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
+        band_error=band_error, query_offset=query_offset, out=_storage(result, "out"))
+    return result

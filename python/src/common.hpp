@@ -265,5 +265,6 @@ void bind_analysis(py::module_& module);
 void bind_backward(py::module_& module);
 void bind_multihead_backward(py::module_& module);
 void bind_paged(py::module_& module);
+void bind_half(py::module_& module);
 
 }  // namespace poslsh_python

@@ -2,12 +2,14 @@
 #include <exception>
 
 #include "common.hpp"
+#include "half.hpp"
 #include "poslsh/banded_attention.hpp"
 #include "poslsh/decode.hpp"
 #include "poslsh/fused_attention.hpp"
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/reference_attention.hpp"
 #include "poslsh/tiled_attention.hpp"
+#include "rows.hpp"
 
 namespace poslsh_python {
 
@@ -51,29 +53,6 @@ poslsh::AttentionOptions attention_options(bool causal, std::optional<double> sc
   return options;
 }
 
-/// Runs rows(begin, end) over the rows [0, n) of queries at positions p0 .. p0 + n - 1, in
-/// chunks cut at the positions that are multiples of tiled_query_tile (the kernels' tiles, so
-/// no chunk costs extra work), in parallel (OpenMP). The exact kernels give each row bitwise
-/// the same result for any split.
-template <typename Rows>
-void parallel_rows(Index n, Index p0, Rows&& rows) {
-  const Index tile = poslsh::tiled_query_tile;
-  const Index first = p0 / tile;
-  const auto chunks = n == 0 ? 0L : static_cast<long>((p0 + n + tile - 1) / tile - first);
-  std::exception_ptr error;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (long chunk = 0; chunk < chunks; ++chunk) {
-    const Index begin = std::max<Index>(0, (first + static_cast<Index>(chunk)) * tile - p0);
-    try {
-      rows(begin, std::min(n, (first + static_cast<Index>(chunk) + 1) * tile - p0));
-    } catch (...) {
-#pragma omp critical(poslsh_python_rows)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
 const char* const qkv_doc_tail = R"doc(
 q: [n, d], k: [n, d], v: [n, d_v] numpy arrays of one dtype (float32 or float64), last axis
 contiguous, any row stride (e.g. q[:, h, :] of an [n, H, d] buffer), never copied or converted.
@@ -82,6 +61,13 @@ out: optional [n, d_v] array of the same dtype written in place (any row stride)
 a new array otherwise. num_threads: OpenMP threads for this call (None: the OpenMP default).
 The GIL is released while the kernel runs. Bad arguments raise ValueError (the library's
 message) or TypeError (dtype, non-array).)doc";
+
+const char* const half_doc = R"doc(
+Half precision (computed in float32, read in place): q, k, v all float16 -> float16 output,
+or float32 when out= is a float32 array; q, k, v all poslsh.BFloat16Bits (bfloat16 bit
+patterns) -> BFloat16Bits output, or float32 with a float32 out=; float32 q over float16 or
+BFloat16Bits k, v -> float32. A half-precision output is the float32 result rounded once (to
+nearest even). float64 never mixes with half precision (TypeError).)doc";
 
 std::string with_tail(const char* head) { return std::string(head) + qkv_doc_tail; }
 
@@ -96,6 +82,8 @@ std::string with_offset_tail(const char* head) {
   return std::string(head) + qkv_doc_tail + offset_doc;
 }
 
+std::string with_half_tail(const char* head) { return with_offset_tail(head) + half_doc; }
+
 }  // namespace
 
 void bind_kernels(py::module_& module) {
@@ -108,25 +96,28 @@ void bind_kernels(py::module_& module) {
          std::optional<int> threads) {
         constexpr const char* function = "alibi_attention_tiled";
         const auto options = attention_options(causal, scale, query_offset);
-        return qkv_call(function, q, k, v, out, threads,
-                        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-                          using T = typename decltype(tag)::type;
-                          // Same checks and messages as alibi_attention_tiled, then row tiles
-                          // in parallel (bitwise the single-threaded result).
-                          const Index p0 = poslsh::detail::require_exact_arguments<T>(
-                              function, qm, km, vm, sigma, 0, qm.rows(), om, options);
-                          poslsh::detail::resolve_scale(function, options, qm.cols());
-                          parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
-                            poslsh::alibi_attention_tiled_rows<T>(qm, km, vm, sigma, begin, end,
-                                                                  om.middleRows(begin, end - begin),
-                                                                  options);
-                          });
-                        });
+        if (half_call(q, k)) {
+          return half_alibi_attention_tiled(q, k, v, sigma, options, out, threads);
+        }
+        return py::object(qkv_call(
+            function, q, k, v, out, threads,
+            [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+              using T = typename decltype(tag)::type;
+              // Same checks and messages as alibi_attention_tiled, then row tiles
+              // in parallel (bitwise the single-threaded result).
+              const Index p0 = poslsh::detail::require_exact_arguments<T>(
+                  function, qm, km, vm, sigma, 0, qm.rows(), om, options);
+              poslsh::detail::resolve_scale(function, options, qm.cols());
+              parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
+                poslsh::alibi_attention_tiled_rows<T>(qm, km, vm, sigma, begin, end,
+                                                      om.middleRows(begin, end - begin), options);
+              });
+            }));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      with_offset_tail(R"doc(Exact ALiBi attention, streamed in tiles (O(n d) memory):
+      with_half_tail(R"doc(Exact ALiBi attention, streamed in tiles (O(n d) memory):
 
     T* = softmax(tau Q K^T - |i-j| / sigma) V   (row-wise; causal keeps j <= i)
 
@@ -161,24 +152,27 @@ Query tiles of 64 rows run in parallel.
          std::optional<int> threads) {
         constexpr const char* function = "alibi_attention_banded";
         const auto options = attention_options(causal, scale, query_offset);
-        return qkv_call(function, q, k, v, out, threads,
-                        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-                          using T = typename decltype(tag)::type;
-                          const Index p0 = poslsh::detail::require_exact_arguments<T>(
-                              function, qm, km, vm, sigma, 0, qm.rows(), om, options);
-                          poslsh::detail::require_size(band, function, "band");
-                          poslsh::detail::resolve_scale(function, options, qm.cols());
-                          parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
-                            poslsh::alibi_attention_banded_rows<T>(
-                                qm, km, vm, sigma, band, begin, end,
-                                om.middleRows(begin, end - begin), options);
-                          });
-                        });
+        if (half_call(q, k)) {
+          return half_alibi_attention_banded(q, k, v, sigma, band, options, out, threads);
+        }
+        return py::object(qkv_call(
+            function, q, k, v, out, threads,
+            [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+              using T = typename decltype(tag)::type;
+              const Index p0 = poslsh::detail::require_exact_arguments<T>(
+                  function, qm, km, vm, sigma, 0, qm.rows(), om, options);
+              poslsh::detail::require_size(band, function, "band");
+              poslsh::detail::resolve_scale(function, options, qm.cols());
+              parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
+                poslsh::alibi_attention_banded_rows<T>(qm, km, vm, sigma, band, begin, end,
+                                                       om.middleRows(begin, end - begin), options);
+              });
+            }));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::arg("band"), py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      with_offset_tail(R"doc(Exact ALiBi attention on the keys with |i - j| <= band only:
+      with_half_tail(R"doc(Exact ALiBi attention on the keys with |i - j| <= band only:
 
     out_i = sum_{|i-j|<=band} e^{x_ij} v_j / sum_{|i-j|<=band} e^{x_ij},
     x_ij = tau q_i.k_j - |i-j| / sigma
@@ -194,16 +188,18 @@ band = band_for_bias_error(sigma, eps) drops only kernel entries exp(-|i-j|/sigm
          std::optional<int> threads) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_attention_fused");
         const auto options = attention_options(causal, scale, query_offset);
-        return qkv_call("lsh_attention_fused", q, k, v, out, threads,
-                        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-                          using T = typename decltype(tag)::type;
-                          poslsh::lsh_attention_fused<T>(qm, km, vm, set, om, options);
-                        });
+        if (half_call(q, k)) return half_lsh_attention_fused(q, k, v, set, options, out, threads);
+        return py::object(
+            qkv_call("lsh_attention_fused", q, k, v, out, threads,
+                     [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+                       using T = typename decltype(tag)::type;
+                       poslsh::lsh_attention_fused<T>(qm, km, vm, set, om, options);
+                     }));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      with_offset_tail(R"doc(Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
+      with_half_tail(R"doc(Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
 
     T~ = D~^-1 (A o M~) V,  A_ij = exp(tau q_i.k_j),  M~ = C / s,
     c_ij = #{k : bin_k(i) = bin_k(j)}  (causal: j <= i),  D~ = diag((A o M~) 1)

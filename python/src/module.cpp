@@ -12,6 +12,7 @@ bin floor((i - xi) / w)) gives E[M~] = L*, L*_ij = exp(-|i-j| / sigma); the LSH 
 ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
 )doc";
   bind_hashes(module);
+  bind_half(module);
   bind_kernels(module);
   bind_multihead(module);
   bind_interop(module);

@@ -1,5 +1,6 @@
 // poslsh Python bindings: multihead_attention on [n, H, d] or [H, n, d] arrays, and its
 // variable-length form on packed batches (cu_seqlens).
+#include "half.hpp"
 #include "heads.hpp"
 
 namespace poslsh_python {
@@ -28,6 +29,10 @@ for self-attention). Row r is bitwise row p0 + r of the call on all L tokens (ch
 multi-token decode); exact_reference takes self-attention only.
 out: optional output written in place and returned. num_threads: OpenMP threads for this call.
 float32 or float64 (all arrays alike); the GIL is released during the computation.
+Half precision (computed in float32, read in place): q, k, v all float16 -> float16 out (or a
+float32 out= array), all poslsh.BFloat16Bits -> BFloat16Bits out (or float32 out=), float32 q
+over float16 or BFloat16Bits k, v -> float32; a half-precision output is the float32 result
+rounded once. float64 never mixes with half precision (TypeError).
 )doc";
 
 const char* const varlen_doc = R"doc(
@@ -44,22 +49,8 @@ m_b queries are the tokens p_b .. p_b + m_b - 1 over its L_b keys, with
 p_b = query_offsets[b] when given (0 <= p_b <= L_b - m_b), else L_b - m_b (bottom-right).
 Bitwise equal to multihead_attention on each sequence's slices with query_offset=p_b (the same
 sigmas and hashes for every sequence). Empty sequences are allowed. The other keywords as
-multihead_attention; the GIL is released during the computation.
+multihead_attention (half precision included); the GIL is released during the computation.
 )doc";
-
-/// exact_reference is self-attention only, and the library checks that inside its parallel
-/// loop over heads, where an exception cannot leave the loop: checked here first.
-void require_reference_self_attention(const char* function, const poslsh::MultiHeadOptions& options,
-                                      Index queries, Index keys, Index offset) {
-  if (options.method != poslsh::Method::exact_reference) return;
-  if (queries != keys || offset != 0) {
-    throw py::value_error(argument(function, "method") +
-                          " = 'exact_reference': self-attention only (every sequence with as "
-                          "many query as key tokens, query offset 0); got " +
-                          std::to_string(queries) + " queries over " + std::to_string(keys) +
-                          " keys at offset " + std::to_string(offset));
-  }
-}
 
 }  // namespace
 
@@ -70,15 +61,18 @@ void bind_multihead(py::module_& module) {
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
          double band_error, std::optional<Index> query_offset, py::handle out,
-         std::optional<int> threads) -> py::array {
+         std::optional<int> threads) -> py::object {
         constexpr const char* function = "multihead_attention";
         threads = thread_count(threads, function);
         const Layout layout = layout_of(layout_name, function);
         poslsh::MultiHeadOptions options =
             multihead_options(function, method, masking, scale, sigmas, samples, seed, band_error);
         options.query_offset = query_offset;
+        if (half_call(q, k)) {
+          return half_multihead_attention(q, k, v, layout, options, out, threads);
+        }
         const py::array q_array = require_array(q, function, "q");
-        return dispatch(q_array, function, "q", [&](auto tag) -> py::array {
+        return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const py::array k_array = heads_input<T>(k, function, "k", "q");
           const py::array v_array = heads_input<T>(v, function, "v", "q");
@@ -109,7 +103,7 @@ void bind_multihead(py::module_& module) {
          std::optional<std::vector<Index>> query_offsets, const std::string& layout_name,
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, py::handle out, std::optional<int> threads) -> py::array {
+         double band_error, py::handle out, std::optional<int> threads) -> py::object {
         constexpr const char* function = "multihead_attention_varlen";
         threads = thread_count(threads, function);
         const Layout layout = layout_of(layout_name, function);
@@ -118,8 +112,12 @@ void bind_multihead(py::module_& module) {
         const std::vector<std::int32_t> cu_q = int32_vector(cu_seqlens_q, function, "cu_seqlens_q");
         const std::vector<std::int32_t> cu_k = int32_vector(cu_seqlens_k, function, "cu_seqlens_k");
         const std::vector<Index> offsets = query_offsets.value_or(std::vector<Index>{});
+        if (half_call(q, k)) {
+          return half_multihead_attention_varlen(q, k, v, layout, options, cu_q, cu_k, offsets, out,
+                                                 threads);
+        }
         const py::array q_array = require_array(q, function, "q");
-        return dispatch(q_array, function, "q", [&](auto tag) -> py::array {
+        return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const py::array k_array = heads_input<T>(k, function, "k", "q");
           const py::array v_array = heads_input<T>(v, function, "v", "q");

@@ -59,7 +59,8 @@ def test_float64_where_float32_is_required_is_type_error(rng):
     assert not out64.any()
     with pytest.raises(TypeError, match="argument 'q' has dtype int64: must be float32 or float64"):
         poslsh.alibi_attention_tiled(np.zeros((20, 4), dtype=np.int64), k, v, 4.0)
-    with pytest.raises(TypeError, match="argument 'q' has dtype float16"):
+    # float16 q takes float16 k, v only (test_half_precision.py has the half-precision rules).
+    with pytest.raises(TypeError, match="argument 'k' has dtype float32: must be float16 like 'q'"):
         poslsh.lsh_attention_fused(q.astype(np.float16), k, v, hashes)
     with pytest.raises(TypeError, match="argument 'v' must be a numpy.ndarray, got list"):
         poslsh.lsh_attention_fused(q, k, v.tolist(), hashes)

@@ -1,0 +1,206 @@
+// poslsh Python bindings: the single-head kernels on half-precision arrays (float16 ndarrays,
+// poslsh.BFloat16Bits), and the BFloat16Bits class.
+#include "half.hpp"
+
+#include <cstdint>
+#include <cstring>
+
+#include "poslsh/banded_attention.hpp"
+#include "poslsh/fused_attention.hpp"
+#include "poslsh/tiled_attention.hpp"
+#include "rows.hpp"
+
+namespace poslsh_python {
+
+namespace {
+
+/// Read-only (rows x cols) view of an argument of storage S, no copy.
+template <typename S>
+InputMap<S> half_input(py::handle object, const char* function, const char* name) {
+  const py::array array = storage_array<S>(object);
+  if (array.ndim() != 2) {
+    throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
+                          " dimensions: must be a 2-D array (rows, columns)");
+  }
+  const Index stride = row_stride_of<S>(array, function, name);
+  return InputMap<S>(static_cast<const S*>(array.data()), static_cast<Index>(array.shape(0)),
+                     static_cast<Index>(array.shape(1)), Eigen::OuterStride<>(stride));
+}
+
+/// Maps q, k, v, prepares the output (q.rows() x v.cols(), storage chosen by dispatch_half),
+/// then runs kernel(q, k, v, out) on typed maps without the GIL; returns the output.
+template <typename Kernel>
+py::object half_qkv_call(const char* function, py::handle q, py::handle k, py::handle v,
+                         py::handle out, std::optional<int> threads, Kernel&& kernel) {
+  threads = thread_count(threads, function);
+  return dispatch_half(function, q, k, v, out, [&](auto q_tag, auto kv_tag, auto out_tag) {
+    using Q = typename decltype(q_tag)::type;
+    using KV = typename decltype(kv_tag)::type;
+    using Out = typename decltype(out_tag)::type;
+    const InputMap<Q> q_map = half_input<Q>(q, function, "q");
+    const InputMap<KV> k_map = half_input<KV>(k, function, "k");
+    const InputMap<KV> v_map = half_input<KV>(v, function, "v");
+    const py::array q_array = storage_array<Q>(q), k_array = storage_array<KV>(k),
+                    v_array = storage_array<KV>(v);
+    py::object result;
+    py::array array;
+    if (out.is_none()) {
+      std::tie(result, array) = new_storage<Out>(
+          {static_cast<py::ssize_t>(q_map.rows()), static_cast<py::ssize_t>(v_map.cols())});
+    } else {
+      array = storage_array<Out>(out);
+      if (array.ndim() != 2 || array.shape(0) != q_map.rows() || array.shape(1) != v_map.cols()) {
+        std::string shape;
+        for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
+          shape += (axis ? ", " : "") + std::to_string(array.shape(axis));
+        }
+        throw py::value_error(argument(function, "out") + " has shape (" + shape + "): must be (" +
+                              std::to_string(q_map.rows()) + ", " + std::to_string(v_map.cols()) +
+                              ")");
+      }
+      checked_out<Out>(out, function, "out", {{q_array, "q"}, {k_array, "k"}, {v_array, "v"}});
+      result = py::reinterpret_borrow<py::object>(out);
+    }
+    const Index stride = row_stride_of<Out>(array, function, "out");
+    OutputMap<Out> out_map(static_cast<Out*>(array.mutable_data()),
+                           static_cast<Index>(array.shape(0)), static_cast<Index>(array.shape(1)),
+                           Eigen::OuterStride<>(stride));
+    {
+      KernelScope scope(threads);
+      kernel(q_tag, kv_tag, out_tag, q_map, k_map, v_map, out_map);
+    }
+    return result;
+  });
+}
+
+}  // namespace
+
+py::object half_alibi_attention_tiled(py::handle q, py::handle k, py::handle v, double sigma,
+                                      const poslsh::AttentionOptions& options, py::handle out,
+                                      std::optional<int> threads) {
+  constexpr const char* function = "alibi_attention_tiled";
+  return half_qkv_call(function, q, k, v, out, threads,
+                       [&](auto q_tag, auto kv_tag, auto out_tag, const auto& qm, const auto& km,
+                           const auto& vm, auto& om) {
+                         using Q = typename decltype(q_tag)::type;
+                         using KV = typename decltype(kv_tag)::type;
+                         using Out = typename decltype(out_tag)::type;
+                         const Index p0 = poslsh::detail::require_exact_views(
+                             function, qm, km, vm, sigma, 0, qm.rows(), om, options);
+                         poslsh::detail::resolve_scale(function, options, qm.cols());
+                         parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
+                           poslsh::alibi_attention_tiled_rows<Q, KV, Out>(
+                               qm, km, vm, sigma, begin, end, om.middleRows(begin, end - begin),
+                               options);
+                         });
+                       });
+}
+
+py::object half_alibi_attention_banded(py::handle q, py::handle k, py::handle v, double sigma,
+                                       Index band, const poslsh::AttentionOptions& options,
+                                       py::handle out, std::optional<int> threads) {
+  constexpr const char* function = "alibi_attention_banded";
+  return half_qkv_call(function, q, k, v, out, threads,
+                       [&](auto q_tag, auto kv_tag, auto out_tag, const auto& qm, const auto& km,
+                           const auto& vm, auto& om) {
+                         using Q = typename decltype(q_tag)::type;
+                         using KV = typename decltype(kv_tag)::type;
+                         using Out = typename decltype(out_tag)::type;
+                         const Index p0 = poslsh::detail::require_exact_views(
+                             function, qm, km, vm, sigma, 0, qm.rows(), om, options);
+                         poslsh::detail::require_size(band, function, "band");
+                         poslsh::detail::resolve_scale(function, options, qm.cols());
+                         parallel_rows(qm.rows(), p0, [&](Index begin, Index end) {
+                           poslsh::alibi_attention_banded_rows<Q, KV, Out>(
+                               qm, km, vm, sigma, band, begin, end,
+                               om.middleRows(begin, end - begin), options);
+                         });
+                       });
+}
+
+py::object half_lsh_attention_fused(py::handle q, py::handle k, py::handle v,
+                                    const poslsh::HashSet& hashes,
+                                    const poslsh::AttentionOptions& options, py::handle out,
+                                    std::optional<int> threads) {
+  return half_qkv_call("lsh_attention_fused", q, k, v, out, threads,
+                       [&](auto q_tag, auto kv_tag, auto out_tag, const auto& qm, const auto& km,
+                           const auto& vm, auto& om) {
+                         using Q = typename decltype(q_tag)::type;
+                         using KV = typename decltype(kv_tag)::type;
+                         using Out = typename decltype(out_tag)::type;
+                         poslsh::lsh_attention_fused<Q, KV, Out>(qm, km, vm, hashes, om, options);
+                       });
+}
+
+void bind_half(py::module_& module) {
+  py::class_<BFloat16Bits>(module, "BFloat16Bits", R"doc(
+bfloat16 values given as their bit patterns: an int16 or uint16 numpy array (native byte
+order) whose entries are the upper 16 bits of float32 values,
+
+    value = float32 with bits (b << 16)    (sign 1, exponent 8, mantissa 7 bits)
+
+e.g. torch_tensor.view(torch.int16).numpy() of a bfloat16 tensor. The array is shared, never
+copied or converted: alibi_attention_tiled, alibi_attention_banded, lsh_attention_fused,
+multihead_attention and multihead_attention_varlen read q, k, v given as BFloat16Bits as
+bfloat16 (computing in float32) and write an `out=` BFloat16Bits (or return a new one over a
+uint16 array). Integer arrays are read as bfloat16 only through this wrapper.
+)doc")
+      .def(py::init([](py::handle bits) {
+             const py::array array = require_array(bits, "BFloat16Bits", "bits");
+             if (!has_native_dtype(array, 'h') && !has_native_dtype(array, 'H')) {
+               throw py::type_error(argument("BFloat16Bits", "bits") + " has dtype " +
+                                    dtype_name(array) +
+                                    ": must be int16 or uint16 (bfloat16 bit patterns; arrays are "
+                                    "never converted)");
+             }
+             return BFloat16Bits{array};
+           }),
+           py::arg("bits"))
+      .def_property_readonly(
+          "bits", [](const BFloat16Bits& self) { return self.bits; },
+          "The int16 or uint16 array of bit patterns (shared).")
+      .def_property_readonly(
+          "shape", [](const BFloat16Bits& self) { return self.bits.attr("shape"); },
+          "Shape of the bit array.")
+      .def(
+          "to_float32",
+          [](const BFloat16Bits& self) {
+            // float32 with bits (b << 16): exact.
+            py::object numpy = py::module_::import("numpy");
+            py::object wide =
+                self.bits.attr("view")(numpy.attr("uint16")).attr("astype")(numpy.attr("uint32"));
+            return (wide.attr("__lshift__")(16)).attr("view")(numpy.attr("float32"));
+          },
+          "A new float32 array of the values (exact: float32 with bits b << 16).")
+      .def_static(
+          "from_float32",
+          [](py::handle values) {
+            const py::array array = require_array(values, "BFloat16Bits.from_float32", "values");
+            if (!has_native_dtype(array, 'f')) {
+              throw py::type_error(argument("BFloat16Bits.from_float32", "values") + " has dtype " +
+                                   dtype_name(array) +
+                                   ": must be float32 (arrays are never converted)");
+            }
+            const py::array contiguous =
+                py::module_::import("numpy").attr("ascontiguousarray")(array);
+            std::vector<py::ssize_t> shape(contiguous.shape(),
+                                           contiguous.shape() + contiguous.ndim());
+            py::array bits(py::dtype("uint16"), shape);
+            const auto* source = static_cast<const float*>(contiguous.data());
+            auto* target = static_cast<std::uint16_t*>(bits.mutable_data());
+            for (py::ssize_t i = 0; i < contiguous.size(); ++i) {
+              const Eigen::bfloat16 rounded(source[i]);
+              std::memcpy(&target[i], &rounded, sizeof(std::uint16_t));
+            }
+            return BFloat16Bits{bits};
+          },
+          py::arg("values"),
+          "float32 values rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), in a "
+          "new uint16 array.")
+      .def("__repr__", [](const BFloat16Bits& self) {
+        return "BFloat16Bits(shape=" + py::str(self.bits.attr("shape")).cast<std::string>() +
+               ", bits dtype=" + dtype_name(self.bits) + ")";
+      });
+}
+
+}  // namespace poslsh_python
