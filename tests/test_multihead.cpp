@@ -168,4 +168,22 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
                            "q.row_stride");
   auto out2 = poslsh::interleaved_heads<float>(out.data(), n, 2, d);
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out2); }, "out");
+  // The reference method is self-attention only: fewer queries than keys, or an offset, is a
+  // named error before the heads run (an exception inside the parallel loop would abort).
+  options = MultiHeadOptions{};
+  options.method = Method::exact_reference;
+  const auto q3_tail = poslsh::interleaved_heads<const float>(q.data(), n - 2, 3, d);
+  auto out3_tail = poslsh::interleaved_heads<float>(out.data(), n - 2, 3, d);
+  require_invalid_argument(
+      [&] { poslsh::multihead_attention<float>(q3_tail, q3, q3, out3_tail, options); },
+      "options.method");
+  const std::vector<std::int32_t> cu_q = {0, static_cast<std::int32_t>(n - 2)},
+                                  cu_k = {0, static_cast<std::int32_t>(n)};
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_varlen<float>(q3_tail, q3, q3, out3_tail, cu_q, cu_k, options);
+      },
+      "options.method");
+  options.query_offset = 0;
+  poslsh::multihead_attention<float>(q3, q3, q3, out3, options);  // self-attention: accepted
 }

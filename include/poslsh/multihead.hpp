@@ -59,6 +59,18 @@ inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, 
 
 namespace detail {
 
+/// Method::exact_reference is self-attention only (alibi_attention_reference): m queries at
+/// offset p0 over L keys must be m = L, p0 = 0. Checked before the parallel loop over heads,
+/// where a kernel's exception could not reach the caller.
+inline void require_reference_self_attention(const char* function, Method method, Index m, Index L,
+                                             Index p0) {
+  require(method != Method::exact_reference || (m == L && p0 == 0), function, "options.method",
+          "exact_reference",
+          "is self-attention only: " + std::to_string(m) + " queries at offset " +
+              std::to_string(p0) + " over " + std::to_string(L) +
+              " keys need exact_tiled (queries at an offset)");
+}
+
 /// Checks the views and options of multihead_attention (function `function`) and, when
 /// `one_sequence`, q's tokens against k's (resolve_query_offset: returns p0; else 0).
 template <typename Scalar, typename KVScalar, typename OutScalar>
@@ -96,6 +108,8 @@ Index require_multihead_arguments(const char* function, const HeadsView<const Sc
     require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
             options.band_error, "must be in (0, 1)");
   }
+  if (one_sequence)
+    require_reference_self_attention(function, options.method, q.tokens, k.tokens, p0);
   return p0;
 }
 
@@ -393,6 +407,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVSca
         function,
         query_offsets.empty() ? std::optional<Index>{} : std::optional<Index>{query_offsets[b]}, m,
         L, "cu_seqlens_k", "query_offsets");
+    detail::require_reference_self_attention(function, options.method, m, L, offsets[b]);
   }
   const Index group = q.heads / k.heads;
   const auto tau = static_cast<Compute>(detail::resolve_scale(function, options, q.dim));
