@@ -161,7 +161,8 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
                        const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                       MatrixRef<Scalar>& dv, bool parallel = true) {
+                       MatrixRef<Scalar>& dv, bool parallel = true,
+                       PackedSteps<Scalar>* packed = nullptr) {
   dq.setZero();
   dk.setZero();
   dv.setZero();
@@ -173,9 +174,10 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
     backward_parallel(in, rule, grads);
   } else {
     BackwardWork<Scalar> work;
-    PackedSteps<Scalar> packed;
-    packed.pack(q, dout, rule.begin(), rule.end(), false);
-    backward_serial(in, rule, grads, work, &packed);
+    PackedSteps<Scalar> own;
+    PackedSteps<Scalar>& steps = packed != nullptr ? *packed : own;
+    steps.pack(q, dout, rule.begin(), rule.end(), false);
+    backward_serial(in, rule, grads, work, &steps);
   }
 }
 
@@ -185,12 +187,13 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true) {
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+                    PackedSteps<Scalar>* packed = nullptr) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
   windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
-                            parallel);
+                            parallel, packed);
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
@@ -200,12 +203,13 @@ void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true) {
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+                    PackedSteps<Scalar>* packed = nullptr) {
   const Index n = q.rows();
   CountWindows windows;
   windows.build(hashes, n, causal);
   const CountRule<Scalar> rule(windows, n, causal);
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, packed);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
@@ -610,28 +614,34 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
       (options.method == Method::lsh_fused || options.method == Method::exact_tiled ||
        options.method == Method::exact_banded || options.method == Method::exact_reference);
   if (head_parallel) {
-    // One head per thread, each head's pass on its thread (no K/V head is shared).
+    // One head per thread, each head's pass on its thread (no K/V head is shared); a thread's
+    // heads reuse its packed operands.
     const auto tau = static_cast<Scalar>(detail::resolve_scale(function, head_options, q.dim));
     const bool causal = options.masking == Masking::causal;
     const auto heads = static_cast<long>(q.heads);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (long head = 0; head < heads; ++head) {
-      const auto h = static_cast<Index>(head);
-      const auto index = static_cast<std::size_t>(head);
-      MatrixRef<Scalar> dq_h(dq.head(h)), dk_h(dk.head(h)), dv_h(dv.head(h));
-      const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
-      if (options.method == Method::lsh_fused) {
-        detail::count_backward<Scalar>(q.head(h), k.head(h), v.head(h), hashes[index], tau, causal,
-                                       out.head(h), lse_h, dout.head(h), dq_h, dk_h, dv_h, false);
-      } else {
-        const detail::ExactWindow window =
-            options.method == Method::exact_banded
-                ? detail::banded_window(n, band_for_bias_error(sigmas[index], options.band_error),
-                                        options.masking)
-                : detail::ExactWindow{causal ? 0 : -n, n};
-        detail::exact_backward<Scalar>(q.head(h), k.head(h), v.head(h), sigmas[index],
-                                       static_cast<double>(tau), window, out.head(h), lse_h,
-                                       dout.head(h), dq_h, dk_h, dv_h, false);
+#pragma omp parallel
+    {
+      detail::PackedSteps<Scalar> packed;
+#pragma omp for schedule(dynamic, 1)
+      for (long head = 0; head < heads; ++head) {
+        const auto h = static_cast<Index>(head);
+        const auto index = static_cast<std::size_t>(head);
+        MatrixRef<Scalar> dq_h(dq.head(h)), dk_h(dk.head(h)), dv_h(dv.head(h));
+        const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
+        if (options.method == Method::lsh_fused) {
+          detail::count_backward<Scalar>(q.head(h), k.head(h), v.head(h), hashes[index], tau,
+                                         causal, out.head(h), lse_h, dout.head(h), dq_h, dk_h, dv_h,
+                                         false, &packed);
+        } else {
+          const detail::ExactWindow window =
+              options.method == Method::exact_banded
+                  ? detail::banded_window(n, band_for_bias_error(sigmas[index], options.band_error),
+                                          options.masking)
+                  : detail::ExactWindow{causal ? 0 : -n, n};
+          detail::exact_backward<Scalar>(q.head(h), k.head(h), v.head(h), sigmas[index],
+                                         static_cast<double>(tau), window, out.head(h), lse_h,
+                                         dout.head(h), dq_h, dk_h, dv_h, false, &packed);
+        }
       }
     }
     return;

@@ -328,7 +328,7 @@ struct StepOperands {
 };
 
 /// Packs the step at i0 (`rows` rows of q and dout) into qt, ot, q_rows, o_rows (padded
-/// columns d_p, d_vp; the padding must be zero already).
+/// columns d_p, d_vp, zero past the inputs' columns and rows).
 template <typename Scalar>
 void pack_step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index i0,
                Index rows, Index dp, Index dvp, Scalar* qt, Scalar* ot, Scalar* q_rows,
@@ -338,13 +338,15 @@ void pack_step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& do
   tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
   Eigen::Map<RowMatrix<Scalar>> qr(q_rows, Bq, dp), orows(o_rows, Bq, dvp);
   qr.topLeftCorner(rows, q.cols()) = q.middleRows(i0, rows);
+  qr.topRightCorner(rows, dp - q.cols()).setZero();
   qr.bottomRows(Bq - rows).setZero();
   orows.topLeftCorner(rows, dout.cols()) = dout.middleRows(i0, rows);
+  orows.topRightCorner(rows, dvp - dout.cols()).setZero();
   orows.bottomRows(Bq - rows).setZero();
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
-/// backward_query_rows from begin), packed once per pass: O(n (d + d_v)) scalars.
+/// backward_query_rows from begin), packed once per pass: O(n (d + d_v)) scalars, reusable.
 template <typename Scalar>
 struct PackedSteps {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> qt, ot, q_rows, o_rows;
@@ -361,10 +363,10 @@ struct PackedSteps {
     dp = (d + P - 1) / P * P;
     dvp = (dv + P - 1) / P * P;
     const Index steps = (end_row - begin + Bq - 1) / Bq;
-    qt.resize(std::max<Index>(steps * d * Bq, 1));
-    ot.resize(std::max<Index>(steps * dv * Bq, 1));
-    q_rows.setZero(std::max<Index>(steps * dp * Bq, 1));
-    o_rows.setZero(std::max<Index>(steps * dvp * Bq, 1));
+    grow(qt, steps * d * Bq);
+    grow(ot, steps * dv * Bq);
+    grow(q_rows, steps * dp * Bq);
+    grow(o_rows, steps * dvp * Bq);
     const auto count = static_cast<long>(steps);
 #pragma omp parallel for schedule(static) if (parallel)
     for (long t = 0; t < count; ++t) {
@@ -374,6 +376,12 @@ struct PackedSteps {
                         ot.data() + step * dv * Bq, q_rows.data() + step * dp * Bq,
                         o_rows.data() + step * dvp * Bq);
     }
+  }
+
+  /// Every entry of the buffers in use is written by pack(): they only grow, so that one
+  /// PackedSteps serves many passes (heads) without new memory.
+  static void grow(Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& buffer, Index size) {
+    if (buffer.size() < std::max<Index>(size, 1)) buffer.resize(std::max<Index>(size, 1));
   }
 
   /// The operands of the step at i0.
