@@ -9,7 +9,7 @@ attention ``softmax(tau Q K^T - |i-j| / sigma) V`` is approximated by
 
 Every function takes numpy arrays (float32 or float64, never converted), ``[n, d]`` per head
 with a contiguous last axis and any row stride, and returns numpy arrays (or writes ``out=``).
-alibi_attention_tiled, alibi_attention_banded, lsh_attention_fused, multihead_attention and
+The prefill kernels (except alibi_attention_reference), the decoders, multihead_attention and
 multihead_attention_varlen also take float16 arrays and bfloat16 bit patterns
 (``BFloat16Bits``), computed in float32.
 See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch installed)

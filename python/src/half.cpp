@@ -12,69 +12,6 @@
 
 namespace poslsh_python {
 
-namespace {
-
-/// Read-only (rows x cols) view of an argument of storage S, no copy.
-template <typename S>
-InputMap<S> half_input(py::handle object, const char* function, const char* name) {
-  const py::array array = storage_array<S>(object);
-  if (array.ndim() != 2) {
-    throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
-                          " dimensions: must be a 2-D array (rows, columns)");
-  }
-  const Index stride = row_stride_of<S>(array, function, name);
-  return InputMap<S>(static_cast<const S*>(array.data()), static_cast<Index>(array.shape(0)),
-                     static_cast<Index>(array.shape(1)), Eigen::OuterStride<>(stride));
-}
-
-/// Maps q, k, v, prepares the output (q.rows() x v.cols(), storage chosen by dispatch_half),
-/// then runs kernel(q, k, v, out) on typed maps without the GIL; returns the output.
-template <typename Kernel>
-py::object half_qkv_call(const char* function, py::handle q, py::handle k, py::handle v,
-                         py::handle out, std::optional<int> threads, Kernel&& kernel) {
-  threads = thread_count(threads, function);
-  return dispatch_half(function, q, k, v, out, [&](auto q_tag, auto kv_tag, auto out_tag) {
-    using Q = typename decltype(q_tag)::type;
-    using KV = typename decltype(kv_tag)::type;
-    using Out = typename decltype(out_tag)::type;
-    const InputMap<Q> q_map = half_input<Q>(q, function, "q");
-    const InputMap<KV> k_map = half_input<KV>(k, function, "k");
-    const InputMap<KV> v_map = half_input<KV>(v, function, "v");
-    const py::array q_array = storage_array<Q>(q), k_array = storage_array<KV>(k),
-                    v_array = storage_array<KV>(v);
-    py::object result;
-    py::array array;
-    if (out.is_none()) {
-      std::tie(result, array) = new_storage<Out>(
-          {static_cast<py::ssize_t>(q_map.rows()), static_cast<py::ssize_t>(v_map.cols())});
-    } else {
-      array = storage_array<Out>(out);
-      if (array.ndim() != 2 || array.shape(0) != q_map.rows() || array.shape(1) != v_map.cols()) {
-        std::string shape;
-        for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
-          shape += (axis ? ", " : "") + std::to_string(array.shape(axis));
-        }
-        throw py::value_error(argument(function, "out") + " has shape (" + shape + "): must be (" +
-                              std::to_string(q_map.rows()) + ", " + std::to_string(v_map.cols()) +
-                              ")");
-      }
-      checked_out<Out>(out, function, "out", {{q_array, "q"}, {k_array, "k"}, {v_array, "v"}});
-      result = py::reinterpret_borrow<py::object>(out);
-    }
-    const Index stride = row_stride_of<Out>(array, function, "out");
-    OutputMap<Out> out_map(static_cast<Out*>(array.mutable_data()),
-                           static_cast<Index>(array.shape(0)), static_cast<Index>(array.shape(1)),
-                           Eigen::OuterStride<>(stride));
-    {
-      KernelScope scope(threads);
-      kernel(q_tag, kv_tag, out_tag, q_map, k_map, v_map, out_map);
-    }
-    return result;
-  });
-}
-
-}  // namespace
-
 py::object half_alibi_attention_tiled(py::handle q, py::handle k, py::handle v, double sigma,
                                       const poslsh::AttentionOptions& options, py::handle out,
                                       std::optional<int> threads) {
@@ -141,9 +78,10 @@ order) whose entries are the upper 16 bits of float32 values,
 
 e.g. torch_tensor.view(torch.int16).numpy() of a bfloat16 tensor. The array is shared, never
 copied or converted: alibi_attention_tiled, alibi_attention_banded, lsh_attention_fused,
-multihead_attention and multihead_attention_varlen read q, k, v given as BFloat16Bits as
-bfloat16 (computing in float32) and write an `out=` BFloat16Bits (or return a new one over a
-uint16 array). Integer arrays are read as bfloat16 only through this wrapper.
+lsh_attention_per_sample, fixed_blocks_attention, the decoders, multihead_attention and
+multihead_attention_varlen read q, k, v given as BFloat16Bits as bfloat16 (computing in
+float32) and write an `out=` BFloat16Bits (or return a new one over a uint16 array). Integer
+arrays are read as bfloat16 only through this wrapper.
 )doc")
       .def(py::init([](py::handle bits) {
              const py::array array = require_array(bits, "BFloat16Bits", "bits");

@@ -85,6 +85,19 @@ py::array storage_array(py::handle object) {
   }
 }
 
+/// The ndarray of an argument: the bit array of a BFloat16Bits, or the argument itself
+/// (TypeError naming it if it is not an ndarray).
+inline py::array array_or_bits(py::handle object, const char* function, const char* name) {
+  if (py::isinstance<BFloat16Bits>(object)) return object.cast<const BFloat16Bits&>().bits;
+  return require_array(object, function, name);
+}
+
+/// `array` (a view of the ndarray of `like`) wrapped as `like` is: BFloat16Bits or plain.
+inline py::object wrapped_like(py::handle like, const py::object& array) {
+  if (py::isinstance<BFloat16Bits>(like)) return py::cast(BFloat16Bits{array});
+  return array;
+}
+
 /// A new C-contiguous output of storage S and the given shape (BFloat16Bits over uint16).
 template <typename S>
 std::pair<py::object, py::array> new_storage(const std::vector<py::ssize_t>& shape) {
@@ -103,9 +116,16 @@ std::pair<py::object, py::array> new_storage(const std::vector<py::ssize_t>& sha
 /// Calls run(Tag<Q>{}, Tag<KV>{}, Tag<Out>{}) for the storage of q, k, v and out (None: the
 /// default output) after the rules in the file comment; TypeError naming the first argument
 /// that breaks them.
+/// Argument names of q, k, v in messages (the decoders call them query, keys, values).
+struct HalfNames {
+  const char* q = "q";
+  const char* k = "k";
+  const char* v = "v";
+};
+
 template <typename Run>
 py::object dispatch_half(const char* function, py::handle q, py::handle k, py::handle v,
-                         py::handle out, Run&& run) {
+                         py::handle out, const HalfNames& names, Run&& run) {
   const Storage sq = storage_of(q), sk = storage_of(k), sv = storage_of(v), so = storage_of(out);
   const auto wrong = [&](py::handle object, const char* name, const std::string& rule) {
     return py::type_error(argument(function, name) + " " + describe(object, function, name) + ": " +
@@ -113,9 +133,9 @@ py::object dispatch_half(const char* function, py::handle q, py::handle k, py::h
   };
   const auto same_half = [&](auto tag) -> py::object {
     using H = typename decltype(tag)::type;
-    const std::string like = std::string("must be ") + storage_name(sq) + " like 'q'";
-    if (sk != sq) throw wrong(k, "k", like);
-    if (sv != sq) throw wrong(v, "v", like);
+    const std::string like = std::string("must be ") + storage_name(sq) + " like '" + names.q + "'";
+    if (sk != sq) throw wrong(k, names.k, like);
+    if (sv != sq) throw wrong(v, names.v, like);
     if (so == Storage::none || so == sq) return run(Tag<H>{}, Tag<H>{}, Tag<H>{});
     if (so == Storage::float32) return run(Tag<H>{}, Tag<H>{}, Tag<float>{});
     throw wrong(out, "out",
@@ -124,13 +144,16 @@ py::object dispatch_half(const char* function, py::handle q, py::handle k, py::h
   };
   const auto mixed = [&](auto tag) -> py::object {
     using H = typename decltype(tag)::type;
-    if (sv != sk) throw wrong(v, "v", std::string("must be ") + storage_name(sk) + " like 'k'");
+    if (sv != sk) {
+      throw wrong(v, names.v,
+                  std::string("must be ") + storage_name(sk) + " like '" + names.k + "'");
+    }
     if (so == Storage::none || so == Storage::float32) {
       return run(Tag<float>{}, Tag<H>{}, Tag<float>{});
     }
     throw wrong(out, "out",
-                std::string("must be float32: float32 'q' over ") + storage_name(sk) +
-                    " 'k', 'v' gives float32");
+                std::string("must be float32: float32 '") + names.q + "' over " + storage_name(sk) +
+                    " '" + names.k + "', '" + names.v + "' gives float32");
   };
   if (sq == Storage::float16) return same_half(Tag<Eigen::half>{});
   if (sq == Storage::bfloat16) return same_half(Tag<Eigen::bfloat16>{});
@@ -164,6 +187,67 @@ inline void require_reference_self_attention(const char* function,
   }
 }
 
+/// Read-only (rows x cols) view of an argument of storage S, no copy.
+template <typename S>
+InputMap<S> half_input(py::handle object, const char* function, const char* name) {
+  const py::array array = storage_array<S>(object);
+  if (array.ndim() != 2) {
+    throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
+                          " dimensions: must be a 2-D array (rows, columns)");
+  }
+  const Index stride = row_stride_of<S>(array, function, name);
+  return InputMap<S>(static_cast<const S*>(array.data()), static_cast<Index>(array.shape(0)),
+                     static_cast<Index>(array.shape(1)), Eigen::OuterStride<>(stride));
+}
+
+/// Maps q, k, v, prepares the output (q.rows() x v.cols(), storage chosen by dispatch_half),
+/// then runs kernel(q, k, v, out) on typed maps without the GIL; returns the output.
+template <typename Kernel>
+py::object half_qkv_call(const char* function, py::handle q, py::handle k, py::handle v,
+                         py::handle out, std::optional<int> threads, Kernel&& kernel,
+                         HalfNames names = {}) {
+  threads = thread_count(threads, function);
+  return dispatch_half(function, q, k, v, out, names, [&](auto q_tag, auto kv_tag, auto out_tag) {
+    using Q = typename decltype(q_tag)::type;
+    using KV = typename decltype(kv_tag)::type;
+    using Out = typename decltype(out_tag)::type;
+    const InputMap<Q> q_map = half_input<Q>(q, function, names.q);
+    const InputMap<KV> k_map = half_input<KV>(k, function, names.k);
+    const InputMap<KV> v_map = half_input<KV>(v, function, names.v);
+    const py::array q_array = storage_array<Q>(q), k_array = storage_array<KV>(k),
+                    v_array = storage_array<KV>(v);
+    py::object result;
+    py::array array;
+    if (out.is_none()) {
+      std::tie(result, array) = new_storage<Out>(
+          {static_cast<py::ssize_t>(q_map.rows()), static_cast<py::ssize_t>(v_map.cols())});
+    } else {
+      array = storage_array<Out>(out);
+      if (array.ndim() != 2 || array.shape(0) != q_map.rows() || array.shape(1) != v_map.cols()) {
+        std::string shape;
+        for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
+          shape += (axis ? ", " : "") + std::to_string(array.shape(axis));
+        }
+        throw py::value_error(argument(function, "out") + " has shape (" + shape + "): must be (" +
+                              std::to_string(q_map.rows()) + ", " + std::to_string(v_map.cols()) +
+                              ")");
+      }
+      checked_out<Out>(out, function, "out",
+                       {{q_array, names.q}, {k_array, names.k}, {v_array, names.v}});
+      result = py::reinterpret_borrow<py::object>(out);
+    }
+    const Index stride = row_stride_of<Out>(array, function, "out");
+    OutputMap<Out> out_map(static_cast<Out*>(array.mutable_data()),
+                           static_cast<Index>(array.shape(0)), static_cast<Index>(array.shape(1)),
+                           Eigen::OuterStride<>(stride));
+    {
+      KernelScope scope(threads);
+      kernel(q_tag, kv_tag, out_tag, q_map, k_map, v_map, out_map);
+    }
+    return result;
+  });
+}
+
 // The half-precision forms of the kernels that take half-precision views; called by the
 // ordinary bindings when half_call(q, k) holds (half.cpp, half_multihead.cpp).
 py::object half_alibi_attention_tiled(py::handle q, py::handle k, py::handle v, double sigma,
@@ -176,6 +260,20 @@ py::object half_lsh_attention_fused(py::handle q, py::handle k, py::handle v,
                                     const poslsh::HashSet& hashes,
                                     const poslsh::AttentionOptions& options, py::handle out,
                                     std::optional<int> threads);
+py::object half_lsh_attention_per_sample(py::handle q, py::handle k, py::handle v,
+                                         const poslsh::HashSet& hashes,
+                                         const poslsh::AttentionOptions& options, py::handle out,
+                                         std::optional<int> threads);
+py::object half_fixed_blocks_attention(py::handle q, py::handle k, py::handle v, double sigma,
+                                       const poslsh::AttentionOptions& options, py::handle out,
+                                       std::optional<int> threads);
+py::object half_lsh_attention_decode(py::handle query, py::handle keys, py::handle values, Index t,
+                                     const poslsh::HashSet& hashes,
+                                     const poslsh::AttentionOptions& options, py::handle out);
+py::object half_alibi_attention_decode_exact(py::handle query, py::handle keys, py::handle values,
+                                             Index t, double sigma,
+                                             const poslsh::AttentionOptions& options,
+                                             py::handle out);
 py::object half_multihead_attention(py::handle q, py::handle k, py::handle v, const Layout& layout,
                                     const poslsh::MultiHeadOptions& options, py::handle out,
                                     std::optional<int> threads);

@@ -12,32 +12,33 @@ namespace {
 template <typename Kernel>
 py::object half_heads_call(const char* function, py::handle q, py::handle k, py::handle v,
                            const Layout& layout, py::handle out, Kernel&& kernel) {
-  return dispatch_half(function, q, k, v, out, [&](auto q_tag, auto kv_tag, auto out_tag) {
-    using Q = typename decltype(q_tag)::type;
-    using KV = typename decltype(kv_tag)::type;
-    using Out = typename decltype(out_tag)::type;
-    const py::array q_array = storage_array<Q>(q), k_array = storage_array<KV>(k),
-                    v_array = storage_array<KV>(v);
-    const auto q_view = heads_view<const Q>(q_array, layout, function, "q");
-    const auto k_view = heads_view<const KV>(k_array, layout, function, "k");
-    const auto v_view = heads_view<const KV>(v_array, layout, function, "v");
-    py::object result;
-    py::array array;
-    if (out.is_none()) {
-      std::vector<py::ssize_t> shape(3);
-      shape[static_cast<std::size_t>(layout.token_axis)] = q_view.tokens;
-      shape[static_cast<std::size_t>(layout.head_axis)] = q_view.heads;
-      shape[2] = v_view.dim;
-      std::tie(result, array) = new_storage<Out>(shape);
-    } else {
-      array =
-          checked_out<Out>(out, function, "out", {{q_array, "q"}, {k_array, "k"}, {v_array, "v"}});
-      result = py::reinterpret_borrow<py::object>(out);
-    }
-    const auto out_view = heads_view<Out>(array, layout, function, "out");
-    kernel(q_tag, kv_tag, out_tag, q_view, k_view, v_view, out_view);  // releases the GIL
-    return result;
-  });
+  return dispatch_half(
+      function, q, k, v, out, HalfNames{}, [&](auto q_tag, auto kv_tag, auto out_tag) {
+        using Q = typename decltype(q_tag)::type;
+        using KV = typename decltype(kv_tag)::type;
+        using Out = typename decltype(out_tag)::type;
+        const py::array q_array = storage_array<Q>(q), k_array = storage_array<KV>(k),
+                        v_array = storage_array<KV>(v);
+        const auto q_view = heads_view<const Q>(q_array, layout, function, "q");
+        const auto k_view = heads_view<const KV>(k_array, layout, function, "k");
+        const auto v_view = heads_view<const KV>(v_array, layout, function, "v");
+        py::object result;
+        py::array array;
+        if (out.is_none()) {
+          std::vector<py::ssize_t> shape(3);
+          shape[static_cast<std::size_t>(layout.token_axis)] = q_view.tokens;
+          shape[static_cast<std::size_t>(layout.head_axis)] = q_view.heads;
+          shape[2] = v_view.dim;
+          std::tie(result, array) = new_storage<Out>(shape);
+        } else {
+          array = checked_out<Out>(out, function, "out",
+                                   {{q_array, "q"}, {k_array, "k"}, {v_array, "v"}});
+          result = py::reinterpret_borrow<py::object>(out);
+        }
+        const auto out_view = heads_view<Out>(array, layout, function, "out");
+        kernel(q_tag, kv_tag, out_tag, q_view, k_view, v_view, out_view);  // releases the GIL
+        return result;
+      });
 }
 
 }  // namespace

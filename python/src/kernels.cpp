@@ -215,16 +215,20 @@ i.e. softmax(tau Q K^T + log M~) V, with E[M~] = L* = exp(-|i-j| / sigma).
          std::optional<int> threads) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_attention_per_sample");
         const auto options = attention_options(causal, scale, query_offset);
-        return qkv_call("lsh_attention_per_sample", q, k, v, out, threads,
-                        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-                          using T = typename decltype(tag)::type;
-                          poslsh::lsh_attention_per_sample<T>(qm, km, vm, set, om, options);
-                        });
+        if (half_call(q, k)) {
+          return half_lsh_attention_per_sample(q, k, v, set, options, out, threads);
+        }
+        return py::object(
+            qkv_call("lsh_attention_per_sample", q, k, v, out, threads,
+                     [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+                       using T = typename decltype(tag)::type;
+                       poslsh::lsh_attention_per_sample<T>(qm, km, vm, set, om, options);
+                     }));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      with_offset_tail(
+      with_half_tail(
           R"doc(The paper's per-sample LSH attention: plain attention inside every block of
 every sample, numerators and denominators summed over samples. Same estimator as
 lsh_attention_fused:
@@ -239,51 +243,64 @@ lsh_attention_fused:
          std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
          std::optional<int> threads) {
         const auto options = attention_options(causal, scale, query_offset);
-        return qkv_call("fixed_blocks_attention", q, k, v, out, threads,
-                        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-                          using T = typename decltype(tag)::type;
-                          poslsh::fixed_blocks_attention<T>(qm, km, vm, sigma, om, options);
-                        });
+        if (half_call(q, k)) {
+          return half_fixed_blocks_attention(q, k, v, sigma, options, out, threads);
+        }
+        return py::object(
+            qkv_call("fixed_blocks_attention", q, k, v, out, threads,
+                     [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+                       using T = typename decltype(tag)::type;
+                       poslsh::fixed_blocks_attention<T>(qm, km, vm, sigma, om, options);
+                     }));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      with_offset_tail(R"doc(The fixed-blocks baseline: plain attention inside consecutive blocks of
+      with_half_tail(R"doc(The fixed-blocks baseline: plain attention inside consecutive blocks of
 2 sigma tokens from position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
 )doc")
           .c_str());
 
   // Decoders: one query (a [d] array) at position t, or m queries ([m, d]) at t - m + 1 .. t,
   // over the cache rows.
+  // half_kernel(query_row, keys, values, out_row, options) runs half-precision calls.
   const auto decode = [](const char* function, py::handle query, py::handle keys, py::handle values,
-                         py::handle out, std::optional<double> scale, auto&& kernel) -> py::array {
-    const py::array query_array = require_array(query, function, "query");
+                         py::handle out, std::optional<double> scale, auto&& kernel,
+                         auto&& half_kernel) -> py::object {
+    const py::array query_array = array_or_bits(query, function, "query");
     const bool vector = query_array.ndim() == 1;
     const auto as_row = [&](py::handle object, const char* name) -> py::object {
       if (object.is_none()) return py::none();
-      const py::array array = require_array(object, function, name);
+      const py::array array = array_or_bits(object, function, name);
       if (array.ndim() != 1) return py::reinterpret_borrow<py::object>(object);
       if (array.shape(0) > 1 && array.strides(0) != array.itemsize()) {
         throw py::value_error(argument(function, name) + " must be contiguous (stride " +
                               std::to_string(array.itemsize()) + " bytes), has stride " +
                               std::to_string(array.strides(0)));
       }
-      return array.attr("reshape")(1, -1);  // a view: the axis is contiguous
+      return wrapped_like(object, array.attr("reshape")(1, -1));  // a view: the axis is contiguous
     };
-    if (vector && !out.is_none() && require_array(out, function, "out").ndim() != 1) {
+    if (vector && !out.is_none() && array_or_bits(out, function, "out").ndim() != 1) {
       throw py::value_error(argument(function, "out") + " must be 1-D like 'query'");
     }
     const py::object query_row = as_row(query, "query");
     const py::object out_row = as_row(out, "out");
     const poslsh::AttentionOptions options{poslsh::Masking::causal, scale};
-    py::array result = qkv_call(
-        function, query_row, keys, values, out_row, std::nullopt,
-        [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
-          kernel(tag, qm, km, vm, om, options);
-        },
-        QkvNames{"query", "keys", "values"});
-    if (!out.is_none()) return py::reinterpret_borrow<py::array>(out);
-    if (vector) return py::reinterpret_borrow<py::array>(result.attr("reshape")(-1));
+    py::object result;
+    if (half_call(query_row, keys)) {
+      result = half_kernel(query_row, keys, values, out_row, options);
+    } else {
+      result = qkv_call(
+          function, query_row, keys, values, out_row, std::nullopt,
+          [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om) {
+            kernel(tag, qm, km, vm, om, options);
+          },
+          QkvNames{"query", "keys", "values"});
+    }
+    if (!out.is_none()) return py::reinterpret_borrow<py::object>(out);
+    if (vector) {
+      return wrapped_like(result, array_or_bits(result, function, "out").attr("reshape")(-1));
+    }
     return result;
   };
 
@@ -292,12 +309,17 @@ lsh_attention_fused:
       [decode](py::handle query, py::handle keys, py::handle values, Index t, py::handle hashes,
                std::optional<double> scale, py::handle out) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_attention_decode");
-        return decode("lsh_attention_decode", query, keys, values, out, scale,
-                      [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om,
-                          const poslsh::AttentionOptions& options) {
-                        using T = typename decltype(tag)::type;
-                        poslsh::lsh_attention_decode<T>(qm, km, vm, t, set, om, options);
-                      });
+        return decode(
+            "lsh_attention_decode", query, keys, values, out, scale,
+            [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om,
+                const poslsh::AttentionOptions& options) {
+              using T = typename decltype(tag)::type;
+              poslsh::lsh_attention_decode<T>(qm, km, vm, t, set, om, options);
+            },
+            [&](py::handle qr, py::handle kr, py::handle vr, py::handle outr,
+                const poslsh::AttentionOptions& options) {
+              return half_lsh_attention_decode(qr, kr, vr, t, set, options, outr);
+            });
       },
       py::arg("query"), py::arg("keys"), py::arg("values"), py::arg("t"), py::arg("hashes"),
       py::kw_only(), py::arg("scale") = py::none(), py::arg("out") = py::none(), R"doc(
@@ -309,19 +331,26 @@ LSH decode: row t of the causal lsh_attention_fused, from the query q_t alone,
 reading only the keys of t's blocks: cost independent of t. query: [d] (one query at t) or
 [m, d] (m <= t + 1 queries at positions t - m + 1 .. t, each row decoded at its position);
 keys [N, d] and values [N, d_v] with N > t (the KV cache; rows after t are not read). The
-result has the shape of query ([d_v] or [m, d_v]).
+result has the shape of query ([d_v] or [m, d_v]). Half precision as the prefill kernels:
+float16 (or BFloat16Bits) query, keys, values -> the same type (or float32 out=); float32 query
+over a float16 or BFloat16Bits cache -> float32; computed in float32.
 )doc");
 
   module.def(
       "alibi_attention_decode_exact",
       [decode](py::handle query, py::handle keys, py::handle values, Index t, double sigma,
                std::optional<double> scale, py::handle out) {
-        return decode("alibi_attention_decode_exact", query, keys, values, out, scale,
-                      [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om,
-                          const poslsh::AttentionOptions& options) {
-                        using T = typename decltype(tag)::type;
-                        poslsh::alibi_attention_decode_exact<T>(qm, km, vm, t, sigma, om, options);
-                      });
+        return decode(
+            "alibi_attention_decode_exact", query, keys, values, out, scale,
+            [&](auto tag, const auto& qm, const auto& km, const auto& vm, auto& om,
+                const poslsh::AttentionOptions& options) {
+              using T = typename decltype(tag)::type;
+              poslsh::alibi_attention_decode_exact<T>(qm, km, vm, t, sigma, om, options);
+            },
+            [&](py::handle qr, py::handle kr, py::handle vr, py::handle outr,
+                const poslsh::AttentionOptions& options) {
+              return half_alibi_attention_decode_exact(qr, kr, vr, t, sigma, options, outr);
+            });
       },
       py::arg("query"), py::arg("keys"), py::arg("values"), py::arg("t"), py::arg("sigma"),
       py::kw_only(), py::arg("scale") = py::none(), py::arg("out") = py::none(), R"doc(

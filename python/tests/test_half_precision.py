@@ -37,8 +37,11 @@ def bf16_values(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def check_rules(kernel, q16, k16, v16, expected):
-    """kernel(q, k, v, out=None) under the half-precision rules, against `expected` (float64)."""
+def check_rules(kernel, q16, k16, v16, expected, bitwise=True):
+    """kernel(q, k, v, out_dtype=None) under the half-precision rules, against `expected`
+    (float64). bitwise: the float32-output half kernel is bitwise the float32 kernel on the
+    widened inputs (the prefill kernels; the decoders stream their key window in widened chunks,
+    so they sum in another order); the half output is then the float32 output rounded once."""
     q32, k32, v32 = (x.astype(np.float32) for x in (q16, k16, v16))
     out32 = kernel(q32, k32, v32)
     float_error = max_error(out32, expected)
@@ -46,18 +49,21 @@ def check_rules(kernel, q16, k16, v16, expected):
     wide = kernel(q16, k16, v16, out_dtype=np.float32)
     assert wide.dtype == np.float32
     assert max_error(wide, expected) <= 2 * float_error
-    np.testing.assert_array_equal(wide, out32)  # bitwise the float kernel on the widened inputs
+    if bitwise:
+        np.testing.assert_array_equal(wide, out32)  # bitwise the float kernel on the widened inputs
     out16 = kernel(q16, k16, v16)
     assert out16.dtype == np.float16 and out16.shape == out32.shape
-    assert np.array_equal(out16, out32.astype(np.float16))  # rounded once
+    assert np.array_equal(out16, wide.astype(np.float16))  # rounded once
     mixed = kernel(q32, k16, v16)
     assert mixed.dtype == np.float32
     assert max_error(mixed, expected) <= 2 * float_error
-    np.testing.assert_array_equal(mixed, out32)
+    if bitwise:
+        np.testing.assert_array_equal(mixed, out32)
     return out32
 
 
-SINGLE_HEAD = ["alibi_attention_tiled", "alibi_attention_banded", "lsh_attention_fused"]
+TILE_KERNELS = ["alibi_attention_tiled", "alibi_attention_banded", "lsh_attention_fused"]
+SINGLE_HEAD = TILE_KERNELS + ["lsh_attention_per_sample", "fixed_blocks_attention"]
 
 
 def with_out(call, shape):
@@ -85,7 +91,15 @@ def single_head(function, sigma, causal, scale=None, query_offset=None):
         return (with_out(lambda q, k, v, out: poslsh.alibi_attention_banded(
             q, k, v, sigma, band, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
             lambda q, k, v: reference.alibi_attention(q, k, v, sigma, causal, scale, band=band))
+    if function == "fixed_blocks_attention":
+        return (with_out(lambda q, k, v, out: poslsh.fixed_blocks_attention(
+            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            lambda q, k, v: reference.lsh_attention(q, k, v, [2 * sigma], [0.0], causal, scale))
     hashes = poslsh.rbf_hashes(sigma, 12, seed=3, stream=1)
+    if function == "lsh_attention_per_sample":
+        return (with_out(lambda q, k, v, out: poslsh.lsh_attention_per_sample(
+            q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
     return (with_out(lambda q, k, v, out: poslsh.lsh_attention_fused(
         q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
         lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
@@ -100,7 +114,7 @@ def test_single_head_float16(rng, function, causal):
     check_rules(kernel, q16, k16, v16, dense(*(x.astype(np.float64) for x in (q16, k16, v16))))
 
 
-@pytest.mark.parametrize("function", SINGLE_HEAD)
+@pytest.mark.parametrize("function", TILE_KERNELS)
 def test_single_head_float16_query_offset(rng, function):
     """Queries at an offset: the rows of the full call, in float16 too."""
     n, d, sigma, p0, m = 200, 16, 7.0, 70, 50
@@ -135,11 +149,53 @@ def test_single_head_bfloat16_bits(rng, function):
     # Rounded once to nearest: within half a bfloat16 unit (2^-8 relative) of the float32 output.
     assert np.all(np.abs(bf16_values(out.bits) - out32) <= np.abs(out32) * 2.0**-8)
     target = poslsh.BFloat16Bits(np.zeros((n, d), np.int16))
-    assert getattr(poslsh, function)(q, k, v, 8.0 if function != "lsh_attention_fused" else
-                                     poslsh.rbf_hashes(sigma, 12, seed=3, stream=1),
-                                     *([poslsh.band_for_bias_error(sigma, 1e-2)] if "banded" in function else []),
-                                     out=target) is target
+    argument = poslsh.rbf_hashes(sigma, 12, seed=3, stream=1) if function.startswith("lsh") else sigma
+    band = [poslsh.band_for_bias_error(sigma, 1e-2)] if "banded" in function else []
+    assert getattr(poslsh, function)(q, k, v, argument, *band, out=target) is target
     np.testing.assert_array_equal(target.bits.view(np.uint16), out.bits)
+
+
+@pytest.mark.parametrize("function", ["lsh_attention_decode", "alibi_attention_decode_exact"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_decoders_float16(rng, function, m):
+    """Queries at t - m + 1 .. t over a float16 cache (rows after t poisoned with NaN, never
+    read): the rows of the dense causal formula; [d] queries give [d_v] outputs."""
+    n, d, sigma, t = 300, 32, 9.0, 260
+    q16, k16, v16 = half_qkv(rng, n, d)
+    k16[t + 1 :] = np.nan
+    v16[t + 1 :] = np.nan
+    hashes = poslsh.rbf_hashes(sigma, 16, seed=8)
+    argument = hashes if function == "lsh_attention_decode" else sigma
+    rows = tuple(x[: t + 1].astype(np.float64) for x in (q16, k16, v16))
+    if function == "lsh_attention_decode":
+        dense = reference.lsh_attention(*rows, hashes.widths, hashes.offsets)
+    else:
+        dense = reference.alibi_attention(*rows, sigma)
+    decoder = getattr(poslsh, function)
+    kernel = with_out(lambda q, k, v, out: decoder(q, k, v, t, argument, out=out),
+                      lambda q, v: (q.shape[0], v.shape[1]))
+    check_rules(kernel, q16[t - m + 1 : t + 1], k16, v16, dense[t - m + 1 :], bitwise=False)
+    vector = decoder(q16[t], k16, v16, t, argument)
+    assert vector.shape == (d,) and vector.dtype == np.float16
+    np.testing.assert_array_equal(vector, decoder(q16[t : t + 1], k16, v16, t, argument)[0])
+    bits = [poslsh.BFloat16Bits(bf16_round(x.astype(np.float32))) for x in (q16[t], k16, v16)]
+    one = decoder(*bits, t, argument)
+    assert isinstance(one, poslsh.BFloat16Bits) and one.shape == (d,)
+    wide = decoder(bits[0], bits[1], bits[2], t, argument, out=np.zeros(d, np.float32))
+    np.testing.assert_array_equal(one.bits, poslsh.BFloat16Bits.from_float32(wide).bits)
+    # bfloat16 cache: within 2x the float32 decoder's error on the same (bfloat16) values.
+    q_b, k_b, v_b = (bf16_values(bf16_round(x[: t + 1].astype(np.float32))) for x in (q16, k16, v16))
+    if function == "lsh_attention_decode":
+        dense_b = reference.lsh_attention(q_b, k_b, v_b, hashes.widths, hashes.offsets)[t]
+    else:
+        dense_b = reference.alibi_attention(q_b, k_b, v_b, sigma)[t]
+    float_b = decoder(q_b[t], k_b, v_b, t, argument)
+    assert max_error(wide, dense_b) <= 2 * max_error(float_b, dense_b)
+    assert max_error(decoder(q_b[t], bits[1], bits[2], t, argument), dense_b) <= 2 * max_error(float_b, dense_b)
+    with pytest.raises(TypeError, match="argument 'keys' has dtype float32: must be float16 like 'query'"):
+        decoder(q16[t], k16.astype(np.float32), v16, t, argument)
+    with pytest.raises(ValueError, match="argument 'out' must be 1-D like 'query'"):
+        decoder(q16[t], k16, v16, t, argument, out=np.zeros((1, d), np.float16))
 
 
 def test_bfloat16_bits_conversions(rng):
