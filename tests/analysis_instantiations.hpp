@@ -14,8 +14,9 @@
 #endif
 
 #ifdef POSLSH_TEST_ANALYSIS
-POSLSH_TEST_ANALYSIS poslsh::SpectralNorm poslsh::operator_spectral_norm<poslsh::KernelErrorOperator>(
-    const poslsh::KernelErrorOperator&, const poslsh::SpectralOptions&);
+POSLSH_TEST_ANALYSIS poslsh::SpectralNorm
+poslsh::operator_spectral_norm<poslsh::KernelErrorOperator>(const poslsh::KernelErrorOperator&,
+                                                            const poslsh::SpectralOptions&);
 POSLSH_TEST_ANALYSIS poslsh::SpectralNorm
 poslsh::operator_spectral_norm<poslsh::BandKernelErrorOperator>(
     const poslsh::BandKernelErrorOperator&, const poslsh::SpectralOptions&);
@@ -27,9 +28,8 @@ poslsh::detail::analysis_error_metrics<poslsh::detail::AnalysisPartitions>(
     const poslsh::MetricOptions&, const poslsh::HashSet*, const char*);
 POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics poslsh::kernel_error_metrics<poslsh::HashSet>(
     const poslsh::HashSet&, poslsh::Index, double, poslsh::Masking, const poslsh::MetricOptions&);
-POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics
-poslsh::partition_error_metrics<poslsh::detail::AnalysisPartitions>(
-    const poslsh::detail::AnalysisPartitions&, double, poslsh::Masking,
-    const poslsh::MetricOptions&);
+POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics poslsh::partition_error_metrics<
+    poslsh::detail::AnalysisPartitions>(const poslsh::detail::AnalysisPartitions&, double,
+                                        poslsh::Masking, const poslsh::MetricOptions&);
 #undef POSLSH_TEST_ANALYSIS
 #endif

@@ -10,8 +10,8 @@
 #include <poslsh/masks.hpp>
 #include <poslsh/reference_attention.hpp>
 
-#include "lsh_oracle.hpp"
 #include "analysis_instantiations.hpp"
+#include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
