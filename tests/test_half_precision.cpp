@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "half_support.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
@@ -22,37 +23,14 @@ using poslsh::HashSet;
 using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
+using poslsh_test::max_error;
+using poslsh_test::random_half;
 using poslsh_test::random_matrix;
+using poslsh_test::same_values;
+using poslsh_test::to_double;
+using poslsh_test::widened;
 
 namespace {
-
-/// A random matrix rounded to Half (round to nearest even).
-template <typename Half>
-RowMatrix<Half> random_half(Index rows, Index cols, std::uint64_t seed) {
-  return random_matrix<float>(rows, cols, seed).template cast<Half>();
-}
-
-template <typename Matrix>
-RowMatrix<float> widened(const Matrix& m) {
-  return m.template cast<float>();
-}
-
-template <typename Matrix>
-RowMatrix<double> to_double(const Matrix& m) {
-  return m.template cast<float>().template cast<double>();
-}
-
-/// max_ij |a_ij - b_ij|.
-template <typename A>
-double max_error(const A& a, const RowMatrix<double>& b) {
-  return (to_double(a) - b).cwiseAbs().maxCoeff();
-}
-
-/// True when a and b hold the same values (compared widened to float: exact).
-template <typename A, typename B>
-bool same_bits(const A& a, const B& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() && widened(a) == widened(b);
-}
 
 /// The dense formula of exact ALiBi attention over keys lo <= i - j <= hi, in double, for
 /// queries at positions p0 .. p0 + m - 1:
@@ -119,9 +97,9 @@ void check_kernel(const RowMatrix<Half>& qh, const RowMatrix<Half>& kh, const Ro
   CHECK(float_error < 1e-4);
   CHECK(max_error(from_half, expected) <= 2.0 * float_error);
   CHECK(max_error(mixed, expected) <= 2.0 * float_error);
-  CHECK(same_bits(from_half, as_float));
-  CHECK(same_bits(mixed, as_float));
-  CHECK(same_bits(half_out, as_float.cast<Half>()));
+  CHECK(same_values(from_half, as_float));
+  CHECK(same_values(mixed, as_float));
+  CHECK(same_values(half_out, as_float.cast<Half>()));
 }
 
 }  // namespace
@@ -220,8 +198,8 @@ TEMPLATE_TEST_CASE("half-precision row ranges and returning forms match the whol
   RowMatrix<float> tiled_float(n, d), banded_float(n, d);
   poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, sigma, tiled_float);
   poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, sigma, band, banded_float);
-  CHECK(same_bits(tiled, tiled_float.cast<Half>()));
-  CHECK(same_bits(banded, banded_float.cast<Half>()));
+  CHECK(same_values(tiled, tiled_float.cast<Half>()));
+  CHECK(same_values(banded, banded_float.cast<Half>()));
   RowMatrix<float> rows_tiled(n, d), rows_banded(n, d);
   for (Index begin : {Index{0}, Index{37}, Index{200}}) {
     const Index end = begin == 0 ? 37 : begin == 37 ? 200 : n;
@@ -230,16 +208,16 @@ TEMPLATE_TEST_CASE("half-precision row ranges and returning forms match the whol
     poslsh::alibi_attention_banded_rows<Half, Half, float>(
         q, k, v, sigma, band, begin, end, rows_banded.middleRows(begin, end - begin));
   }
-  CHECK(same_bits(rows_tiled, tiled_float));
-  CHECK(same_bits(rows_banded, banded_float));
+  CHECK(same_values(rows_tiled, tiled_float));
+  CHECK(same_values(rows_banded, banded_float));
   const HashSet hashes = poslsh::rbf_hashes(sigma, 8, 3, 1);
   const RowMatrix<Half> fused = poslsh::lsh_attention_fused<Half>(q, k, v, hashes);
   const RowMatrix<float> fused_float =
       poslsh::lsh_attention_fused<float>(widened(q), widened(k), widened(v), hashes);
-  CHECK(same_bits(fused, fused_float.cast<Half>()));
+  CHECK(same_values(fused, fused_float.cast<Half>()));
   // Float queries over a half-precision KV cache, returning form (output in float).
   const RowMatrix<float> mixed = poslsh::lsh_attention_fused<float, Half>(widened(q), k, v, hashes);
-  CHECK(same_bits(mixed, fused_float));
+  CHECK(same_values(mixed, fused_float));
 }
 
 TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact", "[half]") {
@@ -264,7 +242,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
         RowMatrix<float> from_half(m, d), from_float(m, d);
         poslsh::alibi_attention_tiled<Half, Half, float>(qh, kh, vh, sigma, from_half, options);
         poslsh::alibi_attention_tiled<float>(widened(qh), kw, vw, sigma, from_float, options);
-        CHECK(same_bits(from_half, from_float));
+        CHECK(same_values(from_half, from_float));
         const RowMatrix<double> expected =
             dense_alibi(q, k, v, sigma, 0.125, masking == Masking::causal ? 0 : -L, L, p0);
         // A bias from positions rounded to bfloat16 (steps of 512 past 65536) would move the
@@ -279,7 +257,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
     poslsh::lsh_attention_fused<Half, Half, float>(qh, kh, vh, hashes, fused_half, options);
     const RowMatrix<float> fused_float =
         poslsh::lsh_attention_fused<float>(widened(qh), kw, vw, hashes, options);
-    CHECK(same_bits(fused_half, fused_float));
+    CHECK(same_values(fused_half, fused_float));
   }
 }
 
@@ -317,7 +295,7 @@ TEST_CASE(
                                   interleaved_heads<const Half>(kh.data(), n, kv_heads, d),
                                   interleaved_heads<const Half>(vh.data(), n, kv_heads, d),
                                   interleaved_heads<float>(mixed.data(), n, heads, d), options);
-      CHECK(same_bits(mixed, expected));
+      CHECK(same_values(mixed, expected));
       // All bfloat16 against the float call on the rounded queries.
       RowMatrix<float> expected_rounded(n, heads * d);
       poslsh::multihead_attention<float>(
@@ -335,8 +313,8 @@ TEST_CASE(
           interleaved_heads<const Half>(kh.data(), n, kv_heads, d),
           interleaved_heads<const Half>(vh.data(), n, kv_heads, d),
           interleaved_heads<Half>(half_out.data(), n, heads, d), options);
-      CHECK(same_bits(from_half, expected_rounded));
-      CHECK(same_bits(half_out, expected_rounded.cast<Half>()));
+      CHECK(same_values(from_half, expected_rounded));
+      CHECK(same_values(half_out, expected_rounded.cast<Half>()));
     }
   }
 }
@@ -367,7 +345,7 @@ TEST_CASE("multihead_attention_varlen with bfloat16 K/V equals the float call on
                                        interleaved_heads<const Half>(vh.data(), total, heads, d),
                                        interleaved_heads<float>(mixed.data(), total, heads, d), cu,
                                        cu, options);
-    CHECK(same_bits(mixed, expected));
+    CHECK(same_values(mixed, expected));
   }
 }
 

@@ -14,6 +14,7 @@
 #include <poslsh/tiled_attention.hpp>
 #include <vector>
 
+#include "half_support.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
@@ -23,33 +24,15 @@ using poslsh::Index;
 using poslsh::Masking;
 using poslsh::MatrixRef;
 using poslsh::RowMatrix;
+using poslsh_test::max_error;
 using poslsh_test::random_matrix;
+using poslsh_test::same_values;
+using poslsh_test::to_double;
+using poslsh_test::widened;
 
 namespace {
 
 using bf16 = Eigen::bfloat16;
-
-template <typename Matrix>
-RowMatrix<float> widened(const Matrix& m) {
-  return m.template cast<float>();
-}
-
-template <typename Matrix>
-RowMatrix<double> to_double(const Matrix& m) {
-  return m.template cast<float>().template cast<double>();
-}
-
-/// max_ij |a_ij - b_ij|, a widened exactly to double.
-template <typename A>
-double max_error(const A& a, const RowMatrix<double>& b) {
-  return (to_double(a) - b).cwiseAbs().maxCoeff();
-}
-
-/// True when a and b hold the same values (compared widened to float, which is exact).
-template <typename A, typename B>
-bool same_values(const A& a, const B& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() && widened(a) == widened(b);
-}
 
 /// Dense attention rows in double from log-weights: query row r of q is at position
 /// positions[r], and
