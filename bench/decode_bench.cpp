@@ -10,6 +10,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 
 #include "bench_support.hpp"
 
@@ -50,42 +51,23 @@ HeadsView<const bf16> bf16_view(Which which, Index n) {
   return interleaved_heads<const bf16>(tensors[index].get(), tokens[index], heads, dim);
 }
 
-void run_decode_bf16(benchmark::State& state, Index t, Decoder decoder) {
-  const auto keys = bf16_view(Which::k, max_cache);
-  const auto values = bf16_view(Which::v, max_cache);
-  const auto query = bf16_view(Which::q, 1);
-  const auto out = output_view(1);
-  const std::vector<double> sigmas = alibi_sigmas(static_cast<int>(heads));
-  const std::vector<HashSet> hashes = multihead_hashes(sigmas, default_samples, seed);
-  const Index position = t - 1;
-  long long pairs = 0;
-  for (const HashSet& head_hashes : hashes) {
-    pairs += decoder == Decoder::exact ? t : t - lsh_decode_first_key(head_hashes, position);
-  }
-  for (auto _ : state) {
-    for (Index h = 0; h < heads; ++h) {
-      auto out_h = out.head(h);
-      const auto keys_h = keys.head(h).topRows(t);
-      const auto values_h = values.head(h).topRows(t);
-      if (decoder == Decoder::lsh) {
-        lsh_attention_decode<bf16, bf16, float>(query.head(h), keys_h, values_h, position,
-                                                hashes[static_cast<std::size_t>(h)], out_h);
-      } else {
-        alibi_attention_decode_exact<bf16, bf16, float>(query.head(h), keys_h, values_h, position,
-                                                        sigmas[static_cast<std::size_t>(h)], out_h);
-      }
-    }
-    benchmark::DoNotOptimize(out.data);
-    benchmark::ClobberMemory();
-  }
-  set_kernel_counters(state, pairs, heads);
-  state.counters["tokens"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+/// The decode problem's tensor `which` of n tokens in Storage: the shared float inputs, or
+/// their bfloat16 rounding.
+template <typename Storage>
+auto storage_view(Which which, Index n) {
+  if constexpr (std::is_same_v<Storage, float>)
+    return input_view(which, n);
+  else
+    return bf16_view(which, n);
 }
 
+/// One token of the decoder over a cache of t tokens, query and cache in Storage, output in
+/// float.
+template <typename Storage>
 void run_decode(benchmark::State& state, Index t, Decoder decoder) {
-  const auto keys = input_view(Which::k, max_cache);
-  const auto values = input_view(Which::v, max_cache);
-  const auto query = input_view(Which::q, 1);
+  const auto keys = storage_view<Storage>(Which::k, max_cache);
+  const auto values = storage_view<Storage>(Which::v, max_cache);
+  const auto query = storage_view<Storage>(Which::q, 1);
   const auto out = output_view(1);
   const std::vector<double> sigmas = alibi_sigmas(static_cast<int>(heads));
   const std::vector<HashSet> hashes = multihead_hashes(sigmas, default_samples, seed);
@@ -101,11 +83,11 @@ void run_decode(benchmark::State& state, Index t, Decoder decoder) {
       const auto keys_h = keys.head(h).topRows(t);
       const auto values_h = values.head(h).topRows(t);
       if (decoder == Decoder::lsh) {
-        lsh_attention_decode<float>(query.head(h), keys_h, values_h, position,
-                                    hashes[static_cast<std::size_t>(h)], out_h);
+        lsh_attention_decode<Storage, Storage, float>(query.head(h), keys_h, values_h, position,
+                                                      hashes[static_cast<std::size_t>(h)], out_h);
       } else {
-        alibi_attention_decode_exact<float>(query.head(h), keys_h, values_h, position,
-                                            sigmas[static_cast<std::size_t>(h)], out_h);
+        alibi_attention_decode_exact<Storage, Storage, float>(
+            query.head(h), keys_h, values_h, position, sigmas[static_cast<std::size_t>(h)], out_h);
       }
     }
     benchmark::DoNotOptimize(out.data);
@@ -137,9 +119,9 @@ void register_decode() {
   benchmark::AddCustomContext("poslsh_decoders", decoders);
   for (const DecoderRow& row : rows) {
     for (Index t = 4096; t <= max_cache; t *= 2) {
-      with_min_statistic(
-          benchmark::RegisterBenchmark((std::string(row.name) + "/" + std::to_string(t)).c_str(),
-                                       row.bf16 ? run_decode_bf16 : run_decode, t, row.decoder))
+      with_min_statistic(benchmark::RegisterBenchmark(
+                             (std::string(row.name) + "/" + std::to_string(t)).c_str(),
+                             row.bf16 ? run_decode<bf16> : run_decode<float>, t, row.decoder))
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime()
           ->MinTime(0.3);
