@@ -551,12 +551,23 @@ void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
                       packed);
 }
 
-/// D_i = dO_i . O_i for every row.
+/// D_i = dO_i . O_i for every row, accumulated exactly as the score kernel accumulates
+/// dP_ij = dO_i . v_j (tile_score_block: from zero, one packet multiply-add per column in
+/// increasing column order; the lanes of a broadcast packet all hold that arithmetic). Where
+/// O_i = v_j exactly (a row whose only key is j, as in blocks of one token) D_i and dP_ij are
+/// then the same number, so dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic.
 template <typename Scalar>
 Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Scalar>& out,
                                                         const ConstMatrixRef<Scalar>& dout) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(out.rows());
-  for (Index i = 0; i < out.rows(); ++i) delta(i) = dout.row(i).dot(out.row(i));
+  for (Index i = 0; i < out.rows(); ++i) {
+    Packet sum = ei::pset1<Packet>(Scalar(0));
+    for (Index c = 0; c < out.cols(); ++c)
+      sum = ei::pmadd(ei::pset1<Packet>(dout(i, c)), ei::pset1<Packet>(out(i, c)), sum);
+    delta(i) = ei::pfirst(sum);
+  }
   return delta;
 }
 
