@@ -185,7 +185,7 @@ TEST_CASE("per-sample and by-blocks kernels: float queries over a bfloat16 cache
       check_prefill<float, bf16>(kernel, shape, Masking::causal, seed += 3);
 }
 
-TEST_CASE("per-sample kernel on bfloat16 at n = 4096", "[half][per_sample]") {
+TEST_CASE("per-sample kernel on bfloat16 at n = 4096", "[half][per_sample][slow]") {
   check_prefill<bf16, bf16>(Kernel::per_sample, {4096, 64, 16.0}, Masking::causal, 300, 7);
 }
 
