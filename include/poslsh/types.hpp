@@ -59,6 +59,20 @@ struct compute_scalar {
 template <typename... Storage>
 using compute_scalar_t = typename compute_scalar<Storage...>::type;
 
+namespace detail {
+
+/// T itself, in a context where a function template argument is not deduced: a kernel's
+/// parameter ConstMatrixRef<nondeduced_t<KVScalar>> takes any argument convertible to the view
+/// of the given (or defaulted) KVScalar, as a non-template parameter would.
+template <typename T>
+struct nondeduced {
+  using type = T;
+};
+template <typename T>
+using nondeduced_t = typename nondeduced<T>::type;
+
+}  // namespace detail
+
 /// Row-major dynamic matrix: row i is token i.
 template <typename Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

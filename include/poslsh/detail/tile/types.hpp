@@ -39,16 +39,6 @@ struct KeyRange {
 /// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
 enum class KeyTileCut { skip, full, masked };
 
-/// T itself, in a context where a function template argument is not deduced: a kernel's
-/// parameter ConstMatrixRef<nondeduced_t<KVScalar>> takes any argument convertible to the view
-/// of the given (or defaulted) KVScalar, as a non-template parameter would.
-template <typename T>
-struct nondeduced {
-  using type = T;
-};
-template <typename T>
-using nondeduced_t = typename nondeduced<T>::type;
-
 /// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
