@@ -27,21 +27,21 @@ using poslsh_test::with_masking;
 namespace {
 
 template <typename Scalar>
-using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+using ColumnVector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 
-enum class Kind { tiled, banded, fused, per_sample, fixed_blocks };
+enum class BackwardKind { tiled, banded, fused, per_sample, fixed_blocks };
 
-const char* kind_name(Kind kind) {
+const char* backward_kind_name(BackwardKind kind) {
   switch (kind) {
-    case Kind::tiled:
+    case BackwardKind::tiled:
       return "tiled";
-    case Kind::banded:
+    case BackwardKind::banded:
       return "banded";
-    case Kind::fused:
+    case BackwardKind::fused:
       return "fused";
-    case Kind::per_sample:
+    case BackwardKind::per_sample:
       return "per_sample";
-    case Kind::fixed_blocks:
+    case BackwardKind::fixed_blocks:
       return "fixed_blocks";
   }
   return "?";
@@ -49,7 +49,7 @@ const char* kind_name(Kind kind) {
 
 /// One kernel configuration: its kind, sigma, band and hashes, and the options.
 struct Setup {
-  Kind kind;
+  BackwardKind kind;
   double sigma;
   Index band;
   HashSet hashes;
@@ -63,22 +63,22 @@ struct Gradients {
 
 template <typename Scalar>
 void forward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-             const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, Vector<Scalar>& lse,
+             const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, ColumnVector<Scalar>& lse,
              bool resize = true) {
   if (resize) {
     out.resize(q.rows(), v.cols());
     lse.resize(q.rows());
   }
   switch (s.kind) {
-    case Kind::tiled:
+    case BackwardKind::tiled:
       return poslsh::alibi_attention_tiled<Scalar>(q, k, v, s.sigma, out, lse, s.options);
-    case Kind::banded:
+    case BackwardKind::banded:
       return poslsh::alibi_attention_banded<Scalar>(q, k, v, s.sigma, s.band, out, lse, s.options);
-    case Kind::fused:
+    case BackwardKind::fused:
       return poslsh::lsh_attention_fused<Scalar>(q, k, v, s.hashes, out, lse, s.options);
-    case Kind::per_sample:
+    case BackwardKind::per_sample:
       return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, s.hashes, out, lse, s.options);
-    case Kind::fixed_blocks:
+    case BackwardKind::fixed_blocks:
       return poslsh::fixed_blocks_attention<Scalar>(q, k, v, s.sigma, out, lse, s.options);
   }
 }
@@ -86,27 +86,27 @@ void forward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>
 template <typename Scalar>
 Gradients<Scalar> backward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
                            const RowMatrix<Scalar>& v, const RowMatrix<Scalar>& out,
-                           const Vector<Scalar>& lse, const RowMatrix<Scalar>& dout) {
+                           const ColumnVector<Scalar>& lse, const RowMatrix<Scalar>& dout) {
   Gradients<Scalar> g{RowMatrix<Scalar>(q.rows(), q.cols()), RowMatrix<Scalar>(k.rows(), k.cols()),
                       RowMatrix<Scalar>(v.rows(), v.cols())};
   switch (s.kind) {
-    case Kind::tiled:
+    case BackwardKind::tiled:
       poslsh::alibi_attention_tiled_backward<Scalar>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
                                                      g.dv, s.options);
       break;
-    case Kind::banded:
+    case BackwardKind::banded:
       poslsh::alibi_attention_banded_backward<Scalar>(q, k, v, s.sigma, s.band, out, lse, dout,
                                                       g.dq, g.dk, g.dv, s.options);
       break;
-    case Kind::fused:
+    case BackwardKind::fused:
       poslsh::lsh_attention_fused_backward<Scalar>(q, k, v, s.hashes, out, lse, dout, g.dq, g.dk,
                                                    g.dv, s.options);
       break;
-    case Kind::per_sample:
+    case BackwardKind::per_sample:
       poslsh::lsh_attention_per_sample_backward<Scalar>(q, k, v, s.hashes, out, lse, dout, g.dq,
                                                         g.dk, g.dv, s.options);
       break;
-    case Kind::fixed_blocks:
+    case BackwardKind::fixed_blocks:
       poslsh::fixed_blocks_attention_backward<Scalar>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
                                                       g.dv, s.options);
       break;
@@ -147,14 +147,14 @@ std::vector<Setup> setups(Index n, Masking masking) {
   std::vector<Setup> result;
   const AttentionOptions options = with_masking(masking);
   for (double sigma : {0.5, 16.0, 1e4}) {
-    result.push_back({Kind::tiled, sigma, 0, {}, options});
-    result.push_back({Kind::fixed_blocks, sigma, 0, {}, options});
+    result.push_back({BackwardKind::tiled, sigma, 0, {}, options});
+    result.push_back({BackwardKind::fixed_blocks, sigma, 0, {}, options});
     for (Index band : {Index{3}, Index{40}})
-      result.push_back({Kind::banded, sigma, band, {}, options});
+      result.push_back({BackwardKind::banded, sigma, band, {}, options});
     for (Index s : {Index{1}, Index{3}, Index{16}}) {
       const HashSet hashes = poslsh::rbf_hashes(sigma, s, 7 + static_cast<std::uint64_t>(n), 1);
-      result.push_back({Kind::fused, sigma, 0, hashes, options});
-      result.push_back({Kind::per_sample, sigma, 0, hashes, options});
+      result.push_back({BackwardKind::fused, sigma, 0, hashes, options});
+      result.push_back({BackwardKind::per_sample, sigma, 0, hashes, options});
     }
   }
   return result;
@@ -172,17 +172,17 @@ TEST_CASE("backward matches central finite differences in double", "[backward]")
       const RowMatrix<double> v = random_matrix<double>(n, dv, seed + 3);
       const RowMatrix<double> dout = random_matrix<double>(n, dv, seed + 4);
       for (const Setup& s : setups(n, masking)) {
-        INFO(kind_name(s.kind) << ", n " << n << ", sigma " << s.sigma << ", band " << s.band
-                               << ", s " << s.hashes.size() << ", causal "
-                               << (masking == Masking::causal));
+        INFO(backward_kind_name(s.kind)
+             << ", n " << n << ", sigma " << s.sigma << ", band " << s.band << ", s "
+             << s.hashes.size() << ", causal " << (masking == Masking::causal));
         RowMatrix<double> out;
-        Vector<double> lse;
+        ColumnVector<double> lse;
         forward<double>(s, q, k, v, out, lse);
         const Gradients<double> g = backward<double>(s, q, k, v, out, lse, dout);
         finite_difference_error(q, k, v, g, seed + 10,
                                 [&](const auto& a, const auto& b, const auto& c) {
                                   RowMatrix<double> o;
-                                  Vector<double> l;
+                                  ColumnVector<double> l;
                                   forward<double>(s, a, b, c, o, l);
                                   return (o.array() * dout.array()).sum();
                                 });
@@ -201,13 +201,14 @@ TEST_CASE("float backward is within twice the float forward's error against doub
                          doutf = dout.cast<float>();
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (const Setup& s : setups(n, masking)) {
-      INFO(kind_name(s.kind) << ", sigma " << s.sigma << ", band " << s.band << ", s "
-                             << s.hashes.size() << ", causal " << (masking == Masking::causal));
+      INFO(backward_kind_name(s.kind)
+           << ", sigma " << s.sigma << ", band " << s.band << ", s " << s.hashes.size()
+           << ", causal " << (masking == Masking::causal));
       RowMatrix<double> out;
-      Vector<double> lse;
+      ColumnVector<double> lse;
       forward<double>(s, q, k, v, out, lse);
       RowMatrix<float> outf;
-      Vector<float> lsef;
+      ColumnVector<float> lsef;
       forward<float>(s, qf, kf, vf, outf, lsef);
       const Gradients<double> g = backward<double>(s, q, k, v, out, lse, dout);
       const Gradients<float> gf = backward<float>(s, qf, kf, vf, outf, lsef, doutf);
@@ -262,44 +263,46 @@ TEST_CASE("lse agrees with a dense log-sum-exp for every kernel", "[backward]") 
   const RowMatrix<double> scores = tau * q * k.transpose();
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (const Setup& s : setups(n, masking)) {
-      INFO(kind_name(s.kind) << ", sigma " << s.sigma << ", band " << s.band << ", s "
-                             << s.hashes.size() << ", causal " << (masking == Masking::causal));
+      INFO(backward_kind_name(s.kind)
+           << ", sigma " << s.sigma << ", band " << s.band << ", s " << s.hashes.size()
+           << ", causal " << (masking == Masking::causal));
       RowMatrix<double> x = scores, w = RowMatrix<double>::Ones(n, n);
-      if (s.kind == Kind::tiled || s.kind == Kind::banded) {
+      if (s.kind == BackwardKind::tiled || s.kind == BackwardKind::banded) {
         for (Index i = 0; i < n; ++i)
           for (Index j = 0; j < n; ++j) {
             const Index distance = std::abs(i - j);
             x(i, j) -= static_cast<double>(distance) / s.sigma;
-            if (s.kind == Kind::banded && distance > s.band) w(i, j) = 0;
+            if (s.kind == BackwardKind::banded && distance > s.band) w(i, j) = 0;
           }
         if (masking == Masking::causal) w.triangularView<Eigen::StrictlyUpper>().setZero();
       } else {
-        const HashSet hashes =
-            s.kind == Kind::fixed_blocks ? HashSet{poslsh::fixed_blocks_hash(s.sigma)} : s.hashes;
+        const HashSet hashes = s.kind == BackwardKind::fixed_blocks
+                                   ? HashSet{poslsh::fixed_blocks_hash(s.sigma)}
+                                   : s.hashes;
         w = static_cast<double>(hashes.size()) *
             poslsh::mean_mask_dense<double>(hashes, n, masking);
       }
       RowMatrix<double> out;
-      Vector<double> lse;
+      ColumnVector<double> lse;
       forward<double>(s, q, k, v, out, lse);
       const RowMatrix<double> expected = dense_lse(x, w);
       CHECK(relative_max_error(lse, expected.col(0)) <= 1e-12);
       // The forward with lse gives bitwise the output of the forward without it.
       RowMatrix<double> plain;
       switch (s.kind) {
-        case Kind::tiled:
+        case BackwardKind::tiled:
           plain = poslsh::alibi_attention_tiled<double>(q, k, v, s.sigma, s.options);
           break;
-        case Kind::banded:
+        case BackwardKind::banded:
           plain = poslsh::alibi_attention_banded<double>(q, k, v, s.sigma, s.band, s.options);
           break;
-        case Kind::fused:
+        case BackwardKind::fused:
           plain = poslsh::lsh_attention_fused<double>(q, k, v, s.hashes, s.options);
           break;
-        case Kind::per_sample:
+        case BackwardKind::per_sample:
           plain = poslsh::lsh_attention_per_sample<double>(q, k, v, s.hashes, s.options);
           break;
-        case Kind::fixed_blocks:
+        case BackwardKind::fixed_blocks:
           plain = poslsh::fixed_blocks_attention<double>(q, k, v, s.sigma, s.options);
           break;
       }
@@ -319,10 +322,10 @@ TEST_CASE("fused and per-sample backward give the same gradients", "[backward]")
         for (Index s : {Index{1}, Index{3}, Index{16}}) {
           INFO("n " << n << ", sigma " << sigma << ", s " << s);
           const HashSet hashes = poslsh::rbf_hashes(sigma, s, 5, 2);
-          const Setup fused{Kind::fused, sigma, 0, hashes, with_masking(masking)};
-          const Setup per_sample{Kind::per_sample, sigma, 0, hashes, with_masking(masking)};
+          const Setup fused{BackwardKind::fused, sigma, 0, hashes, with_masking(masking)};
+          const Setup per_sample{BackwardKind::per_sample, sigma, 0, hashes, with_masking(masking)};
           RowMatrix<float> out;
-          Vector<float> lse;
+          ColumnVector<float> lse;
           forward<float>(fused, q, k, v, out, lse);
           const Gradients<float> a = backward<float>(fused, q, k, v, out, lse, dout);
           const Gradients<float> b = backward<float>(per_sample, q, k, v, out, lse, dout);
@@ -346,22 +349,22 @@ TEST_CASE("gradients are bitwise the same for 1 and 2 threads", "[backward][dete
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const HashSet hashes = poslsh::rbf_hashes(64.0, 4, 3, 0);
     const std::vector<Setup> all = {
-        {Kind::tiled, 32.0, 0, {}, with_masking(masking)},
-        {Kind::banded, 32.0, 100, {}, with_masking(masking)},
-        {Kind::fused, 64.0, 0, hashes, with_masking(masking)},
-        {Kind::per_sample, 64.0, 0, hashes, with_masking(masking)},
-        {Kind::fixed_blocks, 64.0, 0, {}, with_masking(masking)},
+        {BackwardKind::tiled, 32.0, 0, {}, with_masking(masking)},
+        {BackwardKind::banded, 32.0, 100, {}, with_masking(masking)},
+        {BackwardKind::fused, 64.0, 0, hashes, with_masking(masking)},
+        {BackwardKind::per_sample, 64.0, 0, hashes, with_masking(masking)},
+        {BackwardKind::fixed_blocks, 64.0, 0, {}, with_masking(masking)},
     };
     for (const Setup& s : all) {
-      INFO(kind_name(s.kind) << ", causal " << (masking == Masking::causal));
+      INFO(backward_kind_name(s.kind) << ", causal " << (masking == Masking::causal));
       omp_set_num_threads(1);
       RowMatrix<float> out;
-      Vector<float> lse;
+      ColumnVector<float> lse;
       forward<float>(s, q, k, v, out, lse);
       const Gradients<float> one = backward<float>(s, q, k, v, out, lse, dout);
       omp_set_num_threads(2);
       RowMatrix<float> out2;
-      Vector<float> lse2;
+      ColumnVector<float> lse2;
       forward<float>(s, q, k, v, out2, lse2);
       const Gradients<float> two = backward<float>(s, q, k, v, out, lse, dout);
       CHECK(out == out2);
@@ -416,19 +419,22 @@ TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[ba
                        dv_sum = RowMatrix<float>::Zero(n, dv);
       for (Index h = g * 2; h < g * 2 + 2; ++h) {
         const auto index = static_cast<std::size_t>(h);
-        const Kind kind = method == poslsh::Method::lsh_fused        ? Kind::fused
-                          : method == poslsh::Method::lsh_per_sample ? Kind::per_sample
-                          : method == poslsh::Method::fixed_blocks   ? Kind::fixed_blocks
-                          : method == poslsh::Method::exact_banded   ? Kind::banded
-                                                                     : Kind::tiled;
+        const BackwardKind kind =
+            method == poslsh::Method::lsh_fused        ? BackwardKind::fused
+            : method == poslsh::Method::lsh_per_sample ? BackwardKind::per_sample
+            : method == poslsh::Method::fixed_blocks   ? BackwardKind::fixed_blocks
+            : method == poslsh::Method::exact_banded   ? BackwardKind::banded
+                                                       : BackwardKind::tiled;
         const Setup s{kind, sigmas[index], poslsh::band_for_bias_error(sigmas[index], 1e-3),
-                      kind == Kind::fused || kind == Kind::per_sample ? hashes[index] : HashSet{},
+                      kind == BackwardKind::fused || kind == BackwardKind::per_sample
+                          ? hashes[index]
+                          : HashSet{},
                       AttentionOptions{}};
         const RowMatrix<float> q_h = qb.middleCols(h * d, d), k_g = kb.middleCols(g * d, d),
                                v_g = vb.middleCols(g * dv, dv),
                                dout_h = doutb.middleCols(h * dv, dv);
         RowMatrix<float> out_h;
-        Vector<float> lse_h;
+        ColumnVector<float> lse_h;
         forward<float>(s, q_h, k_g, v_g, out_h, lse_h);
         CHECK(out_h == outb.middleCols(h * dv, dv));
         CHECK(lse_h == lse.row(h).transpose());
@@ -450,15 +456,16 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
                          dout = random_matrix<float>(n, dv, 74);
   const HashSet hashes = poslsh::rbf_hashes(4.0, 2, 1);
   RowMatrix<float> out(n, dv);
-  Vector<float> lse(n);
+  ColumnVector<float> lse(n);
   poslsh::lsh_attention_fused<float>(q, k, v, hashes, out, lse);
   RowMatrix<float> dq(n, d), dk(n, d), dvv(n, dv);
   RowMatrix<float> wrong_dq(n, d + 1), wrong_dk(n + 1, d), wrong_dv(n, dv + 1),
       wrong_dout(n - 1, dv), wrong_out(n, dv + 1);
-  Vector<float> wrong_lse(n + 1);
+  ColumnVector<float> wrong_lse(n + 1);
   using poslsh_test::require_invalid_argument;
-  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
-    INFO(kind_name(kind));
+  for (BackwardKind kind : {BackwardKind::tiled, BackwardKind::banded, BackwardKind::fused,
+                            BackwardKind::per_sample, BackwardKind::fixed_blocks}) {
+    INFO(backward_kind_name(kind));
     const Setup s{kind, 4.0, 3, hashes, AttentionOptions{}};
     Gradients<float> g;
     require_invalid_argument([&] { backward<float>(s, q, k, v, out, lse, wrong_dout); }, "dout");

@@ -16,12 +16,12 @@ using poslsh::HashSet;
 using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
+using poslsh_test::infinity;
 using poslsh_test::random_matrix;
 
 namespace {
 
 constexpr double not_a_number = std::numeric_limits<double>::quiet_NaN();
-constexpr double infinity = std::numeric_limits<double>::infinity();
 
 /// The value as the checks print it (17 significant digits).
 template <typename Value>

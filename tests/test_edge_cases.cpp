@@ -26,13 +26,12 @@ using poslsh::HashSet;
 using poslsh::Index;
 using poslsh::Masking;
 using poslsh::RowMatrix;
+using poslsh_test::infinity;
 using poslsh_test::random_matrix;
 using poslsh_test::relative_max_error;
 using poslsh_test::with_masking;
 
 namespace {
-
-constexpr double infinity = std::numeric_limits<double>::infinity();
 
 /// softmax_j(tau q_i.k_j - |i-j| / sigma) v_j in double, directly from the definition (causal:
 /// j <= i); sigma = infinity gives plain attention without positional bias.

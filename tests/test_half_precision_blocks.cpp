@@ -146,7 +146,7 @@ void check_prefill(Kernel kernel, const Shape& shape, Masking masking, std::uint
   const RowMatrix<double> reference =
       dense_rows(q_rows, to_double(k), to_double(v), tau, rows, LogCounts(hashes, n, masking));
   INFO(name(kernel) << ", n " << n << ", d " << d << ", sigma " << shape.sigma << ", "
-                    << (masking == Masking::causal ? "causal" : "bidirectional"));
+                    << poslsh_test::masking_name(masking));
   const RowMatrix<float> float_out = run<float, float, float>(
       kernel, widened(q), widened(k), widened(v), hashes, shape.sigma, options);
   const RowMatrix<float> half_out =

@@ -16,10 +16,6 @@ using poslsh::RowMatrix;
 
 namespace {
 
-const char* name(Masking masking) {
-  return masking == Masking::causal ? "causal" : "bidirectional";
-}
-
 RowMatrix<double> dense_error(const poslsh::HashSet& hashes, Index n, double sigma,
                               Masking masking) {
   return poslsh::mean_mask_dense<double>(hashes, n, masking) -
@@ -44,9 +40,10 @@ TEST_CASE("max_error equals the dense max of |L* - M~| exactly", "[analysis][slo
         const poslsh::MaxError result = poslsh::max_error(hashes, c.n, c.sigma, masking);
         const RowMatrix<double> error = dense_error(hashes, c.n, c.sigma, masking);
         const double expected = error.cwiseAbs().maxCoeff();
-        INFO(name(masking) << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ", seed "
-                           << seed << ": " << result.value << " at (" << result.row << ", "
-                           << result.col << "), dense " << expected);
+        INFO(poslsh_test::masking_name(masking)
+             << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ", seed " << seed << ": "
+             << result.value << " at (" << result.row << ", " << result.col << "), dense "
+             << expected);
         // Both form each entry as |c/s - exp(-d/sigma)| with the same operations: equal bits.
         CHECK(result.value == expected);
         REQUIRE(result.row >= 0);
@@ -77,8 +74,8 @@ TEST_CASE("max_error across the row-task seam and with hand-made hashes", "[anal
       }
     }
     const poslsh::MaxError result = poslsh::max_error(hashes, n, 6.0, masking);
-    INFO(name(masking) << ": " << result.value << " at (" << result.row << ", " << result.col
-                       << ")");
+    INFO(poslsh_test::masking_name(masking)
+         << ": " << result.value << " at (" << result.row << ", " << result.col << ")");
     CHECK(result.value == expected);
   }
 }
@@ -106,7 +103,7 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
             poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value);
       }
       const double slope = poslsh_examples::log_log_slope(samples, errors);
-      INFO(name(masking) << ", seed " << seed << ": slope " << slope);
+      INFO(poslsh_test::masking_name(masking) << ", seed " << seed << ": slope " << slope);
       CHECK(slope >= -0.65);
       CHECK(slope <= -0.35);
     }

@@ -20,14 +20,6 @@ using poslsh::Masking;
 using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
 
-namespace {
-
-const char* name(Masking masking) {
-  return masking == Masking::causal ? "causal" : "bidirectional";
-}
-
-}  // namespace
-
 TEST_CASE("bounds equal the paper's formulas", "[analysis]") {
   for (double sigma : {0.5, 2.0, 16.0, 256.0}) {
     const double e = std::exp(1.0 / sigma);
@@ -56,8 +48,9 @@ TEST_CASE("observed spectral error stays below the paper's expectation bound", "
           const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, 99, 0);
           const double error = poslsh::spectral_error(hashes, n, sigma, masking).value;
           const double bound = poslsh::expectation_bound(n, sigma, s);
-          INFO(name(masking) << ", sigma " << sigma << ", n " << n << ", s " << s << ": error "
-                             << error << ", bound " << bound);
+          INFO(poslsh_test::masking_name(masking)
+               << ", sigma " << sigma << ", n " << n << ", s " << s << ": error " << error
+               << ", bound " << bound);
           CHECK(error < bound);
         }
       }
@@ -72,8 +65,9 @@ TEST_CASE("kernel_error_metrics gathers the errors, the norm and the bounds", "[
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const poslsh::KernelErrorMetrics metrics =
         poslsh::kernel_error_metrics(hashes, n, sigma, masking);
-    INFO(name(masking) << ": spectral " << metrics.spectral << ", max " << metrics.max << ", eps "
-                       << metrics.relative_spectral);
+    INFO(poslsh_test::masking_name(masking)
+         << ": spectral " << metrics.spectral << ", max " << metrics.max << ", eps "
+         << metrics.relative_spectral);
     CHECK(metrics.spectral == poslsh::spectral_error(hashes, n, sigma, masking).value);
     CHECK(metrics.spectral_details.method == poslsh::SpectralMethod::lanczos);
     CHECK(metrics.max == poslsh::max_error(hashes, n, sigma, masking).value);
@@ -256,8 +250,9 @@ TEMPLATE_TEST_CASE("unnormalized_output_error_dense equals the dense (A o L*) V 
     const RowMatrix<double> difference = exact - estimate;
     const poslsh::UnnormalizedOutputError error =
         poslsh::unnormalized_output_error_dense<TestType>(q, k, v, hashes, sigma, options);
-    INFO(name(masking) << ": F " << error.frobenius << " vs " << difference.norm() << ", max "
-                       << error.max << " vs " << difference.cwiseAbs().maxCoeff());
+    INFO(poslsh_test::masking_name(masking)
+         << ": F " << error.frobenius << " vs " << difference.norm() << ", max " << error.max
+         << " vs " << difference.cwiseAbs().maxCoeff());
     // Both in double from the same inputs; the dense side cancels two sums of size
     // |(A o L*) V|, so compare at 1e-12 of that scale.
     const double scale = exact.cwiseAbs().maxCoeff();
@@ -283,8 +278,8 @@ TEST_CASE("paper_metrics is the three metric groups in one call", "[analysis]") 
     const poslsh::PaperMetrics metrics =
         poslsh::paper_metrics<double>(q, k, v, hashes, sigma, exact, estimate, attention);
     const poslsh::OutputErrorMetrics output = poslsh::output_error_metrics<double>(exact, estimate);
-    INFO(name(masking) << ": relative F " << metrics.output.relative_frobenius << ", cosine "
-                       << metrics.output.cosine);
+    INFO(poslsh_test::masking_name(masking) << ": relative F " << metrics.output.relative_frobenius
+                                            << ", cosine " << metrics.output.cosine);
     CHECK(metrics.output.frobenius == output.frobenius);
     CHECK(metrics.output.row_relative_p90 == output.row_relative_p90);
     REQUIRE(metrics.unnormalized.has_value());

@@ -22,17 +22,17 @@ using poslsh_test::random_matrix;
 
 namespace {
 
-enum class Kind { tiled, banded, fused, per_sample, fixed_blocks };
+enum class OffsetKind { tiled, banded, fused, per_sample, fixed_blocks };
 
-const char* kind_name(Kind kind) {
+const char* offset_kind_name(OffsetKind kind) {
   switch (kind) {
-    case Kind::tiled:
+    case OffsetKind::tiled:
       return "tiled";
-    case Kind::banded:
+    case OffsetKind::banded:
       return "banded";
-    case Kind::fused:
+    case OffsetKind::fused:
       return "fused";
-    case Kind::per_sample:
+    case OffsetKind::per_sample:
       return "per_sample";
     default:
       return "fixed_blocks";
@@ -40,19 +40,19 @@ const char* kind_name(Kind kind) {
 }
 
 template <typename Scalar>
-void run_kind(Kind kind, ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+void run_kind(OffsetKind kind, ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
               ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
               const AttentionOptions& options) {
   switch (kind) {
-    case Kind::tiled:
+    case OffsetKind::tiled:
       return poslsh::alibi_attention_tiled<Scalar>(q, k, v, 12.0, out, options);
-    case Kind::banded:
+    case OffsetKind::banded:
       return poslsh::alibi_attention_banded<Scalar>(q, k, v, 12.0, 90, out, options);
-    case Kind::fused:
+    case OffsetKind::fused:
       return poslsh::lsh_attention_fused<Scalar>(q, k, v, hashes, out, options);
-    case Kind::per_sample:
+    case OffsetKind::per_sample:
       return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, out, options);
-    case Kind::fixed_blocks:
+    case OffsetKind::fixed_blocks:
       return poslsh::fixed_blocks_attention<Scalar>(q, k, v, 20.0, out, options);
   }
 }
@@ -71,16 +71,16 @@ TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]
   const auto v = random_matrix<float>(n, dv, 303);
   const HashSet hashes = poslsh::rbf_hashes(24.0, 4, 9, 1);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (Kind kind :
-         {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+    for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
+                            OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
       AttentionOptions options;
       options.masking = masking;
       RowMatrix<float> full(n, dv);
       run_kind<float>(kind, q, k, v, hashes, full, options);
-      const bool per_sample = kind == Kind::per_sample || kind == Kind::fixed_blocks;
+      const bool per_sample = kind == OffsetKind::per_sample || kind == OffsetKind::fixed_blocks;
       for (Index chunk : {1, 7, 64, 1000}) {
-        INFO(kind_name(kind) << (masking == Masking::causal ? " causal" : " bidirectional")
-                             << ", chunk " << chunk);
+        INFO(offset_kind_name(kind)
+             << (masking == Masking::causal ? " causal" : " bidirectional") << ", chunk " << chunk);
         RowMatrix<float> chunked = full;
         // Small chunks: a sample of them (every 5th single-row chunk for the tile kernels; the
         // per-sample kernels compute whole tiles of 128 rows per chunk, so fewer there).
@@ -131,8 +131,9 @@ TEST_CASE("causal queries at an explicit offset ignore the later keys", "[offset
   const auto k = random_matrix<float>(n, d, 312);
   const auto v = random_matrix<float>(n, d, 313);
   const HashSet hashes = poslsh::rbf_hashes(10.0, 8, 3, 0);
-  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
-    INFO(kind_name(kind));
+  for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
+                          OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
+    INFO(offset_kind_name(kind));
     RowMatrix<float> full(n, d);
     run_kind<float>(kind, q, k, v, hashes, full, {});
     // An explicit offset with all n keys: the rows of the kernel on all n positions.
@@ -212,8 +213,8 @@ TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]")
   for (Index p0 : {-1, 11, 1000}) {
     AttentionOptions options;
     options.query_offset = p0;
-    for (Kind kind :
-         {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+    for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
+                            OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
       poslsh_test::require_invalid_argument(
           [&] { run_kind<float>(kind, q, k, k, hashes, out, options); }, "options.query_offset");
     }
@@ -229,7 +230,8 @@ TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]")
       [&] { poslsh::lsh_attention_by_blocks<float>(k, k, k, hashes, wide, shifted); },
       "options.query_offset");
   // Unset offset: the queries are the last q.rows() keys, so k needs at least as many rows.
-  for (Kind kind : {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample, Kind::fixed_blocks}) {
+  for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
+                          OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
     poslsh_test::require_invalid_argument([&] { run_kind<float>(kind, k, q, q, hashes, wide, {}); },
                                           "k");
   }

@@ -28,10 +28,6 @@ double vector_error(const A& a, const B& b) {
   return poslsh_test::relative_max_error(a.template cast<double>(), b.template cast<double>());
 }
 
-const char* name(Masking masking) {
-  return masking == Masking::causal ? "causal" : "bidirectional";
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x", "[analysis]",
@@ -48,7 +44,7 @@ TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x"
         op.template apply_transpose<TestType>(x, yt);
         const Eigen::VectorXd expected = dense * x.template cast<double>();
         const Eigen::VectorXd expected_t = dense.transpose() * x.template cast<double>();
-        INFO(name(masking) << ", sigma " << sigma << ", n " << n);
+        INFO(poslsh_test::masking_name(masking) << ", sigma " << sigma << ", n " << n);
         // Both sides compute in double from the same x; they differ by the rounding of y to
         // Scalar and by r^d against exp(-d/sigma) (d roundoffs), far below tolerance * |L* x|.
         const double scale = std::max(1.0, expected.cwiseAbs().maxCoeff());
@@ -73,7 +69,7 @@ TEMPLATE_TEST_CASE("MeanMaskOperator products equal the dense mean mask times x"
         Vector<TestType> yt(n);
         op.template apply<TestType>(x, y);
         op.template apply_transpose<TestType>(x, yt);
-        INFO(name(masking) << ", sigma " << sigma << ", s " << s);
+        INFO(poslsh_test::masking_name(masking) << ", sigma " << sigma << ", s " << s);
         CHECK(op.samples() == s);
         // Prefix sums in double cancel terms of size sum |x| ~ sqrt(n): 1e-14 absolute, so
         // the rounding of y to Scalar dominates.
@@ -96,7 +92,7 @@ TEST_CASE("KernelErrorOperator is L* - M~ and its transpose, also in place", "[a
     const Eigen::VectorXd x = random_vector<double>(n, 8);
     Eigen::VectorXd y(n);
     op.apply<double>(x, y);
-    INFO(name(masking));
+    INFO(poslsh_test::masking_name(masking));
     CHECK(op.symmetric() == (masking == Masking::bidirectional));
     CHECK(vector_error(y, dense * x) < 1e-12);
     Eigen::VectorXd in_place = x;

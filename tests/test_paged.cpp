@@ -20,10 +20,10 @@ using poslsh_test::random_matrix;
 
 namespace {
 
-constexpr Index Hkv = 2, d = 16, dv = 24;
+constexpr Index paged_kv_heads = 2, paged_dim = 16, paged_value_dim = 24;
 
-// A page pool holding the [n, Hkv, d] keys and [n, Hkv, dv] values of one sequence in
-// shuffled pages, with spare pages of NaN (never read).
+// A page pool holding the [n, paged_kv_heads, paged_dim] keys and [n, paged_kv_heads,
+// paged_value_dim] values of one sequence in shuffled pages, with spare pages of NaN (never read).
 struct PagedCache {
   std::vector<float> k_pool, v_pool;
   std::vector<std::int32_t> table, lengths;
@@ -38,24 +38,27 @@ struct PagedCache {
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    k_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * d), nan);
-    v_pool.assign(static_cast<std::size_t>(pool * page_size * Hkv * dv), nan);
+    k_pool.assign(static_cast<std::size_t>(pool * page_size * paged_kv_heads * paged_dim), nan);
+    v_pool.assign(static_cast<std::size_t>(pool * page_size * paged_kv_heads * paged_value_dim),
+                  nan);
     table.assign(static_cast<std::size_t>(pages + 1), -1);  // one spare entry past the end
     for (Index p = 0; p < pages; ++p)
       table[static_cast<std::size_t>(p)] = order[static_cast<std::size_t>(p)];
     for (Index j = 0; j < n; ++j) {
       const Index row = table[static_cast<std::size_t>(j / page_size)] * page_size + j % page_size;
-      std::copy_n(k.row(j).data(), Hkv * d, k_pool.data() + row * Hkv * d);
-      std::copy_n(v.row(j).data(), Hkv * dv, v_pool.data() + row * Hkv * dv);
+      std::copy_n(k.row(j).data(), paged_kv_heads * paged_dim,
+                  k_pool.data() + row * paged_kv_heads * paged_dim);
+      std::copy_n(v.row(j).data(), paged_kv_heads * paged_value_dim,
+                  v_pool.data() + row * paged_kv_heads * paged_value_dim);
     }
     lengths = {static_cast<std::int32_t>(n)};
     view.k_pages = k_pool.data();
     view.v_pages = v_pool.data();
     view.num_pages = pool;
     view.page_size = page_size;
-    view.heads = Hkv;
-    view.dim = d;
-    view.dim_v = dv;
+    view.heads = paged_kv_heads;
+    view.dim = paged_dim;
+    view.dim_v = paged_value_dim;
     view.block_table = table.data();
     view.batch = 1;
     view.max_pages = pages + 1;
@@ -76,23 +79,23 @@ bool same(const RowMatrix<float>& a, const RowMatrix<float>& b) {
 
 TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
   const Index n = 700;
-  const auto q = random_matrix<float>(n, d, 501);
-  const auto k = random_matrix<float>(n, Hkv * d, 502);
-  const auto v = random_matrix<float>(n, Hkv * dv, 503);
+  const auto q = random_matrix<float>(n, paged_dim, 501);
+  const auto k = random_matrix<float>(n, paged_kv_heads * paged_dim, 502);
+  const auto v = random_matrix<float>(n, paged_kv_heads * paged_value_dim, 503);
   const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 5, 1);
   for (Index page_size : {16, 64, 100, 256}) {
     const PagedCache cache(k, v, page_size, 7 + static_cast<std::uint64_t>(page_size));
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-      for (Index h = 0; h < Hkv; ++h) {
+      for (Index h = 0; h < paged_kv_heads; ++h) {
         INFO("page size " << page_size << ", head " << h << ", causal "
                           << (masking == Masking::causal));
         AttentionOptions options;
         options.masking = masking;
         const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(
-            q, head_of(k, h, d), head_of(v, h, dv), hashes, options);
+            q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), hashes, options);
         const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
-            q, head_of(k, h, d), head_of(v, h, dv), 11.0, options);
-        RowMatrix<float> out(n, dv);
+            q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), 11.0, options);
+        RowMatrix<float> out(n, paged_value_dim);
         poslsh::lsh_attention_fused_paged<float>(q, cache.view, 0, h, hashes, out, options);
         CHECK(same(out, fused));
         poslsh::alibi_attention_tiled_paged<float>(q, cache.view, 0, h, 11.0, out, options);
@@ -104,24 +107,24 @@ TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
 
 TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][offsets]") {
   const Index n = 330;
-  const auto q = random_matrix<float>(n, d, 511);
-  const auto k = random_matrix<float>(n, Hkv * d, 512);
-  const auto v = random_matrix<float>(n, Hkv * dv, 513);
+  const auto q = random_matrix<float>(n, paged_dim, 511);
+  const auto k = random_matrix<float>(n, paged_kv_heads * paged_dim, 512);
+  const auto v = random_matrix<float>(n, paged_kv_heads * paged_value_dim, 513);
   const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 6, 0);
   const Index h = 1;
-  const RowMatrix<float> fused =
-      poslsh::lsh_attention_fused<float>(q, head_of(k, h, d), head_of(v, h, dv), hashes);
-  const RowMatrix<float> exact =
-      poslsh::alibi_attention_tiled<float>(q, head_of(k, h, d), head_of(v, h, dv), 11.0);
+  const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(
+      q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), hashes);
+  const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
+      q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), 11.0);
   for (Index page_size : {16, 256}) {
     PagedCache cache(k, v, page_size, 21);
     for (Index chunk : {1, 7, 64, 1000}) {
       INFO("page size " << page_size << ", chunk " << chunk);
-      RowMatrix<float> lsh(n, dv), alibi(n, dv);
+      RowMatrix<float> lsh(n, paged_value_dim), alibi(n, paged_value_dim);
       for (Index p0 = 0; p0 < n; p0 += chunk) {
         const Index m = std::min(chunk, n - p0);
         cache.lengths[0] = static_cast<std::int32_t>(p0 + m);  // the cache so far
-        RowMatrix<float> out(m, dv);
+        RowMatrix<float> out(m, paged_value_dim);
         poslsh::lsh_attention_fused_paged<float>(q.middleRows(p0, m), cache.view, 0, h, hashes,
                                                  out);
         lsh.middleRows(p0, m) = out;
@@ -137,11 +140,11 @@ TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][o
   PagedCache cache(k, v, 16, 22);
   AttentionOptions options;
   options.masking = Masking::bidirectional;
-  const RowMatrix<float> full =
-      poslsh::lsh_attention_fused<float>(q, head_of(k, h, d), head_of(v, h, dv), hashes, options);
+  const RowMatrix<float> full = poslsh::lsh_attention_fused<float>(
+      q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), hashes, options);
   for (Index p0 : {0, 5, 250, 320}) {
     options.query_offset = p0;
-    RowMatrix<float> out(10, dv);
+    RowMatrix<float> out(10, paged_value_dim);
     poslsh::lsh_attention_fused_paged<float>(q.middleRows(p0, 10), cache.view, 0, h, hashes, out,
                                              options);
     CHECK(same(out, full.middleRows(p0, 10)));
@@ -150,11 +153,11 @@ TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][o
 
 TEST_CASE("bad paged caches throw naming the argument", "[paged][bad_input]") {
   const Index n = 100;
-  const auto q = random_matrix<float>(4, d, 521);
-  const auto k = random_matrix<float>(n, Hkv * d, 522);
-  const auto v = random_matrix<float>(n, Hkv * dv, 523);
+  const auto q = random_matrix<float>(4, paged_dim, 521);
+  const auto k = random_matrix<float>(n, paged_kv_heads * paged_dim, 522);
+  const auto v = random_matrix<float>(n, paged_kv_heads * paged_value_dim, 523);
   const HashSet hashes = poslsh::rbf_hashes(20.0, 2, 6, 0);
-  RowMatrix<float> out(4, dv);
+  RowMatrix<float> out(4, paged_value_dim);
   const auto fused = [&](const PagedKV<float>& view, Index sequence = 0, Index head = 0) {
     return [&, view, sequence, head] {
       poslsh::lsh_attention_fused_paged<float>(q, view, sequence, head, hashes, out);
@@ -192,7 +195,7 @@ TEST_CASE("bad paged caches throw naming the argument", "[paged][bad_input]") {
   poslsh_test::require_invalid_argument(
       [&] { poslsh::alibi_attention_tiled_paged<float>(q, cache.view, 0, 0, 4.0, out, options); },
       "options.query_offset");
-  RowMatrix<float> wide = random_matrix<float>(4, d + 1, 524);
+  RowMatrix<float> wide = random_matrix<float>(4, paged_dim + 1, 524);
   poslsh_test::require_invalid_argument(
       [&] { poslsh::alibi_attention_tiled_paged<float>(wide, cache.view, 0, 0, 4.0, out); }, "q");
 }

@@ -21,10 +21,6 @@ using poslsh::SpectralOptions;
 
 namespace {
 
-const char* name(Masking masking) {
-  return masking == Masking::causal ? "causal" : "bidirectional";
-}
-
 // ||E||_2 of the dense E = L* - M~: largest singular value (BDCSVD) when causal, largest
 // |eigenvalue| of the symmetric matrix when bidirectional (the same number, found faster).
 double dense_error_norm(const poslsh::HashSet& hashes, Index n, double sigma, Masking masking) {
@@ -62,9 +58,9 @@ TEST_CASE("Lanczos spectral error equals the dense decomposition to 1e-6 at n up
       const poslsh::SpectralNorm lanczos = poslsh::spectral_error(
           hashes, c.n, c.sigma, masking, with_method(SpectralMethod::lanczos));
       const double expected = dense_error_norm(hashes, c.n, c.sigma, masking);
-      INFO(name(masking) << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ": Lanczos "
-                         << lanczos.value << " after " << lanczos.products << " products, SVD "
-                         << expected);
+      INFO(poslsh_test::masking_name(masking)
+           << ", n " << c.n << ", sigma " << c.sigma << ", s " << c.s << ": Lanczos "
+           << lanczos.value << " after " << lanczos.products << " products, SVD " << expected);
       CHECK(lanczos.method == SpectralMethod::lanczos);
       CHECK(lanczos.converged);
       // 1e-6 relative (Lanczos converges to a 1e-10 residual, so it is met by far).
@@ -84,8 +80,8 @@ TEST_CASE("an unconverged Lanczos run reports a lower bound", "[analysis][slow]"
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const poslsh::SpectralNorm capped = poslsh::spectral_error(hashes, n, sigma, masking, options);
     const double expected = dense_error_norm(hashes, n, sigma, masking);
-    INFO(name(masking) << ": capped " << capped.value << " after " << capped.products
-                       << " products, dense " << expected);
+    INFO(poslsh_test::masking_name(masking) << ": capped " << capped.value << " after "
+                                            << capped.products << " products, dense " << expected);
     CHECK_FALSE(capped.converged);
     // A Rayleigh quotient: never above the norm (up to roundoff), and already close.
     CHECK(capped.value <= expected * (1 + 1e-12));
@@ -104,7 +100,7 @@ TEST_CASE("dense and automatic spectral error agree with a Jacobi SVD", "[analys
     const poslsh::SpectralNorm dense =
         poslsh::spectral_error(hashes, n, sigma, masking, with_method(SpectralMethod::dense));
     const poslsh::SpectralNorm automatic = poslsh::spectral_error(hashes, n, sigma, masking);
-    INFO(name(masking) << ": SVD " << expected << ", dense " << dense.value);
+    INFO(poslsh_test::masking_name(masking) << ": SVD " << expected << ", dense " << dense.value);
     CHECK(dense.method == SpectralMethod::dense);
     CHECK(automatic.method == SpectralMethod::dense);  // n = 90 <= dense_limit
     // Jacobi SVD against the library's eigenvalues or BDCSVD: all backward stable.
@@ -122,8 +118,8 @@ TEST_CASE("alibi_kernel_norm equals the largest singular value of the dense kern
             poslsh::alibi_kernel_dense<double>(n, sigma, masking));
         const double expected = svd.singularValues()(0);
         const double norm = poslsh::alibi_kernel_norm(n, sigma, masking);
-        INFO(name(masking) << ", sigma " << sigma << ", n " << n << ": " << norm << " vs SVD "
-                           << expected);
+        INFO(poslsh_test::masking_name(masking)
+             << ", sigma " << sigma << ", n " << n << ": " << norm << " vs SVD " << expected);
         // Bisection resolves lambda_min of the inverse to ~1e-16 absolute; lambda_min >=
         // (1 - r)^2 ~ 1/sigma^2, so 1e-9 relative holds up to sigma of a few thousand.
         CHECK(std::abs(norm - expected) <= 1e-9 * expected);
@@ -158,8 +154,8 @@ TEST_CASE("operator_spectral_norm on the kernel operator matches alibi_kernel_no
     const poslsh::SpectralNorm lanczos =
         poslsh::operator_spectral_norm(kernel, with_method(SpectralMethod::lanczos));
     const double exact = poslsh::alibi_kernel_norm(600, 8.0, masking);
-    INFO(name(masking) << ": Lanczos " << lanczos.value << " (" << lanczos.products
-                       << " products), exact " << exact);
+    INFO(poslsh_test::masking_name(masking) << ": Lanczos " << lanczos.value << " ("
+                                            << lanczos.products << " products), exact " << exact);
     CHECK(lanczos.converged);
     CHECK(std::abs(lanczos.value - exact) <= 1e-8 * exact);
   }
@@ -184,8 +180,9 @@ TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0
         errors.push_back(poslsh::spectral_error(hashes, n, sigma, masking).value);
       }
       const double slope = log_log_slope(samples, errors);
-      INFO(name(masking) << ", seed " << seed << ": slope " << slope << ", error at s = 4 "
-                         << errors.front() << ", at s = 1024 " << errors.back());
+      INFO(poslsh_test::masking_name(masking)
+           << ", seed " << seed << ": slope " << slope << ", error at s = 4 " << errors.front()
+           << ", at s = 1024 " << errors.back());
       CHECK(slope >= -0.65);
       CHECK(slope <= -0.35);
     }

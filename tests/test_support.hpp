@@ -2,6 +2,7 @@
 // that a call throws std::invalid_argument naming a given argument.
 #pragma once
 
+#include <limits>
 #include <poslsh/types.hpp>
 #include <random>
 #include <stdexcept>
@@ -32,6 +33,14 @@ inline poslsh::AttentionOptions with_masking(poslsh::Masking masking) {
   poslsh::AttentionOptions options;
   options.masking = masking;
   return options;
+}
+
+/// +inf in double (sigma = infinity: no positional bias).
+constexpr double infinity = std::numeric_limits<double>::infinity();
+
+/// "causal" or "bidirectional", for test messages.
+inline const char* masking_name(poslsh::Masking masking) {
+  return masking == poslsh::Masking::causal ? "causal" : "bidirectional";
 }
 
 /// Relative tolerance for comparing two computations of the same quantity in Scalar:

@@ -13,7 +13,7 @@ using poslsh_test::random_matrix;
 
 namespace {
 
-constexpr Index Hq = 4, Hkv = 2, d = 16;
+constexpr Index varlen_q_heads = 4, varlen_kv_heads = 2, varlen_dim = 16;
 
 // Each sequence on its own: views of its rows of the packed buffers, options.query_offset =
 // the sequence's offset when given.
@@ -25,10 +25,15 @@ void per_sequence(const RowMatrix<float>& q, const RowMatrix<float>& k, const Ro
     const Index m = cu_q[b + 1] - cu_q[b], L = cu_k[b + 1] - cu_k[b];
     if (!offsets.empty()) options.query_offset = offsets[b];
     poslsh::multihead_attention<float>(
-        poslsh::interleaved_heads<const float>(q.data() + cu_q[b] * q.cols(), m, Hq, d),
-        poslsh::interleaved_heads<const float>(k.data() + cu_k[b] * k.cols(), L, Hkv, d),
-        poslsh::interleaved_heads<const float>(v.data() + cu_k[b] * v.cols(), L, Hkv, d),
-        poslsh::interleaved_heads<float>(out.data() + cu_q[b] * out.cols(), m, Hq, d), options);
+        poslsh::interleaved_heads<const float>(q.data() + cu_q[b] * q.cols(), m, varlen_q_heads,
+                                               varlen_dim),
+        poslsh::interleaved_heads<const float>(k.data() + cu_k[b] * k.cols(), L, varlen_kv_heads,
+                                               varlen_dim),
+        poslsh::interleaved_heads<const float>(v.data() + cu_k[b] * v.cols(), L, varlen_kv_heads,
+                                               varlen_dim),
+        poslsh::interleaved_heads<float>(out.data() + cu_q[b] * out.cols(), m, varlen_q_heads,
+                                         varlen_dim),
+        options);
   }
 }
 
@@ -40,10 +45,10 @@ TEST_CASE("packed batches equal per-sequence calls bitwise", "[varlen]") {
   const std::vector<std::int32_t> cu_k = {0, 0, 1, 50, 250, 251, 600};
   const std::vector<std::int32_t> self = cu_k;
   const std::vector<std::int32_t> chunk = {0, 0, 1, 8, 108, 109, 209};
-  const auto k = random_matrix<float>(cu_k.back(), Hkv * d, 401);
-  const auto v = random_matrix<float>(cu_k.back(), Hkv * d, 402);
+  const auto k = random_matrix<float>(cu_k.back(), varlen_kv_heads * varlen_dim, 401);
+  const auto v = random_matrix<float>(cu_k.back(), varlen_kv_heads * varlen_dim, 402);
   for (const auto* cu_q : {&self, &chunk}) {
-    const auto q = random_matrix<float>(cu_q->back(), Hq * d, 403);
+    const auto q = random_matrix<float>(cu_q->back(), varlen_q_heads * varlen_dim, 403);
     for (bool explicit_offsets : {false, true}) {
       std::vector<Index> offsets;
       if (explicit_offsets)
@@ -59,14 +64,19 @@ TEST_CASE("packed batches equal per-sequence calls bitwise", "[varlen]") {
           options.masking = masking;
           options.method = method;
           options.samples = 4;
-          RowMatrix<float> packed = RowMatrix<float>::Constant(q.rows(), Hq * d, -7.0f);
+          RowMatrix<float> packed =
+              RowMatrix<float>::Constant(q.rows(), varlen_q_heads * varlen_dim, -7.0f);
           RowMatrix<float> expected = packed;
           poslsh::multihead_attention_varlen<float>(
-              poslsh::interleaved_heads<const float>(q.data(), q.rows(), Hq, d),
-              poslsh::interleaved_heads<const float>(k.data(), k.rows(), Hkv, d),
-              poslsh::interleaved_heads<const float>(v.data(), v.rows(), Hkv, d),
-              poslsh::interleaved_heads<float>(packed.data(), packed.rows(), Hq, d), *cu_q, cu_k,
-              options, offsets);
+              poslsh::interleaved_heads<const float>(q.data(), q.rows(), varlen_q_heads,
+                                                     varlen_dim),
+              poslsh::interleaved_heads<const float>(k.data(), k.rows(), varlen_kv_heads,
+                                                     varlen_dim),
+              poslsh::interleaved_heads<const float>(v.data(), v.rows(), varlen_kv_heads,
+                                                     varlen_dim),
+              poslsh::interleaved_heads<float>(packed.data(), packed.rows(), varlen_q_heads,
+                                               varlen_dim),
+              *cu_q, cu_k, options, offsets);
           per_sequence(q, k, v, expected, *cu_q, cu_k, options, offsets);
           CHECK((packed.array() == expected.array()).all());
         }
@@ -77,36 +87,37 @@ TEST_CASE("packed batches equal per-sequence calls bitwise", "[varlen]") {
 
 TEST_CASE("varlen: one sequence equals multihead_attention", "[varlen]") {
   const Index n = 130;
-  const auto q = random_matrix<double>(n, Hq * d, 411);
-  const auto k = random_matrix<double>(n, Hkv * d, 412);
-  RowMatrix<double> a(n, Hq * d), b(n, Hq * d);
+  const auto q = random_matrix<double>(n, varlen_q_heads * varlen_dim, 411);
+  const auto k = random_matrix<double>(n, varlen_kv_heads * varlen_dim, 412);
+  RowMatrix<double> a(n, varlen_q_heads * varlen_dim), b(n, varlen_q_heads * varlen_dim);
   MultiHeadOptions options;
   poslsh::multihead_attention_varlen<double>(
-      poslsh::interleaved_heads<const double>(q.data(), n, Hq, d),
-      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
-      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
-      poslsh::interleaved_heads<double>(a.data(), n, Hq, d), {0, static_cast<std::int32_t>(n)},
-      {0, static_cast<std::int32_t>(n)}, options);
-  poslsh::multihead_attention<double>(poslsh::interleaved_heads<const double>(q.data(), n, Hq, d),
-                                      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
-                                      poslsh::interleaved_heads<const double>(k.data(), n, Hkv, d),
-                                      poslsh::interleaved_heads<double>(b.data(), n, Hq, d),
-                                      options);
+      poslsh::interleaved_heads<const double>(q.data(), n, varlen_q_heads, varlen_dim),
+      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
+      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
+      poslsh::interleaved_heads<double>(a.data(), n, varlen_q_heads, varlen_dim),
+      {0, static_cast<std::int32_t>(n)}, {0, static_cast<std::int32_t>(n)}, options);
+  poslsh::multihead_attention<double>(
+      poslsh::interleaved_heads<const double>(q.data(), n, varlen_q_heads, varlen_dim),
+      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
+      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
+      poslsh::interleaved_heads<double>(b.data(), n, varlen_q_heads, varlen_dim), options);
   CHECK((a.array() == b.array()).all());
 }
 
 TEST_CASE("varlen: inconsistent cu_seqlens and offsets throw naming the argument",
           "[varlen][bad_input]") {
-  const auto q = random_matrix<float>(20, Hq * d, 421);
-  const auto k = random_matrix<float>(30, Hkv * d, 422);
-  RowMatrix<float> out(20, Hq * d);
+  const auto q = random_matrix<float>(20, varlen_q_heads * varlen_dim, 421);
+  const auto k = random_matrix<float>(30, varlen_kv_heads * varlen_dim, 422);
+  RowMatrix<float> out(20, varlen_q_heads * varlen_dim);
   const auto call = [&](std::vector<std::int32_t> cu_q, std::vector<std::int32_t> cu_k,
                         std::vector<Index> offsets = {}, MultiHeadOptions options = {}) {
     poslsh::multihead_attention_varlen<float>(
-        poslsh::interleaved_heads<const float>(q.data(), 20, Hq, d),
-        poslsh::interleaved_heads<const float>(k.data(), 30, Hkv, d),
-        poslsh::interleaved_heads<const float>(k.data(), 30, Hkv, d),
-        poslsh::interleaved_heads<float>(out.data(), 20, Hq, d), cu_q, cu_k, options, offsets);
+        poslsh::interleaved_heads<const float>(q.data(), 20, varlen_q_heads, varlen_dim),
+        poslsh::interleaved_heads<const float>(k.data(), 30, varlen_kv_heads, varlen_dim),
+        poslsh::interleaved_heads<const float>(k.data(), 30, varlen_kv_heads, varlen_dim),
+        poslsh::interleaved_heads<float>(out.data(), 20, varlen_q_heads, varlen_dim), cu_q, cu_k,
+        options, offsets);
   };
   call({0, 10, 20}, {0, 15, 30});  // valid
   poslsh_test::require_invalid_argument([&] { call({}, {0, 30}); }, "cu_seqlens_q");
