@@ -1,7 +1,8 @@
 // poslsh error_vs_samples: how fast the mean of s random block masks M~ approaches the ALiBi
 // kernel L*, measured matrix-free (no n x n matrix), against the paper's expectation bound.
 //   error_vs_samples [--n N] [--sigma SIGMA | --heads H] [--samples LIST] [--causal |
-//                     --bidirectional] [--seed SEED] [--sampler NAME] [--csv FILE]
+//                     --bidirectional] [--seed SEED] [--sampler NAME] [--group G]
+//                     [--csv FILE]
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -49,7 +50,11 @@ Options:
   --seed SEED       hash seed (default 1); head h uses stream h
   --sampler NAME    how the s samples are drawn (sample_partition_set; all unbiased):
                     independent (default, rbf_hashes), antithetic, stratified,
-                    lattice_offsets, coupled_offsets, rqmc, poisson
+                    lattice_offsets, coupled_offsets, rqmc, stratified_lattice,
+                    poisson
+  --group G         samples per group of lattice_offsets and stratified_lattice
+                    (default 0: 4 for lattice_offsets, round(sqrt(s)) for
+                    stratified_lattice)
   --max-restarts N  Lanczos restart limit per spectral norm (default 100)
   --csv FILE        also write every row to FILE as CSV
   --help            this text
@@ -67,6 +72,7 @@ struct Settings {
   poslsh::Masking masking = poslsh::Masking::causal;
   std::uint64_t seed = 1;
   poslsh::Sampler sampler = poslsh::Sampler::independent;
+  poslsh::Index group = 0;
   poslsh::Index max_restarts = 100;
   std::string csv;
 };
@@ -85,7 +91,7 @@ Settings parse(int argc, char** argv) {
                  args.positive_list("--samples", settings.samples) ||
                  args.set("--causal", settings.masking, poslsh::Masking::causal) ||
                  args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
-                 args.number("--seed", settings.seed) ||
+                 args.number("--seed", settings.seed) || args.number("--group", settings.group) ||
                  args.number("--max-restarts", settings.max_restarts) ||
                  args.text("--csv", settings.csv))) {
       args.unknown();
@@ -94,6 +100,7 @@ Settings parse(int argc, char** argv) {
   if (settings.n < 2) cli::fail(program, "--n must be >= 2");
   if (!(settings.sigma > 0.0)) cli::fail(program, "--sigma must be > 0");
   if (settings.heads < 0) cli::fail(program, "--heads must be >= 1");
+  if (settings.group < 0) cli::fail(program, "--group must be >= 0");
   if (settings.max_restarts < 1) cli::fail(program, "--max-restarts must be >= 1");
   return settings;
 }
@@ -127,11 +134,11 @@ int main(int argc, char** argv) {
       "L*_ij = exp(-|i-j|/sigma); n = %ld, %s, seed %llu. Computed matrix-free (one dense\n"
       "n x n matrix would take %.3g GB). Columns: spectral error ||E||_2, largest entry\n"
       "max|E|, relative error rel = ||E||_2/||L*||_2, the paper's bound on E||E||_2,\n"
-      "pairs per query with M~_ij > 0. Sampler: %s.\n",
+      "pairs per query with M~_ij > 0. Sampler: %s, group %ld (0: default).\n",
       static_cast<long>(settings.n), causal ? "causal" : "bidirectional",
       static_cast<unsigned long long>(settings.seed),
       8.0 * static_cast<double>(settings.n) * static_cast<double>(settings.n) / 1e9,
-      poslsh::sampler_name(settings.sampler));
+      poslsh::sampler_name(settings.sampler), static_cast<long>(settings.group));
   bool any_unconverged = false;
 
   for (std::size_t head = 0; head < sigmas.size(); ++head) {
@@ -147,8 +154,11 @@ int main(int argc, char** argv) {
       const auto row_start = std::chrono::steady_clock::now();
       // The sample set's blocks (sample_partition_set; independent: rbf_hashes' blocks), then
       // the metric set with M~ in the cheaper representation (block sums or band counts).
-      const poslsh::PartitionSet partitions =
-          poslsh::sample_partition_set(sigma, s, settings.n, settings.seed, head, settings.sampler);
+      poslsh::SamplerOptions sampler_options;
+      if (settings.group > 0) sampler_options.group = settings.group;
+      sampler_options.lattice_group = settings.group;
+      const poslsh::PartitionSet partitions = poslsh::sample_partition_set(
+          sigma, s, settings.n, settings.seed, head, settings.sampler, sampler_options);
       poslsh::MetricOptions options;
       options.spectral.max_restarts = settings.max_restarts;
       const poslsh::KernelErrorMetrics metrics =

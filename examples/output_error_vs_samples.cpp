@@ -3,7 +3,7 @@
 // baselines at the same pair budget, on random and on structured Q, K, V.
 //   output_error_vs_samples [--n N] [--d D] [--sigma SIGMA] [--samples LIST] [--data LIST]
 //                           [--causal | --bidirectional] [--double] [--seed SEED]
-//                           [--sampler NAME] [--csv FILE]
+//                           [--sampler NAME] [--group G] [--csv FILE]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -66,7 +66,11 @@ Options:
   --seed SEED       hash and data seed (default 1)
   --sampler NAME    how the s hashes are drawn (sample_hashes; all unbiased): independent
                     (default, rbf_hashes), antithetic, stratified, lattice_offsets,
-                    coupled_offsets, rqmc (poisson has no BinHash form for the kernels)
+                    coupled_offsets, rqmc, stratified_lattice (poisson has no BinHash
+                    form for the kernels)
+  --group G         samples per group of lattice_offsets and stratified_lattice
+                    (default 0: 4 for lattice_offsets, round(sqrt(s)) for
+                    stratified_lattice)
   --csv FILE        also write one row per (data, s, method) to FILE as CSV
   --help            this text
 
@@ -83,6 +87,7 @@ struct Settings {
   bool use_double = false;
   std::uint64_t seed = 1;
   poslsh::Sampler sampler = poslsh::Sampler::independent;
+  poslsh::Index group = 0;
   std::string csv;
 };
 
@@ -122,12 +127,14 @@ Settings parse(int argc, char** argv) {
                  args.set("--causal", settings.masking, poslsh::Masking::causal) ||
                  args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
                  args.set("--double", settings.use_double, true) ||
-                 args.number("--seed", settings.seed) || args.text("--csv", settings.csv))) {
+                 args.number("--seed", settings.seed) || args.number("--group", settings.group) ||
+                 args.text("--csv", settings.csv))) {
       args.unknown();
     }
   }
   if (settings.n < 2) cli::fail(program, "--n must be >= 2");
   if (settings.d < 1) cli::fail(program, "--d must be >= 1");
+  if (settings.group < 0) cli::fail(program, "--group must be >= 0");
   if (!(settings.sigma > 0.0) || settings.sigma > poslsh::max_hash_sigma)
     cli::fail(program, "--sigma must be > 0 and <= 1e300");
   return settings;
@@ -244,8 +251,11 @@ Row measure_row(const poslsh::RowMatrix<Scalar>& q, const poslsh::RowMatrix<Scal
   const poslsh::Index n = settings.n;
   const poslsh::Masking masking = settings.masking;
   const poslsh::AttentionOptions options{masking};
+  poslsh::SamplerOptions sampler_options;
+  if (settings.group > 0) sampler_options.group = settings.group;
+  sampler_options.lattice_group = settings.group;
   const poslsh::HashSet hashes =
-      poslsh::sample_hashes(settings.sigma, s, settings.seed, 0, settings.sampler);
+      poslsh::sample_hashes(settings.sigma, s, settings.seed, 0, settings.sampler, sampler_options);
   Row row;
   row.budget = poslsh::lsh_fused_pair_count(hashes, n, masking);
   long long per_sample_pairs = 0;
@@ -306,10 +316,11 @@ void run(const Settings& settings) {
       "Attention output error of ALiBi approximations against the exact T* (alibi_attention_\n"
       "tiled); n = %ld, d = %ld, sigma = %g, %s, %s, seed %llu. fixed (block width W) and\n"
       "banded (|i-j| <= B) get the fused kernel's pairs per query. Columns: relative error\n"
-      "||T*-T~||_F/||T*||_F per method, then the largest entry max|T*-T~|. Sampler: %s.\n",
+      "||T*-T~||_F/||T*||_F per method, then the largest entry max|T*-T~|. Sampler: %s,\n"
+      "group %ld (0: default).\n",
       static_cast<long>(n), static_cast<long>(settings.d), settings.sigma, masking,
       sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed),
-      poslsh::sampler_name(settings.sampler));
+      poslsh::sampler_name(settings.sampler), static_cast<long>(settings.group));
 
   for (const std::string& name : settings.data) {
     const Data data = make_data(name, n, settings.d, settings.sigma, settings.seed);

@@ -9,8 +9,8 @@
 // per-sampler tag), so a set depends only on its arguments, bit for bit on every platform.
 //
 // Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma;
-// s >= 1; n >= 0; options.group >= 1; the sampler has a BinHash form (not poisson) in
-// sample_hashes; a user-built partition set in validate_partition_set.
+// s >= 1; n >= 0; options.group >= 1; options.lattice_group >= 0; the sampler has a BinHash form
+// (not poisson) in sample_hashes; a user-built partition set in validate_partition_set.
 #pragma once
 
 #include <algorithm>
@@ -32,19 +32,21 @@ namespace poslsh {
 
 /// How the s samples of one hash set are drawn (all unbiased; see sample_hashes).
 enum class Sampler {
-  independent,      ///< rbf_hashes: s independent samples (bit for bit)
-  antithetic,       ///< widths in antithetic pairs F^-1(u), F^-1(1 - u)
-  stratified,       ///< widths F^-1((pi(k) + V_k) / s), one per stratum, random order pi
-  lattice_offsets,  ///< groups of g samples share a width; offsets w frac(U + j / g)
-  coupled_offsets,  ///< independent widths; offsets w_k frac(U + pi(k) / s) (one shared U)
-  rqmc,             ///< randomly shifted rank-1 lattice over (u_w, u_xi), w = F^-1(u_w)
-  poisson           ///< Poisson-process cuts of rate 1/sigma (partitions only, no BinHash)
+  independent,         ///< rbf_hashes: s independent samples (bit for bit)
+  antithetic,          ///< widths in antithetic pairs F^-1(u), F^-1(1 - u)
+  stratified,          ///< widths F^-1((pi(k) + V_k) / s), one per stratum, random order pi
+  lattice_offsets,     ///< groups of g samples share a width; offsets w frac(U + j / g)
+  coupled_offsets,     ///< independent widths; offsets w_k frac(U + pi(k) / s) (one shared U)
+  rqmc,                ///< randomly shifted rank-1 lattice over (u_w, u_xi), w = F^-1(u_w)
+  stratified_lattice,  ///< s/g groups: stratified widths, lattice offsets w frac(U + j / g)
+  poisson              ///< Poisson-process cuts of rate 1/sigma (partitions only, no BinHash)
 };
 
 /// All samplers, in declaration order (for sweeps).
-inline constexpr Sampler all_samplers[] = {
-    Sampler::independent,     Sampler::antithetic, Sampler::stratified, Sampler::lattice_offsets,
-    Sampler::coupled_offsets, Sampler::rqmc,       Sampler::poisson};
+inline constexpr Sampler all_samplers[] = {Sampler::independent,        Sampler::antithetic,
+                                           Sampler::stratified,         Sampler::lattice_offsets,
+                                           Sampler::coupled_offsets,    Sampler::rqmc,
+                                           Sampler::stratified_lattice, Sampler::poisson};
 
 /// The name of a sampler ("independent", "antithetic", ...).
 inline const char* sampler_name(Sampler sampler) {
@@ -61,6 +63,8 @@ inline const char* sampler_name(Sampler sampler) {
       return "coupled_offsets";
     case Sampler::rqmc:
       return "rqmc";
+    case Sampler::stratified_lattice:
+      return "stratified_lattice";
     case Sampler::poisson:
       return "poisson";
   }
@@ -75,7 +79,7 @@ inline Sampler sampler_from_name(const std::string& name) {
   }
   detail::throw_invalid("sampler_from_name", "name", name,
                         "must be independent, antithetic, stratified, lattice_offsets, "
-                        "coupled_offsets, rqmc or poisson");
+                        "coupled_offsets, rqmc, stratified_lattice or poisson");
 }
 
 /// Options of the samplers.
@@ -83,7 +87,36 @@ struct SamplerOptions {
   /// Samples per shared width of Sampler::lattice_offsets (g >= 1; the last group of a set may
   /// be shorter). g = 1 is the independent law drawn through F^-1.
   Index group = 4;
+  /// Samples per group of Sampler::stratified_lattice: g >= 1, or 0 for
+  /// default_lattice_group(s). The s samples form G = ceil(s / g) groups of floor(s / G) or
+  /// ceil(s / G) samples (at most g each).
+  Index lattice_group = 0;
 };
+
+/// The default group size of Sampler::stratified_lattice for s samples: round(sqrt(s)), at
+/// least 1. It balances the two parts of the per-pair variance (see sample_hashes): the width
+/// part ~ g^3 / s^3 (G = s / g strata of a function of u with a bounded derivative) and the
+/// offset part ~ 1 / (g s) (the lattice rounding of each group) are equal at g^2 = s.
+inline Index default_lattice_group(Index s) {
+  return std::max<Index>(1, std::llround(std::sqrt(static_cast<double>(s))));
+}
+
+/// The groups of Sampler::stratified_lattice: G = ceil(s / g) groups, the first s mod G of
+/// ceil(s / G) samples, the others of floor(s / G); returns the G + 1 start indices
+/// (0, ..., s). g = options.lattice_group, or default_lattice_group(s) when it is 0.
+inline std::vector<Index> lattice_group_starts(Index s, const SamplerOptions& options = {}) {
+  constexpr const char* function = "lattice_group_starts";
+  detail::require_positive(s, function, "s");
+  detail::require(options.lattice_group >= 0, function, "options.lattice_group",
+                  options.lattice_group, "must be >= 0 (0: the default)");
+  const Index g =
+      options.lattice_group > 0 ? std::min(options.lattice_group, s) : default_lattice_group(s);
+  const Index groups = (s + g - 1) / g;
+  std::vector<Index> starts{0};
+  for (Index m = 0; m < groups; ++m)
+    starts.push_back(starts.back() + s / groups + (m < s % groups ? 1 : 0));
+  return starts;
+}
 
 namespace detail {
 
@@ -277,17 +310,36 @@ inline Index rank1_generator(Index s) {
 ///                    (D_1, D_2) ~ U(0, 1)^2: each point is U(0, 1)^2, so w = sigma F^-1(u_w)
 ///                    and xi = u_xi w have the rbf_hash law; the lattice spreads the s points
 ///                    evenly over the unit square (the widths are stratified as above).
+///   stratified_lattice  G = ceil(s / g) groups (g = options.lattice_group, default
+///                    default_lattice_group(s) = round(sqrt(s)); sizes g_m from
+///                    lattice_group_starts). Group m shares the width w_m = sigma F^-1((pi(m) +
+///                    V_m) / G), V_m ~ U(0, 1), pi a uniformly random permutation of the G
+///                    strata, and its sample j takes the offset w_m frac(U_m + j / g_m), U_m ~
+///                    U(0, 1). pi(m) is uniform on {0..G-1}, so (pi(m) + V_m) / G ~ U(0, 1) and
+///                    w_m ~ Gamma(2, sigma); frac(U_m + j / g_m) ~ U(0, 1) independently of w_m:
+///                    each sample has the rbf_hash law, whatever the group sizes. Given w_m the
+///                    group's cuts are one grid of spacing w_m / g_m, so at distance r < w_m the
+///                    number of its samples that separate i and j is floor(g_m r / w_m) or
+///                    ceil(g_m r / w_m), with variance f (1 - f), f = frac(g_m r / w_m), at every
+///                    position i (0 for r >= w_m). For equal groups (g | s) the variance per pair
+///                    is (1 / s^2) sum_k (g^2 Var_k p_w(r) + E_k[f (1 - f)]), E_k and Var_k over
+///                    stratum k of u: the width part of the variance is stratified over G strata
+///                    (~ g^3 / s^3 for a p that is Lipschitz in u) and the offset part is the
+///                    lattice rounding (<= 1 / (4 g s)), against p0 (1 - p0) / s independent.
 ///   poisson          no BinHash form (unequal block lengths): use sample_partition_set.
 /// Widths go through the quantile gamma2_quantile (Newton, accurate to about 1e-15) instead of
 /// rbf_hash's -sigma (ln U1 + ln U2). Only independent and coupled_offsets give each prefix of
 /// the set the same law as a set of that size; the others depend on s as a whole.
-/// Throws std::invalid_argument naming 'sigma', 's', 'options.group' or 'sampler' (poisson).
+/// Throws std::invalid_argument naming 'sigma', 's', 'options.group', 'options.lattice_group'
+/// or 'sampler' (poisson).
 inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream,
                              Sampler sampler, const SamplerOptions& options = {}) {
   constexpr const char* function = "sample_hashes";
   detail::require_positive(s, function, "s");
   detail::require_hash_sigma(sigma, function);
   detail::require_positive(options.group, function, "options.group");
+  detail::require(options.lattice_group >= 0, function, "options.lattice_group",
+                  options.lattice_group, "must be >= 0 (0: the default)");
   detail::require(sampler != Sampler::poisson, function, "sampler", "poisson",
                   "has no BinHash form (unequal block lengths); use sample_partition_set");
   if (sampler == Sampler::independent) return rbf_hashes(sigma, s, seed, stream);
@@ -359,6 +411,25 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
       }
       break;
     }
+    case Sampler::stratified_lattice: {
+      const std::vector<Index> starts = lattice_group_starts(s, options);
+      const auto groups = static_cast<Index>(starts.size()) - 1;
+      const std::vector<Index> order = detail::sampler_permutation(groups, seed, stream);
+      for (Index m = 0; m < groups; ++m) {
+        const std::array<double, 2> u = width_uniform(m);
+        const double u_width = (static_cast<double>(order[static_cast<std::size_t>(m)]) + u[0]) /
+                               static_cast<double>(groups);
+        const double x = gamma2_quantile(std::min(u_width, 1.0 - 0x1.0p-53));
+        const Index first = starts[static_cast<std::size_t>(m)];
+        const Index size = starts[static_cast<std::size_t>(m) + 1] - first;
+        for (Index j = 0; j < size; ++j) {
+          const double fraction =
+              detail::fractional(u[1] + static_cast<double>(j) / static_cast<double>(size));
+          hashes[static_cast<std::size_t>(first + j)] = detail::sampler_hash(sigma, x, fraction);
+        }
+      }
+      break;
+    }
     default:
       break;
   }
@@ -416,7 +487,8 @@ inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t
 
 /// The partitions of s samples on [0, n) under `sampler`: partition_set(sample_hashes(...))
 /// for the BinHash samplers, poisson_cut_edges(sigma, n, seed, stream, k) for Sampler::poisson.
-/// Throws std::invalid_argument naming 'sigma', 's', 'n' or 'options.group'.
+/// Throws std::invalid_argument naming 'sigma', 's', 'n', 'options.group' or
+/// 'options.lattice_group'.
 inline PartitionSet sample_partition_set(double sigma, Index s, Index n, std::uint64_t seed,
                                          std::uint64_t stream, Sampler sampler,
                                          const SamplerOptions& options = {}) {
