@@ -3,8 +3,11 @@
 // positions at distance r with probability exp(-r / sigma) (binomial z-scores over many seeds),
 // and the antithetic and stratified widths never raise the variance per pair (exact
 // integrals over the Gamma law).
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
+#include <numeric>
 #include <poslsh/samplers.hpp>
 
 #include "test_support.hpp"
@@ -143,6 +146,245 @@ TEST_CASE("antithetic and stratified widths never raise the variance per pair",
   }
 }
 
+namespace {
+
+/// Exact Var M~_ij at distance r of Sampler::stratified_lattice with the group sizes of
+/// lattice_group_starts(s, options): the strata are assigned to the groups by a uniformly random
+/// permutation (enumerated; G <= 7), and given the permutation group m (size g_m, stratum
+/// pi(m)) adds g_m p(u) - D with E[D | u] = 0 and Var[D | u] = f (1 - f), f = frac(g_m r / w)
+/// for r < w (0 otherwise), w = sigma F^-1(u), u uniform on the stratum. So
+/// Var M~ = E_pi[(1/s^2) sum_m (g_m^2 Var_pi(m) p + E_pi(m) f (1 - f))]
+///        + Var_pi[(1/s) sum_m g_m E_pi(m) p], each stratum moment by the midpoint rule.
+/// Also returns E M~ (the mean over the permutations of the conditional means).
+std::array<double, 2> sampler_lattice_moments(double r, double sigma, Index s,
+                                              const poslsh::SamplerOptions& options, int points) {
+  const std::vector<Index> starts = poslsh::lattice_group_starts(s, options);
+  const int groups = static_cast<int>(starts.size()) - 1;
+  std::vector<int> sizes;
+  for (int m = 0; m < groups; ++m) sizes.push_back(static_cast<int>(starts[m + 1] - starts[m]));
+  // Per stratum k and group m (its size): mean and variance of p (Welford), mean of f (1 - f).
+  struct Moments {
+    double p = 0.0, variance = 0.0, rounding = 0.0;
+  };
+  std::vector<std::vector<Moments>> table(static_cast<std::size_t>(groups),
+                                          std::vector<Moments>(sizes.size()));
+  for (int k = 0; k < groups; ++k) {
+    for (std::size_t m = 0; m < sizes.size(); ++m) {
+      const double g = sizes[m];
+      Moments& moments = table[static_cast<std::size_t>(k)][m];
+      for (int q = 0; q < points; ++q) {
+        const double u = (k + (q + 0.5) / points) / groups;
+        const double w = sigma * poslsh::gamma2_quantile(u);
+        const double p = collision(r, sigma, w / sigma);
+        const double f = r < w ? g * r / w - std::floor(g * r / w) : 0.0;
+        const double delta = p - moments.p;
+        moments.p += delta / (q + 1);
+        moments.variance += delta * (p - moments.p);
+        moments.rounding += f * (1.0 - f);
+      }
+      moments.variance /= points;
+      moments.rounding /= points;
+    }
+  }
+  std::vector<int> order(static_cast<std::size_t>(groups));
+  std::iota(order.begin(), order.end(), 0);
+  double conditional_variance = 0.0;
+  std::vector<double> means;
+  const double sd = static_cast<double>(s);
+  do {
+    double c_mean = 0.0, c_var = 0.0;
+    for (int m = 0; m < groups; ++m) {
+      const Moments& moments = table[static_cast<std::size_t>(order[static_cast<std::size_t>(m)])]
+                                    [static_cast<std::size_t>(m)];
+      const double g = sizes[static_cast<std::size_t>(m)];
+      c_mean += g * moments.p / sd;
+      c_var += (g * g * moments.variance + moments.rounding) / (sd * sd);
+    }
+    conditional_variance += c_var;
+    means.push_back(c_mean);
+  } while (std::next_permutation(order.begin(), order.end()));
+  const double count = static_cast<double>(means.size());
+  double mean = 0.0, spread = 0.0;
+  for (double x : means) mean += x / count;
+  for (double x : means) spread += (x - mean) * (x - mean) / count;
+  return {mean, conditional_variance / count + spread};
+}
+
+}  // namespace
+
+TEST_CASE("stratified_lattice: groups share a stratified width and take lattice offsets",
+          "[samplers]") {
+  const double sigma = 5.0;
+  struct Case {
+    Index s, g;
+  };
+  for (const Case c :
+       {Case{64, 0}, Case{33, 6}, Case{10, 4}, Case{7, 1}, Case{5, 5}, Case{3, 9}, Case{256, 0}}) {
+    poslsh::SamplerOptions options;
+    options.lattice_group = c.g;
+    const Index g = c.g > 0 ? std::min(c.g, c.s) : poslsh::default_lattice_group(c.s);
+    const std::vector<Index> starts = poslsh::lattice_group_starts(c.s, options);
+    const auto groups = static_cast<Index>(starts.size()) - 1;
+    INFO("s " << c.s << ", g " << g);
+    CHECK(groups == (c.s + g - 1) / g);
+    CHECK(starts.front() == 0);
+    CHECK(starts.back() == c.s);
+    for (Index m = 0; m < groups; ++m) {
+      const Index size = starts[m + 1] - starts[m];
+      CHECK(size <= g);
+      CHECK((size == c.s / groups || size == c.s / groups + 1));
+    }
+    for (std::uint64_t seed : {1, 2, 3}) {
+      const HashSet hashes =
+          poslsh::sample_hashes(sigma, c.s, seed, 4, Sampler::stratified_lattice, options);
+      REQUIRE(static_cast<Index>(hashes.size()) == c.s);
+      std::vector<int> strata(static_cast<std::size_t>(groups), 0);
+      for (Index m = 0; m < groups; ++m) {
+        const Index first = starts[m];
+        const Index size = starts[m + 1] - first;
+        const double width = hashes[first].width;
+        // One stratum of F per group.
+        const double u = poslsh::gamma2_cdf(width / sigma);
+        ++strata[std::min(static_cast<std::size_t>(u * static_cast<double>(groups)),
+                          static_cast<std::size_t>(groups - 1))];
+        for (Index j = 0; j < size; ++j) {
+          const poslsh::BinHash& hash = hashes[first + j];
+          poslsh::validate_hash(hash, "test");
+          CHECK(hash.width == width);
+          // Offsets w frac(U + j / g_m): the fraction steps by 1 / g_m mod 1.
+          const double step = hash.offset / width - hashes[first].offset / width;
+          const double expected = static_cast<double>(j) / static_cast<double>(size);
+          CHECK(std::abs(step - std::floor(step) - expected) <= 1e-12);
+        }
+      }
+      for (int n : strata) CHECK(n == 1);
+    }
+  }
+}
+
+TEST_CASE("stratified_lattice: each group separates i and j floor or ceil(g r / w) times",
+          "[samplers]") {
+  for (double sigma : {3.0, 16.0}) {
+    const Index s = 30;
+    poslsh::SamplerOptions options;
+    options.lattice_group = 7;  // groups of 6 (5 groups)
+    const std::vector<Index> starts = poslsh::lattice_group_starts(s, options);
+    const HashSet hashes =
+        poslsh::sample_hashes(sigma, s, 11, 0, Sampler::stratified_lattice, options);
+    int checked = 0;
+    for (std::size_t m = 0; m + 1 < starts.size(); ++m) {
+      const double w = hashes[static_cast<std::size_t>(starts[m])].width;
+      const double g = static_cast<double>(starts[m + 1] - starts[m]);
+      for (Index i = 0; i < 300; ++i) {
+        for (Index r = 0; r <= 80; ++r) {
+          int separated = 0;
+          for (Index k = starts[m]; k < starts[m + 1]; ++k) {
+            const poslsh::BinHash& hash = hashes[static_cast<std::size_t>(k)];
+            separated += hash.bin(i) != hash.bin(i + r) ? 1 : 0;
+          }
+          const double cuts = static_cast<double>(r) < w ? g * static_cast<double>(r) / w : g;
+          const bool ok = separated == static_cast<int>(std::floor(cuts)) ||
+                          separated == static_cast<int>(std::ceil(cuts));
+          if (!ok) {
+            INFO("sigma " << sigma << ", group " << m << ", i " << i << ", r " << r << ": "
+                          << separated << " of " << g << " separate, g r / w = " << cuts);
+            CHECK(ok);
+          }
+          ++checked;
+        }
+      }
+    }
+    CHECK(checked == 5 * 300 * 81);
+  }
+}
+
+TEST_CASE("stratified_lattice: each sample has the rbf_hash law", "[samplers][unbiased]") {
+  // Over independent seeds, u = F(w / sigma) and the offset fraction xi / w of a fixed sample
+  // are U(0, 1), and frac(u + xi / w) is too (as it is when xi / w is uniform and independent
+  // of u; f = 1 - u, say, would fail): Kolmogorov-Smirnov distances below the 0.1% critical
+  // value 1.95 / sqrt(N).
+  const int seeds = 4000;
+  const double sigma = 7.0;
+  for (Index s : {Index{16}, Index{33}}) {
+    for (Index k : {Index{0}, s / 2, s - 1}) {
+      std::vector<double> widths, fractions, sums;
+      for (int seed = 0; seed < seeds; ++seed) {
+        const HashSet hashes = poslsh::sample_hashes(
+            sigma, s, static_cast<std::uint64_t>(seed) + 77, 1, Sampler::stratified_lattice);
+        const poslsh::BinHash& hash = hashes[static_cast<std::size_t>(k)];
+        const double u = poslsh::gamma2_cdf(hash.width / sigma);
+        const double f = hash.offset / hash.width;
+        widths.push_back(u);
+        fractions.push_back(f);
+        sums.push_back(u + f - std::floor(u + f));
+      }
+      for (std::vector<double>* values : {&widths, &fractions, &sums}) {
+        std::sort(values->begin(), values->end());
+        double distance = 0.0;
+        for (int q = 0; q < seeds; ++q) {
+          const double x = (*values)[static_cast<std::size_t>(q)];
+          distance = std::max(
+              {distance, std::abs(x - double(q) / seeds), std::abs(x - double(q + 1) / seeds)});
+        }
+        INFO("s " << s << ", sample " << k);
+        CHECK(distance < 1.95 / std::sqrt(double(seeds)));
+      }
+    }
+  }
+}
+
+TEST_CASE("stratified_lattice: per-pair mean and variance match the exact integrals",
+          "[samplers][variance]") {
+  // Empirical mean and variance of M~_ij over independent seeds against
+  // sampler_lattice_moments, tolerances 5 standard errors (the variance's from the empirical
+  // fourth central moment). Equal groups (s = 16, g = 4) and unequal ones (s = 10, g = 4:
+  // sizes 4, 3, 3; s = 14, g = 5: 5, 5, 4).
+  const int seeds = 6000;
+  const Index first = 23;
+  struct Case {
+    double sigma;
+    Index s, g;
+  };
+  for (const Case c : {Case{16.0, 16, 4}, Case{2.0, 16, 4}, Case{16.0, 10, 4}, Case{6.0, 14, 5}}) {
+    poslsh::SamplerOptions options;
+    options.lattice_group = c.g;
+    const std::vector<double> distances{0.0, 1.0, 3.0, 8.0, 16.0, 40.0};
+    std::vector<std::vector<double>> values(distances.size());
+    for (int seed = 0; seed < seeds; ++seed) {
+      const HashSet hashes =
+          poslsh::sample_hashes(c.sigma, c.s, static_cast<std::uint64_t>(seed) + 500, 2,
+                                Sampler::stratified_lattice, options);
+      for (std::size_t d = 0; d < distances.size(); ++d) {
+        const Index j = first + static_cast<Index>(distances[d]);
+        double same = 0.0;
+        for (const poslsh::BinHash& hash : hashes) same += hash.bin(first) == hash.bin(j) ? 1 : 0;
+        values[d].push_back(same / static_cast<double>(c.s));
+      }
+    }
+    for (std::size_t d = 0; d < distances.size(); ++d) {
+      const double r = distances[d];
+      if (r > 4.0 * c.sigma) continue;  // p0 < e^-4: the midpoint rule misses the far tail
+      const std::array<double, 2> exact = sampler_lattice_moments(r, c.sigma, c.s, options, 4000);
+      double mean = 0.0;
+      for (double x : values[d]) mean += x / seeds;
+      double m2 = 0.0, m4 = 0.0;
+      for (double x : values[d]) {
+        m2 += (x - mean) * (x - mean) / seeds;
+        m4 += std::pow(x - mean, 4) / seeds;
+      }
+      const double p0 = std::exp(-r / c.sigma);
+      INFO("sigma " << c.sigma << ", s " << c.s << ", g " << c.g << ", r " << r << ": mean " << mean
+                    << " (exact " << exact[0] << "), variance " << m2 << " (exact " << exact[1]
+                    << ", independent " << p0 * (1.0 - p0) / c.s << ")");
+      // The exact mean is the kernel (each sample has the rbf_hash law).
+      CHECK(std::abs(exact[0] - p0) <= 1e-6);
+      CHECK(std::abs(mean - p0) <= 5.0 * std::sqrt(exact[1] / seeds) + 1e-12);
+      CHECK(std::abs(m2 - exact[1]) <=
+            5.0 * std::sqrt(std::max(m4 - m2 * m2, 0.0) / seeds) + 1e-5 * exact[1] + 1e-20);
+    }
+  }
+}
+
 TEST_CASE("samplers are deterministic and keep valid hashes", "[samplers]") {
   for (Sampler sampler : poslsh::all_samplers) {
     if (sampler == Sampler::poisson) continue;
@@ -192,6 +434,15 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
   require_invalid_argument(
       [&] { poslsh::sample_hashes(1.0, 4, 1, 0, Sampler::lattice_offsets, options); },
       "options.group");
+  options.group = 4;
+  options.lattice_group = -1;
+  require_invalid_argument(
+      [&] { poslsh::sample_hashes(1.0, 4, 1, 0, Sampler::stratified_lattice, options); },
+      "options.lattice_group");
+  require_invalid_argument([&] { poslsh::lattice_group_starts(4, options); },
+                           "options.lattice_group");
+  require_invalid_argument([] { poslsh::lattice_group_starts(0); }, "s");
+  CHECK(poslsh::sampler_from_name("stratified_lattice") == Sampler::stratified_lattice);
   require_invalid_argument([] { poslsh::sample_partition_set(1.0, 4, -1, 1, 0, Sampler::poisson); },
                            "n");
   require_invalid_argument([] { poslsh::sampler_from_name("bogus"); }, "name");
