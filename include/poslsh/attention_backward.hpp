@@ -163,6 +163,7 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, bool parallel = true,
                        PackedSteps<Scalar>* packed = nullptr) {
+  const FlushSubnormals flush;
   dq.setZero();
   dk.setZero();
   dv.setZero();
@@ -220,6 +221,7 @@ void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<S
                          bool causal, const ConstMatrixRef<Scalar>& out,
                          const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
                          MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+  const detail::FlushSubnormals flush;
   dq.setZero();
   dk.setZero();
   dv.setZero();
@@ -602,6 +604,7 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
   detail::require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
   const Index n = q.tokens;
   if (n == 0) return;
+  const detail::FlushSubnormals flush;  // as every thread of the passes (the group sums)
   const Index group = q.heads / k.heads;
   const AttentionOptions& head_options = options;  // query_offset checked unset or 0 above
   detail::resolve_scale(function, head_options, q.dim);

@@ -36,6 +36,7 @@ void backward_hash_blocks(const BackwardInputs<Scalar>& in, const BinHash& hash,
   const auto blocks = static_cast<long>(boundaries.size() - 1);
 #pragma omp parallel
   {
+    const FlushSubnormals flush;
     BackwardWork<Scalar> work;
 #pragma omp for schedule(dynamic, 1)
     for (long b = 0; b < blocks; ++b) {

@@ -4,9 +4,13 @@
 // recomputed from the forward's log-sum-exp lse_i. With D_i = sum_c dO_ic O_ic:
 //   dV = P^T dO,   dS_ij = P_ij (dO_i . v_j - D_i),   dQ = tau dS K,   dK = tau dS^T Q.
 // One pass over key tiles of 64 keys; each key tile meets the query rows reaching it in steps
-// of 64 rows (increasing, aligned from the domain's first row). A step costs five products in
-// register-blocked packet kernels (detail/backward/kernels.hpp) on operands packed contiguous
-// and aligned (Q^T, dO^T and the rows of Q and dO once per step and pass, K once per key tile):
+// of 64 rows (increasing, aligned from the domain's first row). A thread takes groups of
+// backward_group_tiles consecutive key tiles and, for each step reaching the group, the
+// group's tiles in increasing order (the step's operands are then read from memory once per
+// group). A step costs five products in register-blocked packet kernels
+// (detail/backward/kernels.hpp) on operands packed contiguous and aligned (Q^T, dO^T and the
+// rows of Q and dO once per step, K and V once per key tile), with subnormal results flushed
+// to zero (FlushSubnormals):
 // S^T = K Q^T and dP^T = V dO^T over the keys the step's rows reach, P and
 // dS = tau P o (dP - D) entry by entry, then dV_J += P^T dO and dK_J += dS^T Q (each key over
 // the rows that reach it) and dQ_I += dS K_J (each row over the keys it reaches).
@@ -38,6 +42,9 @@
 #include <memory>
 #include <thread>
 #include <vector>
+#if defined(__SSE__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 #include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
@@ -61,16 +68,22 @@ template <typename Scalar>
 using BackwardTileRef =
     Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
 
-/// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars, aligned; they only grow):
-/// P^T and dS^T of a step (key b, row a at b * backward_query_rows + a), a count tile, and the
-/// packed operands: Q^T and dO^T of the step (d x 64, d_v x 64), its Q, dO rows, the key tile's
-/// K rows and its dK, dV sums and the step's dQ contribution (rows padded to whole packets
-/// with zeros), and D of the step.
+/// Key tiles per group: a thread takes backward_group_tiles consecutive key tiles and visits
+/// each query step once for all of them (the step's packed operands then come from memory
+/// once per group rather than once per key tile; the sums and their order are those of one
+/// key tile at a time).
+inline constexpr Index backward_group_tiles = 8;
+
+/// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars per key tile of a group,
+/// aligned; they only grow): P^T and dS^T of a step (key b, row a at b * backward_query_rows +
+/// a), a count tile, and the packed operands: Q^T and dO^T of the step (d x 64, d_v x 64), its
+/// Q, dO rows, the K and V rows of each key tile of the group and their dK, dV sums, the step's
+/// dQ contribution (rows padded to whole packets with zeros), and D of the step.
 template <typename Scalar>
 struct BackwardWork {
   using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
   Buffer probabilities, gradients, counts;
-  Buffer qt, ot, q_rows, o_rows, k_rows, dk_sum, dv_sum, dq_part, delta;
+  Buffer qt, ot, q_rows, o_rows, k_rows, v_rows, dk_sum, dv_sum, dq_part, delta;
   Index d = -1, dv = -1, dp = 0, dvp = 0;
   Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
 
@@ -88,17 +101,58 @@ struct BackwardWork {
     dv = dv_new;
     dp = (d + P - 1) / P * P;
     dvp = (dv + P - 1) / P * P;
-    constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+    constexpr Index Bq = backward_query_rows, Bk = backward_tile, G = backward_group_tiles;
     qt.setZero(std::max<Index>(d, 1) * Bq);
     ot.setZero(std::max<Index>(dv, 1) * Bq);
     q_rows.setZero(std::max<Index>(Bq * dp, 1));
     o_rows.setZero(std::max<Index>(Bq * dvp, 1));
-    k_rows.setZero(std::max<Index>(Bk * dp, 1));
-    dk_sum.setZero(std::max<Index>(Bk * dp, 1));
-    dv_sum.setZero(std::max<Index>(Bk * dvp, 1));
+    k_rows.setZero(std::max<Index>(G * Bk * dp, 1));
+    v_rows.setZero(std::max<Index>(G * Bk * dvp, 1));
+    dk_sum.setZero(std::max<Index>(G * Bk * dp, 1));
+    dv_sum.setZero(std::max<Index>(G * Bk * dvp, 1));
     dq_part.setZero(std::max<Index>(Bq * dp, 1));
     packed_step = -1;
   }
+};
+
+/// The packed rows and the dK, dV sums of one key tile of a group (in BackwardWork).
+template <typename Scalar>
+struct BackwardKeyTile {
+  const Scalar* k_rows;  ///< K rows of the tile, d_p columns (zero past d)
+  const Scalar* v_rows;  ///< V rows of the tile, d_vp columns (zero past d_v)
+  Scalar* dk_sum;
+  Scalar* dv_sum;
+};
+
+/// Subnormal numbers flushed to zero on the calling thread while in scope (x86: the MXCSR
+/// bits FTZ, results below the smallest normal number become 0, and DAZ, subnormal operands
+/// read as 0), the previous mode restored at the end; no effect on other targets. The
+/// backward passes hold one on every thread that computes (the caller's and each thread of
+/// their parallel regions), so every thread rounds alike and the gradients stay the same for
+/// any thread count. Far from a query, P_ij = e^{x_ij - lse_i} underflows (ALiBi: from
+/// |i - j| > 87 sigma in float), and sums of such terms from zero (dK, dV of a step, dQ of a
+/// key tile) would otherwise run on subnormals, which x86 cores compute in microcode at about
+/// a hundred times the cost of an FMA; flushed, those terms are exactly 0 (they are below
+/// 2^-126 |g| for every gradient entry g of order 1).
+class FlushSubnormals {
+ public:
+  FlushSubnormals() {
+#if defined(__SSE__) || defined(_M_X64)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | flush_bits);
+#endif
+  }
+  ~FlushSubnormals() {
+#if defined(__SSE__) || defined(_M_X64)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned flush_bits = 0x8040u;  // FTZ (bit 15) | DAZ (bit 6)
+  unsigned saved_ = 0;
 };
 
 /// The inputs of the backward passes: row i of every per-row array is entry i.
@@ -368,13 +422,17 @@ struct PackedSteps {
     grow(q_rows, steps * dp * Bq);
     grow(o_rows, steps * dvp * Bq);
     const auto count = static_cast<long>(steps);
-#pragma omp parallel for schedule(static) if (parallel)
-    for (long t = 0; t < count; ++t) {
-      const Index step = static_cast<Index>(t);
-      const Index i0 = begin + step * Bq;
-      pack_step<Scalar>(q, dout, i0, std::min(Bq, end_row - i0), dp, dvp, qt.data() + step * d * Bq,
-                        ot.data() + step * dv * Bq, q_rows.data() + step * dp * Bq,
-                        o_rows.data() + step * dvp * Bq);
+#pragma omp parallel if (parallel)
+    {
+      const FlushSubnormals flush;  // the packing multiplies by 1: rounded as the passes round
+#pragma omp for schedule(static)
+      for (long t = 0; t < count; ++t) {
+        const Index step = static_cast<Index>(t);
+        const Index i0 = begin + step * Bq;
+        pack_step<Scalar>(q, dout, i0, std::min(Bq, end_row - i0), dp, dvp,
+                          qt.data() + step * d * Bq, ot.data() + step * dv * Bq,
+                          q_rows.data() + step * dp * Bq, o_rows.data() + step * dvp * Bq);
+      }
     }
   }
 
@@ -393,27 +451,18 @@ struct PackedSteps {
   }
 };
 
-/// Rows [first, first + count) of m copied to `buffer` (`padded` columns, zero past m's):
-/// contiguous, aligned rows for the product kernels.
-template <typename Scalar>
-const Scalar* backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, Index padded,
-                            Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& buffer) {
-  Eigen::Map<RowMatrix<Scalar>>(buffer.data(), count, padded).leftCols(m.cols()) =
-      m.middleRows(first, count);
-  return buffer.data();
-}
-
 /// The key tile [j0, j1) against rows [r0, r1) of the query step at i0 (r1 - i0 <= 64), keys
-/// [k0, k1) of the tile (every key those rows reach), Q^T and dO^T of the step in qt, ot: with
-/// P recomputed by the rule and D of the step in work.delta (indexed from i0),
+/// [k0, k1) of the tile (every key those rows reach), Q^T and dO^T of the step in qt, ot, the
+/// tile's K and V rows and dK, dV sums in `tile`: with P recomputed by the rule and D of the
+/// step in work.delta (indexed from i0),
 ///   S^T = K Q^T, P^T (rule), dP^T = V dO^T, dS^T = tau P^T o (dP^T - D),
-///   dV_J += P^T dO,  dK_J += dS^T Q  (work.dv_sum, work.dk_sum: each key j over the rows that
+///   dV_J += P^T dO,  dK_J += dS^T Q  (tile.dv_sum, tile.dk_sum: each key j over the rows that
 ///   reach it),  work.dq_part = dS K_J  (each row over the keys it reaches, from zero).
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
 template <typename Scalar, typename Rule>
 void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index i0, Index r0,
                    Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
-                   const Scalar* k_rows, BackwardWork<Scalar>& work) {
+                   const BackwardKeyTile<Scalar>& tile_rows, BackwardWork<Scalar>& work) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
@@ -425,14 +474,14 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
   Scalar* p = work.probabilities.data();
   Scalar* ds = work.gradients.data();
   // P^T from S^T (rows of the packets holding [a0, a1)).
-  backward_scores<Scalar>(step.qt + first_packet * P, in.k.data() + j0 * in.k.outerStride(),
-                          in.k.outerStride(), d, b0, b1, packets, p + first_packet * P);
+  backward_scores<Scalar>(step.qt + first_packet * P, tile_rows.k_rows, dp, d, b0, b1, packets,
+                          p + first_packet * P);
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
       p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
   rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
   // dS^T = tau P^T o (dP^T - D).
-  backward_scores<Scalar>(step.ot + first_packet * P, in.v.data() + j0 * in.v.outerStride(),
-                          in.v.outerStride(), dv, b0, b1, packets, ds + first_packet * P);
+  backward_scores<Scalar>(step.ot + first_packet * P, tile_rows.v_rows, dvp, dv, b0, b1, packets,
+                          ds + first_packet * P);
   const Packet tau = ei::pset1<Packet>(in.tau);
   for (Index b = b0; b < b1; ++b) {
     for (Index a = first_packet * P; a < a1; a += P) {
@@ -450,9 +499,9 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
     return KeyRange{first, std::clamp<Index>(reaching.last - i0, first, a1)};
   };
   backward_products<Scalar>(p + b0 * Bq, Bq, 1, step.o_rows, dvp, b1 - b0, dvp / P,
-                            work.dv_sum.data() + b0 * dvp, dvp, rows_of);
+                            tile_rows.dv_sum + b0 * dvp, dvp, rows_of);
   backward_products<Scalar>(ds + b0 * Bq, Bq, 1, step.q_rows, dp, b1 - b0, dp / P,
-                            work.dk_sum.data() + b0 * dp, dp, rows_of);
+                            tile_rows.dk_sum + b0 * dp, dp, rows_of);
   // dQ contribution: rows [e0, e1) over the keys of [k0, k1) they reach.
   const auto keys_of = [&](Index e0, Index e1) {
     const KeyRange reached = rule.keys_reached(r0 + e0, r0 + e1);
@@ -460,95 +509,137 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
     return KeyRange{first, std::clamp<Index>(reached.last - j0, first, b1)};
   };
   work.dq_part.head((a1 - a0) * dp).setZero();
-  backward_products<Scalar>(ds + a0, 1, Bq, k_rows, dp, a1 - a0, dp / P, work.dq_part.data(), dp,
-                            keys_of);
+  backward_products<Scalar>(ds + a0, 1, Bq, tile_rows.k_rows, dp, a1 - a0, dp / P,
+                            work.dq_part.data(), dp, keys_of);
 }
 
-/// Key tile [j0, j1): for each query step reaching it, in increasing order, the pair's
-/// gradients (backward_pair); the key tile's dK, dV rows are summed in work.dk_sum,
-/// work.dv_sum and added to the outputs at the end (this thread owns the key tile), and
-/// dQ_I += (dS K_J) in increasing key tile order, as `order` enforces. Q^T and dO^T of the
-/// steps from `packed`, or packed here per step when it is null.
+/// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
+/// m's stay as they are, zero from BackwardWork::prepare): contiguous, aligned rows for the
+/// kernels.
+template <typename Scalar>
+void backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, Index padded,
+                   Scalar* buffer) {
+  Eigen::Map<RowMatrix<Scalar>>(buffer, count, padded).leftCols(m.cols()) =
+      m.middleRows(first, count);
+}
+
+/// Key tiles [j_begin, j_end) (up to backward_group_tiles tiles of backward_tile keys, aligned
+/// from the rule's first row): the query steps reaching any of them in increasing order, and
+/// for each step the tiles it reaches in increasing order, the pair's gradients
+/// (backward_pair). Each key tile's dK, dV rows are summed in its own buffers of `work` over
+/// its steps in increasing order and added to the outputs at the end (this thread owns the key
+/// tiles), and dQ_I += (dS K_J) in increasing key tile order, as `order` enforces: the same
+/// sums in the same order as one key tile at a time. Q^T and dO^T of the steps from `packed`,
+/// or packed here per step when it is null.
 template <typename Scalar, typename Rule, typename Order>
-void backward_key_tile(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index j1,
-                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work, const Order& order,
-                       const PackedSteps<Scalar>* packed) {
-  constexpr Index Bq = backward_query_rows;
-  const KeyRange reaching = rule.rows_reaching(j0, j1);
-  if (reaching.first >= reaching.last) return;
+void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Index j_begin,
+                        Index j_end, BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
+                        const Order& order, const PackedSteps<Scalar>* packed) {
+  constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
   const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
-  const Index keys = j1 - j0;
-  const Scalar* k_rows = backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows);
-  work.dk_sum.head(keys * dp).setZero();
-  work.dv_sum.head(keys * dvp).setZero();
   const Index base = rule.begin(), end = rule.end();
-  const Index key_tile = (j0 - base) / backward_tile;
-  for (Index i0 = base + (reaching.first - base) / Bq * Bq; i0 < reaching.last; i0 += Bq) {
-    const Index r0 = std::max(i0, reaching.first);
-    const Index r1 = std::min(i0 + Bq, reaching.last);
-    const KeyRange reached = rule.keys_reached(r0, r1);
-    const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
-    if (k0 >= k1) continue;
-    const Index step_rows = std::min(Bq, end - i0);
-    work.delta.head(step_rows) =
-        Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(in.delta + i0, step_rows);
-    work.delta.segment(step_rows, Bq - step_rows).setZero();
+  const Index tiles = (j_end - j_begin + Bk - 1) / Bk;
+  KeyRange reaching[backward_group_tiles];
+  BackwardKeyTile<Scalar> rows[backward_group_tiles];
+  Index first_row = end, last_row = base;
+  for (Index g = 0; g < tiles; ++g) {
+    const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
+    reaching[g] = rule.rows_reaching(j0, j0 + keys);
+    Scalar* k_rows = work.k_rows.data() + g * Bk * dp;
+    Scalar* v_rows = work.v_rows.data() + g * Bk * dvp;
+    rows[g] = {k_rows, v_rows, work.dk_sum.data() + g * Bk * dp, work.dv_sum.data() + g * Bk * dvp};
+    if (reaching[g].first >= reaching[g].last) continue;
+    first_row = std::min(first_row, reaching[g].first);
+    last_row = std::max(last_row, reaching[g].last);
+    backward_rows<Scalar>(in.k, j0, keys, dp, k_rows);
+    backward_rows<Scalar>(in.v, j0, keys, dvp, v_rows);
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dk_sum, keys * dp).setZero();
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dv_sum, keys * dvp).setZero();
+  }
+  if (first_row >= last_row) return;
+  for (Index i0 = base + (first_row - base) / Bq * Bq; i0 < last_row; i0 += Bq) {
+    bool prepared = false;
     StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
                               work.o_rows.data()};
-    if (packed != nullptr) {
-      step = packed->step(i0);
-    } else if (work.packed_step != i0) {
-      pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
-                        work.q_rows.data(), work.o_rows.data());
-      work.packed_step = i0;
+    for (Index g = 0; g < tiles; ++g) {
+      const Index j0 = j_begin + g * Bk, j1 = std::min(j_end, j0 + Bk);
+      const Index r0 = std::max(i0, reaching[g].first);
+      const Index r1 = std::min(i0 + Bq, reaching[g].last);
+      if (r0 >= r1) continue;
+      const KeyRange reached = rule.keys_reached(r0, r1);
+      const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
+      if (k0 >= k1) continue;
+      if (!prepared) {
+        const Index step_rows = std::min(Bq, end - i0);
+        work.delta.head(step_rows) =
+            Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(in.delta + i0, step_rows);
+        work.delta.segment(step_rows, Bq - step_rows).setZero();
+        if (packed != nullptr) {
+          step = packed->step(i0);
+        } else if (work.packed_step != i0) {
+          pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
+                            work.q_rows.data(), work.o_rows.data());
+          work.packed_step = i0;
+        }
+        prepared = true;
+      }
+      backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work);
+      order.add((i0 - base) / Bq, (j0 - base) / Bk, [&] {
+        out.dq.middleRows(r0, r1 - r0) +=
+            Eigen::Map<const RowMatrix<Scalar>>(work.dq_part.data(), r1 - r0, dp).leftCols(d);
+      });
     }
-    backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, k_rows, work);
-    order.add((i0 - base) / Bq, key_tile, [&] {
-      out.dq.middleRows(r0, r1 - r0) +=
-          Eigen::Map<const RowMatrix<Scalar>>(work.dq_part.data(), r1 - r0, dp).leftCols(d);
-    });
   }
-  out.dk.middleRows(j0, keys) +=
-      Eigen::Map<const RowMatrix<Scalar>>(work.dk_sum.data(), keys, dp).leftCols(d);
-  out.dv.middleRows(j0, keys) +=
-      Eigen::Map<const RowMatrix<Scalar>>(work.dv_sum.data(), keys, dvp).leftCols(dv);
+  for (Index g = 0; g < tiles; ++g) {
+    if (reaching[g].first >= reaching[g].last) continue;
+    const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
+    out.dk.middleRows(j0, keys) +=
+        Eigen::Map<const RowMatrix<Scalar>>(rows[g].dk_sum, keys, dp).leftCols(d);
+    out.dv.middleRows(j0, keys) +=
+        Eigen::Map<const RowMatrix<Scalar>>(rows[g].dv_sum, keys, dvp).leftCols(dv);
+  }
 }
 
 /// One pass over the key tiles of the rule's domain, in parallel (OpenMP; call it outside a
-/// parallel region): dK, dV of a key tile by its thread summing over query steps in increasing
-/// order, dQ of a query step summed over key tiles in increasing order (KeyTileOrder). Q^T and
-/// dO^T of every step are packed first (O(n (d + d_v)) memory). Outputs are accumulated into.
+/// parallel region) by groups of backward_group_tiles key tiles: dK, dV of a key tile by its
+/// thread summing over query steps in increasing order, dQ of a query step summed over key
+/// tiles in increasing order (KeyTileOrder). Q^T and dO^T of every step are packed first
+/// (O(n (d + d_v)) memory). Outputs are accumulated into.
 template <typename Scalar, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
+  constexpr Index group = backward_group_tiles * backward_tile;
   const Index begin = rule.begin(), end = rule.end();
   const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
   PackedSteps<Scalar> packed;
   packed.pack(in.q, in.dout, begin, end, true);
-  const auto tile_count = static_cast<long>((end - begin + backward_tile - 1) / backward_tile);
+  const auto group_count = static_cast<long>((end - begin + group - 1) / group);
 #pragma omp parallel
   {
+    const FlushSubnormals flush;
     BackwardWork<Scalar> work;
 #pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < tile_count; ++t) {
-      const Index j0 = begin + static_cast<Index>(t) * backward_tile;
-      backward_key_tile(in, rule, j0, std::min(end, j0 + backward_tile), out, work, order, &packed);
+    for (long t = 0; t < group_count; ++t) {
+      const Index j0 = begin + static_cast<Index>(t) * group;
+      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, &packed);
     }
   }
 }
 
 /// The same pass on the calling thread (a block of a per-sample hash, or one head of a
-/// parallel loop over heads): key tiles in increasing order, Q^T and dO^T of the steps from
-/// `packed` (every step of the rule's domain) or, when it is null, packed as they come.
+/// parallel loop over heads): groups of key tiles in increasing order, Q^T and dO^T of the
+/// steps from `packed` (every step of the rule's domain) or, when it is null, packed as they
+/// come.
 template <typename Scalar, typename Rule>
 void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                      const PackedSteps<Scalar>* packed = nullptr) {
+  constexpr Index group = backward_group_tiles * backward_tile;
   work.packed_step = -1;
-  for (Index j0 = rule.begin(); j0 < rule.end(); j0 += backward_tile)
-    backward_key_tile(in, rule, j0, std::min(rule.end(), j0 + backward_tile), out, work, InOrder{},
-                      packed);
+  for (Index j0 = rule.begin(); j0 < rule.end(); j0 += group)
+    backward_key_group(in, rule, j0, std::min(rule.end(), j0 + group), out, work, InOrder{},
+                       packed);
 }
 
 /// D_i = dO_i . O_i for every row, accumulated exactly as the score kernel accumulates
