@@ -8,8 +8,8 @@
 // FlashAttention's layout); m: the queries, the last m of the n positions (m = n: prefill;
 // m = 64: a prefill chunk or multi-token decode at the cache's end). Both layouts give
 // bitwise the same output; pairs/s of a page<P> row over the contiguous row of the same
-// method and m is the cost of the block table (P = 16 gathers every key tile, P >= 64 reads
-// tiles in place).
+// method and m is the cost of the block table (keys and values are read in place page by page:
+// a key tile of 64 is 4 runs of rows at P = 16, one at P = 64 and 256).
 //   poslsh_bench --benchmark_filter='^paged/'
 #include <sys/mman.h>
 

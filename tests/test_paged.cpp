@@ -2,6 +2,8 @@
 // contiguous kernels bitwise (prefill, chunked prefill across page boundaries, decode), and
 // bad caches are rejected by name.
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <numeric>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/paged_kv.hpp>
@@ -22,48 +24,53 @@ namespace {
 
 constexpr Index paged_kv_heads = 2, paged_dim = 16, paged_value_dim = 24;
 
-// A page pool holding the [n, paged_kv_heads, paged_dim] keys and [n, paged_kv_heads,
-// paged_value_dim] values of one sequence in shuffled pages, with spare pages of NaN (never read).
-struct PagedCache {
-  std::vector<float> k_pool, v_pool;
+// A page pool holding the [n, heads, d] keys and [n, heads, d_v] values of one sequence (k and
+// v are n x heads d and n x heads d_v) in shuffled pages, with spare pages of NaN (never read).
+template <typename Scalar>
+struct PagedPool {
+  std::vector<Scalar> k_pool, v_pool;
   std::vector<std::int32_t> table, lengths;
-  PagedKV<float> view;
+  PagedKV<Scalar> view;
 
-  PagedCache(const RowMatrix<float>& k, const RowMatrix<float>& v, Index page_size,
-             std::uint64_t seed) {
-    const Index n = k.rows();
+  PagedPool(const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, Index heads, Index page_size,
+            std::uint64_t seed) {
+    const Index n = k.rows(), k_row = k.cols(), v_row = v.cols();
     const Index pages = (n + page_size - 1) / page_size;
     const Index pool = pages + 3;
     std::vector<std::int32_t> order(static_cast<std::size_t>(pool));
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    k_pool.assign(static_cast<std::size_t>(pool * page_size * paged_kv_heads * paged_dim), nan);
-    v_pool.assign(static_cast<std::size_t>(pool * page_size * paged_kv_heads * paged_value_dim),
-                  nan);
+    const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+    k_pool.assign(static_cast<std::size_t>(pool * page_size * k_row), nan);
+    v_pool.assign(static_cast<std::size_t>(pool * page_size * v_row), nan);
     table.assign(static_cast<std::size_t>(pages + 1), -1);  // one spare entry past the end
     for (Index p = 0; p < pages; ++p)
       table[static_cast<std::size_t>(p)] = order[static_cast<std::size_t>(p)];
     for (Index j = 0; j < n; ++j) {
       const Index row = table[static_cast<std::size_t>(j / page_size)] * page_size + j % page_size;
-      std::copy_n(k.row(j).data(), paged_kv_heads * paged_dim,
-                  k_pool.data() + row * paged_kv_heads * paged_dim);
-      std::copy_n(v.row(j).data(), paged_kv_heads * paged_value_dim,
-                  v_pool.data() + row * paged_kv_heads * paged_value_dim);
+      std::copy_n(k.row(j).data(), k_row, k_pool.data() + row * k_row);
+      std::copy_n(v.row(j).data(), v_row, v_pool.data() + row * v_row);
     }
     lengths = {static_cast<std::int32_t>(n)};
     view.k_pages = k_pool.data();
     view.v_pages = v_pool.data();
     view.num_pages = pool;
     view.page_size = page_size;
-    view.heads = paged_kv_heads;
-    view.dim = paged_dim;
-    view.dim_v = paged_value_dim;
+    view.heads = heads;
+    view.dim = k_row / heads;
+    view.dim_v = v_row / heads;
     view.block_table = table.data();
     view.batch = 1;
     view.max_pages = pages + 1;
     view.seq_lens = lengths.data();
   }
+};
+
+// The pool of the tests' float caches: paged_kv_heads heads of paged_dim and paged_value_dim.
+struct PagedCache : PagedPool<float> {
+  PagedCache(const RowMatrix<float>& k, const RowMatrix<float>& v, Index page_size,
+             std::uint64_t seed)
+      : PagedPool<float>(k, v, paged_kv_heads, page_size, seed) {}
 };
 
 template <typename Block>
@@ -103,6 +110,52 @@ TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
       }
     }
   }
+}
+
+// d_v a multiple of the packet size: the values are read in place page by page (the key rows
+// always are); pages of any size, including pages shorter than a register block of keys.
+template <typename Scalar>
+void paged_check_in_place(Index dim, Index value_dim) {
+  const Index n = 300, heads = 2;
+  const auto q = random_matrix<Scalar>(n, dim, 521);
+  const auto k = random_matrix<Scalar>(n, heads * dim, 522);
+  const auto v = random_matrix<Scalar>(n, heads * value_dim, 523);
+  const HashSet hashes = poslsh::rbf_hashes(30.0, 6, 7, 1);
+  for (Index page_size : {1, 3, 16, 40, 64, 128}) {
+    const PagedPool<Scalar> cache(k, v, heads, page_size,
+                                  31 + static_cast<std::uint64_t>(page_size));
+    for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (Index h = 0; h < heads; ++h) {
+        INFO("page size " << page_size << ", head " << h << ", causal "
+                          << (masking == Masking::causal) << ", d " << dim << ", d_v "
+                          << value_dim);
+        AttentionOptions options;
+        options.masking = masking;
+        const auto k_h = k.middleCols(h * dim, dim);
+        const auto v_h = v.middleCols(h * value_dim, value_dim);
+        const RowMatrix<Scalar> fused =
+            poslsh::lsh_attention_fused<Scalar>(q, k_h, v_h, hashes, options);
+        const RowMatrix<Scalar> exact =
+            poslsh::alibi_attention_tiled<Scalar>(q, k_h, v_h, 13.0, options);
+        RowMatrix<Scalar> out(n, value_dim);
+        poslsh::lsh_attention_fused_paged<Scalar>(q, cache.view, 0, h, hashes, out, options);
+        CHECK((out.array() == fused.array()).all());
+        poslsh::alibi_attention_tiled_paged<Scalar>(q, cache.view, 0, h, 13.0, out, options);
+        CHECK((out.array() == exact.array()).all());
+        // The last 64 queries (a prefill chunk at the cache's end).
+        RowMatrix<Scalar> tail(64, value_dim);
+        poslsh::lsh_attention_fused_paged<Scalar>(q.bottomRows(64), cache.view, 0, h, hashes, tail,
+                                                  options);
+        CHECK((tail.array() == fused.bottomRows(64).array()).all());
+      }
+    }
+  }
+}
+
+TEST_CASE("paged caches read in place page by page, any page size", "[paged]") {
+  paged_check_in_place<float>(16, 32);
+  paged_check_in_place<float>(7, 64);
+  paged_check_in_place<double>(12, 16);
 }
 
 TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][offsets]") {

@@ -29,9 +29,9 @@ struct PlainBlockAttention {
                   bool causal, C tau, MatrixRef<C> out,
                   Eigen::Ref<Eigen::Matrix<C, Eigen::Dynamic, 1>> lse) const {
     detail::StreamingSoftmax<C> state;
-    detail::LogitScratch<C> scratch;
+    detail::TileBuffers<C> buffers;
     state.reset(q.rows(), v.cols());
-    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, q.rows(), state, scratch);
+    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, q.rows(), state, buffers);
     state.finish(0, out);
     lse = (state.running_max + state.running_sum.log()).matrix();
   }

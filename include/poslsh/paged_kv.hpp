@@ -38,10 +38,11 @@ struct PagedKV {
   const Scalar* k_pages = nullptr;  ///< [num_pages, page_size, heads, dim]
   const Scalar* v_pages = nullptr;  ///< [num_pages, page_size, heads, dim_v]
   Index num_pages = 0;
-  Index page_size = 0;  ///< tokens per page P (multiples of 64 keep key tiles inside a page)
-  Index heads = 0;      ///< H_kv
-  Index dim = 0;        ///< d
-  Index dim_v = 0;      ///< d_v
+  Index page_size =
+      0;            ///< tokens per page P (a key tile of 64 reads ceil(64 / P) + 1 runs at most)
+  Index heads = 0;  ///< H_kv
+  Index dim = 0;    ///< d
+  Index dim_v = 0;  ///< d_v
   const std::int32_t* block_table = nullptr;  ///< [batch, max_pages], row-major
   Index batch = 0;
   Index max_pages = 0;
@@ -61,24 +62,27 @@ struct PagedKV {
     detail::require(max_pages >= 0, function, "cache.max_pages", max_pages, "must be >= 0");
     detail::require(seq_lens != nullptr, function, "cache.seq_lens", "null",
                     "must point at batch lengths");
-    detail::require(b >= 0 && b < batch, function, "sequence", b,
-                    "must lie in [0, cache.batch) = [0, " + std::to_string(batch) + ")");
+    if (b < 0 || b >= batch)
+      detail::throw_invalid(function, "sequence", b,
+                            "must lie in [0, cache.batch) = [0, " + std::to_string(batch) + ")");
     const Index n = seq_lens[b];
     detail::require(n >= 0, function, "cache.seq_lens", n, "lengths must be >= 0");
     const Index pages = (n + page_size - 1) / page_size;
-    detail::require(pages <= max_pages, function, "cache.block_table", max_pages,
-                    "holds max_pages pages per sequence, fewer than the " + std::to_string(pages) +
-                        " pages of sequence " + std::to_string(b) + " (" + std::to_string(n) +
-                        " tokens)");
+    if (pages > max_pages)
+      detail::throw_invalid(function, "cache.block_table", max_pages,
+                            "holds max_pages pages per sequence, fewer than the " +
+                                std::to_string(pages) + " pages of sequence " + std::to_string(b) +
+                                " (" + std::to_string(n) + " tokens)");
     if (n == 0) return;
     detail::require(block_table != nullptr && k_pages != nullptr && v_pages != nullptr, function,
                     "cache", "null", "block_table, k_pages and v_pages must point at buffers");
     for (Index p = 0; p < pages; ++p) {
       const std::int32_t page = block_table[b * max_pages + p];
-      detail::require(
-          page >= 0 && page < num_pages, function, "cache.block_table",
-          "[" + std::to_string(b) + "][" + std::to_string(p) + "] = " + std::to_string(page),
-          "page indices must lie in [0, num_pages) = [0, " + std::to_string(num_pages) + ")");
+      if (page < 0 || page >= num_pages)
+        detail::throw_invalid(
+            function, "cache.block_table",
+            "[" + std::to_string(b) + "][" + std::to_string(p) + "] = " + std::to_string(page),
+            "page indices must lie in [0, num_pages) = [0, " + std::to_string(num_pages) + ")");
     }
   }
 };
@@ -86,8 +90,9 @@ struct PagedKV {
 namespace detail {
 
 /// Key source of the tile engine (detail/tile/engine.hpp) reading head `head` of sequence
-/// `sequence` of a paged cache: a key tile inside one page is read in place (row stride
-/// H_kv d), a tile across pages is gathered into the source's own buffers first.
+/// `sequence` of a paged cache in place: key j is row j % P of page block_table[j / P], so
+/// the keys come in runs of P rows (row stride H_kv d for K, H_kv d_v for V), and the engine
+/// reads a key tile run by run (ReadsInRuns: key_row, value_row, run_end). Nothing is copied.
 template <typename Scalar>
 class PagedRows {
  public:
@@ -98,26 +103,21 @@ class PagedRows {
         page_size_(cache.page_size),
         k_stride_(cache.heads * cache.dim),
         v_stride_(cache.heads * cache.dim_v),
-        d_(cache.dim),
         dv_(cache.dim_v),
         rows_(cache.length(sequence)) {}
 
   Index rows() const { return rows_; }
   Index value_cols() const { return dv_; }
 
-  KeyTileRows<Scalar> tile(Index j0, Index keys) {
-    const Index offset = j0 % page_size_;
-    if (offset + keys <= page_size_) return {key_row(j0), k_stride_, value_row(j0), v_stride_};
-    if (gather_k_.size() < static_cast<std::size_t>(keys * d_))
-      gather_k_.resize(static_cast<std::size_t>(tile_key_cols * d_));
-    if (gather_v_.size() < static_cast<std::size_t>(keys * dv_))
-      gather_v_.resize(static_cast<std::size_t>(tile_key_cols * dv_));
-    for (Index b = 0; b < keys; ++b) {
-      std::copy_n(key_row(j0 + b), d_, gather_k_.data() + b * d_);
-      std::copy_n(value_row(j0 + b), dv_, gather_v_.data() + b * dv_);
-    }
-    return {gather_k_.data(), d_, gather_v_.data(), dv_};
+  /// The rows of the run holding j0 (the engine reads the others through key_row).
+  KeyTileRows<Scalar> tile(Index j0, Index) const {
+    return {key_row(j0), k_stride_, value_row(j0), v_stride_};
   }
+
+  /// First key after the run (page) holding key j.
+  Index run_end(Index j) const { return (j / page_size_ + 1) * page_size_; }
+  const Scalar* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
+  const Scalar* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
 
   void prefetch(Index first, Index last, Index d, Index dv) const {
     for (Index j = first; j < last; ++j) {
@@ -130,14 +130,11 @@ class PagedRows {
   Index page_row(Index j) const {
     return static_cast<Index>(table_[j / page_size_]) * page_size_ + j % page_size_;
   }
-  const Scalar* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
-  const Scalar* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
 
   const Scalar* k_;
   const Scalar* v_;
   const std::int32_t* table_;
-  Index page_size_, k_stride_, v_stride_, d_, dv_, rows_;
-  std::vector<Scalar> gather_k_, gather_v_;
+  Index page_size_, k_stride_, v_stride_, dv_, rows_;
 };
 
 /// Checks of the paged kernels: the cache, sequence b's pages, the KV head, q (m x d) against
@@ -147,10 +144,12 @@ Index require_paged_arguments(const char* function, const ConstMatrixRef<Scalar>
                               const PagedKV<Scalar>& cache, Index sequence, Index head,
                               const OutType& out, const AttentionOptions& options) {
   cache.validate(function, sequence);
-  require(head >= 0 && head < cache.heads, function, "kv_head", head,
-          "must lie in [0, cache.heads) = [0, " + std::to_string(cache.heads) + ")");
-  require(q.cols() == cache.dim, function, "q", q.cols(),
-          "column count (d) must equal cache.dim = " + std::to_string(cache.dim));
+  if (head < 0 || head >= cache.heads)
+    throw_invalid(function, "kv_head", head,
+                  "must lie in [0, cache.heads) = [0, " + std::to_string(cache.heads) + ")");
+  if (q.cols() != cache.dim)
+    throw_invalid(function, "q", q.cols(),
+                  "column count (d) must equal cache.dim = " + std::to_string(cache.dim));
   const Index p0 = resolve_query_offset(function, options.query_offset, q.rows(),
                                         cache.length(sequence), "cache.seq_lens");
   require_output_shape(function, out, q.rows(), cache.dim_v);
@@ -166,9 +165,9 @@ Index require_paged_arguments(const char* function, const ConstMatrixRef<Scalar>
 ///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), j over the cache's tokens 0 .. L - 1,
 /// with p0 = options.query_offset (unset: L - m, bottom-right: prefill chunks and decode
 /// append their queries at the cache's end). Bitwise lsh_attention_fused on the same keys and
-/// values in contiguous matrices, for any page size; key tiles of 64 inside one page are read
-/// in place, others gathered. Query tiles run in parallel (OpenMP), bitwise the same for any
-/// thread count. Throws std::invalid_argument naming a bad argument.
+/// values in contiguous matrices, for any page size; keys are read in place, page by page. Query
+/// tiles run in parallel (OpenMP), bitwise the same for any thread count. Throws
+/// std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& cache,
                                Index sequence, Index kv_head, const HashSet& hashes,

@@ -50,11 +50,24 @@ struct KeyTileRows {
   Index v_stride;
 };
 
+/// An online-softmax state kept outside the engine (TileEngine::accumulate): row i (a
+/// position) has its running maximum M_i at max[i - base], its sum l_i at sum[i - base] and
+/// its numerator acc_i (d_v values) at acc + (i - base) acc_stride.
+template <typename Scalar>
+struct EngineState {
+  Scalar* max;
+  Scalar* sum;
+  Scalar* acc;
+  Index acc_stride;
+  Index base;
+};
+
 /// The engine's default key source: K and V as row-strided matrices. A key source provides
 /// rows() (the key count L), value_cols(), tile(j0, keys) (the KeyTileRows of keys
 /// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile) and
-/// prefetch(first, last, d, d_v) (a hint for rows [first, last)). Paged caches:
-/// detail/tile/paged_rows.hpp.
+/// prefetch(first, last, d, d_v) (a hint for rows [first, last)); a source whose rows come
+/// in runs (ReadsInRuns, below) also key_row, value_row and run_end. Paged caches: PagedRows
+/// in poslsh/paged_kv.hpp.
 template <typename Scalar>
 class ContiguousKV {
  public:
@@ -111,6 +124,16 @@ class WideningKV {
   Buffer& wide_v_;
 };
 
+/// Whether the key source KV reads its rows in runs (a paged cache): it then provides
+/// key_row(j) and value_row(j) (pointers to the K and V rows of key j; rows of one run are
+/// k_stride and v_stride apart, as in tile()) and run_end(j) (the first key after j's run),
+/// and the engine reads each run in place instead of the tile as one stretch of rows.
+template <typename KV, typename = void>
+struct ReadsInRuns : std::false_type {};
+template <typename KV>
+struct ReadsInRuns<KV, std::void_t<decltype(std::declval<const KV&>().run_end(Index{0}))>>
+    : std::true_type {};
+
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
 /// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
 /// half-precision ones), queries stored as QScalar (Scalar or a half-precision type, widened
@@ -129,6 +152,7 @@ class TileEngine {
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
   static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
   static constexpr int value_packets = 4;
+  static constexpr bool in_runs = ReadsInRuns<KV>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
 
@@ -154,6 +178,7 @@ class TileEngine {
         pack_values_(dv_ % P != 0),
         bias_(bias),
         b_(buffers) {
+    std::fill_n(ones_, value_rows, Scalar(1));
     b_.prepare(d_, dvp_, pack_values_);
     if constexpr (!std::is_same_v<QScalar, Scalar>) {
       if (b_.wide_q.size() < Bq * d_) b_.wide_q.resize(Bq * d_);
@@ -198,10 +223,33 @@ class TileEngine {
     }
   }
 
+  /// Rows at positions [row_begin, row_end) (within [p0, p0 + q.rows())) folded into `state`
+  /// instead of written out: each row's M_i, l_i and acc_i are loaded, updated by this
+  /// engine's key tiles with the steps of run() (starting from the loaded values instead of
+  /// -inf, 0, 0) and stored back. Several passes over the same rows (other policies, e.g. the
+  /// blocks of other hashes) continue one online softmax; out_i = acc_i / l_i at the end.
+  void accumulate(Index row_begin, Index row_end, const EngineState<Scalar>& state) {
+    if (row_begin >= row_end || dv_ == 0) return;
+    for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
+      const Index r0 = std::max(i0, row_begin);
+      const Index r1 = std::min(i0 + Bq, row_end);
+      external_ = &state;
+      query_tile(i0, r0, r1);
+      external_ = nullptr;
+      for (Index i = r0; i < r1; ++i) {
+        const Index a = i - i0, row = i - state.base;
+        state.max[row] = b_.running_max(a);
+        state.sum[row] = b_.running_sum(a);
+        std::copy_n(b_.acc.data() + a * dvp_, dv_, state.acc + row * state.acc_stride);
+      }
+    }
+  }
+
  private:
   static constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
 
-  // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc.
+  // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc (from -inf, 0,
+  // 0, or from the rows of external_ when set).
   void query_tile(Index i0, Index r0, Index r1) {
     if constexpr (std::is_same_v<QScalar, Scalar>)
       tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
@@ -211,6 +259,14 @@ class TileEngine {
     b_.running_max.head(Bq).setConstant(minus_infinity);
     b_.running_sum.head(Bq).setZero();
     b_.acc.head(Bq * dvp_).setZero();
+    if (external_ != nullptr) {
+      for (Index i = r0; i < r1; ++i) {
+        const Index a = i - i0, row = i - external_->base;
+        b_.running_max(a) = external_->max[row];
+        b_.running_sum(a) = external_->sum[row];
+        std::copy_n(external_->acc + row * external_->acc_stride, dv_, b_.acc.data() + a * dvp_);
+      }
+    }
     rows_ = {r0 - i0, r1 - i0};
     packets_ = {rows_.first / P * P, (rows_.last + P - 1) / P * P};
     // Key tiles aligned to multiples of Bk (the first and the last cut to the keys reached),
@@ -305,6 +361,23 @@ class TileEngine {
   // accumulators (16 keys x 1 packet, 8 x 2, 5 x 3, 4 x 4), then halved for the remainder.
   template <bool Masked>
   void score_span(Index packets, Index b, Index end, Index a) {
+    if constexpr (in_runs) {
+      // One run of contiguous key rows at a time (each entry's sum over d is the same for any
+      // split of the keys into register blocks).
+      while (b < end) {
+        const Index stop = std::min(end, kv_.run_end(j0_ + b) - j0_);
+        run_k_ = kv_.key_row(j0_ + b);
+        run_b_ = b;
+        score_run<Masked>(packets, b, stop, a);
+        b = stop;
+      }
+    } else {
+      score_run<Masked>(packets, b, end, a);
+    }
+  }
+
+  template <bool Masked>
+  void score_run(Index packets, Index b, Index end, Index a) {
     static_assert(query_packets == 4, "register blocks are written for groups of 4 packets");
     switch (packets) {
       case 1:
@@ -331,8 +404,7 @@ class TileEngine {
     namespace ei = Eigen::internal;
     const auto scorer = bias_.scorer();
     Packet acc[Keys][Packets];
-    tile_score_block<Scalar, Keys, Packets>(b_.qt.data() + a0, Bq,
-                                            rows_of_tile_.k + b0 * rows_of_tile_.k_stride,
+    tile_score_block<Scalar, Keys, Packets>(b_.qt.data() + a0, Bq, key_at(b0),
                                             rows_of_tile_.k_stride, d_, acc);
     POSLSH_TILE_UNROLL
     for (int p = 0; p < Packets; ++p) {
@@ -395,8 +467,10 @@ class TileEngine {
     const Scalar* values = rows_of_tile_.v;
     Index stride = rows_of_tile_.v_stride;
     if (pack_values_) {
-      for (Index b = 0; b < keys; ++b)
-        for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = values[b * stride + c];
+      for (Index b = 0; b < keys; ++b) {
+        const Scalar* row = value_at(b);
+        for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = row[c];
+      }
       values = b_.values.data();
       stride = dvp_;
     }
@@ -404,9 +478,28 @@ class TileEngine {
       const KeyRange reach = keys_reached(a, a + value_rows, keys);
       if (reach.first >= reach.last) continue;
       for (Index c = 0; c < dvp_; c += value_packets * P) {
+        if constexpr (in_runs) {
+          if (!pack_values_) {
+            value_runs(a, c, reach, stride);
+            continue;
+          }
+        }
         value_block<value_packets>((dvp_ - c) / P, a, values + reach.first * stride + c, stride,
-                                   reach.first, reach.last - reach.first, c);
+                                   reach.first, reach.last - reach.first, c, b_.alpha.data() + a);
       }
+    }
+  }
+
+  // value_block over the keys `reach` read in place run by run: acc <- alpha acc + (run 1),
+  // then acc <- 1 acc + (run 2), ...: the multiply-adds of one stretch of rows, in the same
+  // order (1 acc is exact).
+  void value_runs(Index a, Index c, KeyRange reach, Index stride) {
+    const Scalar* alpha = b_.alpha.data() + a;
+    for (Index b = reach.first; b < reach.last;) {
+      const Index stop = std::min(reach.last, kv_.run_end(j0_ + b) - j0_);
+      value_block<value_packets>((dvp_ - c) / P, a, value_at(b) + c, stride, b, stop - b, c, alpha);
+      alpha = ones_;
+      b = stop;
     }
   }
 
@@ -414,14 +507,28 @@ class TileEngine {
   // min(packets, Packets) packets of value columns from column c.
   template <int Packets>
   void value_block(Index packets, Index a, const Scalar* values, Index stride, Index b, Index keys,
-                   Index c) {
+                   Index c, const Scalar* alpha) {
     if constexpr (Packets > 1) {
       if (packets < Packets)
-        return value_block<Packets - 1>(packets, a, values, stride, b, keys, c);
+        return value_block<Packets - 1>(packets, a, values, stride, b, keys, c, alpha);
     }
     tile_value_block<Scalar, value_rows, Packets>(b_.scores.data() + b * Bq + a, Bq, values, stride,
-                                                  keys, b_.alpha.data() + a,
-                                                  b_.acc.data() + a * dvp_ + c, dvp_);
+                                                  keys, alpha, b_.acc.data() + a * dvp_ + c, dvp_);
+  }
+
+  // Key and value rows of key j0 + b of the current tile (in runs: b inside the current run
+  // for keys; any b for values).
+  const Scalar* key_at(Index b) const {
+    if constexpr (in_runs)
+      return run_k_ + (b - run_b_) * rows_of_tile_.k_stride;
+    else
+      return rows_of_tile_.k + b * rows_of_tile_.k_stride;
+  }
+  const Scalar* value_at(Index b) const {
+    if constexpr (in_runs)
+      return kv_.value_row(j0_ + b);
+    else
+      return rows_of_tile_.v + b * rows_of_tile_.v_stride;
   }
 
   const ConstMatrixRef<QScalar>& q_;
@@ -432,7 +539,11 @@ class TileEngine {
   Bias& bias_;
   TileBuffers<Scalar>& b_;
   Index j0_ = 0;
+  const EngineState<Scalar>* external_ = nullptr;
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
+  const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
+  Index run_b_ = 0;
+  Scalar ones_[value_rows];
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
