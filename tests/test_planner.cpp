@@ -24,12 +24,38 @@ double relative_error(const RowMatrix<float>& exact, const RowMatrix<float>& app
   return (exact - approx).cast<double>().norm() / exact.cast<double>().norm();
 }
 
+// The ALiBi kernel's row mass beyond the band W, for W = 0 .. max_band, summed term by term for
+// a row far from the sequence ends: sum_{t > W} e^{-t/sigma} over sum_{t >= 0} e^{-t/sigma}
+// (causal), both tails over both sides (bidirectional).
+std::vector<double> planner_shares(double sigma, Index max_band, Masking masking) {
+  std::vector<double> terms;
+  double total = 0.0;
+  for (Index t = 0; t < 200000; ++t) {
+    const double sides = masking == Masking::causal || t == 0 ? 1.0 : 2.0;
+    terms.push_back(sides * std::exp(-static_cast<double>(t) / sigma));
+    total += terms.back();
+  }
+  // Dropped mass summed from the smallest terms up (no cancellation for tiny shares).
+  std::vector<double> shares(static_cast<std::size_t>(max_band) + 1);
+  double dropped = 0.0;
+  for (auto t = static_cast<Index>(terms.size()) - 1; t >= 1; --t) {
+    dropped += terms[static_cast<std::size_t>(t)];
+    if (t - 1 <= max_band) shares[static_cast<std::size_t>(t - 1)] = dropped / total;
+  }
+  return shares;
+}
+
+double planner_share(double sigma, Index band, Masking masking) {
+  return planner_shares(sigma, band, masking).back();
+}
+
 }  // namespace
 
 TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planner]") {
   poslsh::PlannerOptions options;
   options.max_samples = 64;
-  options.lsh_models = {{poslsh::Sampler::independent, 0.9, 0.5}};
+  options.lsh_models = {{poslsh::Sampler::independent, 0.9, 0.5, 1.3},
+                        {poslsh::Sampler::antithetic, 0.8, 0.6, 1.1}};
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (Index n : {Index{64}, Index{400}}) {
       const std::vector<double> sigmas{0.5, 4.0, 30.0, 1000.0};
@@ -41,69 +67,137 @@ TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planne
           // Brute force: every method and parameter, keeping the cheapest that meets the target.
           double best = poslsh::exact_pair_count(n, masking) / options.throughput.exact_tiled;
           PlannedMethod method = PlannedMethod::exact_tiled;
+          Index parameter = 0;
+          const std::vector<double> shares = planner_shares(sigma, n, masking);
           for (Index w = 0; w + 1 < n; ++w) {
-            const double error =
-                options.banded_factor * std::exp(-(static_cast<double>(w) + 1.0) / sigma);
+            const double error = options.banded_factor *
+                                 (1.0 + options.banded_small_sigma / (sigma * sigma)) *
+                                 shares[static_cast<std::size_t>(w)];
             const double cost =
                 poslsh::banded_pair_count(n, w, masking) / options.throughput.banded;
             if (error <= target && cost < best) {
               best = cost;
               method = PlannedMethod::banded;
+              parameter = w;
             }
           }
-          for (Index s = 1; s <= options.max_samples; ++s) {
-            const double error = 0.9 / std::sqrt(static_cast<double>(s));
-            if (error > target) continue;
-            const double pairs = static_cast<double>(
-                poslsh::lsh_fused_pair_count(poslsh::rbf_hashes(sigma, s, 0, h), n, masking));
-            const double cost = pairs / options.throughput.lsh +
-                                double(n) * double(s) / options.throughput.lsh_query_samples;
-            if (cost < best) {
-              best = cost;
-              method = PlannedMethod::lsh;
+          poslsh::Sampler sampler = poslsh::Sampler::independent;
+          for (const poslsh::LshErrorModel& model : options.lsh_models) {
+            for (Index s = 1; s <= options.max_samples; ++s) {
+              const double error =
+                  model.upper_factor * model.coefficient * std::pow(double(s), -model.exponent);
+              if (error > target) continue;
+              const double pairs = static_cast<double>(poslsh::lsh_fused_pair_count(
+                  poslsh::sample_hashes(sigma, s, 0, h, model.sampler), n, masking));
+              const double cost = pairs / options.throughput.lsh +
+                                  double(n) * double(s) / options.throughput.lsh_query_samples;
+              if (cost < best) {
+                best = cost;
+                method = PlannedMethod::lsh;
+                parameter = s;
+                sampler = model.sampler;
+              }
             }
           }
           INFO("n " << n << ", sigma " << sigma << ", target " << target << ": planned "
                     << poslsh::planned_method_name(plans[h].method) << " " << plans[h].seconds
-                    << " s, brute force " << poslsh::planned_method_name(method) << " " << best
-                    << " s");
+                    << " s, brute force " << poslsh::planned_method_name(method) << " " << parameter
+                    << " " << best << " s");
           CHECK(plans[h].method == method);
           CHECK(plans[h].seconds == Approx(best).epsilon(1e-12));
           CHECK(plans[h].predicted_error <= target);
+          if (method == PlannedMethod::banded) CHECK(plans[h].band == parameter);
+          if (method == PlannedMethod::lsh) {
+            CHECK(plans[h].samples == parameter);
+            CHECK(plans[h].sampler == sampler);
+          }
         }
+        // Every head's banded candidate: the smallest W meeting the target.
+        const std::vector<HeadPlan> banded = poslsh::plan_single_method(
+            n, sigmas, masking, target, PlannedMethod::banded, {}, options);
+        bool all_banded = true;
+        for (std::size_t h = 0; h < sigmas.size(); ++h) {
+          const std::vector<double> shares = planner_shares(sigmas[h], n, masking);
+          Index w = 0;
+          while (w < n && options.banded_factor *
+                                  (1.0 + options.banded_small_sigma / (sigmas[h] * sigmas[h])) *
+                                  shares[static_cast<std::size_t>(w)] >
+                              target)
+            ++w;
+          all_banded = all_banded && w + 1 < n;
+          if (h < banded.size()) {
+            CHECK(banded[h].method == PlannedMethod::banded);
+            CHECK(banded[h].band == w);
+          }
+        }
+        CHECK(banded.size() == (all_banded ? sigmas.size() : 0));
+      }
+    }
+  }
+}
+
+TEST_CASE("lsh_planner_samples is the smallest s whose upper estimate meets the target",
+          "[planner]") {
+  for (const poslsh::LshErrorModel& model : poslsh::default_lsh_error_models()) {
+    for (double target : {0.5, 0.2, 0.1, 0.05, 0.01}) {
+      const double s = poslsh::lsh_planner_samples(model, target);
+      REQUIRE(s >= 1.0);
+      const auto samples = static_cast<Index>(s);
+      const double at = model.upper_factor * model.coefficient * std::pow(s, -model.exponent);
+      CHECK(at <= target);
+      CHECK(poslsh::lsh_predicted_error(model, samples) == Approx(at).epsilon(1e-12));
+      if (samples > 1) {
+        CHECK(model.upper_factor * model.coefficient * std::pow(s - 1.0, -model.exponent) > target);
       }
     }
   }
 }
 
 TEST_CASE("the banded error model bounds the measured output error", "[planner]") {
-  const Index n = 600, d = 16;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 1);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 2);
-  const RowMatrix<float> v = random_matrix<float>(n, d, 3);
   const poslsh::PlannerOptions options;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (double sigma : {4.0, 16.0}) {
-      const RowMatrix<float> exact =
-          poslsh::alibi_attention_tiled<float>(q, k, v, sigma, poslsh_test::with_masking(masking));
-      for (double target : {0.1, 0.01}) {
-        const Index band = poslsh::planner_band(sigma, target, options.banded_factor);
-        const double predicted =
-            options.banded_factor * std::exp(-(static_cast<double>(band) + 1.0) / sigma);
-        const double measured =
-            relative_error(exact, poslsh::alibi_attention_banded<float>(
-                                      q, k, v, sigma, band, poslsh_test::with_masking(masking)));
-        INFO("sigma " << sigma << ", W " << band << ": predicted " << predicted << ", measured "
-                      << measured);
-        CHECK(predicted <= target);
-        CHECK(measured <= predicted);
-        CHECK(measured >= predicted / 20.0);  // the model is not vacuous
+    for (double sigma : {1.19, 2.0, 4.0, 16.0}) {
+      for (Index band : {Index{0}, Index{3}, Index{40}}) {
+        INFO(poslsh_test::masking_name(masking) << ", sigma " << sigma << ", W " << band);
+        CHECK(poslsh::banded_dropped_share(sigma, band, masking) ==
+              Approx(planner_share(sigma, band, masking)).epsilon(1e-9));
+      }
+    }
+  }
+  const Index n = 600, d = 16;
+  for (std::uint64_t seed = 1; seed < 4; ++seed) {
+    const RowMatrix<float> q = random_matrix<float>(n, d, 3 * seed);
+    const RowMatrix<float> k = random_matrix<float>(n, d, 3 * seed + 1);
+    const RowMatrix<float> v = random_matrix<float>(n, d, 3 * seed + 2);
+    for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (double sigma : {1.19, 2.0, 4.0, 16.0}) {
+        const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
+            q, k, v, sigma, poslsh_test::with_masking(masking));
+        for (double target : {0.1, 0.01, 0.001}) {
+          const Index band = poslsh::planner_band(sigma, target, options.banded_factor, masking,
+                                                  options.banded_small_sigma);
+          const double predicted = poslsh::banded_predicted_error(
+              sigma, band, masking, options.banded_factor, options.banded_small_sigma);
+          const double measured =
+              relative_error(exact, poslsh::alibi_attention_banded<float>(
+                                        q, k, v, sigma, band, poslsh_test::with_masking(masking)));
+          INFO(poslsh_test::masking_name(masking)
+               << ", seed " << seed << ", sigma " << sigma << ", W " << band << ": predicted "
+               << predicted << ", measured " << measured);
+          CHECK(predicted <= target);
+          if (band > 0) {
+            CHECK(poslsh::banded_predicted_error(sigma, band - 1, masking, options.banded_factor,
+                                                 options.banded_small_sigma) > target);
+          }
+          CHECK(measured <= predicted);
+          CHECK(measured >= predicted / 20.0);  // the model is not vacuous
+        }
       }
     }
   }
 }
 
-TEST_CASE("the LSH error model against measured errors and the paper's bound", "[planner]") {
+TEST_CASE("the LSH mean fit against measured errors and the paper's bound", "[planner]") {
   const Index n = 512, d = 16;
   const double sigma = 8.0;
   const RowMatrix<float> q = random_matrix<float>(n, d, 4);
@@ -112,24 +206,160 @@ TEST_CASE("the LSH error model against measured errors and the paper's bound", "
   const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(q, k, v, sigma);
   for (const poslsh::LshErrorModel& model : poslsh::default_lsh_error_models()) {
     for (Index s : {Index{4}, Index{32}}) {
-      const double predicted = model.coefficient * std::pow(double(s), -model.exponent);
+      const double mean_fit = model.coefficient * std::pow(double(s), -model.exponent);
       // The mean over 3 seeds of the measured relative error.
       double measured = 0.0;
       for (std::uint64_t seed = 0; seed < 3; ++seed) {
         const poslsh::HashSet hashes = poslsh::sample_hashes(sigma, s, seed, 0, model.sampler);
         measured += relative_error(exact, poslsh::lsh_attention_fused<float>(q, k, v, hashes)) / 3;
       }
-      // The paper's bound on E||L* - M~||_2 relative to ||L*||_2: the model must predict
-      // less than it (the bound is loose) and the measurement must match the model within 2x.
+      // The paper's bound on E||L* - M~||_2 relative to ||L*||_2: the upper estimate must be
+      // below it (the bound is loose) and the measured mean must match the mean fit within 2x.
       const double bound = poslsh::expectation_bound(n, sigma, s) /
                            poslsh::alibi_kernel_norm(n, sigma, Masking::causal);
+      const double upper = poslsh::lsh_predicted_error(model, s);
       INFO(poslsh::sampler_name(model.sampler)
-           << ", s " << s << ": predicted " << predicted << ", measured " << measured
-           << ", paper bound " << bound);
-      CHECK(measured <= 2.0 * predicted);
-      CHECK(measured >= 0.5 * predicted);
-      CHECK(predicted <= bound);
+           << ", s " << s << ": mean fit " << mean_fit << ", upper " << upper << ", measured "
+           << measured << ", paper bound " << bound);
+      CHECK(measured <= 2.0 * mean_fit);
+      CHECK(measured >= 0.5 * mean_fit);
+      CHECK(upper == Approx(model.upper_factor * mean_fit).epsilon(1e-12));
+      CHECK(upper <= bound);
     }
+  }
+}
+
+TEST_CASE("the LSH upper estimate bounds every measured error at the planned s", "[planner]") {
+  // Each seed separately (data and hashes), not their mean: the estimate is an upper one.
+  const Index n = 512, d = 16;
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (std::uint64_t seed = 10; seed < 14; ++seed) {
+      const RowMatrix<float> q = random_matrix<float>(n, d, 3 * seed);
+      const RowMatrix<float> k = random_matrix<float>(n, d, 3 * seed + 1);
+      const RowMatrix<float> v = random_matrix<float>(n, d, 3 * seed + 2);
+      for (double sigma : {4.0, 16.0, 64.0}) {
+        const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
+            q, k, v, sigma, poslsh_test::with_masking(masking));
+        for (const poslsh::LshErrorModel& model : poslsh::default_lsh_error_models()) {
+          for (double target : {0.2, 0.1}) {
+            const auto s = static_cast<Index>(poslsh::lsh_planner_samples(model, target));
+            const double predicted = poslsh::lsh_predicted_error(model, s);
+            const double measured = relative_error(
+                exact, poslsh::lsh_attention_fused<float>(
+                           q, k, v, poslsh::sample_hashes(sigma, s, seed, 0, model.sampler),
+                           poslsh_test::with_masking(masking)));
+            INFO(poslsh_test::masking_name(masking)
+                 << ", seed " << seed << ", sigma " << sigma << ", "
+                 << poslsh::sampler_name(model.sampler) << ", s " << s << ": predicted "
+                 << predicted << ", measured " << measured);
+            CHECK(predicted <= target);
+            CHECK(measured <= predicted);
+            CHECK(measured >= predicted / 10.0);  // the estimate is not vacuous
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("every head of a plan meets its predicted error", "[planner]") {
+  // Planned heads run against exact attention per head, for the default cost model and for
+  // one where exact and banded are made slow so that the LSH candidates are chosen.
+  const Index n = 512, d = 16, heads = 8;
+  const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
+  poslsh::PlannerOptions slow_exact;
+  slow_exact.throughput.exact_tiled = 1e3;
+  slow_exact.throughput.banded = 1e3;
+  for (const poslsh::PlannerOptions& options : {poslsh::PlannerOptions{}, slow_exact}) {
+    for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (std::uint64_t seed = 20; seed < 23; ++seed) {
+        const RowMatrix<float> q = random_matrix<float>(n, heads * d, 3 * seed);
+        const RowMatrix<float> k = random_matrix<float>(n, heads * d, 3 * seed + 1);
+        const RowMatrix<float> v = random_matrix<float>(n, heads * d, 3 * seed + 2);
+        poslsh::PlannerOptions seeded = options;
+        seeded.seed = seed;
+        seeded.head_dim = d;
+        for (double target : {0.1, 0.01}) {
+          const std::vector<HeadPlan> plans =
+              poslsh::plan_heads(n, sigmas, masking, target, seeded);
+          RowMatrix<float> out(n, heads * d);
+          poslsh::multihead_attention_planned<float>(
+              poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+              poslsh::interleaved_heads<const float>(k.data(), n, heads, d),
+              poslsh::interleaved_heads<const float>(v.data(), n, heads, d),
+              poslsh::interleaved_heads(out.data(), n, heads, d), plans,
+              poslsh_test::with_masking(masking));
+          int lsh_heads = 0;
+          for (Index h = 0; h < heads; ++h) {
+            const HeadPlan& p = plans[static_cast<std::size_t>(h)];
+            lsh_heads += p.method == PlannedMethod::lsh ? 1 : 0;
+            const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
+                q.middleCols(h * d, d), k.middleCols(h * d, d), v.middleCols(h * d, d), p.sigma,
+                poslsh_test::with_masking(masking));
+            const double measured = relative_error(exact, out.middleCols(h * d, d));
+            INFO(poslsh_test::masking_name(masking)
+                 << ", seed " << seed << ", target " << target << ", head " << h << " (sigma "
+                 << p.sigma << ") " << poslsh::planned_method_name(p.method) << ": predicted "
+                 << p.predicted_error << ", measured " << measured);
+            CHECK(p.predicted_error <= target);
+            CHECK(measured <= p.predicted_error);
+          }
+          // The slow cost model plans LSH wherever an s <= 256 meets the target (1e-1).
+          if (&options == &slow_exact && target == 0.1) CHECK(lsh_heads > 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the planner names bad arguments", "[planner]") {
+  using poslsh_test::require_invalid_argument;
+  const std::vector<double> sigmas{4.0, 16.0};
+  require_invalid_argument([&] { poslsh::plan_heads(0, sigmas, Masking::causal, 0.1); }, "n");
+  require_invalid_argument([&] { poslsh::plan_heads(100, {}, Masking::causal, 0.1); }, "sigmas");
+  require_invalid_argument(
+      [&] {
+        poslsh::plan_heads(100, {4.0, 0.0}, Masking::causal, 0.1);
+      },
+      "sigma");
+  for (double target : {0.0, -0.1, 1.0, 1.5, std::nan("")}) {
+    require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, target); },
+                             "target");
+    require_invalid_argument(
+        [&] {
+          poslsh::plan_single_method(100, sigmas, Masking::causal, target, PlannedMethod::banded);
+        },
+        "target");
+    require_invalid_argument(
+        [&] { poslsh::plan_head_candidates(100, 4.0, 0, Masking::causal, target); }, "target");
+  }
+  poslsh::PlannerOptions options;
+  options.head_dim = 0;
+  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+                           "options.head_dim");
+  options = {};
+  options.banded_small_sigma = -1.0;
+  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+                           "options.banded_small_sigma");
+  options = {};
+  options.max_samples = 0;
+  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+                           "options.max_samples");
+  options = {};
+  options.banded_factor = std::nan("");
+  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+                           "options.banded_factor");
+  for (double bad : {0.0, -1.0, std::nan("")}) {
+    options = {};
+    options.lsh_models[1].upper_factor = bad;
+    require_invalid_argument(
+        [&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+        "options.lsh_models");
+    options = {};
+    options.lsh_models[0].exponent = bad;
+    require_invalid_argument(
+        [&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+        "options.lsh_models");
   }
 }
 

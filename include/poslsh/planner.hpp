@@ -62,24 +62,51 @@ struct PlannerThroughput {
   double lsh_query_samples = 1.4e8;
 };
 
-/// Relative output error of the fused LSH kernel modelled as coefficient * s^-exponent
-/// (||T* - T~||_F / ||T*||_F), for one sampler.
+/// Relative output error of the fused LSH kernel (||T* - T~||_F / ||T*||_F) for one sampler:
+/// a mean fit coefficient * s^-exponent times upper_factor, the largest measured ratio of the
+/// error to the mean fit (over seeds, data, sigma, d and masking), so that
+///   predicted error = upper_factor * coefficient * s^-exponent
+/// is an upper estimate of the measured error rather than its mean.
 struct LshErrorModel {
   Sampler sampler = Sampler::independent;
   double coefficient = 1.0;
   double exponent = 0.5;
+  double upper_factor = 1.0;
 };
 
-/// The default LSH error models: least-squares fits of log relative error against log s
-/// (s = 4..64) of output_error_vs_samples --sampler NAME (n = 2048, d = 64, sigma = 16, causal,
-/// float, seed 1) on its random Q, K, V: independent 1.227 s^-0.559, antithetic
-/// 1.230 s^-0.621, stratified 1.189 s^-0.605, rqmc 0.852 s^-0.511. (Smooth low-rank data falls
-/// 2x lower; heavy-tailed scores decay like s^-0.37 and are not covered by these models.)
+/// Predicted relative output error of the model at s samples: upper_factor * coefficient *
+/// s^-exponent.
+inline double lsh_predicted_error(const LshErrorModel& model, Index s) {
+  return model.upper_factor * model.coefficient * std::pow(static_cast<double>(s), -model.exponent);
+}
+
+/// Smallest s >= 1 with lsh_predicted_error(model, s) <= target, as a double (it may exceed
+/// any Index): ceil((upper_factor * coefficient / target)^(1 / exponent)).
+inline double lsh_planner_samples(const LshErrorModel& model, double target) {
+  double s = std::max(1.0, std::ceil(std::pow(model.upper_factor * model.coefficient / target,
+                                              1.0 / model.exponent)));
+  // The power rounds: step down while s - 1 still meets the target.
+  while (s > 1.0 && s < 9.0e18 && lsh_predicted_error(model, static_cast<Index>(s) - 1) <= target)
+    s -= 1.0;
+  return s;
+}
+
+/// The default LSH error models. Mean fits: least-squares fits of log relative error against
+/// log s (s = 4..64) of output_error_vs_samples --sampler NAME (n = 2048, d = 64, sigma = 16,
+/// causal, float, seed 1) on its random Q, K, V: independent 1.227 s^-0.559, antithetic
+/// 1.230 s^-0.621, stratified 1.189 s^-0.605, rqmc 0.852 s^-0.511. Upper factors: 1.05 times
+/// the largest ratio of measured error to the mean fit in plan_heads --calibrate (normal Q, K,
+/// V; sigma 1.1..256, s 16..256, causal and bidirectional; n = 512 with d = 16, 64 and seeds
+/// 1000-1005, n = 4096 with d = 64, 128 and seeds 1000-1001; 1440 runs per sampler): largest
+/// ratios 1.468 independent, 1.737 antithetic, 1.588 stratified, 1.305 rqmc (all at n = 512;
+/// 1.320, 1.634, 1.316, 1.173 at n = 4096), mean ratios 0.75-1.25. (Smooth low-rank data
+/// falls 2x lower; heavy-tailed scores decay like s^-0.37 and are not covered by these
+/// models.)
 inline std::vector<LshErrorModel> default_lsh_error_models() {
-  return {{Sampler::independent, 1.227, 0.559},
-          {Sampler::antithetic, 1.230, 0.621},
-          {Sampler::stratified, 1.189, 0.605},
-          {Sampler::rqmc, 0.852, 0.511}};
+  return {{Sampler::independent, 1.227, 0.559, 1.542},
+          {Sampler::antithetic, 1.230, 0.621, 1.824},
+          {Sampler::stratified, 1.189, 0.605, 1.668},
+          {Sampler::rqmc, 0.852, 0.511, 1.370}};
 }
 
 /// Options of plan_heads.
@@ -89,12 +116,16 @@ struct PlannerOptions {
   Index head_dim = 64;
   /// LSH candidates (one per sampler); empty leaves LSH out.
   std::vector<LshErrorModel> lsh_models = default_lsh_error_models();
-  /// Banded relative output error = banded_factor * exp(-(W + 1) / sigma): the dropped share
-  /// of the ALiBi kernel's row mass (exact for uniform scores: the bias bound) times a factor
-  /// for the score fluctuations and for the difference of the dropped and kept value averages.
-  /// 3 covers the measured ratios of relative error to exp(-(W + 1) / sigma), 1.2 to 2.6 on
-  /// random Q, K, V (tests/test_planner.cpp: n = 600, d = 16, sigma 4 and 16).
+  /// Banded relative output error = banded_factor * (1 + banded_small_sigma / sigma^2) *
+  /// banded_dropped_share(sigma, W, masking): the dropped share of the ALiBi kernel's row mass
+  /// (exact for uniform scores: the bias bound) times a factor for the score fluctuations and
+  /// for the difference of the dropped and kept value averages. plan_heads --calibrate
+  /// --banded-only (normal Q, K, V, the planned W at targets 1e-1..1e-3) measured ratios of
+  /// relative error to the dropped share up to 2.6 at sigma >= 4, 3.2 at sigma 2 and 6.6 at
+  /// sigma 1.1 (n = 512, d = 16 and 64); 3 (1 + 1.6 / sigma^2) covers them (6.97 at 1.1, 4.2
+  /// at 2, 3.3 at 4). Sigma below 1.1 was not calibrated.
   double banded_factor = 3.0;
+  double banded_small_sigma = 1.6;
   /// Largest s the planner considers for LSH (the error models were fitted on s = 4..64).
   Index max_samples = 256;
   /// Seed of the LSH hashes (head h uses stream h), for the pair counts and the run.
@@ -129,72 +160,168 @@ inline double banded_pair_count(Index n, Index band, Masking masking) {
   return masking == Masking::causal ? m + below : m + 2.0 * below;
 }
 
-/// Smallest band W with banded_factor * exp(-(W + 1) / sigma) <= target (0 if already so).
-inline Index planner_band(double sigma, double target, double factor) {
-  const double width = std::ceil(sigma * std::log(factor / target)) - 1.0;
-  return static_cast<Index>(std::clamp(width, 0.0, 9.0e18));
+/// Share of the ALiBi kernel's row mass beyond the band |i - j| <= W, away from the sequence
+/// ends: causal e^{-(W+1)/sigma}; bidirectional 2 e^{-(W+1)/sigma} / (1 + e^{-1/sigma}) (both
+/// tails over the two-sided row mass; up to twice the causal share at small sigma).
+inline double banded_dropped_share(double sigma, Index band, Masking masking) {
+  const double tail = std::exp(-(static_cast<double>(band) + 1.0) / sigma);
+  return masking == Masking::causal ? tail : 2.0 * tail / (1.0 + std::exp(-1.0 / sigma));
 }
 
-/// Per head, the cheapest of exact tiled, banded and LSH (each model in options.lsh_models)
-/// whose predicted relative output error is <= target:
+/// Predicted relative output error of banded attention with band W: the dropped row mass times
+/// a factor for the score fluctuations that grows at small sigma, where a few dropped keys
+/// carry the mass:
+///   factor * (1 + small_sigma / sigma^2) * banded_dropped_share(sigma, W, masking).
+inline double banded_predicted_error(double sigma, Index band, Masking masking, double factor = 3.0,
+                                     double small_sigma = 1.6) {
+  return factor * (1.0 + small_sigma / (sigma * sigma)) *
+         banded_dropped_share(sigma, band, masking);
+}
+
+/// Smallest band W >= 0 with banded_predicted_error(sigma, W, masking, factor, small_sigma)
+/// <= target.
+inline Index planner_band(double sigma, double target, double factor,
+                          Masking masking = Masking::causal, double small_sigma = 1.6) {
+  const double scale = (masking == Masking::causal ? 1.0 : 2.0 / (1.0 + std::exp(-1.0 / sigma))) *
+                       (1.0 + small_sigma / (sigma * sigma));
+  const double width = std::ceil(sigma * std::log(factor * scale / target)) - 1.0;
+  auto band = static_cast<Index>(std::clamp(width, 0.0, 9.0e18));
+  // The logarithm rounds: settle on the smallest W that meets the target.
+  while (band < Index{9000000000000000000} &&
+         banded_predicted_error(sigma, band, masking, factor, small_sigma) > target)
+    ++band;
+  while (band > 0 &&
+         banded_predicted_error(sigma, band - 1, masking, factor, small_sigma) <= target)
+    --band;
+  return band;
+}
+
+namespace detail {
+
+inline void require_planner_arguments(const char* function, Index n,
+                                      const std::vector<double>& sigmas, double target,
+                                      const PlannerOptions& options) {
+  require_positive(n, function, "n");
+  require(!sigmas.empty(), function, "sigmas", sigmas.size(), "must not be empty");
+  for (double sigma : sigmas) require_hash_sigma(sigma, function);
+  require(target > 0.0 && target < 1.0, function, "target", target, "must be in (0, 1)");
+  require_positive(options.head_dim, function, "options.head_dim");
+  require_positive(options.max_samples, function, "options.max_samples");
+  require(std::isfinite(options.banded_factor) && options.banded_factor > 0.0, function,
+          "options.banded_factor", options.banded_factor, "must be finite and > 0");
+  require(std::isfinite(options.banded_small_sigma) && options.banded_small_sigma >= 0.0, function,
+          "options.banded_small_sigma", options.banded_small_sigma, "must be finite and >= 0");
+  for (const LshErrorModel& model : options.lsh_models) {
+    require(std::isfinite(model.coefficient) && model.coefficient > 0.0 &&
+                std::isfinite(model.exponent) && model.exponent > 0.0 &&
+                std::isfinite(model.upper_factor) && model.upper_factor > 0.0,
+            function, "options.lsh_models", model.coefficient,
+            "need finite coefficient, exponent and upper_factor > 0");
+  }
+}
+
+}  // namespace detail
+
+/// The candidate plans of head `head` (sigma) whose predicted relative output error is
+/// <= target, in the order exact tiled, banded, then options.lsh_models:
 ///   exact_tiled  error 0, pairs exact_pair_count;
-///   banded       W = planner_band(sigma, target, banded_factor) (the bias bound
-///                exp(-(W+1)/sigma) times the factor), pairs banded_pair_count; left out when
+///   banded       W = planner_band(sigma, target, banded_factor, masking,
+///                banded_small_sigma) (banded_predicted_error: the kernel's dropped row
+///                mass times the factor), pairs
+///                banded_pair_count; left out when
 ///                W >= n - 1 (it is the exact attention then);
-///   lsh          s = ceil((coefficient / target)^(1 / exponent)) <= max_samples, pairs
-///                lsh_fused_pair_count of the hashes it would use.
-/// Cost = pairs / (throughput * 64 / head_dim), plus n s / lsh_query_samples for LSH. Throws
-/// std::invalid_argument naming 'n', 'sigmas' or 'target' (in (0, 1)).
+///   lsh          s = lsh_planner_samples(model, target) <= max_samples (the smallest s whose
+///                upper estimate upper_factor c s^-a meets the target), pairs
+///                lsh_fused_pair_count of the hashes sample_hashes(sigma, s, seed, head,
+///                sampler) it would use; Sampler::poisson is left out (no BinHash form).
+/// Seconds = pairs / (throughput * 64 / head_dim), plus n s / lsh_query_samples for LSH.
+/// Throws std::invalid_argument naming 'n', 'sigmas', 'target' (in (0, 1)) or the option.
+inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::size_t head,
+                                                  Masking masking, double target,
+                                                  const PlannerOptions& options = {}) {
+  detail::require_planner_arguments("plan_head_candidates", n, {sigma}, target, options);
+  const double scale = 64.0 / static_cast<double>(options.head_dim);
+  std::vector<HeadPlan> candidates;
+  HeadPlan exact;
+  exact.sigma = sigma;
+  exact.method = PlannedMethod::exact_tiled;
+  exact.pairs = exact_pair_count(n, masking);
+  exact.seconds = exact.pairs / (options.throughput.exact_tiled * scale);
+  exact.predicted_error = 0.0;
+  candidates.push_back(exact);
+  const Index band =
+      planner_band(sigma, target, options.banded_factor, masking, options.banded_small_sigma);
+  if (band < n - 1) {
+    HeadPlan banded = exact;
+    banded.method = PlannedMethod::banded;
+    banded.band = band;
+    banded.pairs = banded_pair_count(n, band, masking);
+    banded.seconds = banded.pairs / (options.throughput.banded * scale);
+    banded.predicted_error = banded_predicted_error(sigma, band, masking, options.banded_factor,
+                                                    options.banded_small_sigma);
+    candidates.push_back(banded);
+  }
+  for (const LshErrorModel& model : options.lsh_models) {
+    if (model.sampler == Sampler::poisson) continue;  // no BinHash form for the fused kernel
+    const double needed = lsh_planner_samples(model, target);
+    if (!(needed <= static_cast<double>(options.max_samples))) continue;
+    const auto s = static_cast<Index>(needed);
+    HeadPlan lsh = exact;
+    lsh.method = PlannedMethod::lsh;
+    lsh.samples = s;
+    lsh.sampler = model.sampler;
+    lsh.seed = options.seed;
+    lsh.stream = static_cast<std::uint64_t>(head);
+    lsh.pairs = static_cast<double>(lsh_fused_pair_count(
+        sample_hashes(sigma, s, lsh.seed, lsh.stream, model.sampler), n, masking));
+    lsh.seconds =
+        lsh.pairs / (options.throughput.lsh * scale) +
+        static_cast<double>(n) * static_cast<double>(s) / options.throughput.lsh_query_samples;
+    lsh.predicted_error = lsh_predicted_error(model, s);
+    candidates.push_back(lsh);
+  }
+  return candidates;
+}
+
+/// Per head, the cheapest (least predicted seconds; the first on ties) of its
+/// plan_head_candidates: the cheapest method whose predicted relative output error is
+/// <= target. Throws std::invalid_argument naming 'n', 'sigmas', 'target' (in (0, 1)) or the
+/// option ('options.head_dim', 'options.max_samples', 'options.banded_factor',
+/// 'options.lsh_models').
 inline std::vector<HeadPlan> plan_heads(Index n, const std::vector<double>& sigmas, Masking masking,
                                         double target, const PlannerOptions& options = {}) {
-  constexpr const char* function = "plan_heads";
-  detail::require_positive(n, function, "n");
-  detail::require(!sigmas.empty(), function, "sigmas", sigmas.size(), "must not be empty");
-  for (double sigma : sigmas) detail::require_hash_sigma(sigma, function);
-  detail::require(target > 0.0 && target < 1.0, function, "target", target, "must be in (0, 1)");
-  detail::require_positive(options.head_dim, function, "options.head_dim");
-  const double scale = 64.0 / static_cast<double>(options.head_dim);
+  detail::require_planner_arguments("plan_heads", n, sigmas, target, options);
   std::vector<HeadPlan> plans;
   for (std::size_t h = 0; h < sigmas.size(); ++h) {
-    const double sigma = sigmas[h];
-    HeadPlan best;
-    best.sigma = sigma;
-    best.method = PlannedMethod::exact_tiled;
-    best.pairs = exact_pair_count(n, masking);
-    best.seconds = best.pairs / (options.throughput.exact_tiled * scale);
-    best.predicted_error = 0.0;
-    const Index band = planner_band(sigma, target, options.banded_factor);
-    if (band < n - 1) {
-      HeadPlan banded = best;
-      banded.method = PlannedMethod::banded;
-      banded.band = band;
-      banded.pairs = banded_pair_count(n, band, masking);
-      banded.seconds = banded.pairs / (options.throughput.banded * scale);
-      banded.predicted_error =
-          options.banded_factor * std::exp(-static_cast<double>(band + 1) / sigma);
-      if (banded.seconds < best.seconds) best = banded;
-    }
-    for (const LshErrorModel& model : options.lsh_models) {
-      const double needed = std::ceil(std::pow(model.coefficient / target, 1.0 / model.exponent));
-      if (!(needed <= static_cast<double>(options.max_samples))) continue;
-      const auto s = std::max<Index>(1, static_cast<Index>(needed));
-      if (model.sampler == Sampler::poisson) continue;  // no BinHash form for the kernels
-      HeadPlan lsh = best;
-      lsh.method = PlannedMethod::lsh;
-      lsh.samples = s;
-      lsh.sampler = model.sampler;
-      lsh.seed = options.seed;
-      lsh.stream = static_cast<std::uint64_t>(h);
-      lsh.band = 0;
-      lsh.pairs = static_cast<double>(lsh_fused_pair_count(
-          sample_hashes(sigma, s, lsh.seed, lsh.stream, model.sampler), n, masking));
-      lsh.seconds =
-          lsh.pairs / (options.throughput.lsh * scale) +
-          static_cast<double>(n) * static_cast<double>(s) / options.throughput.lsh_query_samples;
-      lsh.predicted_error = model.coefficient * std::pow(static_cast<double>(s), -model.exponent);
-      if (lsh.seconds < best.seconds) best = lsh;
-    }
-    plans.push_back(best);
+    const std::vector<HeadPlan> candidates =
+        plan_head_candidates(n, sigmas[h], h, masking, target, options);
+    const auto best = std::min_element(
+        candidates.begin(), candidates.end(),
+        [](const HeadPlan& a, const HeadPlan& b) { return a.seconds < b.seconds; });
+    plans.push_back(*best);
+  }
+  return plans;
+}
+
+/// The plan that gives every head the same method (and, for LSH, the sampler `sampler`): each
+/// head's candidate of that method from plan_head_candidates. Empty if some head has no such
+/// candidate (banded with W >= n - 1, LSH needing s > max_samples). For comparing a plan with
+/// the best single method. Throws as plan_heads.
+inline std::vector<HeadPlan> plan_single_method(Index n, const std::vector<double>& sigmas,
+                                                Masking masking, double target,
+                                                PlannedMethod method,
+                                                Sampler sampler = Sampler::independent,
+                                                const PlannerOptions& options = {}) {
+  detail::require_planner_arguments("plan_single_method", n, sigmas, target, options);
+  std::vector<HeadPlan> plans;
+  for (std::size_t h = 0; h < sigmas.size(); ++h) {
+    const std::vector<HeadPlan> candidates =
+        plan_head_candidates(n, sigmas[h], h, masking, target, options);
+    const auto match = std::find_if(candidates.begin(), candidates.end(), [&](const HeadPlan& p) {
+      return p.method == method && (method != PlannedMethod::lsh || p.sampler == sampler);
+    });
+    if (match == candidates.end()) return {};
+    plans.push_back(*match);
   }
   return plans;
 }
