@@ -1,8 +1,9 @@
 // The variance-reduced samplers: the independent one is rbf_hashes bit for bit, the Gamma(2)
 // quantile inverts its distribution function, every sampler (Poisson cuts included) hits
 // positions at distance r with probability exp(-r / sigma) (binomial z-scores over many seeds),
-// and the antithetic and stratified widths never raise the variance per pair (exact
-// integrals over the Gamma law).
+// the antithetic and stratified widths never raise the variance per pair (exact integrals
+// over the Gamma law), and stratified_lattice has its group structure, each sample's law and
+// the exact per-pair variance.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -161,7 +162,8 @@ std::array<double, 2> sampler_lattice_moments(double r, double sigma, Index s,
   const std::vector<Index> starts = poslsh::lattice_group_starts(s, options);
   const int groups = static_cast<int>(starts.size()) - 1;
   std::vector<int> sizes;
-  for (int m = 0; m < groups; ++m) sizes.push_back(static_cast<int>(starts[m + 1] - starts[m]));
+  for (std::size_t m = 0; m + 1 < starts.size(); ++m)
+    sizes.push_back(static_cast<int>(starts[m + 1] - starts[m]));
   // Per stratum k and group m (its size): mean and variance of p (Welford), mean of f (1 - f).
   struct Moments {
     double p = 0.0, variance = 0.0, rounding = 0.0;
@@ -229,25 +231,25 @@ TEST_CASE("stratified_lattice: groups share a stratified width and take lattice 
     CHECK(groups == (c.s + g - 1) / g);
     CHECK(starts.front() == 0);
     CHECK(starts.back() == c.s);
-    for (Index m = 0; m < groups; ++m) {
+    for (std::size_t m = 0; m + 1 < starts.size(); ++m) {
       const Index size = starts[m + 1] - starts[m];
       CHECK(size <= g);
       CHECK((size == c.s / groups || size == c.s / groups + 1));
     }
-    for (std::uint64_t seed : {1, 2, 3}) {
+    for (std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{2}, std::uint64_t{3}}) {
       const HashSet hashes =
           poslsh::sample_hashes(sigma, c.s, seed, 4, Sampler::stratified_lattice, options);
       REQUIRE(static_cast<Index>(hashes.size()) == c.s);
       std::vector<int> strata(static_cast<std::size_t>(groups), 0);
       for (Index m = 0; m < groups; ++m) {
-        const Index first = starts[m];
-        const Index size = starts[m + 1] - first;
+        const auto first = static_cast<std::size_t>(starts[static_cast<std::size_t>(m)]);
+        const auto size = static_cast<std::size_t>(starts[static_cast<std::size_t>(m) + 1]) - first;
         const double width = hashes[first].width;
         // One stratum of F per group.
         const double u = poslsh::gamma2_cdf(width / sigma);
         ++strata[std::min(static_cast<std::size_t>(u * static_cast<double>(groups)),
                           static_cast<std::size_t>(groups - 1))];
-        for (Index j = 0; j < size; ++j) {
+        for (std::size_t j = 0; j < size; ++j) {
           const poslsh::BinHash& hash = hashes[first + j];
           poslsh::validate_hash(hash, "test");
           CHECK(hash.width == width);
@@ -375,7 +377,7 @@ TEST_CASE("stratified_lattice: per-pair mean and variance match the exact integr
       const double p0 = std::exp(-r / c.sigma);
       INFO("sigma " << c.sigma << ", s " << c.s << ", g " << c.g << ", r " << r << ": mean " << mean
                     << " (exact " << exact[0] << "), variance " << m2 << " (exact " << exact[1]
-                    << ", independent " << p0 * (1.0 - p0) / c.s << ")");
+                    << ", independent " << p0 * (1.0 - p0) / static_cast<double>(c.s) << ")");
       // The exact mean is the kernel (each sample has the rbf_hash law).
       CHECK(std::abs(exact[0] - p0) <= 1e-6);
       CHECK(std::abs(mean - p0) <= 5.0 * std::sqrt(exact[1] / seeds) + 1e-12);
