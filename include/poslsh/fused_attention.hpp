@@ -30,11 +30,13 @@ struct FusedWorkspace {
 /// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
 /// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
 /// position query_offset + r. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may be
-/// stored in a half-precision type, out in any scalar type (engine_rows).
-template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename OutType>
+/// stored in a half-precision type, out in any scalar type (engine_rows). The counts come from
+/// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
+template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
+          typename OutType>
 void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
-                const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const HashSet& hashes, Scalar tau,
+                const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
                 bool causal, Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
                 Index query_offset = 0) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);

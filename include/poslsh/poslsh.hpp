@@ -23,6 +23,7 @@
 #include "poslsh/operators.hpp"
 #include "poslsh/paged_kv.hpp"
 #include "poslsh/partition.hpp"
+#include "poslsh/partition_attention.hpp"
 #include "poslsh/per_sample_attention.hpp"
 #include "poslsh/planner.hpp"
 #include "poslsh/reference_attention.hpp"

@@ -1,6 +1,6 @@
 // poslsh internals: the count-weighted LSH policy of the tile engine (detail/tile/engine.hpp):
 // scores x_ij = tau q_i.k_j without bias, weights w_ij = c_ij = #{k : bin_k(i) = bin_k(j)}
-// (causal: 0 for j > i), so the engine computes
+// (causal: 0 for j > i; from a hash set or from stored partitions), so the engine computes
 //   out_i = sum_j c_ij e^{x_ij - M_i} v_j / sum_j c_ij e^{x_ij - M_i}.
 // Row i's window is the interval [lo_i, hi_i) of keys with c_ij > 0 (TileCounts); inside a
 // key tile cut by the windows, entries of count 0 are masked (-inf, never in the maximum).
@@ -31,14 +31,24 @@ class CountBias {
  public:
   CountBias(const HashSet& hashes, Index n, bool causal, TileCounts& counts,
             Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile)
-      : hashes_(hashes), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
+      : hashes_(&hashes), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
+    if (count_tile_.size() < Bq * Bk) count_tile_.setZero(Bq * Bk);
+  }
+
+  /// The counts of stored partitions on [0, n) (partitions.n == n) instead of hashes.
+  CountBias(const AnalysisPartitions& partitions, Index n, bool causal, TileCounts& counts,
+            Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile)
+      : partitions_(&partitions), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
     if (count_tile_.size() < Bq * Bk) count_tile_.setZero(Bq * Bk);
   }
 
   KeyRange query_tile(Index i0) {
     i0_ = i0;
     const Index rows = std::min(Bq, n_ - i0);
-    counts_.build(hashes_, i0, rows, n_, causal_);
+    if (partitions_ != nullptr)
+      counts_.build(*partitions_, i0, rows, n_, causal_);
+    else
+      counts_.build(*hashes_, i0, rows, n_, causal_);
     for (Index r = 0; r < rows; ++r) {
       lo_[index(r)] = counts_.lo[index(r)];
       hi_[index(r)] = counts_.hi[index(r)];
@@ -165,7 +175,8 @@ class CountBias {
     return {first, std::clamp<Index>(reach.last, first, keys)};
   }
 
-  const HashSet& hashes_;
+  const HashSet* hashes_ = nullptr;
+  const AnalysisPartitions* partitions_ = nullptr;
   Index n_;
   bool causal_;
   TileCounts& counts_;

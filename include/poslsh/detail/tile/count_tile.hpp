@@ -1,12 +1,13 @@
 // poslsh internals: the sample counts c_ij = #{k : bin_k(i) = bin_k(j)} of a query tile, kept as
 // rectangles (one per block of each sample that meets the tile; detail/count_bias.hpp expands
-// them key tile by key tile).
+// them key tile by key tile), from a hash set or from stored partitions of any blocks.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <vector>
 
+#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/hash.hpp"
 #include "poslsh/partition.hpp"
@@ -73,6 +74,39 @@ struct TileCounts {
       for (std::size_t r = 0; r < begins_.size(); ++r) {
         lo[r] = std::min(lo[r], begins_[r]);
         hi[r] = std::max(hi[r], ends_[r]);
+      }
+    }
+    if (causal) {
+      for (Index r = 0; r < rows; ++r) {
+        const auto index = static_cast<std::size_t>(r);
+        hi[index] = std::min(hi[index], i0 + r + 1);
+      }
+    }
+  }
+
+  /// The same structure for stored partitions on [0, n) (AnalysisPartitions, n == set.n): for
+  /// each sample the blocks meeting the tile, found by binary search on its edges. For the
+  /// partitions of a hash set (block_boundaries of each hash) it equals build(hashes, ...):
+  /// the same rectangles in the same order and the same lo, hi.
+  void build(const AnalysisPartitions& set, Index i0, Index rows, Index n, bool causal) {
+    rectangles.clear();
+    lo.assign(static_cast<std::size_t>(rows), n);
+    hi.assign(static_cast<std::size_t>(rows), 0);
+    const Index i1 = i0 + rows;
+    for (Index k = 0; k < set.samples(); ++k) {
+      const Index* first = set.begin(k);
+      const Index* last = set.end(k);
+      // The block holding i0: its begin is the last edge <= i0.
+      const Index* edge = std::upper_bound(first, last, i0) - 1;
+      for (; edge + 1 < last && *edge < i1; ++edge) {
+        const Index begin = edge[0], end = edge[1];
+        const Index row_begin = std::max(begin, i0) - i0, row_end = std::min(end, i1) - i0;
+        rectangles.push_back({row_begin, row_end, begin, end});
+        for (Index r = row_begin; r < row_end; ++r) {
+          const auto index = static_cast<std::size_t>(r);
+          lo[index] = std::min(lo[index], begin);
+          hi[index] = std::max(hi[index], end);
+        }
       }
     }
     if (causal) {
