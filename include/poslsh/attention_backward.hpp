@@ -153,32 +153,28 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
   }
 }
 
-/// Zeroes the gradients, computes D and runs the pass of `rule`: in parallel, or on the calling
-/// thread (`parallel` false: one head of a parallel loop over heads; the same sums in the same
-/// order, so the same bits).
+/// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
+/// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
+/// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
+/// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
 template <typename Scalar, typename Rule>
 void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                        const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, bool parallel = true,
-                       PackedSteps<Scalar>* packed = nullptr) {
+                       BackwardWork<Scalar>* work = nullptr) {
   const FlushSubnormals flush;
-  dq.setZero();
-  dk.setZero();
-  dv.setZero();
+  backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
-  BackwardOutputs<Scalar> grads{dq, dk, dv};
+  BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   if (parallel) {
     backward_parallel(in, rule, grads);
   } else {
-    BackwardWork<Scalar> work;
-    PackedSteps<Scalar> own;
-    PackedSteps<Scalar>& steps = packed != nullptr ? *packed : own;
-    steps.pack(q, dout, rule.begin(), rule.end(), false);
-    backward_serial(in, rule, grads, work, &steps);
+    BackwardWork<Scalar> own;
+    backward_serial(in, rule, grads, work != nullptr ? *work : own);
   }
 }
 
@@ -189,28 +185,30 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
                     MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
-                    PackedSteps<Scalar>* packed = nullptr) {
+                    BackwardWork<Scalar>* work = nullptr) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
   windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
-                            parallel, packed);
+                            parallel, work);
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
-/// is the fused evaluation, each pair once).
+/// is the fused evaluation, each pair once); `work` and `windows` (when not null) are a
+/// thread's scratch, reused across heads.
 template <typename Scalar>
 void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
                     MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
-                    PackedSteps<Scalar>* packed = nullptr) {
+                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
   const Index n = q.rows();
-  CountWindows windows;
-  windows.build(hashes, n, causal);
-  const CountRule<Scalar> rule(windows, n, causal);
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, packed);
+  CountWindows own;
+  CountWindows& counts = windows != nullptr ? *windows : own;
+  counts.build(hashes, n, causal);
+  const CountRule<Scalar> rule(counts, n, causal);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, work);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
@@ -618,23 +616,25 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
        options.method == Method::exact_banded || options.method == Method::exact_reference);
   if (head_parallel) {
     // One head per thread, each head's pass on its thread (no K/V head is shared); a thread's
-    // heads reuse its packed operands.
+    // heads reuse its scratch. Heads in decreasing order: with the LSH methods the last heads
+    // (largest sigma) cost the most, and taking them first balances the threads.
     const auto tau = static_cast<Scalar>(detail::resolve_scale(function, head_options, q.dim));
     const bool causal = options.masking == Masking::causal;
     const auto heads = static_cast<long>(q.heads);
 #pragma omp parallel
     {
-      detail::PackedSteps<Scalar> packed;
+      detail::BackwardWork<Scalar> work;
+      detail::CountWindows windows;
 #pragma omp for schedule(dynamic, 1)
       for (long head = 0; head < heads; ++head) {
-        const auto h = static_cast<Index>(head);
-        const auto index = static_cast<std::size_t>(head);
+        const auto h = static_cast<Index>(heads - 1 - head);
+        const auto index = static_cast<std::size_t>(h);
         MatrixRef<Scalar> dq_h(dq.head(h)), dk_h(dk.head(h)), dv_h(dv.head(h));
         const ConstVectorRef<Scalar> lse_h(lse.row(h).transpose());
         if (options.method == Method::lsh_fused) {
           detail::count_backward<Scalar>(q.head(h), k.head(h), v.head(h), hashes[index], tau,
                                          causal, out.head(h), lse_h, dout.head(h), dq_h, dk_h, dv_h,
-                                         false, &packed);
+                                         false, &work, &windows);
         } else {
           const detail::ExactWindow window =
               options.method == Method::exact_banded
@@ -643,7 +643,7 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
                   : detail::ExactWindow{causal ? 0 : -n, n};
           detail::exact_backward<Scalar>(q.head(h), k.head(h), v.head(h), sigmas[index],
                                          static_cast<double>(tau), window, out.head(h), lse_h,
-                                         dout.head(h), dq_h, dk_h, dv_h, false, &packed);
+                                         dout.head(h), dq_h, dk_h, dv_h, false, &work);
         }
       }
     }

@@ -29,6 +29,8 @@
 //
 // A rule (window policy) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
+//   KeyRange rows_reaching(Index j0, Index j1, Index i0, Index i1)
+//                                               the same clamped to the rows [i0, i1);
 //   KeyRange keys_reached(Index i0, Index i1)   the union of the windows of rows [i0, i1);
 //   void probabilities(Index i0, Index j0, BackwardTileRef s, Scalar tau, const Scalar* lse,
 //                      BackwardWork& work)      s = q_i.k_j (unscaled) in, P_ij out;
@@ -173,7 +175,46 @@ struct BackwardOutputs {
   MatrixRef<Scalar>& dq;
   MatrixRef<Scalar>& dk;
   MatrixRef<Scalar>& dv;
+  /// The outputs hold no values yet (not zeroed): each key tile's dK, dV rows get 0 + its sum
+  /// (the bits of adding the sum to zeroed rows), rows of key tiles no row reaches get 0, and
+  /// the dQ rows of a query step are zeroed just before its first key tile adds to them (the
+  /// caller zeroes the steps that reach no key: backward_zero_unreached). The pass must then
+  /// cover every row and key.
+  bool fresh = false;
 };
+
+/// With fresh outputs (BackwardOutputs::fresh): the dQ rows of the query steps whose rows reach
+/// no key, which no key tile visits, set to zero.
+template <typename Scalar, typename Rule>
+void backward_zero_unreached(const Rule& rule, MatrixRef<Scalar>& dq) {
+  constexpr Index Bq = backward_query_rows;
+  for (Index i0 = rule.begin(); i0 < rule.end(); i0 += Bq) {
+    const Index i1 = std::min(rule.end(), i0 + Bq);
+    const KeyRange reached = rule.keys_reached(i0, i1);
+    if (reached.first >= reached.last) dq.middleRows(i0, i1 - i0).setZero();
+  }
+}
+
+/// dst[r * dst_stride + c] = dst[...] + src[r * src_stride + c] (or, `Assign`, 0 + src[...])
+/// for r < rows, c < cols: src aligned (rows of whole packets), dst any row stride.
+template <typename Scalar, bool Assign>
+void backward_add_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index src_stride,
+                       Index rows, Index cols) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Packet zero = ei::pset1<Packet>(Scalar(0));
+  for (Index r = 0; r < rows; ++r) {
+    Scalar* target = dst + r * dst_stride;
+    const Scalar* term = src + r * src_stride;
+    Index c = 0;
+    for (; c + P <= cols; c += P) {
+      const Packet x = ei::pload<Packet>(term + c);
+      ei::pstoreu(target + c, ei::padd(Assign ? zero : ei::ploadu<Packet>(target + c), x));
+    }
+    for (; c < cols; ++c) target[c] = (Assign ? Scalar(0) : target[c]) + term[c];
+  }
+}
 
 /// Keys j of row i with lo <= i - j <= hi inside the domain [begin, end) (rows and keys), and
 /// x_ij = tau q_i.k_j - slope |i - j|, w = 1: exact ALiBi (causal lo = 0, banded |i-j| <= W) and
@@ -190,6 +231,10 @@ class WindowRule {
 
   KeyRange rows_reaching(Index j0, Index j1) const {
     return {std::max(begin_, j0 + lo_), std::min(end_, j1 + hi_)};
+  }
+  KeyRange rows_reaching(Index j0, Index j1, Index i0, Index i1) const {
+    const Index first = std::clamp(j0 + lo_, std::max(begin_, i0), i1);
+    return {first, std::clamp(j1 + hi_, first, std::min(end_, i1))};
   }
   KeyRange keys_reached(Index i0, Index i1) const {
     return {std::max(begin_, i0 - hi_), std::min(end_, i1 - lo_)};
@@ -236,7 +281,7 @@ struct CountWindows {
 
   void build(const HashSet& hashes, Index n, bool causal) {
     const Index count = (n + tile_query_rows - 1) / tile_query_rows;
-    tiles.assign(static_cast<std::size_t>(count), TileCounts{});
+    tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
     lo.resize(static_cast<std::size_t>(n));
     hi.resize(static_cast<std::size_t>(n));
     const auto tile_count = static_cast<long>(count);
@@ -269,6 +314,16 @@ class CountRule {
     const auto& hi = windows_.hi;
     return {static_cast<Index>(std::upper_bound(hi.begin(), hi.end(), j0) - hi.begin()),
             static_cast<Index>(std::lower_bound(lo.begin(), lo.end(), j1) - lo.begin())};
+  }
+  // The ends are non-decreasing: the searches over rows [i0, i1) give the clamped results.
+  KeyRange rows_reaching(Index j0, Index j1, Index i0, Index i1) const {
+    const auto& lo = windows_.lo;
+    const auto& hi = windows_.hi;
+    const Index first =
+        static_cast<Index>(std::upper_bound(hi.begin() + i0, hi.begin() + i1, j0) - hi.begin());
+    const Index last =
+        static_cast<Index>(std::lower_bound(lo.begin() + first, lo.begin() + i1, j1) - lo.begin());
+    return {first, last};
   }
   KeyRange keys_reached(Index i0, Index i1) const {
     return {windows_.lo[static_cast<std::size_t>(i0)],
@@ -494,9 +549,8 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
   }
   // dV_J += P^T dO and dK_J += dS^T Q: keys [c0, c1) over the step's rows reaching them.
   const auto rows_of = [&](Index c0, Index c1) {
-    const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1);
-    const Index first = std::clamp<Index>(reaching.first - i0, a0, a1);
-    return KeyRange{first, std::clamp<Index>(reaching.last - i0, first, a1)};
+    const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1, r0, r1);
+    return KeyRange{reaching.first - i0, reaching.last - i0};
   };
   backward_products<Scalar>(p + b0 * Bq, Bq, 1, step.o_rows, dvp, b1 - b0, dvp / P,
                             tile_rows.dv_sum + b0 * dvp, dvp, rows_of);
@@ -586,18 +640,34 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
       }
       backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work);
       order.add((i0 - base) / Bq, (j0 - base) / Bk, [&] {
-        out.dq.middleRows(r0, r1 - r0) +=
-            Eigen::Map<const RowMatrix<Scalar>>(work.dq_part.data(), r1 - r0, dp).leftCols(d);
+        // The step's first key tile (the first that any of its rows reaches) comes first.
+        if (out.fresh &&
+            j0 - base == (rule.keys_reached(i0, std::min(end, i0 + Bq)).first - base) / Bk * Bk)
+          out.dq.middleRows(i0, std::min(end, i0 + Bq) - i0).setZero();
+        backward_add_rows<Scalar, false>(out.dq.data() + r0 * out.dq.outerStride(),
+                                         out.dq.outerStride(), work.dq_part.data(), dp, r1 - r0, d);
       });
     }
   }
   for (Index g = 0; g < tiles; ++g) {
-    if (reaching[g].first >= reaching[g].last) continue;
     const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
-    out.dk.middleRows(j0, keys) +=
-        Eigen::Map<const RowMatrix<Scalar>>(rows[g].dk_sum, keys, dp).leftCols(d);
-    out.dv.middleRows(j0, keys) +=
-        Eigen::Map<const RowMatrix<Scalar>>(rows[g].dv_sum, keys, dvp).leftCols(dv);
+    if (reaching[g].first >= reaching[g].last) {
+      if (out.fresh) {
+        out.dk.middleRows(j0, keys).setZero();
+        out.dv.middleRows(j0, keys).setZero();
+      }
+      continue;
+    }
+    Scalar* dk = out.dk.data() + j0 * out.dk.outerStride();
+    Scalar* dv_rows = out.dv.data() + j0 * out.dv.outerStride();
+    if (out.fresh) {
+      backward_add_rows<Scalar, true>(dk, out.dk.outerStride(), rows[g].dk_sum, dp, keys, d);
+      backward_add_rows<Scalar, true>(dv_rows, out.dv.outerStride(), rows[g].dv_sum, dvp, keys, dv);
+    } else {
+      backward_add_rows<Scalar, false>(dk, out.dk.outerStride(), rows[g].dk_sum, dp, keys, d);
+      backward_add_rows<Scalar, false>(dv_rows, out.dv.outerStride(), rows[g].dv_sum, dvp, keys,
+                                       dv);
+    }
   }
 }
 
@@ -643,19 +713,52 @@ void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
 }
 
 /// D_i = dO_i . O_i for every row, accumulated exactly as the score kernel accumulates
-/// dP_ij = dO_i . v_j (tile_score_block: from zero, one packet multiply-add per column in
-/// increasing column order; the lanes of a broadcast packet all hold that arithmetic). Where
-/// O_i = v_j exactly (a row whose only key is j, as in blocks of one token) D_i and dP_ij are
-/// then the same number, so dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic.
+/// dP_ij = dO_i . v_j (tile_score_block: from zero, one multiply-add per column in increasing
+/// column order), one row per packet lane: blocks of P rows transposed in registers so that a
+/// packet holds column c of P rows (the rows left over: a broadcast packet per row, the same
+/// arithmetic in every lane). Where O_i = v_j exactly (a row whose only key is j, as in blocks
+/// of one token) D_i and dP_ij are then the same number, so dS_ij = P_ij (dP_ij - D_i) is
+/// exactly 0, as in exact arithmetic.
 template <typename Scalar>
 Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Scalar>& out,
                                                         const ConstMatrixRef<Scalar>& dout) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(out.rows());
-  for (Index i = 0; i < out.rows(); ++i) {
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Index n = out.rows(), cols = out.cols();
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(n);
+  Index i = 0;
+  if constexpr (P > 1) {
+    // Column c of the block's rows at c * P (dO^T and O^T of P rows, P columns at a time).
+    Eigen::Matrix<Scalar, P * P, 1> dout_t, out_t;
+    const Index whole = cols / P * P;
+    for (; i + P <= n; i += P) {
+      Packet sum = ei::pset1<Packet>(Scalar(0));
+      for (Index c0 = 0; c0 < cols; c0 += P) {
+        const Index width = std::min(P, cols - c0);
+        if (c0 < whole) {
+          tile_transpose_block<Scalar>(dout.data() + i * dout.outerStride() + c0,
+                                       dout.outerStride(), dout_t.data(), P, Scalar(1));
+          tile_transpose_block<Scalar>(out.data() + i * out.outerStride() + c0, out.outerStride(),
+                                       out_t.data(), P, Scalar(1));
+        } else {
+          for (Index c = 0; c < width; ++c) {
+            for (Index r = 0; r < P; ++r) {
+              dout_t(c * P + r) = dout(i + r, c0 + c);
+              out_t(c * P + r) = out(i + r, c0 + c);
+            }
+          }
+        }
+        for (Index c = 0; c < width; ++c)
+          sum = ei::pmadd(ei::pload<Packet>(dout_t.data() + c * P),
+                          ei::pload<Packet>(out_t.data() + c * P), sum);
+      }
+      ei::pstoreu(delta.data() + i, sum);
+    }
+  }
+  for (; i < n; ++i) {
     Packet sum = ei::pset1<Packet>(Scalar(0));
-    for (Index c = 0; c < out.cols(); ++c)
+    for (Index c = 0; c < cols; ++c)
       sum = ei::pmadd(ei::pset1<Packet>(dout(i, c)), ei::pset1<Packet>(out(i, c)), sum);
     delta(i) = ei::pfirst(sum);
   }
