@@ -107,6 +107,46 @@ TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]
   }
 }
 
+// Causal chunked prefill of the per-sample kernels with the keys so far, against one prefill of
+// all n positions: bitwise equal rows (Q, K, V as given; out in OutScalar).
+template <typename Scalar, typename KVScalar>
+void offset_check_per_sample_chunks(const RowMatrix<Scalar>& q, const RowMatrix<KVScalar>& k,
+                                    const RowMatrix<KVScalar>& v, const HashSet& hashes,
+                                    Index chunk) {
+  using Out = poslsh::compute_scalar_t<Scalar, KVScalar>;
+  const Index n = q.rows(), dv = v.cols();
+  RowMatrix<Out> full(n, dv), fixed(n, dv);
+  poslsh::lsh_attention_per_sample<Scalar, KVScalar, Out>(q, k, v, hashes, full);
+  poslsh::fixed_blocks_attention<Scalar, KVScalar, Out>(q, k, v, 6.0, fixed);
+  for (Index p0 = 0; p0 < n; p0 += chunk) {
+    const Index m = std::min(chunk, n - p0);
+    INFO("chunk " << chunk << ", rows " << p0 << " .. " << p0 + m - 1);
+    RowMatrix<Out> out(m, dv);
+    poslsh::lsh_attention_per_sample<Scalar, KVScalar, Out>(q.middleRows(p0, m), k.topRows(p0 + m),
+                                                            v.topRows(p0 + m), hashes, out);
+    REQUIRE((out.array() == full.middleRows(p0, m).array()).all());
+    poslsh::fixed_blocks_attention<Scalar, KVScalar, Out>(q.middleRows(p0, m), k.topRows(p0 + m),
+                                                          v.topRows(p0 + m), 6.0, out);
+    REQUIRE((out.array() == fixed.middleRows(p0, m).array()).all());
+  }
+}
+
+TEST_CASE("per-sample chunked prefill is bitwise in double and over a bfloat16 cache",
+          "[offsets][per_sample]") {
+  const Index n = 300;
+  const auto q = random_matrix<double>(n, 8, 351);
+  const auto k = random_matrix<double>(n, 8, 352);
+  const auto v = random_matrix<double>(n, 16, 353);
+  const HashSet hashes = poslsh::rbf_hashes(16.0, 3, 11, 2);
+  const RowMatrix<float> q_float = q.cast<float>();
+  const RowMatrix<Eigen::bfloat16> k_half = k.cast<Eigen::bfloat16>();
+  const RowMatrix<Eigen::bfloat16> v_half = v.cast<Eigen::bfloat16>();
+  for (Index chunk : {1, 7, 64, 1000}) {
+    offset_check_per_sample_chunks<double, double>(q, k, v, hashes, chunk);
+    offset_check_per_sample_chunks<float, Eigen::bfloat16>(q_float, k_half, v_half, hashes, chunk);
+  }
+}
+
 TEST_CASE("causal queries at an explicit offset ignore the later keys", "[offsets]") {
   const Index n = 300, d = 8;
   const auto q = random_matrix<float>(n, d, 311);

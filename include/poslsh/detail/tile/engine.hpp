@@ -296,6 +296,7 @@ class TileEngine {
     if (cut == KeyTileCut::skip) return;
     j0_ = j0;
     rows_of_tile_ = kv_.tile(j0, keys);
+    if constexpr (in_runs) find_runs(keys);
     const bool masked = cut == KeyTileCut::masked;
     if (masked)
       score_tile<true>(keys);
@@ -364,9 +365,9 @@ class TileEngine {
     if constexpr (in_runs) {
       // One run of contiguous key rows at a time (each entry's sum over d is the same for any
       // split of the keys into register blocks).
-      while (b < end) {
-        const Index stop = std::min(end, kv_.run_end(j0_ + b) - j0_);
-        run_k_ = kv_.key_row(j0_ + b);
+      for (Index r = run_of(b); b < end; ++r) {
+        const Index stop = std::min(end, run_start_[r + 1]);
+        run_k_ = run_keys_[r] + (b - run_start_[r]) * rows_of_tile_.k_stride;
         run_b_ = b;
         score_run<Masked>(packets, b, stop, a);
         b = stop;
@@ -495,12 +496,34 @@ class TileEngine {
   // order (1 acc is exact).
   void value_runs(Index a, Index c, KeyRange reach, Index stride) {
     const Scalar* alpha = b_.alpha.data() + a;
-    for (Index b = reach.first; b < reach.last;) {
-      const Index stop = std::min(reach.last, kv_.run_end(j0_ + b) - j0_);
-      value_block<value_packets>((dvp_ - c) / P, a, value_at(b) + c, stride, b, stop - b, c, alpha);
+    for (Index b = reach.first, r = run_of(b); b < reach.last; ++r) {
+      const Index stop = std::min(reach.last, run_start_[r + 1]);
+      value_block<value_packets>((dvp_ - c) / P, a,
+                                 run_values_[r] + (b - run_start_[r]) * stride + c, stride, b,
+                                 stop - b, c, alpha);
       alpha = ones_;
       b = stop;
     }
+  }
+
+  // The runs of the current key tile (keys [0, keys) relative to j0): run r holds keys
+  // [run_start_[r], run_start_[r + 1]), its first K and V rows at run_keys_[r], run_values_[r].
+  void find_runs(Index keys) {
+    runs_ = 0;
+    for (Index b = 0; b < keys; ++runs_) {
+      run_start_[runs_] = b;
+      run_keys_[runs_] = kv_.key_row(j0_ + b);
+      run_values_[runs_] = kv_.value_row(j0_ + b);
+      b = std::min(keys, kv_.run_end(j0_ + b) - j0_);
+    }
+    run_start_[runs_] = keys;
+  }
+
+  // The run holding key b of the tile.
+  Index run_of(Index b) const {
+    Index r = 0;
+    while (run_start_[r + 1] <= b) ++r;
+    return r;
   }
 
   // acc <- alpha acc + P V for rows [a, a + value_rows), keys [b, b + keys) of the tile and
@@ -525,9 +548,10 @@ class TileEngine {
       return rows_of_tile_.k + b * rows_of_tile_.k_stride;
   }
   const Scalar* value_at(Index b) const {
-    if constexpr (in_runs)
-      return kv_.value_row(j0_ + b);
-    else
+    if constexpr (in_runs) {
+      const Index r = run_of(b);
+      return run_values_[r] + (b - run_start_[r]) * rows_of_tile_.v_stride;
+    } else
       return rows_of_tile_.v + b * rows_of_tile_.v_stride;
   }
 
@@ -543,6 +567,11 @@ class TileEngine {
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
   const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
   Index run_b_ = 0;
+  // In runs: the current key tile's runs (find_runs), at most one per key.
+  Index runs_ = 0;
+  Index run_start_[in_runs ? Bk + 1 : 1];
+  const Scalar* run_keys_[in_runs ? Bk : 1];
+  const Scalar* run_values_[in_runs ? Bk : 1];
   Scalar ones_[value_rows];
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
