@@ -9,9 +9,9 @@
 // group's tiles in increasing order (the step's operands are then read from memory once per
 // group). A step costs five products in register-blocked packet kernels
 // (detail/backward/kernels.hpp) on operands packed contiguous and aligned (Q^T, dO^T and the
-// rows of Q and dO once per step, K and V once per key tile), with subnormal results flushed
+// rows of Q and dO once per step and group, K and V once per key tile), with subnormals flushed
 // to zero (FlushSubnormals):
-// S^T = K Q^T and dP^T = V dO^T over the keys the step's rows reach, P and
+// S^T = K Q^T and dP^T = V dO^T over the keys each packet of the step's rows reaches, P and
 // dS = tau P o (dP - D) entry by entry, then dV_J += P^T dO and dK_J += dS^T Q (each key over
 // the rows that reach it) and dQ_I += dS K_J (each row over the keys it reaches).
 // Reduction order, the same for any thread count (bitwise reproducible, no floating-point
@@ -528,15 +528,42 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
   const Index b0 = k0 - j0, b1 = k1 - j0;
   Scalar* p = work.probabilities.data();
   Scalar* ds = work.gradients.data();
+  // The keys of [b0, b1) that the rows of each packet (within [a0, a1)) reach: one interval
+  // per packet (windows are intervals with non-decreasing ends). S^T and dP^T are computed
+  // there only, 0 at the packet's other keys of [b0, b1), where P_ij = 0 (so dS_ij = +-0,
+  // which leaves every sum of the products as it is: they start from +0).
+  KeyRange packet_keys[Bq];
+  bool whole = true;
+  for (Index k = 0; k < packets; ++k) {
+    const Index a = (first_packet + k) * P;
+    const KeyRange reached = rule.keys_reached(i0 + std::max(a0, a), i0 + std::min(a1, a + P));
+    const Index c0 = std::clamp<Index>(reached.first - j0, b0, b1);
+    packet_keys[k] = {c0, std::clamp<Index>(reached.last - j0, c0, b1)};
+    whole = whole && packet_keys[k].first == b0 && packet_keys[k].last == b1;
+  }
+  const auto scores = [&](const Scalar* xt, const Scalar* y, Index y_stride, Index depth,
+                          Scalar* target) {
+    if (whole) {
+      backward_scores<Scalar>(xt + first_packet * P, y, y_stride, depth, b0, b1, packets,
+                              target + first_packet * P);
+      return;
+    }
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    for (Index k = 0; k < packets; ++k) {
+      const Index a = (first_packet + k) * P;
+      const KeyRange keys = packet_keys[k];
+      backward_scores<Scalar>(xt + a, y, y_stride, depth, keys.first, keys.last, 1, target + a);
+      for (Index b = b0; b < keys.first; ++b) ei::pstore(target + b * Bq + a, zero);
+      for (Index b = keys.last; b < b1; ++b) ei::pstore(target + b * Bq + a, zero);
+    }
+  };
   // P^T from S^T (rows of the packets holding [a0, a1)).
-  backward_scores<Scalar>(step.qt + first_packet * P, tile_rows.k_rows, dp, d, b0, b1, packets,
-                          p + first_packet * P);
+  scores(step.qt, tile_rows.k_rows, dp, d, p);
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
       p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
   rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
   // dS^T = tau P^T o (dP^T - D).
-  backward_scores<Scalar>(step.ot + first_packet * P, tile_rows.v_rows, dvp, dv, b0, b1, packets,
-                          ds + first_packet * P);
+  scores(step.ot, tile_rows.v_rows, dvp, dv, ds);
   const Packet tau = ei::pset1<Packet>(in.tau);
   for (Index b = b0; b < b1; ++b) {
     for (Index a = first_packet * P; a < a1; a += P) {
