@@ -12,6 +12,7 @@
 #include <poslsh/banded_attention.hpp>
 #include <poslsh/fused_attention.hpp>
 #include <poslsh/hash.hpp>
+#include <poslsh/partition_attention.hpp>
 #include <poslsh/per_sample_attention.hpp>
 #include <poslsh/samplers.hpp>
 #include <poslsh/tiled_attention.hpp>
@@ -35,13 +36,18 @@ const char* const usage =
 T* = softmax(tau Q K^T - |i-j| / sigma) V is the exact ALiBi attention (alibi_attention_tiled,
 tau = 1/sqrt(d)). For each data set and s the program runs, against T*,
   per-sample  lsh_attention_per_sample with the hashes sample_hashes(sigma, s, seed, 0,
-              sampler) (default rbf_hashes(sigma, s, seed))
-  fused       lsh_attention_fused with the same hashes (the same estimator, each pair once)
+              sampler) (default rbf_hashes(sigma, s, seed)); with --sampler poisson
+              lsh_attention_by_blocks on the partitions sample_partition_set(sigma, s, n,
+              seed, 0, poisson)
+  fused       lsh_attention_fused with the same hashes or partitions (the same estimator,
+              each pair once)
   fixed       plain attention in blocks of width W from position 0 (the paper's baseline)
   banded      exact ALiBi attention on the keys with |i - j| <= B (alibi_attention_banded)
 Budget: fixed and banded get the fused kernel's pairs P = lsh_fused_pair_count(hashes, n,
-masking), the (query, key) pairs with c_ij > 0; W and B are the integers whose pair counts
-(causal: j <= i) come closest to P. per-sample evaluates up to s times P pairs.
+masking) (lsh_fused_pair_count(partitions, masking) for poisson), the (query, key) pairs with
+c_ij > 0; W and B are the integers whose pair counts (causal: j <= i) come closest to P.
+per-sample evaluates up to s times P pairs: the sum over samples and blocks b of
+|b| (|b| + 1) / 2 (causal) or |b|^2 (bidirectional).
 Printed per s: P/n, W, B, the relative error ||T* - T~||_F / ||T*||_F of each method and
 max|T* - T~|; then fixed_blocks_attention (W = 2 sigma) and the fitted slope of log relative
 error vs log s (s >= 4) of the fused kernel. The CSV adds ||T* - T~||_F, the row-wise relative
@@ -66,8 +72,8 @@ Options:
   --seed SEED       hash and data seed (default 1)
   --sampler NAME    how the s hashes are drawn (sample_hashes; all unbiased): independent
                     (default, rbf_hashes), antithetic, stratified, lattice_offsets,
-                    coupled_offsets, rqmc, stratified_lattice (poisson has no BinHash
-                    form for the kernels)
+                    coupled_offsets, rqmc, stratified_lattice, poisson (Poisson cuts of
+                    rate 1/sigma, run through the kernels' PartitionSet overloads)
   --group G         samples per group of lattice_offsets and stratified_lattice
                     (default 0: 4 for lattice_offsets, round(sqrt(s)) for
                     stratified_lattice)
@@ -119,8 +125,6 @@ Settings parse(int argc, char** argv) {
       } catch (const std::invalid_argument&) {
         cli::fail(program, "unknown sampler (see --help)");
       }
-      if (settings.sampler == poslsh::Sampler::poisson)
-        cli::fail(program, "--sampler poisson has no BinHash form for the attention kernels");
     } else if (!(args.number("--n", settings.n) || args.number("--d", settings.d) ||
                  args.number("--sigma", settings.sigma) ||
                  args.positive_list("--samples", settings.samples) ||
@@ -184,6 +188,20 @@ Data make_data(const std::string& name, poslsh::Index n, poslsh::Index d, double
 /// lsh_attention_fused evaluate with the single hash {W, 0}).
 long long fixed_pairs(double width, poslsh::Index n, poslsh::Masking masking) {
   return poslsh::lsh_fused_pair_count(poslsh::HashSet{poslsh::BinHash{width, 0.0}}, n, masking);
+}
+
+/// Pairs the per-sample kernel evaluates on the partitions: sum over samples and blocks b of
+/// |b| (|b| + 1) / 2 (causal) or |b|^2 (bidirectional).
+long long partition_block_pairs(const poslsh::PartitionSet& parts, poslsh::Masking masking) {
+  long long pairs = 0;
+  for (poslsh::Index sample = 0; sample < parts.samples(); ++sample) {
+    const poslsh::Index* last = parts.end(sample);
+    for (const poslsh::Index* edge = parts.begin(sample); edge + 1 < last; ++edge) {
+      const long long size = edge[1] - edge[0];
+      pairs += masking == poslsh::Masking::causal ? size * (size + 1) / 2 : size * size;
+    }
+  }
+  return pairs;
 }
 
 /// Pairs with |i - j| <= band (causal: also j <= i) over n queries.
@@ -254,13 +272,26 @@ Row measure_row(const poslsh::RowMatrix<Scalar>& q, const poslsh::RowMatrix<Scal
   poslsh::SamplerOptions sampler_options;
   if (settings.group > 0) sampler_options.group = settings.group;
   sampler_options.lattice_group = settings.group;
-  const poslsh::HashSet hashes =
-      poslsh::sample_hashes(settings.sigma, s, settings.seed, 0, settings.sampler, sampler_options);
+  const bool poisson = settings.sampler == poslsh::Sampler::poisson;
+  // Poisson cuts have no BinHash form: the kernels' PartitionSet overloads run them.
+  const poslsh::HashSet hashes = poisson
+                                     ? poslsh::HashSet{}
+                                     : poslsh::sample_hashes(settings.sigma, s, settings.seed, 0,
+                                                             settings.sampler, sampler_options);
+  const poslsh::PartitionSet parts =
+      poisson ? poslsh::sample_partition_set(settings.sigma, s, n, settings.seed, 0,
+                                             poslsh::Sampler::poisson)
+              : poslsh::PartitionSet{};
   Row row;
-  row.budget = poslsh::lsh_fused_pair_count(hashes, n, masking);
   long long per_sample_pairs = 0;
-  for (const poslsh::BinHash& hash : hashes)
-    per_sample_pairs += poslsh::lsh_fused_pair_count(poslsh::HashSet{hash}, n, masking);
+  if (poisson) {
+    row.budget = poslsh::lsh_fused_pair_count(parts, masking);
+    per_sample_pairs = partition_block_pairs(parts, masking);
+  } else {
+    row.budget = poslsh::lsh_fused_pair_count(hashes, n, masking);
+    for (const poslsh::BinHash& hash : hashes)
+      per_sample_pairs += poslsh::lsh_fused_pair_count(poslsh::HashSet{hash}, n, masking);
+  }
   row.width = closest_budget(row.budget, 1, n, [&](poslsh::Index w) {
     return fixed_pairs(static_cast<double>(w), n, masking);
   });
@@ -268,10 +299,14 @@ Row measure_row(const poslsh::RowMatrix<Scalar>& q, const poslsh::RowMatrix<Scal
                             [&](poslsh::Index b) { return band_pairs(b, n, masking); });
   const poslsh::HashSet fixed{poslsh::BinHash{static_cast<double>(row.width), 0.0}};
   row.results[0] = run_method<Scalar>(exact, per_sample_pairs, [&] {
-    return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, options);
+    if (!poisson) return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, hashes, options);
+    poslsh::RowMatrix<Scalar> out(q.rows(), v.cols());
+    poslsh::lsh_attention_by_blocks<Scalar>(q, k, v, parts, out, options);
+    return out;
   });
   row.results[1] = run_method<Scalar>(exact, row.budget, [&] {
-    return poslsh::lsh_attention_fused<Scalar>(q, k, v, hashes, options);
+    return poisson ? poslsh::lsh_attention_fused<Scalar>(q, k, v, parts, options)
+                   : poslsh::lsh_attention_fused<Scalar>(q, k, v, hashes, options);
   });
   row.results[2] = run_method<Scalar>(exact, fixed_pairs(fixed[0].width, n, masking), [&] {
     return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, fixed, options);
