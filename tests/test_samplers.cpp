@@ -3,7 +3,8 @@
 // positions at distance r with probability exp(-r / sigma) (binomial z-scores over many seeds),
 // the antithetic and stratified widths never raise the variance per pair (exact integrals
 // over the Gamma law), and stratified_lattice has its group structure, each sample's law and
-// the exact per-pair variance.
+// the exact per-pair variance; nested Poisson partitions across heads nest, keep the
+// finest head bit for bit and give every head the Poisson sampler's law.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -449,4 +450,175 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
                            "n");
   require_invalid_argument([] { poslsh::sampler_from_name("bogus"); }, "name");
   CHECK(poslsh::sampler_from_name("rqmc") == Sampler::rqmc);
+}
+
+namespace {
+
+/// Whether sample k of `set` has no edge strictly inside (a, b], i.e. a and b share a block.
+bool sampler_same_block(const PartitionSet& set, Index k, Index a, Index b) {
+  const Index* first = set.begin(k);
+  const Index* last = set.end(k);
+  // First edge > a: a's block ends there.
+  const Index* edge = std::upper_bound(first, last, a);
+  return edge == last || *edge > b;
+}
+
+/// Number of cuts in (0, n) of sample k (edges other than 0 and n).
+Index sampler_cut_count(const PartitionSet& set, Index k) {
+  return static_cast<Index>(set.end(k) - set.begin(k)) - (set.n > 0 ? 2 : 1);
+}
+
+/// |observed - expected| / sqrt(variance), with a floor on the variance for p near 0 or 1.
+double sampler_z(double observed, double expected, double variance) {
+  return std::abs(observed - expected) / std::sqrt(std::max(variance, 1.0));
+}
+
+}  // namespace
+
+TEST_CASE("nested Poisson partitions: the finest head is the Poisson sampler, heads nest",
+          "[samplers][nested]") {
+  const std::vector<double> sigmas{4.0, 1.5, 16.0, 4.0, 300.0, 1.5};
+  const Index s = 7;
+  for (Index n : {Index{0}, Index{1}, Index{2}, Index{2000}}) {
+    for (std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{77}, std::uint64_t{1} << 40}) {
+      const std::vector<PartitionSet> sets =
+          poslsh::sample_nested_poisson_partitions(sigmas, s, n, seed, 3);
+      REQUIRE(sets.size() == sigmas.size());
+      const PartitionSet single =
+          poslsh::sample_partition_set(1.5, s, n, seed, 3, Sampler::poisson);
+      for (std::size_t h = 0; h < sets.size(); ++h) {
+        INFO("n " << n << ", seed " << seed << ", head " << h);
+        poslsh::validate_partition_set(sets[h], "test");
+        CHECK(sets[h].n == n);
+        CHECK(sets[h].samples() == s);
+        if (sigmas[h] == 1.5) {  // sigma_min: bit for bit the single-head sampler
+          CHECK(sets[h].edges == single.edges);
+          CHECK(sets[h].offsets == single.offsets);
+        }
+        for (std::size_t g = 0; g < sets.size(); ++g) {
+          if (!(sigmas[g] <= sigmas[h])) continue;
+          // Head h (larger sigma) keeps a subset of head g's cuts in every sample.
+          for (Index k = 0; k < s; ++k) {
+            CHECK(
+                std::includes(sets[g].begin(k), sets[g].end(k), sets[h].begin(k), sets[h].end(k)));
+          }
+          if (sigmas[g] == sigmas[h]) CHECK(sets[g].edges == sets[h].edges);
+        }
+      }
+      // Only the set of sigmas (through sigma_min) matters, not the other heads or the order.
+      const std::vector<PartitionSet> pair =
+          poslsh::sample_nested_poisson_partitions({300.0, 1.5}, s, n, seed, 3);
+      CHECK(pair[0].edges == sets[4].edges);
+      CHECK(pair[1].edges == sets[1].edges);
+    }
+  }
+}
+
+TEST_CASE("nested Poisson partitions: each head has the Poisson sampler's law",
+          "[samplers][nested][unbiased]") {
+  // Heads' gaps are cut independently with probability q = 1 - e^{-1/sigma}: positions a < b
+  // share a block with probability e^{-(b - a)/sigma}, two disjoint ranges are both uncut with
+  // the product, the cuts in (0, n) are Binomial(n - 1, q), and a cut of a finer head g is kept
+  // by head h with probability q_h / q_g. Each statistic is checked for the nested heads and
+  // for sample_partition_set(sigma_h, ..., poisson) on other seeds (binomial z-scores < 5).
+  const std::vector<double> sigmas{1.5, 4.0, 16.0, 60.0};
+  const Index s = 8, n = 200, first = 37;
+  const int seeds = 500;
+  const double trials = static_cast<double>(seeds) * static_cast<double>(s);
+  const std::vector<Index> distances{1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144};
+  for (std::size_t h = 0; h < sigmas.size(); ++h) {
+    const double sigma = sigmas[h];
+    const double q = -std::expm1(-1.0 / sigma);
+    // Joint check: (first, first + a] and (first + a + 3, first + 2 a + 3] both uncut.
+    const auto a = static_cast<Index>(std::ceil(sigma / 2.0));
+    for (int source = 0; source < 2; ++source) {
+      std::vector<double> together(distances.size(), 0.0);
+      double joint = 0.0, cuts = 0.0, cut_squares = 0.0;
+      double finer_cuts = 0.0, kept = 0.0;  // head 0's cuts, those head h keeps
+      for (int seed = 0; seed < seeds; ++seed) {
+        const auto key = static_cast<std::uint64_t>(seed) + 5000;
+        const std::vector<PartitionSet> nested =
+            poslsh::sample_nested_poisson_partitions(sigmas, s, n, key, 2);
+        const PartitionSet set = source == 0 ? nested[h]
+                                             : poslsh::sample_partition_set(
+                                                   sigma, s, n, key + 100000, 2, Sampler::poisson);
+        for (Index k = 0; k < s; ++k) {
+          for (std::size_t r = 0; r < distances.size(); ++r) {
+            together[r] += sampler_same_block(set, k, first, first + distances[r]) ? 1.0 : 0.0;
+          }
+          joint += sampler_same_block(set, k, first, first + a) &&
+                           sampler_same_block(set, k, first + a + 3, first + 2 * a + 3)
+                       ? 1.0
+                       : 0.0;
+          const auto count = static_cast<double>(sampler_cut_count(set, k));
+          cuts += count;
+          cut_squares += count * count;
+          if (source == 0) {
+            finer_cuts += static_cast<double>(sampler_cut_count(nested[0], k));
+            kept += count;
+          }
+        }
+      }
+      INFO("sigma " << sigma << (source == 0 ? ", nested head" : ", single-head sampler"));
+      for (std::size_t r = 0; r < distances.size(); ++r) {
+        const double p = std::exp(-static_cast<double>(distances[r]) / sigma);
+        INFO("r = " << distances[r] << ": " << together[r] / trials << " vs " << p);
+        CHECK(sampler_z(together[r], trials * p, trials * p * (1.0 - p)) < 5.0);
+      }
+      const double p_joint = std::exp(-2.0 * static_cast<double>(a) / sigma);
+      CHECK(sampler_z(joint, trials * p_joint, trials * p_joint * (1.0 - p_joint)) < 5.0);
+      // Cuts per sample: Binomial(n - 1, q), mean m and variance v; the sample variance's
+      // standard error from the binomial fourth central moment v (1 + 3 (n - 3) q (1 - q)).
+      const double gaps = static_cast<double>(n - 1);
+      const double mean = gaps * q, variance = gaps * q * (1.0 - q);
+      INFO("cuts per sample " << cuts / trials << " vs " << mean);
+      CHECK(sampler_z(cuts, trials * mean, trials * variance) < 5.0);
+      const double sample_mean = cuts / trials;
+      const double sample_variance =
+          (cut_squares - trials * sample_mean * sample_mean) / (trials - 1.0);
+      const double fourth = variance * (1.0 + 3.0 * (gaps - 2.0) * q * (1.0 - q));
+      const double variance_error = std::sqrt((fourth - variance * variance) / trials);
+      INFO("variance of the cuts " << sample_variance << " vs " << variance);
+      CHECK(std::abs(sample_variance - variance) < 5.0 * variance_error);
+      if (source == 0 && h > 0) {
+        // Thinning: head h keeps each of head 0's cuts with probability q_h / q_0.
+        const double keep = q / -std::expm1(-1.0 / sigmas[0]);
+        INFO("kept " << kept / finer_cuts << " vs " << keep);
+        CHECK(sampler_z(kept, finer_cuts * keep, finer_cuts * keep * (1.0 - keep)) < 5.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("nested Poisson partitions are deterministic and reject bad arguments",
+          "[samplers][nested][invalid]") {
+  const std::vector<double> sigmas{2.0, 9.0, 40.0};
+  const std::vector<PartitionSet> a =
+      poslsh::sample_nested_poisson_partitions(sigmas, 5, 400, 9, 1);
+  const std::vector<PartitionSet> b =
+      poslsh::sample_nested_poisson_partitions(sigmas, 5, 400, 9, 1);
+  const std::vector<PartitionSet> other_stream =
+      poslsh::sample_nested_poisson_partitions(sigmas, 5, 400, 9, 2);
+  const std::vector<PartitionSet> other_seed =
+      poslsh::sample_nested_poisson_partitions(sigmas, 5, 400, 10, 1);
+  for (std::size_t h = 0; h < sigmas.size(); ++h) {
+    CHECK(a[h].edges == b[h].edges);
+    CHECK(a[h].offsets == b[h].offsets);
+    CHECK(a[h].edges != other_stream[h].edges);
+    CHECK(a[h].edges != other_seed[h].edges);
+  }
+  using poslsh_test::require_invalid_argument;
+  require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({}, 4, 10, 1, 0); },
+                           "sigmas");
+  for (double bad : {0.0, -1.0, std::nan(""), poslsh_test::infinity, 1e301}) {
+    require_invalid_argument(
+        [&] {
+          poslsh::sample_nested_poisson_partitions({4.0, bad}, 4, 10, 1, 0);
+        },
+        "sigmas");
+  }
+  require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({4.0}, 0, 10, 1, 0); },
+                           "s");
+  require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({4.0}, 4, -1, 1, 0); },
+                           "n");
 }

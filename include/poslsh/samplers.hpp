@@ -9,7 +9,8 @@
 // per-sampler tag), so a set depends only on its arguments, bit for bit on every platform.
 //
 // Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma;
-// s >= 1; n >= 0; options.group >= 1; options.lattice_group >= 0; the sampler has a BinHash form
+// s >= 1; n >= 0; sigmas (sample_nested_poisson_partitions) non-empty, each entry a valid
+// sigma; options.group >= 1; options.lattice_group >= 0; the sampler has a BinHash form
 // (not poisson) in sample_hashes; a user-built partition set in validate_partition_set.
 #pragma once
 
@@ -208,7 +209,8 @@ enum SamplerTag : std::uint32_t {
   tag_offset = 3,
   tag_shuffle = 4,
   tag_shift = 5,
-  tag_cuts = 6
+  tag_cuts = 6,
+  tag_cut_marks = 7
 };
 
 /// Four 32-bit words for (seed, stream, index, tag).
@@ -456,6 +458,31 @@ inline void validate_partition_set(const PartitionSet& set, const char* function
   detail::validate_analysis_partitions(set, function);
 }
 
+namespace detail {
+
+/// The edges after 0 of the Poisson-cut partition of sample `sample` (see poisson_cut_edges),
+/// in increasing order: visit(edge) for every cut in (0, n), then visit(n). n >= 1.
+template <typename Visit>
+void poisson_cut_walk(double sigma, Index n, std::uint64_t seed, std::uint64_t stream,
+                      std::uint64_t sample, Visit&& visit) {
+  std::uint64_t draw = 0;  // counter index (sample << 32) + draw: s and n / sigma below 2^32
+  Index position = 0;
+  const double limit = static_cast<double>(n);
+  while (position < n) {
+    // Two lengths per Philox call.
+    const PhiloxCounter words = sampler_words(seed, stream, (sample << 32) + draw++, tag_cuts);
+    for (std::size_t half = 0; half < 2 && position < n; ++half) {
+      const double u = uniform_open(words[2 * half], words[2 * half + 1]);
+      const double gap = 1.0 + std::floor(-sigma * std::log(u));
+      position =
+          gap >= limit - static_cast<double>(position) ? n : position + static_cast<Index>(gap);
+      visit(position);
+    }
+  }
+}
+
+}  // namespace detail
+
 /// The Poisson-cut partition of sample k of (seed, stream) on [0, n): cuts of a Poisson process
 /// of rate 1/sigma on the real line, one cut between positions i and i+1 (the integers' unit
 /// gaps) when the process has a point in that gap. The gaps are independent, each free of
@@ -467,21 +494,8 @@ inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t
                                             std::uint64_t stream, std::uint64_t sample) {
   std::vector<Index> edges{0};
   if (n == 0) return edges;
-  std::uint64_t draw = 0;  // counter index (sample << 32) + draw: s and n / sigma below 2^32
-  Index position = 0;
-  const double limit = static_cast<double>(n);
-  while (position < n) {
-    // Two lengths per Philox call.
-    const detail::PhiloxCounter words =
-        detail::sampler_words(seed, stream, (sample << 32) + draw++, detail::tag_cuts);
-    for (std::size_t half = 0; half < 2 && position < n; ++half) {
-      const double u = detail::uniform_open(words[2 * half], words[2 * half + 1]);
-      const double gap = 1.0 + std::floor(-sigma * std::log(u));
-      position =
-          gap >= limit - static_cast<double>(position) ? n : position + static_cast<Index>(gap);
-      edges.push_back(position);
-    }
-  }
+  detail::poisson_cut_walk(sigma, n, seed, stream, sample,
+                           [&](Index edge) { edges.push_back(edge); });
   return edges;
 }
 
@@ -508,6 +522,84 @@ inline PartitionSet sample_partition_set(double sigma, Index s, Index n, std::ui
     set.offsets.push_back(set.edges.size());
   }
   return set;
+}
+
+/// Nested Poisson-cut partitions of s samples on [0, n) for heads with length scales sigmas[h],
+/// all thinned from ONE Poisson process per sample. Sample k takes the cuts of
+/// poisson_cut_edges(sigma_min, n, seed, stream, k), sigma_min = min_h sigmas[h] (a gap between
+/// positions i and i+1 is cut when the rate-1/sigma_min process has a point in it), and gives
+/// each cut c a mark U_c ~ U(0, 1), independent of everything else; head h keeps the cuts with
+///   U_c < t_h = (1 - e^{-1/sigma_h}) / (1 - e^{-1/sigma_min}).
+/// Thinning: each unit gap is cut by the rate-1/sigma_min process independently with
+/// probability 1 - e^{-1/sigma_min}, and kept with probability t_h given that, so head h's gaps
+/// are cut independently with probability 1 - e^{-1/sigma_h}: positions i < j share a block
+/// with probability e^{-(j - i)/sigma_h} exactly, the law of poisson_cut_edges(sigma_h, ...)
+/// (E[M~] = L* for every head). This is the continuous thinning of the process (each point
+/// marked V ~ U(0, 1), head h keeping the points with V < sigma_min / sigma_h, a Poisson process
+/// of rate 1/sigma_h) seen on the unit gaps: t_h = P[a gap's smallest mark < sigma_min /
+/// sigma_h | the gap has a point]. t_h does not increase with sigma_h (enforced after
+/// rounding), so a head with a larger sigma keeps a subset of the cuts of a head with a smaller
+/// one: its partition coarsens the finer head's (nested). t = 1 for sigma_min: those heads
+/// get sample_partition_set(sigma_min, s, n, seed, stream, Sampler::poisson) bit for bit.
+/// Counter-based: the marks are Philox draws keyed by (seed, stream, k, cut index), so the
+/// result depends only on the arguments (not on the order of sigmas beyond the output order).
+/// Returns one PartitionSet per head, in the order of sigmas. O(s (n / sigma_min + 1) H) work.
+/// Throws std::invalid_argument naming 'sigmas' (empty, or an entry not finite, <= 0 or
+/// > max_hash_sigma), 's' (< 1) or 'n' (< 0).
+inline std::vector<PartitionSet> sample_nested_poisson_partitions(const std::vector<double>& sigmas,
+                                                                  Index s, Index n,
+                                                                  std::uint64_t seed,
+                                                                  std::uint64_t stream) {
+  constexpr const char* function = "sample_nested_poisson_partitions";
+  detail::require(!sigmas.empty(), function, "sigmas", sigmas.size(), "must not be empty");
+  for (double sigma : sigmas) {
+    detail::require(std::isfinite(sigma) && sigma > 0.0 && sigma <= max_hash_sigma, function,
+                    "sigmas", sigma, "every entry must be finite, > 0 and <= 1e300");
+  }
+  detail::require_positive(s, function, "s");
+  detail::require_size(n, function, "n");
+  const std::size_t heads = sigmas.size();
+  const double sigma_min = *std::min_element(sigmas.begin(), sigmas.end());
+  // Keep thresholds t_h, made non-increasing in sigma after rounding (heads by sigma).
+  const double finest = -std::expm1(-1.0 / sigma_min);
+  std::vector<std::size_t> by_sigma(heads);
+  std::iota(by_sigma.begin(), by_sigma.end(), std::size_t{0});
+  std::stable_sort(by_sigma.begin(), by_sigma.end(),
+                   [&](std::size_t a, std::size_t b) { return sigmas[a] < sigmas[b]; });
+  std::vector<double> keep(heads);
+  double previous = 1.0;
+  for (std::size_t h : by_sigma) {
+    const double t = sigmas[h] == sigma_min ? 1.0 : -std::expm1(-1.0 / sigmas[h]) / finest;
+    previous = std::min(previous, t);
+    keep[h] = previous;
+  }
+  std::vector<PartitionSet> sets(heads);
+  for (PartitionSet& set : sets) set.n = n;
+  for (Index k = 0; k < s; ++k) {
+    const auto sample = static_cast<std::uint64_t>(k);
+    for (PartitionSet& set : sets) set.edges.push_back(0);
+    if (n > 0) {
+      std::uint64_t cut = 0;  // marks: two per Philox call, counter (sample << 32) + cut / 2
+      detail::PhiloxCounter words{};
+      detail::poisson_cut_walk(sigma_min, n, seed, stream, sample, [&](Index edge) {
+        if (edge == n) {
+          for (PartitionSet& set : sets) set.edges.push_back(n);
+          return;
+        }
+        const std::size_t half = cut % 2;
+        if (half == 0)
+          words =
+              detail::sampler_words(seed, stream, (sample << 32) + cut / 2, detail::tag_cut_marks);
+        ++cut;
+        const double mark = detail::uniform_open(words[2 * half], words[2 * half + 1]);
+        for (std::size_t h = 0; h < heads; ++h) {
+          if (mark < keep[h]) sets[h].edges.push_back(edge);
+        }
+      });
+    }
+    for (PartitionSet& set : sets) set.offsets.push_back(set.edges.size());
+  }
+  return sets;
 }
 
 }  // namespace poslsh
