@@ -179,7 +179,7 @@ class TileEngine {
         bias_(bias),
         b_(buffers) {
     std::fill_n(ones_, value_rows, Scalar(1));
-    b_.prepare(d_, dvp_, pack_values_);
+    b_.prepare(d_, dvp_, pack_values_ || in_runs);
     if constexpr (!std::is_same_v<QScalar, Scalar>) {
       if (b_.wide_q.size() < Bq * d_) b_.wide_q.resize(Bq * d_);
     }
@@ -467,9 +467,17 @@ class TileEngine {
   void value_tile(Index, Index keys) {
     const Scalar* values = rows_of_tile_.v;
     Index stride = rows_of_tile_.v_stride;
-    if (pack_values_) {
-      for (Index b = 0; b < keys; ++b) {
-        const Scalar* row = value_at(b);
+    // Rows in more than two runs (pages shorter than a tile) are packed too: one value block
+    // per row block instead of one per run.
+    bool packed = pack_values_;
+    if constexpr (in_runs) packed = packed || runs_ > 2;
+    if (packed) {
+      for (Index b = 0, r = 0; b < keys; ++b) {
+        const Scalar* row = rows_of_tile_.v + b * rows_of_tile_.v_stride;
+        if constexpr (in_runs) {
+          if (run_start_[r + 1] <= b) ++r;
+          row = run_values_[r] + (b - run_start_[r]) * rows_of_tile_.v_stride;
+        }
         for (Index c = 0; c < dv_; ++c) b_.values(b * dvp_ + c) = row[c];
       }
       values = b_.values.data();
@@ -480,7 +488,7 @@ class TileEngine {
       if (reach.first >= reach.last) continue;
       for (Index c = 0; c < dvp_; c += value_packets * P) {
         if constexpr (in_runs) {
-          if (!pack_values_) {
+          if (!packed) {
             value_runs(a, c, reach, stride);
             continue;
           }
@@ -539,22 +547,13 @@ class TileEngine {
                                                   keys, alpha, b_.acc.data() + a * dvp_ + c, dvp_);
   }
 
-  // Key and value rows of key j0 + b of the current tile (in runs: b inside the current run
-  // for keys; any b for values).
+  // The key row of key j0 + b of the current tile (in runs: b inside the current run).
   const Scalar* key_at(Index b) const {
     if constexpr (in_runs)
       return run_k_ + (b - run_b_) * rows_of_tile_.k_stride;
     else
       return rows_of_tile_.k + b * rows_of_tile_.k_stride;
   }
-  const Scalar* value_at(Index b) const {
-    if constexpr (in_runs) {
-      const Index r = run_of(b);
-      return run_values_[r] + (b - run_start_[r]) * rows_of_tile_.v_stride;
-    } else
-      return rows_of_tile_.v + b * rows_of_tile_.v_stride;
-  }
-
   const ConstMatrixRef<QScalar>& q_;
   KV kv_;
   Index n_, p0_, d_, dv_, dvp_;
