@@ -1,8 +1,8 @@
 // poslsh plan_heads: the per-head method planner (planner.hpp) on model shapes, its predicted
 // time against the best single method for all heads, and optionally measured.
 //   plan_heads [--n N] [--heads H] [--d D] [--causal | --bidirectional] [--targets LIST]
-//              [--measure] [--repeats R] [--seed SEED]
-//   plan_heads --calibrate [--n N] [--dims LIST] [--seeds N]
+//              [--measure] [--repeats R] [--seed SEED] [--window W]
+//   plan_heads --calibrate [--n N] [--dims LIST] [--seeds N] [--samplers LIST]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -46,6 +46,8 @@ Options:
                     (best of --repeats runs, OpenMP over heads)
   --repeats R       timed runs of --measure (default 3)
   --seed SEED       hash and data seed (default 1)
+  --window W        PlannerOptions::lsh_sample_window: also price s_min + 1 .. s_min + W
+                    for each LSH sampler and keep the cheapest (default 0)
   --calibrate       instead of planning, measure the ratio of the fused LSH kernel's relative
                     error to each default model's mean fit c s^-a over sigma 1.1..256, s 16..256,
                     causal and bidirectional, the head dimensions --dims and --seeds data and
@@ -55,6 +57,8 @@ Options:
                     (targets 1e-1..1e-3)
   --dims LIST       head dimensions of --calibrate (default 64,128)
   --seeds N         seeds of --calibrate (default 3)
+  --samplers LIST   --calibrate only these samplers' models (comma-separated names; default
+                    all of default_lsh_error_models)
   --banded-only     --calibrate banded attention only
   --help            this text
 )";
@@ -68,10 +72,12 @@ struct Settings {
   bool measure = false;
   int repeats = 3;
   std::uint64_t seed = 1;
+  poslsh::Index window = 0;
   bool calibrate = false;
   std::vector<poslsh::Index> dims{64, 128};
   int seeds = 3;
   bool banded_only = false;
+  std::string samplers;  // --samplers: empty for all default models
 };
 
 Settings parse(int argc, char** argv) {
@@ -84,9 +90,11 @@ Settings parse(int argc, char** argv) {
           args.positive_list("--targets", settings.targets) ||
           args.set("--measure", settings.measure, true) ||
           args.number("--repeats", settings.repeats) || args.number("--seed", settings.seed) ||
+          args.number("--window", settings.window) ||
           args.set("--calibrate", settings.calibrate, true) ||
           args.positive_list("--dims", settings.dims) || args.number("--seeds", settings.seeds) ||
-          args.set("--banded-only", settings.banded_only, true))) {
+          args.set("--banded-only", settings.banded_only, true) ||
+          args.text("--samplers", settings.samplers))) {
       args.unknown();
     }
   }
@@ -95,6 +103,7 @@ Settings parse(int argc, char** argv) {
   if (settings.d < 1) cli::fail(program, "--d must be >= 1");
   if (settings.repeats < 1) cli::fail(program, "--repeats must be >= 1");
   if (settings.seeds < 1) cli::fail(program, "--seeds must be >= 1");
+  if (settings.window < 0) cli::fail(program, "--window must be >= 0");
   return settings;
 }
 
@@ -121,7 +130,22 @@ double relative_error(const Matrix& exact, const Matrix& approx) {
 int calibrate(const Settings& settings) {
   const std::vector<double> sigmas{1.1, 2, 4, 8, 16, 32, 64, 128, 256};
   const std::vector<poslsh::Index> samples{16, 32, 64, 128, 256};
-  const std::vector<poslsh::LshErrorModel> models = poslsh::default_lsh_error_models();
+  std::vector<poslsh::LshErrorModel> models = poslsh::default_lsh_error_models();
+  if (!settings.samplers.empty()) {
+    std::vector<poslsh::LshErrorModel> chosen;
+    std::string list = settings.samplers + ",";
+    for (std::size_t start = 0, comma; (comma = list.find(',', start)) != std::string::npos;
+         start = comma + 1) {
+      const std::string name = list.substr(start, comma - start);
+      const auto match =
+          std::find_if(models.begin(), models.end(), [&](const poslsh::LshErrorModel& model) {
+            return name == poslsh::sampler_name(model.sampler);
+          });
+      if (match == models.end()) cli::fail(program, "--samplers: no default model '" + name + "'");
+      chosen.push_back(*match);
+    }
+    models = chosen;
+  }
   const poslsh::Index n = settings.n;
   std::printf(
       "Calibration of the LSH error models: n = %ld, float, normal Q, K, V, seeds %d..%d, ratio "
@@ -239,6 +263,7 @@ int main(int argc, char** argv) {
   poslsh::PlannerOptions options;
   options.head_dim = d;
   options.seed = settings.seed;
+  options.lsh_sample_window = settings.window;
 
   Matrix q, k, v, exact;
   double exact_seconds = 0.0;

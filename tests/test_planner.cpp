@@ -55,7 +55,12 @@ TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planne
   poslsh::PlannerOptions options;
   options.max_samples = 64;
   options.lsh_models = {{poslsh::Sampler::independent, 0.9, 0.5, 1.3},
-                        {poslsh::Sampler::antithetic, 0.8, 0.6, 1.1}};
+                        {poslsh::Sampler::antithetic, 0.8, 0.6, 1.1},
+                        {poslsh::Sampler::stratified_lattice, 0.7, 0.73, 1.2}};
+  // stratified_lattice draws a new set for every s (its pairs are not monotone in s): the
+  // planner prices every s up to max_samples, as the brute force does.
+  options.lsh_sample_window = options.max_samples;
+  int lattice_plans = 0;  // heads planned with stratified_lattice (the search covers it)
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (Index n : {Index{64}, Index{400}}) {
       const std::vector<double> sigmas{0.5, 4.0, 30.0, 1000.0};
@@ -111,6 +116,10 @@ TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planne
             CHECK(plans[h].samples == parameter);
             CHECK(plans[h].sampler == sampler);
           }
+          lattice_plans += plans[h].method == PlannedMethod::lsh &&
+                                   plans[h].sampler == poslsh::Sampler::stratified_lattice
+                               ? 1
+                               : 0;
         }
         // Every head's banded candidate: the smallest W meeting the target.
         const std::vector<HeadPlan> banded = poslsh::plan_single_method(
@@ -133,6 +142,44 @@ TEST_CASE("plan_heads picks the cheapest method that meets the target", "[planne
         CHECK(banded.size() == (all_banded ? sigmas.size() : 0));
       }
     }
+  }
+  CHECK(lattice_plans > 0);
+}
+
+TEST_CASE("the LSH candidate: the smallest s, or the cheapest s in the window", "[planner]") {
+  const Index n = 400;
+  const double sigma = 16.0, target = 0.15;
+  poslsh::PlannerOptions options;
+  options.lsh_models = {{poslsh::Sampler::stratified_lattice, 1.537, 0.730, 2.980}};
+  const auto s_min = static_cast<Index>(poslsh::lsh_planner_samples(options.lsh_models[0], target));
+  REQUIRE(s_min < options.max_samples);
+  const auto price = [&](Index s) {
+    const double pairs = static_cast<double>(poslsh::lsh_fused_pair_count(
+        poslsh::sample_hashes(sigma, s, 0, 1, poslsh::Sampler::stratified_lattice), n,
+        Masking::causal));
+    return pairs / options.throughput.lsh +
+           double(n) * double(s) / options.throughput.lsh_query_samples;
+  };
+  const HeadPlan smallest =
+      poslsh::plan_head_candidates(n, sigma, 1, Masking::causal, target, options).back();
+  CHECK(smallest.samples == s_min);
+  CHECK(smallest.seconds == Approx(price(s_min)).epsilon(1e-12));
+  for (Index window : {Index{1}, Index{7}, Index{40}, Index{1000}}) {
+    options.lsh_sample_window = window;
+    const HeadPlan searched =
+        poslsh::plan_head_candidates(n, sigma, 1, Masking::causal, target, options).back();
+    double best = price(s_min);
+    Index best_s = s_min;
+    for (Index s = s_min + 1; s <= std::min(s_min + window, options.max_samples); ++s) {
+      if (price(s) < best) {
+        best = price(s);
+        best_s = s;
+      }
+    }
+    INFO("window " << window << ": planned s " << searched.samples << ", search " << best_s);
+    CHECK(searched.samples == best_s);
+    CHECK(searched.seconds == Approx(best).epsilon(1e-12));
+    CHECK(searched.predicted_error <= target);
   }
 }
 
@@ -345,6 +392,10 @@ TEST_CASE("the planner names bad arguments", "[planner]") {
   options.max_samples = 0;
   require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
                            "options.max_samples");
+  options = {};
+  options.lsh_sample_window = -1;
+  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
+                           "options.lsh_sample_window");
   options = {};
   options.banded_factor = std::nan("");
   require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },

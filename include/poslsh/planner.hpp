@@ -94,19 +94,23 @@ inline double lsh_planner_samples(const LshErrorModel& model, double target) {
 /// The default LSH error models. Mean fits: least-squares fits of log relative error against
 /// log s (s = 4..64) of output_error_vs_samples --sampler NAME (n = 2048, d = 64, sigma = 16,
 /// causal, float, seed 1) on its random Q, K, V: independent 1.227 s^-0.559, antithetic
-/// 1.230 s^-0.621, stratified 1.189 s^-0.605, rqmc 0.852 s^-0.511. Upper factors: 1.05 times
-/// the largest ratio of measured error to the mean fit in plan_heads --calibrate (normal Q, K,
-/// V; sigma 1.1..256, s 16..256, causal and bidirectional; n = 512 with d = 16, 64 and seeds
-/// 1000-1005, n = 4096 with d = 64, 128 and seeds 1000-1001; 1440 runs per sampler): largest
-/// ratios 1.468 independent, 1.737 antithetic, 1.588 stratified, 1.305 rqmc (all at n = 512;
-/// 1.320, 1.634, 1.316, 1.173 at n = 4096), mean ratios 0.75-1.25. (Smooth low-rank data
-/// falls 2x lower; heavy-tailed scores decay like s^-0.37 and are not covered by these
-/// models.)
+/// 1.230 s^-0.621, stratified 1.189 s^-0.605, rqmc 0.852 s^-0.511, stratified_lattice
+/// (g = round(sqrt(s))) 1.537 s^-0.730. Upper factors: 1.05 times the largest ratio of
+/// measured error to the mean fit in plan_heads --calibrate (normal Q, K, V; sigma 1.1..256,
+/// s 16..256, causal and bidirectional; n = 512 with d = 16, 64 and seeds 1000-1005, n = 4096
+/// with d = 64, 128 and seeds 1000-1001; 1440 runs per sampler): largest ratios 1.468
+/// independent, 1.737 antithetic, 1.588 stratified, 1.305 rqmc, 2.838 stratified_lattice (all
+/// at n = 512; 1.320, 1.634, 1.316, 1.173, 2.766 at n = 4096), mean ratios 0.75-1.25. The
+/// stratified_lattice ratio spreads most (standard deviation 0.50 against 0.12-0.32): its
+/// steeper fit holds at sigma 16 but not at sigma 1.1-2 (largest ratios there), where blocks
+/// are short and its lattice gains little. (Smooth low-rank data falls 2x lower; heavy-tailed
+/// scores decay like s^-0.37 and are not covered by these models.)
 inline std::vector<LshErrorModel> default_lsh_error_models() {
   return {{Sampler::independent, 1.227, 0.559, 1.542},
           {Sampler::antithetic, 1.230, 0.621, 1.824},
           {Sampler::stratified, 1.189, 0.605, 1.668},
-          {Sampler::rqmc, 0.852, 0.511, 1.370}};
+          {Sampler::rqmc, 0.852, 0.511, 1.370},
+          {Sampler::stratified_lattice, 1.537, 0.730, 2.980}};
 }
 
 /// Options of plan_heads.
@@ -130,6 +134,16 @@ struct PlannerOptions {
   Index max_samples = 256;
   /// Seed of the LSH hashes (head h uses stream h), for the pair counts and the run.
   std::uint64_t seed = 0;
+  /// LSH sample search: besides the smallest s meeting the target, s_min + 1 .. s_min + window
+  /// (<= max_samples) are priced too and the cheapest kept. Pairs grow with s for samplers whose
+  /// sets are nested in s (independent, antithetic, coupled_offsets: sample k depends on k
+  /// only), so s_min is the cheapest and 0 loses nothing; the others (stratified, rqmc,
+  /// stratified_lattice, ...) draw a new set for every s, and their pairs are not monotone
+  /// (stratified_lattice at sigma 16, n = 4096: 68.6 pairs/q at s = 150, 94.2 at s = 188, 72.0
+  /// at s = 200). Each priced s costs one lsh_fused_pair_count (about 6 ms at n = 4096, s = 150);
+  /// the search stops once n s / lsh_query_samples + n / lsh throughput (every query pairs with
+  /// itself) reaches the best time.
+  Index lsh_sample_window = 0;
 };
 
 /// The plan of one head.
@@ -207,6 +221,8 @@ inline void require_planner_arguments(const char* function, Index n,
   require(target > 0.0 && target < 1.0, function, "target", target, "must be in (0, 1)");
   require_positive(options.head_dim, function, "options.head_dim");
   require_positive(options.max_samples, function, "options.max_samples");
+  require(options.lsh_sample_window >= 0, function, "options.lsh_sample_window",
+          options.lsh_sample_window, "must be >= 0");
   require(std::isfinite(options.banded_factor) && options.banded_factor > 0.0, function,
           "options.banded_factor", options.banded_factor, "must be finite and > 0");
   require(std::isfinite(options.banded_small_sigma) && options.banded_small_sigma >= 0.0, function,
@@ -230,10 +246,12 @@ inline void require_planner_arguments(const char* function, Index n,
 ///                mass times the factor), pairs
 ///                banded_pair_count; left out when
 ///                W >= n - 1 (it is the exact attention then);
-///   lsh          s = lsh_planner_samples(model, target) <= max_samples (the smallest s whose
-///                upper estimate upper_factor c s^-a meets the target), pairs
+///   lsh          s_min = lsh_planner_samples(model, target) <= max_samples (the smallest s
+///                whose upper estimate upper_factor c s^-a meets the target), pairs
 ///                lsh_fused_pair_count of the hashes sample_hashes(sigma, s, seed, head,
-///                sampler) it would use; Sampler::poisson is left out (no BinHash form).
+///                sampler) it would use; with options.lsh_sample_window > 0 the cheapest of
+///                s_min .. s_min + window (<= max_samples; the first on ties).
+///                Sampler::poisson is left out (no BinHash form).
 /// Seconds = pairs / (throughput * 64 / head_dim), plus n s / lsh_query_samples for LSH.
 /// Throws std::invalid_argument naming 'n', 'sigmas', 'target' (in (0, 1)) or the option.
 inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::size_t head,
@@ -265,20 +283,34 @@ inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::si
     if (model.sampler == Sampler::poisson) continue;  // no BinHash form for the fused kernel
     const double needed = lsh_planner_samples(model, target);
     if (!(needed <= static_cast<double>(options.max_samples))) continue;
-    const auto s = static_cast<Index>(needed);
-    HeadPlan lsh = exact;
-    lsh.method = PlannedMethod::lsh;
-    lsh.samples = s;
-    lsh.sampler = model.sampler;
-    lsh.seed = options.seed;
-    lsh.stream = static_cast<std::uint64_t>(head);
-    lsh.pairs = static_cast<double>(lsh_fused_pair_count(
-        sample_hashes(sigma, s, lsh.seed, lsh.stream, model.sampler), n, masking));
-    lsh.seconds =
-        lsh.pairs / (options.throughput.lsh * scale) +
-        static_cast<double>(n) * static_cast<double>(s) / options.throughput.lsh_query_samples;
-    lsh.predicted_error = lsh_predicted_error(model, s);
-    candidates.push_back(lsh);
+    const auto s_min = static_cast<Index>(needed);
+    const auto price = [&](Index s) {
+      HeadPlan lsh = exact;
+      lsh.method = PlannedMethod::lsh;
+      lsh.samples = s;
+      lsh.sampler = model.sampler;
+      lsh.seed = options.seed;
+      lsh.stream = static_cast<std::uint64_t>(head);
+      lsh.pairs = static_cast<double>(lsh_fused_pair_count(
+          sample_hashes(sigma, s, lsh.seed, lsh.stream, model.sampler), n, masking));
+      lsh.seconds =
+          lsh.pairs / (options.throughput.lsh * scale) +
+          static_cast<double>(n) * static_cast<double>(s) / options.throughput.lsh_query_samples;
+      lsh.predicted_error = lsh_predicted_error(model, s);
+      return lsh;
+    };
+    HeadPlan best = price(s_min);
+    const Index last = s_min + std::min(options.lsh_sample_window, options.max_samples - s_min);
+    for (Index s = s_min + 1; s <= last; ++s) {
+      // At least n pairs (c_ii = s > 0): no larger s can be cheaper once this bound is reached.
+      const double floor =
+          static_cast<double>(n) / (options.throughput.lsh * scale) +
+          static_cast<double>(n) * static_cast<double>(s) / options.throughput.lsh_query_samples;
+      if (floor >= best.seconds) break;
+      const HeadPlan priced = price(s);
+      if (priced.seconds < best.seconds) best = priced;
+    }
+    candidates.push_back(best);
   }
   return candidates;
 }
