@@ -554,6 +554,7 @@ class TileEngine {
     else
       return rows_of_tile_.k + b * rows_of_tile_.k_stride;
   }
+
   const ConstMatrixRef<QScalar>& q_;
   KV kv_;
   Index n_, p0_, d_, dv_, dvp_;
