@@ -65,7 +65,7 @@ only (k, v have the n tokens of q). Keywords as multihead_attention (no query_of
 is released.
 )doc";
 
-const char* const backward_doc = R"doc(
+const char* const multihead_backward_doc = R"doc(
 Gradients of multihead_attention, (dq, dk, dv), from the forward's out and lse
 (multihead_attention_with_lse with the same inputs and keywords) and dout = dL/dout. For each
 query head h (K/V head g = h // G), with P_h the probabilities recomputed from lse[h]
@@ -190,7 +190,7 @@ void bind_multihead_backward(py::module_& module) {
       py::arg("masking") = "causal", py::arg("scale") = py::none(), py::arg("sigmas") = py::none(),
       py::arg("samples") = 16, py::arg("seed") = 0, py::arg("band_error") = 1e-3,
       py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
-      py::arg("num_threads") = py::none(), backward_doc);
+      py::arg("num_threads") = py::none(), multihead_backward_doc);
 }
 
 #else
