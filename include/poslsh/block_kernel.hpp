@@ -37,6 +37,43 @@ struct PlainBlockAttention {
   }
 };
 
+namespace detail {
+
+/// The loop of lsh_attention_by_blocks: for_each_sample(each_sample) calls
+/// each_sample(first, last) once per sample with its block edges [first, last) (blocks
+/// [first[r], first[r + 1]) covering 0 .. n); every block B goes to block_kernel(Q_B, K_B, V_B,
+/// causal, tau, O_B, lse_B) in order on the calling thread, and the samples' outputs are merged
+/// by LseMerger into out (a half-precision out: the merged result rounded once).
+template <typename C, typename Scalar, typename KVScalar, typename OutScalar, typename BlockKernel,
+          typename ForEachSample>
+void merge_block_attentions(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k,
+                            ConstMatrixRef<KVScalar> v, C tau, bool causal,
+                            MatrixRef<OutScalar> out, BlockKernel& block_kernel,
+                            ForEachSample&& for_each_sample) {
+  const Index n = q.rows();
+  LseMerger<C> merger(n, v.cols());
+  RowMatrix<C> sample_output(n, v.cols());
+  Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
+  for_each_sample([&](const Index* first, const Index* last) {
+    for (; first + 1 < last; ++first) {
+      const Index begin = first[0];
+      const Index size = first[1] - begin;
+      block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
+                   causal, tau, sample_output.middleRows(begin, size),
+                   sample_lse.segment(begin, size));
+    }
+    merger.add(sample_output, sample_lse);
+  });
+  if constexpr (std::is_same_v<OutScalar, C>) {
+    merger.result(out);
+  } else {
+    merger.result(sample_output);
+    out = sample_output.template cast<OutScalar>();
+  }
+}
+
+}  // namespace detail
+
 /// The per-sample LSH estimator T~ = D~^-1 (A o M~) V (same as lsh_attention_per_sample) with
 /// the block attentions done by `block_kernel`: for each hash h_k, each block B of h_k is passed
 /// as (Q_B, K_B, V_B, causal, tau, O_B, lse_B) and the per-sample output O_k and lse_k are
@@ -66,26 +103,13 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
   if (n == 0) return;
   const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  LseMerger<C> merger(n, v.cols());
-  RowMatrix<C> sample_output(n, v.cols());
-  Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
-  for (const BinHash& hash : hashes) {
-    const std::vector<Index> boundaries = block_boundaries(hash, n);
-    for (std::size_t r = 0; r + 1 < boundaries.size(); ++r) {
-      const Index begin = boundaries[r];
-      const Index size = boundaries[r + 1] - begin;
-      block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
-                   causal, tau, sample_output.middleRows(begin, size),
-                   sample_lse.segment(begin, size));
-    }
-    merger.add(sample_output, sample_lse);
-  }
-  if constexpr (std::is_same_v<OutScalar, C>) {
-    merger.result(out);
-  } else {
-    merger.result(sample_output);
-    out = sample_output.template cast<OutScalar>();
-  }
+  detail::merge_block_attentions<C, Scalar, KVScalar, OutScalar>(
+      q, k, v, tau, causal, out, block_kernel, [&](auto&& each_sample) {
+        for (const BinHash& hash : hashes) {
+          const std::vector<Index> boundaries = block_boundaries(hash, n);
+          each_sample(boundaries.data(), boundaries.data() + boundaries.size());
+        }
+      });
 }
 
 /// lsh_attention_by_blocks<Scalar, Scalar, Scalar, BlockKernel>: the form that names the block

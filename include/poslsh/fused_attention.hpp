@@ -82,6 +82,24 @@ void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
   run_fused_tiles<Scalar>(heads, Index{0}, n, std::forward<HeadTile>(head_tile));
 }
 
+/// The body of lsh_attention_fused after its checks: the q.rows() queries at positions p0 ..,
+/// query tiles in parallel, the counts from `counts` (a HashSet or stored partitions).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename Counts>
+void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k,
+                     ConstMatrixRef<KVScalar> v, const Counts& counts, MatrixRef<OutScalar> out,
+                     const AttentionOptions& options, Index p0) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  const Index m = q.rows();
+  if (m == 0) return;
+  const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
+  run_fused_tiles<Compute>(1, p0, p0 + m,
+                           [&](Index, Index i0, Index rows, FusedWorkspace<Compute>& work) {
+                             fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau, causal, i0,
+                                                                   rows, out, work, p0);
+                           });
+}
+
 }  // namespace detail
 
 /// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
@@ -108,18 +126,9 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nonded
                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const HashSet& hashes,
                          MatrixRef<detail::nondeduced_t<OutScalar>> out,
                          const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_fused";
   const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
-  const Index m = q.rows();
-  if (m == 0) return;
-  const auto tau = static_cast<Compute>(detail::resolve_scale(function, options, q.cols()));
-  const bool causal = options.masking == Masking::causal;
-  detail::run_fused_tiles<Compute>(
-      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Compute>& work) {
-        detail::fused_tile<Compute, Scalar, KVScalar>(q, k, v, hashes, tau, causal, i0, rows, out,
-                                                      work, p0);
-      });
+  detail::fused_attention<Scalar, KVScalar, OutScalar>(function, q, k, v, hashes, out, options, p0);
 }
 
 /// Returning form of lsh_attention_fused (the output in Q's scalar type).

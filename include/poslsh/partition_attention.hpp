@@ -59,18 +59,10 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nonded
                          const PartitionSet& partitions,
                          MatrixRef<detail::nondeduced_t<OutScalar>> out,
                          const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_fused";
   const Index p0 = detail::require_partition_arguments(function, q, k, v, partitions, out, options);
-  const Index m = q.rows();
-  if (m == 0) return;
-  const auto tau = static_cast<Compute>(detail::resolve_scale(function, options, q.cols()));
-  const bool causal = options.masking == Masking::causal;
-  detail::run_fused_tiles<Compute>(
-      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Compute>& work) {
-        detail::fused_tile<Compute, Scalar, KVScalar>(q, k, v, partitions, tau, causal, i0, rows,
-                                                      out, work, p0);
-      });
+  detail::fused_attention<Scalar, KVScalar, OutScalar>(function, q, k, v, partitions, out, options,
+                                                       p0);
 }
 
 /// Returning form of lsh_attention_fused on partitions (the output in Q's scalar type).
@@ -138,27 +130,11 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
   if (n == 0) return;
   const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  LseMerger<C> merger(n, v.cols());
-  RowMatrix<C> sample_output(n, v.cols());
-  Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
-  for (Index sample = 0; sample < partitions.samples(); ++sample) {
-    const Index* edges = partitions.begin(sample);
-    const Index* last = partitions.end(sample);
-    for (; edges + 1 < last; ++edges) {
-      const Index begin = edges[0];
-      const Index size = edges[1] - begin;
-      block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
-                   causal, tau, sample_output.middleRows(begin, size),
-                   sample_lse.segment(begin, size));
-    }
-    merger.add(sample_output, sample_lse);
-  }
-  if constexpr (std::is_same_v<OutScalar, C>) {
-    merger.result(out);
-  } else {
-    merger.result(sample_output);
-    out = sample_output.template cast<OutScalar>();
-  }
+  detail::merge_block_attentions<C, Scalar, KVScalar, OutScalar>(
+      q, k, v, tau, causal, out, block_kernel, [&](auto&& each_sample) {
+        for (Index sample = 0; sample < partitions.samples(); ++sample)
+          each_sample(partitions.begin(sample), partitions.end(sample));
+      });
 }
 
 }  // namespace poslsh
