@@ -100,6 +100,23 @@ void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrix
                            });
 }
 
+/// sum_i |[lo_i, hi_i)| over positions 0 .. n - 1, the key intervals of `counts` (a HashSet or
+/// stored partitions, already checked) built query tile by query tile as the kernel builds them.
+template <typename Counts>
+long long fused_pair_count(const Counts& counts_source, Index n, Masking masking) {
+  long long pairs = 0;
+  TileCounts counts;
+  for (Index i0 = 0; i0 < n; i0 += fused_query_tile) {
+    const Index rows = std::min(fused_query_tile, n - i0);
+    counts.build(counts_source, i0, rows, n, masking == Masking::causal);
+    for (Index r = 0; r < rows; ++r) {
+      const auto index = static_cast<std::size_t>(r);
+      pairs += counts.hi[index] - counts.lo[index];
+    }
+  }
+  return pairs;
+}
+
 }  // namespace detail
 
 /// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
@@ -147,17 +164,7 @@ RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
 inline long long lsh_fused_pair_count(const HashSet& hashes, Index n, Masking masking) {
   detail::require_size(n, "lsh_fused_pair_count", "n");
   validate_hashes(hashes, "lsh_fused_pair_count");
-  long long pairs = 0;
-  detail::TileCounts counts;
-  for (Index i0 = 0; i0 < n; i0 += detail::fused_query_tile) {
-    const Index rows = std::min(detail::fused_query_tile, n - i0);
-    counts.build(hashes, i0, rows, n, masking == Masking::causal);
-    for (Index r = 0; r < rows; ++r) {
-      const auto index = static_cast<std::size_t>(r);
-      pairs += counts.hi[index] - counts.lo[index];
-    }
-  }
-  return pairs;
+  return detail::fused_pair_count(hashes, n, masking);
 }
 
 }  // namespace poslsh

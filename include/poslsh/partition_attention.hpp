@@ -82,18 +82,7 @@ RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
 /// std::invalid_argument naming a bad partition field.
 inline long long lsh_fused_pair_count(const PartitionSet& partitions, Masking masking) {
   validate_partition_set(partitions, "lsh_fused_pair_count");
-  const Index n = partitions.n;
-  long long pairs = 0;
-  detail::TileCounts counts;
-  for (Index i0 = 0; i0 < n; i0 += detail::fused_query_tile) {
-    const Index rows = std::min(detail::fused_query_tile, n - i0);
-    counts.build(partitions, i0, rows, n, masking == Masking::causal);
-    for (Index r = 0; r < rows; ++r) {
-      const auto index = static_cast<std::size_t>(r);
-      pairs += counts.hi[index] - counts.lo[index];
-    }
-  }
-  return pairs;
+  return detail::fused_pair_count(partitions, partitions.n, masking);
 }
 
 /// The per-sample LSH estimator on stored partitions with a bring-your-own block kernel: as
