@@ -49,6 +49,7 @@
 #endif
 
 #include "poslsh/detail/backward/kernels.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/types.hpp"
@@ -85,15 +86,26 @@ template <typename Scalar>
 struct BackwardWork {
   using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
   Buffer probabilities, gradients, counts;
-  Buffer qt, ot, q_rows, o_rows, k_rows, v_rows, dk_sum, dv_sum, dq_part, delta;
+  Buffer qt, ot, q_rows, o_rows, k_rows, v_rows, dk_sum, dv_sum, dq_part, dq_step, delta, lse;
   Index d = -1, dv = -1, dp = 0, dvp = 0;
+  Index key_tiles = 0;     ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
   Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
 
   BackwardWork()
       : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
         gradients(Buffer::Zero(backward_query_rows * backward_tile)),
         counts(tile_query_rows * (backward_tile + 1)),
-        delta(Buffer::Zero(backward_query_rows)) {}
+        delta(Buffer::Zero(backward_query_rows)),
+        lse(Buffer::Zero(backward_query_rows)) {}
+
+  /// D and lse of the step's rows [i0, i0 + rows) in delta and lse (0 past them).
+  void load_step(const Scalar* all_delta, const Scalar* all_lse, Index i0, Index rows) {
+    using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+    delta.head(rows) = Eigen::Map<const Vector>(all_delta + i0, rows);
+    delta.tail(backward_query_rows - rows).setZero();
+    lse.head(rows) = Eigen::Map<const Vector>(all_lse + i0, rows);
+    lse.tail(backward_query_rows - rows).setZero();
+  }
 
   /// Sizes the packed buffers for d and d_v (zeroed when they change: the padding stays 0).
   void prepare(Index d_new, Index dv_new) {
@@ -108,12 +120,23 @@ struct BackwardWork {
     ot.setZero(std::max<Index>(dv, 1) * Bq);
     q_rows.setZero(std::max<Index>(Bq * dp, 1));
     o_rows.setZero(std::max<Index>(Bq * dvp, 1));
-    k_rows.setZero(std::max<Index>(G * Bk * dp, 1));
-    v_rows.setZero(std::max<Index>(G * Bk * dvp, 1));
-    dk_sum.setZero(std::max<Index>(G * Bk * dp, 1));
-    dv_sum.setZero(std::max<Index>(G * Bk * dvp, 1));
+    key_tiles = 0;
+    reserve_key_tiles(G);
     dq_part.setZero(std::max<Index>(Bq * dp, 1));
+    dq_step.setZero(std::max<Index>(Bq * dp, 1));
     packed_step = -1;
+  }
+
+  /// Room for the K, V rows and dK, dV sums of `tiles` key tiles (after prepare; zeroed when
+  /// they grow: the padding stays 0).
+  void reserve_key_tiles(Index tiles) {
+    if (tiles <= key_tiles) return;
+    constexpr Index Bk = backward_tile;
+    key_tiles = tiles;
+    k_rows.setZero(std::max<Index>(tiles * Bk * dp, 1));
+    v_rows.setZero(std::max<Index>(tiles * Bk * dvp, 1));
+    dk_sum.setZero(std::max<Index>(tiles * Bk * dp, 1));
+    dv_sum.setZero(std::max<Index>(tiles * Bk * dvp, 1));
   }
 };
 
@@ -330,51 +353,73 @@ class CountRule {
             windows_.hi[static_cast<std::size_t>(i1 - 1)]};
   }
 
-  void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar* lse,
+  /// P_ij = c_ij e^{min(tau s_ij - lse_i, 64)} for the rows [i0, i0 + s.rows()) and keys
+  /// [j0, j0 + s.cols()) of s (a block of the step's transposed tile, key stride
+  /// backward_query_rows), packet by packet of the step's rows, at the keys each packet
+  /// reaches (the others hold 0 already); the packets' other rows get 0 (their count is 0),
+  /// with lse_i from work.lse (the step's, 0 past the domain).
+  void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar*,
                      BackwardWork<Scalar>& work) const {
-    // Row by row of the forward's count tiles.
-    for (Index r = 0; r < s.rows();) {
-      const Index i = i0 + r;
-      const Index rows = std::min(s.rows() - r, (i / tile_query_rows + 1) * tile_query_rows - i);
-      tile_probabilities(i, j0, s.middleRows(r, rows), tau, lse, work);
-      r += rows;
+    namespace ei = Eigen::internal;
+    using Packet = TilePacket<Scalar>;
+    constexpr Index P = tile_packet_size<Scalar>;
+    constexpr Index Bq = backward_query_rows;
+    static_assert(Bq == tile_query_rows, "one count tile per step");
+    const Index keys = s.cols();
+    const Index step0 = i0 / Bq * Bq;
+    const Index a0 = i0 - step0, a1 = a0 + s.rows();
+    const Index first_packet = a0 / P * P;
+    Scalar* p = s.data() - a0;       // row step0, key j0
+    Scalar* c = work.counts.data();  // c_{step0 + a, j0 + b} at b * Bq + a
+    const TileCounts& counts = windows_.tiles[static_cast<std::size_t>(step0 / Bq)];
+    const auto packet_keys = [&](Index a) {
+      const KeyRange reach = keys_reached(step0 + std::max(a, a0), step0 + std::min(a + P, a1));
+      const Index first = std::clamp<Index>(reach.first - j0, 0, keys);
+      return KeyRange{first, std::clamp<Index>(reach.last - j0, first, keys)};
+    };
+    // Difference array over keys: +1 at each rectangle's first key, -1 past its last (not
+    // needed causally: a block's keys past its end are hidden from all its rows), then a
+    // running sum per packet. Small integers: exact.
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    for (Index a = first_packet; a < a1; a += P) {
+      const KeyRange reach = packet_keys(a);
+      for (Index b = reach.first; b < reach.last; ++b) ei::pstore(c + b * Bq + a, zero);
+    }
+    for (const CountRectangle& rect : counts.rectangles) {
+      if (rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
+      const Index first = std::max(rect.row_begin, a0), last = std::min(rect.row_end, a1);
+      if (first >= last) continue;
+      count_column_add(c + (std::max(rect.key_begin, j0) - j0) * Bq, first, last, Scalar(1));
+      if (!causal_ && rect.key_end < j0 + keys)
+        count_column_add(c + (rect.key_end - j0) * Bq, first, last, Scalar(-1));
+    }
+    const Packet scale = ei::pset1<Packet>(tau), cap = ei::pset1<Packet>(max_exponent);
+    const Packet lanes = ei::plset<Packet>(Scalar(0));
+    for (Index a = first_packet; a < a1; a += P) {
+      const KeyRange reach = packet_keys(a);
+      const Packet row_lse = ei::pload<Packet>(work.lse.data() + a);
+      Packet count = zero;
+      for (Index b = reach.first; b < reach.last; ++b) {
+        count = ei::padd(count, ei::pload<Packet>(c + b * Bq + a));
+        Scalar* entry = p + b * Bq + a;
+        // Exponents capped at max_exponent: where c = 0 the score may be anything, and
+        // 0 * e^{cap} is 0 where 0 * inf would be NaN; where c > 0 the exponent is <= 0 up
+        // to rounding (P_ij <= 1), far below the cap.
+        Packet prob = ei::pmul(
+            count,
+            ei::pexp(ei::pmin(ei::psub(ei::pmul(scale, ei::pload<Packet>(entry)), row_lse), cap)));
+        if (causal_) {
+          // Row step0 + a + r sees key j0 + b iff r >= j0 + b - step0 - a (clamped to
+          // [-1, P], exact in Scalar).
+          const auto hidden = static_cast<Scalar>(std::clamp<Index>(j0 + b - step0 - a, -1, P));
+          prob = ei::pand(ei::pcmp_le(ei::pset1<Packet>(hidden), lanes), prob);
+        }
+        ei::pstore(entry, prob);
+      }
     }
   }
 
  private:
-  // Rows [i0, i0 + s.rows()) inside one count tile.
-  void tile_probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau,
-                          const Scalar* lse, BackwardWork<Scalar>& work) const {
-    const Index rows = s.rows(), keys = s.cols();
-    const Index tile = i0 / tile_query_rows;
-    const Index r0 = i0 - tile * tile_query_rows;
-    const TileCounts& counts = windows_.tiles[static_cast<std::size_t>(tile)];
-    // Difference array over keys (column keys holds the -1 past the last key), then running
-    // sums: c for rows [i0, i0 + rows) and keys [j0, j0 + keys). Small integers: exact.
-    BackwardTileMap<Scalar> c(work.counts.data(), rows, keys + 1);
-    c.setZero();
-    for (const CountRectangle& rect : counts.rectangles) {
-      const Index first = std::max(rect.row_begin, r0) - r0;
-      const Index last = std::min(rect.row_end, r0 + rows) - r0;
-      if (first >= last || rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
-      c.col(std::max(rect.key_begin, j0) - j0).segment(first, last - first).array() += Scalar(1);
-      if (rect.key_end < j0 + keys)
-        c.col(rect.key_end - j0).segment(first, last - first).array() -= Scalar(1);
-    }
-    const auto row_lse = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(lse + i0, rows);
-    for (Index b = 0; b < keys; ++b) {
-      if (b > 0) c.col(b) += c.col(b - 1);
-      Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> column(&s.coeffRef(0, b), rows);
-      const auto weight = c.col(b).array();
-      // Exponents capped at max_exponent: where c = 0 the score may be anything, and
-      // 0 * e^{cap} is 0 where 0 * inf would be NaN; where c > 0 the exponent is <= 0 up to
-      // rounding (P_ij <= 1), far below the cap.
-      column = weight * (tau * column - row_lse).min(max_exponent).exp();
-      // Causal: key j0 + b is hidden from rows i0 + r < j0 + b.
-      if (causal_) column.head(std::clamp<Index>(j0 + b - i0, 0, rows)).setZero();
-    }
-  }
-
   const CountWindows& windows_;
   Index n_;
   bool causal_;
@@ -653,9 +698,7 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
       if (k0 >= k1) continue;
       if (!prepared) {
         const Index step_rows = std::min(Bq, end - i0);
-        work.delta.head(step_rows) =
-            Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(in.delta + i0, step_rows);
-        work.delta.segment(step_rows, Bq - step_rows).setZero();
+        work.load_step(in.delta, in.lse, i0, step_rows);
         if (packed != nullptr) {
           step = packed->step(i0);
         } else if (work.packed_step != i0) {
@@ -724,15 +767,138 @@ void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
   }
 }
 
+/// The most key tiles (backward_tile keys, aligned from the rule's first row) that the rows of
+/// one query step reach, from the first to the last (0 when no row reaches a key).
+template <typename Rule>
+Index backward_step_span(const Rule& rule) {
+  constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+  const Index base = rule.begin(), end = rule.end();
+  Index span = 0;
+  for (Index i0 = base; i0 < end; i0 += Bq) {
+    const KeyRange reached = rule.keys_reached(i0, std::min(end, i0 + Bq));
+    if (reached.first >= reached.last) continue;
+    span = std::max(span, (reached.last - 1 - base) / Bk - (reached.first - base) / Bk + 1);
+  }
+  return span;
+}
+
+/// The largest working set (K, V rows and dK, dV sums of the key tiles one step reaches) of
+/// backward_by_steps; wider rules (a long causal window) go by groups of key tiles.
+inline constexpr std::size_t backward_step_window_bytes = std::size_t{4} << 20;
+
+/// The pass of backward_key_group on the calling thread in the other loop order: query steps
+/// in increasing order, each packed once, against the key tiles its rows reach in increasing
+/// order. The key tiles live in `span` slots of `work` (tile J in slot J mod span, loaded when
+/// a step first reaches it, written to the outputs when the steps have passed it: windows are
+/// intervals with non-decreasing ends), so the step's dQ rows are summed in work.dq_step and
+/// written once. Every sum has the terms and the order of backward_key_group's (dK_j, dV_j:
+/// a running sum from zero over the steps in increasing order, output + sum at the end;
+/// dQ_i: output (or 0 with fresh outputs) + each key tile's partial sum in increasing key
+/// tile order), so the gradients are bitwise the same. span >= backward_step_span(rule).
+template <typename Scalar, typename Rule>
+void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index span,
+                       BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
+  constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+  work.prepare(in.q.cols(), in.v.cols());
+  work.reserve_key_tiles(span);
+  const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
+  const Index base = rule.begin(), end = rule.end();
+  const Index tiles = (end - base + Bk - 1) / Bk;
+  std::vector<Index> owner(static_cast<std::size_t>(span), -1);  // the tile in each slot
+  std::vector<char> touched(static_cast<std::size_t>(span), 0);  // a pair has run on it
+  const auto slot_rows = [&](Index tile) {
+    const Index slot = tile % span;
+    return BackwardKeyTile<Scalar>{
+        work.k_rows.data() + slot * Bk * dp, work.v_rows.data() + slot * Bk * dvp,
+        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp};
+  };
+  // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
+  const auto finish = [&](Index tile) {
+    const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
+    const auto slot = static_cast<std::size_t>(tile % span);
+    if (owner[slot] != tile || touched[slot] == 0) {
+      if (out.fresh) {
+        out.dk.middleRows(j0, keys).setZero();
+        out.dv.middleRows(j0, keys).setZero();
+      }
+      return;
+    }
+    const BackwardKeyTile<Scalar> rows = slot_rows(tile);
+    Scalar* dk = out.dk.data() + j0 * out.dk.outerStride();
+    Scalar* dv_rows = out.dv.data() + j0 * out.dv.outerStride();
+    if (out.fresh) {
+      backward_add_rows<Scalar, true>(dk, out.dk.outerStride(), rows.dk_sum, dp, keys, d);
+      backward_add_rows<Scalar, true>(dv_rows, out.dv.outerStride(), rows.dv_sum, dvp, keys, dv);
+    } else {
+      backward_add_rows<Scalar, false>(dk, out.dk.outerStride(), rows.dk_sum, dp, keys, d);
+      backward_add_rows<Scalar, false>(dv_rows, out.dv.outerStride(), rows.dv_sum, dvp, keys, dv);
+    }
+  };
+  const auto load = [&](Index tile) {
+    const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
+    const Index slot = tile % span;
+    owner[static_cast<std::size_t>(slot)] = tile;
+    touched[static_cast<std::size_t>(slot)] = 0;
+    backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows.data() + slot * Bk * dp);
+    backward_rows<Scalar>(in.v, j0, keys, dvp, work.v_rows.data() + slot * Bk * dvp);
+    work.dk_sum.segment(slot * Bk * dp, keys * dp).setZero();
+    work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
+  };
+  Index loaded = 0, finished = 0;  // tiles [0, loaded) loaded or passed, [0, finished) written
+  const StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
+                                  work.o_rows.data()};
+  Eigen::Map<RowMatrix<Scalar>> dq_step(work.dq_step.data(), Bq, dp);
+  for (Index i0 = base; i0 < end; i0 += Bq) {
+    const Index i1 = std::min(end, i0 + Bq), step_rows = i1 - i0;
+    const KeyRange reached = rule.keys_reached(i0, i1);
+    if (reached.first >= reached.last) continue;  // fresh: backward_zero_unreached's rows
+    const Index first = (reached.first - base) / Bk, last = (reached.last - 1 - base) / Bk + 1;
+    for (; finished < first; ++finished) finish(finished);
+    for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
+    work.load_step(in.delta, in.lse, i0, step_rows);
+    pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
+                      work.q_rows.data(), work.o_rows.data());
+    if (out.fresh)
+      dq_step.topRows(step_rows).setZero();
+    else
+      dq_step.topLeftCorner(step_rows, d) = out.dq.middleRows(i0, step_rows);
+    for (Index tile = first; tile < last; ++tile) {
+      const Index j0 = base + tile * Bk, j1 = std::min(end, j0 + Bk);
+      const KeyRange rows = rule.rows_reaching(j0, j1, i0, i1);
+      if (rows.first >= rows.last) continue;
+      const KeyRange keys = rule.keys_reached(rows.first, rows.last);
+      const Index k0 = std::max(j0, keys.first), k1 = std::min(j1, keys.last);
+      if (k0 >= k1) continue;
+      touched[static_cast<std::size_t>(tile % span)] = 1;
+      backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work);
+      backward_add_rows<Scalar, false>(work.dq_step.data() + (rows.first - i0) * dp, dp,
+                                       work.dq_part.data(), dp, rows.last - rows.first, d);
+    }
+    out.dq.middleRows(i0, step_rows) = dq_step.topLeftCorner(step_rows, d);
+  }
+  for (; finished < tiles; ++finished) finish(finished);
+}
+
 /// The same pass on the calling thread (a block of a per-sample hash, or one head of a
-/// parallel loop over heads): groups of key tiles in increasing order, Q^T and dO^T of the
-/// steps from `packed` (every step of the rule's domain) or, when it is null, packed as they
-/// come.
+/// parallel loop over heads), bitwise the same: backward_by_steps when the key tiles of one
+/// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, Q^T and dO^T
+/// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed as
+/// they come.
 template <typename Scalar, typename Rule>
 void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
-                     const PackedSteps<Scalar>* packed = nullptr) {
+                     const PackedSteps<Scalar>* packed = nullptr,
+                     std::size_t window_bytes = backward_step_window_bytes) {
   constexpr Index group = backward_group_tiles * backward_tile;
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Index span = backward_step_span(rule);
+  const Index dp = (in.q.cols() + P - 1) / P * P, dvp = (in.v.cols() + P - 1) / P * P;
+  const auto span_bytes =
+      static_cast<std::size_t>(span * backward_tile * 2 * (dp + dvp)) * sizeof(Scalar);
+  if (span > 0 && span_bytes <= window_bytes) {
+    backward_by_steps(in, rule, span, out, work);
+    return;
+  }
   work.packed_step = -1;
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += group)
     backward_key_group(in, rule, j0, std::min(rule.end(), j0 + group), out, work, InOrder{},

@@ -19,6 +19,24 @@
 
 namespace poslsh::detail {
 
+/// column[r] += value for the rows r in [first, last) of a count tile's column (whole packets
+/// read and written, the packets' other rows unchanged).
+template <typename Scalar>
+void count_column_add(Scalar* column, Index first, Index last, Scalar value) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Packet offsets = ei::plset<Packet>(Scalar(0));
+  const Packet lower = ei::pset1<Packet>(static_cast<Scalar>(first));
+  const Packet upper = ei::pset1<Packet>(static_cast<Scalar>(last));
+  const Packet increment = ei::pset1<Packet>(value);
+  for (Index a = first / P * P; a < last; a += P) {
+    const Packet row = ei::padd(offsets, ei::pset1<Packet>(static_cast<Scalar>(a)));
+    const Packet inside = ei::pand(ei::pcmp_le(lower, row), ei::pcmp_lt(row, upper));
+    ei::pstore(column + a, ei::padd(ei::pload<Packet>(column + a), ei::pand(inside, increment)));
+  }
+}
+
 /// Tile engine policy of the fused LSH estimator with hashes `hashes` on n positions. The
 /// rectangles and the count tile live in caller-owned buffers (reused across calls).
 template <typename Scalar>
@@ -130,9 +148,9 @@ class CountBias {
     for (const CountRectangle& rect : counts_.rectangles) {
       if (rect.key_end <= j0 || rect.key_begin >= j0 + keys) continue;
       const Index first = std::max(rect.row_begin, r0), last = std::min(rect.row_end, r1);
-      add_to_rows(counts + (std::max(rect.key_begin, j0) - j0) * Bq, first, last, Scalar(1));
+      count_column_add(counts + (std::max(rect.key_begin, j0) - j0) * Bq, first, last, Scalar(1));
       if (!causal_ && rect.key_end < j0 + keys)
-        add_to_rows(counts + (rect.key_end - j0) * Bq, first, last, Scalar(-1));
+        count_column_add(counts + (rect.key_end - j0) * Bq, first, last, Scalar(-1));
     }
     for (Index a = r0; a < r1; a += P) {
       // Row i0 + a + r sees key j0 + b iff r >= j0 + b - i0 - a (distances clamped to
@@ -150,21 +168,6 @@ class CountBias {
           ei::pstore(entry, count);
         }
       }
-    }
-  }
-
-  // column[r] += value for rows [first, last) (whole packets read and written, inside the
-  // tile's rows).
-  static void add_to_rows(Scalar* column, Index first, Index last, Scalar value) {
-    namespace ei = Eigen::internal;
-    const Packet offsets = ei::plset<Packet>(Scalar(0));
-    const Packet lower = ei::pset1<Packet>(static_cast<Scalar>(first));
-    const Packet upper = ei::pset1<Packet>(static_cast<Scalar>(last));
-    const Packet increment = ei::pset1<Packet>(value);
-    for (Index a = first / P * P; a < last; a += P) {
-      const Packet row = ei::padd(offsets, ei::pset1<Packet>(static_cast<Scalar>(a)));
-      const Packet inside = ei::pand(ei::pcmp_le(lower, row), ei::pcmp_lt(row, upper));
-      ei::pstore(column + a, ei::padd(ei::pload<Packet>(column + a), ei::pand(inside, increment)));
     }
   }
 
