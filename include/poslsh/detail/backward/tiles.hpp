@@ -218,6 +218,28 @@ void backward_zero_unreached(const Rule& rule, MatrixRef<Scalar>& dq) {
   }
 }
 
+/// Rows ahead that the row copies between the passes' buffers and the caller's tensors
+/// prefetch: rows of an [n, H, d] tensor lie H d scalars apart, further than the hardware
+/// prefetchers follow, so each row would otherwise wait for memory.
+inline constexpr Index backward_prefetch_rows = 8;
+
+/// Prefetches the cache lines of `count` scalars from `row` (for writing when `Write`).
+template <bool Write, typename Scalar>
+void prefetch_row(const Scalar* row, Index count) {
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  const auto size = static_cast<std::size_t>(count) * sizeof(Scalar);
+  for (std::size_t offset = 0; offset < size; offset += 64)
+    __builtin_prefetch(bytes + offset, Write);
+  if (size > 0) __builtin_prefetch(bytes + size - 1, Write);
+}
+
+/// prefetch_row for rows [first, first + count) of m (the first `cols` columns).
+template <bool Write, typename Matrix>
+void prefetch_rows(const Matrix& m, Index first, Index count) {
+  for (Index r = first; r < first + count; ++r)
+    prefetch_row<Write>(m.data() + r * m.outerStride(), m.cols());
+}
+
 /// dst[r * dst_stride + c] = dst[...] + src[r * src_stride + c] (or, `Assign`, 0 + src[...])
 /// for r < rows, c < cols: src aligned (rows of whole packets), dst any row stride.
 template <typename Scalar, bool Assign>
@@ -230,6 +252,8 @@ void backward_add_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index s
   for (Index r = 0; r < rows; ++r) {
     Scalar* target = dst + r * dst_stride;
     const Scalar* term = src + r * src_stride;
+    if (r + backward_prefetch_rows < rows)
+      prefetch_row<true>(target + backward_prefetch_rows * dst_stride, cols);
     Index c = 0;
     for (; c + P <= cols; c += P) {
       const Packet x = ei::pload<Packet>(term + c);
@@ -853,6 +877,22 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     const KeyRange reached = rule.keys_reached(i0, i1);
     if (reached.first >= reached.last) continue;  // fresh: backward_zero_unreached's rows
     const Index first = (reached.first - base) / Bk, last = (reached.last - 1 - base) / Bk + 1;
+    if (i1 < end) {
+      // What the next step reads and writes first: its Q, dO and dQ rows, the K and V rows of
+      // the next key tile, the dK and dV rows of this step's first key tile.
+      const Index next_rows = std::min(end, i1 + Bq) - i1;
+      prefetch_rows<false>(in.q, i1, next_rows);
+      prefetch_rows<false>(in.dout, i1, next_rows);
+      prefetch_rows<true>(out.dq, i1, next_rows);
+      if (last < tiles) {
+        const Index j0 = base + last * Bk, keys = std::min(end, j0 + Bk) - j0;
+        prefetch_rows<false>(in.k, j0, keys);
+        prefetch_rows<false>(in.v, j0, keys);
+      }
+      const Index j0 = base + first * Bk, keys = std::min(end, j0 + Bk) - j0;
+      prefetch_rows<true>(out.dk, j0, keys);
+      prefetch_rows<true>(out.dv, j0, keys);
+    }
     for (; finished < first; ++finished) finish(finished);
     for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
     work.load_step(in.delta, in.lse, i0, step_rows);
@@ -926,6 +966,10 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Sca
     Eigen::Matrix<Scalar, P * P, 1> dout_t, out_t;
     const Index whole = cols / P * P;
     for (; i + P <= n; i += P) {
+      if (i + 2 * P <= n) {
+        prefetch_rows<false>(dout, i + P, P);
+        prefetch_rows<false>(out, i + P, P);
+      }
       Packet sum = ei::pset1<Packet>(Scalar(0));
       for (Index c0 = 0; c0 < cols; c0 += P) {
         const Index width = std::min(P, cols - c0);
