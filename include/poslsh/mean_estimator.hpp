@@ -95,8 +95,11 @@ void lsh_attention_mean_of_outputs_backward(ConstMatrixRef<Scalar> q, ConstMatri
   detail::BackwardOutputs<Scalar> grads{dq, dk, dv};
   for (const BinHash& hash : hashes) {
     detail::per_sample_forward<Scalar>(q, k, v, HashSet{hash}, tau, causal, sample, lse.data());
-    const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta =
-        detail::backward_delta<Scalar>(ConstMatrixRef<Scalar>(sample), scaled_ref);
+    // D rounded as the passes round dP (subnormals flushed), the forward above as forwards do.
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = [&] {
+      const detail::FlushSubnormals flush;
+      return detail::backward_delta<Scalar>(ConstMatrixRef<Scalar>(sample), scaled_ref);
+    }();
     const detail::BackwardInputs<Scalar> in{q, k, v, scaled_ref, lse.data(), delta.data(), tau};
     detail::backward_hash_blocks(in, hash, causal, grads);
   }
