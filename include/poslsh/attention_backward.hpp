@@ -230,6 +230,22 @@ void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<S
   for (const BinHash& hash : hashes) backward_hash_blocks(in, hash, causal, grads);
 }
 
+/// The checks every backward entry point makes (self-attention from position 0, the shapes of
+/// q, k, v, out, lse, dout and the gradients); returns tau (options.scale or 1/sqrt(d)).
+template <typename Scalar>
+double backward_scale(const char* function, const ConstMatrixRef<Scalar>& q,
+                      const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                      const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                      const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+                      const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv,
+                      const AttentionOptions& options) {
+  require_self_positions(function, options);
+  require_qkv_shapes(function, q, k, v);
+  require_self_attention(function, q, k);
+  require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  return resolve_scale(function, options, q.cols());
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
@@ -344,12 +360,9 @@ void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sca
                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                     const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_tiled_backward";
-  detail::require_self_positions(function, options);
-  detail::require_qkv_shapes(function, q, k, v);
-  detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
-  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
-  const double tau = detail::resolve_scale(function, options, q.cols());
+  const double tau =
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
   const Index n = q.rows();
   if (n == 0) return;
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
@@ -368,13 +381,10 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
                                      MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                      const AttentionOptions& options = {}) {
   constexpr const char* function = "alibi_attention_banded_backward";
-  detail::require_self_positions(function, options);
-  detail::require_qkv_shapes(function, q, k, v);
-  detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
   detail::require_size(band, function, "band");
-  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
-  const double tau = detail::resolve_scale(function, options, q.cols());
+  const double tau =
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
   const Index n = q.rows();
   if (n == 0) return;
   detail::exact_backward<Scalar>(q, k, v, sigma, tau,
@@ -400,12 +410,9 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
                                   MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                   const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused_backward";
-  detail::require_self_positions(function, options);
-  detail::require_qkv_shapes(function, q, k, v);
-  detail::require_self_attention(function, q, k);
   validate_hashes(hashes, function);
-  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau = static_cast<Scalar>(
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
   detail::count_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out, lse,
                                  dout, dq, dk, dv);
@@ -426,12 +433,9 @@ void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<
                                        MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                        const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample_backward";
-  detail::require_self_positions(function, options);
-  detail::require_qkv_shapes(function, q, k, v);
-  detail::require_self_attention(function, q, k);
   validate_hashes(hashes, function);
-  detail::require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau = static_cast<Scalar>(
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
   detail::per_sample_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
                                       lse, dout, dq, dk, dv);
