@@ -266,5 +266,6 @@ void bind_backward(py::module_& module);
 void bind_multihead_backward(py::module_& module);
 void bind_paged(py::module_& module);
 void bind_half(py::module_& module);
+void bind_samplers(py::module_& module);
 
 }  // namespace poslsh_python

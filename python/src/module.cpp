@@ -20,6 +20,7 @@ ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
   bind_backward(module);
   bind_multihead_backward(module);
   bind_paged(module);
+  bind_samplers(module);
   module.attr("__version__") = poslsh::version_string;
 #ifdef _OPENMP
   module.attr("has_openmp") = true;
