@@ -115,7 +115,7 @@ struct BackwardWork {
     dv = dv_new;
     dp = (d + P - 1) / P * P;
     dvp = (dv + P - 1) / P * P;
-    constexpr Index Bq = backward_query_rows, Bk = backward_tile, G = backward_group_tiles;
+    constexpr Index Bq = backward_query_rows, G = backward_group_tiles;
     qt.setZero(std::max<Index>(d, 1) * Bq);
     ot.setZero(std::max<Index>(dv, 1) * Bq);
     q_rows.setZero(std::max<Index>(Bq * dp, 1));
