@@ -465,6 +465,25 @@ TEST_CASE("multihead_attention_planned runs each head's planned kernel", "[plann
             poslsh::interleaved_heads(out.data(), n, heads, d), std::vector<HeadPlan>(3));
       },
       "plans");
+  // out with fewer heads than q: named, never written past its last head.
+  poslsh_test::require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_planned<float>(
+            poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+            poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
+            poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
+            poslsh::interleaved_heads(out.data(), n, 2, d), plans);
+      },
+      "out");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_planned<float>(
+            poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+            poslsh::interleaved_heads<const float>(q.data(), n, 3, d),
+            poslsh::interleaved_heads<const float>(q.data(), n, 3, d),
+            poslsh::interleaved_heads(out.data(), n, heads, d), plans);
+      },
+      "k.heads");
   poslsh_test::require_invalid_argument(
       [] { poslsh::plan_heads(100, {4.0}, Masking::causal, 1.5); }, "target");
   const std::string text = poslsh::format_plan(plans, n);

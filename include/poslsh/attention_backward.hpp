@@ -480,28 +480,7 @@ void require_multihead_views(const char* function, const HeadsView<const Scalar>
           "must equal k.heads = " + std::to_string(k.heads));
   require(q.heads % k.heads == 0, function, "k.heads", k.heads,
           "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
-  require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas", sigmas.size(),
-          "must hold one sigma per query head");
-  for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
-  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
-    require_positive(options.samples, function, "options.samples");
-  }
-  if (options.method == Method::exact_banded) {
-    require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
-            options.band_error, "must be in (0, 1)");
-  }
-}
-
-/// A view `name` with the given tokens, heads and dim.
-template <typename Element>
-void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
-                        Index tokens, Index heads, Index dim) {
-  view.validate(function, name);
-  require(view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
-          std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
-              std::to_string(view.dim),
-          "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
-              std::to_string(dim) + " (tokens x heads x dim)");
+  require_multihead_method(function, q.heads, sigmas, options);
 }
 
 /// The lse matrix of a multi-head call: one row per query head, one column per token.

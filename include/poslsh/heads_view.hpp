@@ -77,4 +77,20 @@ HeadsView<Element> planar_heads(Element* data, Index tokens, Index heads, Index 
   return HeadsView<Element>{data, tokens, heads, dim, dim, tokens * dim};
 }
 
+namespace detail {
+
+/// Checks a view `name` (validate) and its sizes: tokens x heads x dim.
+template <typename Element>
+void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
+                        Index tokens, Index heads, Index dim) {
+  view.validate(function, name);
+  require(view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
+          std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
+              std::to_string(view.dim),
+          "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
+              std::to_string(dim) + " (tokens x heads x dim)");
+}
+
+}  // namespace detail
+
 }  // namespace poslsh

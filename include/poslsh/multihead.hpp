@@ -71,6 +71,23 @@ inline void require_reference_self_attention(const char* function, Method method
               " keys need exact_tiled (queries at an offset)");
 }
 
+/// Checks the per-head parameters of a multi-head call: one sigma per query head, each valid;
+/// samples >= 1 for the LSH methods; band_error in (0, 1) for exact_banded.
+inline void require_multihead_method(const char* function, Index query_heads,
+                                     const std::vector<double>& sigmas,
+                                     const MultiHeadOptions& options) {
+  require(static_cast<Index>(sigmas.size()) == query_heads, function, "options.sigmas",
+          sigmas.size(), "must hold one sigma per query head");
+  for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
+  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
+    require_positive(options.samples, function, "options.samples");
+  }
+  if (options.method == Method::exact_banded) {
+    require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
+            options.band_error, "must be in (0, 1)");
+  }
+}
+
 /// Checks the views and options of multihead_attention (function `function`) and, when
 /// `one_sequence`, q's tokens against k's (resolve_query_offset: returns p0; else 0).
 template <typename Scalar, typename KVScalar, typename OutScalar>
@@ -83,7 +100,6 @@ Index require_multihead_arguments(const char* function, const HeadsView<const Sc
   q.validate(function, "q");
   k.validate(function, "k");
   v.validate(function, "v");
-  out.validate(function, "out");
   const Index p0 = one_sequence ? resolve_query_offset(function, options.query_offset, q.tokens,
                                                        k.tokens, "k.tokens")
                                 : 0;
@@ -94,20 +110,8 @@ Index require_multihead_arguments(const char* function, const HeadsView<const Sc
           "must equal k.heads = " + std::to_string(k.heads));
   require(q.heads % k.heads == 0, function, "k.heads", k.heads,
           "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
-  require(
-      out.tokens == q.tokens && out.heads == q.heads && out.dim == v.dim, function, "out",
-      std::to_string(out.tokens) + "x" + std::to_string(out.heads) + "x" + std::to_string(out.dim),
-      "must be q.tokens x q.heads x v.dim");
-  require(static_cast<Index>(sigmas.size()) == q.heads, function, "options.sigmas", sigmas.size(),
-          "must hold one sigma per query head");
-  for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
-  if (options.method == Method::lsh_fused || options.method == Method::lsh_per_sample) {
-    require_positive(options.samples, function, "options.samples");
-  }
-  if (options.method == Method::exact_banded) {
-    require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
-            options.band_error, "must be in (0, 1)");
-  }
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  require_multihead_method(function, q.heads, sigmas, options);
   if (one_sequence)
     require_reference_self_attention(function, options.method, q.tokens, k.tokens, p0);
   return p0;

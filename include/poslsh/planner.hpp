@@ -392,17 +392,22 @@ inline std::string format_plan(const std::vector<HeadPlan>& plans, Index n) {
 /// Runs a plan: head h of q (and head h / (q.heads / k.heads) of k, v) with plans[h]'s method,
 /// heads in parallel (OpenMP, one head per thread), into head h of out. LSH heads use
 /// sample_hashes(sigma, s, seed, stream, sampler). Throws std::invalid_argument naming 'plans'
-/// (size differs from q.heads) or what the single-head kernels name.
+/// (size differs from q.heads), a bad view (q, k, v; out not q.tokens x q.heads x v.dim) or
+/// what the single-head kernels name.
 template <typename Scalar>
 void multihead_attention_planned(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                  HeadsView<const Scalar> v, HeadsView<Scalar> out,
                                  const std::vector<HeadPlan>& plans,
                                  const AttentionOptions& options = {}) {
   constexpr const char* function = "multihead_attention_planned";
+  q.validate(function, "q");
+  k.validate(function, "k");
+  v.validate(function, "v");
   detail::require(static_cast<Index>(plans.size()) == q.heads, function, "plans", plans.size(),
                   "must hold one plan per query head");
-  detail::require(k.heads >= 1 && q.heads % k.heads == 0 && v.heads == k.heads, function, "k.heads",
-                  k.heads, "must divide q.heads and equal v.heads");
+  detail::require(q.heads % k.heads == 0 && v.heads == k.heads, function, "k.heads", k.heads,
+                  "must divide q.heads and equal v.heads");
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
   const Index group = q.heads / k.heads;
   const std::vector<HashSet> hashes = [&] {
     std::vector<HashSet> sets(plans.size());

@@ -126,6 +126,23 @@ py::array heads_input(py::handle object, const char* function, const char* name,
   return array;
 }
 
+/// The q, k, v views of a multi-head call in the layout: k and v must have q's dtype T. The
+/// views borrow the callers' arrays.
+template <typename T>
+struct HeadsInputs {
+  poslsh::HeadsView<const T> q, k, v;
+};
+
+template <typename T>
+HeadsInputs<T> heads_inputs(const py::array& q, py::handle k, py::handle v, const Layout& layout,
+                            const char* function) {
+  const py::array k_array = heads_input<T>(k, function, "k", "q");
+  const py::array v_array = heads_input<T>(v, function, "v", "q");
+  return {heads_view<const T>(q, layout, function, "q"),
+          heads_view<const T>(k_array, layout, function, "k"),
+          heads_view<const T>(v_array, layout, function, "v")};
+}
+
 /// A 3-D output array (named `name`): a new C-contiguous array of `tokens` x `heads` x `dim` in
 /// the layout, or `out` checked (ndarray of T, writable, sharing no memory with `inputs`). Its
 /// shape is checked by the library (the view's sizes).

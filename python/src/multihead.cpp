@@ -74,11 +74,7 @@ void bind_multihead(py::module_& module) {
         const py::array q_array = require_array(q, function, "q");
         return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
-          const py::array k_array = heads_input<T>(k, function, "k", "q");
-          const py::array v_array = heads_input<T>(v, function, "v", "q");
-          const auto q_view = heads_view<const T>(q_array, layout, function, "q");
-          const auto k_view = heads_view<const T>(k_array, layout, function, "k");
-          const auto v_view = heads_view<const T>(v_array, layout, function, "v");
+          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
           require_reference_self_attention(function, options, q_view.tokens, k_view.tokens,
                                            query_offset.value_or(k_view.tokens - q_view.tokens));
           py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
@@ -119,11 +115,7 @@ void bind_multihead(py::module_& module) {
         const py::array q_array = require_array(q, function, "q");
         return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
-          const py::array k_array = heads_input<T>(k, function, "k", "q");
-          const py::array v_array = heads_input<T>(v, function, "v", "q");
-          const auto q_view = heads_view<const T>(q_array, layout, function, "q");
-          const auto k_view = heads_view<const T>(k_array, layout, function, "k");
-          const auto v_view = heads_view<const T>(v_array, layout, function, "v");
+          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
           py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
                                              function, "out", {{q, "q"}, {k, "k"}, {v, "v"}});
           const auto out_view = heads_view<T>(result, layout, function, "out");

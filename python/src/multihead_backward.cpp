@@ -99,11 +99,7 @@ void bind_multihead_backward(py::module_& module) {
         const py::array q_array = require_array(q, function, "q");
         return dispatch(q_array, function, "q", [&](auto tag) -> py::tuple {
           using T = typename decltype(tag)::type;
-          const py::array k_array = heads_input<T>(k, function, "k", "q");
-          const py::array v_array = heads_input<T>(v, function, "v", "q");
-          const auto q_view = heads_view<const T>(q_array, layout, function, "q");
-          const auto k_view = heads_view<const T>(k_array, layout, function, "k");
-          const auto v_view = heads_view<const T>(v_array, layout, function, "v");
+          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
           py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
                                              function, "out", {{q, "q"}, {k, "k"}, {v, "v"}});
           py::array lse_array = lse_matrix<T>(lse, q_view.heads, q_view.tokens, function, true,
@@ -139,13 +135,9 @@ void bind_multihead_backward(py::module_& module) {
         const py::array q_array = require_array(q, function, "q");
         return dispatch(q_array, function, "q", [&](auto tag) -> py::tuple {
           using T = typename decltype(tag)::type;
-          const py::array k_array = heads_input<T>(k, function, "k", "q");
-          const py::array v_array = heads_input<T>(v, function, "v", "q");
+          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
           const py::array out_array = heads_input<T>(out, function, "out", "q");
           const py::array dout_array = heads_input<T>(dout, function, "dout", "q");
-          const auto q_view = heads_view<const T>(q_array, layout, function, "q");
-          const auto k_view = heads_view<const T>(k_array, layout, function, "k");
-          const auto v_view = heads_view<const T>(v_array, layout, function, "v");
           const auto out_view = heads_view<const T>(out_array, layout, function, "out");
           const auto dout_view = heads_view<const T>(dout_array, layout, function, "dout");
           const py::array lse_array =

@@ -284,22 +284,10 @@ per query = pairs / n, predicted error, time in ms), then the total predicted ti
         const py::array q_array = require_array(q, function, "q");
         return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
-          const py::array k_array = heads_input<T>(k, function, "k", "q");
-          const py::array v_array = heads_input<T>(v, function, "v", "q");
-          const auto q_view = heads_view<const T>(q_array, layout, function, "q");
-          const auto k_view = heads_view<const T>(k_array, layout, function, "k");
-          const auto v_view = heads_view<const T>(v_array, layout, function, "v");
+          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
           py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
                                              function, "out", {{q, "q"}, {k, "k"}, {v, "v"}});
           const auto out_view = heads_view<T>(result, layout, function, "out");
-          // The planned run checks each head's rows, not the head count of out.
-          if (out_view.tokens != q_view.tokens || out_view.heads != q_view.heads ||
-              out_view.dim != v_view.dim) {
-            throw py::value_error(
-                argument(function, "out") + " = " + std::to_string(out_view.tokens) + "x" +
-                std::to_string(out_view.heads) + "x" + std::to_string(out_view.dim) +
-                ": must be q.tokens x q.heads x v.dim");
-          }
           {
             KernelScope scope(threads);
             poslsh::multihead_attention_planned<T>(q_view, k_view, v_view, out_view, plans,
