@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -448,6 +449,128 @@ TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[ba
       CHECK(dv_sum == dvb.middleCols(g * dv, dv));
     }
   }
+}
+
+TEST_CASE("packed-batch gradients match finite differences of multihead_attention_varlen",
+          "[backward]") {
+  // Sequences of 37, 0, 1 and 70 tokens in one [n, H, d] buffer; grouped-query heads.
+  const std::vector<std::int32_t> cu{0, 37, 37, 38, 108};
+  const Index n = 108, heads = 4, kv_heads = 2, d = 6, dv = 5;
+  const RowMatrix<double> qb = random_matrix<double>(n, heads * d, 71);
+  const RowMatrix<double> kb = random_matrix<double>(n, kv_heads * d, 72);
+  const RowMatrix<double> vb = random_matrix<double>(n, kv_heads * dv, 73);
+  const RowMatrix<double> doutb = random_matrix<double>(n, heads * dv, 74);
+  for (poslsh::Method method :
+       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+        poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
+    for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+      INFO("method " << static_cast<int>(method) << ", causal " << (masking == Masking::causal));
+      poslsh::MultiHeadOptions options;
+      options.method = method;
+      options.masking = masking;
+      options.samples = 3;
+      options.seed = 5;
+      options.sigmas = {0.5, 4.0, 16.0, 1e4};
+      const auto views = [&](const RowMatrix<double>& x, Index h, Index width) {
+        return poslsh::interleaved_heads<const double>(x.data(), n, h, width);
+      };
+      // The forward of the packed batch as users run it (no lse): the loss sum(dout o out).
+      const auto loss = [&](const RowMatrix<double>& a, const RowMatrix<double>& b,
+                            const RowMatrix<double>& c) {
+        RowMatrix<double> o(n, heads * dv);
+        poslsh::multihead_attention_varlen<double>(
+            views(a, heads, d), views(b, kv_heads, d), views(c, kv_heads, dv),
+            poslsh::interleaved_heads<double>(o.data(), n, heads, dv), cu, cu, options);
+        return (o.array() * doutb.array()).sum();
+      };
+      RowMatrix<double> outb(n, heads * dv), lse(heads, n), plain(n, heads * dv);
+      poslsh::multihead_attention_varlen<double>(
+          views(qb, heads, d), views(kb, kv_heads, d), views(vb, kv_heads, dv),
+          poslsh::interleaved_heads<double>(outb.data(), n, heads, dv), lse, cu, options);
+      poslsh::multihead_attention_varlen<double>(
+          views(qb, heads, d), views(kb, kv_heads, d), views(vb, kv_heads, dv),
+          poslsh::interleaved_heads<double>(plain.data(), n, heads, dv), cu, cu, options);
+      CHECK(outb == plain);
+      // lse of each sequence against a dense log-sum-exp of the head's scores at the first
+      // query of the last sequence (the exact methods: x_ij = tau q_i.k_j - |i-j| / sigma).
+      if (method == poslsh::Method::exact_tiled) {
+        const Index i = 38, rows = 70;
+        for (Index h = 0; h < heads; ++h) {
+          const double sigma = options.sigmas[static_cast<std::size_t>(h)];
+          const Index g = h / 2;
+          double top = -std::numeric_limits<double>::infinity(), sum = 0.0;
+          std::vector<double> x;
+          for (Index j = i; j < i + (masking == Masking::causal ? 1 : rows); ++j) {
+            x.push_back(qb.row(i).segment(h * d, d).dot(kb.row(j).segment(g * d, d)) /
+                            std::sqrt(double(d)) -
+                        std::abs(double(j - i)) / sigma);
+            top = std::max(top, x.back());
+          }
+          for (double value : x) sum += std::exp(value - top);
+          CHECK(std::abs(lse(h, i) - (top + std::log(sum))) <= 1e-12 * (1.0 + std::abs(top)));
+        }
+      }
+      Gradients<double> g;
+      g.dq.resize(n, heads * d);
+      g.dk.resize(n, kv_heads * d);
+      g.dv.resize(n, kv_heads * dv);
+      poslsh::multihead_attention_varlen_backward<double>(
+          views(qb, heads, d), views(kb, kv_heads, d), views(vb, kv_heads, dv),
+          views(outb, heads, dv), lse, views(doutb, heads, dv), cu,
+          poslsh::interleaved_heads<double>(g.dq.data(), n, heads, d),
+          poslsh::interleaved_heads<double>(g.dk.data(), n, kv_heads, d),
+          poslsh::interleaved_heads<double>(g.dv.data(), n, kv_heads, dv), options);
+      finite_difference_error(qb, kb, vb, g, 81, loss);
+      // No gradient crosses sequences: sequence 0's gradients are those of its own call.
+      RowMatrix<double> dq0(37, heads * d), dk0(37, kv_heads * d), dv0(37, kv_heads * dv);
+      const RowMatrix<double> q0 = qb.topRows(37), k0 = kb.topRows(37), v0 = vb.topRows(37),
+                              out0 = outb.topRows(37), dout0 = doutb.topRows(37);
+      poslsh::multihead_attention_backward<double>(
+          poslsh::interleaved_heads<const double>(q0.data(), 37, heads, d),
+          poslsh::interleaved_heads<const double>(k0.data(), 37, kv_heads, d),
+          poslsh::interleaved_heads<const double>(v0.data(), 37, kv_heads, dv),
+          poslsh::interleaved_heads<const double>(out0.data(), 37, heads, dv), lse.leftCols(37),
+          poslsh::interleaved_heads<const double>(dout0.data(), 37, heads, dv),
+          poslsh::interleaved_heads<double>(dq0.data(), 37, heads, d),
+          poslsh::interleaved_heads<double>(dk0.data(), 37, kv_heads, d),
+          poslsh::interleaved_heads<double>(dv0.data(), 37, kv_heads, dv), options);
+      CHECK(dq0 == g.dq.topRows(37));
+      CHECK(dk0 == g.dk.topRows(37));
+      CHECK(dv0 == g.dv.topRows(37));
+    }
+  }
+  // Bad arguments are named.
+  RowMatrix<double> outb(n, heads * dv), lse(heads, n), dq(n, heads * d), dk(n, kv_heads * d),
+      dvg(n, kv_heads * dv);
+  const auto q = poslsh::interleaved_heads<const double>(qb.data(), n, heads, d);
+  const auto k = poslsh::interleaved_heads<const double>(kb.data(), n, kv_heads, d);
+  const auto v = poslsh::interleaved_heads<const double>(vb.data(), n, kv_heads, dv);
+  const auto out = poslsh::interleaved_heads<double>(outb.data(), n, heads, dv);
+  poslsh_test::require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_varlen<double>(q, k, v, out, lse, {0, 37, 100}, {});
+      },
+      "cu_seqlens");
+  poslsh_test::require_invalid_argument(
+      [&] {
+        RowMatrix<double> short_lse(heads, n - 1);
+        poslsh::multihead_attention_varlen<double>(q, k, v, out, short_lse, cu, {});
+      },
+      "lse");
+  poslsh::MultiHeadOptions offset;
+  offset.query_offset = 3;
+  poslsh_test::require_invalid_argument(
+      [&] { poslsh::multihead_attention_varlen<double>(q, k, v, out, lse, cu, offset); },
+      "options.query_offset");
+  const auto backward_with = [&](Index dk_heads) {
+    poslsh::multihead_attention_varlen_backward<double>(
+        q, k, v, poslsh::interleaved_heads<const double>(outb.data(), n, heads, dv), lse,
+        poslsh::interleaved_heads<const double>(doutb.data(), n, heads, dv), cu,
+        poslsh::interleaved_heads<double>(dq.data(), n, heads, d),
+        poslsh::interleaved_heads<double>(dk.data(), n, dk_heads, d),
+        poslsh::interleaved_heads<double>(dvg.data(), n, kv_heads, dv), {});
+  };
+  poslsh_test::require_invalid_argument([&] { backward_with(1); }, "dk");
 }
 
 TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[backward]") {

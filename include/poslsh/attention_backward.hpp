@@ -1,7 +1,9 @@
 // poslsh: training support. Every attention kernel with its per-row log-sum-exp (forward), and
 // the gradients dQ, dK, dV of every kernel from dO, O and lse (backward), FlashAttention-2
 // style: probabilities recomputed tile by tile from lse, no n x n buffer, O(n d) extra memory.
-// Reduction order and kernels: detail/backward/tiles.hpp; float accuracy: docs/backward.md.
+// Single heads, all heads of a sequence (multihead_attention with lse, _backward) and packed
+// batches of sequences (multihead_attention_varlen with lse, _backward). Reduction order and
+// kernels: detail/backward/tiles.hpp; float accuracy: docs/backward.md.
 //
 // Conventions (FlashAttention's softmax_lse): for scores x_ij and weights w_ij of a kernel,
 //   lse_i = M_i + log sum_j w_ij e^{x_ij - M_i}   (natural log, of the scaled scores),
@@ -21,6 +23,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -689,6 +692,96 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
         dv_g += dv_head;
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed batches (training on sequences of different lengths in one buffer).
+
+namespace detail {
+
+/// The arguments shared by the varlen forward with lse and the varlen backward: self-attention
+/// views (q, k, v of the same tokens), out, lse (H_q x total tokens) and cu_seqlens.
+template <typename Scalar, typename LseType>
+std::vector<double> require_varlen_training(const char* function, const HeadsView<const Scalar>& q,
+                                            const HeadsView<const Scalar>& k,
+                                            const HeadsView<const Scalar>& v, const LseType& lse,
+                                            const std::vector<std::int32_t>& cu_seqlens,
+                                            const MultiHeadOptions& options) {
+  require_self_positions(function, options);
+  require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
+  std::vector<double> sigmas =
+      options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;
+  require_multihead_views(function, q, k, v, sigmas, options);
+  require_multihead_lse(function, lse, q.heads, q.tokens);
+  require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
+  return sigmas;
+}
+
+}  // namespace detail
+
+/// multihead_attention on a packed batch of self-attention sequences, with the log-sum-exp:
+/// sequence b is tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q, k, v and out (positions
+/// 0 .. m_b - 1 in each), and column t of lse (H_q x total tokens, FlashAttention's varlen
+/// softmax_lse layout) is token t's. For each sequence the result is bitwise that of
+/// multihead_attention with lse on the sequence's views, so out is bitwise that of
+/// multihead_attention_varlen(q, k, v, out, cu_seqlens, cu_seqlens, options). Sequences run in
+/// order, each call parallel inside; bitwise the same for any thread count. Throws
+/// std::invalid_argument naming a bad argument (options.query_offset must be unset or 0).
+template <typename Scalar>
+void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                                MatrixRef<Scalar> lse, const std::vector<std::int32_t>& cu_seqlens,
+                                const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_varlen";
+  MultiHeadOptions sequence_options = options;
+  sequence_options.sigmas =
+      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, options);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::resolve_scale(function, options, q.dim);
+  for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const Index begin = cu_seqlens[b], end = cu_seqlens[b + 1];
+    if (end == begin) continue;
+    multihead_attention<Scalar>(
+        detail::token_range(q, begin, end), detail::token_range(k, begin, end),
+        detail::token_range(v, begin, end), detail::token_range(out, begin, end),
+        MatrixRef<Scalar>(lse.middleCols(begin, end - begin)), sequence_options);
+  }
+}
+
+/// Gradients of the packed-batch multihead_attention_varlen for dO = dout, from its out and lse:
+/// for each sequence b, multihead_attention_backward on the sequence's views (tokens
+/// [cu_seqlens[b], cu_seqlens[b + 1]) of every tensor, lse's columns of those tokens). No
+/// gradient crosses sequences. Sequences run in order, each call parallel inside: bitwise the
+/// same for any thread count and as the per-sequence calls. Throws std::invalid_argument naming
+/// a bad argument.
+template <typename Scalar>
+void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         const std::vector<std::int32_t>& cu_seqlens,
+                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+                                         HeadsView<Scalar> dv,
+                                         const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_varlen_backward";
+  MultiHeadOptions sequence_options = options;
+  sequence_options.sigmas =
+      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, options);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
+  detail::require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
+  detail::require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
+  detail::require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
+  detail::resolve_scale(function, options, q.dim);
+  for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const Index begin = cu_seqlens[b], end = cu_seqlens[b + 1];
+    if (end == begin) continue;
+    multihead_attention_backward<Scalar>(
+        detail::token_range(q, begin, end), detail::token_range(k, begin, end),
+        detail::token_range(v, begin, end), detail::token_range(out, begin, end),
+        ConstMatrixRef<Scalar>(lse.middleCols(begin, end - begin)),
+        detail::token_range(dout, begin, end), detail::token_range(dq, begin, end),
+        detail::token_range(dk, begin, end), detail::token_range(dv, begin, end), sequence_options);
   }
 }
 

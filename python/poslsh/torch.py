@@ -167,6 +167,8 @@ class MultiheadAttention(torch.autograd.Function):
             lse = torch.empty((heads, tokens), dtype=q.dtype)
             _core.multihead_attention_with_lse(*arrays, **keywords, out=out.numpy(), lse=lse.numpy())
             ctx.save_for_backward(q, k, v, out, lse)
+        elif keywords.get("cu_seqlens") is not None:
+            _no_backward()
         else:
             _core.multihead_attention(*arrays, **keywords, out=out.numpy())
         ctx.keywords = keywords
@@ -187,13 +189,17 @@ class MultiheadAttention(torch.autograd.Function):
 
 
 def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,
-                        samples=16, seed=0, band_error=1e-3):
+                        samples=16, seed=0, band_error=1e-3, cu_seqlens=None):
     """poslsh.multihead_attention (self-attention, grouped-query when k, v have fewer heads),
     differentiable in q, k, v: for query head h (K/V head h // G)
-    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h), dK and dV summed over each group."""
+    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h), dK and dV summed over each group.
+    cu_seqlens (int32 tensor or array of B + 1 token offsets): a packed batch of B sequences,
+    each attending only to itself at positions 0 .. m_b - 1 (multihead_attention_varlen)."""
     keywords = dict(layout=layout, method=method, masking=masking, scale=scale,
                     sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
                     band_error=band_error)
+    if cu_seqlens is not None:
+        keywords["cu_seqlens"] = cu_seqlens.numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
     return MultiheadAttention.apply(q, k, v, keywords)
 
 

@@ -1,5 +1,6 @@
 // poslsh Python bindings: multihead_attention with the log-sum-exp of every head, and its
-// gradients (multihead_attention_backward), on [n, H, d] or [H, n, d] arrays.
+// gradients (multihead_attention_backward), on [n, H, d] or [H, n, d] arrays, for one sequence
+// or a packed batch (cu_seqlens).
 #include "heads.hpp"
 
 #if __has_include("poslsh/attention_backward.hpp")
@@ -37,6 +38,12 @@ py::array lse_matrix(py::handle object, Index heads, Index n, const char* functi
   return array;
 }
 
+/// cu_seqlens of a packed batch (int32, B + 1 entries), or empty when None (one sequence).
+std::vector<std::int32_t> packed_sequences(py::handle cu_seqlens, const char* function) {
+  if (cu_seqlens.is_none()) return {};
+  return int32_vector(cu_seqlens, function, "cu_seqlens");
+}
+
 template <typename T>
 OutputMap<T> lse_map(py::array& array, const char* function) {
   const Index stride = row_stride_of<T>(array, function, "lse");
@@ -63,6 +70,11 @@ lse is [H_q, n] (FlashAttention's softmax_lse of one sequence), a new array or t
 (exact_reference is computed by the tiled kernel: bitwise method='exact_tiled'). Self-attention
 only (k, v have the n tokens of q). Keywords as multihead_attention (no query_offset). The GIL
 is released.
+
+cu_seqlens= (int32, B + 1 entries, 0 = cu_seqlens[0] <= ... <= cu_seqlens[B] = n): a packed
+batch of B self-attention sequences, tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 (positions 0 ..
+m_b - 1 each); lse[:, t] is token t's. Each sequence is bitwise its own call, and out is bitwise
+multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens).
 )doc";
 
 const char* const multihead_backward_doc = R"doc(
@@ -79,7 +91,9 @@ q, dq [n, H_q, d]; k, dk [n, H_kv, d]; v, dv [n, H_kv, d_v]; out, dout [n, H_q, 
 layout 'nhd' ([H, n, d] in 'hnd'); lse [H_q, n]. dq=, dk=, dv=: optional outputs written in
 place (any strides on the first two axes); new arrays otherwise. No n x n buffer. Bitwise the
 single-head backward of each head (summed over a group in head order), for any thread count.
-Self-attention only; the GIL is released.
+Self-attention only; the GIL is released. cu_seqlens=: a packed batch, as in
+multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are those of
+its own call, none crosses sequences.
 )doc";
 
 }  // namespace
@@ -90,9 +104,12 @@ void bind_multihead_backward(py::module_& module) {
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, py::handle out, py::handle lse, std::optional<int> threads) {
-        constexpr const char* function = "multihead_attention";  // the library's name
+         double band_error, py::handle out, py::handle lse, py::handle cu_seqlens,
+         std::optional<int> threads) {
+        const char* const function =  // the library's names
+            cu_seqlens.is_none() ? "multihead_attention" : "multihead_attention_varlen";
         threads = thread_count(threads, function);
+        const std::vector<std::int32_t> cu = packed_sequences(cu_seqlens, function);
         const Layout layout = layout_of(layout_name, function);
         const poslsh::MultiHeadOptions options =
             multihead_options(function, method, masking, scale, sigmas, samples, seed, band_error);
@@ -108,8 +125,12 @@ void bind_multihead_backward(py::module_& module) {
           auto lse_out = lse_map<T>(lse_array, function);
           {
             KernelScope scope(threads);
-            poslsh::multihead_attention<T>(q_view, k_view, v_view, out_view,
-                                           poslsh::MatrixRef<T>(lse_out), options);
+            if (cu_seqlens.is_none())
+              poslsh::multihead_attention<T>(q_view, k_view, v_view, out_view,
+                                             poslsh::MatrixRef<T>(lse_out), options);
+            else
+              poslsh::multihead_attention_varlen<T>(q_view, k_view, v_view, out_view,
+                                                    poslsh::MatrixRef<T>(lse_out), cu, options);
           }
           return py::make_tuple(result, lse_array);
         });
@@ -118,7 +139,7 @@ void bind_multihead_backward(py::module_& module) {
       py::arg("method") = "lsh_fused", py::arg("masking") = "causal", py::arg("scale") = py::none(),
       py::arg("sigmas") = py::none(), py::arg("samples") = 16, py::arg("seed") = 0,
       py::arg("band_error") = 1e-3, py::arg("out") = py::none(), py::arg("lse") = py::none(),
-      py::arg("num_threads") = py::none(), with_lse_doc);
+      py::arg("cu_seqlens") = py::none(), py::arg("num_threads") = py::none(), with_lse_doc);
 
   module.def(
       "multihead_attention_backward",
@@ -126,9 +147,11 @@ void bind_multihead_backward(py::module_& module) {
          const std::string& layout_name, const std::string& method, const std::string& masking,
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, py::handle dq, py::handle dk, py::handle dv,
-         std::optional<int> threads) {
-        constexpr const char* function = "multihead_attention_backward";
+         py::handle cu_seqlens, std::optional<int> threads) {
+        const char* const function = cu_seqlens.is_none() ? "multihead_attention_backward"
+                                                          : "multihead_attention_varlen_backward";
         threads = thread_count(threads, function);
+        const std::vector<std::int32_t> cu = packed_sequences(cu_seqlens, function);
         const Layout layout = layout_of(layout_name, function);
         const poslsh::MultiHeadOptions options =
             multihead_options(function, method, masking, scale, sigmas, samples, seed, band_error);
@@ -170,9 +193,14 @@ void bind_multihead_backward(py::module_& module) {
           const auto dv_view = heads_view<T>(dv_array, layout, function, "dv");
           {
             KernelScope scope(threads);
-            poslsh::multihead_attention_backward<T>(q_view, k_view, v_view, out_view,
-                                                    poslsh::ConstMatrixRef<T>(lse_in), dout_view,
-                                                    dq_view, dk_view, dv_view, options);
+            if (cu_seqlens.is_none())
+              poslsh::multihead_attention_backward<T>(q_view, k_view, v_view, out_view,
+                                                      poslsh::ConstMatrixRef<T>(lse_in), dout_view,
+                                                      dq_view, dk_view, dv_view, options);
+            else
+              poslsh::multihead_attention_varlen_backward<T>(
+                  q_view, k_view, v_view, out_view, poslsh::ConstMatrixRef<T>(lse_in), dout_view,
+                  cu, dq_view, dk_view, dv_view, options);
           }
           return py::make_tuple(dq_array, dk_array, dv_array);
         });
@@ -182,7 +210,8 @@ void bind_multihead_backward(py::module_& module) {
       py::arg("masking") = "causal", py::arg("scale") = py::none(), py::arg("sigmas") = py::none(),
       py::arg("samples") = 16, py::arg("seed") = 0, py::arg("band_error") = 1e-3,
       py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
-      py::arg("num_threads") = py::none(), multihead_backward_doc);
+      py::arg("cu_seqlens") = py::none(), py::arg("num_threads") = py::none(),
+      multihead_backward_doc);
 }
 
 #else

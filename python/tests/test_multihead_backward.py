@@ -184,6 +184,45 @@ def test_outputs_in_place_and_packed_inputs(rng):
 
 
 @needs_backward
+@pytest.mark.parametrize("method", ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_packed_batch_is_each_sequence_dense(rng, method, layout):
+    """cu_seqlens=: out, lse and the gradients of each sequence are the dense formulas of that
+    sequence alone (positions from 0), and out is multihead_attention_varlen's."""
+    cu = np.array([0, 30, 30, 31, 75], dtype=np.int32)
+    n, heads, kv_heads, d, d_v = 75, 4, 2, 6, 5
+    shape = (lambda h, w: (n, h, w)) if layout == "nhd" else (lambda h, w: (h, n, w))
+    q, dout = rng.uniform(-1, 1, shape(heads, d)), rng.uniform(-1, 1, shape(heads, d_v))
+    k, v = rng.uniform(-1, 1, shape(kv_heads, d)), rng.uniform(-1, 1, shape(kv_heads, d_v))
+    sigmas = np.array([3.0, 5.0, 8.0, 13.0])
+    keywords = dict(layout=layout, method=method, sigmas=sigmas, samples=4, seed=7, band_error=1e-2)
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords, cu_seqlens=cu)
+    dq, dk, dv = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, **keywords, cu_seqlens=cu)
+    np.testing.assert_array_equal(out, poslsh.multihead_attention_varlen(q, k, v, cu, cu, **keywords))
+    for a, e in zip(cu[:-1], cu[1:]):
+        if a == e:
+            continue
+        want = dense_multihead(method, *(heads_of(x, layout)[a:e] for x in (q, k, v, dout)), sigmas, True,
+                               samples=4, seed=7, band_error=1e-2)
+        np.testing.assert_allclose(heads_of(out, layout)[a:e], want[0], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse[:, a:e], want[1], rtol=0, atol=1e-12)
+        for got, expected in zip((dq, dk, dv), want[2:]):
+            np.testing.assert_allclose(heads_of(got, layout)[a:e], expected, rtol=0, atol=1e-11)
+
+
+@needs_backward
+def test_packed_batch_errors(rng):
+    q, k, v = rng.uniform(-1, 1, (10, 2, 4)), rng.uniform(-1, 1, (10, 1, 4)), rng.uniform(-1, 1, (10, 1, 4))
+    with pytest.raises(TypeError, match="multihead_attention_varlen: argument 'cu_seqlens' has dtype float64"):
+        poslsh.multihead_attention_with_lse(q, k, v, cu_seqlens=np.array([0.0, 10.0]))
+    with pytest.raises(ValueError, match="multihead_attention_varlen: argument 'cu_seqlens'"):
+        poslsh.multihead_attention_with_lse(q, k, v, cu_seqlens=np.array([0, 4, 9], dtype=np.int32))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, cu_seqlens=np.array([0, 4, 10], dtype=np.int32))
+    with pytest.raises(ValueError, match="multihead_attention_varlen_backward: argument 'cu_seqlens'"):
+        poslsh.multihead_attention_backward(q, k, v, out, lse, out, cu_seqlens=np.array([1, 10], dtype=np.int32))
+
+
+@needs_backward
 def test_thread_count_does_not_change_bits(rng):
     n, heads, kv_heads, d = 300, 4, 2, 16
     q, dout = (rng.uniform(-1, 1, (n, heads, d)).astype(np.float32) for _ in range(2))
