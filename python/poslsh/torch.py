@@ -77,37 +77,47 @@ def _no_backward():
     )
 
 
+def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
+    """Forward of the single-head kernel `kernel` of the core module (its argument after v is
+    `parameter`: sigma or a HashSet) on [n, d] tensors; saves what its backward needs."""
+    n, d_v = q.shape[0], v.shape[1]
+    out = torch.empty((n, d_v), dtype=q.dtype)
+    arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
+    if _core.has_backward:
+        lse = torch.empty((n,), dtype=q.dtype)
+        getattr(_core, kernel + "_with_lse")(*arrays, parameter, causal=causal, scale=scale, out=out.numpy(),
+                                             lse=lse.numpy())
+        ctx.save_for_backward(q, k, v, out, lse)
+    else:
+        getattr(_core, kernel)(*arrays, parameter, causal=causal, scale=scale, out=out.numpy())
+    ctx.kernel, ctx.parameter, ctx.causal, ctx.scale = kernel, parameter, causal, scale
+    return out
+
+
+def _single_head_backward(ctx, dout):
+    """(dq, dk, dv) of the forward saved by _single_head_forward, from its out and lse."""
+    if not _core.has_backward:
+        _no_backward()
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    getattr(_core, ctx.kernel + "_backward")(
+        _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.parameter, out.numpy(), lse.numpy(),
+        _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
+        dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+    )
+    return dq, dk, dv
+
+
 class AlibiAttention(torch.autograd.Function):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V on [n, d] CPU tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, sigma, causal=True, scale=None):
-        n, d_v = q.shape[0], v.shape[1]
-        out = torch.empty((n, d_v), dtype=q.dtype)
-        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
-        if _core.has_backward:
-            lse = torch.empty((n,), dtype=q.dtype)
-            _core.alibi_attention_tiled_with_lse(
-                *arrays, sigma, causal=causal, scale=scale, out=out.numpy(), lse=lse.numpy()
-            )
-            ctx.save_for_backward(q, k, v, out, lse)
-        else:
-            _core.alibi_attention_tiled(*arrays, sigma, causal=causal, scale=scale, out=out.numpy())
-        ctx.sigma, ctx.causal, ctx.scale = sigma, causal, scale
-        return out
+        return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, causal, scale)
 
     @staticmethod
     def backward(ctx, dout):
-        if not _core.has_backward:
-            _no_backward()
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        _core.alibi_attention_tiled_backward(
-            _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.sigma, out.numpy(), lse.numpy(),
-            _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
-            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
-        )
-        return dq, dk, dv, None, None, None
+        return *_single_head_backward(ctx, dout), None, None, None
 
 
 class LshAttention(torch.autograd.Function):
@@ -115,32 +125,11 @@ class LshAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, hashes, causal=True, scale=None):
-        n, d_v = q.shape[0], v.shape[1]
-        out = torch.empty((n, d_v), dtype=q.dtype)
-        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
-        if _core.has_backward:
-            lse = torch.empty((n,), dtype=q.dtype)
-            _core.lsh_attention_fused_with_lse(
-                *arrays, hashes, causal=causal, scale=scale, out=out.numpy(), lse=lse.numpy()
-            )
-            ctx.save_for_backward(q, k, v, out, lse)
-        else:
-            _core.lsh_attention_fused(*arrays, hashes, causal=causal, scale=scale, out=out.numpy())
-        ctx.hashes, ctx.causal, ctx.scale = hashes, causal, scale
-        return out
+        return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, causal, scale)
 
     @staticmethod
     def backward(ctx, dout):
-        if not _core.has_backward:
-            _no_backward()
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        _core.lsh_attention_fused_backward(
-            _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.hashes, out.numpy(), lse.numpy(),
-            _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
-            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
-        )
-        return dq, dk, dv, None, None, None
+        return *_single_head_backward(ctx, dout), None, None, None
 
 
 def alibi_attention(q, k, v, sigma, *, causal=True, scale=None):
