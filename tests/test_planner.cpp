@@ -439,6 +439,14 @@ TEST_CASE("multihead_attention_planned runs each head's planned kernel", "[plann
       poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
       poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
       poslsh::interleaved_heads(out.data(), n, heads, d), plans);
+  // The plan as multihead_attention's method: the same bits.
+  RowMatrix<float> by_method(n, heads * d);
+  poslsh::multihead_attention<float>(poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+                                     poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
+                                     poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
+                                     poslsh::interleaved_heads(by_method.data(), n, heads, d),
+                                     plans);
+  CHECK(by_method == out);
   for (Index h = 0; h < heads; ++h) {
     const RowMatrix<float> qh = q.middleCols(h * d, d);
     const RowMatrix<float> kh = k.middleCols((h / 2) * d, d);

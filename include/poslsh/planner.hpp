@@ -449,4 +449,14 @@ void multihead_attention_planned(HeadsView<const Scalar> q, HeadsView<const Scal
   if (!failure.empty()) throw std::invalid_argument(failure);
 }
 
+/// multihead_attention with a plan as its method: head h runs plans[h] (exact tiled, banded with
+/// its W, or fused LSH with its s and sampler), i.e. multihead_attention_planned(q, k, v, out,
+/// plans, options).
+template <typename Scalar>
+void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                         HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                         const std::vector<HeadPlan>& plans, const AttentionOptions& options = {}) {
+  multihead_attention_planned<Scalar>(q, k, v, out, plans, options);
+}
+
 }  // namespace poslsh
