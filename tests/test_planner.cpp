@@ -433,12 +433,20 @@ TEST_CASE("multihead_attention_planned runs each head's planned kernel", "[plann
   plans[2].stream = 2;
   plans[3] = plans[2];
   plans[3].sampler = poslsh::Sampler::independent;
+  // plans run on q, k, v with kv_heads K/V heads (the buffers of k, v or, for a bad count, of q)
+  // into out_heads heads of `target`.
+  const auto run = [&](RowMatrix<float>& target, const std::vector<HeadPlan>& head_plans,
+                       Index kv_heads, Index out_heads) {
+    const float* kv_k = kv_heads == 2 ? k.data() : q.data();
+    const float* kv_v = kv_heads == 2 ? v.data() : q.data();
+    poslsh::multihead_attention_planned<float>(
+        poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
+        poslsh::interleaved_heads<const float>(kv_k, n, kv_heads, d),
+        poslsh::interleaved_heads<const float>(kv_v, n, kv_heads, d),
+        poslsh::interleaved_heads(target.data(), n, out_heads, d), head_plans);
+  };
   RowMatrix<float> out(n, heads * d);
-  poslsh::multihead_attention_planned<float>(
-      poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
-      poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
-      poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
-      poslsh::interleaved_heads(out.data(), n, heads, d), plans);
+  run(out, plans, 2, heads);
   // The plan as multihead_attention's method: the same bits.
   RowMatrix<float> by_method(n, heads * d);
   poslsh::multihead_attention<float>(poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
@@ -464,34 +472,11 @@ TEST_CASE("multihead_attention_planned runs each head's planned kernel", "[plann
     INFO("head " << h);
     CHECK(RowMatrix<float>(out.middleCols(h * d, d)) == expected);
   }
-  poslsh_test::require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_planned<float>(
-            poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
-            poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
-            poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
-            poslsh::interleaved_heads(out.data(), n, heads, d), std::vector<HeadPlan>(3));
-      },
-      "plans");
+  poslsh_test::require_invalid_argument([&] { run(out, std::vector<HeadPlan>(3), 2, heads); },
+                                        "plans");
   // out with fewer heads than q: named, never written past its last head.
-  poslsh_test::require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_planned<float>(
-            poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
-            poslsh::interleaved_heads<const float>(k.data(), n, 2, d),
-            poslsh::interleaved_heads<const float>(v.data(), n, 2, d),
-            poslsh::interleaved_heads(out.data(), n, 2, d), plans);
-      },
-      "out");
-  poslsh_test::require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_planned<float>(
-            poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
-            poslsh::interleaved_heads<const float>(q.data(), n, 3, d),
-            poslsh::interleaved_heads<const float>(q.data(), n, 3, d),
-            poslsh::interleaved_heads(out.data(), n, heads, d), plans);
-      },
-      "k.heads");
+  poslsh_test::require_invalid_argument([&] { run(out, plans, 2, 2); }, "out");
+  poslsh_test::require_invalid_argument([&] { run(out, plans, 3, heads); }, "k.heads");
   poslsh_test::require_invalid_argument(
       [] { poslsh::plan_heads(100, {4.0}, Masking::causal, 1.5); }, "target");
   const std::string text = poslsh::format_plan(plans, n);
