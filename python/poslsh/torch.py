@@ -1,7 +1,7 @@
 """PyTorch autograd Functions for exact ALiBi attention and LSH attention on CPU tensors.
 
 The tensors are handed to the C++ kernels through ``Tensor.numpy()``, which shares memory: no
-copy in either direction. Inputs are CPU float32 or float64 tensors of shape ``[n, d]`` (one
+copy in either direction. Inputs are CPU float32 or float64 tensors (half precision: below) of shape ``[n, d]`` (one
 head) whose last dimension has stride 1; any row stride (e.g. ``x[:, h, :]`` of an
 ``[n, H, d]`` tensor). The output is a new contiguous tensor.
 
@@ -15,7 +15,10 @@ head) whose last dimension has stride 1; any row stride (e.g. ``x[:, h, :]`` of 
 
 Gradients (dQ, dK, dV; not sigma, scale or the hashes) come from the library's backward
 passes, which recompute the probabilities from the forward's log-sum-exp tile by tile (no
-n x n buffer). When the compiled module was built without them (``poslsh.has_backward`` is
+n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype): they
+are widened to float32 copies (kept for the backward), the float32 kernels run, and the output
+and the gradients are rounded once to the inputs' dtype, so they are bitwise the float32 call
+on the widened tensors, rounded. When the compiled module was built without them (``poslsh.has_backward`` is
 False), ``backward`` raises NotImplementedError.
 
 Forward-only kernels for inference on half-precision tensors (no autograd):
@@ -49,7 +52,8 @@ def _array(tensor, name):
     if tensor.device.type != "cpu":
         raise ValueError(f"poslsh.torch: argument '{name}' is on {tensor.device}: only CPU tensors are supported")
     if tensor.dtype not in _DTYPES:
-        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.float32 or torch.float64")
+        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.float32, torch.float64 "
+                        "(or torch.bfloat16, torch.float16 for q, k, v of the differentiable functions)")
     return tensor.detach().numpy()
 
 
@@ -77,9 +81,32 @@ def _no_backward():
     )
 
 
+_WIDENED = (torch.bfloat16, torch.float16)
+
+
+def _widen_inputs(ctx, q, k, v):
+    """q, k, v for the float kernels: bfloat16 and float16 tensors (all three of one dtype)
+    widened to float32 copies, other tensors as they are. Records the dtypes in ctx for
+    _narrow (the output and the gradients go back to them)."""
+    ctx.dtypes = tuple(getattr(x, "dtype", None) for x in (q, k, v))
+    if ctx.dtypes[0] not in _WIDENED and not any(dtype in _WIDENED for dtype in ctx.dtypes):
+        return q, k, v
+    for name, dtype in zip("kv", ctx.dtypes[1:]):
+        if dtype != ctx.dtypes[0]:
+            raise TypeError(f"poslsh.torch: argument '{name}' has dtype {dtype}: must be {ctx.dtypes[0]} like "
+                            "'q' (half-precision inputs are widened to float32 together)")
+    return tuple(x.detach().float() for x in (q, k, v))
+
+
+def _narrow(tensor, dtype):
+    """A float32 result rounded once to a half-precision dtype; otherwise as it is."""
+    return tensor.to(dtype) if dtype in _WIDENED else tensor
+
+
 def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
     """Forward of the single-head kernel `kernel` of the core module (its argument after v is
     `parameter`: sigma or a HashSet) on [n, d] tensors; saves what its backward needs."""
+    q, k, v = _widen_inputs(ctx, q, k, v)
     n, d_v = q.shape[0], v.shape[1]
     out = torch.empty((n, d_v), dtype=q.dtype)
     arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
@@ -91,7 +118,7 @@ def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
     else:
         getattr(_core, kernel)(*arrays, parameter, causal=causal, scale=scale, out=out.numpy())
     ctx.kernel, ctx.parameter, ctx.causal, ctx.scale = kernel, parameter, causal, scale
-    return out
+    return _narrow(out, ctx.dtypes[0])
 
 
 def _single_head_backward(ctx, dout):
@@ -102,10 +129,10 @@ def _single_head_backward(ctx, dout):
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     getattr(_core, ctx.kernel + "_backward")(
         _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.parameter, out.numpy(), lse.numpy(),
-        _array(_gradient(dout), "dout"), causal=ctx.causal, scale=ctx.scale,
+        _array(_gradient(dout.to(out.dtype)), "dout"), causal=ctx.causal, scale=ctx.scale,
         dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
     )
-    return dq, dk, dv
+    return tuple(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
 
 
 class AlibiAttention(torch.autograd.Function):
@@ -148,6 +175,7 @@ class MultiheadAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keywords):
+        q, k, v = _widen_inputs(ctx, q, k, v)
         tokens, heads = (q.shape[0], q.shape[1]) if keywords["layout"] == "nhd" else (q.shape[1], q.shape[0])
         shape = (tokens, heads, v.shape[2]) if keywords["layout"] == "nhd" else (heads, tokens, v.shape[2])
         out = torch.empty(shape, dtype=q.dtype)
@@ -161,7 +189,7 @@ class MultiheadAttention(torch.autograd.Function):
         else:
             _core.multihead_attention(*arrays, **keywords, out=out.numpy())
         ctx.keywords = keywords
-        return out
+        return _narrow(out, ctx.dtypes[0])
 
     @staticmethod
     def backward(ctx, dout):
@@ -171,10 +199,10 @@ class MultiheadAttention(torch.autograd.Function):
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         _core.multihead_attention_backward(
             _array(q, "q"), _array(k, "k"), _array(v, "v"), out.numpy(), lse.numpy(),
-            _array(_heads_gradient(dout), "dout"), **ctx.keywords,
+            _array(_heads_gradient(dout.to(out.dtype)), "dout"), **ctx.keywords,
             dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
         )
-        return dq, dk, dv, None
+        return (*(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes)), None)
 
 
 def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,
@@ -219,7 +247,7 @@ def _forward_only(function, tensors):
         raise RuntimeError(
             f"poslsh.torch.{function} is forward-only (no gradients): call it under torch.no_grad() or on "
             "tensors that do not require grad; alibi_attention, lsh_attention and multihead_attention are "
-            "differentiable (float32, float64)")
+            "differentiable")
 
 
 def _forward_out(out, shape, q, out_dtype):

@@ -45,7 +45,9 @@ def test_strided_tensor_views_are_not_copied():
         ptorch.alibi_attention(q, k, x[:, 2, :, 0], 4.0)
     with pytest.raises(TypeError, match="argument 'k' has dtype float32: must be float64 like 'q'"):
         ptorch.alibi_attention(q, k.float(), v, 4.0)
-    with pytest.raises(TypeError, match="argument 'q' has dtype torch.float16"):
+    with pytest.raises(TypeError, match="argument 'q' has dtype torch.int32: must be torch.float32, torch.float64"):
+        ptorch.alibi_attention(q.int(), k, v, 4.0)
+    with pytest.raises(TypeError, match="argument 'k' has dtype torch.float64: must be torch.float16 like 'q'"):
         ptorch.alibi_attention(q.half(), k, v, 4.0)
 
 

@@ -125,6 +125,45 @@ def test_errors():
     with torch.no_grad():
         out = ptorch.alibi_attention_forward(q.float().requires_grad_(), k, v, 4.0)
     assert not out.requires_grad
-    # The autograd Functions keep float32/float64.
-    with pytest.raises(TypeError, match="argument 'q' has dtype torch.bfloat16"):
-        ptorch.alibi_attention(q, k, v, 4.0)
+    # The autograd Functions widen half precision only when q, k, v share one dtype.
+    with pytest.raises(TypeError, match="argument 'k' has dtype torch.float32: must be torch.bfloat16 like 'q'"):
+        ptorch.alibi_attention(q, k.float(), v, 4.0)
+    with pytest.raises(TypeError, match="argument 'v' has dtype torch.float16: must be torch.bfloat16 like 'q'"):
+        ptorch.multihead_attention(q[:, None], k[:, None], v[:, None].half())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("function", ["alibi", "lsh", "multihead", "packed"])
+def test_half_precision_autograd_is_the_widened_float32_call_rounded(dtype, function):
+    """bfloat16 and float16 tensors through the differentiable functions: the output and the
+    gradients are bitwise those of the float32 call on the widened tensors, rounded once; the
+    output is also bitwise the forward-only half-precision kernel's."""
+    n, d = 40, 8
+    shape = (n, d) if function in ("alibi", "lsh") else (n, 2, d)
+    q, k, v, dout = (rounded(shape, dtype, seed) for seed in (11, 12, 13, 14))
+    hashes = poslsh.rbf_hashes(5.0, 6, seed=3)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    calls = {
+        "alibi": (lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0),
+                  lambda a, b, c: ptorch.alibi_attention_forward(a, b, c, 5.0)),
+        "lsh": (lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes),
+                lambda a, b, c: ptorch.lsh_attention_forward(a, b, c, hashes)),
+        "multihead": (lambda a, b, c: ptorch.multihead_attention(a, b, c, samples=6, seed=2),
+                      lambda a, b, c: ptorch.multihead_attention_forward(a, b, c, samples=6, seed=2)),
+        "packed": (lambda a, b, c: ptorch.multihead_attention(a, b, c, method="exact_tiled", cu_seqlens=cu), None),
+    }
+    differentiable, forward_only = calls[function]
+    half = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    widened = [x.float().requires_grad_(True) for x in (q, k, v)]
+    out = differentiable(*half)
+    out_float = differentiable(*widened)
+    assert out.dtype == dtype
+    assert torch.equal(out, out_float.to(dtype))
+    if forward_only is not None:
+        with torch.no_grad():
+            assert torch.equal(out, forward_only(q, k, v))
+    out.backward(dout)
+    out_float.backward(dout.float())
+    for got, want in zip(half, widened):
+        assert got.grad.dtype == dtype
+        assert torch.equal(got.grad, want.grad.to(dtype))
