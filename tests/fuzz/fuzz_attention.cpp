@@ -9,6 +9,8 @@
 //    (fused, per-sample, tiled, banded);
 //  - decode equals row t of the prefill (LSH and exact); the tiled kernel equals the reference;
 //    row ranges give the full result's bits (tiled, banded); multi-head equals per-head calls;
+//  - backward (fused or tiled, from the forward with lse): finite gradients, no write outside
+//    the gradient views, the same bits for two thread counts, sum_j dV_j = sum_i dO_i;
 // and for a bad argument, that std::invalid_argument (and nothing else) names an argument.
 // Tolerances: the two sides of a comparison evaluate the same scores with a different
 // summation order, so they differ by the rounding of a dot product, about
@@ -587,6 +589,61 @@ void run(ByteReader& input) {
       fail("tiled: a causal row saw the future");
     if (top_rows_error(banded2, banded, p, v_dense) > future_tol)
       fail("banded: a causal row saw the future");
+  }
+
+  // Backward from the forward with lse (fused, or tiled): finite gradients, nothing written
+  // outside the gradient views, the same bits for both thread counts, and the identity
+  // sum_j dV_j = sum_i dO_i (each row of P sums to 1: the recomputation matches lse).
+  if (input.flag()) {
+    const bool lsh = input.flag();
+    Padded<Scalar> dout(n, dv, 0);
+    std::mt19937_64 upstream(problem.data_seed ^ 0x5851F42D4C957F2Dull);
+    fill_normal(dout, upstream, 1.0);
+    RowMatrix<Scalar> out(n, dv);
+    Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse(n);
+    if (lsh) {
+      poslsh::lsh_attention_fused<Scalar>(q.view(), k.view(), v.view(), problem.hashes, out, lse,
+                                          options);
+    } else {
+      poslsh::alibi_attention_tiled<Scalar>(q.view(), k.view(), v.view(), problem.sigma, out, lse,
+                                            options);
+    }
+    if (!(out == (lsh ? fused_a : tiled_out))) fail("forward with lse != forward");
+    RowMatrix<Scalar> first[3];
+    for (int run_index = 0; run_index < 2; ++run_index) {
+      set_threads(run_index == 0 ? problem.threads_a : problem.threads_b);
+      Padded<Scalar> dq(n, d, problem.pad_q), dk(n, d, problem.pad_k), dvg(n, dv, problem.pad_v);
+      for (Padded<Scalar>* g : {&dq, &dk, &dvg}) g->fill_padding(out_sentinel<Scalar>);
+      if (lsh) {
+        poslsh::lsh_attention_fused_backward<Scalar>(q.view(), k.view(), v.view(), problem.hashes,
+                                                     out, lse, dout.view(), dq.view(), dk.view(),
+                                                     dvg.view(), options);
+      } else {
+        poslsh::alibi_attention_tiled_backward<Scalar>(q.view(), k.view(), v.view(), problem.sigma,
+                                                       out, lse, dout.view(), dq.view(), dk.view(),
+                                                       dvg.view(), options);
+      }
+      for (const Padded<Scalar>* g : {&dq, &dk, &dvg}) {
+        if (!g->padding_is(out_sentinel<Scalar>)) fail("backward wrote outside a gradient view");
+      }
+      const RowMatrix<Scalar> grads[3] = {dq.view(), dk.view(), dvg.view()};
+      if (!all_finite(grads[0]) || !all_finite(grads[1]) || !all_finite(grads[2]))
+        fail("gradients not finite for finite inputs");
+      if (run_index == 0) {
+        for (int g = 0; g < 3; ++g) first[g] = grads[g];
+      } else if (!(grads[0] == first[0]) || !(grads[1] == first[1]) || !(grads[2] == first[2])) {
+        fail("gradients changed with the thread count");
+      }
+    }
+    if (compare && n > 0 && dv > 0) {
+      const RowMatrix<double> dout_d = dout.view().template cast<double>();
+      const Eigen::RowVectorXd want = dout_d.colwise().sum();
+      const Eigen::RowVectorXd got = first[2].template cast<double>().colwise().sum();
+      const Eigen::RowVectorXd scale = dout_d.cwiseAbs().colwise().sum();
+      const double allowed = tol + 4.0 * static_cast<double>(n) * eps;
+      if (((got - want).cwiseAbs().array() > allowed * scale.array()).any())
+        fail("sum of dV rows != sum of dO rows");
+    }
   }
 
   // Multi-head: H query heads over H / G key-value heads, [n, H, d] layouts, against per-head
