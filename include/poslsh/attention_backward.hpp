@@ -701,21 +701,27 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
 namespace detail {
 
 /// The arguments shared by the varlen forward with lse and the varlen backward: self-attention
-/// views (q, k, v of the same tokens), out, lse (H_q x total tokens) and cu_seqlens.
-template <typename Scalar, typename LseType>
-std::vector<double> require_varlen_training(const char* function, const HeadsView<const Scalar>& q,
-                                            const HeadsView<const Scalar>& k,
-                                            const HeadsView<const Scalar>& v, const LseType& lse,
-                                            const std::vector<std::int32_t>& cu_seqlens,
-                                            const MultiHeadOptions& options) {
+/// views (q, k, v of the same tokens), lse (H_q x total tokens), cu_seqlens, out (q.tokens x
+/// q.heads x v.dim) and the scale. Returns the options each sequence's call runs with (the
+/// sigmas resolved once).
+template <typename Scalar, typename LseType, typename OutElement>
+MultiHeadOptions require_varlen_training(const char* function, const HeadsView<const Scalar>& q,
+                                         const HeadsView<const Scalar>& k,
+                                         const HeadsView<const Scalar>& v, const LseType& lse,
+                                         const std::vector<std::int32_t>& cu_seqlens,
+                                         const HeadsView<OutElement>& out,
+                                         const MultiHeadOptions& options) {
   require_self_positions(function, options);
   require(q.heads >= 1, function, "q.heads", q.heads, "must be >= 1");
-  std::vector<double> sigmas =
-      options.sigmas.empty() ? alibi_sigmas(static_cast<int>(q.heads)) : options.sigmas;
-  require_multihead_views(function, q, k, v, sigmas, options);
+  MultiHeadOptions sequence_options = options;
+  if (sequence_options.sigmas.empty())
+    sequence_options.sigmas = alibi_sigmas(static_cast<int>(q.heads));
+  require_multihead_views(function, q, k, v, sequence_options.sigmas, options);
   require_multihead_lse(function, lse, q.heads, q.tokens);
   require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
-  return sigmas;
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  resolve_scale(function, options, q.dim);
+  return sequence_options;
 }
 
 }  // namespace detail
@@ -734,11 +740,8 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
                                 MatrixRef<Scalar> lse, const std::vector<std::int32_t>& cu_seqlens,
                                 const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_varlen";
-  MultiHeadOptions sequence_options = options;
-  sequence_options.sigmas =
-      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, options);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  detail::resolve_scale(function, options, q.dim);
+  const MultiHeadOptions sequence_options =
+      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, out, options);
   for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
     const Index begin = cu_seqlens[b], end = cu_seqlens[b + 1];
     if (end == begin) continue;
@@ -764,15 +767,12 @@ void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<co
                                          HeadsView<Scalar> dv,
                                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_varlen_backward";
-  MultiHeadOptions sequence_options = options;
-  sequence_options.sigmas =
-      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, options);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  const MultiHeadOptions sequence_options =
+      detail::require_varlen_training(function, q, k, v, lse, cu_seqlens, out, options);
   detail::require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
   detail::require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
   detail::require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
   detail::require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
-  detail::resolve_scale(function, options, q.dim);
   for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
     const Index begin = cu_seqlens[b], end = cu_seqlens[b + 1];
     if (end == begin) continue;

@@ -78,19 +78,11 @@ def test_lattice_offsets_share_a_width_per_group_and_shift_one_lattice(group):
         assert len(np.unique(widths)) == math.ceil(s / group)
 
 
-def test_coupled_offsets_form_one_shifted_lattice_of_s_points():
-    sigma, s = 4.0, 23
-    hashes = poslsh.sample_hashes(sigma, s, 2, 9, "coupled_offsets")
+@pytest.mark.parametrize("sampler, s", [("coupled_offsets", 23), ("rqmc", 21)])
+def test_offsets_form_one_shifted_lattice_of_s_points(sampler, s):
+    hashes = poslsh.sample_hashes(4.0, s, 2, 9, sampler)
     fractions = hashes.offsets / hashes.widths
     # {frac(U + k / s)}: s fractions, one per interval [k / s, (k + 1) / s) after removing U.
-    assert circular_spread(fractions * s) < 1e-9
-    assert len(np.unique(np.floor(np.mod(fractions - fractions[0] + 0.5 / s, 1.0) * s))) == s
-
-
-def test_rqmc_offsets_form_one_shifted_lattice_of_s_points():
-    sigma, s = 4.0, 21
-    hashes = poslsh.sample_hashes(sigma, s, 2, 9, "rqmc")
-    fractions = hashes.offsets / hashes.widths
     assert circular_spread(fractions * s) < 1e-9
     assert len(np.unique(np.floor(np.mod(fractions - fractions[0] + 0.5 / s, 1.0) * s))) == s
 
