@@ -1,9 +1,9 @@
 """PyTorch autograd Functions for exact ALiBi attention and LSH attention on CPU tensors.
 
 The tensors are handed to the C++ kernels through ``Tensor.numpy()``, which shares memory: no
-copy in either direction. Inputs are CPU float32 or float64 tensors (half precision: below) of shape ``[n, d]`` (one
-head) whose last dimension has stride 1; any row stride (e.g. ``x[:, h, :]`` of an
-``[n, H, d]`` tensor). The output is a new contiguous tensor.
+copy in either direction. Inputs are CPU float32 or float64 tensors (half precision: below)
+of shape ``[n, d]`` (one head) whose last dimension has stride 1; any row stride (e.g.
+``x[:, h, :]`` of an ``[n, H, d]`` tensor). The output is a new contiguous tensor.
 
     out = poslsh.torch.alibi_attention(q, k, v, sigma, causal=True, scale=None)
         softmax(tau Q K^T - |i-j| / sigma) V
@@ -18,8 +18,8 @@ passes, which recompute the probabilities from the forward's log-sum-exp tile by
 n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype): they
 are widened to float32 copies (kept for the backward), the float32 kernels run, and the output
 and the gradients are rounded once to the inputs' dtype, so they are bitwise the float32 call
-on the widened tensors, rounded. When the compiled module was built without them (``poslsh.has_backward`` is
-False), ``backward`` raises NotImplementedError.
+on the widened tensors, rounded. When the compiled module was built without the backward
+passes (``poslsh.has_backward`` is False), ``backward`` raises NotImplementedError.
 
 Forward-only kernels for inference on half-precision tensors (no autograd):
 
@@ -89,7 +89,7 @@ def _widen_inputs(ctx, q, k, v):
     widened to float32 copies, other tensors as they are. Records the dtypes in ctx for
     _narrow (the output and the gradients go back to them)."""
     ctx.dtypes = tuple(getattr(x, "dtype", None) for x in (q, k, v))
-    if ctx.dtypes[0] not in _WIDENED and not any(dtype in _WIDENED for dtype in ctx.dtypes):
+    if not any(dtype in _WIDENED for dtype in ctx.dtypes):
         return q, k, v
     for name, dtype in zip("kv", ctx.dtypes[1:]):
         if dtype != ctx.dtypes[0]:
