@@ -3,7 +3,8 @@
 // One multihead_attention_backward call per iteration from the out and lse of one forward with
 // lse (computed before the timed loop); dout is the shared v tensor. Counters as the forward
 // rows (pairs of the forward, 4 d FLOPs per pair), so GFLOP/s compare with the forward rows.
-#include <poslsh/attention_backward.hpp>
+#include <poslsh/multihead/training.hpp>
+#include <poslsh/training/backward.hpp>
 #include <string>
 #include <vector>
 

@@ -19,7 +19,7 @@
 #include <memory>
 #include <new>
 #include <numeric>
-#include <poslsh/paged_kv.hpp>
+#include <poslsh/attention/paged.hpp>
 #include <random>
 #include <string>
 #include <vector>

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <poslsh/block_stats.hpp>
-#include <poslsh/hash.hpp>
+#include <poslsh/analysis/block_stats.hpp>
+#include <poslsh/lsh/hash.hpp>
 #include <string>
 #include <vector>
 

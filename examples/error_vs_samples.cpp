@@ -7,10 +7,10 @@
 #include <cmath>
 #include <cstdio>
 #include <poslsh/analysis.hpp>
-#include <poslsh/band_counts.hpp>
-#include <poslsh/hash.hpp>
-#include <poslsh/samplers.hpp>
-#include <poslsh/slopes.hpp>
+#include <poslsh/analysis/band_counts.hpp>
+#include <poslsh/lsh/hash.hpp>
+#include <poslsh/lsh/samplers.hpp>
+#include <poslsh/core/slopes.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -82,7 +82,7 @@ Settings parse(int argc, char** argv) {
   for (cli::Args args(program, usage, argc, argv); args.next();) {
     if (args.flag() == "--sampler") {
       try {
-        settings.sampler = poslsh::sampler_from_name(args.value());
+        settings.sampler = poslsh::enum_from_name<poslsh::Sampler>(args.value());
       } catch (const std::invalid_argument&) {
         cli::fail(program, "unknown sampler (see --help)");
       }
@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
       static_cast<long>(settings.n), causal ? "causal" : "bidirectional",
       static_cast<unsigned long long>(settings.seed),
       8.0 * static_cast<double>(settings.n) * static_cast<double>(settings.n) / 1e9,
-      poslsh::sampler_name(settings.sampler), static_cast<long>(settings.group));
+      poslsh::enum_name(settings.sampler), static_cast<long>(settings.group));
   bool any_unconverged = false;
 
   for (std::size_t head = 0; head < sigmas.size(); ++head) {
@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
             head, sigma, static_cast<long>(settings.n), causal ? "causal" : "bidirectional",
             static_cast<unsigned long long>(settings.seed), static_cast<long>(s), norm.value,
             max_error, norm.value / kernel_norm, bound, kernel_norm, norm.converged ? 1 : 0,
-            static_cast<long>(norm.products), seconds, poslsh::sampler_name(settings.sampler),
+            static_cast<long>(norm.products), seconds, poslsh::enum_name(settings.sampler),
             pairs);
       }
       if (seconds_since(start) > 1.0) {

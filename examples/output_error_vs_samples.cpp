@@ -9,13 +9,13 @@
 #include <cmath>
 #include <cstdio>
 #include <poslsh/analysis.hpp>
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/hash.hpp>
-#include <poslsh/partition_attention.hpp>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/samplers.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/lsh/hash.hpp>
+#include <poslsh/attention/partition.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/lsh/samplers.hpp>
+#include <poslsh/attention/tiled.hpp>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -121,7 +121,7 @@ Settings parse(int argc, char** argv) {
       }
     } else if (args.flag() == "--sampler") {
       try {
-        settings.sampler = poslsh::sampler_from_name(args.value());
+        settings.sampler = poslsh::enum_from_name<poslsh::Sampler>(args.value());
       } catch (const std::invalid_argument&) {
         cli::fail(program, "unknown sampler (see --help)");
       }
@@ -343,7 +343,7 @@ void run(const Settings& settings) {
         static_cast<long>(s), method, r.pairs, static_cast<double>(r.pairs) * per_query, width,
         static_cast<long>(band), r.metrics.frobenius, r.metrics.relative_frobenius, r.max,
         r.metrics.row_relative_median, r.metrics.row_relative_p90, r.metrics.row_relative_p99,
-        r.metrics.cosine, r.seconds, poslsh::sampler_name(settings.sampler));
+        r.metrics.cosine, r.seconds, poslsh::enum_name(settings.sampler));
   };
 
   const auto start = std::chrono::steady_clock::now();
@@ -355,7 +355,7 @@ void run(const Settings& settings) {
       "group %ld (0: default).\n",
       static_cast<long>(n), static_cast<long>(settings.d), settings.sigma, masking,
       sizeof(Scalar) == 4 ? "float" : "double", static_cast<unsigned long long>(settings.seed),
-      poslsh::sampler_name(settings.sampler), static_cast<long>(settings.group));
+      poslsh::enum_name(settings.sampler), static_cast<long>(settings.group));
 
   for (const std::string& name : settings.data) {
     const Data data = make_data(name, n, settings.d, settings.sigma, settings.seed);

@@ -1,4 +1,4 @@
-// poslsh plan_heads: the per-head method planner (planner.hpp) on model shapes, its predicted
+// poslsh plan_heads: the per-head method planner (multihead/planner.hpp) on model shapes, its predicted
 // time against the best single method for all heads, and optionally measured.
 //   plan_heads [--n N] [--heads H] [--d D] [--causal | --bidirectional] [--targets LIST]
 //              [--measure] [--repeats R] [--seed SEED] [--window W]
@@ -7,11 +7,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/multihead.hpp>
-#include <poslsh/planner.hpp>
-#include <poslsh/slopes.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/multihead/attention.hpp>
+#include <poslsh/multihead/planner.hpp>
+#include <poslsh/core/slopes.hpp>
+#include <poslsh/attention/tiled.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -139,7 +139,7 @@ int calibrate(const Settings& settings) {
       const std::string name = list.substr(start, comma - start);
       const auto match =
           std::find_if(models.begin(), models.end(), [&](const poslsh::LshErrorModel& model) {
-            return name == poslsh::sampler_name(model.sampler);
+            return name == poslsh::enum_name(model.sampler);
           });
       if (match == models.end()) cli::fail(program, "--samplers: no default model '" + name + "'");
       chosen.push_back(*match);
@@ -155,7 +155,7 @@ int calibrate(const Settings& settings) {
   std::vector<double> banded_ratios;  // measured / banded_dropped_share at planner_band W
   std::printf("%-13s %-5s %4s %6s", "masking", "d", "seed", "sigma");
   for (const poslsh::LshErrorModel& model : models)
-    std::printf("  %11s", poslsh::sampler_name(model.sampler));
+    std::printf("  %11s", poslsh::enum_name(model.sampler));
   std::printf("  %8s   (largest ratio over s = 16..256; banded over targets 1e-1..1e-3)\n",
               "banded");
   for (poslsh::Masking masking : {poslsh::Masking::causal, poslsh::Masking::bidirectional}) {
@@ -214,7 +214,7 @@ int calibrate(const Settings& settings) {
     }
     const double count = static_cast<double>(ratios[m].size());
     const double mean = sum / count;
-    std::printf("%-12s %5zu %12.3f %10.3f %8.3f %13.3f\n", poslsh::sampler_name(models[m].sampler),
+    std::printf("%-12s %5zu %12.3f %10.3f %8.3f %13.3f\n", poslsh::enum_name(models[m].sampler),
                 ratios[m].size(), mean, std::sqrt(std::max(0.0, squares / count - mean * mean)),
                 largest, 1.05 * largest);
   }
@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
                                               poslsh::PlannedMethod::banded, {}, options)});
     for (const poslsh::LshErrorModel& model : options.lsh_models) {
       singles.push_back(
-          {std::string("lsh ") + poslsh::sampler_name(model.sampler),
+          {std::string("lsh ") + poslsh::enum_name(model.sampler),
            poslsh::plan_single_method(n, sigmas, settings.masking, target,
                                       poslsh::PlannedMethod::lsh, model.sampler, options)});
     }

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <poslsh/types.hpp>
+#include <poslsh/core/types.hpp>
 
 #include "test_support.hpp"
 

@@ -6,14 +6,14 @@
 // implicitly as in any user program.
 #pragma once
 
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/block_kernel.hpp>
-#include <poslsh/decode.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/multihead.hpp>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/reference_attention.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/attention/decode.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/multihead/attention.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/reference/attention.hpp>
+#include <poslsh/attention/tiled.hpp>
 
 #if defined(POSLSH_TEST_INSTANTIATE_KERNELS)
 #define POSLSH_TEST_KERNEL template

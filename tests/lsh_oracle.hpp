@@ -2,8 +2,8 @@
 #pragma once
 
 #include <cmath>
-#include <poslsh/masks.hpp>
-#include <poslsh/types.hpp>
+#include <poslsh/reference/masks.hpp>
+#include <poslsh/core/types.hpp>
 
 namespace poslsh_test {
 

@@ -1,6 +1,6 @@
 // The dense ALiBi kernel against its defining formula and its structure.
 #include <cmath>
-#include <poslsh/alibi_kernel.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
 
 #include "test_support.hpp"
 

@@ -1,8 +1,9 @@
 // Backward passes: finite differences in double for every kernel, float against double, the
 // fused gradients against the per-sample ones, lse against a dense log-sum-exp, determinism
 // across thread counts, multi-head and grouped-query sums, and the named shape checks.
-#include <poslsh/attention_backward.hpp>
-#include <poslsh/masks.hpp>
+#include <poslsh/multihead/training.hpp>
+#include <poslsh/training/backward.hpp>
+#include <poslsh/reference/masks.hpp>
 
 #include "test_support.hpp"
 

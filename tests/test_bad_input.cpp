@@ -1,8 +1,8 @@
 // Bad input across the public entry points: each case must throw std::invalid_argument whose
 // message names the argument in single quotes and shows its value ("'name' = value").
 #include <limits>
-#include <poslsh/block_stats.hpp>
-#include <poslsh/max_error.hpp>
+#include <poslsh/analysis/block_stats.hpp>
+#include <poslsh/analysis/max_error.hpp>
 #include <poslsh/poslsh.hpp>
 #include <sstream>
 #include <string>

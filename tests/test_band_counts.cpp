@@ -4,10 +4,10 @@
 // both representations; Poisson partitions through partition_error_metrics against the dense
 // formula.
 #include <poslsh/analysis.hpp>
-#include <poslsh/band_counts.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/masks.hpp>
-#include <poslsh/samplers.hpp>
+#include <poslsh/analysis/band_counts.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/reference/masks.hpp>
+#include <poslsh/lsh/samplers.hpp>
 
 #include "analysis_instantiations.hpp"
 #include "test_support.hpp"

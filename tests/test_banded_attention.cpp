@@ -2,9 +2,9 @@
 // band_for_bias_error against the ALiBi kernel it truncates.
 #include <cmath>
 #include <limits>
-#include <poslsh/alibi_kernel.hpp>
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/reference_attention.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/reference/attention.hpp>
 #include <vector>
 
 #include "test_support.hpp"

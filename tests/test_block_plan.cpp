@@ -1,7 +1,7 @@
 // Block plans: cumulative offsets that cover [0, total) without gaps, agree with the partition,
 // keep sequences apart, and refuse totals beyond int32.
 #include <algorithm>
-#include <poslsh/block_plan.hpp>
+#include <poslsh/interop/block_plan.hpp>
 #include <vector>
 
 #include "test_support.hpp"

@@ -1,7 +1,7 @@
 // Block statistics against a direct scan of bin(), and b_max against the law of the widths.
 #include <array>
 #include <cmath>
-#include <poslsh/block_stats.hpp>
+#include <poslsh/analysis/block_stats.hpp>
 #include <vector>
 
 #include "test_support.hpp"

@@ -1,8 +1,8 @@
 // Numerical edge cases: n = 1 and n = 0, d = 1, sigma = 1e-3 (blocks of one position), sigma =
 // 1e9 (one block), a vanishing sigma, s = 1 and s = 10000, scores of magnitude 1e4 (also behind
 // the causal mask), NaN in Q and in K, and positions near 2^31 in the hash and partition code.
-#include <poslsh/block_stats.hpp>
-#include <poslsh/max_error.hpp>
+#include <poslsh/analysis/block_stats.hpp>
+#include <poslsh/analysis/max_error.hpp>
 #include <poslsh/poslsh.hpp>
 
 #include "lsh_oracle.hpp"
@@ -389,7 +389,7 @@ TEMPLATE_TEST_CASE("1e4 scores, seen or behind the causal mask, give the dense f
 
 TEMPLATE_TEST_CASE("NaN in row r of Q: row r of the output is NaN, the other rows keep their bits",
                    "[edge]", float, double) {
-  // Documented in types.hpp: values are not scanned; each output row is computed on its own.
+  // Documented in core/types.hpp: values are not scanned; each output row is computed on its own.
   const Index n = 150;
   const double sigma = 10.0;
   const auto q = random_matrix<TestType>(n, 8, 71);
@@ -427,7 +427,7 @@ TEMPLATE_TEST_CASE("NaN in row r of Q: row r of the output is NaN, the other row
 
 TEMPLATE_TEST_CASE("NaN in row j of K: every output row that attends to key j is NaN", "[edge]",
                    float, double) {
-  // Documented in types.hpp: rows that do not attend to key j may be NaN too (masked entries
+  // Documented in core/types.hpp: rows that do not attend to key j may be NaN too (masked entries
   // of a tile are computed before being dropped), so only the attending rows are checked.
   const Index n = 130, j = 60, band = 9;
   const double sigma = 8.0;

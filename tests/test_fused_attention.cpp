@@ -1,9 +1,9 @@
 // The fused, count-weighted LSH kernel against the per-sample kernel (same hashes) and the
 // dense formula; its pair count against the dense mean mask.
 #include <cmath>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/reference_attention.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/reference/attention.hpp>
 
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"

@@ -6,12 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/multihead.hpp>
-#include <poslsh/partition.hpp>
-#include <poslsh/reference_attention.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/multihead/attention.hpp>
+#include <poslsh/lsh/partition.hpp>
+#include <poslsh/reference/attention.hpp>
+#include <poslsh/attention/tiled.hpp>
 #include <random>
 #include <vector>
 

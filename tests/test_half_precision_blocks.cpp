@@ -7,11 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <poslsh/block_kernel.hpp>
-#include <poslsh/decode.hpp>
-#include <poslsh/hash.hpp>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/attention/decode.hpp>
+#include <poslsh/lsh/hash.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/attention/tiled.hpp>
 #include <vector>
 
 #include "half_support.hpp"
@@ -93,7 +93,7 @@ struct LogCounts {
   }
 };
 
-/// The kernels of per_sample_attention.hpp and block_kernel.hpp, by name.
+/// The kernels of attention/per_sample.hpp and interop/block_kernel.hpp, by name.
 enum class Kernel { per_sample, fixed_blocks, by_blocks };
 
 const char* name(Kernel kernel) {

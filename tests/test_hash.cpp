@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <poslsh/detail/random/philox.hpp>
-#include <poslsh/hash.hpp>
+#include <poslsh/lsh/hash.hpp>
 
 #include "test_support.hpp"
 

@@ -1,7 +1,7 @@
 // Dense masks, and the identity that makes the method work: E[M(h)] = L*.
 #include <cmath>
-#include <poslsh/alibi_kernel.hpp>
-#include <poslsh/masks.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
+#include <poslsh/reference/masks.hpp>
 
 #include "test_support.hpp"
 

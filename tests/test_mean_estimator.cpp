@@ -1,8 +1,8 @@
 // The mean-of-outputs estimator: forward against the dense formula (the mean of the s
 // per-sample softmaxes on the sample's blocks), backward against central finite differences in
 // double, determinism across thread counts and the named shape checks.
-#include <poslsh/masks.hpp>
-#include <poslsh/mean_estimator.hpp>
+#include <poslsh/reference/masks.hpp>
+#include <poslsh/training/mean_of_outputs.hpp>
 
 #include "test_support.hpp"
 

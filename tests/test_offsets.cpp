@@ -1,13 +1,13 @@
 // Queries at an offset (AttentionOptions::query_offset): chunked prefill and multi-token decode
 // give bitwise the rows of one prefill, for every method, causal and bidirectional; bottom-right
 // alignment when the offset is unset; bad offsets are rejected by name.
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/block_kernel.hpp>
-#include <poslsh/decode.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/reference_attention.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/attention/decode.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/reference/attention.hpp>
+#include <poslsh/attention/tiled.hpp>
 
 #include "test_support.hpp"
 

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/paged_kv.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/attention/paged.hpp>
+#include <poslsh/attention/tiled.hpp>
 #include <random>
 
 #include "test_support.hpp"

@@ -1,5 +1,5 @@
 // Blocks of a hash: contiguous, covering [0, n), and agreeing with bin() position by position.
-#include <poslsh/partition.hpp>
+#include <poslsh/lsh/partition.hpp>
 #include <vector>
 
 #include "test_support.hpp"

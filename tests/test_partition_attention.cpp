@@ -1,11 +1,11 @@
-// The LSH kernels on stored partitions (partition_attention.hpp): bitwise the hash-set kernels
+// The LSH kernels on stored partitions (attention/partition.hpp): bitwise the hash-set kernels
 // on partition_set(hashes, n), the dense count-weighted formula on Poisson cuts, the same
 // output for any thread count, the pair count, and named argument errors.
 #include <cmath>
-#include <poslsh/block_kernel.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/partition_attention.hpp>
-#include <poslsh/samplers.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/attention/partition.hpp>
+#include <poslsh/lsh/samplers.hpp>
 #include <vector>
 
 #include "test_support.hpp"
@@ -96,7 +96,7 @@ TEST_CASE("partition kernels are bitwise the hash-set kernels on partition_set(h
             const poslsh::HashSet hashes = poslsh::sample_hashes(sigma, s, 5, 2, sampler);
             const PartitionSet set = poslsh::partition_set(hashes, n);
             INFO("n " << n << ", " << poslsh_test::masking_name(masking) << ", "
-                      << poslsh::sampler_name(sampler) << ", sigma " << sigma << ", s " << s);
+                      << poslsh::enum_name(sampler) << ", sigma " << sigma << ", s " << s);
             const RowMatrix<float> fused =
                 poslsh::lsh_attention_fused<float>(q, k, v, hashes, with_masking(masking));
             CHECK(poslsh::lsh_attention_fused<float>(q, k, v, set, with_masking(masking)) == fused);

@@ -1,8 +1,8 @@
 // The per-sample LSH kernel (the paper's algorithm) and the fixed-blocks baseline against the
 // dense formula D~^-1 (A o M~) V and against plain softmax attention.
 #include <cmath>
-#include <poslsh/per_sample_attention.hpp>
-#include <poslsh/reference_attention.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/reference/attention.hpp>
 
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"

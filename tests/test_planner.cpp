@@ -4,10 +4,10 @@
 // kernels.
 #include <cmath>
 #include <poslsh/analysis.hpp>
-#include <poslsh/banded_attention.hpp>
-#include <poslsh/fused_attention.hpp>
-#include <poslsh/planner.hpp>
-#include <poslsh/tiled_attention.hpp>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/multihead/planner.hpp>
+#include <poslsh/attention/tiled.hpp>
 
 #include "test_support.hpp"
 
@@ -265,7 +265,7 @@ TEST_CASE("the LSH mean fit against measured errors and the paper's bound", "[pl
       const double bound = poslsh::expectation_bound(n, sigma, s) /
                            poslsh::alibi_kernel_norm(n, sigma, Masking::causal);
       const double upper = poslsh::lsh_predicted_error(model, s);
-      INFO(poslsh::sampler_name(model.sampler)
+      INFO(poslsh::enum_name(model.sampler)
            << ", s " << s << ": mean fit " << mean_fit << ", upper " << upper << ", measured "
            << measured << ", paper bound " << bound);
       CHECK(measured <= 2.0 * mean_fit);
@@ -297,7 +297,7 @@ TEST_CASE("the LSH upper estimate bounds every measured error at the planned s",
                            poslsh_test::with_masking(masking)));
             INFO(poslsh_test::masking_name(masking)
                  << ", seed " << seed << ", sigma " << sigma << ", "
-                 << poslsh::sampler_name(model.sampler) << ", s " << s << ": predicted "
+                 << poslsh::enum_name(model.sampler) << ", s " << s << ": predicted "
                  << predicted << ", measured " << measured);
             CHECK(predicted <= target);
             CHECK(measured <= predicted);

@@ -1,7 +1,7 @@
 // The naive exact ALiBi attention against D^-1 (A o L*) V computed from the dense kernel.
 #include <cmath>
-#include <poslsh/alibi_kernel.hpp>
-#include <poslsh/reference_attention.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
+#include <poslsh/reference/attention.hpp>
 
 #include "test_support.hpp"
 

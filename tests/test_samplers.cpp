@@ -10,7 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
-#include <poslsh/samplers.hpp>
+#include <poslsh/lsh/samplers.hpp>
 
 #include "test_support.hpp"
 
@@ -91,7 +91,7 @@ TEST_CASE("every sampler hits distance r with probability exp(-r/sigma)", "[samp
         const double deviation = std::max(0.0, std::abs(hits[ur] - total * p) - 3.0);
         worst_z = std::max(worst_z, deviation / std::sqrt(std::max(binomial, observed) + 1e-300));
       }
-      INFO("sigma " << sigma << ", sampler " << poslsh::sampler_name(sampler) << ": max z "
+      INFO("sigma " << sigma << ", sampler " << poslsh::enum_name(sampler) << ": max z "
                     << worst_z);
       CHECK(worst_z < 5.0);
     }
@@ -445,11 +445,11 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
   require_invalid_argument([&] { poslsh::lattice_group_starts(4, options); },
                            "options.lattice_group");
   require_invalid_argument([] { poslsh::lattice_group_starts(0); }, "s");
-  CHECK(poslsh::sampler_from_name("stratified_lattice") == Sampler::stratified_lattice);
+  CHECK(poslsh::enum_from_name<poslsh::Sampler>("stratified_lattice") == Sampler::stratified_lattice);
   require_invalid_argument([] { poslsh::sample_partition_set(1.0, 4, -1, 1, 0, Sampler::poisson); },
                            "n");
-  require_invalid_argument([] { poslsh::sampler_from_name("bogus"); }, "name");
-  CHECK(poslsh::sampler_from_name("rqmc") == Sampler::rqmc);
+  require_invalid_argument([] { poslsh::enum_from_name<poslsh::Sampler>("bogus"); }, "name");
+  CHECK(poslsh::enum_from_name<poslsh::Sampler>("rqmc") == Sampler::rqmc);
 }
 
 namespace {

@@ -1,6 +1,6 @@
 // ALiBi slopes against the official formula (Press et al.) computed independently here.
 #include <cmath>
-#include <poslsh/slopes.hpp>
+#include <poslsh/core/slopes.hpp>
 #include <vector>
 
 #include "test_support.hpp"

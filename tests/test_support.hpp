@@ -3,7 +3,7 @@
 #pragma once
 
 #include <limits>
-#include <poslsh/types.hpp>
+#include <poslsh/core/types.hpp>
 #include <random>
 #include <stdexcept>
 #include <string>

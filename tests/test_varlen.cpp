@@ -1,6 +1,6 @@
 // Packed variable-length batches (multihead_attention_varlen) against per-sequence
 // multihead_attention calls, bitwise; empty and one-token sequences; bad cu_seqlens.
-#include <poslsh/multihead.hpp>
+#include <poslsh/multihead/attention.hpp>
 
 #include "test_support.hpp"
 

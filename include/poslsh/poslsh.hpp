@@ -1,34 +1,47 @@
-// poslsh: Positional LSH for ALiBi attention. Includes every public header that needs only
-// Eigen: the kernels, the hashes, the interop helpers and the Spectra-free part of the error
-// analysis (operators.hpp, max_error.hpp, block_stats.hpp). The spectral norms and the paper's
-// metric set (spectral_error.hpp, metrics.hpp) need Spectra and are in poslsh/analysis.hpp.
+/// \file
+/// \brief poslsh: ALiBi attention, exact (tiled, banded) or by Positional LSH. Includes every
+/// public header that needs only Eigen; the spectral error analysis, which needs Spectra, is in
+/// poslsh/analysis.hpp.
+///
+/// The headers by area:
+///   core/       views, options, ALiBi slopes
+///   lsh/        the positional hashes, partitions and variance-reduced samplers
+///   attention/  single-head forward kernels: tiled, banded, fused, per-sample, partitions,
+///               decode, paged
+///   multihead/  every all-heads entry point: the method table, forward, forward with lse,
+///               backward, packed batches, the per-head planner
+///   training/   single-head forward with lse and backward, the mean-of-outputs estimator
+///   interop/    block plans, the log-sum-exp merge, bring-your-own block kernel
+///   analysis/   error measurements of M~ against L* (operators, max error, block statistics)
+///   reference/  dense O(n^2) references, for checks only
 #pragma once
 
-#include "poslsh/alibi_kernel.hpp"
-#include "poslsh/attention_backward.hpp"
-#include "poslsh/band_counts.hpp"
-#include "poslsh/banded_attention.hpp"
-#include "poslsh/block_kernel.hpp"
-#include "poslsh/block_plan.hpp"
-#include "poslsh/block_stats.hpp"
-#include "poslsh/decode.hpp"
-#include "poslsh/fused_attention.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/heads_view.hpp"
-#include "poslsh/lse_merge.hpp"
-#include "poslsh/masks.hpp"
-#include "poslsh/max_error.hpp"
-#include "poslsh/mean_estimator.hpp"
-#include "poslsh/multihead.hpp"
-#include "poslsh/operators.hpp"
-#include "poslsh/paged_kv.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/partition_attention.hpp"
-#include "poslsh/per_sample_attention.hpp"
-#include "poslsh/planner.hpp"
-#include "poslsh/reference_attention.hpp"
-#include "poslsh/samplers.hpp"
-#include "poslsh/slopes.hpp"
-#include "poslsh/tiled_attention.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/analysis/band_counts.hpp"
+#include "poslsh/analysis/block_stats.hpp"
+#include "poslsh/analysis/max_error.hpp"
+#include "poslsh/analysis/operators.hpp"
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/decode.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/paged.hpp"
+#include "poslsh/attention/partition.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/heads_view.hpp"
+#include "poslsh/core/slopes.hpp"
+#include "poslsh/core/types.hpp"
+#include "poslsh/interop/block_kernel.hpp"
+#include "poslsh/interop/block_plan.hpp"
+#include "poslsh/interop/lse_merge.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
+#include "poslsh/lsh/samplers.hpp"
+#include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/planner.hpp"
+#include "poslsh/multihead/training.hpp"
+#include "poslsh/reference/alibi_kernel.hpp"
+#include "poslsh/reference/attention.hpp"
+#include "poslsh/reference/masks.hpp"
+#include "poslsh/training/backward.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
 #include "poslsh/version.hpp"

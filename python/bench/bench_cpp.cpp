@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <poslsh/multihead.hpp>
+#include <poslsh/multihead/attention.hpp>
 #include <random>
 #include <vector>
 

@@ -9,9 +9,9 @@
 #if __has_include("poslsh/analysis.hpp")
 #include "poslsh/analysis.hpp"
 #else
-#include "poslsh/max_error.hpp"
-#include "poslsh/metrics.hpp"
-#include "poslsh/spectral_error.hpp"
+#include "poslsh/analysis/max_error.hpp"
+#include "poslsh/analysis/metrics.hpp"
+#include "poslsh/analysis/spectral_error.hpp"
 #endif
 #endif
 

@@ -2,9 +2,9 @@
 // (training support; poslsh.torch builds autograd Functions on them).
 #include "common.hpp"
 
-#if __has_include("poslsh/attention_backward.hpp")
-#include "poslsh/attention_backward.hpp"
-#include "poslsh/mean_estimator.hpp"
+#if __has_include("poslsh/training/backward.hpp")
+#include "poslsh/training/backward.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
 #define POSLSH_PYTHON_HAS_BACKWARD 1
 #endif
 

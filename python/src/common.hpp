@@ -22,8 +22,8 @@
 #include <omp.h>
 #endif
 
-#include "poslsh/hash.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
 
 PYBIND11_MAKE_OPAQUE(poslsh::HashSet)
 

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "poslsh/banded_attention.hpp"
-#include "poslsh/fused_attention.hpp"
-#include "poslsh/tiled_attention.hpp"
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/tiled.hpp"
 #include "rows.hpp"
 
 namespace poslsh_python {

@@ -1,8 +1,8 @@
 // poslsh Python bindings: the per-sample, fixed-blocks and decode kernels on half-precision
 // arrays (float16 ndarrays, poslsh.BFloat16Bits).
 #include "half.hpp"
-#include "poslsh/decode.hpp"
-#include "poslsh/per_sample_attention.hpp"
+#include "poslsh/attention/decode.hpp"
+#include "poslsh/attention/per_sample.hpp"
 
 namespace poslsh_python {
 

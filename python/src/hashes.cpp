@@ -1,8 +1,8 @@
 // poslsh Python bindings: hash sets, ALiBi slopes, band widths and pair counts.
 #include "common.hpp"
-#include "poslsh/banded_attention.hpp"
-#include "poslsh/fused_attention.hpp"
-#include "poslsh/slopes.hpp"
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/core/slopes.hpp"
 
 namespace poslsh_python {
 

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "common.hpp"
-#include "poslsh/heads_view.hpp"
-#include "poslsh/multihead.hpp"
+#include "poslsh/core/heads_view.hpp"
+#include "poslsh/multihead/attention.hpp"
 
 namespace poslsh_python {
 

@@ -3,8 +3,8 @@
 #include <memory>
 
 #include "common.hpp"
-#include "poslsh/block_plan.hpp"
-#include "poslsh/lse_merge.hpp"
+#include "poslsh/interop/block_plan.hpp"
+#include "poslsh/interop/lse_merge.hpp"
 
 namespace poslsh_python {
 

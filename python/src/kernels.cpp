@@ -3,12 +3,12 @@
 
 #include "common.hpp"
 #include "half.hpp"
-#include "poslsh/banded_attention.hpp"
-#include "poslsh/decode.hpp"
-#include "poslsh/fused_attention.hpp"
-#include "poslsh/per_sample_attention.hpp"
-#include "poslsh/reference_attention.hpp"
-#include "poslsh/tiled_attention.hpp"
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/decode.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/reference/attention.hpp"
+#include "poslsh/attention/tiled.hpp"
 #include "rows.hpp"
 
 namespace poslsh_python {

@@ -3,8 +3,8 @@
 // or a packed batch (cu_seqlens).
 #include "heads.hpp"
 
-#if __has_include("poslsh/attention_backward.hpp")
-#include "poslsh/attention_backward.hpp"
+#if __has_include("poslsh/multihead/training.hpp")
+#include "poslsh/multihead/training.hpp"
 #define POSLSH_PYTHON_HAS_MULTIHEAD_BACKWARD 1
 #endif
 

@@ -3,7 +3,7 @@
 #include <cstdint>
 
 #include "common.hpp"
-#include "poslsh/paged_kv.hpp"
+#include "poslsh/attention/paged.hpp"
 
 namespace poslsh_python {
 

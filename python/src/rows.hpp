@@ -5,7 +5,7 @@
 #include <exception>
 
 #include "common.hpp"
-#include "poslsh/tiled_attention.hpp"
+#include "poslsh/attention/tiled.hpp"
 
 namespace poslsh_python {
 

@@ -1,10 +1,10 @@
 // poslsh Python bindings: the variance-reduced hash samplers (sample_hashes) and the per-head
 // method planner (plan_heads, multihead_attention_planned).
-#include "poslsh/samplers.hpp"
+#include "poslsh/lsh/samplers.hpp"
 
 #include "common.hpp"
 #include "heads.hpp"
-#include "poslsh/planner.hpp"
+#include "poslsh/multihead/planner.hpp"
 
 namespace poslsh_python {
 
@@ -14,7 +14,7 @@ namespace {
 poslsh::Sampler sampler_of_name(const std::string& name, const char* function,
                                 const char* name_of_argument) {
   for (poslsh::Sampler sampler : poslsh::all_samplers) {
-    if (name == poslsh::sampler_name(sampler)) return sampler;
+    if (name == poslsh::enum_name(sampler)) return sampler;
   }
   throw py::value_error(argument(function, name_of_argument) + " = '" + name +
                         "': must be independent, antithetic, stratified, lattice_offsets, "
@@ -127,7 +127,7 @@ void bind_samplers(py::module_& module) {
       []() {
         std::vector<std::string> names;
         for (poslsh::Sampler sampler : poslsh::all_samplers) {
-          names.emplace_back(poslsh::sampler_name(sampler));
+          names.emplace_back(poslsh::enum_name(sampler));
         }
         return names;
       },
@@ -186,7 +186,7 @@ single-thread seconds and relative output error. Read-only.
           "sampler",
           [](const poslsh::HeadPlan& p) -> std::optional<std::string> {
             if (p.method != poslsh::PlannedMethod::lsh) return std::nullopt;
-            return std::string(poslsh::sampler_name(p.sampler));
+            return std::string(poslsh::enum_name(p.sampler));
           },
           "lsh: the sampler's name; None otherwise")
       .def_readonly("seed", &poslsh::HeadPlan::seed,
@@ -211,7 +211,7 @@ single-thread seconds and relative output error. Read-only.
         if (p.method == poslsh::PlannedMethod::banded) text += ", band=" + std::to_string(p.band);
         if (p.method == poslsh::PlannedMethod::lsh) {
           text += ", samples=" + std::to_string(p.samples) + ", sampler='" +
-                  poslsh::sampler_name(p.sampler) + "'";
+                  poslsh::enum_name(p.sampler) + "'";
         }
         return text +
                ", predicted_error=" + py::repr(py::float_(p.predicted_error)).cast<std::string>() +

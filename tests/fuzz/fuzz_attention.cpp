@@ -16,8 +16,8 @@
 // summation order, so they differ by the rounding of a dot product, about
 // eps d max_ij |tau| sum_c |q_ic k_jc| in a logit, which moves the output by that much
 // relative to max |v|; plus a few eps for the exponentials and sums.
-#include <poslsh/block_stats.hpp>
-#include <poslsh/paged_kv.hpp>
+#include <poslsh/analysis/block_stats.hpp>
+#include <poslsh/attention/paged.hpp>
 #include <poslsh/poslsh.hpp>
 
 #ifdef _OPENMP

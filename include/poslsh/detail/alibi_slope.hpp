@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -24,7 +24,7 @@
 #include <type_traits>
 
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 #if defined(__F16C__)
 #include <immintrin.h>

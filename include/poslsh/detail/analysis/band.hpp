@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "poslsh/detail/analysis/partitions.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -7,7 +7,7 @@
 #include <Eigen/Core>
 #include <cmath>
 
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -8,7 +8,7 @@
 
 #include "poslsh/detail/analysis/band.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -9,10 +9,10 @@
 
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/per_sample_attention.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

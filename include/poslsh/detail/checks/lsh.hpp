@@ -4,7 +4,7 @@
 #include <string>
 
 #include "poslsh/detail/checks/attention.hpp"
-#include "poslsh/hash.hpp"
+#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh::detail {
 

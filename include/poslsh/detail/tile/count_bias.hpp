@@ -14,8 +14,8 @@
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -9,9 +9,9 @@
 
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
-#include "poslsh/hash.hpp"
-#include "poslsh/partition.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -36,7 +36,7 @@
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 
@@ -67,7 +67,7 @@ struct EngineState {
 /// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile) and
 /// prefetch(first, last, d, d_v) (a hint for rows [first, last)); a source whose rows come
 /// in runs (ReadsInRuns, below) also key_row, value_row and run_end. Paged caches: PagedRows
-/// in poslsh/paged_kv.hpp.
+/// in poslsh/attention/paged.hpp.
 template <typename Scalar>
 class ContiguousKV {
  public:

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #endif
 
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 // Loops over a register block (small compile-time trip counts) must be unrolled completely,
 // or the block's accumulator array is kept in memory; GCC does not always do it unasked.

@@ -22,7 +22,7 @@
 
 #include <Eigen/Core>
 
-#include "poslsh/types.hpp"
+#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -1,0 +1,111 @@
+// poslsh: the exact max-norm error ||L* - M~||_max without n x n storage. Part of the analysis
+// module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "poslsh/detail/analysis/band.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// The largest entry of |L* - M~| and one position (row, col) where it is attained
+/// (-1, -1 when n = 0).
+struct MaxError {
+  double value = 0.0;
+  Index row = -1;
+  Index col = -1;
+};
+
+namespace detail {
+
+/// Rows per task of the row-parallel scan.
+inline constexpr Index analysis_rows_per_task = 16384;
+
+/// Largest block (edge difference) over all samples.
+inline Index analysis_largest_block(const AnalysisPartitions& partitions) {
+  Index largest = 0;
+  for (Index k = 0; k < partitions.samples(); ++k) {
+    for (const Index* edge = partitions.begin(k); edge + 1 != partitions.end(k); ++edge) {
+      largest = std::max(largest, edge[1] - edge[0]);
+    }
+  }
+  return largest;
+}
+
+/// Rows [first, last) of the max-norm scan; `kernel[d]` = exp(-d / sigma), `mean[c]` = c / s.
+inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, Index first,
+                                        Index last, bool causal, const std::vector<double>& kernel,
+                                        const std::vector<double>& mean) {
+  MaxError best;
+  const auto consider = [&best](double value, Index i, Index j) {
+    if (best.row < 0 || value > best.value) best = MaxError{value, i, j};
+  };
+  AnalysisRowBands bands(partitions, first);
+  for (Index i = first; i < last; ++i) {
+    bands.row(i, causal);
+    // Left of the band M~ = 0, so |L* - M~| = L*, largest at the nearest key j = lo - 1.
+    if (bands.lo > 0) consider(kernel[static_cast<std::size_t>(i - bands.lo + 1)], i, bands.lo - 1);
+    for (Index j = bands.lo; j < bands.hi; ++j) {
+      const double estimate =
+          mean[static_cast<std::size_t>(bands.counts[static_cast<std::size_t>(j - bands.lo)])];
+      const double exact = kernel[static_cast<std::size_t>(i > j ? i - j : j - i)];
+      consider(std::abs(estimate - exact), i, j);
+    }
+    // Right of the band: j = hi (bidirectional; causal keys j > i are 0 in both).
+    if (!causal && bands.hi < partitions.n) {
+      consider(kernel[static_cast<std::size_t>(bands.hi - i)], i, bands.hi);
+    }
+  }
+  return best;
+}
+
+}  // namespace detail
+
+/// Max-norm error ||L* - M~||_max = max_ij |L*_ij - c_ij / s|, c_ij = #{k : bin_k(i) = bin_k(j)},
+/// L*_ij = exp(-|i-j| / sigma) (causal: j <= i only), exactly (every entry is formed as the
+/// dense alibi_kernel_dense and mean_mask_dense form it, so the result equals the dense max
+/// bit for bit). Row i: inside its union band [lo_i, hi_i) (the keys sharing a block with i in
+/// some sample) each c_ij / s is compared with L*_ij; outside it c_ij = 0 and the largest
+/// |L*_ij| is at the band edge. O(n (s + band)) time, O(s n / sigma) memory, rows in parallel
+/// (OpenMP). `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument
+/// naming a bad argument (empty or invalid hashes, n < 0, sigma).
+template <typename Hashes = HashSet>
+MaxError max_error(const Hashes& hashes, Index n, double sigma, Masking masking) {
+  constexpr const char* function = "max_error";
+  detail::require_sigma(sigma, function);
+  const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
+  if (n == 0) return MaxError{};
+  std::vector<double> kernel(static_cast<std::size_t>(detail::analysis_largest_block(partitions)) +
+                             1);
+  for (std::size_t d = 0; d < kernel.size(); ++d) {
+    kernel[d] = std::exp(-static_cast<double>(d) / sigma);  // as alibi_kernel_dense forms it
+  }
+  const auto samples = static_cast<std::size_t>(partitions.samples());
+  std::vector<double> mean(samples + 1);
+  for (std::size_t c = 0; c <= samples; ++c) {
+    mean[c] = static_cast<double>(c) / static_cast<double>(samples);  // as mean_mask_dense
+  }
+  const Index tasks = (n + detail::analysis_rows_per_task - 1) / detail::analysis_rows_per_task;
+  std::vector<MaxError> results(static_cast<std::size_t>(tasks));
+  const bool causal = masking == Masking::causal;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (Index task = 0; task < tasks; ++task) {
+    const Index first = task * detail::analysis_rows_per_task;
+    const Index last = std::min(n, first + detail::analysis_rows_per_task);
+    results[static_cast<std::size_t>(task)] =
+        detail::analysis_max_error_rows(partitions, first, last, causal, kernel, mean);
+  }
+  MaxError best = results.front();
+  for (const MaxError& result : results) {
+    if (result.value > best.value) best = result;
+  }
+  return best;
+}
+
+}  // namespace poslsh

@@ -1,0 +1,170 @@
+// poslsh: fused, count-weighted LSH ALiBi attention: the per-sample estimator with every
+// (query, key) pair evaluated once.
+#pragma once
+
+#include <algorithm>
+#include <utility>
+
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+namespace detail {
+
+/// Query rows per tile of the fused kernel (the tile engine's; tiles aligned from row 0).
+inline constexpr Index fused_query_tile = tile_query_rows;
+
+/// Per-thread buffers of the fused kernel.
+template <typename Scalar>
+struct FusedWorkspace {
+  TileCounts counts;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> count_tile;
+  TileBuffers<Scalar> buffers;
+};
+
+/// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
+/// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
+/// position query_offset + r. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may be
+/// stored in a half-precision type, out in any scalar type (engine_rows). The counts come from
+/// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
+template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
+          typename OutType>
+void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
+                const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
+                const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
+                bool causal, Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
+                Index query_offset = 0) {
+  CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
+  engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
+                                         query_offset, i0, i0 + rows,
+                                         out.middleRows(i0 - query_offset, rows));
+}
+
+/// Runs the (head, query tile) jobs in one parallel loop, job j being head j % heads of query
+/// tile j / heads: head_tile(head, i0, rows, work) computes rows [i0, i0 + rows) of that head
+/// with the calling thread's workspace. Every job writes its own rows with arithmetic that
+/// depends on the job alone: bitwise the same for any thread count and any job order.
+/// The heads of a query tile run one after the other, so the jobs in flight read the same
+/// token rows (and nearby keys) of every head: with [n, H, d] inputs each row is one stretch
+/// of memory, fetched once for all heads. Head by head, each head would read a d-wide slice
+/// of rows H d apart (2 KiB for H = 8, d = 64 floats), a stride that hardware prefetchers do
+/// not follow and that maps every row to the same few cache sets: then the time per pair grew
+/// with n as the inputs outgrew the last-level cache (0.86x at n = 65536 vs 4096).
+/// Rows at positions [row_begin, row_end): query tiles aligned to multiples of
+/// fused_query_tile in positions, the first and the last cut to the range.
+template <typename Scalar, typename HeadTile>
+void run_fused_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
+  if (row_begin >= row_end) return;
+  const Index first_tile = row_begin / fused_query_tile;
+  const Index tiles_per_head = (row_end + fused_query_tile - 1) / fused_query_tile - first_tile;
+  const auto jobs = static_cast<long>(heads * tiles_per_head);
+#pragma omp parallel
+  {
+    FusedWorkspace<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long job = 0; job < jobs; ++job) {
+      const Index h = static_cast<Index>(job) % heads;
+      const Index i0 = (first_tile + static_cast<Index>(job) / heads) * fused_query_tile;
+      const Index r0 = std::max(i0, row_begin);
+      head_tile(h, r0, std::min(i0 + fused_query_tile, row_end) - r0, work);
+    }
+  }
+}
+
+/// Rows [0, n) (self-attention).
+template <typename Scalar, typename HeadTile>
+void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
+  run_fused_tiles<Scalar>(heads, Index{0}, n, std::forward<HeadTile>(head_tile));
+}
+
+/// The body of lsh_attention_fused after its checks: the q.rows() queries at positions p0 ..,
+/// query tiles in parallel, the counts from `counts` (a HashSet or stored partitions).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename Counts>
+void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k,
+                     ConstMatrixRef<KVScalar> v, const Counts& counts, MatrixRef<OutScalar> out,
+                     const AttentionOptions& options, Index p0) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  const Index m = q.rows();
+  if (m == 0) return;
+  const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
+  run_fused_tiles<Compute>(1, p0, p0 + m,
+                           [&](Index, Index i0, Index rows, FusedWorkspace<Compute>& work) {
+                             fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau, causal, i0,
+                                                                   rows, out, work, p0);
+                           });
+}
+
+/// sum_i |[lo_i, hi_i)| over positions 0 .. n - 1, the key intervals of `counts` (a HashSet or
+/// stored partitions, already checked) built query tile by query tile as the kernel builds them.
+template <typename Counts>
+long long fused_pair_count(const Counts& counts_source, Index n, Masking masking) {
+  long long pairs = 0;
+  TileCounts counts;
+  for (Index i0 = 0; i0 < n; i0 += fused_query_tile) {
+    const Index rows = std::min(fused_query_tile, n - i0);
+    counts.build(counts_source, i0, rows, n, masking == Masking::causal);
+    for (Index r = 0; r < rows; ++r) {
+      const auto index = static_cast<std::size_t>(r);
+      pairs += counts.hi[index] - counts.lo[index];
+    }
+  }
+  return pairs;
+}
+
+}  // namespace detail
+
+/// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
+///   out_i = sum_j c_ij e^{tau q_i.k_j - M_i} v_j / sum_j c_ij e^{tau q_i.k_j - M_i},
+///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
+/// with each pair of c_ij > 0 evaluated once. The keys with c_ij > 0 form one interval per
+/// query; queries are taken in tiles of 64 whose key band is cut in tiles of 64, scored by
+/// register-blocked packet kernels only where some query's interval reaches, weighted by the
+/// count tile (built from the blocks by difference arrays) inside an online softmax whose
+/// running maximum is over entries of non-zero weight. Extra memory O(tile) per thread. Tiles
+/// run in parallel (OpenMP) and write disjoint rows: bitwise the same output for any thread
+/// count. Queries at an offset (options.query_offset = p0; unset: L - m): Q is m x d at
+/// positions p0 .. p0 + m - 1 over K, V of L rows, c_{p0+r, j} read at the absolute positions
+/// (causal: j <= p0 + r), and row r is bitwise row p0 + r of the kernel on all L positions
+/// (chunked prefill, multi-token decode). Throws std::invalid_argument naming a bad argument.
+/// Scalar types: Q is Scalar, K and V KVScalar, out OutScalar (each float, double,
+/// Eigen::half or Eigen::bfloat16; KVScalar and OutScalar default to Scalar and are not
+/// deduced); computed in compute_scalar_t<Scalar, KVScalar, OutScalar>: half-precision inputs
+/// widened exactly to float as they are loaded, scores, counts, softmax and sums in float, a
+/// half-precision output the float result rounded once. Bitwise the float kernel's output on
+/// the widened inputs, rounded once to OutScalar.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const HashSet& hashes,
+                         MatrixRef<detail::nondeduced_t<OutScalar>> out,
+                         const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused";
+  const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
+  detail::fused_attention<Scalar, KVScalar, OutScalar>(function, q, k, v, hashes, out, options, p0);
+}
+
+/// Returning form of lsh_attention_fused (the output in Q's scalar type).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
+                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                      const HashSet& hashes, const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  lsh_attention_fused<Scalar, KVScalar, Scalar>(q, k, v, hashes, out, options);
+  return out;
+}
+
+/// Number of (query, key) pairs with c_ij > 0 (causal: j <= i), i.e. the pairs the fused
+/// kernel weights: sum_i |[lo_i, hi_i)|. O(n s) time. For cost models and benchmarks.
+inline long long lsh_fused_pair_count(const HashSet& hashes, Index n, Masking masking) {
+  detail::require_size(n, "lsh_fused_pair_count", "n");
+  validate_hashes(hashes, "lsh_fused_pair_count");
+  return detail::fused_pair_count(hashes, n, masking);
+}
+
+}  // namespace poslsh

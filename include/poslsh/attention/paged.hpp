@@ -1,0 +1,221 @@
+// poslsh: attention over a paged KV cache (keys and values read through a block table, as in
+// vLLM's and FlashAttention's paged attention), for the exact tiled and the fused LSH kernels:
+// prefill with queries at an offset, chunked prefill and decode.
+//
+// Layout: FlashAttention's paged KV cache, k_pages [num_pages, page_size, H_kv, d] and
+// v_pages [num_pages, page_size, H_kv, d_v] (row-major), block_table int32 [batch, max_pages]
+// (row b lists the physical pages of sequence b in order: its token j is row j % page_size of
+// page block_table[b][j / page_size]), seq_lens int32 [batch].
+//
+// Checked (std::invalid_argument naming the argument): the cache's sizes and pointers, the
+// sequence and head indices, seq_lens[b] >= 0, a block table row long enough for the sequence
+// (max_pages >= ceil(seq_lens[b] / page_size)), every page index the sequence uses in
+// [0, num_pages), plus the checks of the contiguous kernels (shapes, offset, hashes, sigma).
+// Only the pages a sequence's tokens use are read (nothing outside the cache). Not checked:
+// that the buffers hold num_pages pages, and the values.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// A paged KV cache (FlashAttention's layout, see the file comment). Views only: the caller
+/// owns the buffers.
+template <typename Scalar>
+struct PagedKV {
+  const Scalar* k_pages = nullptr;  ///< [num_pages, page_size, heads, dim]
+  const Scalar* v_pages = nullptr;  ///< [num_pages, page_size, heads, dim_v]
+  Index num_pages = 0;
+  Index page_size =
+      0;            ///< tokens per page P (a key tile of 64 reads ceil(64 / P) + 1 runs at most)
+  Index heads = 0;  ///< H_kv
+  Index dim = 0;    ///< d
+  Index dim_v = 0;  ///< d_v
+  const std::int32_t* block_table = nullptr;  ///< [batch, max_pages], row-major
+  Index batch = 0;
+  Index max_pages = 0;
+  const std::int32_t* seq_lens = nullptr;  ///< [batch]: tokens of each sequence
+
+  /// Tokens of sequence b.
+  Index length(Index b) const { return seq_lens[b]; }
+
+  /// Checks the cache and sequence b's pages (see the file comment), naming the argument.
+  void validate(const char* function, Index b) const {
+    detail::require(page_size >= 1, function, "cache.page_size", page_size, "must be >= 1");
+    detail::require(num_pages >= 0, function, "cache.num_pages", num_pages, "must be >= 0");
+    detail::require(heads >= 1, function, "cache.heads", heads, "must be >= 1");
+    detail::require(dim >= 1, function, "cache.dim", dim, "must be >= 1");
+    detail::require(dim_v >= 1, function, "cache.dim_v", dim_v, "must be >= 1");
+    detail::require(batch >= 1, function, "cache.batch", batch, "must be >= 1");
+    detail::require(max_pages >= 0, function, "cache.max_pages", max_pages, "must be >= 0");
+    detail::require(seq_lens != nullptr, function, "cache.seq_lens", "null",
+                    "must point at batch lengths");
+    if (b < 0 || b >= batch)
+      detail::throw_invalid(function, "sequence", b,
+                            "must lie in [0, cache.batch) = [0, " + std::to_string(batch) + ")");
+    const Index n = seq_lens[b];
+    detail::require(n >= 0, function, "cache.seq_lens", n, "lengths must be >= 0");
+    const Index pages = (n + page_size - 1) / page_size;
+    if (pages > max_pages)
+      detail::throw_invalid(function, "cache.block_table", max_pages,
+                            "holds max_pages pages per sequence, fewer than the " +
+                                std::to_string(pages) + " pages of sequence " + std::to_string(b) +
+                                " (" + std::to_string(n) + " tokens)");
+    if (n == 0) return;
+    detail::require(block_table != nullptr && k_pages != nullptr && v_pages != nullptr, function,
+                    "cache", "null", "block_table, k_pages and v_pages must point at buffers");
+    for (Index p = 0; p < pages; ++p) {
+      const std::int32_t page = block_table[b * max_pages + p];
+      if (page < 0 || page >= num_pages)
+        detail::throw_invalid(
+            function, "cache.block_table",
+            "[" + std::to_string(b) + "][" + std::to_string(p) + "] = " + std::to_string(page),
+            "page indices must lie in [0, num_pages) = [0, " + std::to_string(num_pages) + ")");
+    }
+  }
+};
+
+namespace detail {
+
+/// Key source of the tile engine (detail/tile/engine.hpp) reading head `head` of sequence
+/// `sequence` of a paged cache in place: key j is row j % P of page block_table[j / P], so
+/// the keys come in runs of P rows (row stride H_kv d for K, H_kv d_v for V), and the engine
+/// reads a key tile run by run (ReadsInRuns: key_row, value_row, run_end). Nothing is copied.
+template <typename Scalar>
+class PagedRows {
+ public:
+  PagedRows(const PagedKV<Scalar>& cache, Index sequence, Index head)
+      : k_(cache.k_pages + head * cache.dim),
+        v_(cache.v_pages + head * cache.dim_v),
+        table_(cache.block_table + sequence * cache.max_pages),
+        page_size_(cache.page_size),
+        k_stride_(cache.heads * cache.dim),
+        v_stride_(cache.heads * cache.dim_v),
+        dv_(cache.dim_v),
+        rows_(cache.length(sequence)) {}
+
+  Index rows() const { return rows_; }
+  Index value_cols() const { return dv_; }
+
+  /// The rows of the run holding j0 (the engine reads the others through key_row).
+  KeyTileRows<Scalar> tile(Index j0, Index) const {
+    return {key_row(j0), k_stride_, value_row(j0), v_stride_};
+  }
+
+  /// First key after the run (page) holding key j.
+  Index run_end(Index j) const { return (j / page_size_ + 1) * page_size_; }
+  const Scalar* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
+  const Scalar* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
+
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    for (Index j = first; j < last; ++j) {
+      tile_prefetch_rows(key_row(j), 0, 0, 1, d);
+      tile_prefetch_rows(value_row(j), 0, 0, 1, dv);
+    }
+  }
+
+ private:
+  Index page_row(Index j) const {
+    return static_cast<Index>(table_[j / page_size_]) * page_size_ + j % page_size_;
+  }
+
+  const Scalar* k_;
+  const Scalar* v_;
+  const std::int32_t* table_;
+  Index page_size_, k_stride_, v_stride_, dv_, rows_;
+};
+
+/// Checks of the paged kernels: the cache, sequence b's pages, the KV head, q (m x d) against
+/// the cache (offset rule over seq_lens[b] keys) and out (m x d_v); returns p0.
+template <typename Scalar, typename OutType>
+Index require_paged_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
+                              const PagedKV<Scalar>& cache, Index sequence, Index head,
+                              const OutType& out, const AttentionOptions& options) {
+  cache.validate(function, sequence);
+  if (head < 0 || head >= cache.heads)
+    throw_invalid(function, "kv_head", head,
+                  "must lie in [0, cache.heads) = [0, " + std::to_string(cache.heads) + ")");
+  if (q.cols() != cache.dim)
+    throw_invalid(function, "q", q.cols(),
+                  "column count (d) must equal cache.dim = " + std::to_string(cache.dim));
+  const Index p0 = resolve_query_offset(function, options.query_offset, q.rows(),
+                                        cache.length(sequence), "cache.seq_lens");
+  require_output_shape(function, out, q.rows(), cache.dim_v);
+  return p0;
+}
+
+}  // namespace detail
+
+/// Fused LSH ALiBi attention (lsh_attention_fused) of the m queries q (m x d) at positions
+/// p0 .. p0 + m - 1 over the L = seq_lens[sequence] tokens of KV head `kv_head` of a paged
+/// cache:
+///   out_r = sum_j c_{p0+r,j} e^{tau q_r.k_j} v_j / sum_j c_{p0+r,j} e^{tau q_r.k_j},
+///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), j over the cache's tokens 0 .. L - 1,
+/// with p0 = options.query_offset (unset: L - m, bottom-right: prefill chunks and decode
+/// append their queries at the cache's end). Bitwise lsh_attention_fused on the same keys and
+/// values in contiguous matrices, for any page size; keys are read in place, page by page. Query
+/// tiles run in parallel (OpenMP), bitwise the same for any thread count. Throws
+/// std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_fused_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& cache,
+                               Index sequence, Index kv_head, const HashSet& hashes,
+                               MatrixRef<Scalar> out, const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused_paged";
+  const Index p0 =
+      detail::require_paged_arguments<Scalar>(function, q, cache, sequence, kv_head, out, options);
+  validate_hashes(hashes, function);
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const Index m = q.rows();
+  if (m == 0) return;
+  const bool causal = options.masking == Masking::causal;
+  const Index n = cache.length(sequence);
+  detail::run_fused_tiles<Scalar>(
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+        detail::CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
+        detail::TileEngine<Scalar, detail::CountBias<Scalar>, detail::PagedRows<Scalar>> engine(
+            q, detail::PagedRows<Scalar>(cache, sequence, kv_head), static_cast<double>(tau), bias,
+            work.buffers, p0);
+        engine.run(i0, i0 + rows, out.middleRows(i0 - p0, rows));
+      });
+}
+
+/// Exact ALiBi attention (alibi_attention_tiled) of the m queries q (m x d) at positions
+/// p0 .. p0 + m - 1 over the L = seq_lens[sequence] tokens of KV head `kv_head` of a paged
+/// cache:
+///   out_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: j <= p0 + r),
+/// p0 = options.query_offset (unset: L - m). Bitwise alibi_attention_tiled on the same keys
+/// and values in contiguous matrices, for any page size. Single-threaded, as
+/// alibi_attention_tiled. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_tiled_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& cache,
+                                 Index sequence, Index kv_head, double sigma, MatrixRef<Scalar> out,
+                                 const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_tiled_paged";
+  const Index p0 =
+      detail::require_paged_arguments<Scalar>(function, q, cache, sequence, kv_head, out, options);
+  detail::require_sigma(sigma, function);
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index m = q.rows();
+  if (m == 0) return;
+  const Index n = cache.length(sequence);
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::AlibiBias<Scalar> bias(n, sigma, window);
+  detail::TileBuffers<Scalar> buffers;
+  detail::TileEngine<Scalar, detail::AlibiBias<Scalar>, detail::PagedRows<Scalar>> engine(
+      q, detail::PagedRows<Scalar>(cache, sequence, kv_head), tau, bias, buffers, p0);
+  engine.run(p0, p0 + m, out);
+}
+
+}  // namespace poslsh

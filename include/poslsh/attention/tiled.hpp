@@ -1,0 +1,96 @@
+// poslsh: exact ALiBi attention, tiled and streaming (FlashAttention-style): the honest exact
+// competitor of the LSH kernels, O(n^2 d) time and O(tile (d + d_v)) extra memory.
+//
+// Scalar types (every kernel here and in attention/banded.hpp, attention/fused.hpp): Q is
+// ConstMatrixRef<Scalar>, K and V ConstMatrixRef<KVScalar>, the output MatrixRef<OutScalar>,
+// each float, double, Eigen::half or Eigen::bfloat16; KVScalar and OutScalar default to Scalar
+// and are never deduced (give them to mix types: kernel<float, Eigen::bfloat16, float>(...) for
+// float queries over a bfloat16 KV cache). The kernels compute in
+// compute_scalar_t<Scalar, KVScalar, OutScalar> (double only when all three are double):
+// half-precision values are widened exactly to float as they are loaded, scores, the bias
+// (formed from the integer distance, exact below 2^24), the online softmax and the value sums
+// are float, and an output in a half-precision type is the float result rounded once (round to
+// nearest even). The result is bitwise the float kernel's on float matrices holding the widened
+// inputs, rounded once to OutScalar.
+#pragma once
+
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/exact.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// Query rows per tile of the exact tiled and banded kernels. Tiles are aligned to multiples
+/// of it from row 0; a row range that starts and ends on multiples of it costs no extra work.
+inline constexpr Index tiled_query_tile = detail::tile_query_rows;
+
+/// Rows [row_begin, row_end) of q of the exact ALiBi attention
+///   T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: keys j <= p0 + r),
+/// written to `out_rows` ((row_end - row_begin) x d_v). Q is m x d at positions p0 .. p0 + m - 1
+/// (p0 = options.query_offset, unset: L - m), K is L x d, V is L x d_v; self-attention is
+/// m = L, p0 = 0. Single-threaded; meant for splitting one head's queries across threads.
+/// Each row's result depends on its position alone: any split of the rows into ranges, and
+/// any chunk of queries holding the row, gives bitwise the output of alibi_attention_tiled.
+/// Throws std::invalid_argument naming a bad argument. Scalar types: see the file comment.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
+                                ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
+                                Index row_begin, Index row_end,
+                                MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
+                                const AttentionOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  constexpr const char* function = "alibi_attention_tiled_rows";
+  const Index p0 =
+      detail::require_exact_views(function, q, k, v, sigma, row_begin, row_end, out_rows, options);
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  if (row_begin == row_end) return;
+  const Index n = k.rows();
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window, p0 + row_begin,
+                                                      p0 + row_end, out_rows, p0);
+}
+
+/// Exact ALiBi attention T* = softmax(tau Q K^T - |i-j| / sigma) V (row-wise softmax; the
+/// causal form keeps j <= i), i.e. D^-1 (A o L*) V, computed without any n x n matrix.
+/// With queries at an offset (options.query_offset = p0; unset: L - m, bottom-right aligned)
+/// Q is m x d, K is L x d, and row r is T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V
+/// (causal: j <= p0 + r), bitwise row p0 + r of the self-attention over the L positions:
+/// query tiles of tiled_query_tile rows times key tiles of 64, scores by register-blocked
+/// packet kernels, the ALiBi bias from the integer distance on the fly, an online softmax
+/// (running maximum over kept entries, running sum, accumulator) per query row, causal key
+/// tiles above the diagonal skipped. Q is n x d (d >= 1 if n > 0), K n x d, V n x d_v, `out`
+/// n x d_v; any row strides (e.g. heads of an [n, H, d] buffer). Single-threaded: run heads
+/// (or row ranges, alibi_attention_tiled_rows) in parallel. Matches
+/// alibi_attention_reference to rounding. Throws std::invalid_argument naming a bad argument.
+/// Half-precision Q, K, V or output: see the file comment.
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+void alibi_attention_tiled(ConstMatrixRef<Scalar> q,
+                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
+                           MatrixRef<detail::nondeduced_t<OutScalar>> out,
+                           const AttentionOptions& options = {}) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  constexpr const char* function = "alibi_attention_tiled";
+  const Index p0 = detail::require_exact_views(function, q, k, v, sigma, 0, q.rows(), out, options);
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index m = q.rows(), n = k.rows();
+  if (m == 0) return;
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window, p0, p0 + m, out,
+                                                      p0);
+}
+
+/// Returning form of alibi_attention_tiled (the output in Q's scalar type).
+template <typename Scalar, typename KVScalar = Scalar>
+RowMatrix<Scalar> alibi_attention_tiled(ConstMatrixRef<Scalar> q,
+                                        ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                                        ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                                        double sigma, const AttentionOptions& options = {}) {
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  alibi_attention_tiled<Scalar, KVScalar, Scalar>(q, k, v, sigma, out, options);
+  return out;
+}
+
+}  // namespace poslsh

@@ -1,0 +1,96 @@
+// poslsh: strided views of the H heads of an attention tensor, without copies.
+//
+// validate() checks the sizes, the strides, a non-null buffer and, for an output view (non-const
+// Element), that no two heads share an element. It cannot check that the buffer holds every
+// element the view addresses, nor the values in it (NaN entries are not scanned).
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// H heads of n tokens of width d in one buffer: element (head h, token i, column c) is
+/// data[h * head_stride + i * row_stride + c]. `Element` is `const Scalar` for inputs and
+/// `Scalar` for outputs. [n, H, d] (KV-cache order) is row_stride = H d, head_stride = d;
+/// [H, n, d] is row_stride = d, head_stride = n d.
+template <typename Element>
+struct HeadsView {
+  using Scalar = std::remove_const_t<Element>;
+  using HeadMap = Eigen::Map<
+      std::conditional_t<std::is_const_v<Element>, const RowMatrix<Scalar>, RowMatrix<Scalar>>, 0,
+      Eigen::OuterStride<>>;
+
+  Element* data = nullptr;
+  Index tokens = 0;
+  Index heads = 0;
+  Index dim = 0;
+  Index row_stride = 0;
+  Index head_stride = 0;
+
+  /// Head h as an (n x d) row-major map.
+  HeadMap head(Index h) const {
+    return HeadMap(data + h * head_stride, tokens, dim, Eigen::OuterStride<>(row_stride));
+  }
+
+  /// Checks the view (named `name` in messages): sizes >= 0, a non-null buffer when non-empty,
+  /// row_stride >= d, and heads that do not overlap rows (head_stride >= d). An output view
+  /// (Element not const) must also address each element once: head_stride >= tokens *
+  /// row_stride (heads one after the other, as [H, n, d]) or row_stride >= heads * head_stride
+  /// (heads interleaved in each row, as [n, H, d]); otherwise heads written in parallel would
+  /// overwrite each other.
+  void validate(const char* function, const char* name) const {
+    const std::string prefix(name);
+    detail::require(tokens >= 0, function, (prefix + ".tokens").c_str(), tokens, "must be >= 0");
+    detail::require(heads >= 1, function, (prefix + ".heads").c_str(), heads, "must be >= 1");
+    detail::require(dim >= 0, function, (prefix + ".dim").c_str(), dim, "must be >= 0");
+    detail::require(tokens == 0 || dim == 0 || data != nullptr, function,
+                    (prefix + ".data").c_str(), "null", "must point at the buffer");
+    detail::require(row_stride >= dim, function, (prefix + ".row_stride").c_str(), row_stride,
+                    "must be >= dim = " + std::to_string(dim));
+    detail::require(heads == 1 || head_stride >= dim, function, (prefix + ".head_stride").c_str(),
+                    head_stride, "must be >= dim = " + std::to_string(dim));
+    if constexpr (!std::is_const_v<Element>) {
+      const bool disjoint = heads == 1 || tokens <= 1 || dim == 0 ||
+                            head_stride >= tokens * row_stride || row_stride >= heads * head_stride;
+      detail::require(
+          disjoint, function, (prefix + ".head_stride").c_str(), head_stride,
+          "output heads overlap: need head_stride >= tokens * row_stride = " +
+              std::to_string(tokens * row_stride) +
+              " or row_stride >= heads * head_stride = " + std::to_string(heads * head_stride));
+    }
+  }
+};
+
+/// View of an [n, H, d] buffer (token-major, as in KV caches).
+template <typename Element>
+HeadsView<Element> interleaved_heads(Element* data, Index tokens, Index heads, Index dim) {
+  return HeadsView<Element>{data, tokens, heads, dim, heads * dim, dim};
+}
+
+/// View of an [H, n, d] buffer (head-major).
+template <typename Element>
+HeadsView<Element> planar_heads(Element* data, Index tokens, Index heads, Index dim) {
+  return HeadsView<Element>{data, tokens, heads, dim, dim, tokens * dim};
+}
+
+namespace detail {
+
+/// Checks a view `name` (validate) and its sizes: tokens x heads x dim.
+template <typename Element>
+void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
+                        Index tokens, Index heads, Index dim) {
+  view.validate(function, name);
+  require(view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
+          std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
+              std::to_string(view.dim),
+          "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
+              std::to_string(dim) + " (tokens x heads x dim)");
+}
+
+}  // namespace detail
+
+}  // namespace poslsh

@@ -1,0 +1,127 @@
+// poslsh: bring-your-own block kernel. The per-sample LSH estimator computed by any plain
+// attention kernel that returns the block outputs and their log-sum-exp, merged by LseMerger.
+#pragma once
+
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/streaming_softmax.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/interop/lse_merge.hpp"
+#include "poslsh/lsh/partition.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// The library's block kernel: plain softmax attention on one block (no positional bias;
+/// causal inside the block when `causal`), out_i = sum_j e^{tau q_i.k_j} v_j / sum_j e^{tau
+/// q_i.k_j}, and lse_i = log sum_j e^{tau q_i.k_j} (natural log of the scaled scores, as
+/// FlashAttention's softmax_lse). Q in Scalar, K and V in KVScalar (half-precision tiles are
+/// widened to float as they are read); out, lse and tau in C = compute_scalar_t<Scalar,
+/// KVScalar>. Any callable with this call signature can replace it in lsh_attention_by_blocks.
+template <typename Scalar, typename KVScalar = Scalar>
+struct PlainBlockAttention {
+  using C = compute_scalar_t<Scalar, KVScalar>;
+  void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k, ConstMatrixRef<KVScalar> v,
+                  bool causal, C tau, MatrixRef<C> out,
+                  Eigen::Ref<Eigen::Matrix<C, Eigen::Dynamic, 1>> lse) const {
+    detail::StreamingSoftmax<C> state;
+    detail::TileBuffers<C> buffers;
+    state.reset(q.rows(), v.cols());
+    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, q.rows(), state, buffers);
+    state.finish(0, out);
+    lse = (state.running_max + state.running_sum.log()).matrix();
+  }
+};
+
+namespace detail {
+
+/// The loop of lsh_attention_by_blocks: for_each_sample(each_sample) calls
+/// each_sample(first, last) once per sample with its block edges [first, last) (blocks
+/// [first[r], first[r + 1]) covering 0 .. n); every block B goes to block_kernel(Q_B, K_B, V_B,
+/// causal, tau, O_B, lse_B) in order on the calling thread, and the samples' outputs are merged
+/// by LseMerger into out (a half-precision out: the merged result rounded once).
+template <typename C, typename Scalar, typename KVScalar, typename OutScalar, typename BlockKernel,
+          typename ForEachSample>
+void merge_block_attentions(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k,
+                            ConstMatrixRef<KVScalar> v, C tau, bool causal,
+                            MatrixRef<OutScalar> out, BlockKernel& block_kernel,
+                            ForEachSample&& for_each_sample) {
+  const Index n = q.rows();
+  LseMerger<C> merger(n, v.cols());
+  RowMatrix<C> sample_output(n, v.cols());
+  Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
+  for_each_sample([&](const Index* first, const Index* last) {
+    for (; first + 1 < last; ++first) {
+      const Index begin = first[0];
+      const Index size = first[1] - begin;
+      block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
+                   causal, tau, sample_output.middleRows(begin, size),
+                   sample_lse.segment(begin, size));
+    }
+    merger.add(sample_output, sample_lse);
+  });
+  if constexpr (std::is_same_v<OutScalar, C>) {
+    merger.result(out);
+  } else {
+    merger.result(sample_output);
+    out = sample_output.template cast<OutScalar>();
+  }
+}
+
+}  // namespace detail
+
+/// The per-sample LSH estimator T~ = D~^-1 (A o M~) V (same as lsh_attention_per_sample) with
+/// the block attentions done by `block_kernel`: for each hash h_k, each block B of h_k is passed
+/// as (Q_B, K_B, V_B, causal, tau, O_B, lse_B) and the per-sample output O_k and lse_k are
+/// merged by LseMerger (O(n d_v) extra memory):
+///   T~_i = sum_k e^{lse_ki - M_i} O_ki / sum_k e^{lse_ki - M_i},  M_i = max_k lse_ki.
+/// Q_B is a view of Q (Scalar), K_B and V_B views of K and V (KVScalar), unconverted, so a
+/// kernel can read a half-precision cache as it is; tau, O_B, lse_B and the merge are in
+/// C = compute_scalar_t<Scalar, KVScalar, OutScalar>, and a half-precision out is the merged
+/// result rounded once. Blocks are processed one after the other on the calling thread, so the
+/// callable need not be thread-safe. Throws std::invalid_argument naming a bad argument;
+/// exceptions from the callable propagate.
+template <
+    typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
+    typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
+    typename = std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>>
+void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
+                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
+                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
+                             const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
+                             const AttentionOptions& options = {},
+                             BlockKernel&& block_kernel = BlockKernel{}) {
+  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  constexpr const char* function = "lsh_attention_by_blocks";
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
+  const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
+  detail::merge_block_attentions<C, Scalar, KVScalar, OutScalar>(
+      q, k, v, tau, causal, out, block_kernel, [&](auto&& each_sample) {
+        for (const BinHash& hash : hashes) {
+          const std::vector<Index> boundaries = block_boundaries(hash, n);
+          each_sample(boundaries.data(), boundaries.data() + boundaries.size());
+        }
+      });
+}
+
+/// lsh_attention_by_blocks<Scalar, Scalar, Scalar, BlockKernel>: the form that names the block
+/// kernel type second, for views that all hold Scalar.
+template <typename Scalar, typename BlockKernel,
+          typename = std::enable_if_t<!is_storage_scalar_v<std::decay_t<BlockKernel>>>>
+void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                             ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+                             const AttentionOptions& options,
+                             detail::nondeduced_t<BlockKernel>&& block_kernel) {
+  lsh_attention_by_blocks<Scalar, Scalar, Scalar, BlockKernel>(
+      q, k, v, hashes, out, options, std::forward<BlockKernel>(block_kernel));
+}
+
+}  // namespace poslsh

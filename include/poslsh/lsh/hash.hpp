@@ -1,0 +1,126 @@
+// poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions).
+//
+// Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma
+// in rbf_hash, rbf_hashes and fixed_blocks_hash; s >= 1 in rbf_hashes; a user-built hash's
+// width and offset in validate_hash (every kernel and partition function runs it).
+// Not checked: BinHash::bin itself (a hot path), whose position must satisfy
+// |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/random/philox.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// One positional hash: bin(i) = floor((i - offset) / width). All blocks have the same width
+/// (the first and last are cut by the sequence ends) and are contiguous.
+struct BinHash {
+  /// Widths below this are raised to it: any width < 1 already puts every integer position in
+  /// a bin of its own, so this changes no mask while keeping bin() in range.
+  static constexpr double min_width = 0x1.0p-20;
+
+  double width = 1.0;   ///< w > 0
+  double offset = 0.0;  ///< xi in [0, w)
+
+  /// Bin of position i: floor((i - xi) / w).
+  std::int64_t bin(Index position) const {
+    return static_cast<std::int64_t>(std::floor((static_cast<double>(position) - offset) / width));
+  }
+};
+
+/// Largest sigma the hash functions accept: the widths they draw (at most -2 ln 2^-53 sigma,
+/// about 73.5 sigma) then stay finite. Any sigma beyond 2^63 already gives one block.
+inline constexpr double max_hash_sigma = 1e300;
+
+namespace detail {
+
+/// sigma of a hash: finite, > 0 and <= max_hash_sigma.
+inline void require_hash_sigma(double sigma, const char* function) {
+  require_sigma(sigma, function);
+  require(sigma <= max_hash_sigma, function, "sigma", sigma,
+          "must be <= 1e300 (max_hash_sigma) so that the block width stays finite");
+}
+
+}  // namespace detail
+
+/// A set of s hashes (one per sample) for one head.
+using HashSet = std::vector<BinHash>;
+
+/// Checks a user-built hash: width finite and >= BinHash::min_width, offset in [0, width).
+inline void validate_hash(const BinHash& hash, const char* function) {
+  detail::require(std::isfinite(hash.width) && hash.width >= BinHash::min_width, function,
+                  "hash.width", hash.width, "must be finite and >= 2^-20");
+  detail::require(hash.offset >= 0.0 && hash.offset < hash.width, function, "hash.offset",
+                  hash.offset, "must lie in [0, width)");
+}
+
+/// Checks a hash set: at least one hash (s >= 1), each valid (validate_hash). Every function
+/// that takes a HashSet runs it.
+inline void validate_hashes(const HashSet& hashes, const char* function) {
+  detail::require(!hashes.empty(), function, "hashes", "{}",
+                  "must hold at least one hash (s >= 1)");
+  for (const BinHash& hash : hashes) validate_hash(hash, function);
+}
+
+/// The key of one sample: (seed, stream, sample index). A stream is typically a head (or a
+/// layer * heads + head); samples of one stream are independent of each other.
+struct HashKey {
+  std::uint64_t seed = 0;
+  std::uint64_t stream = 0;
+  std::uint64_t sample = 0;
+};
+
+/// Sample k of the RBF hash for length scale sigma: w ~ Gamma(2, sigma) drawn as
+/// w = -sigma (ln U1 + ln U2), xi = U3 w, with U1, U2, U3 on (0, 1] from Philox4x32-10 keyed
+/// by `key`, so P[bin(i) = bin(j)] = exp(-|i-j| / sigma). The result depends only on
+/// (sigma, key): bit-identical on every platform, whatever else was drawn.
+/// Throws std::invalid_argument if sigma is not finite, > 0 and <= max_hash_sigma.
+inline BinHash rbf_hash(double sigma, const HashKey& key) {
+  detail::require_hash_sigma(sigma, "rbf_hash");
+  const detail::PhiloxKey philox_key = {static_cast<std::uint32_t>(key.seed),
+                                        static_cast<std::uint32_t>(key.seed >> 32)};
+  const auto counter = [&](std::uint32_t word) {
+    return detail::PhiloxCounter{static_cast<std::uint32_t>(key.sample),
+                                 static_cast<std::uint32_t>(key.sample >> 32),
+                                 static_cast<std::uint32_t>(key.stream),
+                                 static_cast<std::uint32_t>(key.stream >> 32) ^ (word << 28)};
+  };
+  const detail::PhiloxCounter first = detail::philox4x32_10(counter(0), philox_key);
+  const detail::PhiloxCounter second = detail::philox4x32_10(counter(1), philox_key);
+  const double u1 = detail::uniform_open_closed(first[0], first[1]);
+  const double u2 = detail::uniform_open_closed(first[2], first[3]);
+  const double u3 = detail::uniform_open_closed(second[0], second[1]);
+  BinHash hash;
+  hash.width = std::max(-sigma * (std::log(u1) + std::log(u2)), BinHash::min_width);
+  // u3 is in (0, 1]; 1 - u3 is in [0, 1) so the offset stays strictly below the width.
+  hash.offset = (1.0 - u3) * hash.width;
+  return hash;
+}
+
+/// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
+/// Throws std::invalid_argument if s < 1 or sigma is not finite, > 0 and <= max_hash_sigma.
+inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
+  detail::require_positive(s, "rbf_hashes", "s");
+  detail::require_hash_sigma(sigma, "rbf_hashes");
+  HashSet hashes(static_cast<std::size_t>(s));
+  for (Index k = 0; k < s; ++k) {
+    hashes[static_cast<std::size_t>(k)] =
+        rbf_hash(sigma, HashKey{seed, stream, static_cast<std::uint64_t>(k)});
+  }
+  return hashes;
+}
+
+/// The paper's fixed-blocks baseline: width 2 sigma (= E[w]), offset 0, no randomness.
+/// Throws std::invalid_argument if sigma is not finite, > 0 and <= max_hash_sigma.
+inline BinHash fixed_blocks_hash(double sigma) {
+  detail::require_hash_sigma(sigma, "fixed_blocks_hash");
+  return BinHash{std::max(2.0 * sigma, BinHash::min_width), 0.0};
+}
+
+}  // namespace poslsh

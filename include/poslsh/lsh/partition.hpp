@@ -1,0 +1,60 @@
+// poslsh: the contiguous blocks that one hash cuts [0, n) into.
+//
+// Checked by block_boundaries (std::invalid_argument naming the argument): n >= 0 and the hash
+// (validate_hash). block_containing checks nothing (a building block of the kernels). Both
+// work for any n an Index holds (positions are exact doubles up to 2^53).
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// A block [begin, end) of positions that share one bin.
+struct Block {
+  Index begin = 0;
+  Index end = 0;
+  Index size() const { return end - begin; }
+};
+
+/// The block of `hash` that holds position i, cut to [0, n): the largest [b, e) with
+/// bin(b) = ... = bin(e-1) = bin(i). O(1): the edges are estimated from the width and offset,
+/// then corrected against bin() so they agree with it exactly. Requires 0 <= i < n (unchecked:
+/// an internal building block of the kernels; use block_boundaries for a checked call).
+inline Block block_containing(const BinHash& hash, Index i, Index n) {
+  const std::int64_t b = hash.bin(i);
+  Block block;
+  if (hash.width < 1.0) return Block{i, i + 1};  // no two integer positions share a bin
+  const double first = std::ceil(static_cast<double>(b) * hash.width + hash.offset);
+  block.begin =
+      first <= 0.0 ? 0 : (first >= static_cast<double>(i) ? i : static_cast<Index>(first));
+  while (block.begin > 0 && hash.bin(block.begin - 1) == b) --block.begin;
+  while (hash.bin(block.begin) < b) ++block.begin;
+  const double next = std::ceil(static_cast<double>(b + 1) * hash.width + hash.offset);
+  block.end = next >= static_cast<double>(n)
+                  ? n
+                  : (next <= static_cast<double>(i + 1) ? i + 1 : static_cast<Index>(next));
+  while (block.end < n && hash.bin(block.end) == b) ++block.end;
+  while (hash.bin(block.end - 1) > b) --block.end;
+  return block;
+}
+
+/// Block boundaries 0 = t_0 < t_1 < ... < t_m = n of `hash` on [0, n): block r is
+/// [t_r, t_{r+1}). O(m) = O(n / w + 1) time. n = 0 gives {0}.
+/// Throws std::invalid_argument if n < 0 or the hash is invalid.
+inline std::vector<Index> block_boundaries(const BinHash& hash, Index n) {
+  detail::require_size(n, "block_boundaries", "n");
+  validate_hash(hash, "block_boundaries");
+  std::vector<Index> boundaries{0};
+  for (Index begin = 0; begin < n;) {
+    begin = block_containing(hash, begin, n).end;
+    boundaries.push_back(begin);
+  }
+  return boundaries;
+}
+
+}  // namespace poslsh

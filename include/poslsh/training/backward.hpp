@@ -1,0 +1,458 @@
+// poslsh: training support. Every attention kernel with its per-row log-sum-exp (forward), and
+// the gradients dQ, dK, dV of every kernel from dO, O and lse (backward), FlashAttention-2
+// style: probabilities recomputed tile by tile from lse, no n x n buffer, O(n d) extra memory.
+// Single heads (all heads and packed batches: poslsh/multihead/training.hpp). Reduction order and
+// kernels: detail/backward/tiles.hpp; float accuracy: docs/backward.md.
+//
+// Conventions (FlashAttention's softmax_lse): for scores x_ij and weights w_ij of a kernel,
+//   lse_i = M_i + log sum_j w_ij e^{x_ij - M_i}   (natural log, of the scaled scores),
+//   P_ij = w_ij e^{x_ij - lse_i},  out_i = sum_j P_ij v_j,
+// with x_ij = tau q_i.k_j - |i-j| / sigma, w = 1 for the exact kernels (tiled, banded: keys in
+// the band) and x_ij = tau q_i.k_j, w_ij = c_ij (samples putting i and j in one block) for the
+// LSH estimator (fused, per-sample, fixed blocks). A row without keys has lse = -inf. For a loss
+// L with dO = dL/dout and D_i = dO_i . out_i:
+//   dV = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dQ = tau dS K,  dK = tau dS^T Q.
+//
+// Checked (std::invalid_argument naming the argument): the kernel's own arguments, lse of size
+// n, out and dout n x d_v, dq and dk n x d, dv n x d_v (output rows must not overlap). Not
+// checked: the values, that lse and out come from the forward of the same inputs, and that the
+// gradient outputs overlap neither each other nor the inputs.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/detail/backward/blocks.hpp"
+#include "poslsh/detail/backward/tiles.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/detail/checks/exact.hpp"
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/slopes.hpp"
+#include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/types.hpp"
+
+namespace poslsh {
+
+/// Writable view of a vector (one entry per query row), e.g. the lse output.
+template <typename Scalar>
+using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+/// Read-only view of a vector, e.g. the lse input of a backward pass.
+template <typename Scalar>
+using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+namespace detail {
+
+/// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).
+template <typename MatrixType>
+void require_matrix_shape(const char* function, const char* name, const MatrixType& m, Index rows,
+                          Index cols, bool output) {
+  require(m.rows() == rows && m.cols() == cols, function, name,
+          std::to_string(m.rows()) + "x" + std::to_string(m.cols()),
+          "shape must be " + std::to_string(rows) + "x" + std::to_string(cols));
+  require(!output || m.rows() <= 1 || m.outerStride() >= m.cols(), function, name, m.outerStride(),
+          "row stride must be >= its column count " + std::to_string(m.cols()) +
+              " (rows must not overlap)");
+}
+
+/// The forwards with lse and the backward passes are for self-attention at positions 0 .. n-1:
+/// options.query_offset unset or 0.
+inline void require_self_positions(const char* function, const AttentionOptions& options) {
+  require(!options.query_offset || *options.query_offset == 0, function, "options.query_offset",
+          options.query_offset ? *options.query_offset : 0,
+          "must be unset or 0 (queries at positions 0 .. n-1)");
+}
+
+/// The lse vector: one entry per query row.
+template <typename VectorType>
+void require_lse_size(const char* function, const VectorType& lse, Index n) {
+  require(lse.size() == n, function, "lse", lse.size(),
+          "size must be q.rows() = " + std::to_string(n));
+}
+
+/// out, lse, dout, dq, dk, dv of a backward pass on Q (n x d), V (n x d_v).
+template <typename Scalar>
+void require_backward_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
+                                const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
+                                const ConstVectorRef<Scalar>& lse,
+                                const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+                                const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv) {
+  const Index n = q.rows(), d = q.cols(), dv_cols = v.cols();
+  require_matrix_shape(function, "out", out, n, dv_cols, false);
+  require_lse_size(function, lse, n);
+  require_matrix_shape(function, "dout", dout, n, dv_cols, false);
+  require_matrix_shape(function, "dq", dq, n, d, true);
+  require_matrix_shape(function, "dk", dk, n, d, true);
+  require_matrix_shape(function, "dv", dv, n, dv_cols, true);
+}
+
+/// Rows [row_begin, row_end) of the tile engine's attention with their lse (lse[i - row_begin]).
+template <typename Scalar, typename Bias, typename OutType>
+void engine_rows_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                          const ConstMatrixRef<Scalar>& v, double tau, Bias& bias,
+                          TileBuffers<Scalar>& buffers, Index row_begin, Index row_end,
+                          OutType&& out, Scalar* lse) {
+  TileEngine<Scalar, Bias> engine(q, k, v, tau, bias, buffers);
+  engine.run(row_begin, row_end, out, lse);
+}
+
+/// Exact ALiBi attention over `window` with lse (single-threaded). V without columns: lse from
+/// a column of zeros (the probabilities do not depend on V).
+template <typename Scalar>
+void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
+                    MatrixRef<Scalar> out, Scalar* lse) {
+  const Index n = q.rows();
+  if (v.cols() == 0) {
+    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
+    RowMatrix<Scalar> sink(n, 1);
+    exact_with_lse<Scalar>(q, k, zero, sigma, tau, window, sink, lse);
+    return;
+  }
+  AlibiBias<Scalar> bias(n, sigma, window);
+  TileBuffers<Scalar> buffers;
+  engine_rows_with_lse<Scalar>(q, k, v, tau, bias, buffers, 0, n, out, lse);
+}
+
+/// The fused estimator with lse, query tiles in parallel (OpenMP) as lsh_attention_fused.
+template <typename Scalar>
+void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    MatrixRef<Scalar> out, Scalar* lse) {
+  const Index n = q.rows();
+  if (v.cols() == 0) {
+    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
+    RowMatrix<Scalar> sink(n, 1);
+    fused_with_lse<Scalar>(q, k, zero, hashes, tau, causal, sink, lse);
+    return;
+  }
+  const long tiles = static_cast<long>((n + fused_query_tile - 1) / fused_query_tile);
+#pragma omp parallel
+  {
+    FusedWorkspace<Scalar> work;
+#pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < tiles; ++t) {
+      const Index i0 = static_cast<Index>(t) * fused_query_tile;
+      const Index rows = std::min(fused_query_tile, n - i0);
+      CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
+      engine_rows_with_lse<Scalar>(q, k, v, static_cast<double>(tau), bias, work.buffers, i0,
+                                   i0 + rows, out.middleRows(i0, rows), lse + i0);
+    }
+  }
+}
+
+/// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
+/// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
+/// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
+/// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
+template <typename Scalar, typename Rule>
+void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                       const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                       Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                       MatrixRef<Scalar>& dv, bool parallel = true,
+                       BackwardWork<Scalar>* work = nullptr) {
+  const FlushSubnormals flush;
+  backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
+  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  BackwardOutputs<Scalar> grads{dq, dk, dv, true};
+  if (parallel) {
+    backward_parallel(in, rule, grads);
+  } else {
+    BackwardWork<Scalar> own;
+    backward_serial(in, rule, grads, work != nullptr ? *work : own);
+  }
+}
+
+/// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).
+template <typename Scalar>
+void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
+                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+                    BackwardWork<Scalar>* work = nullptr) {
+  const Index n = q.rows();
+  // The tile engine's window is lo <= i - j <= hi; the rule's the same.
+  const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
+                            parallel, work);
+}
+
+/// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
+/// is the fused evaluation, each pair once); `work` and `windows` (when not null) are a
+/// thread's scratch, reused across heads.
+template <typename Scalar>
+void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
+                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
+  const Index n = q.rows();
+  CountWindows own;
+  CountWindows& counts = windows != nullptr ? *windows : own;
+  counts.build(hashes, n, causal);
+  const CountRule<Scalar> rule(counts, n, causal);
+  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, work);
+}
+
+/// The count-weighted estimator's backward sample by sample, block by block (the per-sample
+/// kernel's structure): sum over samples of plain-attention gradients with the combined lse.
+template <typename Scalar>
+void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+                         const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
+                         bool causal, const ConstMatrixRef<Scalar>& out,
+                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+  const detail::FlushSubnormals flush;
+  dq.setZero();
+  dk.setZero();
+  dv.setZero();
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
+  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  BackwardOutputs<Scalar> grads{dq, dk, dv};
+  for (const BinHash& hash : hashes) backward_hash_blocks(in, hash, causal, grads);
+}
+
+/// The checks every backward entry point makes (self-attention from position 0, the shapes of
+/// q, k, v, out, lse, dout and the gradients); returns tau (options.scale or 1/sqrt(d)).
+template <typename Scalar>
+double backward_scale(const char* function, const ConstMatrixRef<Scalar>& q,
+                      const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                      const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
+                      const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+                      const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv,
+                      const AttentionOptions& options) {
+  require_self_positions(function, options);
+  require_qkv_shapes(function, q, k, v);
+  require_self_attention(function, q, k);
+  require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  return resolve_scale(function, options, q.cols());
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Forward with log-sum-exp.
+
+/// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
+///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
+/// (causal: j <= i), from the same tiles and online softmax (the running maximum M_i and sum);
+/// out is bitwise that of the overload without lse. Single-threaded. Throws
+/// std::invalid_argument naming a bad argument (lse: size n).
+template <typename Scalar>
+void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                           ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                           VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_tiled";
+  detail::require_self_positions(function, options);
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  detail::require_lse_size(function, lse, q.rows());
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau, window, out, lse.data());
+}
+
+/// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
+/// M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i); out
+/// bitwise that of the overload without lse. Single-threaded.
+template <typename Scalar>
+void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, Index band,
+                            MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                            const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded";
+  detail::require_self_positions(function, options);
+  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  detail::require_size(band, function, "band");
+  detail::require_lse_size(function, lse, q.rows());
+  const double tau = detail::resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau,
+                                 detail::banded_window(n, band, options.masking), out, lse.data());
+}
+
+/// lsh_attention_fused with lse: lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i},
+/// c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same tiles; out bitwise that of
+/// the overload without lse. Query tiles in parallel (OpenMP), bitwise the same for any thread
+/// count.
+template <typename Scalar>
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
+                         VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused";
+  detail::require_self_positions(function, options);
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::require_lse_size(function, lse, q.rows());
+  const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  detail::fused_with_lse<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                 lse.data());
+}
+
+/// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
+/// e^{tau q_i.k_j - M_i} from the streaming softmax shared by the samples (equal to the fused
+/// kernel's lse to rounding); out bitwise that of the overload without lse.
+template <typename Scalar>
+void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                              MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                              const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample";
+  detail::require_self_positions(function, options);
+  detail::require_lsh_arguments(function, q, k, v, hashes, out);
+  detail::require_lse_size(function, lse, q.rows());
+  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  if (q.rows() == 0) return;
+  detail::per_sample_forward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                     lse.data());
+}
+
+/// fixed_blocks_attention with lse: lsh_attention_per_sample with lse for the single hash
+/// fixed_blocks_hash(sigma), so lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+template <typename Scalar>
+void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                            VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+/// Gradients of exact ALiBi attention (alibi_attention_tiled): with
+/// P_ij = e^{x_ij - lse_i}, x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i), dO = dout,
+/// D_i = dO_i . out_i:
+///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
+/// `out` and `lse` come from the forward with lse. One parallel pass (OpenMP) over key tiles of
+/// 64, each meeting its query rows in steps of 64 with P recomputed from lse (nothing n x n
+/// stored; extra memory O(n (d + d_v)): Q and dO packed per step): the thread of a key tile
+/// writes its dk and dv rows, summing each step's rows in increasing order and the steps' sums
+/// in increasing order; each key tile's contribution to a dq row is summed over its keys in
+/// increasing order and added in increasing key tile order (a thread waits for the key tiles
+/// before its own). Bitwise the same for any thread count. Throws std::invalid_argument naming
+/// a bad argument.
+template <typename Scalar>
+void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                    ConstMatrixRef<Scalar> v, double sigma,
+                                    ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                    ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                    MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                    const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_tiled_backward";
+  detail::require_sigma(sigma, function);
+  const double tau =
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
+  const Index n = q.rows();
+  if (n == 0) return;
+  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  detail::exact_backward<Scalar>(q, k, v, sigma, tau, window, out, lse, dout, dq, dk, dv);
+}
+
+/// Gradients of banded exact ALiBi attention (alibi_attention_banded): the formulas of
+/// alibi_attention_tiled_backward with P_ij = 0 for |i - j| > band; only the tiles meeting the
+/// band are visited (cost O(n (band + tile) d)). Same passes and ordering, bitwise the same for
+/// any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
+  constexpr const char* function = "alibi_attention_banded_backward";
+  detail::require_sigma(sigma, function);
+  detail::require_size(band, function, "band");
+  const double tau =
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
+  const Index n = q.rows();
+  if (n == 0) return;
+  detail::exact_backward<Scalar>(q, k, v, sigma, tau,
+                                 detail::banded_window(n, band, options.masking), out, lse, dout,
+                                 dq, dk, dv);
+}
+
+/// Gradients of the count-weighted LSH estimator (lsh_attention_fused): with
+/// P_ij = c_ij e^{tau q_i.k_j - lse_i}, c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
+/// D_i = dO_i . out_i:
+///   dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q.
+/// Each pair with c_ij > 0 is evaluated once, on the forward's windows [lo_i, hi_i) and count
+/// tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles: O(n s)
+/// memory, and O(n (d + d_v)) for Q and dO packed per step). One parallel pass (OpenMP) over
+/// key tiles of 64, each meeting the query rows whose windows reach it in steps of 64, in the
+/// reduction order of alibi_attention_tiled_backward. Bitwise the same for any thread count.
+/// Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                  ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                  ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                  MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                  const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused_backward";
+  validate_hashes(hashes, function);
+  const auto tau = static_cast<Scalar>(
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
+  if (q.rows() == 0) return;
+  detail::count_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out, lse,
+                                 dout, dq, dk, dv);
+}
+
+/// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
+/// the per-sample way: for each hash in order, plain-attention gradients on each of its blocks B
+/// (causal inside B) with the combined lse and D, summed over the samples:
+///   P^(k)_ij = e^{tau q_i.k_j - lse_i} [bin_k(i) = bin_k(j)],  sum_k P^(k) = P,
+/// so the result equals lsh_attention_fused_backward to rounding. Cost sum_k sum_B |B|^2 d.
+/// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order: bitwise
+/// the same for any thread count. Throws std::invalid_argument naming a bad argument.
+template <typename Scalar>
+void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                       ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                       ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                       MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                       const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample_backward";
+  validate_hashes(hashes, function);
+  const auto tau = static_cast<Scalar>(
+      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
+  if (q.rows() == 0) return;
+  detail::per_sample_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
+                                      lse, dout, dq, dk, dv);
+}
+
+/// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
+/// fixed_blocks_hash(sigma), i.e. plain-attention gradients inside consecutive blocks of
+/// 2 sigma tokens.
+template <typename Scalar>
+void fixed_blocks_attention_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma,
+                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
+                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
+  lsh_attention_per_sample_backward<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
+                                            dout, dq, dk, dv, options);
+}
+
+}  // namespace poslsh
