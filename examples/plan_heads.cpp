@@ -1,5 +1,5 @@
-// poslsh plan_heads: the per-head method planner (multihead/planner.hpp) on model shapes, its predicted
-// time against the best single method for all heads, and optionally measured.
+// poslsh plan_heads: the per-head method planner (multihead/planner.hpp) on model shapes, its
+// predicted time against the best single method for all heads, and optionally measured.
 //   plan_heads [--n N] [--heads H] [--d D] [--causal | --bidirectional] [--targets LIST]
 //              [--measure] [--repeats R] [--seed SEED] [--window W]
 //   plan_heads --calibrate [--n N] [--dims LIST] [--seeds N] [--samplers LIST]
@@ -8,10 +8,10 @@
 #include <cmath>
 #include <cstdio>
 #include <poslsh/attention/banded.hpp>
+#include <poslsh/attention/tiled.hpp>
+#include <poslsh/core/slopes.hpp>
 #include <poslsh/multihead/attention.hpp>
 #include <poslsh/multihead/planner.hpp>
-#include <poslsh/core/slopes.hpp>
-#include <poslsh/attention/tiled.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -239,7 +239,7 @@ double time_plan(const Matrix& q, const Matrix& k, const Matrix& v, Matrix& out,
   double best = 1e300;
   for (int r = 0; r < repeats; ++r) {
     const auto start = std::chrono::steady_clock::now();
-    poslsh::multihead_attention_planned<float>(
+    poslsh::multihead_attention<float>(
         poslsh::interleaved_heads<const float>(q.data(), n, heads, d),
         poslsh::interleaved_heads<const float>(k.data(), n, heads, d),
         poslsh::interleaved_heads<const float>(v.data(), n, heads, d),
@@ -292,17 +292,17 @@ int main(int argc, char** argv) {
       std::vector<poslsh::HeadPlan> plans;
     };
     std::vector<Single> singles;
-    singles.push_back({"exact tiled", poslsh::plan_single_method(
-                                          n, sigmas, settings.masking, target,
-                                          poslsh::PlannedMethod::exact_tiled, {}, options)});
+    singles.push_back(
+        {"exact tiled", poslsh::plan_single_method(n, sigmas, settings.masking, target,
+                                                   poslsh::Method::exact_tiled, {}, options)});
     singles.push_back(
         {"banded", poslsh::plan_single_method(n, sigmas, settings.masking, target,
-                                              poslsh::PlannedMethod::banded, {}, options)});
+                                              poslsh::Method::exact_banded, {}, options)});
     for (const poslsh::LshErrorModel& model : options.lsh_models) {
       singles.push_back(
           {std::string("lsh ") + poslsh::enum_name(model.sampler),
            poslsh::plan_single_method(n, sigmas, settings.masking, target,
-                                      poslsh::PlannedMethod::lsh, model.sampler, options)});
+                                      poslsh::Method::lsh_fused, model.sampler, options)});
     }
     std::printf("single methods, predicted:");
     const Single* best = nullptr;
@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
       }
       const double seconds = poslsh::plan_seconds(single.plans);
       std::printf(" %s", single.name.c_str());
-      if (single.plans.front().method == poslsh::PlannedMethod::lsh)
+      if (single.plans.front().method == poslsh::Method::lsh_fused)
         std::printf(" (s = %ld)", static_cast<long>(single.plans.front().samples));
       std::printf(" %.2f ms;", 1e3 * seconds);
       if (best == nullptr || seconds < poslsh::plan_seconds(best->plans)) best = &single;
@@ -322,7 +322,7 @@ int main(int argc, char** argv) {
     for (std::size_t h = 0; same_plan && h < plans.size(); ++h) {
       const poslsh::HeadPlan &a = plans[h], &b = best->plans[h];
       same_plan = a.method == b.method && a.band == b.band && a.samples == b.samples &&
-                  (a.method != poslsh::PlannedMethod::lsh || a.sampler == b.sampler);
+                  (a.method != poslsh::Method::lsh_fused || a.sampler == b.sampler);
     }
     const double planned = poslsh::plan_seconds(plans);
     const double best_seconds = poslsh::plan_seconds(best->plans);
@@ -347,7 +347,7 @@ int main(int argc, char** argv) {
         single_meeting += single_error <= target ? 1 : 0;
         if (p.predicted_error > 0.0) worst_ratio = std::max(worst_ratio, error / p.predicted_error);
         std::printf("%4ld  %-12s %10.2e %10.2e  %-5s  %.2e\n", static_cast<long>(h),
-                    poslsh::planned_method_name(p.method), p.predicted_error, error,
+                    poslsh::enum_name(p.method), p.predicted_error, error,
                     error <= target ? "yes" : "NO", single_error);
       }
       std::printf(

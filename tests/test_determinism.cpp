@@ -145,9 +145,9 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
     kh.middleCols(h * d, d) = k;
     vh.middleCols(h * d, d) = v * static_cast<float>(1 - h);
   }
-  for (poslsh::Method method : {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample,
-                                poslsh::Method::fixed_blocks, poslsh::Method::exact_tiled,
-                                poslsh::Method::exact_banded, poslsh::Method::exact_reference}) {
+  for (poslsh::Method method :
+       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+        poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
     poslsh::MultiHeadOptions multi;
     multi.method = method;
     multi.masking = masking;

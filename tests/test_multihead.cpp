@@ -34,7 +34,7 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
   const auto k = random_matrix<TestType>(n, kv_heads * d, 72);
   const auto v = random_matrix<TestType>(n, kv_heads * d, 73);
   for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks,
-                        Method::exact_tiled, Method::exact_banded, Method::exact_reference}) {
+                        Method::exact_tiled, Method::exact_banded}) {
     MultiHeadOptions options;
     options.method = method;
     options.samples = 5;
@@ -83,9 +83,6 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
         case Method::exact_banded:
           expected = poslsh::alibi_attention_banded<TestType>(
               qh, kh, vh, sigma, poslsh::band_for_bias_error(sigma, 1e-3));
-          break;
-        case Method::exact_reference:
-          expected = poslsh::alibi_attention_reference<TestType>(qh, kh, vh, sigma);
           break;
       }
       INFO("method " << static_cast<int>(method) << ", head " << h);
@@ -168,22 +165,16 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
                            "q.row_stride");
   auto out2 = poslsh::interleaved_heads<float>(out.data(), n, 2, d);
   require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out2); }, "out");
-  // The reference method is self-attention only: fewer queries than keys, or an offset, is a
-  // named error before the heads run (an exception inside the parallel loop would abort).
+  // A value outside the method table is a named error before the heads run.
   options = MultiHeadOptions{};
-  options.method = Method::exact_reference;
-  const auto q3_tail = poslsh::interleaved_heads<const float>(q.data(), n - 2, 3, d);
-  auto out3_tail = poslsh::interleaved_heads<float>(out.data(), n - 2, 3, d);
+  options.method = static_cast<Method>(99);
+  require_invalid_argument([&] { poslsh::multihead_attention<float>(q3, q3, q3, out3, options); },
+                           "options.method");
+  const std::vector<std::int32_t> cu = {0, static_cast<std::int32_t>(n)};
   require_invalid_argument(
-      [&] { poslsh::multihead_attention<float>(q3_tail, q3, q3, out3_tail, options); },
+      [&] { poslsh::multihead_attention_varlen<float>(q3, q3, q3, out3, cu, cu, options); },
       "options.method");
-  const std::vector<std::int32_t> cu_q = {0, static_cast<std::int32_t>(n - 2)},
-                                  cu_k = {0, static_cast<std::int32_t>(n)};
-  require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_varlen<float>(q3_tail, q3, q3, out3_tail, cu_q, cu_k, options);
-      },
-      "options.method");
+  options = MultiHeadOptions{};
   options.query_offset = 0;
   poslsh::multihead_attention<float>(q3, q3, q3, out3, options);  // self-attention: accepted
 }

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/exact.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -35,9 +35,9 @@ inline ExactWindow banded_window(Index n, Index band, Masking masking) {
 
 /// Rows [row_begin, row_end) of q of alibi_attention_banded, written to `out_rows`
 /// ((row_end - row_begin) x d_v); any split of the rows into ranges (and any chunk of queries
-/// at an offset, options.query_offset) gives bitwise the full result. Single-threaded. Throws
-/// std::invalid_argument naming a bad argument. Half-precision Q, K, V or output (KVScalar,
-/// OutScalar, computed in float): as alibi_attention_tiled (attention/tiled.hpp).
+/// at an offset, options.query_offset) gives bitwise the full result. Query tiles in parallel
+/// (OpenMP). Throws std::invalid_argument naming a bad argument. Half-precision Q, K, V or output
+/// (KVScalar, OutScalar, computed in float): as alibi_attention_tiled (attention/tiled.hpp).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
                                  ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
@@ -65,11 +65,12 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
 /// exp(-|i-j|/sigma) is below eps; band >= n - 1 gives the exact attention. Same tiles and
 /// online softmax as alibi_attention_tiled; key tiles outside the band are never touched, so
 /// the cost is O(n (band + tile) d). Q is n x d, K n x d, V n x d_v, `out` n x d_v, any row
-/// strides; single-threaded. Queries at an offset (options.query_offset = p0; unset: L - m):
-/// Q m x d at positions p0 .. p0 + m - 1, K and V L rows, |i - j| and j <= i read with
-/// i = p0 + r; row r is bitwise row p0 + r of the self-attention over the L positions. Throws
-/// std::invalid_argument naming a bad argument. Half-precision Q, K, V or output (KVScalar,
-/// OutScalar, computed in float): as alibi_attention_tiled (attention/tiled.hpp).
+/// strides; query tiles in parallel (OpenMP), bitwise the same for any thread count. Queries at an
+/// offset (options.query_offset = p0; unset: L - m): Q m x d at positions p0 .. p0 + m - 1, K and V
+/// L rows, |i - j| and j <= i read with i = p0 + r; row r is bitwise row p0 + r of the
+/// self-attention over the L positions. Throws std::invalid_argument naming a bad argument.
+/// Half-precision Q, K, V or output (KVScalar, OutScalar, computed in float): as
+/// alibi_attention_tiled (attention/tiled.hpp).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void alibi_attention_banded(ConstMatrixRef<Scalar> q,
                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,

@@ -5,27 +5,17 @@
 #include <algorithm>
 #include <utility>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
 namespace detail {
-
-/// Query rows per tile of the fused kernel (the tile engine's; tiles aligned from row 0).
-inline constexpr Index fused_query_tile = tile_query_rows;
-
-/// Per-thread buffers of the fused kernel.
-template <typename Scalar>
-struct FusedWorkspace {
-  TileCounts counts;
-  Eigen::Array<Scalar, Eigen::Dynamic, 1> count_tile;
-  TileBuffers<Scalar> buffers;
-};
 
 /// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
 /// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
@@ -37,49 +27,12 @@ template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScala
 void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
-                bool causal, Index i0, Index rows, OutType& out, FusedWorkspace<Scalar>& work,
+                bool causal, Index i0, Index rows, OutType& out, TileWorkspace<Scalar>& work,
                 Index query_offset = 0) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
   engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
                                          query_offset, i0, i0 + rows,
                                          out.middleRows(i0 - query_offset, rows));
-}
-
-/// Runs the (head, query tile) jobs in one parallel loop, job j being head j % heads of query
-/// tile j / heads: head_tile(head, i0, rows, work) computes rows [i0, i0 + rows) of that head
-/// with the calling thread's workspace. Every job writes its own rows with arithmetic that
-/// depends on the job alone: bitwise the same for any thread count and any job order.
-/// The heads of a query tile run one after the other, so the jobs in flight read the same
-/// token rows (and nearby keys) of every head: with [n, H, d] inputs each row is one stretch
-/// of memory, fetched once for all heads. Head by head, each head would read a d-wide slice
-/// of rows H d apart (2 KiB for H = 8, d = 64 floats), a stride that hardware prefetchers do
-/// not follow and that maps every row to the same few cache sets: then the time per pair grew
-/// with n as the inputs outgrew the last-level cache (0.86x at n = 65536 vs 4096).
-/// Rows at positions [row_begin, row_end): query tiles aligned to multiples of
-/// fused_query_tile in positions, the first and the last cut to the range.
-template <typename Scalar, typename HeadTile>
-void run_fused_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
-  if (row_begin >= row_end) return;
-  const Index first_tile = row_begin / fused_query_tile;
-  const Index tiles_per_head = (row_end + fused_query_tile - 1) / fused_query_tile - first_tile;
-  const auto jobs = static_cast<long>(heads * tiles_per_head);
-#pragma omp parallel
-  {
-    FusedWorkspace<Scalar> work;
-#pragma omp for schedule(dynamic, 1)
-    for (long job = 0; job < jobs; ++job) {
-      const Index h = static_cast<Index>(job) % heads;
-      const Index i0 = (first_tile + static_cast<Index>(job) / heads) * fused_query_tile;
-      const Index r0 = std::max(i0, row_begin);
-      head_tile(h, r0, std::min(i0 + fused_query_tile, row_end) - r0, work);
-    }
-  }
-}
-
-/// Rows [0, n) (self-attention).
-template <typename Scalar, typename HeadTile>
-void run_fused_tiles(Index heads, Index n, HeadTile&& head_tile) {
-  run_fused_tiles<Scalar>(heads, Index{0}, n, std::forward<HeadTile>(head_tile));
 }
 
 /// The body of lsh_attention_fused after its checks: the q.rows() queries at positions p0 ..,
@@ -93,11 +46,11 @@ void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrix
   if (m == 0) return;
   const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  run_fused_tiles<Compute>(1, p0, p0 + m,
-                           [&](Index, Index i0, Index rows, FusedWorkspace<Compute>& work) {
-                             fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau, causal, i0,
-                                                                   rows, out, work, p0);
-                           });
+  parallel_query_tiles<Compute>(1, p0, p0 + m,
+                                [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
+                                  fused_tile<Compute, Scalar, KVScalar>(
+                                      q, k, v, counts, tau, causal, i0, rows, out, work, p0);
+                                });
 }
 
 /// sum_i |[lo_i, hi_i)| over positions 0 .. n - 1, the key intervals of `counts` (a HashSet or
@@ -106,8 +59,8 @@ template <typename Counts>
 long long fused_pair_count(const Counts& counts_source, Index n, Masking masking) {
   long long pairs = 0;
   TileCounts counts;
-  for (Index i0 = 0; i0 < n; i0 += fused_query_tile) {
-    const Index rows = std::min(fused_query_tile, n - i0);
+  for (Index i0 = 0; i0 < n; i0 += tile_query_rows) {
+    const Index rows = std::min(tile_query_rows, n - i0);
     counts.build(counts_source, i0, rows, n, masking == Masking::causal);
     for (Index r = 0; r < rows; ++r) {
       const auto index = static_cast<std::size_t>(r);

@@ -20,14 +20,14 @@
 #include <string>
 #include <vector>
 
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/attention/fused.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -181,8 +181,8 @@ void lsh_attention_fused_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& 
   if (m == 0) return;
   const bool causal = options.masking == Masking::causal;
   const Index n = cache.length(sequence);
-  detail::run_fused_tiles<Scalar>(
-      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::FusedWorkspace<Scalar>& work) {
+  detail::parallel_query_tiles<Scalar>(
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::TileWorkspace<Scalar>& work) {
         detail::CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
         detail::TileEngine<Scalar, detail::CountBias<Scalar>, detail::PagedRows<Scalar>> engine(
             q, detail::PagedRows<Scalar>(cache, sequence, kv_head), static_cast<double>(tau), bias,
@@ -196,8 +196,9 @@ void lsh_attention_fused_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& 
 /// cache:
 ///   out_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: j <= p0 + r),
 /// p0 = options.query_offset (unset: L - m). Bitwise alibi_attention_tiled on the same keys
-/// and values in contiguous matrices, for any page size. Single-threaded, as
-/// alibi_attention_tiled. Throws std::invalid_argument naming a bad argument.
+/// and values in contiguous matrices, for any page size. Query tiles in parallel
+/// (OpenMP), bitwise the same for any thread count. Throws std::invalid_argument naming a bad
+/// argument.
 template <typename Scalar>
 void alibi_attention_tiled_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& cache,
                                  Index sequence, Index kv_head, double sigma, MatrixRef<Scalar> out,
@@ -211,11 +212,13 @@ void alibi_attention_tiled_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>
   if (m == 0) return;
   const Index n = cache.length(sequence);
   const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::AlibiBias<Scalar> bias(n, sigma, window);
-  detail::TileBuffers<Scalar> buffers;
-  detail::TileEngine<Scalar, detail::AlibiBias<Scalar>, detail::PagedRows<Scalar>> engine(
-      q, detail::PagedRows<Scalar>(cache, sequence, kv_head), tau, bias, buffers, p0);
-  engine.run(p0, p0 + m, out);
+  detail::parallel_query_tiles<Scalar>(
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::TileWorkspace<Scalar>& work) {
+        detail::AlibiBias<Scalar> bias(n, sigma, window);
+        detail::TileEngine<Scalar, detail::AlibiBias<Scalar>, detail::PagedRows<Scalar>> engine(
+            q, detail::PagedRows<Scalar>(cache, sequence, kv_head), tau, bias, work.buffers, p0);
+        engine.run(i0, i0 + rows, out.middleRows(i0 - p0, rows));
+      });
 }
 
 }  // namespace poslsh

@@ -14,10 +14,10 @@
 // inputs, rounded once to OutScalar.
 #pragma once
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/exact.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -29,9 +29,9 @@ inline constexpr Index tiled_query_tile = detail::tile_query_rows;
 ///   T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: keys j <= p0 + r),
 /// written to `out_rows` ((row_end - row_begin) x d_v). Q is m x d at positions p0 .. p0 + m - 1
 /// (p0 = options.query_offset, unset: L - m), K is L x d, V is L x d_v; self-attention is
-/// m = L, p0 = 0. Single-threaded; meant for splitting one head's queries across threads.
-/// Each row's result depends on its position alone: any split of the rows into ranges, and
-/// any chunk of queries holding the row, gives bitwise the output of alibi_attention_tiled.
+/// m = L, p0 = 0. Query tiles in parallel (OpenMP). Each row's result depends on its position
+/// alone: any split of the rows into ranges, any chunk of queries holding the row and any
+/// thread count give bitwise the output of alibi_attention_tiled.
 /// Throws std::invalid_argument naming a bad argument. Scalar types: see the file comment.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
@@ -61,8 +61,8 @@ void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
 /// packet kernels, the ALiBi bias from the integer distance on the fly, an online softmax
 /// (running maximum over kept entries, running sum, accumulator) per query row, causal key
 /// tiles above the diagonal skipped. Q is n x d (d >= 1 if n > 0), K n x d, V n x d_v, `out`
-/// n x d_v; any row strides (e.g. heads of an [n, H, d] buffer). Single-threaded: run heads
-/// (or row ranges, alibi_attention_tiled_rows) in parallel. Matches
+/// n x d_v; any row strides (e.g. heads of an [n, H, d] buffer). Query tiles run in parallel
+/// (OpenMP), each row computed by one thread: bitwise the same for any thread count. Matches
 /// alibi_attention_reference to rounding. Throws std::invalid_argument naming a bad argument.
 /// Half-precision Q, K, V or output: see the file comment.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>

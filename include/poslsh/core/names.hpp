@@ -38,6 +38,15 @@ constexpr const char* enum_name(Enum value) {
   return "unknown";
 }
 
+/// Whether `value` is one of the enumerators of its enum's table.
+template <typename Enum>
+constexpr bool enum_is_valid(Enum value) {
+  for (const EnumName<Enum>& entry : EnumNames<Enum>::table) {
+    if (entry.value == value) return true;
+  }
+  return false;
+}
+
 /// The names of an enum's table, joined as "a, b or c" (for messages).
 template <typename Enum>
 std::string enum_name_list() {
@@ -58,8 +67,7 @@ Enum enum_from_name(std::string_view name, const char* function = "enum_from_nam
   for (const EnumName<Enum>& entry : EnumNames<Enum>::table) {
     if (name == entry.name) return entry.value;
   }
-  detail::throw_invalid(function, argument, std::string(name),
-                        "must be " + enum_name_list<Enum>());
+  detail::throw_invalid(function, argument, std::string(name), "must be " + enum_name_list<Enum>());
 }
 
 }  // namespace poslsh

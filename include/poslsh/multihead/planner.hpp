@@ -1,7 +1,7 @@
 // poslsh: a per-head method planner. For each head (its sigma) it predicts the pairs, the time
 // and the relative output error of exact tiled attention, banded attention and the fused LSH
 // kernel (each sampler), and keeps the cheapest method whose predicted error meets a target.
-// multihead_attention_planned then runs the plan, heads in parallel.
+// multihead_attention(q, k, v, out, plans, options) then runs the plan.
 #pragma once
 
 #include <algorithm>
@@ -13,48 +13,22 @@
 #include <vector>
 
 #include "poslsh/attention/banded.hpp"
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/attention/fused.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/heads_view.hpp"
-#include "poslsh/lsh/samplers.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/samplers.hpp"
+#include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/methods.hpp"
 
 namespace poslsh {
 
-/// The methods the planner chooses between.
-enum class PlannedMethod {
-  exact_tiled,  ///< alibi_attention_tiled: no error, every pair
-  banded,       ///< alibi_attention_banded with band W
-  lsh,          ///< lsh_attention_fused with s samples of a sampler
-};
-
-/// Name of a planned method ("exact_tiled", "banded", "lsh").
-inline const char* planned_method_name(PlannedMethod method) {
-  switch (method) {
-    case PlannedMethod::exact_tiled:
-      return "exact_tiled";
-    case PlannedMethod::banded:
-      return "banded";
-    case PlannedMethod::lsh:
-      return "lsh";
-  }
-  return "unknown";
-}
-
-/// Throughput of each kernel in (query, key) pairs per second on one thread. The defaults were
-/// measured with float, d = d_v = 64, n = 4096, causal, random Q, K, V, one thread
-/// (OMP_NUM_THREADS=1), best of three runs, on the 2-core development machine while it was
-/// shared with other jobs (so the absolute values are low; a plan depends only on their
-/// ratios): alibi_attention_tiled 4.86e7 (n (n + 1) / 2 pairs in 0.173 s); alibi_attention_banded
-/// 4.29e7 and 4.86e7 at W = 256 and 1024 (n (W + 1) pairs; 1.78e7 at W = 64, where the 64-key
-/// tiles waste most of their pairs); lsh_attention_fused 1.4e8 to 2.8e8 at sigma 16 and 64,
-/// s = 4 and 16, 2.6e7 to 4.9e7 at sigma 4 (lsh_fused_pair_count pairs). Throughput scales with
-/// d like 64 / d (a pair costs two d-long dot products), which plan_heads applies.
-/// The fused kernel also spends time per (query, sample) building each tile's counts: from the
-/// same runs at sigma 4, s = 64 (15 pairs per query, 2.3 ms instead of the 0.4 ms its pairs
-/// predict), about 7 ns, i.e. lsh_query_samples = 1.4e8 per second.
+/// Throughput of each kernel in (query, key) pairs per second on one thread, at d = 64 (plan_heads
+/// scales it by 64 / d: a pair costs two d-long dot products), and the fused kernel's cost per
+/// (query, sample) of building its count tiles. A plan depends only on their ratios. How the
+/// defaults were measured: docs/planner_calibration.md.
 struct PlannerThroughput {
   double exact_tiled = 4.86e7;
   double banded = 4.5e7;
@@ -91,20 +65,9 @@ inline double lsh_planner_samples(const LshErrorModel& model, double target) {
   return s;
 }
 
-/// The default LSH error models. Mean fits: least-squares fits of log relative error against
-/// log s (s = 4..64) of output_error_vs_samples --sampler NAME (n = 2048, d = 64, sigma = 16,
-/// causal, float, seed 1) on its random Q, K, V: independent 1.227 s^-0.559, antithetic
-/// 1.230 s^-0.621, stratified 1.189 s^-0.605, rqmc 0.852 s^-0.511, stratified_lattice
-/// (g = round(sqrt(s))) 1.537 s^-0.730. Upper factors: 1.05 times the largest ratio of
-/// measured error to the mean fit in plan_heads --calibrate (normal Q, K, V; sigma 1.1..256,
-/// s 16..256, causal and bidirectional; n = 512 with d = 16, 64 and seeds 1000-1005, n = 4096
-/// with d = 64, 128 and seeds 1000-1001; 1440 runs per sampler): largest ratios 1.468
-/// independent, 1.737 antithetic, 1.588 stratified, 1.305 rqmc, 2.838 stratified_lattice (all
-/// at n = 512; 1.320, 1.634, 1.316, 1.173, 2.766 at n = 4096), mean ratios 0.75-1.25. The
-/// stratified_lattice ratio spreads most (standard deviation 0.50 against 0.12-0.32): its
-/// steeper fit holds at sigma 16 but not at sigma 1.1-2 (largest ratios there), where blocks
-/// are short and its lattice gains little. (Smooth low-rank data falls 2x lower; heavy-tailed
-/// scores decay like s^-0.37 and are not covered by these models.)
+/// The default LSH error models, one per sampler: mean fits coefficient * s^-exponent of the
+/// relative output error over s = 4..64 and upper factors that cover the largest measured
+/// ratio of error to fit (docs/planner_calibration.md has the runs they come from).
 inline std::vector<LshErrorModel> default_lsh_error_models() {
   return {{Sampler::independent, 1.227, 0.559, 1.542},
           {Sampler::antithetic, 1.230, 0.621, 1.824},
@@ -123,11 +86,8 @@ struct PlannerOptions {
   /// Banded relative output error = banded_factor * (1 + banded_small_sigma / sigma^2) *
   /// banded_dropped_share(sigma, W, masking): the dropped share of the ALiBi kernel's row mass
   /// (exact for uniform scores: the bias bound) times a factor for the score fluctuations and
-  /// for the difference of the dropped and kept value averages. plan_heads --calibrate
-  /// --banded-only (normal Q, K, V, the planned W at targets 1e-1..1e-3) measured ratios of
-  /// relative error to the dropped share up to 2.6 at sigma >= 4, 3.2 at sigma 2 and 6.6 at
-  /// sigma 1.1 (n = 512, d = 16 and 64); 3 (1 + 1.6 / sigma^2) covers them (6.97 at 1.1, 4.2
-  /// at 2, 3.3 at 4). Sigma below 1.1 was not calibrated.
+  /// for the difference of the dropped and kept value averages (calibrated for sigma >= 1.1:
+  /// docs/planner_calibration.md).
   double banded_factor = 3.0;
   double banded_small_sigma = 1.6;
   /// Largest s the planner considers for LSH (the error models were fitted on s = 4..64).
@@ -135,20 +95,17 @@ struct PlannerOptions {
   /// Seed of the LSH hashes (head h uses stream h), for the pair counts and the run.
   std::uint64_t seed = 0;
   /// LSH sample search: besides the smallest s meeting the target, s_min + 1 .. s_min + window
-  /// (<= max_samples) are priced too and the cheapest kept. Pairs grow with s for samplers whose
-  /// sets are nested in s (independent, antithetic, coupled_offsets: sample k depends on k
-  /// only), so s_min is the cheapest and 0 loses nothing; the others (stratified, rqmc,
-  /// stratified_lattice, ...) draw a new set for every s, and their pairs are not monotone
-  /// (stratified_lattice at sigma 16, n = 4096: 68.6 pairs/q at s = 150, 94.2 at s = 188, 72.0
-  /// at s = 200). Each priced s costs one lsh_fused_pair_count (about 6 ms at n = 4096, s = 150);
-  /// the search stops once n s / lsh_query_samples + n / lsh throughput (every query pairs with
-  /// itself) reaches the best time.
+  /// (<= max_samples) are priced too and the cheapest kept (each priced s costs one
+  /// lsh_fused_pair_count). Pairs grow with s for samplers whose sets are nested in s
+  /// (independent, antithetic, coupled_offsets), so 0 loses nothing for them; the others draw
+  /// a new set for every s and their pairs are not monotone in s. The search stops once
+  /// n s / lsh_query_samples + n / lsh throughput reaches the best time.
   Index lsh_sample_window = 0;
 };
 
 /// The plan of one head.
 struct HeadPlan {
-  PlannedMethod method = PlannedMethod::exact_tiled;
+  Method method = Method::exact_tiled;
   double sigma = 1.0;
   Index band = 0;                          ///< banded: W
   Index samples = 0;                       ///< lsh: s
@@ -262,7 +219,7 @@ inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::si
   std::vector<HeadPlan> candidates;
   HeadPlan exact;
   exact.sigma = sigma;
-  exact.method = PlannedMethod::exact_tiled;
+  exact.method = Method::exact_tiled;
   exact.pairs = exact_pair_count(n, masking);
   exact.seconds = exact.pairs / (options.throughput.exact_tiled * scale);
   exact.predicted_error = 0.0;
@@ -271,7 +228,7 @@ inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::si
       planner_band(sigma, target, options.banded_factor, masking, options.banded_small_sigma);
   if (band < n - 1) {
     HeadPlan banded = exact;
-    banded.method = PlannedMethod::banded;
+    banded.method = Method::exact_banded;
     banded.band = band;
     banded.pairs = banded_pair_count(n, band, masking);
     banded.seconds = banded.pairs / (options.throughput.banded * scale);
@@ -286,7 +243,7 @@ inline std::vector<HeadPlan> plan_head_candidates(Index n, double sigma, std::si
     const auto s_min = static_cast<Index>(needed);
     const auto price = [&](Index s) {
       HeadPlan lsh = exact;
-      lsh.method = PlannedMethod::lsh;
+      lsh.method = Method::lsh_fused;
       lsh.samples = s;
       lsh.sampler = model.sampler;
       lsh.seed = options.seed;
@@ -340,8 +297,7 @@ inline std::vector<HeadPlan> plan_heads(Index n, const std::vector<double>& sigm
 /// candidate (banded with W >= n - 1, LSH needing s > max_samples). For comparing a plan with
 /// the best single method. Throws as plan_heads.
 inline std::vector<HeadPlan> plan_single_method(Index n, const std::vector<double>& sigmas,
-                                                Masking masking, double target,
-                                                PlannedMethod method,
+                                                Masking masking, double target, Method method,
                                                 Sampler sampler = Sampler::independent,
                                                 const PlannerOptions& options = {}) {
   detail::require_planner_arguments("plan_single_method", n, sigmas, target, options);
@@ -350,7 +306,7 @@ inline std::vector<HeadPlan> plan_single_method(Index n, const std::vector<doubl
     const std::vector<HeadPlan> candidates =
         plan_head_candidates(n, sigmas[h], h, masking, target, options);
     const auto match = std::find_if(candidates.begin(), candidates.end(), [&](const HeadPlan& p) {
-      return p.method == method && (method != PlannedMethod::lsh || p.sampler == sampler);
+      return p.method == method && (method != Method::lsh_fused || p.sampler == sampler);
     });
     if (match == candidates.end()) return {};
     plans.push_back(*match);
@@ -375,12 +331,12 @@ inline std::string format_plan(const std::vector<HeadPlan>& plans, Index n) {
   for (std::size_t h = 0; h < plans.size(); ++h) {
     const HeadPlan& p = plans[h];
     std::string parameter = "-";
-    if (p.method == PlannedMethod::banded) parameter = "W = " + std::to_string(p.band);
-    if (p.method == PlannedMethod::lsh)
+    if (p.method == Method::exact_banded) parameter = "W = " + std::to_string(p.band);
+    if (p.method == Method::lsh_fused)
       parameter = "s = " + std::to_string(p.samples) + " " + enum_name(p.sampler);
     std::snprintf(line, sizeof line, "%4zu %10.4g  %-11s  %-22s %10.1f %8.2e %10.2f\n", h, p.sigma,
-                  planned_method_name(p.method), parameter.c_str(),
-                  p.pairs / static_cast<double>(n), p.predicted_error, 1e3 * p.seconds);
+                  enum_name(p.method), parameter.c_str(), p.pairs / static_cast<double>(n),
+                  p.predicted_error, 1e3 * p.seconds);
     text += line;
   }
   std::snprintf(line, sizeof line, "total predicted %.2f ms (one thread)\n",
@@ -389,74 +345,56 @@ inline std::string format_plan(const std::vector<HeadPlan>& plans, Index n) {
   return text;
 }
 
-/// Runs a plan: head h of q (and head h / (q.heads / k.heads) of k, v) with plans[h]'s method,
-/// heads in parallel (OpenMP, one head per thread), into head h of out. LSH heads use
-/// sample_hashes(sigma, s, seed, stream, sampler). Throws std::invalid_argument naming 'plans'
-/// (size differs from q.heads), a bad view (q, k, v; out not q.tokens x q.heads x v.dim) or
-/// what the single-head kernels name.
-template <typename Scalar>
-void multihead_attention_planned(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                 HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                 const std::vector<HeadPlan>& plans,
-                                 const AttentionOptions& options = {}) {
-  constexpr const char* function = "multihead_attention_planned";
-  q.validate(function, "q");
-  k.validate(function, "k");
-  v.validate(function, "v");
-  detail::require(static_cast<Index>(plans.size()) == q.heads, function, "plans", plans.size(),
-                  "must hold one plan per query head");
-  detail::require(q.heads % k.heads == 0 && v.heads == k.heads, function, "k.heads", k.heads,
-                  "must divide q.heads and equal v.heads");
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  const Index group = q.heads / k.heads;
-  const std::vector<HashSet> hashes = [&] {
-    std::vector<HashSet> sets(plans.size());
-    for (std::size_t h = 0; h < plans.size(); ++h) {
-      const HeadPlan& p = plans[h];
-      if (p.method == PlannedMethod::lsh)
-        sets[h] = sample_hashes(p.sigma, p.samples, p.seed, p.stream, p.sampler);
+namespace detail {
+
+/// The method of every head of a plan (exact_tiled, exact_banded with its W, lsh_fused with
+/// the hashes sample_hashes(sigma, s, seed, stream, sampler)). Checks one plan per query head,
+/// each with a valid sigma, W >= 0 for exact_banded and s >= 1 for lsh_fused.
+inline std::vector<HeadMethod> planned_head_methods(const char* function, Index heads,
+                                                    const std::vector<HeadPlan>& plans) {
+  require(static_cast<Index>(plans.size()) == heads, function, "plans", plans.size(),
+          "must hold one plan per query head (" + std::to_string(heads) + ")");
+  std::vector<HeadMethod> methods(plans.size());
+  for (std::size_t h = 0; h < plans.size(); ++h) {
+    const HeadPlan& p = plans[h];
+    require(method_runs_by_query_tiles(p.method), function, "plans", enum_name(p.method),
+            "a plan's method must be exact_tiled, exact_banded or lsh_fused");
+    require_sigma(p.sigma, function, "plans");
+    methods[h].method = p.method;
+    methods[h].sigma = p.sigma;
+    if (p.method == Method::exact_banded) {
+      require_size(p.band, function, "plans");
+      methods[h].band = p.band;
     }
-    return sets;
-  }();
-  const auto heads = static_cast<long>(q.heads);
-  // Errors thrown on a worker thread are carried out of the parallel loop.
-  std::string failure;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (long head = 0; head < heads; ++head) {
-    try {
-      const auto h = static_cast<Index>(head);
-      const HeadPlan& p = plans[static_cast<std::size_t>(head)];
-      auto out_h = out.head(h);
-      switch (p.method) {
-        case PlannedMethod::exact_tiled:
-          alibi_attention_tiled<Scalar>(q.head(h), k.head(h / group), v.head(h / group), p.sigma,
-                                        out_h, options);
-          break;
-        case PlannedMethod::banded:
-          alibi_attention_banded<Scalar>(q.head(h), k.head(h / group), v.head(h / group), p.sigma,
-                                         p.band, out_h, options);
-          break;
-        case PlannedMethod::lsh:
-          lsh_attention_fused<Scalar>(q.head(h), k.head(h / group), v.head(h / group),
-                                      hashes[static_cast<std::size_t>(head)], out_h, options);
-          break;
-      }
-    } catch (const std::exception& error) {
-#pragma omp critical(poslsh_planned_failure)
-      if (failure.empty()) failure = error.what();
-    }
+    if (p.method == Method::lsh_fused)
+      methods[h].hashes = sample_hashes(p.sigma, p.samples, p.seed, p.stream, p.sampler);
   }
-  if (!failure.empty()) throw std::invalid_argument(failure);
+  return methods;
 }
 
-/// multihead_attention with a plan as its method: head h runs plans[h] (exact tiled, banded with
-/// its W, or fused LSH with its s and sampler), i.e. multihead_attention_planned(q, k, v, out,
-/// plans, options).
+}  // namespace detail
+
+/// multihead_attention with a plan as its method: query head h (K/V head h / (H_q / H_kv))
+/// runs plans[h] (exact tiled, banded with its W, or fused LSH with the hashes
+/// sample_hashes(sigma, s, seed, stream, sampler)), in the one parallel loop over (query tile,
+/// head) jobs of multihead_attention: bitwise the same for any thread count, and each head
+/// bitwise its single-head kernel. options: masking, scale, query offset as multihead_attention.
+/// \throws std::invalid_argument naming 'plans' (one per query head, each valid), a bad view
+///   or option, before any head runs.
 template <typename Scalar>
 void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                          HeadsView<const Scalar> v, HeadsView<Scalar> out,
                          const std::vector<HeadPlan>& plans, const AttentionOptions& options = {}) {
-  multihead_attention_planned<Scalar>(q, k, v, out, plans, options);
+  constexpr const char* function = "multihead_attention";
+  const Index p0 =
+      detail::resolve_query_offset(function, options.query_offset, q.tokens, k.tokens, "k.tokens");
+  detail::require_heads_inputs(function, q, k, v);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  const detail::HeadsCall call{detail::planned_head_methods(function, q.heads, plans),
+                               {{0, q.tokens, 0, k.tokens, p0}},
+                               detail::resolve_scale(function, options, q.dim),
+                               options.masking};
+  detail::run_heads_forward<Scalar>(call, q, k, v, out);
 }
 
 }  // namespace poslsh

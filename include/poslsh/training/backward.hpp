@@ -27,6 +27,11 @@
 #include <vector>
 
 #include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/slopes.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/blocks.hpp"
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/checks/attention.hpp"
@@ -36,12 +41,8 @@
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/attention/fused.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/attention/per_sample.hpp"
-#include "poslsh/core/slopes.hpp"
-#include "poslsh/attention/tiled.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -98,18 +99,8 @@ void require_backward_arguments(const char* function, const ConstMatrixRef<Scala
   require_matrix_shape(function, "dv", dv, n, dv_cols, true);
 }
 
-/// Rows [row_begin, row_end) of the tile engine's attention with their lse (lse[i - row_begin]).
-template <typename Scalar, typename Bias, typename OutType>
-void engine_rows_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                          const ConstMatrixRef<Scalar>& v, double tau, Bias& bias,
-                          TileBuffers<Scalar>& buffers, Index row_begin, Index row_end,
-                          OutType&& out, Scalar* lse) {
-  TileEngine<Scalar, Bias> engine(q, k, v, tau, bias, buffers);
-  engine.run(row_begin, row_end, out, lse);
-}
-
-/// Exact ALiBi attention over `window` with lse (single-threaded). V without columns: lse from
-/// a column of zeros (the probabilities do not depend on V).
+/// Exact ALiBi attention over `window` with lse, query tiles in parallel (exact_alibi_rows).
+/// V without columns: lse from a column of zeros (the probabilities do not depend on V).
 template <typename Scalar>
 void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                     const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
@@ -121,12 +112,10 @@ void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
     exact_with_lse<Scalar>(q, k, zero, sigma, tau, window, sink, lse);
     return;
   }
-  AlibiBias<Scalar> bias(n, sigma, window);
-  TileBuffers<Scalar> buffers;
-  engine_rows_with_lse<Scalar>(q, k, v, tau, bias, buffers, 0, n, out, lse);
+  exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, 0, n, out, 0, lse);
 }
 
-/// The fused estimator with lse, query tiles in parallel (OpenMP) as lsh_attention_fused.
+/// The fused estimator with lse, query tiles in parallel as lsh_attention_fused.
 template <typename Scalar>
 void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
@@ -138,19 +127,12 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
     fused_with_lse<Scalar>(q, k, zero, hashes, tau, causal, sink, lse);
     return;
   }
-  const long tiles = static_cast<long>((n + fused_query_tile - 1) / fused_query_tile);
-#pragma omp parallel
-  {
-    FusedWorkspace<Scalar> work;
-#pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < tiles; ++t) {
-      const Index i0 = static_cast<Index>(t) * fused_query_tile;
-      const Index rows = std::min(fused_query_tile, n - i0);
-      CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
-      engine_rows_with_lse<Scalar>(q, k, v, static_cast<double>(tau), bias, work.buffers, i0,
-                                   i0 + rows, out.middleRows(i0, rows), lse + i0);
-    }
-  }
+  parallel_query_tiles<Scalar>(
+      1, 0, n, [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
+        CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
+        engine_rows<Scalar, Scalar, Scalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
+                                            0, i0, i0 + rows, out.middleRows(i0, rows), lse + i0);
+      });
 }
 
 /// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
@@ -254,7 +236,8 @@ double backward_scale(const char* function, const ConstMatrixRef<Scalar>& q,
 /// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
 ///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
 /// (causal: j <= i), from the same tiles and online softmax (the running maximum M_i and sum);
-/// out is bitwise that of the overload without lse. Single-threaded. Throws
+/// out is bitwise that of the overload without lse. Query tiles in parallel (OpenMP), bitwise
+/// the same for any thread count. Throws
 /// std::invalid_argument naming a bad argument (lse: size n).
 template <typename Scalar>
 void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
@@ -273,7 +256,7 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 
 /// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
 /// M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i); out
-/// bitwise that of the overload without lse. Single-threaded.
+/// bitwise that of the overload without lse. Query tiles in parallel (OpenMP).
 template <typename Scalar>
 void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, Index band,

@@ -48,11 +48,11 @@
 #include <xmmintrin.h>
 #endif
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 
@@ -226,11 +226,7 @@ inline constexpr Index backward_prefetch_rows = 8;
 /// Prefetches the cache lines of `count` scalars from `row` (for writing when `Write`).
 template <bool Write, typename Scalar>
 void prefetch_row(const Scalar* row, Index count) {
-  const auto* bytes = reinterpret_cast<const char*>(row);
-  const auto size = static_cast<std::size_t>(count) * sizeof(Scalar);
-  for (std::size_t offset = 0; offset < size; offset += 64)
-    __builtin_prefetch(bytes + offset, Write);
-  if (size > 0) __builtin_prefetch(bytes + size - 1, Write);
+  tile_prefetch_rows(row, count, 0, 1, count, Write);
 }
 
 /// prefetch_row for rows [first, first + count) of m (the first `cols` columns).

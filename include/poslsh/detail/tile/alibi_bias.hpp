@@ -9,11 +9,12 @@
 #include <limits>
 #include <utility>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/tile/engine.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 
@@ -102,20 +103,26 @@ class AlibiBias {
 };
 
 /// Rows at positions [row_begin, row_end) of exact ALiBi attention over `window`, written to
-/// out rows 0 .. row_end - row_begin (q used unscaled, tau applied here); row r of q is the
-/// query at position query_offset + r, the keys are at positions 0 .. k.rows() - 1. Computed
-/// in Scalar; Q (QScalar) and K, V (KVScalar) may be stored in a half-precision type, out in
-/// any scalar type (engine_rows). The bias is formed in Scalar from the integer distance.
+/// out rows 0 .. row_end - row_begin (lse[r] for out row r when lse is not null); q used
+/// unscaled, tau applied here. Row r of q is the query at position query_offset + r, the keys
+/// are at positions 0 .. k.rows() - 1. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may
+/// be stored in a half-precision type, out in any scalar type (engine_rows). The bias is formed
+/// in Scalar from the integer distance. Query tiles run in parallel (parallel_query_tiles),
+/// each row's arithmetic depending on its position alone: bitwise the same for any thread
+/// count and any split of the rows.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename OutType>
 void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                       const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
                       const ConstMatrixRef<nondeduced_t<KVScalar>>& v, double sigma, double tau,
                       ExactWindow window, Index row_begin, Index row_end, OutType&& out,
-                      Index query_offset = 0) {
-  AlibiBias<Scalar> bias(k.rows(), sigma, window);
-  TileBuffers<Scalar> buffers;
-  engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, buffers, query_offset, row_begin,
-                                         row_end, std::forward<OutType>(out));
+                      Index query_offset = 0, Scalar* lse = nullptr) {
+  parallel_query_tiles<Scalar>(
+      1, row_begin, row_end, [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
+        AlibiBias<Scalar> bias(k.rows(), sigma, window);
+        engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, work.buffers, query_offset, r0,
+                                               r0 + rows, out.middleRows(r0 - row_begin, rows),
+                                               lse == nullptr ? nullptr : lse + (r0 - row_begin));
+      });
 }
 
 }  // namespace poslsh::detail

@@ -1,5 +1,5 @@
 // poslsh internals: the sample counts c_ij = #{k : bin_k(i) = bin_k(j)} of a query tile, kept as
-// rectangles (one per block of each sample that meets the tile; detail/count_bias.hpp expands
+// rectangles (one per block of each sample that meets the tile; detail/tile/count_bias.hpp expands
 // them key tile by key tile), from a hash set or from stored partitions of any blocks.
 #pragma once
 
@@ -7,11 +7,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -1,5 +1,5 @@
 // poslsh internals: attention of a range of query rows, FlashAttention-style, for any bias
-// policy (exact ALiBi: detail/alibi_bias.hpp; fused LSH counts: detail/count_bias.hpp).
+// policy (exact ALiBi: detail/tile/alibi_bias.hpp; fused LSH counts: detail/tile/count_bias.hpp).
 // Queries are taken in tiles of tile_query_rows rows, keys in tiles of tile_key_cols; for each
 // key tile the scores x_ij = tau q_i.k_j (+ the policy's bias) and weights w_ij (1, or the
 // policy's) feed an online softmax per query row:
@@ -33,10 +33,10 @@
 #include <type_traits>
 #include <utility>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

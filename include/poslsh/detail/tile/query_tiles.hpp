@@ -1,0 +1,104 @@
+// poslsh internals: the one parallel loop of the library. Every kernel that runs on the tile
+// engine (exact tiled, banded, fused LSH, paged, all heads, packed batches, plans) cuts its
+// query rows into tiles aligned in absolute positions and runs the (tile, head) jobs here; the
+// kernels that run whole heads (per-sample, fixed blocks, the backward passes of all heads) run
+// their head jobs through the same parallel_jobs.
+//
+// Determinism: a job writes its own output rows with arithmetic that depends on the job alone,
+// so the result is bitwise the same for any thread count and any job order.
+// Errors: arguments are checked before the loop; an exception thrown by a job (std::bad_alloc)
+// is caught on its thread, the remaining jobs are skipped, and the first exception is rethrown
+// with its type after the loop. No exception leaves an OpenMP region.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <exception>
+#include <vector>
+
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+
+namespace poslsh::detail {
+
+/// Per-thread scratch of the tile kernels: the LSH estimator's count tiles and the engine's
+/// buffers (the exact kernels use the buffers only).
+template <typename Scalar>
+struct TileWorkspace {
+  TileCounts counts;
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> count_tile;
+  TileBuffers<Scalar> buffers;
+};
+
+/// Runs job(j, workspace) for j = 0 .. count - 1 in one OpenMP loop (dynamic schedule, one job
+/// at a time), each thread with its own default-constructed Workspace. The first exception a
+/// job throws is rethrown after the loop, with its type; jobs not yet started then are skipped.
+template <typename Workspace, typename Job>
+void parallel_jobs(long count, Job&& job) {
+  std::exception_ptr failure;
+  std::atomic<bool> failed{false};
+#pragma omp parallel
+  {
+    Workspace workspace;
+#pragma omp for schedule(dynamic, 1)
+    for (long j = 0; j < count; ++j) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        job(j, workspace);
+      } catch (...) {
+#pragma omp critical(poslsh_parallel_jobs_failure)
+        if (!failure) failure = std::current_exception();
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+/// A query tile: rows at positions [row_begin, row_begin + rows) of row range `range`.
+struct QueryTile {
+  std::size_t range = 0;
+  Index row_begin = 0;
+  Index rows = 0;
+};
+
+/// Appends the query tiles of positions [row_begin, row_end) of range `range`: tiles aligned to
+/// multiples of tile_query_rows in positions, the first and the last cut to the range, so a
+/// row's tile (and with it its arithmetic) depends on its position alone.
+inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range, Index row_begin,
+                               Index row_end) {
+  for (Index i0 = row_begin / tile_query_rows * tile_query_rows; i0 < row_end;
+       i0 += tile_query_rows) {
+    const Index r0 = std::max(i0, row_begin);
+    tiles.push_back({range, r0, std::min(i0 + tile_query_rows, row_end) - r0});
+  }
+}
+
+/// Runs tile_job(tile, head, workspace) for every (query tile, head) pair in one parallel loop,
+/// job j being head j % heads of tile j / heads: the heads of a tile run one after the other,
+/// so the jobs in flight read the same token rows of every head (with [n, H, d] inputs each row
+/// is one stretch of memory, fetched once for all heads).
+template <typename Scalar, typename TileJob>
+void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, TileJob&& tile_job) {
+  const auto jobs = static_cast<long>(tiles.size()) * static_cast<long>(heads);
+  parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
+    tile_job(tiles[static_cast<std::size_t>(j / heads)], static_cast<Index>(j % heads), workspace);
+  });
+}
+
+/// Rows at positions [row_begin, row_end) of `heads` heads of one sequence:
+/// tile_job(head, r0, rows, workspace) computes rows [r0, r0 + rows) of one head.
+template <typename Scalar, typename HeadTile>
+void parallel_query_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
+  std::vector<QueryTile> tiles;
+  append_query_tiles(tiles, 0, row_begin, row_end);
+  parallel_query_tiles<Scalar>(tiles, heads,
+                               [&](const QueryTile& tile, Index h, TileWorkspace<Scalar>& work) {
+                                 head_tile(h, tile.row_begin, tile.rows, work);
+                               });
+}
+
+}  // namespace poslsh::detail

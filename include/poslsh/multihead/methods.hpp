@@ -1,0 +1,271 @@
+/// \file
+/// \brief The method table: every method an all-heads call can run, described once (its name,
+/// whether it draws hashes, how it is scheduled, its forward, forward with lse and backward).
+///
+/// Every all-heads entry point (multihead_attention with or without lse, its backward, packed
+/// batches and plans) resolves its arguments into one HeadMethod per query head and reaches the
+/// kernels through visit_method, the one switch over Method in the library: adding a method is
+/// one enumerator, one row of its name table and one MethodKernels specialization.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "poslsh/attention/banded.hpp"
+#include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/names.hpp"
+#include "poslsh/core/slopes.hpp"
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/training/backward.hpp"
+
+namespace poslsh {
+
+/// How each head of an all-heads call is computed.
+enum class Method {
+  lsh_fused,       ///< lsh_attention_fused: the count-weighted LSH estimator, each pair once
+  lsh_per_sample,  ///< lsh_attention_per_sample: the same estimator, sample by sample
+  fixed_blocks,    ///< fixed_blocks_attention: one deterministic hash of blocks 2 sigma long
+  exact_tiled,     ///< alibi_attention_tiled: exact ALiBi, every pair
+  exact_banded,    ///< alibi_attention_banded: exact ALiBi on |i - j| <= W
+};
+
+/// The methods' names, as the enumerators (enum_name, enum_from_name).
+template <>
+struct EnumNames<Method> {
+  static constexpr EnumName<Method> table[] = {{Method::lsh_fused, "lsh_fused"},
+                                               {Method::lsh_per_sample, "lsh_per_sample"},
+                                               {Method::fixed_blocks, "fixed_blocks"},
+                                               {Method::exact_tiled, "exact_tiled"},
+                                               {Method::exact_banded, "exact_banded"}};
+};
+
+/// Options of the all-heads calls: the attention options of every head (masking, scale, query
+/// offset) and how the heads are computed.
+struct MultiHeadOptions : AttentionOptions {
+  Method method = Method::lsh_fused;
+  /// sigma of each query head; empty means alibi_sigmas(query heads).
+  std::vector<double> sigmas{};
+  /// Samples s per head (lsh_fused, lsh_per_sample).
+  Index samples = 16;
+  /// Seed of the hashes: head h uses rbf_hashes(sigma_h, s, seed, stream = h).
+  std::uint64_t seed = 0;
+  /// exact_banded: W = band_for_bias_error(sigma_h, band_error), so every dropped ALiBi entry
+  /// exp(-|i-j|/sigma_h) is below band_error; in (0, 1).
+  double band_error = 1e-3;
+};
+
+/// One query head's method with its parameters, resolved from MultiHeadOptions or a plan.
+struct HeadMethod {
+  Method method = Method::lsh_fused;
+  double sigma = 1.0;
+  /// exact_banded: the band W.
+  Index band = 0;
+  /// lsh_fused, lsh_per_sample: the samples; fixed_blocks: {fixed_blocks_hash(sigma)}.
+  HashSet hashes{};
+};
+
+/// The hash set of every query head: rbf_hashes(sigma_h, s, seed, h).
+inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, Index samples,
+                                             std::uint64_t seed) {
+  std::vector<HashSet> hashes;
+  hashes.reserve(sigmas.size());
+  for (std::size_t h = 0; h < sigmas.size(); ++h) {
+    hashes.push_back(rbf_hashes(sigmas[h], samples, seed, h));
+  }
+  return hashes;
+}
+
+namespace detail {
+
+/// One head's views and scalars for a forward job: Q rows at positions p0 .. over the keys of
+/// k and v, scale tau, masking.
+template <typename QType, typename KType, typename OutType>
+struct HeadForward {
+  const QType& q;
+  const KType& k;
+  const KType& v;
+  OutType& out;
+  double tau;
+  Masking masking;
+  Index p0;
+};
+
+/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens).
+template <typename Scalar>
+struct HeadBackward {
+  ConstMatrixRef<Scalar> q, k, v, out;
+  ConstVectorRef<Scalar> lse;
+  ConstMatrixRef<Scalar> dout;
+  MatrixRef<Scalar> dq, dk, dv;
+  Scalar tau;
+  Masking masking;
+};
+
+/// A thread's scratch for backward jobs that run one head on one thread.
+template <typename Scalar>
+struct BackwardScratch {
+  BackwardWork<Scalar> work;
+  CountWindows windows;
+};
+
+/// The kernels of the methods evaluated by the tile engine query tile by query tile: rows
+/// [r0, r0 + rows) (positions) of one head into out rows r0 - p0 .., and their lse (lse[r] for
+/// row r0 + r) when lse is not null.
+struct QueryTileMethod {
+  static constexpr bool runs_by_query_tiles = true;
+};
+
+/// The kernels of the methods that run a whole head at once (sample by sample).
+struct WholeHeadMethod {
+  static constexpr bool runs_by_query_tiles = false;
+  /// No head of these methods runs its backward on one thread inside a parallel loop over heads.
+  static constexpr bool serial_backward = false;
+};
+
+template <Method M>
+struct MethodKernels;
+
+/// The exact window lo <= i - j <= hi of a head: every key (tiled) or the band (banded).
+inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking masking) {
+  if (head.method == Method::exact_banded) return banded_window(keys, head.band, masking);
+  return {masking == Masking::causal ? 0 : -keys, keys};
+}
+
+/// exact_tiled and exact_banded: the ALiBi bias on the tile engine over the head's window.
+template <Method M>
+struct ExactMethodKernels : QueryTileMethod {
+  static constexpr bool draws_hashes = false;
+  static constexpr bool serial_backward = true;
+
+  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+            typename OutType>
+  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+                           Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
+    const ConstMatrixRef<QScalar> q(f.q);
+    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
+    AlibiBias<Compute> bias(k.rows(), head.sigma, head_window(head, k.rows(), f.masking));
+    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
+                                            f.out.middleRows(r0 - f.p0, rows), lse);
+  }
+
+  template <typename Scalar>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    exact_backward<Scalar>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
+                           head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout, b.dq,
+                           b.dk, b.dv, parallel, scratch == nullptr ? nullptr : &scratch->work);
+  }
+};
+
+template <>
+struct MethodKernels<Method::exact_tiled> : ExactMethodKernels<Method::exact_tiled> {};
+template <>
+struct MethodKernels<Method::exact_banded> : ExactMethodKernels<Method::exact_banded> {};
+
+/// lsh_fused: the count tiles of the head's hashes on the tile engine.
+template <>
+struct MethodKernels<Method::lsh_fused> : QueryTileMethod {
+  static constexpr bool draws_hashes = true;
+  static constexpr bool serial_backward = true;
+
+  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+            typename OutType>
+  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+                           Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
+    const ConstMatrixRef<QScalar> q(f.q);
+    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
+    CountBias<Compute> bias(head.hashes, k.rows(), f.masking == Masking::causal, work.counts,
+                            work.count_tile);
+    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
+                                            f.out.middleRows(r0 - f.p0, rows), lse);
+  }
+
+  template <typename Scalar>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    count_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal, b.out,
+                           b.lse, b.dout, b.dq, b.dk, b.dv, parallel,
+                           scratch == nullptr ? nullptr : &scratch->work,
+                           scratch == nullptr ? nullptr : &scratch->windows);
+  }
+};
+
+/// lsh_per_sample and fixed_blocks (the per-sample kernel on the single hash of fixed blocks).
+template <Method M>
+struct PerSampleMethodKernels : WholeHeadMethod {
+  static constexpr bool draws_hashes = M == Method::lsh_per_sample;
+
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null
+  /// (self-attention with one scalar type only: the forwards with lse).
+  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+            typename OutType>
+  static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+                           Compute* lse) {
+    using OutScalar = typename OutType::Scalar;
+    AttentionOptions options;
+    options.masking = f.masking;
+    options.scale = f.tau;
+    options.query_offset = f.p0;
+    if (lse == nullptr) {
+      lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
+                                                             options);
+    } else if constexpr (std::is_same_v<QScalar, Compute> && std::is_same_v<KVScalar, Compute> &&
+                         std::is_same_v<OutScalar, Compute>) {
+      per_sample_forward<Compute>(f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau),
+                                  f.masking == Masking::causal, f.out, lse);
+    }
+  }
+
+  template <typename Scalar>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    per_sample_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
+                                b.out, b.lse, b.dout, b.dq, b.dk, b.dv);
+  }
+};
+
+template <>
+struct MethodKernels<Method::lsh_per_sample> : PerSampleMethodKernels<Method::lsh_per_sample> {};
+template <>
+struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixed_blocks> {};
+
+/// visitor(MethodKernels<method>{}): the one switch from a run-time Method to its kernels.
+template <typename Visitor>
+constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
+  switch (method) {
+    case Method::lsh_per_sample:
+      return visitor(MethodKernels<Method::lsh_per_sample>{});
+    case Method::fixed_blocks:
+      return visitor(MethodKernels<Method::fixed_blocks>{});
+    case Method::exact_tiled:
+      return visitor(MethodKernels<Method::exact_tiled>{});
+    case Method::exact_banded:
+      return visitor(MethodKernels<Method::exact_banded>{});
+    case Method::lsh_fused:
+      break;
+  }
+  return visitor(MethodKernels<Method::lsh_fused>{});
+}
+
+}  // namespace detail
+
+/// Whether a method draws random hashes (lsh_fused, lsh_per_sample).
+constexpr bool method_draws_hashes(Method method) {
+  return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::draws_hashes; });
+}
+
+/// Whether a method runs by query tiles on the tile engine (lsh_fused, exact_tiled,
+/// exact_banded); the others run whole heads.
+constexpr bool method_runs_by_query_tiles(Method method) {
+  return detail::visit_method(method,
+                              [](auto kernels) { return decltype(kernels)::runs_by_query_tiles; });
+}
+
+}  // namespace poslsh
