@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "poslsh/attention/tiled.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/exact.hpp"
@@ -45,16 +46,10 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
                                  Index band, Index row_begin, Index row_end,
                                  MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
                                  const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr const char* function = "alibi_attention_banded_rows";
-  const Index p0 =
-      detail::require_exact_views(function, q, k, v, sigma, row_begin, row_end, out_rows, options);
-  detail::require_size(band, function, "band");
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  if (row_begin == row_end) return;
-  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(
-      q, k, v, sigma, tau, detail::banded_window(k.rows(), band, options.masking), p0 + row_begin,
-      p0 + row_end, out_rows, p0);
+  detail::require_size(band, "alibi_attention_banded_rows", "band");
+  detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
+      "alibi_attention_banded_rows", q, k, v, sigma, row_begin, row_end, out_rows, options,
+      [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
 /// Banded exact ALiBi attention: the softmax of tau Q K^T - |i-j| / sigma over the keys with
@@ -77,16 +72,10 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q,
                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
                             Index band, MatrixRef<detail::nondeduced_t<OutScalar>> out,
                             const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr const char* function = "alibi_attention_banded";
-  const Index p0 = detail::require_exact_views(function, q, k, v, sigma, 0, q.rows(), out, options);
-  detail::require_size(band, function, "band");
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index m = q.rows();
-  if (m == 0) return;
-  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(
-      q, k, v, sigma, tau, detail::banded_window(k.rows(), band, options.masking), p0, p0 + m, out,
-      p0);
+  detail::require_size(band, "alibi_attention_banded", "band");
+  detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
+      "alibi_attention_banded", q, k, v, sigma, 0, q.rows(), out, options,
+      [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
 /// Returning form of alibi_attention_banded (the output in Q's scalar type).

@@ -25,6 +25,31 @@ namespace poslsh {
 /// of it from row 0; a row range that starts and ends on multiples of it costs no extra work.
 inline constexpr Index tiled_query_tile = detail::tile_query_rows;
 
+namespace detail {
+
+/// The body of the exact kernels' calls (tiled, banded; whole or row ranges): checks the views,
+/// sigma, the rows and the offset, then computes rows [row_begin, row_end) of q over the keys
+/// in window(L) into out (L = k.rows()).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename Window>
+void exact_attention_call(const char* function, const ConstMatrixRef<Scalar>& q,
+                          const ConstMatrixRef<KVScalar>& k, const ConstMatrixRef<KVScalar>& v,
+                          double sigma, Index row_begin, Index row_end, MatrixRef<OutScalar> out,
+                          const AttentionOptions& options, Window window) {
+  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  const Index p0 = require_exact_views(function, q, k, v, sigma, row_begin, row_end, out, options);
+  const double tau = resolve_scale(function, options, q.cols());
+  if (row_begin == row_end) return;
+  exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window(k.rows()), p0 + row_begin,
+                                              p0 + row_end, out, p0);
+}
+
+/// The window of exact attention over every key: lo <= i - j <= hi.
+inline ExactWindow full_window(Index keys, Masking masking) {
+  return {masking == Masking::causal ? 0 : -keys, keys};
+}
+
+}  // namespace detail
+
 /// Rows [row_begin, row_end) of q of the exact ALiBi attention
 ///   T*_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: keys j <= p0 + r),
 /// written to `out_rows` ((row_end - row_begin) x d_v). Q is m x d at positions p0 .. p0 + m - 1
@@ -40,16 +65,9 @@ void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
                                 Index row_begin, Index row_end,
                                 MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
                                 const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr const char* function = "alibi_attention_tiled_rows";
-  const Index p0 =
-      detail::require_exact_views(function, q, k, v, sigma, row_begin, row_end, out_rows, options);
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  if (row_begin == row_end) return;
-  const Index n = k.rows();
-  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window, p0 + row_begin,
-                                                      p0 + row_end, out_rows, p0);
+  detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
+      "alibi_attention_tiled_rows", q, k, v, sigma, row_begin, row_end, out_rows, options,
+      [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
 /// Exact ALiBi attention T* = softmax(tau Q K^T - |i-j| / sigma) V (row-wise softmax; the
@@ -71,15 +89,9 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q,
                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
                            MatrixRef<detail::nondeduced_t<OutScalar>> out,
                            const AttentionOptions& options = {}) {
-  using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr const char* function = "alibi_attention_tiled";
-  const Index p0 = detail::require_exact_views(function, q, k, v, sigma, 0, q.rows(), out, options);
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index m = q.rows(), n = k.rows();
-  if (m == 0) return;
-  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window, p0, p0 + m, out,
-                                                      p0);
+  detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
+      "alibi_attention_tiled", q, k, v, sigma, 0, q.rows(), out, options,
+      [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
 /// Returning form of alibi_attention_tiled (the output in Q's scalar type).

@@ -200,6 +200,26 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
       });
 }
 
+/// The forward of an all-heads call on one sequence: checks the query offset
+/// (options.query_offset; unset: k.tokens - q.tokens) and the views, then resolves the methods
+/// (head_methods()) and runs every head.
+template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar,
+          typename HeadMethods>
+void one_sequence_forward(const char* function, const HeadsView<const QScalar>& q,
+                          const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
+                          const HeadsView<OutScalar>& out, const AttentionOptions& options,
+                          HeadMethods&& head_methods) {
+  const Index p0 =
+      resolve_query_offset(function, options.query_offset, q.tokens, k.tokens, "k.tokens");
+  require_heads_inputs(function, q, k, v);
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  const HeadsCall call{head_methods(),
+                       {{0, q.tokens, 0, k.tokens, p0}},
+                       resolve_scale(function, options, q.dim),
+                       options.masking};
+  run_heads_forward<Compute>(call, q, k, v, out);
+}
+
 }  // namespace detail
 
 /// Multi-head ALiBi attention: for each query head h (group size G = H_q / H_kv, K/V head
@@ -225,15 +245,9 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
                          const MultiHeadOptions& options = {}) {
   using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "multihead_attention";
-  const Index p0 =
-      detail::resolve_query_offset(function, options.query_offset, q.tokens, k.tokens, "k.tokens");
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  const detail::HeadsCall call{detail::head_methods(function, q.heads, options),
-                               {{0, q.tokens, 0, k.tokens, p0}},
-                               detail::resolve_scale(function, options, q.dim),
-                               options.masking};
-  detail::run_heads_forward<Compute>(call, q, k, v, out);
+  detail::one_sequence_forward<Compute>(function, q, k, v, out, options, [&] {
+    return detail::head_methods(function, q.heads, options);
+  });
 }
 
 /// Multi-head ALiBi attention on a packed batch of B sequences of different lengths

@@ -115,6 +115,17 @@ struct BackwardScratch {
   CountWindows windows;
 };
 
+/// Rows [r0, r0 + rows) (positions) of a forward job under the tile engine policy `bias`.
+template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+          typename OutType, typename Bias>
+void forward_rows(const HeadForward<QType, KType, OutType>& f, Bias& bias, Index r0, Index rows,
+                  Compute* lse, TileWorkspace<Compute>& work) {
+  const ConstMatrixRef<QScalar> q(f.q);
+  const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
+  engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
+                                          f.out.middleRows(r0 - f.p0, rows), lse);
+}
+
 /// The kernels of the methods evaluated by the tile engine query tile by query tile: rows
 /// [r0, r0 + rows) (positions) of one head into out rows r0 - p0 .., and their lse (lse[r] for
 /// row r0 + r) when lse is not null.
@@ -135,7 +146,7 @@ struct MethodKernels;
 /// The exact window lo <= i - j <= hi of a head: every key (tiled) or the band (banded).
 inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking masking) {
   if (head.method == Method::exact_banded) return banded_window(keys, head.band, masking);
-  return {masking == Masking::causal ? 0 : -keys, keys};
+  return full_window(keys, masking);
 }
 
 /// exact_tiled and exact_banded: the ALiBi bias on the tile engine over the head's window.
@@ -148,11 +159,8 @@ struct ExactMethodKernels : QueryTileMethod {
             typename OutType>
   static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
-    const ConstMatrixRef<QScalar> q(f.q);
-    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    AlibiBias<Compute> bias(k.rows(), head.sigma, head_window(head, k.rows(), f.masking));
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    AlibiBias<Compute> bias(f.k.rows(), head.sigma, head_window(head, f.k.rows(), f.masking));
+    forward_rows<Compute, QScalar, KVScalar>(f, bias, r0, rows, lse, work);
   }
 
   template <typename Scalar>
@@ -179,12 +187,9 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod {
             typename OutType>
   static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
-    const ConstMatrixRef<QScalar> q(f.q);
-    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    CountBias<Compute> bias(head.hashes, k.rows(), f.masking == Masking::causal, work.counts,
+    CountBias<Compute> bias(head.hashes, f.k.rows(), f.masking == Masking::causal, work.counts,
                             work.count_tile);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    forward_rows<Compute, QScalar, KVScalar>(f, bias, r0, rows, lse, work);
   }
 
   template <typename Scalar>

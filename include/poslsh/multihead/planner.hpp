@@ -386,15 +386,9 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                          HeadsView<const Scalar> v, HeadsView<Scalar> out,
                          const std::vector<HeadPlan>& plans, const AttentionOptions& options = {}) {
   constexpr const char* function = "multihead_attention";
-  const Index p0 =
-      detail::resolve_query_offset(function, options.query_offset, q.tokens, k.tokens, "k.tokens");
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  const detail::HeadsCall call{detail::planned_head_methods(function, q.heads, plans),
-                               {{0, q.tokens, 0, k.tokens, p0}},
-                               detail::resolve_scale(function, options, q.dim),
-                               options.masking};
-  detail::run_heads_forward<Scalar>(call, q, k, v, out);
+  detail::one_sequence_forward<Scalar>(function, q, k, v, out, options, [&] {
+    return detail::planned_head_methods(function, q.heads, plans);
+  });
 }
 
 }  // namespace poslsh

@@ -228,6 +228,22 @@ double backward_scale(const char* function, const ConstMatrixRef<Scalar>& q,
   return resolve_scale(function, options, q.cols());
 }
 
+/// The checks of an LSH backward entry point (the hashes and backward_scale's), then
+/// pass(tau, causal) when there are rows.
+template <typename Scalar, typename Pass>
+void lsh_backward_call(const char* function, const ConstMatrixRef<Scalar>& q,
+                       const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                       const HashSet& hashes, const ConstMatrixRef<Scalar>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                       const MatrixRef<Scalar>& dq, const MatrixRef<Scalar>& dk,
+                       const MatrixRef<Scalar>& dv, const AttentionOptions& options, Pass&& pass) {
+  validate_hashes(hashes, function);
+  const auto tau = static_cast<Scalar>(
+      backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
+  if (q.rows() == 0) return;
+  pass(tau, options.masking == Masking::causal);
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
@@ -392,13 +408,11 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
                                   ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
                                   MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                   const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_fused_backward";
-  validate_hashes(hashes, function);
-  const auto tau = static_cast<Scalar>(
-      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
-  if (q.rows() == 0) return;
-  detail::count_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out, lse,
-                                 dout, dq, dk, dv);
+  detail::lsh_backward_call<Scalar>("lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout,
+                                    dq, dk, dv, options, [&](Scalar tau, bool causal) {
+                                      detail::count_backward<Scalar>(q, k, v, hashes, tau, causal,
+                                                                     out, lse, dout, dq, dk, dv);
+                                    });
 }
 
 /// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
@@ -415,13 +429,11 @@ void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<
                                        ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
                                        MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                        const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_per_sample_backward";
-  validate_hashes(hashes, function);
-  const auto tau = static_cast<Scalar>(
-      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
-  if (q.rows() == 0) return;
-  detail::per_sample_backward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
-                                      lse, dout, dq, dk, dv);
+  detail::lsh_backward_call<Scalar>("lsh_attention_per_sample_backward", q, k, v, hashes, out, lse,
+                                    dout, dq, dk, dv, options, [&](Scalar tau, bool causal) {
+                                      detail::per_sample_backward<Scalar>(
+                                          q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv);
+                                    });
 }
 
 /// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
