@@ -115,22 +115,26 @@ struct BackwardScratch {
   CountWindows windows;
 };
 
-/// Rows [r0, r0 + rows) (positions) of a forward job under the tile engine policy `bias`.
-template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-          typename OutType, typename Bias>
-void forward_rows(const HeadForward<QType, KType, OutType>& f, Bias& bias, Index r0, Index rows,
-                  Compute* lse, TileWorkspace<Compute>& work) {
-  const ConstMatrixRef<QScalar> q(f.q);
-  const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-  engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
-                                          f.out.middleRows(r0 - f.p0, rows), lse);
-}
-
-/// The kernels of the methods evaluated by the tile engine query tile by query tile: rows
-/// [r0, r0 + rows) (positions) of one head into out rows r0 - p0 .., and their lse (lse[r] for
-/// row r0 + r) when lse is not null.
+/// The kernels of the methods evaluated by the tile engine query tile by query tile, under the
+/// policy Kernels::tile_bias(head, keys, masking, workspace) (exact ALiBi or LSH counts):
+/// forward_tile computes rows [r0, r0 + rows) (positions) of one head into out rows r0 - p0 ..,
+/// and their lse (lse[r] for row r0 + r) when lse is not null. Their backward passes can run a
+/// head on one thread.
+template <typename Kernels>
 struct QueryTileMethod {
   static constexpr bool runs_by_query_tiles = true;
+  static constexpr bool serial_backward = true;
+
+  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+            typename OutType>
+  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+                           Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
+    auto bias = Kernels::template tile_bias<Compute>(head, f.k.rows(), f.masking, work);
+    const ConstMatrixRef<QScalar> q(f.q);
+    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
+    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
+                                            f.out.middleRows(r0 - f.p0, rows), lse);
+  }
 };
 
 /// The kernels of the methods that run a whole head at once (sample by sample).
@@ -151,16 +155,13 @@ inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking maski
 
 /// exact_tiled and exact_banded: the ALiBi bias on the tile engine over the head's window.
 template <Method M>
-struct ExactMethodKernels : QueryTileMethod {
+struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
   static constexpr bool draws_hashes = false;
-  static constexpr bool serial_backward = true;
 
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
-                           Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
-    AlibiBias<Compute> bias(f.k.rows(), head.sigma, head_window(head, f.k.rows(), f.masking));
-    forward_rows<Compute, QScalar, KVScalar>(f, bias, r0, rows, lse, work);
+  template <typename Compute>
+  static AlibiBias<Compute> tile_bias(const HeadMethod& head, Index keys, Masking masking,
+                                      TileWorkspace<Compute>&) {
+    return AlibiBias<Compute>(keys, head.sigma, head_window(head, keys, masking));
   }
 
   template <typename Scalar>
@@ -179,17 +180,14 @@ struct MethodKernels<Method::exact_banded> : ExactMethodKernels<Method::exact_ba
 
 /// lsh_fused: the count tiles of the head's hashes on the tile engine.
 template <>
-struct MethodKernels<Method::lsh_fused> : QueryTileMethod {
+struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::lsh_fused>> {
   static constexpr bool draws_hashes = true;
-  static constexpr bool serial_backward = true;
 
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
-                           Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
-    CountBias<Compute> bias(head.hashes, f.k.rows(), f.masking == Masking::causal, work.counts,
-                            work.count_tile);
-    forward_rows<Compute, QScalar, KVScalar>(f, bias, r0, rows, lse, work);
+  template <typename Compute>
+  static CountBias<Compute> tile_bias(const HeadMethod& head, Index keys, Masking masking,
+                                      TileWorkspace<Compute>& work) {
+    return CountBias<Compute>(head.hashes, keys, masking == Masking::causal, work.counts,
+                              work.count_tile);
   }
 
   template <typename Scalar>

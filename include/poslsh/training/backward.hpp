@@ -99,20 +99,28 @@ void require_backward_arguments(const char* function, const ConstMatrixRef<Scala
   require_matrix_shape(function, "dv", dv, n, dv_cols, true);
 }
 
+/// run(v, out) when V has columns; otherwise run(zero, sink) with a column of zeros for V and
+/// a scratch output: the probabilities, and so the lse, do not depend on V.
+template <typename Scalar, typename Run>
+void with_value_columns(const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar>& out, Run&& run) {
+  if (v.cols() > 0) {
+    run(v, out);
+    return;
+  }
+  const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(v.rows(), 1);
+  RowMatrix<Scalar> sink(out.rows(), 1);
+  run(ConstMatrixRef<Scalar>(zero), MatrixRef<Scalar>(sink));
+}
+
 /// Exact ALiBi attention over `window` with lse, query tiles in parallel (exact_alibi_rows).
-/// V without columns: lse from a column of zeros (the probabilities do not depend on V).
 template <typename Scalar>
 void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                     const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
                     MatrixRef<Scalar> out, Scalar* lse) {
-  const Index n = q.rows();
-  if (v.cols() == 0) {
-    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
-    RowMatrix<Scalar> sink(n, 1);
-    exact_with_lse<Scalar>(q, k, zero, sigma, tau, window, sink, lse);
-    return;
-  }
-  exact_alibi_rows<Scalar>(q, k, v, sigma, tau, window, 0, n, out, 0, lse);
+  with_value_columns<Scalar>(
+      v, out, [&](const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> o) {
+        exact_alibi_rows<Scalar>(q, k, values, sigma, tau, window, 0, q.rows(), o, 0, lse);
+      });
 }
 
 /// The fused estimator with lse, query tiles in parallel as lsh_attention_fused.
@@ -121,17 +129,15 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                     MatrixRef<Scalar> out, Scalar* lse) {
   const Index n = q.rows();
-  if (v.cols() == 0) {
-    const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(n, 1);
-    RowMatrix<Scalar> sink(n, 1);
-    fused_with_lse<Scalar>(q, k, zero, hashes, tau, causal, sink, lse);
-    return;
-  }
-  parallel_query_tiles<Scalar>(
-      1, 0, n, [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
-        CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
-        engine_rows<Scalar, Scalar, Scalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
-                                            0, i0, i0 + rows, out.middleRows(i0, rows), lse + i0);
+  with_value_columns<Scalar>(
+      v, out, [&](const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> o) {
+        parallel_query_tiles<Scalar>(
+            1, 0, n, [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
+              CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
+              engine_rows<Scalar, Scalar, Scalar>(q, k, values, static_cast<double>(tau), bias,
+                                                  work.buffers, 0, i0, i0 + rows,
+                                                  o.middleRows(i0, rows), lse + i0);
+            });
       });
 }
 
