@@ -129,6 +129,18 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
   outputs.push_back(poslsh::alibi_attention_tiled<float>(q, k, v, sigma, options));
   outputs.push_back(poslsh::alibi_attention_banded<float>(q, k, v, sigma, 50, options));
   outputs.push_back(poslsh::alibi_attention_reference<float>(q, k, v, sigma, options));
+  // The forwards with lse (query tiles in parallel): the output and the lse.
+  for (const bool banded : {false, true}) {
+    RowMatrix<float> out(q.rows(), v.cols());
+    Eigen::VectorXf lse(q.rows());
+    if (banded) {
+      poslsh::alibi_attention_banded<float>(q, k, v, sigma, 50, out, lse, options);
+    } else {
+      poslsh::alibi_attention_tiled<float>(q, k, v, sigma, out, lse, options);
+    }
+    outputs.push_back(out);
+    outputs.push_back(lse);
+  }
   if (masking == Masking::causal) {
     const Index t = q.rows() - 1;
     RowMatrix<float> lsh_row(1, v.cols()), exact_row(1, v.cols());

@@ -8,6 +8,9 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
+#include <new>
+#include <stdexcept>
 #include <vector>
 
 using poslsh::HashSet;
@@ -177,4 +180,28 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
   options = MultiHeadOptions{};
   options.query_offset = 0;
   poslsh::multihead_attention<float>(q3, q3, q3, out3, options);  // self-attention: accepted
+}
+
+TEST_CASE("the parallel job loop carries a job's exception out with its type", "[multihead]") {
+  // An error inside the loop (here std::bad_alloc, as a failed allocation would throw) reaches
+  // the caller with its type; jobs after it may be skipped, jobs before it have run.
+  struct Workspace {};
+  std::vector<int> ran(64, 0);
+  const auto run = [&](long failing) {
+    poslsh::detail::parallel_jobs<Workspace>(64, [&](long j, Workspace&) {
+      if (j == failing) throw std::bad_alloc();
+      ran[static_cast<std::size_t>(j)] = 1;
+    });
+  };
+  CHECK_THROWS_AS(run(5), std::bad_alloc);
+  std::fill(ran.begin(), ran.end(), 0);
+  run(-1);
+  CHECK(std::count(ran.begin(), ran.end(), 1) == 64);
+  // A std::invalid_argument stays one too (not wrapped, not turned into another type).
+  CHECK_THROWS_AS(poslsh::detail::parallel_jobs<Workspace>(8,
+                                                           [](long j, Workspace&) {
+                                                             if (j == 7)
+                                                               throw std::invalid_argument("job 7");
+                                                           }),
+                  std::invalid_argument);
 }
