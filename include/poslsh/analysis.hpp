@@ -6,14 +6,14 @@
 //   analysis/max_error.hpp       ||L* - M~||_max, exactly
 //   analysis/block_stats.hpp     block sizes, b_max against sigma ln ln n
 //   analysis/band_counts.hpp     M~ as union-band counts (products in O(n * band), for large s),
-//                       partition_pair_count
-//   lsh/samplers.hpp        variance-reduced hash samplers and Poisson-cut partitions
+//                                partition_pair_count
+//   lsh/samplers.hpp             variance-reduced hash samplers and Poisson-cut partitions
 //   analysis/spectral_error.hpp  ||L* - M~||_2 (dense or Lanczos), ||L*||_2 (needs Spectra)
-//   analysis/metrics.hpp         the paper's bounds, kernel and attention output errors in one call
-//                       (needs Spectra)
+//   analysis/metrics.hpp         the paper's bounds, kernel and attention output errors in one
+//                                call (needs Spectra)
 //
-// poslsh.hpp includes all but the last two (they need only Eigen), so a program
-// that does not measure spectral errors neither needs Spectra nor compiles it.
+// poslsh.hpp includes all but the last two (the others need only Eigen), so a program that
+// does not measure spectral errors neither needs Spectra nor compiles it.
 #pragma once
 
 #include "poslsh/analysis/band_counts.hpp"
@@ -21,5 +21,5 @@
 #include "poslsh/analysis/max_error.hpp"
 #include "poslsh/analysis/metrics.hpp"
 #include "poslsh/analysis/operators.hpp"
-#include "poslsh/lsh/samplers.hpp"
 #include "poslsh/analysis/spectral_error.hpp"
+#include "poslsh/lsh/samplers.hpp"

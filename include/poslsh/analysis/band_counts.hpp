@@ -1,10 +1,7 @@
-// poslsh: the mean mask M~ = (1/s) sum_k M(h_k) stored as its union-band counts, for products
-// and max-norm errors whose cost does not grow with s. Part of the analysis module; needs only
-// Eigen. The block-sum operator (MeanMaskOperator) costs O(n + s n / sigma) per product; this
-// one costs O(sum_i |band_i|) = O(n * band) per product after an O(s n / sigma + n * band)
-// build, so it wins once s is large (s n / sigma >> n * band: the band grows only like
-// sigma ln s). mask_representation_costs gives both costs, choose_mask_representation the
-// cheaper one.
+// poslsh: the mean mask M~ = (1/s) sum_k M(h_k) stored as its union-band counts
+// (BandCountOperator, BandKernelErrorOperator), for products and max-norm errors whose cost does
+// not grow with s; the cost model that chooses between it and MeanMaskOperator's block sums;
+// partition_pair_count. Part of the analysis module; needs only Eigen.
 #pragma once
 
 #include <algorithm>
@@ -18,56 +15,21 @@
 #include <omp.h>
 #endif
 
-#include "poslsh/detail/analysis/partitions.hpp"
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/analysis/max_error.hpp"
 #include "poslsh/analysis/operators.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
 
-namespace detail {
-
-/// max_error of stored partitions (block scan, the same rows and order as max_error).
-inline MaxError analysis_max_error_partitions(const AnalysisPartitions& partitions, double sigma,
-                                              Masking masking) {
-  require_sigma(sigma, "max_error");
-  const Index n = partitions.n;
-  if (n == 0) return MaxError{};
-  std::vector<double> kernel(static_cast<std::size_t>(analysis_largest_block(partitions)) + 1);
-  for (std::size_t d = 0; d < kernel.size(); ++d) {
-    kernel[d] = std::exp(-static_cast<double>(d) / sigma);
-  }
-  const auto samples = static_cast<std::size_t>(partitions.samples());
-  std::vector<double> mean(samples + 1);
-  for (std::size_t c = 0; c <= samples; ++c) {
-    mean[c] = static_cast<double>(c) / static_cast<double>(samples);
-  }
-  const Index tasks = (n + analysis_rows_per_task - 1) / analysis_rows_per_task;
-  std::vector<MaxError> results(static_cast<std::size_t>(tasks));
-  const bool causal = masking == Masking::causal;
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
-  for (Index task = 0; task < tasks; ++task) {
-    const Index first = task * analysis_rows_per_task;
-    const Index last = std::min(n, first + analysis_rows_per_task);
-    results[static_cast<std::size_t>(task)] =
-        analysis_max_error_rows(partitions, first, last, causal, kernel, mean);
-  }
-  MaxError best = results.front();
-  for (const MaxError& result : results) {
-    if (result.value > best.value) best = result;
-  }
-  return best;
-}
-
-}  // namespace detail
-
-/// Pairs (i, j) with M~_ij > 0 (causal: j <= i), sum_i |[lo_i, hi_i)| over the rows' union
-/// bands: the pairs the fused LSH kernel evaluates (lsh_fused_pair_count for a hash set).
+/// Number of pairs (i, j) with M~_ij > 0 (causal: j <= i), sum_i |[lo_i, hi_i)| over the rows'
+/// union bands: the pairs the fused LSH kernel evaluates (lsh_fused_pair_count for a hash set).
 /// lo_i = min{a : [a, e) a block with a <= i < e} is the suffix minimum over t >= i of the
 /// smallest start of the blocks that end at t + 1 (a block ending at or after i + 1 that starts
-/// after i never undercuts the block holding i), hi_i likewise by a prefix maximum: O(blocks + n).
+/// after i never undercuts the block holding i), hi_i likewise by a prefix maximum.
 /// Throws std::invalid_argument naming 'partitions.*' if the partitions are invalid.
+/// O(blocks + n).
 inline long long partition_pair_count(const detail::AnalysisPartitions& set, Masking masking) {
   detail::validate_analysis_partitions(set, "partition_pair_count");
   const Index n = set.n;
@@ -108,7 +70,10 @@ inline long long partition_pair_count(const detail::AnalysisPartitions& set, Mas
   return pairs;
 }
 
-/// How the analysis functions represent M~.
+/// How the analysis functions represent M~. The block sums cost O(n + s n / sigma) per product;
+/// the band counts O(sum_i |band_i|) = O(n * band) per product after an O(s n / sigma + n * band)
+/// build, so they win once s is large (s n / sigma >> n * band: the band grows only like
+/// sigma ln s).
 enum class MaskRepresentation {
   automatic,    ///< choose_mask_representation: the cheaper of the two by mask_representation_costs
   block_sums,   ///< MeanMaskOperator: prefix sums over the stored blocks, O(n + s n / sigma)
@@ -133,7 +98,8 @@ struct MaskRepresentationCosts {
   double table_entries = 0.0;  ///< n (2 b_max + 1) doubles of the band table
 };
 
-/// Both representations' costs for stored partitions (detail::AnalysisPartitions, a PartitionSet).
+/// Both representations' costs for stored partitions (detail::AnalysisPartitions, a
+/// PartitionSet). O(blocks).
 inline MaskRepresentationCosts mask_representation_costs(const detail::AnalysisPartitions& set) {
   const double n = static_cast<double>(set.n);
   const double blocks = static_cast<double>(set.edges.size()) - static_cast<double>(set.samples());
@@ -151,7 +117,7 @@ inline constexpr double max_band_table_entries = 67108864.0;
 
 /// The cheaper representation for `products` products with M~ (a Lanczos run takes tens to
 /// hundreds): band_counts when its table fits max_band_table_entries and
-/// build + products * band_counts < products * block_sums, else block_sums.
+/// build + products * band_counts < products * block_sums, else block_sums. O(blocks).
 inline MaskRepresentation choose_mask_representation(const detail::AnalysisPartitions& set,
                                                      double products = 100.0) {
   const MaskRepresentationCosts costs = mask_representation_costs(set);
@@ -161,17 +127,17 @@ inline MaskRepresentation choose_mask_representation(const detail::AnalysisParti
              : MaskRepresentation::block_sums;
 }
 
-/// M~ = (1/s) C, C_ij = #{k : i and j share a block of sample k}, stored row by row on the
-/// union band: row i holds C_ij / s for j in [i - b, i + b] (b the largest block), with its
-/// non-zero range [lo_i, hi_i). Built without touching the entries one by one: each block
-/// [a, e) adds 1 on the square [a, e)^2, whose 2-D difference array has the four corners
+/// The mean mask M~ = (1/s) C, C_ij = #{k : i and j share a block of sample k}, stored row by
+/// row on the union band: row i holds C_ij / s for j in [i - b, i + b] (b the largest block),
+/// with its non-zero range [lo_i, hi_i). Built without touching the entries one by one: each
+/// block [a, e) adds 1 on the square [a, e)^2, whose 2-D difference array has the four corners
 /// +1 (a, a), -1 (a, e), -1 (e, a), +1 (e, e); in band coordinates (i, m = j - i + b) every
 /// corner has 0 <= m <= 2b, a prefix sum along each row and then along the diagonals
 /// C(i, m) += C(i - 1, m + 1) give the counts. Integer counts, so the table does not depend on
-/// the order of the corners; build O(blocks + n b), memory n (2b + 1) doubles.
-/// Products y_i = sum_j (C_ij / s) x_j over the row's band (causal: j <= i; transposed causal:
-/// j >= i, as C is symmetric), each row's dot product in a fixed order on one thread: the
-/// result does not depend on the number of threads (OpenMP over rows).
+/// the order of the corners. Products y_i = sum_j (C_ij / s) x_j over the row's band (causal:
+/// j <= i; transposed causal: j >= i, as C is symmetric), each row's dot product in a fixed
+/// order on one thread: the result does not depend on the number of threads (OpenMP over rows).
+/// Build O(blocks + n b), memory n (2b + 1) doubles, products O(sum_i |band_i|).
 class BandCountOperator {
  public:
   /// From stored partitions. Throws std::invalid_argument naming 'partitions.*' if they are
@@ -222,14 +188,13 @@ class BandCountOperator {
   }
 
   /// ||L* - M~||_max exactly, as max_error computes it (same entries, same scan order, so the
-  /// same value and position bit for bit). O(n b), rows in parallel (OpenMP).
+  /// same value and position bit for bit). Throws std::invalid_argument if sigma is not finite
+  /// and > 0. O(n b), rows in parallel (OpenMP).
   MaxError max_error(double sigma) const {
     detail::require_sigma(sigma, "BandCountOperator::max_error");
     if (n_ == 0) return MaxError{};
-    std::vector<double> kernel(static_cast<std::size_t>(band_) + 2);
-    for (std::size_t d = 0; d < kernel.size(); ++d) {
-      kernel[d] = std::exp(-static_cast<double>(d) / sigma);  // as alibi_kernel_dense forms it
-    }
+    const std::vector<double> kernel =
+        detail::analysis_kernel_table(static_cast<std::size_t>(band_) + 2, sigma);
     const bool causal = masking_ == Masking::causal;
     constexpr Index rows_per_task = 512;
     const Index tasks = (n_ + rows_per_task - 1) / rows_per_task;
@@ -255,11 +220,7 @@ class BandCountOperator {
       }
       results[static_cast<std::size_t>(task)] = best;
     }
-    MaxError best = results.front();
-    for (const MaxError& result : results) {
-      if (result.value > best.value) best = result;
-    }
-    return best;
+    return detail::analysis_largest_error(results);
   }
 
  private:
@@ -353,8 +314,7 @@ class BandCountOperator {
     output_.resize(static_cast<std::size_t>(n_));
     const double* in = input_.data();
     double* out = output_.data();
-    // Threads only for large tables: below about 2^22 entries a product takes a few
-    // milliseconds, less than waking a second thread on a busy machine costs.
+    // Threads only for tables of more than parallel_product_entries entries.
 #pragma omp parallel for schedule(static) if (entries_ > parallel_product_entries)
     for (Index i = 0; i < n_; ++i) {
       Index lo = lo_[static_cast<std::size_t>(i)];
@@ -396,54 +356,16 @@ class BandCountOperator {
   mutable std::vector<double> output_;
 };
 
-/// E = L* - M~ with M~ as a BandCountOperator: O(n + sum_i |band_i|) per product. Same
-/// interface as KernelErrorOperator (size, symmetric, apply, apply_transpose).
-class BandKernelErrorOperator {
+/// The error operator E = L* - M~ with M~ as a BandCountOperator: O(n + sum_i |band_i|) per
+/// product. The same members as KernelErrorOperator (size, symmetric, kernel, mean_mask, apply,
+/// apply_transpose).
+class BandKernelErrorOperator : public detail::AnalysisKernelMinusMask<BandCountOperator> {
  public:
   /// Throws std::invalid_argument naming a bad argument (partitions, sigma).
   BandKernelErrorOperator(const detail::AnalysisPartitions& set, double sigma, Masking masking)
-      : kernel_(set.n, sigma, masking), mask_(set, masking) {}
-
-  Index size() const { return kernel_.size(); }
-  bool symmetric() const { return kernel_.symmetric(); }
-  const AlibiKernelOperator& kernel() const { return kernel_; }
-  const BandCountOperator& mean_mask() const { return mask_; }
-
-  /// y = (L* - M~) x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
-  template <typename Scalar>
-  void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::analysis_require_vector_sizes("BandKernelErrorOperator::apply", x.size(), y.size(),
-                                          size());
-    product<Scalar>(x, y, false);
-  }
-
-  /// y = (L* - M~)^T x.
-  template <typename Scalar>
-  void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::analysis_require_vector_sizes("BandKernelErrorOperator::apply_transpose", x.size(),
-                                          y.size(), size());
-    product<Scalar>(x, y, true);
-  }
-
- private:
-  template <typename Scalar>
-  void product(ConstVectorRef<Scalar> x, VectorRef<Scalar> y, bool transpose) const {
-    const Vector<double> x_double = x.template cast<double>();
-    masked_.resize(size());
-    Vector<double> y_double(size());
-    if (transpose) {
-      mask_.apply_transpose<double>(x_double, masked_);
-      kernel_.apply_transpose<double>(x_double, y_double);
-    } else {
-      mask_.apply<double>(x_double, masked_);
-      kernel_.apply<double>(x_double, y_double);
-    }
-    y = (y_double - masked_).template cast<Scalar>();
-  }
-
-  AlibiKernelOperator kernel_;
-  BandCountOperator mask_;
-  mutable Vector<double> masked_;
+      : AnalysisKernelMinusMask("BandKernelErrorOperator::apply",
+                                "BandKernelErrorOperator::apply_transpose", set.n, sigma, masking,
+                                set, masking) {}
 };
 
 }  // namespace poslsh

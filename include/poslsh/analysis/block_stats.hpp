@@ -1,17 +1,17 @@
-// poslsh: block-size statistics of a hash set, against the sigma ln ln n scale of Theorem 2.1.
-// Part of the analysis module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it
-// too.
+// poslsh: block-size statistics of a hash set (block_stats, largest_block), against the
+// sigma ln ln n scale of Theorem 2.1 (block_size_scale). Part of the analysis module
+// (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -32,8 +32,8 @@ struct BlockStats {
 };
 
 /// Block statistics of `hashes` (a HashSet or any container of BinHash) on [0, n).
-/// O(sum_k (n / w_k + 1)) time. Throws std::invalid_argument if the set is empty, a hash is
-/// invalid or n < 0.
+/// Throws std::invalid_argument if the set is empty, a hash is invalid or n < 0.
+/// O(sum_k (n / w_k + 1)) time.
 template <typename Hashes = HashSet>
 BlockStats block_stats(const Hashes& hash_set, Index n) {
   const HashSet& hashes = detail::analysis_hash_set(hash_set);
@@ -58,7 +58,7 @@ BlockStats block_stats(const Hashes& hash_set, Index n) {
   return stats;
 }
 
-/// Largest block b_max over all samples (see block_stats).
+/// Largest block b_max over all samples (block_stats(hashes, n).largest; throws as it does).
 template <typename Hashes = HashSet>
 Index largest_block(const Hashes& hashes, Index n) {
   return block_stats(hashes, n).largest;

@@ -1,16 +1,16 @@
-// poslsh: the exact max-norm error ||L* - M~||_max without n x n storage. Part of the analysis
-// module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
+// poslsh: the exact max-norm error ||L* - M~||_max of a hash set, without n x n storage. Part
+// of the analysis module (poslsh/analysis.hpp); needs only Eigen, so poslsh.hpp includes it too.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/band.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -36,6 +36,24 @@ inline Index analysis_largest_block(const AnalysisPartitions& partitions) {
     }
   }
   return largest;
+}
+
+/// kernel[d] = exp(-d / sigma) for d < size, each formed as alibi_kernel_dense forms it.
+inline std::vector<double> analysis_kernel_table(std::size_t size, double sigma) {
+  std::vector<double> kernel(size);
+  for (std::size_t d = 0; d < kernel.size(); ++d) {
+    kernel[d] = std::exp(-static_cast<double>(d) / sigma);
+  }
+  return kernel;
+}
+
+/// The largest of per-task results (the first of equal values: the scan order's first).
+inline MaxError analysis_largest_error(const std::vector<MaxError>& results) {
+  MaxError best = results.front();
+  for (const MaxError& result : results) {
+    if (result.value > best.value) best = result;
+  }
+  return best;
 }
 
 /// Rows [first, last) of the max-norm scan; `kernel[d]` = exp(-d / sigma), `mean[c]` = c / s.
@@ -65,47 +83,50 @@ inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, In
   return best;
 }
 
-}  // namespace detail
-
-/// Max-norm error ||L* - M~||_max = max_ij |L*_ij - c_ij / s|, c_ij = #{k : bin_k(i) = bin_k(j)},
-/// L*_ij = exp(-|i-j| / sigma) (causal: j <= i only), exactly (every entry is formed as the
-/// dense alibi_kernel_dense and mean_mask_dense form it, so the result equals the dense max
-/// bit for bit). Row i: inside its union band [lo_i, hi_i) (the keys sharing a block with i in
-/// some sample) each c_ij / s is compared with L*_ij; outside it c_ij = 0 and the largest
-/// |L*_ij| is at the band edge. O(n (s + band)) time, O(s n / sigma) memory, rows in parallel
-/// (OpenMP). `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument
-/// naming a bad argument (empty or invalid hashes, n < 0, sigma).
-template <typename Hashes = HashSet>
-MaxError max_error(const Hashes& hashes, Index n, double sigma, Masking masking) {
-  constexpr const char* function = "max_error";
-  detail::require_sigma(sigma, function);
-  const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
+/// max_error of stored partitions: the same rows, entries and scan order, so the same value
+/// and position bit for bit. Throws std::invalid_argument naming 'sigma' (as max_error).
+inline MaxError analysis_max_error_partitions(const AnalysisPartitions& partitions, double sigma,
+                                              Masking masking) {
+  require_sigma(sigma, "max_error");
+  const Index n = partitions.n;
   if (n == 0) return MaxError{};
-  std::vector<double> kernel(static_cast<std::size_t>(detail::analysis_largest_block(partitions)) +
-                             1);
-  for (std::size_t d = 0; d < kernel.size(); ++d) {
-    kernel[d] = std::exp(-static_cast<double>(d) / sigma);  // as alibi_kernel_dense forms it
-  }
+  const std::vector<double> kernel = analysis_kernel_table(
+      static_cast<std::size_t>(analysis_largest_block(partitions)) + 1, sigma);
   const auto samples = static_cast<std::size_t>(partitions.samples());
   std::vector<double> mean(samples + 1);
   for (std::size_t c = 0; c <= samples; ++c) {
     mean[c] = static_cast<double>(c) / static_cast<double>(samples);  // as mean_mask_dense
   }
-  const Index tasks = (n + detail::analysis_rows_per_task - 1) / detail::analysis_rows_per_task;
+  const Index tasks = (n + analysis_rows_per_task - 1) / analysis_rows_per_task;
   std::vector<MaxError> results(static_cast<std::size_t>(tasks));
   const bool causal = masking == Masking::causal;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
   for (Index task = 0; task < tasks; ++task) {
-    const Index first = task * detail::analysis_rows_per_task;
-    const Index last = std::min(n, first + detail::analysis_rows_per_task);
+    const Index first = task * analysis_rows_per_task;
+    const Index last = std::min(n, first + analysis_rows_per_task);
     results[static_cast<std::size_t>(task)] =
-        detail::analysis_max_error_rows(partitions, first, last, causal, kernel, mean);
+        analysis_max_error_rows(partitions, first, last, causal, kernel, mean);
   }
-  MaxError best = results.front();
-  for (const MaxError& result : results) {
-    if (result.value > best.value) best = result;
-  }
-  return best;
+  return analysis_largest_error(results);
+}
+
+}  // namespace detail
+
+/// Max-norm error ||L* - M~||_max = max_ij |L*_ij - c_ij / s| of the hash set, exactly, and one
+/// position where it is attained; c_ij = #{k : bin_k(i) = bin_k(j)}, L*_ij = exp(-|i-j| / sigma)
+/// (causal: j <= i only). Every entry is formed as alibi_kernel_dense and mean_mask_dense form
+/// it, so the result equals the dense max bit for bit. Row i: inside its union band [lo_i, hi_i)
+/// (the keys sharing a block with i in some sample) each c_ij / s is compared with L*_ij;
+/// outside it c_ij = 0 and the largest |L*_ij| is at the band edge. `hashes`: a HashSet or any
+/// container of BinHash. Throws std::invalid_argument naming a bad argument (empty or invalid
+/// hashes, n < 0, sigma). O(n (s + band)) time, O(s n / sigma) memory, rows in parallel
+/// (OpenMP).
+template <typename Hashes = HashSet>
+MaxError max_error(const Hashes& hashes, Index n, double sigma, Masking masking) {
+  constexpr const char* function = "max_error";
+  detail::require_sigma(sigma, function);
+  const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
+  return detail::analysis_max_error_partitions(partitions, sigma, masking);
 }
 
 }  // namespace poslsh

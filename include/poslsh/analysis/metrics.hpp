@@ -1,5 +1,6 @@
-// poslsh: the paper's metric set (kernel errors, its bounds, attention output errors) in one call.
-// Part of the analysis module (poslsh/analysis.hpp): needs Spectra through analysis/spectral_error.hpp.
+// poslsh: the paper's metric set in one call: kernel errors of M~ against L* with the paper's
+// bounds, and attention output errors. Part of the analysis module (poslsh/analysis.hpp): needs
+// Spectra through analysis/spectral_error.hpp.
 #pragma once
 
 #include <algorithm>
@@ -10,13 +11,13 @@
 #include <vector>
 
 #include "poslsh/analysis/band_counts.hpp"
+#include "poslsh/analysis/max_error.hpp"
+#include "poslsh/analysis/spectral_error.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/output.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/analysis/max_error.hpp"
-#include "poslsh/analysis/spectral_error.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -91,10 +92,10 @@ struct MetricOptions {
   EpsilonDefinition epsilon_definition = EpsilonDefinition::absolute;
   /// How ||L* - M~||_2 is computed (dense at small n, Lanczos otherwise).
   SpectralOptions spectral{};
-  /// How M~ is represented for the Lanczos products and the max-norm scan (analysis/band_counts.hpp):
-  /// automatic takes the cheaper by choose_mask_representation (block sums for small s, the
-  /// union-band counts when s n / sigma dwarfs n times the band). Both give the same values to
-  /// rounding (the max-norm error bit for bit).
+  /// How M~ is represented for the Lanczos products and the max-norm scan
+  /// (analysis/band_counts.hpp): automatic takes the cheaper by choose_mask_representation
+  /// (block sums for small s, the union-band counts when s n / sigma dwarfs n times the band).
+  /// Both give the same values to rounding (the max-norm error bit for bit).
   MaskRepresentation representation = MaskRepresentation::automatic;
   /// paper_metrics computes the unnormalized output errors, O(n^2 d) time, only when
   /// n <= dense_limit; above it they are left unset.
@@ -240,7 +241,7 @@ KernelErrorMetrics partition_error_metrics(const Partitions& partitions, double 
 
 /// Output errors of an approximation T~ against the exact T* (see OutputErrorMetrics, also for
 /// zero rows), in double. Throws std::invalid_argument naming 'exact' (no rows) or 'approximate'
-/// (shape).
+/// (shape). O(n (d_v + log n)) time.
 template <typename Scalar>
 OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
                                         ConstMatrixRef<Scalar> approximate) {
@@ -289,11 +290,11 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
 }
 
 /// The unnormalized output error ||(A o L*) V - (A o M~) V|| (Frobenius and max), formed as
-/// (A o E) V row by row in double, E = L* - M~. Dense: O(n^2 (d + d_v)) time (meant for n up
-/// to a few thousand, as in the paper), O(n (d + d_v) + n s / sigma) memory, rows in parallel
-/// (OpenMP). A is not normalised, so large scores overflow to inf as they would in the paper's
-/// code. `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument naming a
-/// bad argument (shapes, hashes, sigma, scale).
+/// (A o E) V row by row in double, E = L* - M~. A is not normalised, so large scores overflow
+/// to inf as they would in the paper's code. `hashes`: a HashSet or any container of BinHash.
+/// Throws std::invalid_argument naming a bad argument (shapes, hashes, sigma, scale).
+/// Dense: O(n^2 (d + d_v)) time (meant for n up to a few thousand, as in the paper),
+/// O(n (d + d_v) + n s / sigma) memory, rows in parallel (OpenMP).
 template <typename Scalar, typename Hashes = HashSet>
 UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q,
                                                         ConstMatrixRef<Scalar> k,
@@ -309,9 +310,8 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return {};
-  std::vector<double> kernel(static_cast<std::size_t>(n));
-  for (std::size_t d = 0; d < kernel.size(); ++d)
-    kernel[d] = std::exp(-static_cast<double>(d) / sigma);
+  const std::vector<double> kernel =
+      detail::analysis_kernel_table(static_cast<std::size_t>(n), sigma);
   const RowMatrix<double> q_double = q.template cast<double>();
   const RowMatrix<double> k_double = k.template cast<double>();
   const RowMatrix<double> v_double = v.template cast<double>();

@@ -10,10 +10,10 @@
 #include <utility>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -29,6 +29,7 @@ using VectorRef = Eigen::Ref<Vector<Scalar>>;
 
 namespace detail {
 
+/// Throws std::invalid_argument naming 'x' or 'y' (of `function`) if its size is not n.
 inline void analysis_require_vector_sizes(const char* function, Index x_size, Index y_size,
                                           Index n) {
   require(x_size == n, function, "x", x_size,
@@ -237,39 +238,43 @@ class MeanMaskOperator {
   mutable std::vector<double> previous_;
 };
 
-/// The error operator E = L* - M~ (and E^T = L*^T - M~^T), two O(n + s n / sigma) products.
-class KernelErrorOperator {
+namespace detail {
+
+/// E = L* - M~ for a mean-mask operator `Mask` (MeanMaskOperator, BandCountOperator): the body
+/// of KernelErrorOperator and BandKernelErrorOperator. A product forms M~ x into a scratch
+/// first, then L* x into y, so x and y may be the same vector.
+template <typename Mask>
+class AnalysisKernelMinusMask {
  public:
-  /// `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument if the set
-  /// is empty, a hash is invalid, n < 0 or sigma is not finite and > 0.
-  template <typename Hashes = HashSet>
-  KernelErrorOperator(const Hashes& hashes, Index n, double sigma, Masking masking)
-      : kernel_(n, sigma, masking), mask_(hashes, n, masking) {}
-
-  /// From stored partitions (see MeanMaskOperator). Throws std::invalid_argument naming a bad
-  /// argument (partitions, sigma).
-  KernelErrorOperator(detail::AnalysisPartitions partitions, double sigma, Masking masking)
-      : kernel_(partitions.n, sigma, masking), mask_(std::move(partitions), masking) {}
-
   Index size() const { return kernel_.size(); }
   bool symmetric() const { return kernel_.symmetric(); }
   const AlibiKernelOperator& kernel() const { return kernel_; }
-  const MeanMaskOperator& mean_mask() const { return mask_; }
+  const Mask& mean_mask() const { return mask_; }
 
   /// y = (L* - M~) x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
   void apply(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::analysis_require_vector_sizes("KernelErrorOperator::apply", x.size(), y.size(), size());
+    analysis_require_vector_sizes(apply_name_, x.size(), y.size(), size());
     product<Scalar>(x, y, false);
   }
 
-  /// y = (L* - M~)^T x.
+  /// y = (L* - M~)^T x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
   void apply_transpose(ConstVectorRef<Scalar> x, VectorRef<Scalar> y) const {
-    detail::analysis_require_vector_sizes("KernelErrorOperator::apply_transpose", x.size(),
-                                          y.size(), size());
+    analysis_require_vector_sizes(transpose_name_, x.size(), y.size(), size());
     product<Scalar>(x, y, true);
   }
+
+ protected:
+  /// L* from (n, sigma, masking), then M~ from `mask_arguments` (so L*'s checks come first);
+  /// the two names head the messages of apply and apply_transpose.
+  template <typename... MaskArguments>
+  AnalysisKernelMinusMask(const char* apply_name, const char* transpose_name, Index n, double sigma,
+                          Masking masking, MaskArguments&&... mask_arguments)
+      : apply_name_(apply_name),
+        transpose_name_(transpose_name),
+        kernel_(n, sigma, masking),
+        mask_(std::forward<MaskArguments>(mask_arguments)...) {}
 
  private:
   template <typename Scalar>
@@ -284,22 +289,47 @@ class KernelErrorOperator {
     }
   }
 
-  // M~ x into the scratch first, then L* x into y: safe when x and y are one vector.
   void product_double(ConstVectorRef<double> x, VectorRef<double> y, bool transpose) const {
     masked_.resize(size());
     if (transpose) {
-      mask_.apply_transpose<double>(x, masked_);
+      mask_.template apply_transpose<double>(x, masked_);
       kernel_.apply_transpose<double>(x, y);
     } else {
-      mask_.apply<double>(x, masked_);
+      mask_.template apply<double>(x, masked_);
       kernel_.apply<double>(x, y);
     }
     y -= masked_;
   }
 
+  const char* apply_name_;
+  const char* transpose_name_;
   AlibiKernelOperator kernel_;
-  MeanMaskOperator mask_;
+  Mask mask_;
   mutable Vector<double> masked_;
+};
+
+}  // namespace detail
+
+/// The error operator E = L* - M~ (and E^T = L*^T - M~^T) with M~ as a MeanMaskOperator: two
+/// O(n + s n / sigma) products. Members size(), symmetric(), kernel(), mean_mask(), apply and
+/// apply_transpose (y = E x, y = E^T x; they throw std::invalid_argument naming 'x' or 'y' if a
+/// size differs from n).
+class KernelErrorOperator : public detail::AnalysisKernelMinusMask<MeanMaskOperator> {
+ public:
+  /// `hashes`: a HashSet or any container of BinHash. Throws std::invalid_argument if the set
+  /// is empty, a hash is invalid, n < 0 or sigma is not finite and > 0.
+  template <typename Hashes = HashSet>
+  KernelErrorOperator(const Hashes& hashes, Index n, double sigma, Masking masking)
+      : AnalysisKernelMinusMask("KernelErrorOperator::apply",
+                                "KernelErrorOperator::apply_transpose", n, sigma, masking, hashes,
+                                n, masking) {}
+
+  /// From stored partitions (see MeanMaskOperator). Throws std::invalid_argument naming a bad
+  /// argument (partitions, sigma).
+  KernelErrorOperator(detail::AnalysisPartitions partitions, double sigma, Masking masking)
+      : AnalysisKernelMinusMask("KernelErrorOperator::apply",
+                                "KernelErrorOperator::apply_transpose", partitions.n, sigma,
+                                masking, std::move(partitions), masking) {}
 };
 
 }  // namespace poslsh

@@ -8,14 +8,14 @@
 #include <algorithm>
 #include <cmath>
 
-#include "poslsh/reference/alibi_kernel.hpp"
+#include "poslsh/analysis/operators.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/lanczos.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/analysis/tridiagonal.hpp"
 #include "poslsh/detail/checks/require.hpp"
+#include "poslsh/reference/alibi_kernel.hpp"
 #include "poslsh/reference/masks.hpp"
-#include "poslsh/analysis/operators.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -42,8 +42,7 @@ struct SpectralOptions {
   /// Eigenvalues Lanczos converges together (Spectra's nev). The norm needs only the largest;
   /// asking for more makes a clustered top of the spectrum converge much more slowly.
   Index eigenvalues = 1;
-  /// Lanczos basis size (Spectra's ncv), > eigenvalues; memory n * subspace doubles. 30 keeps
-  /// clustered cases (few samples, long sequences) to a few thousand products.
+  /// Lanczos basis size (Spectra's ncv), > eigenvalues; memory n * subspace doubles.
   Index subspace = 30;
   /// Restart limit; a run that hits it reports converged = false.
   Index max_restarts = 1000;
@@ -66,6 +65,7 @@ struct SpectralNorm {
 
 namespace detail {
 
+/// Throws std::invalid_argument naming the first bad field of `options`.
 inline void analysis_require_spectral_options(const SpectralOptions& options,
                                               const char* function) {
   require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit,
@@ -102,9 +102,9 @@ double analysis_dense_spectral_norm(const Eigen::MatrixBase<Derived>& matrix, bo
 }  // namespace detail
 
 /// ||A||_2 of a matrix-free operator A (members size(), symmetric(), apply<double>(x, y),
-/// apply_transpose<double>(x, y), as in analysis/operators.hpp). Lanczos: max |lambda(A)| when symmetric,
-/// sqrt(lambda_max(A^T A)) otherwise. `dense` (and `automatic` at n <= dense_limit, or when n is
-/// too small for the Lanczos basis) builds A from its n columns A e_j. Throws
+/// apply_transpose<double>(x, y), as in analysis/operators.hpp). Lanczos: max |lambda(A)| when
+/// symmetric, sqrt(lambda_max(A^T A)) otherwise. `dense` (and `automatic` at n <= dense_limit,
+/// or when n is too small for the Lanczos basis) builds A from its n columns A e_j. Throws
 /// std::invalid_argument naming a bad option.
 template <typename Operator>
 SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& options = {}) {
@@ -144,11 +144,11 @@ SpectralNorm operator_spectral_norm(const Operator& op, const SpectralOptions& o
 }
 
 /// Spectral error ||L* - M~||_2 of the mean mask M~ = (1/s) sum_k M(h_k) against the ALiBi
-/// kernel L*_ij = exp(-|i-j| / sigma) (causal: both lower triangular). Dense: from
-/// alibi_kernel_dense and mean_mask_dense. Lanczos: on KernelErrorOperator, O(n + s n / sigma)
-/// per product and O(n s / sigma + n * subspace) memory. `hashes`: a HashSet or any container
-/// of BinHash. Throws std::invalid_argument naming a bad argument (empty or invalid hashes,
-/// n < 0, sigma, options).
+/// kernel L*_ij = exp(-|i-j| / sigma) (causal: both lower triangular). `hashes`: a HashSet or
+/// any container of BinHash. Throws std::invalid_argument naming a bad argument (empty or
+/// invalid hashes, n < 0, sigma, options). Dense: from alibi_kernel_dense and mean_mask_dense.
+/// Lanczos: on KernelErrorOperator, O(n + s n / sigma) per product and
+/// O(n s / sigma + n * subspace) memory.
 template <typename Hashes = HashSet>
 SpectralNorm spectral_error(const Hashes& hash_set, Index n, double sigma, Masking masking,
                             const SpectralOptions& options = {}) {

@@ -1,15 +1,12 @@
-// poslsh: strided views of the H heads of an attention tensor, without copies.
-//
-// validate() checks the sizes, the strides, a non-null buffer and, for an output view (non-const
-// Element), that no two heads share an element. It cannot check that the buffer holds every
-// element the view addresses, nor the values in it (NaN entries are not scanned).
+// poslsh: strided views of the H heads of an attention tensor, without copies (HeadsView, with
+// the [n, H, d] and [H, n, d] layouts as interleaved_heads and planar_heads).
 #pragma once
 
 #include <string>
 #include <type_traits>
 
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
 
@@ -36,12 +33,14 @@ struct HeadsView {
     return HeadMap(data + h * head_stride, tokens, dim, Eigen::OuterStride<>(row_stride));
   }
 
-  /// Checks the view (named `name` in messages): sizes >= 0, a non-null buffer when non-empty,
+  /// Checks the view: sizes >= 0 (heads >= 1), a non-null buffer when non-empty,
   /// row_stride >= d, and heads that do not overlap rows (head_stride >= d). An output view
   /// (Element not const) must also address each element once: head_stride >= tokens *
   /// row_stride (heads one after the other, as [H, n, d]) or row_stride >= heads * head_stride
   /// (heads interleaved in each row, as [n, H, d]); otherwise heads written in parallel would
-  /// overwrite each other.
+  /// overwrite each other. Throws std::invalid_argument from `function` naming the bad field
+  /// as `name`.field (e.g. 'out.head_stride'). It cannot check that the buffer holds every
+  /// element the view addresses, nor the values in it (NaN entries are not scanned).
   void validate(const char* function, const char* name) const {
     const std::string prefix(name);
     detail::require(tokens >= 0, function, (prefix + ".tokens").c_str(), tokens, "must be >= 0");
@@ -79,7 +78,8 @@ HeadsView<Element> planar_heads(Element* data, Index tokens, Index heads, Index 
 
 namespace detail {
 
-/// Checks a view `name` (validate) and its sizes: tokens x heads x dim.
+/// Checks a view `name` (validate) and its sizes: tokens x heads x dim. Throws
+/// std::invalid_argument naming the view or its bad field.
 template <typename Element>
 void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
                         Index tokens, Index heads, Index dim) {

@@ -1,7 +1,5 @@
 // poslsh: ALiBi slopes as models define them (Press et al., MPT's max_bias, ggml's m0/m1),
 // slopes of a tensor-parallel shard, and the length scales sigma = 1/m.
-// Checked: heads >= 1, max_bias finite and > 0, the shard's head range (std::invalid_argument
-// naming the argument). Not checked: that H doubles fit in memory (std::bad_alloc).
 #pragma once
 
 #include <cmath>
@@ -20,7 +18,7 @@ namespace poslsh {
 /// this is Press et al.'s get_slopes (m_h = 2^(-8 (h+1) / H) when H is a power of two); for any
 /// b it is MPT's gen_slopes(H, alibi_bias_max = b) and ggml's m0^(h+1), m1^(2(h-p)+1) with
 /// m0 = 2^(-b/p), m1 = 2^(-b/(2p)). Throws std::invalid_argument if heads < 1 or max_bias is
-/// not finite and > 0.
+/// not finite and > 0 (std::bad_alloc if H doubles do not fit in memory). O(H).
 inline std::vector<double> alibi_slopes(int heads, double max_bias = 8.0) {
   detail::require_positive(heads, "alibi_slopes", "heads");
   detail::require(std::isfinite(max_bias) && max_bias > 0.0, "alibi_slopes", "max_bias", max_bias,
@@ -56,13 +54,14 @@ inline std::vector<double> alibi_slopes_shard(int heads, int first_head, int loc
                              slopes.begin() + first_head + local_heads);
 }
 
-/// Length scales sigma_h = 1 / m_h of given slopes (e.g. a model's own per-head slopes).
+/// Length scales sigma_h = 1 / m_h of given slopes (e.g. a model's own per-head slopes);
+/// unchecked.
 inline std::vector<double> sigmas_from_slopes(std::vector<double> slopes) {
   for (double& value : slopes) value = 1.0 / value;
   return slopes;
 }
 
-/// ALiBi length scales sigma_h = 1 / m_h for H heads (see alibi_slopes).
+/// ALiBi length scales sigma_h = 1 / m_h for H heads (see alibi_slopes; throws as it does).
 inline std::vector<double> alibi_sigmas(int heads, double max_bias = 8.0) {
   return sigmas_from_slopes(alibi_slopes(heads, max_bias));
 }

@@ -1,5 +1,17 @@
-// poslsh: matrix views, masking and attention options shared by every kernel.
-//
+// poslsh: the index type, the scalar types the kernels take and compute in, the matrix views,
+// masking and the attention options shared by every kernel, and the argument-checking contract
+// they all follow (below).
+#pragma once
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "poslsh/core/names.hpp"
+
+namespace poslsh {
+
 // Argument checking, common to every kernel: shapes (q n x d with d >= 1 when n >= 1, k and v
 // with the rows and columns q implies, out n x d_v with rows that do not overlap), the options
 // (scale finite, masking one of the two enumerators, query_offset in [0, L - m]), sigma
@@ -16,17 +28,8 @@
 //    (any magnitude up to the Scalar range: each row's maximum is subtracted before exp).
 // Also not checked: that out does not overlap q, k or v (it must not), and that input rows do
 // not overlap (they may: they are only read).
-#pragma once
 
-#include <Eigen/Core>
-#include <cstdint>
-#include <optional>
-#include <type_traits>
-
-#include "poslsh/core/names.hpp"
-
-namespace poslsh {
-
+/// The index type of every size and position (Eigen::Index).
 using Index = Eigen::Index;
 
 /// True for the half-precision storage types the kernels accept, Eigen::half (IEEE binary16,

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -56,14 +56,16 @@ inline BlockPlan block_plan(const BinHash& hash, const std::vector<Index>& seque
   return plan;
 }
 
-/// The plan of `hash` on one sequence of n positions.
+/// The plan of `hash` on one sequence of n positions. Throws std::invalid_argument if n < 0 or
+/// the hash is invalid.
 inline BlockPlan block_plan(const BinHash& hash, Index n) {
   detail::require_size(n, "block_plan", "n");
   return block_plan(hash, std::vector<Index>{n});
 }
 
 /// One plan per sample: block_plan(h_k, sequence_lengths) for k = 0..s-1.
-/// Throws std::invalid_argument if the hash set is empty ('hashes').
+/// Throws std::invalid_argument if the hash set is empty ('hashes') or invalid, or as
+/// block_plan for the lengths.
 inline std::vector<BlockPlan> block_plans(const HashSet& hashes,
                                           const std::vector<Index>& sequence_lengths) {
   validate_hashes(hashes, "block_plans");
@@ -73,7 +75,8 @@ inline std::vector<BlockPlan> block_plans(const HashSet& hashes,
   return plans;
 }
 
-/// The paper's fixed-blocks baseline as one plan: blocks of 2 sigma tokens from position 0.
+/// The paper's fixed-blocks baseline as one plan: blocks of 2 sigma tokens from position 0
+/// (block_plan of fixed_blocks_hash(sigma); throws as they do).
 inline BlockPlan fixed_blocks_plan(double sigma, const std::vector<Index>& sequence_lengths) {
   return block_plan(fixed_blocks_hash(sigma), sequence_lengths);
 }

@@ -1,18 +1,20 @@
-// poslsh: merging per-sample block attentions by their log-sum-exp into the LSH estimator.
+// poslsh: merging per-sample block attentions by their log-sum-exp into the LSH estimator
+// (LseMerger).
 #pragma once
 
 #include <cmath>
 #include <limits>
 #include <string>
 
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
 
-/// Streaming merge of s per-sample outputs into T~ = D~^-1 (A o M~) V. Sample k gives, for each
-/// row i, the block-wise plain attention output O_ki and the natural log-sum-exp of its scaled
-/// scores lse_ki = log sum_{j in B_k(i)} e^{tau q_i.k_j} (FlashAttention's softmax_lse). Then
+/// Streaming merge of s per-sample outputs into the LSH estimate T~ = D~^-1 (A o M~) V. Sample
+/// k gives, for each row i, the block-wise plain attention output O_ki and the natural
+/// log-sum-exp of its scaled scores lse_ki = log sum_{j in B_k(i)} e^{tau q_i.k_j}
+/// (FlashAttention's softmax_lse). Then
 ///   T~_i = sum_k e^{lse_ki - M_i} O_ki / sum_k e^{lse_ki - M_i},   M_i = max_k lse_ki,
 /// because e^{lse_ki} O_ki = sum_{j in B_k(i)} e^{tau q_i.k_j} v_j. Samples are added one at a
 /// time with O(n d_v) state (the running maximum rescales earlier sums), so the s outputs never

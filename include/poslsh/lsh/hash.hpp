@@ -1,10 +1,6 @@
-// poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions).
-//
-// Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma
-// in rbf_hash, rbf_hashes and fixed_blocks_hash; s >= 1 in rbf_hashes; a user-built hash's
-// width and offset in validate_hash (every kernel and partition function runs it).
-// Not checked: BinHash::bin itself (a hot path), whose position must satisfy
-// |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
+// poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions):
+// BinHash, its checks, and the counter-based draws rbf_hash and rbf_hashes, with the paper's
+// fixed-blocks baseline.
 #pragma once
 
 #include <algorithm>
@@ -12,9 +8,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/random/philox.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -28,7 +24,8 @@ struct BinHash {
   double width = 1.0;   ///< w > 0
   double offset = 0.0;  ///< xi in [0, w)
 
-  /// Bin of position i: floor((i - xi) / w).
+  /// Bin of position i: floor((i - xi) / w). Unchecked (a hot path): requires
+  /// |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
   std::int64_t bin(Index position) const {
     return static_cast<std::int64_t>(std::floor((static_cast<double>(position) - offset) / width));
   }
@@ -53,6 +50,8 @@ inline void require_hash_sigma(double sigma, const char* function) {
 using HashSet = std::vector<BinHash>;
 
 /// Checks a user-built hash: width finite and >= BinHash::min_width, offset in [0, width).
+/// Throws std::invalid_argument naming 'hash.width' or 'hash.offset'. Every kernel and
+/// partition function runs it.
 inline void validate_hash(const BinHash& hash, const char* function) {
   detail::require(std::isfinite(hash.width) && hash.width >= BinHash::min_width, function,
                   "hash.width", hash.width, "must be finite and >= 2^-20");
@@ -60,8 +59,9 @@ inline void validate_hash(const BinHash& hash, const char* function) {
                   hash.offset, "must lie in [0, width)");
 }
 
-/// Checks a hash set: at least one hash (s >= 1), each valid (validate_hash). Every function
-/// that takes a HashSet runs it.
+/// Checks a hash set: at least one hash (s >= 1), each valid (validate_hash). Throws
+/// std::invalid_argument naming 'hashes' or the bad hash's field. Every function that takes a
+/// HashSet runs it.
 inline void validate_hashes(const HashSet& hashes, const char* function) {
   detail::require(!hashes.empty(), function, "hashes", "{}",
                   "must hold at least one hash (s >= 1)");
@@ -83,16 +83,8 @@ struct HashKey {
 /// Throws std::invalid_argument if sigma is not finite, > 0 and <= max_hash_sigma.
 inline BinHash rbf_hash(double sigma, const HashKey& key) {
   detail::require_hash_sigma(sigma, "rbf_hash");
-  const detail::PhiloxKey philox_key = {static_cast<std::uint32_t>(key.seed),
-                                        static_cast<std::uint32_t>(key.seed >> 32)};
-  const auto counter = [&](std::uint32_t word) {
-    return detail::PhiloxCounter{static_cast<std::uint32_t>(key.sample),
-                                 static_cast<std::uint32_t>(key.sample >> 32),
-                                 static_cast<std::uint32_t>(key.stream),
-                                 static_cast<std::uint32_t>(key.stream >> 32) ^ (word << 28)};
-  };
-  const detail::PhiloxCounter first = detail::philox4x32_10(counter(0), philox_key);
-  const detail::PhiloxCounter second = detail::philox4x32_10(counter(1), philox_key);
+  const detail::PhiloxCounter first = detail::philox_words(key.seed, key.stream, key.sample, 0);
+  const detail::PhiloxCounter second = detail::philox_words(key.seed, key.stream, key.sample, 1);
   const double u1 = detail::uniform_open_closed(first[0], first[1]);
   const double u2 = detail::uniform_open_closed(first[2], first[3]);
   const double u3 = detail::uniform_open_closed(second[0], second[1]);
@@ -105,6 +97,7 @@ inline BinHash rbf_hash(double sigma, const HashKey& key) {
 
 /// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
 /// Throws std::invalid_argument if s < 1 or sigma is not finite, > 0 and <= max_hash_sigma.
+/// O(s).
 inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
   detail::require_positive(s, "rbf_hashes", "s");
   detail::require_hash_sigma(sigma, "rbf_hashes");

@@ -1,16 +1,13 @@
-// poslsh: the contiguous blocks that one hash cuts [0, n) into.
-//
-// Checked by block_boundaries (std::invalid_argument naming the argument): n >= 0 and the hash
-// (validate_hash). block_containing checks nothing (a building block of the kernels). Both
-// work for any n an Index holds (positions are exact doubles up to 2^53).
+// poslsh: the contiguous blocks that one hash cuts [0, n) into (block_containing,
+// block_boundaries), for any n an Index holds (positions are exact doubles up to 2^53).
 #pragma once
 
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -44,8 +41,8 @@ inline Block block_containing(const BinHash& hash, Index i, Index n) {
 }
 
 /// Block boundaries 0 = t_0 < t_1 < ... < t_m = n of `hash` on [0, n): block r is
-/// [t_r, t_{r+1}). O(m) = O(n / w + 1) time. n = 0 gives {0}.
-/// Throws std::invalid_argument if n < 0 or the hash is invalid.
+/// [t_r, t_{r+1}); n = 0 gives {0}. Throws std::invalid_argument if n < 0 or the hash is
+/// invalid. O(m) = O(n / w + 1) time.
 inline std::vector<Index> block_boundaries(const BinHash& hash, Index n) {
   detail::require_size(n, "block_boundaries", "n");
   validate_hash(hash, "block_boundaries");

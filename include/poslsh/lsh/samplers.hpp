@@ -1,17 +1,9 @@
-// poslsh: variance-reduced samplers of the positional hash set. Every sampler draws each sample
-// from the same law as rbf_hash (w ~ Gamma(2, sigma), xi | w ~ U[0, w)), so each mask M(h_k)
-// has E[M(h_k)_ij] = exp(-|i-j| / sigma) and the mean mask M~ = (1/s) sum_k M(h_k) stays an
-// unbiased estimate of the ALiBi kernel L*. They differ only in how the samples of one set are
-// coupled: the variance of M~_ij is (1/s^2) (sum_k Var X_k + sum_{k != l} Cov(X_k, X_l)),
-// X_k = [bin_k(i) = bin_k(j)], and negative covariances lower it.
-//
-// Everything is counter-based (Philox4x32-10 keyed by seed, counter by stream, index and a
-// per-sampler tag), so a set depends only on its arguments, bit for bit on every platform.
-//
-// Checked (std::invalid_argument naming the argument): sigma finite, > 0 and <= max_hash_sigma;
-// s >= 1; n >= 0; sigmas (sample_nested_poisson_partitions) non-empty, each entry a valid
-// sigma; options.group >= 1; options.lattice_group >= 0; the sampler has a BinHash form
-// (not poisson) in sample_hashes; a user-built partition set in validate_partition_set.
+// poslsh: variance-reduced samplers of the positional hash set (sample_hashes) and Poisson-cut
+// partitions (sample_partition_set, sample_nested_poisson_partitions), with the Gamma(2, 1)
+// quantiles they draw widths through. Every sampler draws each sample from rbf_hash's law, so
+// M~ stays an unbiased estimate of L*; they differ only in how the samples of one set are
+// coupled. Everything is counter-based (Philox4x32-10 keyed by seed, counter by stream, index
+// and a per-sampler tag), so a set depends only on its arguments, bit for bit on every platform.
 #pragma once
 
 #include <algorithm>
@@ -22,17 +14,21 @@
 #include <string>
 #include <vector>
 
+#include "poslsh/core/names.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/random/philox.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/names.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
-/// How the s samples of one hash set are drawn (all unbiased; see sample_hashes).
+/// How the s samples of one hash set are drawn (see sample_hashes). Every sampler draws each
+/// sample from the same law as rbf_hash (w ~ Gamma(2, sigma), xi | w ~ U[0, w)), so each mask
+/// M(h_k) has E[M(h_k)_ij] = exp(-|i-j| / sigma) and M~ = (1/s) sum_k M(h_k) is unbiased. The
+/// variance of M~_ij is (1/s^2) (sum_k Var X_k + sum_{k != l} Cov(X_k, X_l)),
+/// X_k = [bin_k(i) = bin_k(j)], and negative covariances lower it.
 enum class Sampler {
   independent,         ///< rbf_hashes: s independent samples (bit for bit)
   antithetic,          ///< widths in antithetic pairs F^-1(u), F^-1(1 - u)
@@ -53,15 +49,14 @@ inline constexpr Sampler all_samplers[] = {Sampler::independent,        Sampler:
 /// The samplers' names: "independent", "antithetic", ... (enum_name, enum_from_name).
 template <>
 struct EnumNames<Sampler> {
-  static constexpr EnumName<Sampler> table[] = {
-      {Sampler::independent, "independent"},
-      {Sampler::antithetic, "antithetic"},
-      {Sampler::stratified, "stratified"},
-      {Sampler::lattice_offsets, "lattice_offsets"},
-      {Sampler::coupled_offsets, "coupled_offsets"},
-      {Sampler::rqmc, "rqmc"},
-      {Sampler::stratified_lattice, "stratified_lattice"},
-      {Sampler::poisson, "poisson"}};
+  static constexpr EnumName<Sampler> table[] = {{Sampler::independent, "independent"},
+                                                {Sampler::antithetic, "antithetic"},
+                                                {Sampler::stratified, "stratified"},
+                                                {Sampler::lattice_offsets, "lattice_offsets"},
+                                                {Sampler::coupled_offsets, "coupled_offsets"},
+                                                {Sampler::rqmc, "rqmc"},
+                                                {Sampler::stratified_lattice, "stratified_lattice"},
+                                                {Sampler::poisson, "poisson"}};
 };
 
 /// Options of the samplers.
@@ -83,9 +78,10 @@ inline Index default_lattice_group(Index s) {
   return std::max<Index>(1, std::llround(std::sqrt(static_cast<double>(s))));
 }
 
-/// The groups of Sampler::stratified_lattice: G = ceil(s / g) groups, the first s mod G of
-/// ceil(s / G) samples, the others of floor(s / G); returns the G + 1 start indices
-/// (0, ..., s). g = options.lattice_group, or default_lattice_group(s) when it is 0.
+/// The G + 1 start indices (0, ..., s) of the groups of Sampler::stratified_lattice:
+/// G = ceil(s / g) groups, the first s mod G of ceil(s / G) samples, the others of
+/// floor(s / G); g = options.lattice_group, or default_lattice_group(s) when it is 0. Throws
+/// std::invalid_argument naming 's' (< 1) or 'options.lattice_group' (< 0).
 inline std::vector<Index> lattice_group_starts(Index s, const SamplerOptions& options = {}) {
   constexpr const char* function = "lattice_group_starts";
   detail::require_positive(s, function, "s");
@@ -194,26 +190,10 @@ enum SamplerTag : std::uint32_t {
   tag_cut_marks = 7
 };
 
-/// Four 32-bit words for (seed, stream, index, tag).
-inline PhiloxCounter sampler_words(std::uint64_t seed, std::uint64_t stream, std::uint64_t index,
-                                   std::uint32_t tag) {
-  const PhiloxKey key = {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
-  const PhiloxCounter counter = {
-      static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(index >> 32),
-      static_cast<std::uint32_t>(stream), static_cast<std::uint32_t>(stream >> 32) ^ (tag << 28)};
-  return philox4x32_10(counter, key);
-}
-
-/// 53-bit uniform on the open interval (0, 1): (top 53 bits + 1/2) 2^-53.
-inline double uniform_open(std::uint32_t high, std::uint32_t low) {
-  const std::uint64_t bits = (std::uint64_t{high} << 32) | low;
-  return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
-}
-
 /// Two open uniforms for (seed, stream, index, tag).
 inline std::array<double, 2> sampler_uniforms(std::uint64_t seed, std::uint64_t stream,
                                               std::uint64_t index, std::uint32_t tag) {
-  const PhiloxCounter words = sampler_words(seed, stream, index, tag);
+  const PhiloxCounter words = philox_words(seed, stream, index, tag);
   return {uniform_open(words[0], words[1]), uniform_open(words[2], words[3])};
 }
 
@@ -229,7 +209,8 @@ inline std::vector<Index> sampler_permutation(Index s, std::uint64_t seed, std::
   return order;
 }
 
-/// The hash of width sigma F^-1-value x and offset fraction f in [0, 1).
+/// The hash of width sigma x (x an F^-1 value; at least BinHash::min_width) and offset
+/// fraction * width (fraction in [0, 1)), kept below the width.
 inline BinHash sampler_hash(double sigma, double x, double fraction) {
   BinHash hash;
   hash.width = std::max(sigma * x, BinHash::min_width);
@@ -431,8 +412,9 @@ inline PartitionSet partition_set(const HashSet& hashes, Index n) {
   return detail::analysis_partitions(hashes, n, "partition_set");
 }
 
-/// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges 0 = t_0 < t_1
-/// < ... < t_m = n (n = 0: the single edge 0) and offsets running from 0 to edges.size().
+/// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges
+/// 0 = t_0 < t_1 < ... < t_m = n (n = 0: the single edge 0) and offsets running from 0 to
+/// edges.size().
 /// Throws std::invalid_argument naming 'partitions.n', 'partitions.offsets' or
 /// 'partitions.edges'.
 inline void validate_partition_set(const PartitionSet& set, const char* function) {
@@ -451,7 +433,7 @@ void poisson_cut_walk(double sigma, Index n, std::uint64_t seed, std::uint64_t s
   const double limit = static_cast<double>(n);
   while (position < n) {
     // Two lengths per Philox call.
-    const PhiloxCounter words = sampler_words(seed, stream, (sample << 32) + draw++, tag_cuts);
+    const PhiloxCounter words = philox_words(seed, stream, (sample << 32) + draw++, tag_cuts);
     for (std::size_t half = 0; half < 2 && position < n; ++half) {
       const double u = uniform_open(words[2 * half], words[2 * half + 1]);
       const double gap = 1.0 + std::floor(-sigma * std::log(u));
@@ -470,7 +452,7 @@ void poisson_cut_walk(double sigma, Index n, std::uint64_t seed, std::uint64_t s
 /// points with probability e^{-1/sigma}, so positions i < j share a block with probability
 /// P[no point in (i, j]] = e^{-(j - i)/sigma} exactly: E[M(partition)] = L*. The block lengths
 /// are then i.i.d. 1 + floor(-sigma ln U) (geometric, mean 1 / (1 - e^{-1/sigma})), the last
-/// one cut at n; O(n / sigma + 1) draws.
+/// one cut at n. Does not check its arguments. O(n / sigma + 1) draws.
 inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t seed,
                                             std::uint64_t stream, std::uint64_t sample) {
   std::vector<Index> edges{0};
@@ -570,7 +552,7 @@ inline std::vector<PartitionSet> sample_nested_poisson_partitions(const std::vec
         const std::size_t half = cut % 2;
         if (half == 0)
           words =
-              detail::sampler_words(seed, stream, (sample << 32) + cut / 2, detail::tag_cut_marks);
+              detail::philox_words(seed, stream, (sample << 32) + cut / 2, detail::tag_cut_marks);
         ++cut;
         const double mark = detail::uniform_open(words[2 * half], words[2 * half + 1]);
         for (std::size_t h = 0; h < heads; ++h) {

@@ -1,20 +1,18 @@
 // poslsh: the exact ALiBi kernel L*_ij = exp(-|i-j| / sigma) as a dense matrix (for checks).
-//
-// Checked (std::invalid_argument naming the argument): n >= 0, sigma finite and > 0. Not
-// checked: that n x n entries fit in memory (std::bad_alloc); a masking value other than the
-// two enumerators is taken as bidirectional.
 #pragma once
 
 #include <cmath>
 
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
 
 /// Dense n x n ALiBi kernel L*_ij = exp(-|i-j| / sigma); the causal form also sets
-/// L*_ij = 0 for j > i. O(n^2) memory: for checks and small analyses.
-/// Throws std::invalid_argument if n < 0 or sigma is not finite and > 0.
+/// L*_ij = 0 for j > i (a masking value other than the two enumerators is taken as
+/// bidirectional). Throws std::invalid_argument if n < 0 or sigma is not finite and > 0
+/// (std::bad_alloc if the n x n entries do not fit). O(n^2) memory: for checks and small
+/// analyses.
 template <typename Scalar>
 RowMatrix<Scalar> alibi_kernel_dense(Index n, double sigma, Masking masking) {
   detail::require_size(n, "alibi_kernel_dense", "n");

@@ -1,27 +1,26 @@
 // poslsh: the naive exact ALiBi attention, O(n^2) memory; the reference every kernel is
 // checked against.
-//
-// Checked (std::invalid_argument naming the argument): the shapes of q, k, v and out (rows of
-// out must not overlap), sigma finite and > 0, options.scale finite, options.masking valid.
-// Not checked: the values (a NaN in row i of Q gives a NaN row i of the output, the other rows
-// unchanged; see core/types.hpp) and that out does not overlap q, k or v.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/attention.hpp"
 
 namespace poslsh {
 
 /// Exact ALiBi attention T* = softmax(tau Q K^T - |i-j| / sigma) V (row-wise softmax; the
 /// causal form keeps j <= i), i.e. D^-1 (A o L*) V with A_ij = exp(tau q_i . k_j). The row
 /// maximum is subtracted before exp, so scores of any finite magnitude give finite output.
-/// Q is n x d, K and V are n x d and n x d_v, `out` is n x d_v. Builds the n x n score matrix:
-/// for checks and small n only. Self-attention only (options.query_offset unset or 0).
-/// Throws std::invalid_argument naming a bad argument.
+/// Q is n x d, K and V are n x d and n x d_v, `out` is n x d_v. Self-attention only
+/// (options.query_offset unset or 0). Throws std::invalid_argument naming a bad argument: the
+/// shapes of q, k, v and out (rows of out must not overlap), sigma (finite, > 0),
+/// options.scale (finite), options.masking, options.query_offset. Not checked: the values (a
+/// NaN in row i of Q gives a NaN row i of the output, the other rows unchanged; see
+/// core/types.hpp) and that out does not overlap q, k or v. Builds the n x n score matrix:
+/// for checks and small n only.
 template <typename Scalar>
 void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
@@ -54,7 +53,7 @@ void alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> 
   }
 }
 
-/// Returning form of alibi_attention_reference.
+/// Returning form of alibi_attention_reference (the same checks).
 template <typename Scalar>
 RowMatrix<Scalar> alibi_attention_reference(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                             ConstMatrixRef<Scalar> v, double sigma,

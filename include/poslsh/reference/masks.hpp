@@ -1,18 +1,16 @@
 // poslsh: dense bin masks M(h) and their mean M~ (for analysis and tests at small n).
-//
-// Checked (std::invalid_argument naming the argument): n >= 0, every hash valid, a non-empty
-// set. Not checked: that n x n entries fit in memory (std::bad_alloc).
 #pragma once
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
-/// Dense 0/1 mask M(h)_ij = [bin(i) = bin(j)] (causal: also j <= i). O(n^2) memory.
-/// Throws std::invalid_argument if n < 0 or the hash is invalid.
+/// Dense 0/1 mask M(h)_ij = [bin(i) = bin(j)] (causal: also j <= i). Throws
+/// std::invalid_argument if n < 0 or the hash is invalid (std::bad_alloc if the n x n entries
+/// do not fit). O(n^2) memory.
 template <typename Scalar>
 RowMatrix<Scalar> bin_mask_dense(const BinHash& hash, Index n, Masking masking) {
   const std::vector<Index> boundaries = block_boundaries(hash, n);
@@ -27,7 +25,8 @@ RowMatrix<Scalar> bin_mask_dense(const BinHash& hash, Index n, Masking masking) 
 }
 
 /// Dense mean mask M~ = (1/s) sum_k M(h_k) (causal: times the lower triangle); its
-/// expectation is the ALiBi kernel L*. Throws std::invalid_argument if the set is empty.
+/// expectation is the ALiBi kernel L*. Throws std::invalid_argument if the set is empty,
+/// n < 0 or a hash is invalid. O(n^2) memory.
 template <typename Scalar>
 RowMatrix<Scalar> mean_mask_dense(const HashSet& hashes, Index n, Masking masking) {
   detail::require_positive(static_cast<Index>(hashes.size()), "mean_mask_dense", "hashes.size()");

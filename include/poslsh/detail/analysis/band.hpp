@@ -5,14 +5,15 @@
 #include <algorithm>
 #include <vector>
 
-#include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/analysis/partitions.hpp"
 
 namespace poslsh::detail {
 
 /// Walks rows i = first, first + 1, ... of one partition table. After row(i): keys j with
 /// c_ij > 0 are [lo, hi) (contiguous: every block holds i; causal: cut at j <= i) and
-/// counts[j - lo] = c_ij. O(s log) to start, O(s + hi - lo) per row after that.
+/// counts[j - lo] = c_ij. O(s log m) to start (m edges per sample), O(s + hi - lo) per row
+/// after that.
 class AnalysisRowBands {
  public:
   AnalysisRowBands(const AnalysisPartitions& partitions, Index first_row)

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/band.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -10,10 +10,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 
@@ -66,8 +66,7 @@ decltype(auto) analysis_hash_set(const Hashes& hashes) {
   }
 }
 
-/// Edge tables at most this large are built on one thread: below it the work takes well under
-/// a millisecond, less than starting a parallel region costs on a busy machine.
+/// Edge tables at most this large are built on one thread.
 inline constexpr std::size_t analysis_parallel_edges = std::size_t{1} << 16;
 
 /// Number of block edges of a valid hash on [0, n): n + 1 when w < 1 (every position is a
@@ -104,7 +103,9 @@ inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out)
   *++edge = n;
 }
 
-/// Checks the hash set (non-empty, every hash valid) and n >= 0, then stores the edges.
+/// The stored edges of a hash set (a HashSet or any container of BinHash) on [0, n). Throws
+/// std::invalid_argument (messages from `function`) if the set is empty, a hash is invalid or
+/// n < 0. Samples in parallel (OpenMP); the same table whatever the thread count.
 template <typename Hashes = HashSet>
 AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
   const HashSet& hashes = analysis_hash_set(hash_set);
@@ -113,7 +114,7 @@ AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const ch
   AnalysisPartitions partitions;
   partitions.n = n;
   // Edge counts first (analysis_edge_count), then every sample's edges written in parallel
-  // (OpenMP) at its offset: the same table whatever the thread count.
+  // (OpenMP) at its offset.
   const auto samples = static_cast<Index>(hashes.size());
   partitions.offsets.resize(static_cast<std::size_t>(samples) + 1);
   for (Index k = 0; k < samples; ++k) {

@@ -1,6 +1,6 @@
-// poslsh internals: the Philox4x32-10 counter-based generator (Salmon et al., SC'11) and the
-// conversion of its words to uniforms on (0, 1]. Pure integer arithmetic: the same key and
-// counter give the same bits on every compiler and platform.
+// poslsh internals: the Philox4x32-10 counter-based generator (Salmon et al., SC'11), the
+// counter layout of the hashes and samplers, and the conversion of its words to uniforms. Pure
+// integer arithmetic: the same key and counter give the same bits on every compiler and platform.
 #pragma once
 
 #include <array>
@@ -31,10 +31,28 @@ inline PhiloxCounter philox4x32_10(PhiloxCounter counter, PhiloxKey key) {
   return counter;
 }
 
+/// Philox4x32-10 of the counter (index, stream, tag) under the key `seed`: the counter words are
+/// the low and high halves of index, then of stream, the last one xor (tag << 28), so each tag
+/// (top 4 bits) draws from its own counters. The layout of every hash and sampler draw.
+inline PhiloxCounter philox_words(std::uint64_t seed, std::uint64_t stream, std::uint64_t index,
+                                  std::uint32_t tag) {
+  const PhiloxKey key = {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+  const PhiloxCounter counter = {
+      static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(index >> 32),
+      static_cast<std::uint32_t>(stream), static_cast<std::uint32_t>(stream >> 32) ^ (tag << 28)};
+  return philox4x32_10(counter, key);
+}
+
 /// 53-bit uniform on (0, 1] from two 32-bit words: (top 53 bits + 1) * 2^-53.
 inline double uniform_open_closed(std::uint32_t high, std::uint32_t low) {
   const std::uint64_t bits = (std::uint64_t{high} << 32) | low;
   return static_cast<double>((bits >> 11) + 1) * 0x1.0p-53;
+}
+
+/// 53-bit uniform on the open interval (0, 1): (top 53 bits + 1/2) 2^-53.
+inline double uniform_open(std::uint32_t high, std::uint32_t low) {
+  const std::uint64_t bits = (std::uint64_t{high} << 32) | low;
+  return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
 }
 
 }  // namespace poslsh::detail
