@@ -1,21 +1,30 @@
-"""Build of the compiled module poslsh._core (pyproject.toml holds the metadata).
+"""Build of the compiled module poslsh._core for `pip install .` (pyproject.toml holds the metadata).
 
-Compiler flags: -O3 -fopenmp, C++17, the repository's include/ plus Eigen 3.4 and Spectra.
+The module has one build definition, python/CMakeLists.txt: build_ext configures this repository
+with CMake (the Python module on, the tests, examples and benchmarks off), builds its target
+poslsh_python and copies the module into the wheel. CMake (>= 3.25) finds Eigen 3.4, Spectra,
+OpenMP, numpy and pybind11 as in any CMake build; the interpreter is the one running pip.
+
 Environment variables:
-  POSLSH_NATIVE=1           add -march=native (off by default: the wheel then runs on any
-                            x86-64 machine; on, it is faster but only runs on CPUs like this one)
-  POSLSH_EIGEN_INCLUDE      Eigen's include directory (default /usr/include/eigen3)
-  POSLSH_SPECTRA_INCLUDE    Spectra's include directory (default /usr/include)
-  POSLSH_NO_OPENMP=1        build without OpenMP (kernels single-threaded)
-  POSLSH_BUILD_JOBS         sources compiled in parallel (default 2)
+  POSLSH_NATIVE=1         -DPOSLSH_NATIVE=ON: compile with -march=native (off by default: the
+                          wheel then runs on any x86-64 machine; on, it is faster but only runs
+                          on CPUs like this one)
+  POSLSH_NO_OPENMP=1      -DPOSLSH_USE_OPENMP=OFF: build without OpenMP (kernels single-threaded)
+  POSLSH_BUILD_JOBS       parallel compile jobs (default 2)
+  CMAKE_ARGS              more CMake options, e.g. -DCMAKE_CXX_COMPILER=clang++
+  CMAKE_PREFIX_PATH       (read by CMake) where to look for Eigen3, spectra and pybind11
 """
 
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 
@@ -30,35 +39,59 @@ def enabled(name):
     return os.environ.get(name, "").strip().lower() in ("1", "on", "true", "yes")
 
 
-ParallelCompile("POSLSH_BUILD_JOBS", default=2).install()
+def on_off(flag):
+    return "ON" if flag else "OFF"
 
-compile_args = ["-O3"]
-link_args = []
-if not enabled("POSLSH_NO_OPENMP"):
-    compile_args.append("-fopenmp")
-    link_args.append("-fopenmp")
-if enabled("POSLSH_NATIVE"):
-    compile_args.append("-march=native")
 
-sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "python" / "src").glob("*.cpp"))
+class CMakeExtension(Extension):
+    """An extension built by a CMake target (no sources of its own here)."""
 
-extension = Pybind11Extension(
-    "poslsh._core",
-    sources,
-    include_dirs=[
-        str(ROOT / "include"),
-        os.environ.get("POSLSH_EIGEN_INCLUDE", "/usr/include/eigen3"),
-        os.environ.get("POSLSH_SPECTRA_INCLUDE", "/usr/include"),
-    ],
-    extra_compile_args=compile_args,
-    extra_link_args=link_args,
-    cxx_std=17,
-)
+    def __init__(self, name, target):
+        super().__init__(name, sources=[])
+        self.target = target
+
+
+class CMakeBuild(build_ext):
+    """Configures the repository with CMake, builds the extension's target, copies the module."""
+
+    def build_extension(self, ext):
+        build = Path(self.build_temp).resolve() / "cmake"
+        configure = [
+            "cmake", "-S", str(ROOT), "-B", str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DPOSLSH_BUILD_PYTHON=ON",
+            "-DPOSLSH_BUILD_TESTS=OFF",
+            "-DPOSLSH_BUILD_EXAMPLES=OFF",
+            "-DPOSLSH_BUILD_BENCHMARKS=OFF",
+            f"-DPOSLSH_NATIVE={on_off(enabled('POSLSH_NATIVE'))}",
+            f"-DPOSLSH_USE_OPENMP={on_off(not enabled('POSLSH_NO_OPENMP'))}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            *shlex.split(os.environ.get("CMAKE_ARGS", "")),
+        ]
+        try:
+            import pybind11  # the pybind11 this build uses, if it is importable
+
+            configure.append(f"-Dpybind11_DIR={pybind11.get_cmake_dir()}")
+        except ImportError:
+            pass
+        jobs = os.environ.get("POSLSH_BUILD_JOBS", "2")
+        if shutil.which("cmake") is None:
+            sys.exit("poslsh: building the module needs CMake >= 3.25 on PATH (Debian: apt-get install cmake)")
+        subprocess.run(configure, check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", ext.target, "--parallel", jobs], check=True)
+        # python/CMakeLists.txt puts the module in <build>/python/poslsh/.
+        built = sorted((build / "python" / "poslsh").glob("_core.*"))
+        if len(built) != 1:
+            sys.exit(f"poslsh: expected one built module _core.* in {build / 'python' / 'poslsh'}, found {built}")
+        target = Path(self.get_ext_fullpath(ext.name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built[0], target)
+
 
 setup(
     version=version(),
-    ext_modules=[extension],
-    cmdclass={"build_ext": build_ext},
+    ext_modules=[CMakeExtension("poslsh._core", target="poslsh_python")],
+    cmdclass={"build_ext": CMakeBuild},
     # Intermediate files in build-pip/, away from the CMake build directories.
     options={"build": {"build_base": "build-pip"}, "egg_info": {"egg_base": "build-pip"}},
 )

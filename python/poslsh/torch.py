@@ -18,8 +18,7 @@ passes, which recompute the probabilities from the forward's log-sum-exp tile by
 n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype): they
 are widened to float32 copies (kept for the backward), the float32 kernels run, and the output
 and the gradients are rounded once to the inputs' dtype, so they are bitwise the float32 call
-on the widened tensors, rounded. When the compiled module was built without the backward
-passes (``poslsh.has_backward`` is False), ``backward`` raises NotImplementedError.
+on the widened tensors, rounded.
 
 Forward-only kernels for inference on half-precision tensors (no autograd):
 
@@ -45,16 +44,22 @@ __all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attent
 _DTYPES = (torch.float32, torch.float64)
 
 
-def _array(tensor, name):
-    """The numpy view of a CPU tensor (shares memory; never a copy)."""
+def _cpu_tensor(tensor, name, dtypes, rule):
+    """`tensor` detached, after checking that it is a CPU tensor of one of `dtypes` (`rule` names
+    them in the message)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise ValueError(f"poslsh.torch: argument '{name}' is on {tensor.device}: only CPU tensors are supported")
-    if tensor.dtype not in _DTYPES:
-        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.float32, torch.float64 "
-                        "(or torch.bfloat16, torch.float16 for q, k, v of the differentiable functions)")
-    return tensor.detach().numpy()
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be {rule}")
+    return tensor.detach()
+
+
+def _array(tensor, name):
+    """The numpy view of a CPU tensor (shares memory; never a copy)."""
+    return _cpu_tensor(tensor, name, _DTYPES, "torch.float32, torch.float64 (or torch.bfloat16, torch.float16 for q, "
+                       "k, v of the differentiable functions)").numpy()
 
 
 def _gradient(tensor):
@@ -72,13 +77,6 @@ def _heads_gradient(tensor):
     last_ok = tensor.shape[-1] <= 1 or tensor.stride(-1) == 1
     axes_ok = all(tensor.shape[axis] <= 1 or tensor.stride(axis) > 0 for axis in (0, 1))
     return tensor if last_ok and axes_ok else tensor.contiguous()
-
-
-def _no_backward():
-    raise NotImplementedError(
-        "poslsh.torch: this build of poslsh has no backward kernels (poslsh.has_backward is "
-        "False): the forward works, gradients are not available"
-    )
 
 
 _WIDENED = (torch.bfloat16, torch.float16)
@@ -109,22 +107,16 @@ def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
     q, k, v = _widen_inputs(ctx, q, k, v)
     n, d_v = q.shape[0], v.shape[1]
     out = torch.empty((n, d_v), dtype=q.dtype)
-    arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
-    if _core.has_backward:
-        lse = torch.empty((n,), dtype=q.dtype)
-        getattr(_core, kernel + "_with_lse")(*arrays, parameter, causal=causal, scale=scale, out=out.numpy(),
-                                             lse=lse.numpy())
-        ctx.save_for_backward(q, k, v, out, lse)
-    else:
-        getattr(_core, kernel)(*arrays, parameter, causal=causal, scale=scale, out=out.numpy())
+    lse = torch.empty((n,), dtype=q.dtype)
+    getattr(_core, kernel + "_with_lse")(_array(q, "q"), _array(k, "k"), _array(v, "v"), parameter, causal=causal,
+                                         scale=scale, out=out.numpy(), lse=lse.numpy())
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.kernel, ctx.parameter, ctx.causal, ctx.scale = kernel, parameter, causal, scale
     return _narrow(out, ctx.dtypes[0])
 
 
 def _single_head_backward(ctx, dout):
     """(dq, dk, dv) of the forward saved by _single_head_forward, from its out and lse."""
-    if not _core.has_backward:
-        _no_backward()
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     getattr(_core, ctx.kernel + "_backward")(
@@ -135,28 +127,28 @@ def _single_head_backward(ctx, dout):
     return tuple(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
 
 
-class AlibiAttention(torch.autograd.Function):
+class _SingleHeadAttention(torch.autograd.Function):
+    """The backward of the single-head Functions below: gradients in q, k, v only."""
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *_single_head_backward(ctx, dout), None, None, None
+
+
+class AlibiAttention(_SingleHeadAttention):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V on [n, d] CPU tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, sigma, causal=True, scale=None):
         return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, causal, scale)
 
-    @staticmethod
-    def backward(ctx, dout):
-        return *_single_head_backward(ctx, dout), None, None, None
 
-
-class LshAttention(torch.autograd.Function):
+class LshAttention(_SingleHeadAttention):
     """LSH ALiBi attention D~^-1 (A o M~) V (the fused kernel) on [n, d] CPU tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, hashes, causal=True, scale=None):
         return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, causal, scale)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return *_single_head_backward(ctx, dout), None, None, None
 
 
 def alibi_attention(q, k, v, sigma, *, causal=True, scale=None):
@@ -179,22 +171,15 @@ class MultiheadAttention(torch.autograd.Function):
         tokens, heads = (q.shape[0], q.shape[1]) if keywords["layout"] == "nhd" else (q.shape[1], q.shape[0])
         shape = (tokens, heads, v.shape[2]) if keywords["layout"] == "nhd" else (heads, tokens, v.shape[2])
         out = torch.empty(shape, dtype=q.dtype)
-        arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
-        if _core.has_backward:
-            lse = torch.empty((heads, tokens), dtype=q.dtype)
-            _core.multihead_attention_with_lse(*arrays, **keywords, out=out.numpy(), lse=lse.numpy())
-            ctx.save_for_backward(q, k, v, out, lse)
-        elif keywords.get("cu_seqlens") is not None:
-            _no_backward()
-        else:
-            _core.multihead_attention(*arrays, **keywords, out=out.numpy())
+        lse = torch.empty((heads, tokens), dtype=q.dtype)
+        _core.multihead_attention_with_lse(_array(q, "q"), _array(k, "k"), _array(v, "v"), **keywords, out=out.numpy(),
+                                           lse=lse.numpy())
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.keywords = keywords
         return _narrow(out, ctx.dtypes[0])
 
     @staticmethod
     def backward(ctx, dout):
-        if not _core.has_backward:
-            _no_backward()
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         _core.multihead_attention_backward(
@@ -229,14 +214,7 @@ def _storage(tensor, name):
     """The argument the compiled kernels take for a CPU tensor, sharing its memory: a numpy view
     (float16, float32, float64) or, for bfloat16 (numpy has no such dtype), poslsh.BFloat16Bits
     over the tensor's int16 view (the bit patterns, same strides)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"poslsh.torch: argument '{name}' is on {tensor.device}: only CPU tensors are supported")
-    if tensor.dtype not in _HALF_DTYPES:
-        raise TypeError(f"poslsh.torch: argument '{name}' has dtype {tensor.dtype}: must be torch.bfloat16, "
-                        "torch.float16, torch.float32 or torch.float64")
-    tensor = tensor.detach()
+    tensor = _cpu_tensor(tensor, name, _HALF_DTYPES, "torch.bfloat16, torch.float16, torch.float32 or torch.float64")
     if tensor.dtype == torch.bfloat16:
         return _core.BFloat16Bits(tensor.view(torch.int16).numpy())
     return tensor.numpy()

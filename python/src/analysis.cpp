@@ -1,52 +1,21 @@
 // poslsh Python bindings: the matrix-free error analysis of M~ against L* and the attention
 // output errors (the paper's metric set).
-#include "common.hpp"
-
-// The spectral norms need Spectra (Debian: libspectra-dev); without it the module has no
-// analysis functions and poslsh.has_spectra is False.
-#if __has_include(<Spectra/SymEigsSolver.h>)
-#define POSLSH_PYTHON_HAS_SPECTRA 1
-#if __has_include("poslsh/analysis.hpp")
+// Built only with Spectra (CMake finds its package); without it the module has no analysis
+// functions and poslsh.has_spectra is False.
 #include "poslsh/analysis.hpp"
-#else
-#include "poslsh/analysis/max_error.hpp"
-#include "poslsh/analysis/metrics.hpp"
-#include "poslsh/analysis/spectral_error.hpp"
-#endif
-#endif
+
+#include "arrays.hpp"
 
 namespace poslsh_python {
 
-#ifdef POSLSH_PYTHON_HAS_SPECTRA
-
 namespace {
-
-const char* method_name(poslsh::SpectralMethod method) {
-  switch (method) {
-    case poslsh::SpectralMethod::automatic:
-      return "automatic";
-    case poslsh::SpectralMethod::dense:
-      return "dense";
-    case poslsh::SpectralMethod::lanczos:
-      return "lanczos";
-  }
-  return "unknown";
-}
 
 poslsh::SpectralOptions spectral_options(const char* function, const std::string& method,
                                          Index dense_limit, Index max_restarts, Index subspace,
                                          double tolerance) {
   poslsh::SpectralOptions options;
-  if (method == "automatic") {
-    options.method = poslsh::SpectralMethod::automatic;
-  } else if (method == "dense") {
-    options.method = poslsh::SpectralMethod::dense;
-  } else if (method == "lanczos") {
-    options.method = poslsh::SpectralMethod::lanczos;
-  } else {
-    throw py::value_error(argument(function, "spectral_method") + " = '" + method +
-                          "': must be 'automatic', 'dense' or 'lanczos'");
-  }
+  options.method =
+      poslsh::enum_from_name<poslsh::SpectralMethod>(method, function, "spectral_method");
   options.dense_limit = dense_limit;
   options.max_restarts = max_restarts;
   options.subspace = subspace;
@@ -59,14 +28,8 @@ poslsh::MetricOptions metric_options(const char* function, std::optional<double>
                                      const poslsh::SpectralOptions& spectral) {
   poslsh::MetricOptions options;
   options.epsilon = epsilon;
-  if (epsilon_definition == "absolute") {
-    options.epsilon_definition = poslsh::EpsilonDefinition::absolute;
-  } else if (epsilon_definition == "relative") {
-    options.epsilon_definition = poslsh::EpsilonDefinition::relative;
-  } else {
-    throw py::value_error(argument(function, "epsilon_definition") + " = '" + epsilon_definition +
-                          "': must be 'absolute' or 'relative'");
-  }
+  options.epsilon_definition = poslsh::enum_from_name<poslsh::EpsilonDefinition>(
+      epsilon_definition, function, "epsilon_definition");
   options.spectral = spectral;
   return options;
 }
@@ -86,8 +49,9 @@ std::string fields_repr(const char* name, const py::object& self,
 
 }  // namespace
 
-void bind_analysis(py::module_& module) {
-  module.attr("has_spectra") = true;
+void register_analysis(py::module_& module) {
+  const poslsh::SpectralOptions spectral;  // the defaults of the keywords
+  const poslsh::MetricOptions metric;
   py::class_<poslsh::SpectralNorm>(module, "SpectralNorm",
                                    "A spectral norm and how it was computed.")
       .def_readonly("value", &poslsh::SpectralNorm::value)
@@ -95,7 +59,7 @@ void bind_analysis(py::module_& module) {
                     "False only when Lanczos hit max_restarts (value is then a lower bound)")
       .def_readonly("products", &poslsh::SpectralNorm::products, "Operator products used")
       .def_property_readonly(
-          "method", [](const poslsh::SpectralNorm& norm) { return method_name(norm.method); })
+          "method", [](const poslsh::SpectralNorm& norm) { return poslsh::enum_name(norm.method); })
       .def("__repr__", [](const py::object& self) {
         return fields_repr<poslsh::SpectralNorm>("SpectralNorm", self,
                                                  {"value", "converged", "products", "method"});
@@ -179,9 +143,12 @@ t*_i = 0 left out, counted in zero_rows), cosine <T*, T~> / (||T*||_F ||T~||_F).
         return poslsh::kernel_error_metrics(set, n, sigma, masking_of(causal), options);
       },
       py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
-      py::arg("epsilon") = py::none(), py::arg("epsilon_definition") = "absolute",
-      py::arg("spectral_method") = "automatic", py::arg("spectral_dense_limit") = 128,
-      py::arg("max_restarts") = 1000, py::arg("subspace") = 30, py::arg("tolerance") = 1e-10,
+      py::arg("epsilon") = py::none(),
+      py::arg("epsilon_definition") = poslsh::enum_name(metric.epsilon_definition),
+      py::arg("spectral_method") = poslsh::enum_name(spectral.method),
+      py::arg("spectral_dense_limit") = spectral.dense_limit,
+      py::arg("max_restarts") = spectral.max_restarts, py::arg("subspace") = spectral.subspace,
+      py::arg("tolerance") = spectral.tolerance,
       R"doc(
 Kernel errors of the hash set against the ALiBi kernel, matrix-free (no n x n matrix):
 ||L* - M~||_2 (dense for n <= spectral_dense_limit, else Lanczos), ||L* - M~||_max exactly,
@@ -201,8 +168,10 @@ error with epsilon_definition='relative'). Returns a KernelErrorMetrics.
         return poslsh::spectral_error(set, n, sigma, masking_of(causal), options);
       },
       py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
-      py::arg("spectral_method") = "automatic", py::arg("spectral_dense_limit") = 128,
-      py::arg("max_restarts") = 1000, py::arg("subspace") = 30, py::arg("tolerance") = 1e-10,
+      py::arg("spectral_method") = poslsh::enum_name(spectral.method),
+      py::arg("spectral_dense_limit") = spectral.dense_limit,
+      py::arg("max_restarts") = spectral.max_restarts, py::arg("subspace") = spectral.subspace,
+      py::arg("tolerance") = spectral.tolerance,
       "||L* - M~||_2 as a SpectralNorm (dense or Lanczos).");
 
   module.def(
@@ -231,15 +200,15 @@ error with epsilon_definition='relative'). Returns a KernelErrorMetrics.
       "output_error_metrics",
       [](py::handle exact, py::handle approximate) {
         constexpr const char* function = "output_error_metrics";
-        const py::array first = require_array(exact, function, "exact");
-        return dispatch(first, function, "exact", [&](auto tag) {
-          using T = typename decltype(tag)::type;
+        const auto run = [&](auto types) {
+          using T = typename decltype(types)::q;
           const InputMap<T> exact_map = input_matrix<T>(exact, function, "exact", "exact");
           const InputMap<T> approximate_map =
               input_matrix<T>(approximate, function, "approximate", "exact");
           py::gil_scoped_release release;
           return poslsh::output_error_metrics<T>(exact_map, approximate_map);
-        });
+        };
+        return dispatch(function, {exact}, run, {"exact"});
       },
       py::arg("exact"), py::arg("approximate"), R"doc(
 Output errors of T~ (approximate) against T* (exact), [n, d_v] arrays of one dtype, computed in
@@ -261,9 +230,8 @@ double. Returns an OutputErrorMetrics.
                                             max_restarts, subspace, tolerance));
         options.dense_limit = dense_limit;
         const poslsh::AttentionOptions attention{masking_of(causal), scale};
-        const py::array first = require_array(q, function, "q");
-        return dispatch(first, function, "q", [&](auto tag) {
-          using T = typename decltype(tag)::type;
+        return dispatch(function, {q}, [&](auto types) {
+          using T = typename decltype(types)::q;
           const InputMap<T> q_map = input_matrix<T>(q, function, "q", "q");
           const InputMap<T> k_map = input_matrix<T>(k, function, "k", "q");
           const InputMap<T> v_map = input_matrix<T>(v, function, "v", "q");
@@ -278,9 +246,12 @@ double. Returns an OutputErrorMetrics.
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::arg("sigma"),
       py::arg("exact"), py::arg("approximate"), py::kw_only(), py::arg("causal") = true,
       py::arg("scale") = py::none(), py::arg("epsilon") = py::none(),
-      py::arg("epsilon_definition") = "absolute", py::arg("dense_limit") = 8192,
-      py::arg("spectral_method") = "automatic", py::arg("spectral_dense_limit") = 128,
-      py::arg("max_restarts") = 1000, py::arg("subspace") = 30, py::arg("tolerance") = 1e-10,
+      py::arg("epsilon_definition") = poslsh::enum_name(metric.epsilon_definition),
+      py::arg("dense_limit") = metric.dense_limit,
+      py::arg("spectral_method") = poslsh::enum_name(spectral.method),
+      py::arg("spectral_dense_limit") = spectral.dense_limit,
+      py::arg("max_restarts") = spectral.max_restarts, py::arg("subspace") = spectral.subspace,
+      py::arg("tolerance") = spectral.tolerance,
       R"doc(
 The paper's metric set for one head in one call: kernel_error_metrics (n = len(q)), the
 unnormalized output error ||(A o L*) V - (A o M~) V|| (F and max; dense, only when
@@ -288,11 +259,5 @@ n <= dense_limit, else None), and output_error_metrics(exact, approximate).
 Returns a PaperMetrics.
 )doc");
 }
-
-#else
-
-void bind_analysis(py::module_& module) { module.attr("has_spectra") = false; }
-
-#endif
 
 }  // namespace poslsh_python

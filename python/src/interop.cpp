@@ -1,8 +1,8 @@
 // poslsh Python bindings: block plans (cu_seqlens) and the log-sum-exp merger, for running the
 // LSH estimator around another attention kernel.
-#include <memory>
+#include <variant>
 
-#include "common.hpp"
+#include "arrays.hpp"
 #include "poslsh/interop/block_plan.hpp"
 #include "poslsh/interop/lse_merge.hpp"
 
@@ -10,81 +10,91 @@ namespace poslsh_python {
 
 namespace {
 
-/// LseMerger of either scalar type, fixed at construction.
+using AnyMerger = std::variant<poslsh::LseMerger<float>, poslsh::LseMerger<double>>;
+
+/// The scalar type of an LseMerger.
+template <typename Merger>
+struct MergerScalar;
+template <typename T>
+struct MergerScalar<poslsh::LseMerger<T>> {
+  using type = T;
+};
+template <typename Merger>
+using merger_scalar_t = typename MergerScalar<std::decay_t<Merger>>::type;
+
+/// LseMerger of either scalar type, fixed at construction by a numpy dtype.
 class Merger {
  public:
-  Merger(Index n, Index value_cols, const py::object& dtype) {
-    const py::dtype requested = py::dtype::from_args(dtype);
-    auto& api = py::detail::npy_api::get();
-    if (api.PyArray_EquivTypes_(requested.ptr(), py::dtype::of<float>().ptr())) {
-      single_ = std::make_unique<poslsh::LseMerger<float>>(n, value_cols);
-    } else if (api.PyArray_EquivTypes_(requested.ptr(), py::dtype::of<double>().ptr())) {
-      double_ = std::make_unique<poslsh::LseMerger<double>>(n, value_cols);
-    } else {
-      throw py::type_error(argument("LseMerger", "dtype") + " = " +
-                           py::str(py::object(requested)).cast<std::string>() +
-                           ": must be float32 or float64");
-    }
-    rows_ = n;
-    cols_ = value_cols;
-  }
+  Merger(Index n, Index value_cols, const py::object& dtype)
+      : merger_(make(n, value_cols, py::dtype::from_args(dtype))), rows_(n), cols_(value_cols) {}
 
+  /// Adds one sample; the GIL is kept: the merger is mutable state shared by the Python
+  /// threads that see it.
   void add(py::handle output, py::handle lse) {
-    if (single_) {
-      add_typed<float>(*single_, output, lse);
-    } else {
-      add_typed<double>(*double_, output, lse);
-    }
+    std::visit(
+        [&](auto& merger) {
+          using T = merger_scalar_t<decltype(merger)>;
+          constexpr const char* function = "LseMerger.add";
+          const InputMap<T> output_map = input_matrix<T>(output, function, "output", "the merger");
+          const py::array lse_array = storage_array<T>(lse, function, "lse", "the merger");
+          if (lse_array.ndim() != 1) {
+            throw py::value_error(argument(function, "lse") + " has " +
+                                  std::to_string(lse_array.ndim()) +
+                                  " dimensions: must be 1-D (n)");
+          }
+          if (lse_array.shape(0) > 1 &&
+              lse_array.strides(0) != static_cast<py::ssize_t>(sizeof(T))) {
+            throw py::value_error(argument(function, "lse") + " must be contiguous");
+          }
+          merger.add(output_map, Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(
+                                     static_cast<const T*>(lse_array.data()),
+                                     static_cast<Index>(lse_array.shape(0))));
+        },
+        merger_);
   }
 
-  py::array result(py::handle out) const {
-    return single_ ? result_typed<float>(*single_, out) : result_typed<double>(*double_, out);
+  py::object result(py::handle out) const {
+    return std::visit(
+        [&](const auto& merger) {
+          using T = merger_scalar_t<decltype(merger)>;
+          auto output =
+              output_matrix<T>(out, rows_, cols_, "LseMerger.result", "out", "the merger", {});
+          merger.result(output.map);
+          return output.result;
+        },
+        merger_);
   }
 
   py::array lse() const {
-    return single_ ? vector_array<float>(single_->lse()) : vector_array<double>(double_->lse());
+    return std::visit(
+        [](const auto& merger) -> py::array {
+          using T = merger_scalar_t<decltype(merger)>;
+          const auto values = merger.lse();
+          return py::array_t<T>(static_cast<py::ssize_t>(values.size()), values.data());
+        },
+        merger_);
   }
 
-  Index samples() const { return single_ ? single_->samples() : double_->samples(); }
-  py::dtype dtype() const { return single_ ? py::dtype::of<float>() : py::dtype::of<double>(); }
+  Index samples() const {
+    return std::visit([](const auto& merger) { return merger.samples(); }, merger_);
+  }
+  py::dtype dtype() const {
+    return std::holds_alternative<poslsh::LseMerger<float>>(merger_) ? py::dtype::of<float>()
+                                                                     : py::dtype::of<double>();
+  }
   Index rows() const { return rows_; }
   Index cols() const { return cols_; }
 
  private:
-  template <typename T>
-  static void add_typed(poslsh::LseMerger<T>& merger, py::handle output, py::handle lse) {
-    constexpr const char* function = "LseMerger.add";
-    const InputMap<T> output_map = input_matrix<T>(output, function, "output", "the merger");
-    const py::array lse_array = require_array(lse, function, "lse");
-    require_dtype<T>(lse_array, function, "lse", "the merger");
-    if (lse_array.ndim() != 1) {
-      throw py::value_error(argument(function, "lse") + " has " + std::to_string(lse_array.ndim()) +
-                            " dimensions: must be 1-D (n)");
-    }
-    if (lse_array.shape(0) > 1 && lse_array.strides(0) != static_cast<py::ssize_t>(sizeof(T))) {
-      throw py::value_error(argument(function, "lse") + " must be contiguous");
-    }
-    const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> lse_map(
-        static_cast<const T*>(lse_array.data()), static_cast<Index>(lse_array.shape(0)));
-    // The GIL is kept: the merger is mutable state shared by the Python threads that see it.
-    merger.add(output_map, lse_map);
+  static AnyMerger make(Index n, Index value_cols, const py::dtype& dtype) {
+    if (dtype.equal(py::dtype::of<float>())) return poslsh::LseMerger<float>(n, value_cols);
+    if (dtype.equal(py::dtype::of<double>())) return poslsh::LseMerger<double>(n, value_cols);
+    throw py::type_error(argument("LseMerger", "dtype") + " = " +
+                         py::str(py::object(dtype)).cast<std::string>() +
+                         ": must be float32 or float64");
   }
 
-  template <typename T>
-  py::array result_typed(const poslsh::LseMerger<T>& merger, py::handle out) const {
-    py::array array = output_array<T>(out, rows_, cols_, "LseMerger.result", "the merger", {});
-    OutputMap<T> out_map = output_matrix<T>(array, "LseMerger.result");
-    merger.result(out_map);
-    return array;
-  }
-
-  template <typename T>
-  static py::array vector_array(const Eigen::Matrix<T, Eigen::Dynamic, 1>& values) {
-    return py::array_t<T>(static_cast<py::ssize_t>(values.size()), values.data());
-  }
-
-  std::unique_ptr<poslsh::LseMerger<float>> single_;
-  std::unique_ptr<poslsh::LseMerger<double>> double_;
+  AnyMerger merger_;
   Index rows_ = 0;
   Index cols_ = 0;
 };
@@ -96,7 +106,7 @@ std::vector<Index> lengths_of(py::handle lengths) {
 
 }  // namespace
 
-void bind_interop(py::module_& module) {
+void register_interop(py::module_& module) {
   py::class_<poslsh::BlockPlan>(module, "BlockPlan", R"doc(
 The blocks of one hash as a variable-length batch: block r is positions
 [cu_seqlens[r], cu_seqlens[r+1]) of the concatenated sequences; max_seqlen is the longest block.

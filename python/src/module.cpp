@@ -1,4 +1,5 @@
-// poslsh Python bindings: the compiled module poslsh._core (re-exported by the poslsh package).
+// poslsh Python bindings: the compiled module poslsh._core (re-exported by the poslsh package),
+// one register_* call per binding file.
 #include "common.hpp"
 #include "poslsh/version.hpp"
 
@@ -11,16 +12,21 @@ Random binning of positions (width w ~ Gamma(2, sigma), offset xi ~ U[0, w),
 bin floor((i - xi) / w)) gives E[M~] = L*, L*_ij = exp(-|i-j| / sigma); the LSH estimate of
 ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
 )doc";
-  bind_hashes(module);
-  bind_half(module);
-  bind_kernels(module);
-  bind_multihead(module);
-  bind_interop(module);
-  bind_analysis(module);
-  bind_backward(module);
-  bind_multihead_backward(module);
-  bind_paged(module);
-  bind_samplers(module);
+  // Classes before the functions whose signatures name them (HashSet, HeadPlan).
+  register_dtypes(module);
+  register_lsh(module);
+  register_planner(module);
+  register_attention(module);
+  register_multihead(module);
+  register_training(module);
+  register_paged(module);
+  register_interop(module);
+#ifdef POSLSH_PYTHON_WITH_SPECTRA
+  register_analysis(module);
+  module.attr("has_spectra") = true;
+#else
+  module.attr("has_spectra") = false;
+#endif
   module.attr("__version__") = poslsh::version_string;
 #ifdef _OPENMP
   module.attr("has_openmp") = true;

@@ -1,11 +1,54 @@
-// poslsh Python bindings: multihead_attention on [n, H, d] or [H, n, d] arrays, and its
-// variable-length form on packed batches (cu_seqlens).
-#include "half.hpp"
-#include "heads.hpp"
+// poslsh Python bindings: multihead_attention on [n, H, d] or [H, n, d] arrays (each head's
+// method from the keywords or from a plan), and its variable-length form on packed batches
+// (cu_seqlens).
+#include "multihead.hpp"
+
+#include "arrays.hpp"
+#include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/planner.hpp"
 
 namespace poslsh_python {
 
 namespace {
+
+/// Maps q, k, v as HeadsViews (dispatch<P>), prepares the output (m x H_q x d_v in the
+/// layout), then runs kernel(types, q, k, v, out) without the GIL. Returns the output.
+template <Precision P, typename Kernel>
+py::object heads_call(const char* function, py::handle q, py::handle k, py::handle v,
+                      const Layout& layout, py::handle out, std::optional<int> threads,
+                      Kernel&& kernel) {
+  threads = thread_count(threads, function);
+  const auto run = [&](auto types) -> py::object {
+    using Call = decltype(types);
+    const HeadsInputs<Call> in = heads_inputs<Call>(function, q, k, v, layout);
+    auto output =
+        heads_output<typename Call::out>(out, layout, in.q.tokens, in.q.heads, in.v.dim, function,
+                                         "out", "q", {{q, "q"}, {k, "k"}, {v, "v"}});
+    run_kernel(threads, [&] { kernel(types, in.q, in.k, in.v, output.view); });
+    return output.result;
+  };
+  return dispatch<P>(function, {q, k, v, out}, run);
+}
+
+/// A plan sets each head's method, sigma and parameters: the keywords that would set them must
+/// keep their defaults alongside plans=.
+void require_plan_keywords(const char* function, const poslsh::MultiHeadOptions& options) {
+  const poslsh::MultiHeadOptions defaults;
+  const std::pair<bool, const char*> keywords[] = {
+      {options.method == defaults.method, "method"},
+      {options.sigmas.empty(), "sigmas"},
+      {options.samples == defaults.samples, "samples"},
+      {options.seed == defaults.seed, "seed"},
+      {options.band_error == defaults.band_error, "band_error"}};
+  for (const auto& [is_default, name] : keywords) {
+    if (!is_default) {
+      throw py::value_error(argument(function, name) +
+                            " is set together with 'plans': a plan sets each head's method, "
+                            "sigma and parameters (leave method, sigmas, samples, seed and "
+                            "band_error at their defaults)");
+    }
+  }
+}
 
 const char* const multihead_doc = R"doc(
 Multi-head (and grouped-query) ALiBi attention, exact or by Positional LSH. For each query head
@@ -18,7 +61,7 @@ layout: 'nhd' (default): q is [m, H_q, d], k [L, H_kv, d], v [L, H_kv, d_v], out
 The layout is never guessed from the shapes. Any strides on the first two axes (e.g. slices of
 a packed qkv buffer), last axis contiguous; no copies.
 method: 'lsh_fused' (default), 'lsh_per_sample', 'fixed_blocks', 'exact_tiled',
-'exact_banded' (band_for_bias_error(sigma_h, band_error)), 'exact_reference'.
+'exact_banded' (band_for_bias_error(sigma_h, band_error)).
 masking: 'causal' (default) or 'bidirectional'. scale: tau, None means 1/sqrt(d).
 sigmas: one per query head, None means alibi_sigmas(H_q) (sigma_h = 1 / m_h).
 samples, seed: LSH head h uses rbf_hashes(sigma_h, samples, seed, stream=h).
@@ -26,7 +69,12 @@ query_offset: position p0 of q's first token: the m queries are the tokens p0 ..
 over the L keys (causal: key j kept for query row r iff j <= p0 + r; bias -|p0 + r - j| /
 sigma_h). None (default) means p0 = L - m (bottom-right: the queries are the last tokens; 0
 for self-attention). Row r is bitwise row p0 + r of the call on all L tokens (chunked prefill,
-multi-token decode); exact_reference takes self-attention only.
+multi-token decode).
+plans: a list of HeadPlan (plan_heads), one per query head: head h runs plans[h]'s method
+(exact_tiled: alibi_attention_tiled; exact_banded: alibi_attention_banded with its band;
+lsh_fused: lsh_attention_fused with sample_hashes(sigma_h, s_h, seed_h, stream_h, sampler_h)),
+each head bitwise its single-head kernel; method, sigmas, samples, seed and band_error then
+keep their defaults (ValueError otherwise); float32 or float64 arrays.
 out: optional output written in place and returned. num_threads: OpenMP threads for this call.
 float32 or float64 (all arrays alike); the GIL is released during the computation.
 Half precision (computed in float32, read in place): q, k, v all float16 -> float16 out (or a
@@ -54,92 +102,70 @@ multihead_attention (half precision included); the GIL is released during the co
 
 }  // namespace
 
-void bind_multihead(py::module_& module) {
-  module.def(
-      "multihead_attention",
+void register_multihead(py::module_& module) {
+  def_multihead(
+      module, "multihead_attention",
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, std::optional<Index> query_offset, py::handle out,
+         double band_error, std::optional<Index> query_offset,
+         std::optional<std::vector<poslsh::HeadPlan>> plans, py::handle out,
          std::optional<int> threads) -> py::object {
         constexpr const char* function = "multihead_attention";
-        threads = thread_count(threads, function);
-        const Layout layout = layout_of(layout_name, function);
-        poslsh::MultiHeadOptions options =
-            multihead_options(function, method, masking, scale, sigmas, samples, seed, band_error);
+        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                sigmas, samples, seed, band_error);
+        const Layout layout = keywords.layout;
+        poslsh::MultiHeadOptions& options = keywords.options;
         options.query_offset = query_offset;
-        if (half_call(q, k)) {
-          return half_multihead_attention(q, k, v, layout, options, out, threads);
+        if (plans) {
+          require_plan_keywords(function, options);
+          return heads_call<Precision::full>(
+              function, q, k, v, layout, out, threads,
+              [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                using T = typename decltype(types)::q;
+                poslsh::multihead_attention<T>(qv, kv, vv, ov, *plans, options);
+              });
         }
-        const py::array q_array = require_array(q, function, "q");
-        return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
-          using T = typename decltype(tag)::type;
-          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
-          require_reference_self_attention(function, options, q_view.tokens, k_view.tokens,
-                                           query_offset.value_or(k_view.tokens - q_view.tokens));
-          py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
-                                             function, "out", {{q, "q"}, {k, "k"}, {v, "v"}});
-          const auto out_view = heads_view<T>(result, layout, function, "out");
-          {
-            KernelScope scope(threads);
-            poslsh::multihead_attention<T>(q_view, k_view, v_view, out_view, options);
-          }
-          return result;
-        });
+        return heads_call<Precision::half>(
+            function, q, k, v, layout, out, threads,
+            [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+              using Call = decltype(types);
+              poslsh::multihead_attention<typename Call::q, typename Call::kv, typename Call::out>(
+                  qv, kv, vv, ov, options);
+            });
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(), py::arg("layout") = "nhd",
-      py::arg("method") = "lsh_fused", py::arg("masking") = "causal", py::arg("scale") = py::none(),
-      py::arg("sigmas") = py::none(), py::arg("samples") = 16, py::arg("seed") = 0,
-      py::arg("band_error") = 1e-3, py::arg("query_offset") = py::none(),
-      py::arg("out") = py::none(), py::arg("num_threads") = py::none(), multihead_doc);
+      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v")),
+      std::make_tuple(py::arg("query_offset") = py::none(), py::arg("plans") = py::none(),
+                      py::arg("out") = py::none(), py::arg("num_threads") = py::none()),
+      multihead_doc);
 
-  module.def(
-      "multihead_attention_varlen",
+  def_multihead(
+      module, "multihead_attention_varlen",
       [](py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
-         std::optional<std::vector<Index>> query_offsets, const std::string& layout_name,
-         const std::string& method, const std::string& masking, std::optional<double> scale,
-         std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, py::handle out, std::optional<int> threads) -> py::object {
+         const std::string& layout_name, const std::string& method, const std::string& masking,
+         std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
+         std::uint64_t seed, double band_error, std::optional<std::vector<Index>> query_offsets,
+         py::handle out, std::optional<int> threads) {
         constexpr const char* function = "multihead_attention_varlen";
-        threads = thread_count(threads, function);
-        const Layout layout = layout_of(layout_name, function);
-        const poslsh::MultiHeadOptions options =
-            multihead_options(function, method, masking, scale, sigmas, samples, seed, band_error);
+        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                      sigmas, samples, seed, band_error);
         const std::vector<std::int32_t> cu_q = int32_vector(cu_seqlens_q, function, "cu_seqlens_q");
         const std::vector<std::int32_t> cu_k = int32_vector(cu_seqlens_k, function, "cu_seqlens_k");
         const std::vector<Index> offsets = query_offsets.value_or(std::vector<Index>{});
-        if (half_call(q, k)) {
-          return half_multihead_attention_varlen(q, k, v, layout, options, cu_q, cu_k, offsets, out,
-                                                 threads);
-        }
-        const py::array q_array = require_array(q, function, "q");
-        return dispatch(q_array, function, "q", [&](auto tag) -> py::object {
-          using T = typename decltype(tag)::type;
-          const auto [q_view, k_view, v_view] = heads_inputs<T>(q_array, k, v, layout, function);
-          py::array result = heads_output<T>(out, layout, q_view.tokens, q_view.heads, v_view.dim,
-                                             function, "out", {{q, "q"}, {k, "k"}, {v, "v"}});
-          const auto out_view = heads_view<T>(result, layout, function, "out");
-          if (cu_q.size() == cu_k.size()) {
-            for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
-              const Index m = cu_q[b + 1] - cu_q[b], L = cu_k[b + 1] - cu_k[b];
-              const Index p0 = b < offsets.size() ? offsets[b] : L - m;
-              if (m > 0) require_reference_self_attention(function, options, m, L, p0);
-            }
-          }
-          {
-            KernelScope scope(threads);
-            poslsh::multihead_attention_varlen<T>(q_view, k_view, v_view, out_view, cu_q, cu_k,
-                                                  options, offsets);
-          }
-          return result;
-        });
+        return heads_call<Precision::half>(
+            function, q, k, v, keywords.layout, out, threads,
+            [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+              using Call = decltype(types);
+              poslsh::multihead_attention_varlen<typename Call::q, typename Call::kv,
+                                                 typename Call::out>(qv, kv, vv, ov, cu_q, cu_k,
+                                                                     keywords.options, offsets);
+            });
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
-      py::kw_only(), py::arg("query_offsets") = py::none(), py::arg("layout") = "nhd",
-      py::arg("method") = "lsh_fused", py::arg("masking") = "causal", py::arg("scale") = py::none(),
-      py::arg("sigmas") = py::none(), py::arg("samples") = 16, py::arg("seed") = 0,
-      py::arg("band_error") = 1e-3, py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(), varlen_doc);
+      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"),
+                      py::arg("cu_seqlens_k")),
+      std::make_tuple(py::arg("query_offsets") = py::none(), py::arg("out") = py::none(),
+                      py::arg("num_threads") = py::none()),
+      varlen_doc);
 }
 
 }  // namespace poslsh_python

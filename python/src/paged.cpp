@@ -1,9 +1,10 @@
 // poslsh Python bindings: attention over a paged KV cache (FlashAttention's layout: pages of
 // [page_size, H_kv, d] rows, an int32 block table per sequence), read in place.
+#include "poslsh/attention/paged.hpp"
+
 #include <cstdint>
 
-#include "common.hpp"
-#include "poslsh/attention/paged.hpp"
+#include "arrays.hpp"
 
 namespace poslsh_python {
 
@@ -16,14 +17,6 @@ void require_c_contiguous(const py::array& array, const char* function, const ch
                           " must be C-contiguous (the cache is read with row-major strides); "
                           "np.ascontiguousarray() copies it");
   }
-}
-
-std::string shape_of(const py::array& array) {
-  std::string shape;
-  for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
-    shape += (axis ? ", " : "") + std::to_string(array.shape(axis));
-  }
-  return "(" + shape + ")";
 }
 
 /// A C-contiguous int32 array of `ndim` dimensions (block_table, seq_lens), used in place.
@@ -45,12 +38,13 @@ py::array int32_array(py::handle object, int ndim, const char* function, const c
 /// page size and heads agree, block table rows = seq_lens entries). The arrays must outlive
 /// the view.
 template <typename T>
-poslsh::PagedKV<T> paged_cache(const py::array& k_pages, const py::array& v_pages,
+poslsh::PagedKV<T> paged_cache(py::handle k_object, py::handle v_object,
                                const py::array& block_table, const py::array& seq_lens,
                                const char* function) {
+  const py::array k_pages = storage_array<T>(k_object, function, "k_pages", "q");
+  const py::array v_pages = storage_array<T>(v_object, function, "v_pages", "q");
   for (const auto& [array, name] :
        {std::pair<const py::array&, const char*>{k_pages, "k_pages"}, {v_pages, "v_pages"}}) {
-    require_dtype<T>(array, function, name, "q");
     if (array.ndim() != 4) {
       throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
                             " dimensions: must be 4-D [num_pages, page_size, H_kv, d]");
@@ -59,9 +53,9 @@ poslsh::PagedKV<T> paged_cache(const py::array& k_pages, const py::array& v_page
   }
   if (v_pages.shape(0) != k_pages.shape(0) || v_pages.shape(1) != k_pages.shape(1) ||
       v_pages.shape(2) != k_pages.shape(2)) {
-    throw py::value_error(argument(function, "v_pages") + " has shape " + shape_of(v_pages) +
+    throw py::value_error(argument(function, "v_pages") + " has shape " + shape_text(v_pages) +
                           ": its first three axes must equal those of k_pages " +
-                          shape_of(k_pages) + " (num_pages, page_size, H_kv)");
+                          shape_text(k_pages) + " (num_pages, page_size, H_kv)");
   }
   if (seq_lens.shape(0) != block_table.shape(0)) {
     throw py::value_error(argument(function, "seq_lens") + " has " +
@@ -85,33 +79,26 @@ poslsh::PagedKV<T> paged_cache(const py::array& k_pages, const py::array& v_page
 }
 
 /// Maps q and the cache (dtype of q), prepares the output (q.rows() x d_v), then runs
-/// kernel(tag, q, cache, out) without the GIL. Returns the output array.
+/// kernel(types, q, cache, out) without the GIL. Returns the output array.
 template <typename Kernel>
-py::array paged_call(const char* function, py::handle q, py::handle k_pages, py::handle v_pages,
-                     py::handle block_table, py::handle seq_lens, py::handle out,
-                     std::optional<int> threads, Kernel&& kernel) {
+py::object paged_call(const char* function, py::handle q, py::handle k_pages, py::handle v_pages,
+                      py::handle block_table, py::handle seq_lens, py::handle out,
+                      std::optional<int> threads, Kernel&& kernel) {
   threads = thread_count(threads, function);
-  const py::array first = require_array(q, function, "q");
   const py::array table = int32_array(block_table, 2, function, "block_table");
   const py::array lengths = int32_array(seq_lens, 1, function, "seq_lens");
-  return dispatch(first, function, "q", [&](auto tag) -> py::array {
-    using T = typename decltype(tag)::type;
+  return dispatch(function, {q}, [&](auto types) {
+    using T = typename decltype(types)::q;
     const InputMap<T> q_map = input_matrix<T>(q, function, "q", "q");
-    const py::array k_array = require_array(k_pages, function, "k_pages");
-    const py::array v_array = require_array(v_pages, function, "v_pages");
-    const poslsh::PagedKV<T> cache = paged_cache<T>(k_array, v_array, table, lengths, function);
-    py::array result = output_array<T>(out, q_map.rows(), cache.dim_v, function, "q",
-                                       {{q, "q"},
-                                        {k_pages, "k_pages"},
-                                        {v_pages, "v_pages"},
-                                        {block_table, "block_table"},
-                                        {seq_lens, "seq_lens"}});
-    OutputMap<T> out_map = output_matrix<T>(result, function);
-    {
-      KernelScope scope(threads);
-      kernel(tag, q_map, cache, out_map);
-    }
-    return result;
+    const poslsh::PagedKV<T> cache = paged_cache<T>(k_pages, v_pages, table, lengths, function);
+    auto output = output_matrix<T>(out, q_map.rows(), cache.dim_v, function, "out", "q",
+                                   {{q, "q"},
+                                    {k_pages, "k_pages"},
+                                    {v_pages, "v_pages"},
+                                    {block_table, "block_table"},
+                                    {seq_lens, "seq_lens"}});
+    run_kernel(threads, [&] { kernel(types, q_map, cache, output.map); });
+    return output.result;
   });
 }
 
@@ -131,7 +118,7 @@ arguments raise ValueError (the library's message) or TypeError (dtype, non-arra
 
 }  // namespace
 
-void bind_paged(py::module_& module) {
+void register_paged(py::module_& module) {
   module.def(
       "lsh_attention_fused_paged",
       [](py::handle q, py::handle k_pages, py::handle v_pages, py::handle block_table,
@@ -143,8 +130,8 @@ void bind_paged(py::module_& module) {
         poslsh::AttentionOptions options{masking_of(causal), scale};
         options.query_offset = query_offset;
         return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
-                          [&](auto tag, const auto& qm, const auto& cache, auto& om) {
-                            using T = typename decltype(tag)::type;
+                          [&](auto types, const auto& qm, const auto& cache, auto& om) {
+                            using T = typename decltype(types)::q;
                             poslsh::lsh_attention_fused_paged<T>(qm, cache, sequence, kv_head, set,
                                                                  om, options);
                           });
@@ -175,8 +162,8 @@ size. Query tiles run in parallel.
         poslsh::AttentionOptions options{masking_of(causal), scale};
         options.query_offset = query_offset;
         return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
-                          [&](auto tag, const auto& qm, const auto& cache, auto& om) {
-                            using T = typename decltype(tag)::type;
+                          [&](auto types, const auto& qm, const auto& cache, auto& om) {
+                            using T = typename decltype(types)::q;
                             poslsh::alibi_attention_tiled_paged<T>(qm, cache, sequence, kv_head,
                                                                    sigma, om, options);
                           });

@@ -3,6 +3,9 @@
 import numpy as np
 import pytest
 
+# The methods of the all-heads functions (the library's Method names).
+METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded"]
+
 
 @pytest.fixture
 def rng():

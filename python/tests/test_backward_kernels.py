@@ -8,8 +8,6 @@ import poslsh
 import reference
 from conftest import random_qkv
 
-needs_backward = pytest.mark.skipif(not poslsh.has_backward, reason="module built without the backward kernels")
-
 
 def weighted_forward(logits, weights, v):
     """out_i = sum_j w_ij e^{x_ij - lse_i} v_j with lse_i = log sum_j w_ij e^{x_ij}; P."""
@@ -47,7 +45,6 @@ def dense_case(kind, q, k, v, causal, sigma=None, band=None, hashes=None):
 CASES = ["banded", "per_sample", "fixed_blocks"]
 
 
-@needs_backward
 @pytest.mark.parametrize("kind", CASES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_lse_and_gradients_equal_the_dense_formulas(rng, kind, causal):
@@ -75,7 +72,6 @@ def test_forward_lse_and_gradients_equal_the_dense_formulas(rng, kind, causal):
         np.testing.assert_allclose(got, want, atol=1e-11, rtol=0)
 
 
-@needs_backward
 @pytest.mark.parametrize("causal", [True, False])
 def test_mean_of_outputs_forward_and_backward(rng, causal):
     n, d, sigma, s = 60, 4, 4.0, 3
@@ -99,7 +95,6 @@ def test_mean_of_outputs_forward_and_backward(rng, causal):
         np.testing.assert_allclose(got, expected, atol=1e-11, rtol=0)
 
 
-@needs_backward
 def test_new_backward_bindings_reject_bad_shapes(rng):
     q, k, v = random_qkv(rng, 10, 4, np.float64)
     hashes = poslsh.rbf_hashes(3.0, 2, seed=1)

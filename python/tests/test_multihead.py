@@ -5,7 +5,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import tolerance
+from conftest import METHODS, tolerance
 
 
 def heads_of(array, layout):
@@ -32,9 +32,6 @@ def expected_heads(q, k, v, method, causal, sigmas, samples=16, seed=0, band_err
         else:
             out[:, h] = reference.alibi_attention(qh, kh, vh, sigma, causal, scale)
     return out
-
-
-METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded", "exact_reference"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -84,9 +81,16 @@ def test_errors(rng):
     q = rng.uniform(-1, 1, (10, 4, 8)).astype(np.float32)
     with pytest.raises(ValueError, match="argument 'layout' = 'bnhd': must be 'nhd'"):
         poslsh.multihead_attention(q, q, q, layout="bnhd")
-    with pytest.raises(ValueError, match="argument 'method' = 'flash': must be one of"):
+    methods = "must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled or exact_banded"
+    with pytest.raises(ValueError, match=f"^poslsh: multihead_attention: argument 'method' = flash: {methods}$"):
         poslsh.multihead_attention(q, q, q, method="flash")
-    with pytest.raises(ValueError, match="argument 'masking' = 'none'"):
+    # exact_reference is not a method of the all-heads calls (alibi_attention_reference is the dense check).
+    cu = np.array([0, 10], np.int32)
+    for function, arrays in [(poslsh.multihead_attention, (q, q, q)), (poslsh.multihead_attention_varlen, (q, q, q, cu, cu)),
+                             (poslsh.multihead_attention_with_lse, (q, q, q))]:
+        with pytest.raises(ValueError, match=f"argument 'method' = exact_reference: {methods}$"):
+            function(*arrays, method="exact_reference")
+    with pytest.raises(ValueError, match="^poslsh: multihead_attention: argument 'masking' = none: must be causal or bidirectional$"):
         poslsh.multihead_attention(q, q, q, masking="none")
     with pytest.raises(ValueError, match="poslsh: multihead_attention: argument 'k.heads' = 3: must divide q.heads = 4"):
         poslsh.multihead_attention(q, q[:, :3], q[:, :3])

@@ -7,10 +7,7 @@ import pytest
 
 import poslsh
 import reference
-
-needs_backward = pytest.mark.skipif(not poslsh.has_backward, reason="module built without the backward kernels")
-
-METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded", "exact_reference"]
+from conftest import METHODS
 
 
 def heads_of(array, layout):
@@ -24,7 +21,7 @@ def head_scores(method, q, k, sigma, h, causal, samples, seed, band_error, tau):
     keep = reference.visible(n, causal).astype(np.float64)
     scores = tau * (q @ k.T)
     distance = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
-    if method in ("exact_tiled", "exact_reference"):
+    if method == "exact_tiled":
         return scores - distance / sigma, keep
     if method == "exact_banded":
         band = int(np.ceil(sigma * np.log(1.0 / band_error)))
@@ -69,7 +66,6 @@ def dense_multihead(method, q, k, v, dout, sigmas, causal, samples=4, seed=0, ba
     return out, lse, dq, dk, dv
 
 
-@needs_backward
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("causal", [True, False])
@@ -93,13 +89,10 @@ def test_gradients_equal_the_dense_formulas(rng, method, layout, causal):
     np.testing.assert_allclose(lse, want[1], rtol=0, atol=1e-12)
     for got, expected in zip((dq, dk, dv), want[2:]):
         np.testing.assert_allclose(heads_of(got, layout), expected, rtol=0, atol=1e-11)
-    # out is bitwise that of multihead_attention (exact_reference: computed by the tiled kernel).
-    if method == "exact_reference":
-        keywords["method"] = "exact_tiled"
+    # out is bitwise that of multihead_attention.
     np.testing.assert_array_equal(out, poslsh.multihead_attention(q, k, v, **keywords))
 
 
-@needs_backward
 @pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled"])
 def test_float32_against_the_dense_formulas(rng, method):
     n, heads, d = 130, 2, 16
@@ -116,7 +109,6 @@ def test_float32_against_the_dense_formulas(rng, method):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
 
 
-@needs_backward
 @pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled", "fixed_blocks"])
 def test_gradients_equal_finite_differences(rng, method):
     """dL/dx for L = sum(dout * out) by central differences of multihead_attention (float64)."""
@@ -142,7 +134,6 @@ def test_gradients_equal_finite_differences(rng, method):
         np.testing.assert_allclose(grad, numeric, rtol=0, atol=1e-8)
 
 
-@needs_backward
 def test_without_groups_each_head_is_the_single_head_backward(rng):
     n, heads, d = 140, 3, 8
     q, k, v, dout = (rng.uniform(-1, 1, (n, heads, d)) for _ in range(4))
@@ -159,7 +150,6 @@ def test_without_groups_each_head_is_the_single_head_backward(rng):
             np.testing.assert_array_equal(got, want)
 
 
-@needs_backward
 def test_outputs_in_place_and_packed_inputs(rng):
     """Inputs are slices of a packed [n, 3, H, d] buffer; out=, lse=, dq=, dk=, dv= are views
     into larger buffers, written in place and returned."""
@@ -183,8 +173,7 @@ def test_outputs_in_place_and_packed_inputs(rng):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-11)
 
 
-@needs_backward
-@pytest.mark.parametrize("method", ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_packed_batch_is_each_sequence_dense(rng, method, layout):
     """cu_seqlens=: out, lse and the gradients of each sequence are the dense formulas of that
@@ -210,7 +199,6 @@ def test_packed_batch_is_each_sequence_dense(rng, method, layout):
             np.testing.assert_allclose(heads_of(got, layout)[a:e], expected, rtol=0, atol=1e-11)
 
 
-@needs_backward
 def test_packed_batch_errors(rng):
     q, k, v = rng.uniform(-1, 1, (10, 2, 4)), rng.uniform(-1, 1, (10, 1, 4)), rng.uniform(-1, 1, (10, 1, 4))
     with pytest.raises(TypeError, match="multihead_attention_varlen: argument 'cu_seqlens' has dtype float64"):
@@ -222,7 +210,6 @@ def test_packed_batch_errors(rng):
         poslsh.multihead_attention_backward(q, k, v, out, lse, out, cu_seqlens=np.array([1, 10], dtype=np.int32))
 
 
-@needs_backward
 def test_thread_count_does_not_change_bits(rng):
     n, heads, kv_heads, d = 300, 4, 2, 16
     q, dout = (rng.uniform(-1, 1, (n, heads, d)).astype(np.float32) for _ in range(2))
@@ -234,7 +221,6 @@ def test_thread_count_does_not_change_bits(rng):
         np.testing.assert_array_equal(a, b)
 
 
-@needs_backward
 def test_errors(rng):
     n, heads, d = 10, 4, 8
     q, dout = (rng.uniform(-1, 1, (n, heads, d)) for _ in range(2))
@@ -254,7 +240,7 @@ def test_errors(rng):
     with pytest.raises(ValueError, match="argument 'dv' shares memory with 'dk'"):
         grads = np.zeros((n, 2, d))
         backward(q, k, v, out, lse, dout, dk=grads, dv=grads)
-    with pytest.raises(ValueError, match="argument 'method' = 'flash'"):
+    with pytest.raises(ValueError, match="argument 'method' = flash: must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled or exact_banded"):
         backward(q, k, v, out, lse, dout, method="flash")
     with pytest.raises(ValueError, match="multihead_attention: argument 'k.tokens' = 9: must equal q.tokens = 10"):
         poslsh.multihead_attention_with_lse(q, k[:9], v[:9])

@@ -170,11 +170,7 @@ def test_offset_errors(rng):
     with pytest.raises(ValueError, match="multihead_attention: argument 'options.query_offset' = 3"):
         x = q.reshape(20, 1, 4)
         poslsh.multihead_attention(x[:18], x, x, query_offset=3)
-    # exact_reference is self-attention only: rejected before any head runs.
+    # Self-attention is query_offset 0.
     x = q.reshape(20, 1, 4)
-    with pytest.raises(ValueError, match="multihead_attention: argument 'method' = 'exact_reference': self-attention only"):
-        poslsh.multihead_attention(x[:10], x, x, method="exact_reference", query_offset=2)
-    with pytest.raises(ValueError, match="argument 'method' = 'exact_reference': self-attention only"):
-        poslsh.multihead_attention(x[:10], x, x, method="exact_reference")
-    np.testing.assert_array_equal(poslsh.multihead_attention(x, x, x, method="exact_reference", query_offset=0),
-                                  poslsh.multihead_attention(x, x, x, method="exact_reference"))
+    np.testing.assert_array_equal(poslsh.multihead_attention(x, x, x, method="exact_tiled", query_offset=0),
+                                  poslsh.multihead_attention(x, x, x, method="exact_tiled"))

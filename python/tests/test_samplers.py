@@ -162,8 +162,8 @@ def test_plan_heads_meets_the_target_with_the_cheapest_method():
     plans = poslsh.plan_heads(PLAN_N, PLAN_SIGMAS, PLAN_TARGET)
     assert len(plans) == len(PLAN_SIGMAS)
     candidates = [poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "exact_tiled"),
-                  poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "banded")]
-    candidates += [poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "lsh", sampler=name)
+                  poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "exact_banded")]
+    candidates += [poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "lsh_fused", sampler=name)
                    for name in DEFAULT_MODEL_SAMPLERS]
     assert all(len(single) == len(PLAN_SIGMAS) for single in candidates)
     for h, plan in enumerate(plans):
@@ -178,31 +178,31 @@ def test_plan_heads_meets_the_target_with_the_cheapest_method():
 
 def test_single_method_plans_match_their_formulas():
     exact, banded, lsh = (poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, method, sampler="rqmc")
-                          for method in ["exact_tiled", "banded", "lsh"])
+                          for method in ["exact_tiled", "exact_banded", "lsh_fused"])
     for h, sigma in enumerate(PLAN_SIGMAS):
         assert exact[h].method == "exact_tiled" and exact[h].predicted_error == 0.0
         assert exact[h].pairs == PLAN_N * (PLAN_N + 1) / 2
         assert exact[h].band is None and exact[h].samples is None and exact[h].sampler is None
         # The smallest band whose predicted error meets the target.
         band = banded[h].band
-        assert banded[h].method == "banded"
+        assert banded[h].method == "exact_banded"
         assert banded_error(sigma, band) <= PLAN_TARGET
         assert band == 0 or banded_error(sigma, band - 1) > PLAN_TARGET
         assert banded[h].predicted_error == pytest.approx(banded_error(sigma, band), rel=1e-12)
         assert banded[h].pairs == banded_pairs(PLAN_N, band)
-        assert lsh[h].method == "lsh" and lsh[h].sampler == "rqmc" and lsh[h].stream == h
+        assert lsh[h].method == "lsh_fused" and lsh[h].sampler == "rqmc" and lsh[h].stream == h
         assert lsh[h].predicted_error <= PLAN_TARGET
         hashes = poslsh.sample_hashes(sigma, lsh[h].samples, lsh[h].seed, lsh[h].stream, "rqmc")
         np.testing.assert_array_equal(lsh[h].hashes().widths, hashes.widths)
         assert lsh[h].pairs == poslsh.lsh_fused_pair_count(hashes, PLAN_N)
     # LSH with no sampler model, and banded for a band that covers the sequence, have no plan.
-    assert poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "lsh", lsh_samplers=[]) == []
-    assert poslsh.plan_single_method(64, [1000.0], PLAN_TARGET, "banded") == []
+    assert poslsh.plan_single_method(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, "lsh_fused", lsh_samplers=[]) == []
+    assert poslsh.plan_single_method(64, [1000.0], PLAN_TARGET, "exact_banded") == []
 
 
 def test_lsh_pairs_counted_independently():
     n = 256
-    (plan,) = poslsh.plan_single_method(n, [8.0], 0.2, "lsh", sampler="stratified_lattice", seed=3)
+    (plan,) = poslsh.plan_single_method(n, [8.0], 0.2, "lsh_fused", sampler="stratified_lattice", seed=3)
     hashes = plan.hashes()
     assert len(hashes) == plan.samples
     assert plan.pairs == np.count_nonzero(reference.mean_mask(hashes.widths, hashes.offsets, n))
@@ -211,7 +211,7 @@ def test_lsh_pairs_counted_independently():
 def test_lsh_samplers_restrict_the_candidates():
     plans = poslsh.plan_heads(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, lsh_samplers=["antithetic"])
     assert all(p.sampler in (None, "antithetic") for p in plans)
-    assert all(p.method != "lsh" for p in poslsh.plan_heads(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, lsh_samplers=[]))
+    assert all(p.method != "lsh_fused" for p in poslsh.plan_heads(PLAN_N, PLAN_SIGMAS, PLAN_TARGET, lsh_samplers=[]))
 
 
 def test_format_plan_lists_every_head_and_the_total():
@@ -222,9 +222,9 @@ def test_format_plan_lists_every_head_and_the_total():
         fields = lines[1 + h].split()
         assert int(fields[0]) == h and float(fields[1]) == pytest.approx(plan.sigma, rel=1e-4)
         assert fields[2] == plan.method
-        if plan.method == "lsh":
+        if plan.method == "lsh_fused":
             assert f"s = {plan.samples} {plan.sampler}" in lines[1 + h]
-        if plan.method == "banded":
+        if plan.method == "exact_banded":
             assert f"W = {plan.band}" in lines[1 + h]
         assert float(fields[-3]) == pytest.approx(plan.pairs / PLAN_N, abs=0.05)
     assert f"total predicted {1e3 * sum(p.seconds for p in plans):.2f} ms" in lines[-1]
@@ -234,7 +234,7 @@ def run_head(q, k, v, plan):
     """The single-head kernel plans[h] names."""
     if plan.method == "exact_tiled":
         return poslsh.alibi_attention_tiled(q, k, v, plan.sigma)
-    if plan.method == "banded":
+    if plan.method == "exact_banded":
         return poslsh.alibi_attention_banded(q, k, v, plan.sigma, plan.band)
     return poslsh.lsh_attention_fused(q, k, v, poslsh.sample_hashes(plan.sigma, plan.samples, plan.seed,
                                                                     plan.stream, plan.sampler))
@@ -243,7 +243,7 @@ def run_head(q, k, v, plan):
 PLANNED_SIGMAS = [1.2, 3.0, 20.0, 300.0]
 
 
-@pytest.mark.parametrize("method", ["mixed", "exact_tiled", "banded", "lsh"])
+@pytest.mark.parametrize("method", ["mixed", "exact_tiled", "exact_banded", "lsh_fused"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_planned_heads_equal_their_single_head_kernels(rng, method, dtype):
     n, kv_heads, d, target = 256, 2, 16, 0.15
@@ -258,7 +258,7 @@ def test_planned_heads_equal_their_single_head_kernels(rng, method, dtype):
     q = rng.normal(size=(n, heads, d)).astype(dtype)
     k = rng.normal(size=(n, kv_heads, d)).astype(dtype)
     v = rng.normal(size=(n, kv_heads, d)).astype(dtype)
-    out = poslsh.multihead_attention_planned(q, k, v, plans)
+    out = poslsh.multihead_attention(q, k, v, plans=plans)
     assert out.shape == (n, heads, d) and out.dtype == dtype
     group = heads // kv_heads
     for h, plan in enumerate(plans):
@@ -277,12 +277,12 @@ def test_planned_layout_masking_scale_and_out_view(rng):
     q, k, v = (rng.uniform(-1, 1, (heads, n, d)) for _ in range(3))
     parent = np.full((heads, n, d + 2), np.nan)
     out = parent[:, :, 1 : d + 1]
-    returned = poslsh.multihead_attention_planned(q, k, v, plans, layout="hnd", masking="bidirectional",
-                                                  scale=0.5, out=out, num_threads=1)
+    returned = poslsh.multihead_attention(q, k, v, plans=plans, layout="hnd", masking="bidirectional", scale=0.5,
+                                          out=out, num_threads=1)
     assert returned is out
     assert np.isnan(parent[:, :, 0]).all() and np.isnan(parent[:, :, d + 1]).all()
     for h, plan in enumerate(plans):
-        if plan.method == "lsh":
+        if plan.method == "lsh_fused":
             hashes = plan.hashes()
             expected = reference.lsh_attention(q[h], k[h], v[h], hashes.widths, hashes.offsets, False, 0.5)
         else:
@@ -291,7 +291,7 @@ def test_planned_layout_masking_scale_and_out_view(rng):
 
 
 def test_errors(rng):
-    with pytest.raises(ValueError, match="sample_hashes: argument 'sampler' = 'sobol': must be independent"):
+    with pytest.raises(ValueError, match="^poslsh: sample_hashes: argument 'sampler' = sobol: must be independent, antithetic, stratified, lattice_offsets, coupled_offsets, rqmc, stratified_lattice or poisson$"):
         poslsh.sample_hashes(4.0, 8, 0, sampler="sobol")
     with pytest.raises(ValueError, match="sample_hashes: argument 'sampler'.*no BinHash form"):
         poslsh.sample_hashes(4.0, 8, 0, sampler="poisson")
@@ -313,23 +313,34 @@ def test_errors(rng):
         poslsh.plan_heads(128, [], 0.1)
     with pytest.raises(ValueError, match="plan_heads: argument 'n' = 0"):
         poslsh.plan_heads(0, [4.0], 0.1)
-    with pytest.raises(ValueError, match="plan_heads: argument 'masking' = 'none'"):
+    with pytest.raises(ValueError, match="plan_heads: argument 'masking' = none: must be causal or bidirectional"):
         poslsh.plan_heads(128, [4.0], 0.1, masking="none")
     with pytest.raises(ValueError, match="plan_heads: argument 'lsh_samplers' holds 'coupled_offsets'"):
         poslsh.plan_heads(128, [4.0], 0.1, lsh_samplers=["coupled_offsets"])
-    with pytest.raises(ValueError, match="plan_single_method: argument 'method' = 'flash'"):
+    with pytest.raises(ValueError, match="plan_single_method: argument 'method' = flash: must be lsh_fused, lsh_per_sample"):
         poslsh.plan_single_method(128, [4.0], 0.1, "flash")
-    with pytest.raises(ValueError, match="plan_single_method: argument 'sampler' = 'sobol'"):
-        poslsh.plan_single_method(128, [4.0], 0.1, "lsh", sampler="sobol")
+    for method in ["lsh_per_sample", "fixed_blocks"]:
+        with pytest.raises(ValueError, match=f"plan_single_method: argument 'method' = {method}: the planner plans "
+                                             "lsh_fused, exact_tiled, exact_banded$"):
+            poslsh.plan_single_method(128, [4.0], 0.1, method)
+    with pytest.raises(ValueError, match="plan_single_method: argument 'sampler' = sobol"):
+        poslsh.plan_single_method(128, [4.0], 0.1, "lsh_fused", sampler="sobol")
     plans = poslsh.plan_heads(16, [2.0, 4.0], 0.1)
     q = rng.uniform(-1, 1, (16, 2, 8))
-    with pytest.raises(ValueError, match="multihead_attention_planned: argument 'plans' = 2"):
-        poslsh.multihead_attention_planned(q[:, :1], q[:, :1], q[:, :1], plans)
-    with pytest.raises(ValueError, match="multihead_attention_planned: argument 'out' = 16x1x8"):
-        poslsh.multihead_attention_planned(q, q, q, plans, out=np.zeros((16, 1, 8)))
-    with pytest.raises(ValueError, match="multihead_attention_planned: argument 'layout'"):
-        poslsh.multihead_attention_planned(q, q, q, plans, layout="bnhd")
+    with pytest.raises(ValueError, match="multihead_attention: argument 'plans' = 2"):
+        poslsh.multihead_attention(q[:, :1], q[:, :1], q[:, :1], plans=plans)
+    with pytest.raises(ValueError, match="multihead_attention: argument 'out' = 16x1x8"):
+        poslsh.multihead_attention(q, q, q, plans=plans, out=np.zeros((16, 1, 8)))
+    with pytest.raises(ValueError, match="multihead_attention: argument 'layout'"):
+        poslsh.multihead_attention(q, q, q, plans=plans, layout="bnhd")
     with pytest.raises(TypeError, match="argument 'k' has dtype float32: must be float64"):
-        poslsh.multihead_attention_planned(q, q.astype(np.float32), q, plans)
+        poslsh.multihead_attention(q, q.astype(np.float32), q, plans=plans)
     with pytest.raises(ValueError, match="argument 'out' shares memory with 'q'"):
-        poslsh.multihead_attention_planned(q, q.copy(), q.copy(), plans, out=q)
+        poslsh.multihead_attention(q, q.copy(), q.copy(), plans=plans, out=q)
+    # A plan sets each head's method and parameters; a plan runs on float32 or float64 arrays.
+    for keyword, value in [("method", "exact_tiled"), ("sigmas", [1.0, 2.0]), ("samples", 8), ("seed", 1),
+                           ("band_error", 0.01)]:
+        with pytest.raises(ValueError, match=f"multihead_attention: argument '{keyword}' is set together with 'plans'"):
+            poslsh.multihead_attention(q, q, q, plans=plans, **{keyword: value})
+    with pytest.raises(TypeError, match="argument 'q' has dtype float16: must be float32 or float64"):
+        poslsh.multihead_attention(*(q.astype(np.float16),) * 3, plans=plans)

@@ -9,9 +9,6 @@ import reference
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import poslsh.torch as ptorch  # noqa: E402
 
-needs_backward = pytest.mark.skipif(not poslsh.has_backward, reason="module built without the backward kernels")
-
-
 def tensors(n, d, dtype, seed=0, requires_grad=False):
     generator = torch.Generator().manual_seed(seed)
     return [torch.rand((n, d), generator=generator, dtype=dtype).mul_(2).sub_(1).requires_grad_(requires_grad) for _ in range(3)]
@@ -51,14 +48,12 @@ def test_strided_tensor_views_are_not_copied():
         ptorch.alibi_attention(q.half(), k, v, 4.0)
 
 
-@needs_backward
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_alibi(causal):
     q, k, v = tensors(24, 4, torch.float64, seed=3, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0, causal=causal, scale=0.8), (q, k, v), eps=1e-6, atol=1e-7)
 
 
-@needs_backward
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_lsh(causal):
     q, k, v = tensors(24, 4, torch.float64, seed=4, requires_grad=True)
@@ -66,7 +61,6 @@ def test_gradcheck_lsh(causal):
     assert torch.autograd.gradcheck(lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes, causal=causal), (q, k, v), eps=1e-6, atol=1e-7)
 
 
-@needs_backward
 def test_gradients_match_torch_dense_autograd():
     """The kernels' gradients equal autograd through a dense torch formula of the estimator."""
     n, d, sigma = 80, 8, 6.0
@@ -88,15 +82,6 @@ def test_gradients_match_torch_dense_autograd():
         torch.testing.assert_close(got, want, atol=1e-11, rtol=0)
 
 
-@pytest.mark.skipif(poslsh.has_backward, reason="module built with the backward kernels")
-def test_backward_without_kernels_raises():
-    q, k, v = tensors(10, 4, torch.float64, requires_grad=True)
-    out = ptorch.alibi_attention(q, k, v, 4.0)
-    with pytest.raises(NotImplementedError, match="no backward kernels"):
-        out.sum().backward()
-
-
-@needs_backward
 @pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled", "lsh_per_sample"])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_multihead_gradcheck_grouped_query(method, layout):
@@ -113,7 +98,6 @@ def test_multihead_gradcheck_grouped_query(method, layout):
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7)
 
 
-@needs_backward
 @pytest.mark.parametrize("method", ["lsh_fused", "exact_tiled"])
 def test_multihead_gradcheck_packed_batch(method):
     """cu_seqlens: a packed batch of three sequences (one empty), differentiable like one."""
@@ -133,7 +117,6 @@ def test_multihead_gradcheck_packed_batch(method):
     assert torch.equal(function(q, k, v)[:7], alone)
 
 
-@needs_backward
 def test_multihead_gradients_match_torch_dense_autograd():
     """Grouped-query exact ALiBi: the kernels' gradients equal autograd through a dense torch
     formula with K/V heads repeated over their query heads."""

@@ -6,8 +6,7 @@ import pytest
 
 import poslsh
 import reference
-
-METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded"]
+from conftest import METHODS
 
 
 def packed(rng, lengths, heads, d, layout, dtype):
@@ -77,18 +76,6 @@ def test_query_offsets(rng, method):
                 with np.errstate(divide="ignore"):
                     logits = scores + np.log(mask)
             np.testing.assert_allclose(out[cu_q[b] : cu_q[b + 1], h], reference.softmax_rows(logits, vb[:, h]), rtol=0, atol=1e-12)
-
-
-def test_exact_reference_self_attention(rng):
-    lengths = [30, 50]
-    q, k, v = (packed(rng, lengths, 2, 4, "nhd", np.float64) for _ in range(3))
-    cu = cumulative(lengths)
-    out = poslsh.multihead_attention_varlen(q, k, v, cu, cu, method="exact_reference")
-    for b in range(2):
-        rows = slice(cu[b], cu[b + 1])
-        np.testing.assert_array_equal(out[rows], poslsh.multihead_attention(q[rows], k[rows], v[rows], method="exact_reference"))
-    with pytest.raises(ValueError, match="argument 'method' = 'exact_reference': self-attention only"):
-        poslsh.multihead_attention_varlen(q[:20], k, v, np.array([0, 10, 20], np.int32), cu, method="exact_reference")
 
 
 def test_errors(rng):

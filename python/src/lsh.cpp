@@ -1,8 +1,8 @@
-// poslsh Python bindings: hash sets, ALiBi slopes, band widths and pair counts.
+// poslsh Python bindings: hash sets, the RBF and fixed-blocks hashes, the variance-reduced
+// samplers and the pair counts of the fused kernel.
 #include "common.hpp"
-#include "poslsh/attention/banded.hpp"
 #include "poslsh/attention/fused.hpp"
-#include "poslsh/core/slopes.hpp"
+#include "poslsh/lsh/samplers.hpp"
 
 namespace poslsh_python {
 
@@ -16,13 +16,28 @@ py::array hash_field(const poslsh::HashSet& hashes, const double* first, py::han
   return std::move(view);
 }
 
-py::array double_array(const std::vector<double>& values) {
-  return py::array_t<double>(static_cast<py::ssize_t>(values.size()), values.data());
-}
+const char* const sample_hashes_doc = R"doc(
+Hash set of s samples for length scale sigma under a variance-reduced sampler, keyed by
+(seed, stream) like rbf_hashes. Every sample has rbf_hash's law (w ~ Gamma(2, sigma),
+xi | w ~ U[0, w)), so P[bin_k(i) = bin_k(j)] = exp(-|i-j| / sigma) and E[M~] = L* for every
+sampler; they differ in how the s samples are coupled (negative covariances lower Var M~_ij).
+With F(x) = 1 - (1 + x) e^{-x} (the Gamma(2, 1) distribution function):
+  independent         rbf_hashes(sigma, s, seed, stream), bit for bit;
+  antithetic          widths in pairs sigma F^-1(u), sigma F^-1(1 - u);
+  stratified          w_k = sigma F^-1((pi(k) + V_k) / s): one width per stratum of u;
+  lattice_offsets     groups of `group` samples share w; offsets w frac(U + j / group);
+  coupled_offsets     independent widths; offsets w_k frac(U + pi(k) / s), one shared U;
+  rqmc                randomly shifted rank-1 lattice over (u_w, u_xi), w = sigma F^-1(u_w);
+  stratified_lattice  ceil(s / g) groups (g = lattice_group, 0: round(sqrt(s))) with
+                      stratified widths and lattice offsets.
+"poisson" has no hash form (ValueError). Returns a HashSet (for every kernel taking hashes).
+ValueError if sigma is not finite and > 0, s < 1, group < 1, lattice_group < 0 or the sampler
+is unknown.
+)doc";
 
 }  // namespace
 
-void bind_hashes(py::module_& module) {
+void register_lsh(py::module_& module) {
   py::class_<poslsh::HashSet>(module, "HashSet", R"doc(
 The s positional hashes of one head: hash k puts position i in bin
 floor((i - offsets[k]) / widths[k]), so two positions share a block of sample k when their bins
@@ -95,22 +110,6 @@ The fixed-blocks baseline as a HashSet of one hash: width 2 sigma (= E[w]), offs
 )doc");
 
   module.def(
-      "alibi_slopes", [](int heads) { return double_array(poslsh::alibi_slopes(heads)); },
-      py::arg("heads"), R"doc(
-ALiBi slopes m_h, h = 0..H-1 (float64 array). For H a power of two m_h = 2^(-8 (h+1) / H);
-otherwise Press et al.'s interleaving with the slopes of 2p heads, p = 2^floor(log2 H).
-)doc");
-
-  module.def(
-      "alibi_sigmas", [](int heads) { return double_array(poslsh::alibi_sigmas(heads)); },
-      py::arg("heads"), "ALiBi length scales sigma_h = 1 / m_h (float64 array).");
-
-  module.def("band_for_bias_error", &poslsh::band_for_bias_error, py::arg("sigma"), py::arg("eps"),
-             R"doc(
-Band half-width W = ceil(sigma ln(1/eps)): |i-j| > W implies exp(-|i-j| / sigma) < eps.
-)doc");
-
-  module.def(
       "lsh_fused_pair_count",
       [](py::handle hashes, Index n, bool causal) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_fused_pair_count");
@@ -119,6 +118,40 @@ Band half-width W = ceil(sigma ln(1/eps)): |i-j| > W implies exp(-|i-j| / sigma)
       py::arg("hashes"), py::arg("n"), py::kw_only(), py::arg("causal") = true, R"doc(
 Number of (query, key) pairs with c_ij > 0 (causal: j <= i), c_ij = #{k : bin_k(i) = bin_k(j)}:
 the pairs lsh_attention_fused evaluates. O(n s).
+)doc");
+
+  const poslsh::SamplerOptions defaults;
+  module.def(
+      "sampler_names", []() { return enum_names<poslsh::Sampler>(); },
+      "Names of the hash samplers in declaration order (sample_hashes takes all but 'poisson').");
+
+  module.def(
+      "sample_hashes",
+      [](double sigma, Index s, std::uint64_t seed, std::uint64_t stream, const std::string& name,
+         Index group, Index lattice_group) {
+        const auto sampler =
+            poslsh::enum_from_name<poslsh::Sampler>(name, "sample_hashes", "sampler");
+        poslsh::SamplerOptions options;
+        options.group = group;
+        options.lattice_group = lattice_group;
+        return poslsh::sample_hashes(sigma, s, seed, stream, sampler, options);
+      },
+      py::arg("sigma"), py::arg("s"), py::arg("seed"), py::arg("stream") = 0,
+      py::arg("sampler") = poslsh::enum_name(poslsh::Sampler::independent), py::kw_only(),
+      py::arg("group") = defaults.group, py::arg("lattice_group") = defaults.lattice_group,
+      sample_hashes_doc);
+
+  module.def(
+      "lattice_group_starts",
+      [](Index s, Index lattice_group) {
+        poslsh::SamplerOptions options;
+        options.lattice_group = lattice_group;
+        return poslsh::lattice_group_starts(s, options);
+      },
+      py::arg("s"), py::arg("lattice_group") = defaults.lattice_group, R"doc(
+Start indices (0, ..., s) of the G = ceil(s / g) groups of the stratified_lattice sampler
+(g = lattice_group, 0: round(sqrt(s)), at least 1): the first s mod G groups hold ceil(s / G)
+samples, the others floor(s / G).
 )doc");
 }
 

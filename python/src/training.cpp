@@ -1,0 +1,402 @@
+// poslsh Python bindings: training support. The forwards with their log-sum-exp and the
+// gradients dQ, dK, dV, for the single-head kernels and for all heads (one sequence or a
+// packed batch), and the mean-of-outputs estimator; poslsh.torch builds autograd Functions on
+// them. float32 or float64 only, self-attention only.
+#include "poslsh/multihead/training.hpp"
+
+#include "arrays.hpp"
+#include "multihead.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
+#include "single_head.hpp"
+
+namespace poslsh_python {
+
+namespace {
+
+template <typename T>
+using VectorMap = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>;
+
+/// The data of a 1-D lse array of n entries (one per query row), checked: shape and a
+/// contiguous axis.
+template <typename T>
+T* lse_data(const py::array& array, Index n, const char* function) {
+  if (array.ndim() != 1 || array.shape(0) != n) {
+    throw py::value_error(argument(function, "lse") + " has shape " + shape_text(array) +
+                          ": must be a 1-D array of " + std::to_string(n) +
+                          " entries (one per query row)");
+  }
+  if (n > 1 && array.strides(0) != static_cast<py::ssize_t>(sizeof(T))) {
+    throw py::value_error(argument(function, "lse") + " must be contiguous");
+  }
+  return static_cast<T*>(const_cast<void*>(array.data()));
+}
+
+/// The gradients dq, dk, dv of a single-head backward (the shapes of q, k, v): new arrays or
+/// the given ones, sharing no memory with `inputs` or each other.
+template <typename T>
+struct Gradients {
+  MatrixOutput<T> dq, dk, dv;
+};
+
+template <typename T>
+Gradients<T> gradient_outputs(const char* function, const QkvMaps<Types<T>>& maps, py::handle dq,
+                              py::handle dk, py::handle dv, Inputs inputs) {
+  auto dq_out = output_matrix<T>(dq, maps.q.rows(), maps.q.cols(), function, "dq", "q", inputs);
+  inputs.emplace_back(dq_out.result, "dq");
+  auto dk_out = output_matrix<T>(dk, maps.k.rows(), maps.k.cols(), function, "dk", "q", inputs);
+  inputs.emplace_back(dk_out.result, "dk");
+  return {dq_out, dk_out,
+          output_matrix<T>(dv, maps.v.rows(), maps.v.cols(), function, "dv", "q", inputs)};
+}
+
+const char* const backward_doc = R"doc(
+With P the attention probabilities recomputed from lse (P_ij = w_ij e^{x_ij - lse_i}),
+dO = dout and D_i = dO_i . out_i:
+
+    dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q
+
+out and lse come from the forward *_with_lse of the same inputs. Returns (dq, dk, dv), new
+arrays or the given dq=, dk=, dv= written in place. No n x n buffer. float32 or float64, the
+array rules of the forward kernels; the GIL is released.)doc";
+
+/// Binds the training functions of method M's single-head kernel `function`:
+///   <function>_with_lse(q, k, v, parameters..., *, causal=True, scale=None, out=None,
+///                       lse=None, num_threads=None) -> (out, lse)
+/// (its messages name `function`, the library's forward with lse), and
+///   <function>_backward(q, k, v, parameters..., out, lse, dout, *, causal=True, scale=None,
+///                       dq=None, dk=None, dv=None, num_threads=None) -> (dq, dk, dv).
+template <poslsh::Method M, typename... Parameters, typename... Args>
+void def_training(py::module_& module, const char* function, const char* lse_doc,
+                  const char* backward_head, const Args&... parameter_args) {
+  module.def(
+      (std::string(function) + "_with_lse").c_str(),
+      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters, bool causal,
+                 std::optional<double> scale, py::handle out, py::handle lse,
+                 std::optional<int> threads) {
+        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        threads = thread_count(threads, function);
+        const auto call = [&](const auto&... values) {
+          return dispatch(function, {q}, [&](auto types) {
+            using T = typename decltype(types)::q;
+            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+            const Index n = maps.q.rows();
+            const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+            auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
+            const Output lse_out = output_of<T>(lse, {n}, function, "lse", "q", inputs, false);
+            VectorMap<T> lse_map(lse_data<T>(lse_out.array, n, function), n);
+            run_kernel(threads, [&] {
+              single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
+                                               lse_map, options);
+            });
+            return py::make_tuple(output.result, lse_out.result);
+          });
+        };
+        return call(parameter_value(parameters, function)...);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
+      py::arg("lse") = py::none(), py::arg("num_threads") = py::none(), lse_doc);
+
+  const std::string backward = std::string(function) + "_backward";
+  module.def(
+      backward.c_str(),
+      [backward](py::handle q, py::handle k, py::handle v, Parameters... parameters, py::handle out,
+                 py::handle lse, py::handle dout, bool causal, std::optional<double> scale,
+                 py::handle dq, py::handle dk, py::handle dv, std::optional<int> threads) {
+        const char* const name = backward.c_str();
+        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        threads = thread_count(threads, name);
+        const auto call = [&](const auto&... values) {
+          return dispatch(name, {q}, [&](auto types) {
+            using T = typename decltype(types)::q;
+            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
+            const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
+            const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
+            const Index n = maps.q.rows();
+            const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> lse_map(
+                lse_data<T>(storage_array<T>(lse, name, "lse", "q"), n, name), n);
+            auto grads = gradient_outputs<T>(
+                name, maps, dq, dk, dv,
+                {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
+            run_kernel(threads, [&] {
+              single_head<M, Pass::backward, T>(maps.q, maps.k, maps.v, values..., out_map, lse_map,
+                                                dout_map, grads.dq.map, grads.dk.map, grads.dv.map,
+                                                options);
+            });
+            return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
+          });
+        };
+        return call(parameter_value(parameters, name)...);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::arg("out"), py::arg("lse"),
+      py::arg("dout"), py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("num_threads") = py::none(), (std::string(backward_head) + backward_doc).c_str());
+}
+
+/// The lse of all heads (H_q x n, last axis contiguous, any row stride): a new array, or
+/// `object` checked (dtype, shape; writable and sharing no memory with `inputs` when
+/// `output`), and its map.
+template <typename T>
+std::pair<py::object, OutputMap<T>> lse_matrix(py::handle object, Index heads, Index n,
+                                               const char* function, bool output,
+                                               const Inputs& inputs) {
+  const Output lse = output ? output_of<T>(object, {heads, n}, function, "lse", "q", inputs, false)
+                            : Output{py::reinterpret_borrow<py::object>(object),
+                                     storage_array<T>(object, function, "lse", "q")};
+  if (lse.array.ndim() != 2 || lse.array.shape(0) != heads || lse.array.shape(1) != n) {
+    throw py::value_error(argument(function, "lse") + " must be a 2-D array of shape (" +
+                          std::to_string(heads) + ", " + std::to_string(n) +
+                          "): one row per query head, one column per query token");
+  }
+  const Index stride = row_stride_of<T>(lse.array, function, "lse");
+  return {lse.result, OutputMap<T>(static_cast<T*>(const_cast<void*>(lse.array.data())), heads, n,
+                                   Eigen::OuterStride<>(stride))};
+}
+
+/// One sequence, or a packed batch when cu_seqlens is given (int32, B + 1 entries): the
+/// library's function for it (its messages' name) and the batch's cu_seqlens.
+struct Batch {
+  const char* function;
+  std::optional<std::vector<std::int32_t>> cu_seqlens;
+};
+
+Batch batch_of(py::handle cu_seqlens, const char* function, const char* packed_function) {
+  if (cu_seqlens.is_none()) return {function, std::nullopt};
+  return {packed_function, int32_vector(cu_seqlens, packed_function, "cu_seqlens")};
+}
+
+const char* const with_lse_doc = R"doc(
+multihead_attention and the log-sum-exp of every query head, (out, lse):
+
+    lse[h, i] = log sum_j w_ij e^{x_ij}   (head h, with the kernels' scores and weights:
+    exact x_ij = tau q_i.k_j - |i-j| / sigma_h, w = 1 (banded: keys |i-j| <= band);
+    LSH x_ij = tau q_i.k_j, w_ij = c_ij = #{k : bin_k(i) = bin_k(j)}; causal: j <= i)
+
+lse is [H_q, n] (FlashAttention's softmax_lse of one sequence), a new array or the given lse=
+([H_q, n], last axis contiguous) written in place; out is bitwise that of multihead_attention.
+Self-attention only (k, v have the n tokens of q). Keywords as multihead_attention (no
+query_offset, no plans); float32 or float64. The GIL is released.
+
+cu_seqlens= (int32, B + 1 entries, 0 = cu_seqlens[0] <= ... <= cu_seqlens[B] = n): a packed
+batch of B self-attention sequences, tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 (positions 0 ..
+m_b - 1 each); lse[:, t] is token t's. Each sequence is bitwise its own call, and out is bitwise
+multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens).
+)doc";
+
+const char* const multihead_backward_doc = R"doc(
+Gradients of multihead_attention, (dq, dk, dv), from the forward's out and lse
+(multihead_attention_with_lse with the same inputs and keywords) and dout = dL/dout. For each
+query head h (K/V head g = h // G), with P_h the probabilities recomputed from lse[h]
+(P_ij = w_ij e^{x_ij - lse_i}, the method's scores and weights as in
+multihead_attention_with_lse) and D_i = dout_i . out_i:
+
+    dV_h = P_h^T dO_h,  dS_h = P_h o (dO_h V_g^T - D),  dq_h = tau dS_h K_g,  dK_h = tau dS_h^T Q_h
+    dk_g = sum_{h : h // G = g} dK_h,  dv_g = sum_{h : h // G = g} dV_h   (in increasing h)
+
+q, dq [n, H_q, d]; k, dk [n, H_kv, d]; v, dv [n, H_kv, d_v]; out, dout [n, H_q, d_v] in
+layout 'nhd' ([H, n, d] in 'hnd'); lse [H_q, n]. dq=, dk=, dv=: optional outputs written in
+place (any strides on the first two axes); new arrays otherwise. No n x n buffer. Bitwise the
+single-head backward of each head (summed over a group in head order), for any thread count.
+Self-attention only; float32 or float64; the GIL is released. cu_seqlens=: a packed batch, as
+in multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are
+those of its own call, none crosses sequences.
+)doc";
+
+}  // namespace
+
+void register_training(py::module_& module) {
+  using poslsh::Method;
+  def_training<Method::exact_tiled, double>(module, "alibi_attention_tiled", R"doc(
+alibi_attention_tiled and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_j e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma   (causal: j <= i)
+)doc",
+                                            R"doc(
+Gradients of exact ALiBi attention (alibi_attention_tiled), x_ij = tau q_i.k_j - |i-j| / sigma,
+w = 1.)doc",
+                                            py::arg("sigma"));
+  def_training<Method::exact_banded, double, Index>(module, "alibi_attention_banded", R"doc(
+alibi_attention_banded and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_{|i-j| <= band} e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma
+)doc",
+                                                    R"doc(
+Gradients of banded exact ALiBi attention (alibi_attention_banded), keys |i-j| <= band, w = 1.)doc",
+                                                    py::arg("sigma"), py::arg("band"));
+  def_training<Method::lsh_fused, py::handle>(module, "lsh_attention_fused", R"doc(
+lsh_attention_fused and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_j c_ij e^{tau q_i.k_j},  c_ij = #{k : bin_k(i) = bin_k(j)}
+)doc",
+                                              R"doc(
+Gradients of the LSH estimator (lsh_attention_fused), x_ij = tau q_i.k_j, w_ij = c_ij.)doc",
+                                              py::arg("hashes"));
+  def_training<Method::lsh_per_sample, py::handle>(module, "lsh_attention_per_sample", R"doc(
+lsh_attention_per_sample and its per-row log-sum-exp, (out, lse) (the estimator of
+lsh_attention_fused_with_lse, computed sample by sample):
+
+    lse_i = log sum_j c_ij e^{tau q_i.k_j}
+)doc",
+                                                   R"doc(
+Gradients of the LSH estimator computed sample by sample (lsh_attention_per_sample),
+w_ij = c_ij.)doc",
+                                                   py::arg("hashes"));
+  def_training<Method::fixed_blocks, double>(module, "fixed_blocks_attention", R"doc(
+fixed_blocks_attention and its per-row log-sum-exp, (out, lse): plain attention inside blocks
+of width 2 sigma from position 0, lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+)doc",
+                                             R"doc(
+Gradients of fixed-blocks attention (fixed_blocks_attention), plain attention inside blocks of
+width 2 sigma.)doc",
+                                             py::arg("sigma"));
+
+  module.def(
+      "lsh_attention_mean_of_outputs",
+      [](py::handle q, py::handle k, py::handle v, py::handle hashes, bool causal,
+         std::optional<double> scale, py::handle out, std::optional<int> threads) {
+        constexpr const char* function = "lsh_attention_mean_of_outputs";
+        const poslsh::HashSet& set = hash_set(hashes, function);
+        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        return qkv_call<Precision::full>(
+            function, q, k, v, out, threads,
+            [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
+              using T = typename decltype(types)::q;
+              poslsh::lsh_attention_mean_of_outputs<T>(qm, km, vm, set, om, options);
+            });
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
+      py::arg("num_threads") = py::none(), R"doc(
+The mean-of-outputs estimator: the mean of the s plain attentions on each sample's blocks,
+
+    T_bar_i = (1/s) sum_k softmax_{j in B_k(i)}(tau q_i.k_j) V   (causal: j <= i inside blocks)
+
+It is not the count-weighted estimator of lsh_attention_fused (which puts the mean mask
+inside the softmax); a model trained with one should be run with the same one. float32 or
+float64, self-attention.
+)doc");
+
+  module.def(
+      "lsh_attention_mean_of_outputs_backward",
+      [](py::handle q, py::handle k, py::handle v, py::handle hashes, py::handle dout, bool causal,
+         std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
+         std::optional<int> threads) {
+        constexpr const char* function = "lsh_attention_mean_of_outputs_backward";
+        const poslsh::HashSet& set = hash_set(hashes, function);
+        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        threads = thread_count(threads, function);
+        return dispatch(function, {q}, [&](auto types) {
+          using T = typename decltype(types)::q;
+          const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+          const InputMap<T> dout_map = input_matrix<T>(dout, function, "dout", "q");
+          auto grads = gradient_outputs<T>(function, maps, dq, dk, dv,
+                                           {{q, "q"}, {k, "k"}, {v, "v"}, {dout, "dout"}});
+          run_kernel(threads, [&] {
+            poslsh::lsh_attention_mean_of_outputs_backward<T>(maps.q, maps.k, maps.v, set, dout_map,
+                                                              grads.dq.map, grads.dk.map,
+                                                              grads.dv.map, options);
+          });
+          return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
+        });
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::arg("dout"), py::kw_only(),
+      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("dq") = py::none(),
+      py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("num_threads") = py::none(),
+      R"doc(
+Gradients of lsh_attention_mean_of_outputs: the plain attention backward of each sample's
+blocks with dO / s, summed over samples. Returns (dq, dk, dv).
+)doc");
+
+  def_multihead(
+      module, "multihead_attention_with_lse",
+      [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,
+         const std::string& method, const std::string& masking, std::optional<double> scale,
+         std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
+         double band_error, py::handle out, py::handle lse, py::handle cu_seqlens,
+         std::optional<int> threads) {
+        const Batch batch =
+            batch_of(cu_seqlens, "multihead_attention", "multihead_attention_varlen");
+        const char* const function = batch.function;
+        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                      sigmas, samples, seed, band_error);
+        threads = thread_count(threads, function);
+        return dispatch(function, {q}, [&](auto types) {
+          using T = typename decltype(types)::q;
+          const HeadsInputs<Types<T>> in =
+              heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
+          const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+          auto output = heads_output<T>(out, keywords.layout, in.q.tokens, in.q.heads, in.v.dim,
+                                        function, "out", "q", inputs);
+          auto [lse_result, lse_map] = lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, true,
+                                                     {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+          run_kernel(threads, [&] {
+            if (batch.cu_seqlens)
+              poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
+                                                    *batch.cu_seqlens, keywords.options);
+            else
+              poslsh::multihead_attention<T>(in.q, in.k, in.v, output.view, lse_map,
+                                             keywords.options);
+          });
+          return py::make_tuple(output.result, lse_result);
+        });
+      },
+      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v")),
+      std::make_tuple(py::arg("out") = py::none(), py::arg("lse") = py::none(),
+                      py::arg("cu_seqlens") = py::none(), py::arg("num_threads") = py::none()),
+      with_lse_doc);
+
+  def_multihead(
+      module, "multihead_attention_backward",
+      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse, py::handle dout,
+         const std::string& layout_name, const std::string& method, const std::string& masking,
+         std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
+         std::uint64_t seed, double band_error, py::handle dq, py::handle dk, py::handle dv,
+         py::handle cu_seqlens, std::optional<int> threads) {
+        const Batch batch = batch_of(cu_seqlens, "multihead_attention_backward",
+                                     "multihead_attention_varlen_backward");
+        const char* const function = batch.function;
+        threads = thread_count(threads, function);
+        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                      sigmas, samples, seed, band_error);
+        return dispatch(function, {q}, [&](auto types) {
+          using T = typename decltype(types)::q;
+          const HeadsInputs<Types<T>> in =
+              heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
+          const auto out_view = heads_input<T>(out, keywords.layout, function, "out", "q");
+          const auto dout_view = heads_input<T>(dout, keywords.layout, function, "dout", "q");
+          const auto lse_map =
+              lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, false, {}).second;
+          Inputs inputs = {{q, "q"},     {k, "k"},     {v, "v"},
+                           {out, "out"}, {lse, "lse"}, {dout, "dout"}};
+          auto dq_out = heads_output<T>(dq, keywords.layout, in.q.tokens, in.q.heads, in.q.dim,
+                                        function, "dq", "q", inputs);
+          inputs.emplace_back(dq_out.result, "dq");
+          auto dk_out = heads_output<T>(dk, keywords.layout, in.k.tokens, in.k.heads, in.k.dim,
+                                        function, "dk", "q", inputs);
+          inputs.emplace_back(dk_out.result, "dk");
+          auto dv_out = heads_output<T>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
+                                        function, "dv", "q", inputs);
+          const poslsh::ConstMatrixRef<T> lse_ref(lse_map);
+          run_kernel(threads, [&] {
+            if (batch.cu_seqlens)
+              poslsh::multihead_attention_varlen_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, *batch.cu_seqlens, dq_out.view,
+                  dk_out.view, dv_out.view, keywords.options);
+            else
+              poslsh::multihead_attention_backward<T>(in.q, in.k, in.v, out_view, lse_ref,
+                                                      dout_view, dq_out.view, dk_out.view,
+                                                      dv_out.view, keywords.options);
+          });
+          return py::make_tuple(dq_out.result, dk_out.result, dv_out.result);
+        });
+      },
+      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+                      py::arg("dout")),
+      std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
+                      py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
+                      py::arg("num_threads") = py::none()),
+      multihead_backward_doc);
+}
+
+}  // namespace poslsh_python
