@@ -471,6 +471,11 @@ TEST_CASE("multihead_attention with a plan runs each head's planned kernel", "[p
   poslsh_test::require_invalid_argument([&] { run(out, plans, 3, heads); }, "k.heads");
   poslsh_test::require_invalid_argument(
       [] { poslsh::plan_heads(100, {4.0}, Masking::causal, 1.5); }, "target");
+  // The planner plans the tile methods only.
+  for (Method method : {Method::lsh_per_sample, Method::fixed_blocks}) {
+    poslsh_test::require_invalid_argument(
+        [&] { poslsh::plan_single_method(100, {4.0}, Masking::causal, 0.1, method); }, "method");
+  }
   const std::string text = poslsh::format_plan(plans, n);
   CHECK(text.find("banded") != std::string::npos);
   CHECK(text.find("s = 6 antithetic") != std::string::npos);

@@ -295,12 +295,15 @@ inline std::vector<HeadPlan> plan_heads(Index n, const std::vector<double>& sigm
 /// The plan that gives every head the same method (and, for LSH, the sampler `sampler`): each
 /// head's candidate of that method from plan_head_candidates. Empty if some head has no such
 /// candidate (banded with W >= n - 1, LSH needing s > max_samples). For comparing a plan with
-/// the best single method. Throws as plan_heads.
+/// the best single method. Throws as plan_heads, and names 'method' when it is not one the
+/// planner plans (exact_tiled, exact_banded, lsh_fused).
 inline std::vector<HeadPlan> plan_single_method(Index n, const std::vector<double>& sigmas,
                                                 Masking masking, double target, Method method,
                                                 Sampler sampler = Sampler::independent,
                                                 const PlannerOptions& options = {}) {
   detail::require_planner_arguments("plan_single_method", n, sigmas, target, options);
+  detail::require(method_runs_by_query_tiles(method), "plan_single_method", "method",
+                  enum_name(method), "must be exact_tiled, exact_banded or lsh_fused");
   std::vector<HeadPlan> plans;
   for (std::size_t h = 0; h < sigmas.size(); ++h) {
     const std::vector<HeadPlan> candidates =
