@@ -161,10 +161,11 @@ struct HeadsCall {
 };
 
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
-/// head) jobs of all sequences, heads innermost; a head whose method runs whole heads
-/// (lsh_per_sample, fixed_blocks) is one job, on its sequence's first tile. Query head h reads
-/// K/V head h / (q.heads / k.heads). With lse (not null; one scalar type), lse[h * lse_stride +
-/// t] is the log-sum-exp of query token t of head h.
+/// head) jobs of all sequences, heads outermost when a method reads every key before its tiles
+/// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
+/// heads (lsh_per_sample, fixed_blocks) is one job, on its sequence's first tile. Query head h
+/// reads K/V head h / (q.heads / k.heads). With lse (not null; one scalar type), lse[h * lse_stride
+/// + t] is the log-sum-exp of query token t of head h.
 template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar>
 void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
                        const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
@@ -176,8 +177,12 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
     append_query_tiles(tiles, b, s.p0, s.p0 + (s.q_end - s.q_begin));
   }
   const Index group = q.heads / k.heads;
+  bool reads_every_key = false;
+  for (const HeadMethod& head : call.heads)
+    reads_every_key = reads_every_key || method_reads_every_key(head.method);
   parallel_query_tiles<Compute>(
-      tiles, q.heads, [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
+      tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::heads_inner,
+      [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
         const HeadsSequence& s = call.sequences[tile.range];
         const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
         const auto q_h = token_range(q, s.q_begin, s.q_end).head(h);

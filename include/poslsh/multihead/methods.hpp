@@ -140,6 +140,7 @@ struct QueryTileMethod {
 /// The kernels of the methods that run a whole head at once (sample by sample).
 struct WholeHeadMethod {
   static constexpr bool runs_by_query_tiles = false;
+  static constexpr bool reads_every_key = false;
   /// No head of these methods runs its backward on one thread inside a parallel loop over heads.
   static constexpr bool serial_backward = false;
 };
@@ -157,6 +158,7 @@ inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking maski
 template <Method M>
 struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
   static constexpr bool draws_hashes = false;
+  static constexpr bool reads_every_key = M == Method::exact_tiled;
 
   template <typename Compute>
   static AlibiBias<Compute> tile_bias(const HeadMethod& head, Index keys, Masking masking,
@@ -182,6 +184,7 @@ struct MethodKernels<Method::exact_banded> : ExactMethodKernels<Method::exact_ba
 template <>
 struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::lsh_fused>> {
   static constexpr bool draws_hashes = true;
+  static constexpr bool reads_every_key = false;
 
   template <typename Compute>
   static CountBias<Compute> tile_bias(const HeadMethod& head, Index keys, Masking masking,
@@ -262,6 +265,13 @@ constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
 /// Whether a method draws random hashes (lsh_fused, lsh_per_sample).
 constexpr bool method_draws_hashes(Method method) {
   return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::draws_hashes; });
+}
+
+/// Whether a method's query tiles read every key before them (exact_tiled), rather than a
+/// short key range near their rows (the job order of the all-heads calls follows it).
+constexpr bool method_reads_every_key(Method method) {
+  return detail::visit_method(method,
+                              [](auto kernels) { return decltype(kernels)::reads_every_key; });
 }
 
 /// Whether a method runs by query tiles on the tile engine (lsh_fused, exact_tiled,

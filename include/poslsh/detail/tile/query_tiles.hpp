@@ -77,15 +77,30 @@ inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range,
   }
 }
 
+/// The order of the (query tile, head) jobs of parallel_query_tiles.
+enum class JobOrder {
+  /// Job j is head j % heads of tile j / heads: the jobs in flight read the same token rows of
+  /// every head (with [n, H, d] inputs each row is one stretch of memory, fetched once for all
+  /// heads). For kernels whose tiles read a short key range near their rows (LSH, banded).
+  heads_inner,
+  /// Job j is tile j % tiles of head j / tiles: the jobs in flight read one head's keys, which
+  /// stay in cache from one tile to the next. For kernels whose tiles read every key before
+  /// them (exact tiled), where the keys of all heads would not fit in cache.
+  heads_outer
+};
+
 /// Runs tile_job(tile, head, workspace) for every (query tile, head) pair in one parallel loop,
-/// job j being head j % heads of tile j / heads: the heads of a tile run one after the other,
-/// so the jobs in flight read the same token rows of every head (with [n, H, d] inputs each row
-/// is one stretch of memory, fetched once for all heads).
+/// in the order `order`.
 template <typename Scalar, typename TileJob>
-void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, TileJob&& tile_job) {
-  const auto jobs = static_cast<long>(tiles.size()) * static_cast<long>(heads);
+void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobOrder order,
+                          TileJob&& tile_job) {
+  const auto count = static_cast<long>(tiles.size());
+  const auto jobs = count * static_cast<long>(heads);
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
-    tile_job(tiles[static_cast<std::size_t>(j / heads)], static_cast<Index>(j % heads), workspace);
+    const bool inner = order == JobOrder::heads_inner;
+    const long tile = inner ? j / heads : j % count;
+    const long head = inner ? j % heads : j / count;
+    tile_job(tiles[static_cast<std::size_t>(tile)], static_cast<Index>(head), workspace);
   });
 }
 
@@ -95,7 +110,7 @@ template <typename Scalar, typename HeadTile>
 void parallel_query_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
   std::vector<QueryTile> tiles;
   append_query_tiles(tiles, 0, row_begin, row_end);
-  parallel_query_tiles<Scalar>(tiles, heads,
+  parallel_query_tiles<Scalar>(tiles, heads, JobOrder::heads_inner,
                                [&](const QueryTile& tile, Index h, TileWorkspace<Scalar>& work) {
                                  head_tile(h, tile.row_begin, tile.rows, work);
                                });
