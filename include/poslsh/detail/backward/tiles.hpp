@@ -226,7 +226,7 @@ inline constexpr Index backward_prefetch_rows = 8;
 /// Prefetches the cache lines of `count` scalars from `row` (for writing when `Write`).
 template <bool Write, typename Scalar>
 void prefetch_row(const Scalar* row, Index count) {
-  tile_prefetch_rows(row, count, 0, 1, count, Write);
+  tile_prefetch_rows<Write>(row, count, 0, 1, count);
 }
 
 /// prefetch_row for rows [first, first + count) of m (the first `cols` columns).

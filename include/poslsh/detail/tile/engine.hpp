@@ -199,8 +199,8 @@ class TileEngine {
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
       const Index r1 = std::min(i0 + Bq, row_end);
-      tile_prefetch_rows(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin, r1 - row_begin,
-                         dv_, true);
+      tile_prefetch_rows<true>(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin,
+                               r1 - row_begin, dv_);
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;

@@ -51,22 +51,18 @@ EIGEN_ALWAYS_INLINE void tile_keep_in_register(Packet& packet) {
 }
 
 /// Asks the caches for rows [first, last) (`cols` scalars each, row stride `stride`) of a
-/// row-major matrix, to be read (or, `for_writing`, written) soon: a hint, no effect on results.
-template <typename Scalar>
+/// row-major matrix, to be read (or, ForWriting, written) soon: a hint, no effect on results.
+template <bool ForWriting = false, typename Scalar>
 inline void tile_prefetch_rows(const Scalar* data, Index stride, Index first, Index last,
-                               Index cols, bool for_writing = false) {
+                               Index cols) {
   constexpr std::uintptr_t line = 64;
   for (Index r = first; r < last; ++r) {
     const auto begin = reinterpret_cast<std::uintptr_t>(data + r * stride) / line * line;
     const auto end = reinterpret_cast<std::uintptr_t>(data + r * stride + cols);
     for (std::uintptr_t address = begin; address < end; address += line) {
 #if defined(__GNUC__)
-      if (for_writing)
-        __builtin_prefetch(reinterpret_cast<const void*>(address), 1);
-      else
-        __builtin_prefetch(reinterpret_cast<const void*>(address), 0);
+      __builtin_prefetch(reinterpret_cast<const void*>(address), ForWriting ? 1 : 0);
 #else
-      static_cast<void>(for_writing);
       Eigen::internal::prefetch(reinterpret_cast<const Scalar*>(address));
 #endif
     }
