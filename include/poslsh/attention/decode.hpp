@@ -15,8 +15,8 @@
 // Checked (std::invalid_argument naming the argument): query has 1 .. t + 1 rows, shapes of keys,
 // values and out, 0 <= t < keys.rows(), causal masking, a finite scale; the LSH decoder: a
 // non-empty set of valid hashes; the exact decoder: sigma finite and > 0. Not checked: the values
-// (a NaN in the query gives a NaN output; see core/types.hpp) and cache rows past t, which are never
-// read.
+// (a NaN in the query gives a NaN output; see core/types.hpp) and cache rows past t, which are
+// never read.
 #pragma once
 
 #include <algorithm>
@@ -26,12 +26,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -134,6 +134,93 @@ inline std::vector<Index> decode_block_begins(const HashSet& hashes, Index t) {
   return begins;
 }
 
+/// Log weights of the LSH decoder at position p: log c_pj over the keys [min_k begin_k(p), p],
+/// where c_pj = #{k : begin_k(p) <= j} (the counts of block starts, summed over the keys).
+class LshDecodeWeights {
+ public:
+  explicit LshDecodeWeights(const HashSet& hashes) : hashes_(hashes) {}
+
+  /// The first key read at `position` (keeps the block starts for log_weights).
+  Index first_key(Index position) {
+    begins_ = decode_block_begins(hashes_, position);
+    return *std::min_element(begins_.begin(), begins_.end());
+  }
+
+  /// dst(c) = log c_pj, j = first + c, for the position of the last first_key call.
+  template <typename Row>
+  void log_weights(Index, Index first, Row&& dst) const {
+    using C = typename std::decay_t<Row>::Scalar;
+    dst.setZero();
+    for (Index begin : begins_) dst(begin - first) += C(1);
+    for (Index c = 1; c < dst.size(); ++c) dst(c) += dst(c - 1);
+    log_counts(dst);
+  }
+
+ private:
+  const HashSet& hashes_;
+  std::vector<Index> begins_;
+};
+
+/// Log weights of the exact decoder at position p: the ALiBi bias (j - p) * slope over the
+/// keys [0, p], formed in C from the exact integer j - p.
+template <typename C>
+class AlibiDecodeWeights {
+ public:
+  explicit AlibiDecodeWeights(C slope) : slope_(slope) {}
+  Index first_key(Index) const { return 0; }
+
+  template <typename Row>
+  void log_weights(Index position, Index first, Row&& dst) const {
+    for (Index c = 0; c < dst.size(); ++c) dst(c) = static_cast<C>(first + c - position) * slope_;
+  }
+
+ private:
+  C slope_;
+};
+
+/// The rows of a decoder after its argument checks: row r of out is the query at position
+/// p = t - m + 1 + r over the cache rows [first, p], first = weights.first_key(p), with the
+/// log weights L_j of weights.log_weights(p, first, row) (row(c) = L_{first + c}):
+///   out_r = sum_j e^{X_j - M} v_j / sum_j e^{X_j - M},  X_j = L_j + tau q.k_j,  M = max_j X_j.
+/// All-float and all-double views take the one-pass path (weighted_decode); any half-precision
+/// view the streamed path in float (streamed_decode_row). Throws std::invalid_argument naming
+/// options.scale if it is not finite.
+template <typename Scalar, typename KVScalar, typename OutScalar, typename Weights>
+void decode_rows(const char* function, const ConstMatrixRef<Scalar>& query,
+                 const ConstMatrixRef<KVScalar>& keys, const ConstMatrixRef<KVScalar>& values,
+                 Index t, const AttentionOptions& options, MatrixRef<OutScalar>& out,
+                 Weights& weights) {
+  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  constexpr bool one_pass =
+      std::is_same_v<Scalar, C> && std::is_same_v<KVScalar, C> && std::is_same_v<OutScalar, C>;
+  const auto tau = static_cast<C>(resolve_scale(function, options, query.cols()));
+  const Index m = query.rows();
+  if constexpr (one_pass) {
+    LogitScratch<C> scratch;
+    for (Index r = 0; r < m; ++r) {
+      const Index position = t - m + 1 + r;
+      const Index first = weights.first_key(position);
+      scratch.shape(1, position + 1 - first);
+      weights.log_weights(position, first, scratch.logits().row(0));
+      auto out_row = out.middleRows(r, 1);
+      weighted_decode<C>(query.middleRows(r, 1), keys, values, first, position, tau, scratch,
+                         out_row);
+    }
+  } else {
+    DecodeScratch<C> scratch;
+    auto& window = scratch.log_weights;
+    for (Index r = 0; r < m; ++r) {
+      const Index position = t - m + 1 + r;
+      const Index first = weights.first_key(position);
+      window.resize(position + 1 - first);
+      weights.log_weights(position, first, window);
+      streamed_decode_row<C>(
+          query.row(r), keys, values, first, position, tau,
+          [&](Index j) { return window(j - first); }, scratch, out.row(r));
+    }
+  }
+}
+
 }  // namespace detail
 
 /// First key the LSH decoder reads at position t: min_k begin_k(t), the smallest start of the
@@ -163,48 +250,12 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query,
                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> values, Index t,
                           const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
                           const AttentionOptions& options = {}) {
-  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr bool one_pass =
-      std::is_same_v<Scalar, C> && std::is_same_v<KVScalar, C> && std::is_same_v<OutScalar, C>;
   constexpr const char* function = "lsh_attention_decode";
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   validate_hashes(hashes, function);
-  const auto tau = static_cast<C>(detail::resolve_scale(function, options, query.cols()));
-  const Index m = query.rows();
-  if constexpr (one_pass) {
-    detail::LogitScratch<C> scratch;
-    for (Index r = 0; r < m; ++r) {
-      const Index position = t - m + 1 + r;
-      // c_pj = #{k : begin_k(p) <= j}: counts of block starts, then a running sum over keys.
-      const std::vector<Index> begins = detail::decode_block_begins(hashes, position);
-      const Index first = *std::min_element(begins.begin(), begins.end());
-      scratch.shape(1, position + 1 - first);
-      auto logits = scratch.logits();
-      logits.setZero();
-      for (Index begin : begins) logits(0, begin - first) += C(1);
-      for (Index c = 1; c < logits.cols(); ++c) logits(0, c) += logits(0, c - 1);
-      detail::log_counts(logits.row(0));
-      auto out_row = out.middleRows(r, 1);
-      detail::weighted_decode<C>(query.middleRows(r, 1), keys, values, first, position, tau,
-                                 scratch, out_row);
-    }
-  } else {
-    detail::DecodeScratch<C> scratch;
-    for (Index r = 0; r < m; ++r) {
-      const Index position = t - m + 1 + r;
-      // log c_pj from the counts of block starts (a running sum over the window), in C.
-      const std::vector<Index> begins = detail::decode_block_begins(hashes, position);
-      const Index first = *std::min_element(begins.begin(), begins.end());
-      auto& weights = scratch.log_weights;
-      weights.setZero(position + 1 - first);
-      for (Index begin : begins) weights(begin - first) += C(1);
-      for (Index c = 1; c < weights.size(); ++c) weights(c) += weights(c - 1);
-      weights = weights.array().log().matrix();
-      detail::streamed_decode_row<C>(
-          query.row(r), keys, values, first, position, tau,
-          [&](Index j) { return weights(j - first); }, scratch, out.row(r));
-    }
-  }
+  detail::LshDecodeWeights weights(hashes);
+  detail::decode_rows<Scalar, KVScalar, OutScalar>(function, query, keys, values, t, options, out,
+                                                   weights);
 }
 
 /// Exact ALiBi decode: out = softmax_j(tau q_t.k_j - (t - j) / sigma) v_j over j = 0..t.
@@ -218,37 +269,13 @@ void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query,
                                   double sigma, MatrixRef<detail::nondeduced_t<OutScalar>> out,
                                   const AttentionOptions& options = {}) {
   using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr bool one_pass =
-      std::is_same_v<Scalar, C> && std::is_same_v<KVScalar, C> && std::is_same_v<OutScalar, C>;
   constexpr const char* function = "alibi_attention_decode_exact";
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   detail::require_sigma(sigma, function);
-  const auto tau = static_cast<C>(detail::resolve_scale(function, options, query.cols()));
-  // Bias -(t - j) / sigma from the exact integers j - t (exact in float up to 2^24), with the
-  // slope kept finite for distances up to t.
-  const C slope = detail::finite_alibi_slope<C>(sigma, t);
-  const Index m = query.rows();
-  if constexpr (one_pass) {
-    detail::LogitScratch<C> scratch;
-    for (Index r = 0; r < m; ++r) {
-      const Index position = t - m + 1 + r;
-      scratch.shape(1, position + 1);
-      scratch.logits() = Eigen::Matrix<C, 1, Eigen::Dynamic>::LinSpaced(
-                             position + 1, -static_cast<C>(position), C(0)) *
-                         slope;
-      auto out_row = out.middleRows(r, 1);
-      detail::weighted_decode<C>(query.middleRows(r, 1), keys, values, 0, position, tau, scratch,
-                                 out_row);
-    }
-  } else {
-    detail::DecodeScratch<C> scratch;
-    for (Index r = 0; r < m; ++r) {
-      const Index position = t - m + 1 + r;
-      detail::streamed_decode_row<C>(
-          query.row(r), keys, values, 0, position, tau,
-          [&](Index j) { return static_cast<C>(j - position) * slope; }, scratch, out.row(r));
-    }
-  }
+  // The slope kept finite for distances up to t.
+  detail::AlibiDecodeWeights<C> weights(detail::finite_alibi_slope<C>(sigma, t));
+  detail::decode_rows<Scalar, KVScalar, OutScalar>(function, query, keys, values, t, options, out,
+                                                   weights);
 }
 
 }  // namespace poslsh

@@ -15,12 +15,12 @@
 #include <utility>
 #include <vector>
 
-#include "poslsh/interop/block_kernel.hpp"
-#include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/attention/fused.hpp"
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/attention.hpp"
+#include "poslsh/interop/block_kernel.hpp"
 #include "poslsh/interop/lse_merge.hpp"
 #include "poslsh/lsh/samplers.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
@@ -95,10 +95,9 @@ inline long long lsh_fused_pair_count(const PartitionSet& partitions, Masking ma
 /// partitions = partition_set(hashes, n), and independent of the thread count.
 /// Self-attention only (options.query_offset unset or 0). Throws std::invalid_argument naming a
 /// bad argument; exceptions from the callable propagate.
-template <
-    typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
-    typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
-    typename = std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>>
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
+          typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
+          typename = detail::storage_scalars_t<KVScalar, OutScalar>>
 void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
@@ -106,7 +105,6 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
                              MatrixRef<detail::nondeduced_t<OutScalar>> out,
                              const AttentionOptions& options = {},
                              BlockKernel&& block_kernel = BlockKernel{}) {
-  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_by_blocks";
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
@@ -114,13 +112,8 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
   validate_partition_set(partitions, function);
   detail::require(partitions.n == k.rows(), function, "partitions.n", partitions.n,
                   "must equal k.rows() (the partitions cut the key positions)");
-  detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
-  const Index n = q.rows();
-  if (n == 0) return;
-  const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
-  const bool causal = options.masking == Masking::causal;
-  detail::merge_block_attentions<C, Scalar, KVScalar, OutScalar>(
-      q, k, v, tau, causal, out, block_kernel, [&](auto&& each_sample) {
+  detail::merge_block_attentions<Scalar, KVScalar, OutScalar>(
+      function, q, k, v, out, options, block_kernel, [&](auto&& each_sample) {
         for (Index sample = 0; sample < partitions.samples(); ++sample)
           each_sample(partitions.begin(sample), partitions.end(sample));
       });

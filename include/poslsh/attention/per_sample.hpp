@@ -8,83 +8,76 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
-#include "poslsh/detail/streaming_softmax.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh {
 
 namespace detail {
 
-/// Tile engine policy (detail/tile/engine.hpp) of plain attention inside the block
-/// [begin, end) of positions: row i keeps the keys [begin, e_i), e_i = min(i + 1, end)
-/// (causal) or end (bidirectional), with x_ij = tau q_i.k_j and weight 1 (no bias). Only the
-/// rows of the block are ever stored (EngineState), so rows outside it may compute anything.
+/// Tile engine policy of plain attention inside the block [begin, end) of positions: row i
+/// keeps the keys [begin, e_i), e_i = min(i + 1, end) (causal) or end (bidirectional), with
+/// x_ij = tau q_i.k_j and weight 1. This is the exact ALiBi policy with slope 0 (AlibiBias
+/// with sigma = inf, whose bias |i - j| * 0 adds exactly 0) over the distance window
+/// 0 <= i - j (causal) or an unbounded one, with the keys cut to the block. Only the rows of
+/// the block are ever stored (EngineState), so rows outside it may compute anything.
 template <typename Scalar>
-class BlockWindowBias {
-  using Packet = TilePacket<Scalar>;
+class BlockWindowBias : public AlibiBias<Scalar> {
+  using Base = AlibiBias<Scalar>;
   static constexpr Index Bq = tile_query_rows;
+  /// A distance bound beyond any two positions (a power of two: exact in every Scalar).
+  static constexpr Index unbounded = Index{1} << 40;
 
  public:
-  BlockWindowBias(Index begin, Index end, bool causal) : begin_(begin), end_(end), causal_(causal) {
-    for (Index a = 0; a < Bq; ++a) offsets_(a) = static_cast<Scalar>(a);
-  }
+  BlockWindowBias(Index begin, Index end, bool causal)
+      : Base(end, std::numeric_limits<double>::infinity(),
+             ExactWindow{causal ? 0 : -unbounded, unbounded}),
+        begin_(begin),
+        end_(end),
+        causal_(causal) {}
 
   KeyRange query_tile(Index i0) {
+    Base::query_tile(i0);
     i0_ = i0;
     return {begin_, causal_ ? std::min(end_, i0 + Bq) : end_};
   }
 
-  // The engine only visits keys in [begin, end): a tile is cut only by the causal diagonal.
+  // The engine only visits keys in [begin, end): the window cuts a tile only at the causal
+  // diagonal.
   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows) {
     j0_ = j0;
-    if (!causal_) return KeyTileCut::full;
-    if (i0_ + rows.last - 1 < j0) return KeyTileCut::skip;
-    return i0_ + rows.first >= j0 + keys - 1 ? KeyTileCut::full : KeyTileCut::masked;
+    return Base::key_tile(j0, keys, rows);
   }
 
-  // Row i0 + a reaches key j0 + b iff j0 + b <= i0 + a (causal); keys [begin, e_i).
-  KeyRange rows_reaching(Index b0, Index) const { return {causal_ ? j0_ - i0_ + b0 : 0, Bq}; }
   KeyRange keys_reached(Index, Index a1) const {
     return {begin_ - j0_, (causal_ ? std::min(i0_ + a1, end_) : end_) - j0_};
   }
 
-  /// x = acc (-inf for keys after the row, in cut tiles), p = e^{x - M} (exactly 0 there).
-  class Scorer {
+  /// AlibiBias's scorer, whose bias step (adding exactly 0) is left out of the tiles the
+  /// window does not cut: there x = acc.
+  class Scorer : public Base::Scorer {
    public:
-    explicit Scorer(const BlockWindowBias& bias)
-        : offsets_(bias.offsets_.data()), first_(bias.j0_ - bias.i0_) {}
+    explicit Scorer(const BlockWindowBias& bias) : Base::Scorer(bias) {}
 
     template <bool Masked>
-    EIGEN_ALWAYS_INLINE Packet score(const Packet& acc, Index b, Index a) const {
-      namespace ei = Eigen::internal;
-      if constexpr (!Masked) return acc;
-      // Row i0 + a + lane keeps key j0 + b iff a + lane >= j0 - i0 + b (small in a cut tile).
-      const Packet keep = ei::pcmp_le(ei::pset1<Packet>(static_cast<Scalar>(first_ + b)),
-                                      ei::pload<Packet>(offsets_ + a));
-      return ei::pselect(keep, acc, ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity()));
+    EIGEN_ALWAYS_INLINE TilePacket<Scalar> score(const TilePacket<Scalar>& acc, Index b,
+                                                 Index a) const {
+      if constexpr (Masked)
+        return Base::Scorer::template score<true>(acc, b, a);
+      else
+        return acc;
     }
-
-    template <bool Masked>
-    EIGEN_ALWAYS_INLINE Packet weight(const Packet& prob, const Packet& x, Index, Index) const {
-      namespace ei = Eigen::internal;
-      if constexpr (!Masked) return prob;
-      const Packet none = ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity());
-      return ei::pselect(ei::pcmp_eq(x, none), ei::pset1<Packet>(Scalar(0)), prob);
-    }
-
-   private:
-    const Scalar* offsets_;
-    Index first_;
   };
 
   Scorer scorer() const { return Scorer(*this); }
@@ -92,111 +85,226 @@ class BlockWindowBias {
  private:
   Index begin_, end_;
   bool causal_;
-  Eigen::Array<Scalar, Bq, 1> offsets_;
   Index i0_ = 0, j0_ = 0;
 };
 
-/// Plain attention of block [begin, end) (no positional bias; causal inside the block when
-/// causal), folded into `state` with weight 1 per visible pair by the tile engine
-/// (TileEngine::accumulate with BlockWindowBias):
-///   M_i <- max(M_i, max_j x_ij),  l_i <- e^{M_i,old - M_i} l_i + sum_j e^{x_ij - M_i},
-///   acc_i <- e^{M_i,old - M_i} acc_i + sum_j e^{x_ij - M_i} v_j,  x_ij = tau q_i.k_j,
-/// j over the row's keys in the block. Query position i is row i - base of q and of the state,
-/// keys are at positions 0 .. k.rows() - 1, and only the positions [rows_first, rows_last) of
-/// the block are computed. The engine's tiles sit at absolute positions (multiples of 64), a
-/// row's arithmetic depends only on the row, its tile and the keys it sees (in the engine's
-/// fixed order), and keys it does not see get probability exactly 0: a row gets bitwise the
-/// same update for any base, row range, and (causal) any block end past the row, so causal
-/// chunked prefill over the keys so far gives the rows of one prefill. Half-precision Q, K
-/// and V are widened to C tile by tile (the arithmetic of C views of the widened values).
-template <typename Scalar, typename KVScalar = Scalar,
-          typename C = compute_scalar_t<Scalar, KVScalar>>
-void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<nondeduced_t<KVScalar>> k,
-                ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal, Index begin,
-                Index end, StreamingSoftmax<C>& state, TileBuffers<C>& buffers, Index base = 0,
-                Index rows_first = 0, Index rows_last = std::numeric_limits<Index>::max()) {
-  const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
-  if (first >= last) return;
-  BlockWindowBias<C> bias(begin, end, causal);
-  const EngineState<C> rows{state.running_max.data(), state.running_sum.data(),
-                            state.accumulator.data(), state.accumulator.outerStride(), base};
-  if constexpr (std::is_same_v<KVScalar, C>) {
-    TileEngine<C, BlockWindowBias<C>, ContiguousKV<C>, Scalar> engine(
-        q, ContiguousKV<C>(k, v), static_cast<double>(tau), bias, buffers, base);
-    engine.accumulate(first, last, rows);
-  } else {
-    TileEngine<C, BlockWindowBias<C>, WideningKV<C, KVScalar>, Scalar> engine(
-        q, WideningKV<C, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), static_cast<double>(tau),
-        bias, buffers, base);
-    engine.accumulate(first, last, rows);
+/// Online-softmax partial results of a range of query rows, for each row r the running
+/// maximum M_r, the sum l_r = sum_j e^{x_rj - M_r} and the numerator acc_r = sum_j e^{x_rj -
+/// M_r} v_j over the keys folded in so far ((-inf, 0, 0) without keys). The rows of acc are
+/// padded to whole 64-byte lines, so every row starts at the same alignment and the row
+/// operations below run the same instructions on every row.
+template <typename C>
+struct SoftmaxPartials {
+  Eigen::Array<C, Eigen::Dynamic, 1> max, sum;
+  RowMatrix<C> acc;
+  Index cols = 0;
+
+  /// Room for `rows` rows of width `value_cols` (contents unspecified).
+  void resize(Index rows, Index value_cols) {
+    constexpr auto line = static_cast<Index>(64 / sizeof(C));
+    cols = value_cols;
+    max.resize(rows);
+    sum.resize(rows);
+    acc.resize(rows, (value_cols + line - 1) / line * line);
   }
-}
 
-/// fold_block with the calling thread's own tile buffers (the form of the callers that hold
-/// a LogitScratch; the scratch is not used).
-template <typename Scalar, typename KVScalar = Scalar,
-          typename C = compute_scalar_t<Scalar, KVScalar>>
-void fold_block(ConstMatrixRef<Scalar> q, ConstMatrixRef<nondeduced_t<KVScalar>> k,
-                ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal, Index begin,
-                Index end, StreamingSoftmax<C>& state, LogitScratch<C>&, Index base = 0,
-                Index rows_first = 0, Index rows_last = std::numeric_limits<Index>::max()) {
-  thread_local TileBuffers<C> buffers;
-  fold_block<Scalar, KVScalar, C>(q, k, v, tau, causal, begin, end, state, buffers, base,
-                                  rows_first, rows_last);
-}
+  /// Rows [r0, r1) set to (-inf, 0, 0).
+  void clear(Index r0, Index r1) {
+    max.segment(r0, r1 - r0).setConstant(-std::numeric_limits<C>::infinity());
+    sum.segment(r0, r1 - r0).setZero();
+    acc.middleRows(r0, r1 - r0).setZero();
+  }
 
-/// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
-/// positions, into out: for each hash in turn, the blocks meeting those positions are folded
-/// into one state of q.rows() rows (fold_block; the blocks of a hash in parallel, on disjoint
-/// rows; the hashes one after the other), then out_r = acc_r / l_r.
-template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
-void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
-                     const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
-                     Index p0, MatrixRef<OutScalar>& out) {
-  const Index m = q.rows(), n = k.rows();
-  std::vector<std::vector<Index>> boundaries;
-  boundaries.reserve(hashes.size());
-  for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries(hash, n));
-  StreamingSoftmax<C> state;
-  state.reset(m, v.cols());
-#pragma omp parallel
-  {
-    TileBuffers<C> buffers;
-    for (const std::vector<Index>& edges : boundaries) {
-      // The blocks [t_r, t_{r+1}) with t_{r+1} > p0 and t_r < p0 + m.
-      const auto first =
-          static_cast<long>(std::upper_bound(edges.begin(), edges.end(), p0) - edges.begin() - 1);
-      const auto last =
-          static_cast<long>(std::lower_bound(edges.begin(), edges.end(), p0 + m) - edges.begin());
-#pragma omp for schedule(dynamic, 1)
-      for (long r = first; r < last; ++r) {
-        const auto index = static_cast<std::size_t>(r);
-        fold_block<Scalar, KVScalar, C>(q, k, v, tau, causal, edges[index], edges[index + 1], state,
-                                        buffers, p0, p0, p0 + m);
+  /// The tile engine's view of the rows: row r is the query at position base + r.
+  EngineState<C> engine_state(Index base) {
+    return {max.data(), sum.data(), acc.data(), acc.outerStride(), base};
+  }
+
+  /// Row r of `other` merged into row r, for r in [r0, r1): with M = max(M_r, M'_r),
+  ///   l_r <- e^{M_r - M} l_r + e^{M'_r - M} l'_r,
+  ///   acc_r <- e^{M_r - M} acc_r + e^{M'_r - M} acc'_r,  M_r <- M
+  /// (one of the two factors is 1 and is not applied). A row of `other` without keys
+  /// (M'_r = -inf) leaves the row as it is.
+  void merge(const SoftmaxPartials& other, Index r0, Index r1) {
+    using Row = Eigen::Map<Eigen::Array<C, 1, Eigen::Dynamic>>;
+    using ConstRow = Eigen::Map<const Eigen::Array<C, 1, Eigen::Dynamic>>;
+    for (Index r = r0; r < r1; ++r) {
+      const C theirs = other.max(r);
+      if (theirs == -std::numeric_limits<C>::infinity()) continue;
+      Row mine_acc(acc.data() + r * acc.outerStride(), cols);
+      const ConstRow their_acc(other.acc.data() + r * other.acc.outerStride(), cols);
+      if (theirs <= max(r)) {
+        const C scale = std::exp(theirs - max(r));
+        sum(r) += scale * other.sum(r);
+        mine_acc += scale * their_acc;
+      } else {
+        const C scale = std::exp(max(r) - theirs);  // 0 for a row without keys
+        sum(r) = scale * sum(r) + other.sum(r);
+        mine_acc = scale * mine_acc + their_acc;
+        max(r) = theirs;
       }
     }
   }
-  state.finish(0, out);
+
+  /// out = acc_r / l_r, computed as acc_r * (1 / l_r) and rounded once to out's scalar.
+  template <typename OutRow>
+  void finish(Index r, OutRow&& out) const {
+    using OutScalar = typename std::decay_t<OutRow>::Scalar;
+    const C inverse = C(1) / sum(r);
+    const auto row = acc.row(r).head(cols) * inverse;
+    if constexpr (std::is_same_v<OutScalar, C>)
+      out = row;
+    else
+      out = row.template cast<OutScalar>();
+  }
+
+  /// lse_r = M_r + log l_r (-inf for a row without keys).
+  C lse(Index r) const { return max(r) + std::log(sum(r)); }
+};
+
+/// Levels of the pairwise merge of s samples: floor(log2 s) + 1.
+inline std::size_t merge_levels(std::size_t samples) {
+  std::size_t levels = 1;
+  while ((samples >> levels) != 0) ++levels;
+  return levels;
+}
+
+/// The level that sample k (counted from 0) of a pairwise merge ends at: the number of
+/// trailing one bits of k. The samples before k hold the levels of the one bits of k (a
+/// binary counter); sample k is merged with levels 0 .. t - 1 (of 1, 1, 2, .., 2^(t-1)
+/// samples, in that order) into level t, of 2^t samples. After s samples the levels of the
+/// one bits of s are left.
+inline std::size_t merge_level(std::size_t sample) {
+  std::size_t level = 0;
+  while (((sample >> level) & 1U) != 0) ++level;
+  return level;
+}
+
+/// The lowest one bit of s > 0: the level the others left after s samples are merged into.
+inline std::size_t lowest_level(std::size_t samples) {
+  std::size_t level = 0;
+  while (((samples >> level) & 1U) == 0) ++level;
+  return level;
+}
+
+/// Plain attention of block [begin, end) (no positional bias; causal inside the block when
+/// causal), folded into the rows `state` by the tile engine (TileEngine::accumulate with
+/// BlockWindowBias):
+///   M_i <- max(M_i, max_j x_ij),  l_i <- e^{M_i,old - M_i} l_i + sum_j e^{x_ij - M_i},
+///   acc_i <- e^{M_i,old - M_i} acc_i + sum_j e^{x_ij - M_i} v_j,  x_ij = tau q_i.k_j,
+/// j over the row's keys in the block. Query position i is row i - state.base of q and of the
+/// state, keys are at positions 0 .. k.rows() - 1, and only the positions [rows_first,
+/// rows_last) of the block are computed. The engine's tiles sit at absolute positions
+/// (multiples of 64), a row's arithmetic depends only on the row, its tile and the keys it
+/// sees (in the engine's fixed order), and keys it does not see get probability exactly 0: a
+/// row gets bitwise the same update for any base, row range, and (causal) any block end past
+/// the row. Half-precision Q, K and V are widened to C tile by tile (the arithmetic of C views
+/// of the widened values). Out of line: the engine's kernels compile in this function, not in
+/// the callers' loops.
+template <typename Scalar, typename KVScalar = Scalar,
+          typename C = compute_scalar_t<Scalar, KVScalar>>
+EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
+                                  ConstMatrixRef<nondeduced_t<KVScalar>> k,
+                                  ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal,
+                                  Index begin, Index end, const EngineState<C>& state,
+                                  TileBuffers<C>& buffers, Index rows_first = 0,
+                                  Index rows_last = std::numeric_limits<Index>::max()) {
+  const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
+  if (first >= last) return;
+  BlockWindowBias<C> bias(begin, end, causal);
+  if constexpr (std::is_same_v<KVScalar, C>) {
+    TileEngine<C, BlockWindowBias<C>, ContiguousKV<C>, Scalar> engine(
+        q, ContiguousKV<C>(k, v), static_cast<double>(tau), bias, buffers, state.base);
+    engine.accumulate(first, last, state);
+  } else {
+    TileEngine<C, BlockWindowBias<C>, WideningKV<C, KVScalar>, Scalar> engine(
+        q, WideningKV<C, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), static_cast<double>(tau),
+        bias, buffers, state.base);
+    engine.accumulate(first, last, state);
+  }
+}
+
+/// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
+/// positions, into out (and lse, when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for
+/// row r, i = p0 + r). The rows go by query tiles (tile_query_rows positions, aligned from
+/// position 0; the tiles in parallel, OpenMP). In a tile, each sample's blocks meeting the
+/// tile's rows are folded into fresh partials (fold_block), which are merged with the earlier
+/// samples' partials pairwise (merge_level: a binary tree over the samples in order, each
+/// merge SoftmaxPartials::merge); the levels left at the end are merged lowest first, and
+/// out_r = acc_r / l_r. Each row's arithmetic depends only on its position, the keys and the
+/// hashes. Extra memory O(tile_query_rows d_v log2 s) per thread.
+template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
+void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
+                     const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
+                     Index p0, MatrixRef<OutScalar>& out, C* lse = nullptr) {
+  constexpr Index Bq = tile_query_rows;
+  const Index m = q.rows(), n = k.rows();
+  if (m == 0) return;
+  const std::size_t samples = hashes.size(), levels = merge_levels(samples);
+  const std::size_t lowest = lowest_level(samples);
+  std::vector<std::vector<Index>> boundaries;
+  boundaries.reserve(samples);
+  for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries(hash, n));
+  const Index first_tile = p0 / Bq;
+  const auto tiles = static_cast<long>((p0 + m - 1) / Bq - first_tile + 1);
+#pragma omp parallel
+  {
+    TileBuffers<C> buffers;
+    std::vector<SoftmaxPartials<C>> partials(levels);
+    for (SoftmaxPartials<C>& level : partials) level.resize(Bq, v.cols());
+#pragma omp for schedule(dynamic, 1)
+    for (long tile = 0; tile < tiles; ++tile) {
+      // The rows at positions [first, last), partial row i - first for position i.
+      const Index i0 = (first_tile + static_cast<Index>(tile)) * Bq;
+      const Index first = std::max(i0, p0), last = std::min(i0 + Bq, p0 + m), rows = last - first;
+      const ConstMatrixRef<Scalar> tile_q = q.middleRows(first - p0, rows);
+      for (std::size_t sample = 0; sample < samples; ++sample) {
+        const std::size_t level = merge_level(sample);
+        SoftmaxPartials<C>& fresh = partials[level];
+        fresh.clear(0, rows);
+        // The blocks [t_r, t_{r+1}) with t_{r+1} > first and t_r < last.
+        const std::vector<Index>& edges = boundaries[sample];
+        for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
+             ++edge)
+          fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
+                                          fresh.engine_state(first), buffers, first, last);
+        for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
+      }
+      SoftmaxPartials<C>& result = partials[lowest];
+      for (std::size_t above = lowest + 1; above < levels; ++above)
+        if (((samples >> above) & 1U) != 0) result.merge(partials[above], 0, rows);
+      for (Index r = 0; r < rows; ++r) {
+        result.finish(r, out.row(first - p0 + r));
+        if (lse != nullptr) lse[first - p0 + r] = result.lse(r);
+      }
+    }
+  }
 }
 
 }  // namespace detail
 
-/// Per-sample LSH ALiBi attention (the paper's algorithm, Theorem 2.2). For each hash h_k and
-/// each of its blocks B, plain attention on (Q_B, K_B, V_B), causal inside B when causal; the
-/// numerators and denominators of each query are accumulated across samples with one running
-/// maximum, giving
+/// Per-sample LSH ALiBi attention (the paper's algorithm, Theorem 2.2):
 ///   T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k),  A_ij = exp(tau q_i . k_j),
-/// (not the mean of the s per-sample softmaxes). Each block runs on the tile engine (tiles of
-/// 64 x 64 at absolute positions, register-blocked scores and values, fold_block). Cost
-/// sum_k sum_B |B|^2 d; extra memory O(n d_v). Blocks of one sample run in parallel (OpenMP)
-/// on disjoint rows, so the output is bitwise the same for any thread count. Queries at an
-/// offset (options.query_offset = p0; unset: L - m): Q is m x d at positions p0 .. p0 + m - 1
-/// over K, V of L rows, blocks and masks at the absolute positions, and only those rows are
-/// computed. A row's arithmetic depends only on its position, the keys it sees and the
-/// hashes, not on L or on the other rows: row r is bitwise row p0 + r of the kernel on all L
-/// positions, and causal chunked prefill with the keys so far (K = the first p0 + m
-/// positions, where the last block of a hash is cut at p0 + m) gives bitwise the rows of one
-/// prefill of the whole prompt; bidirectional chunks see all L keys and are bitwise too.
+/// i.e. out_i = sum_j c_ij e^{tau q_i.k_j} v_j / sum_j c_ij e^{tau q_i.k_j} with c_ij the
+/// number of samples whose blocks hold both i and j (causal: j <= i); not the mean of the s
+/// per-sample softmaxes. For each hash h_k and each of its blocks B, plain attention on
+/// (Q_B, K_B, V_B), causal inside B when causal, on the tile engine (tiles of 64 x 64 at
+/// absolute positions, register-blocked scores and values, fold_block); each sample gives
+/// every query row a partial result (M, l, acc): the maximum of its scores, l = sum_j
+/// e^{x_ij - M} and acc = sum_j e^{x_ij - M} v_j over its block. The s partial results of a
+/// row are merged pairwise in a fixed binary tree over the samples (two partials: M'' =
+/// max(M, M'), l'' = e^{M - M''} l + e^{M' - M''} l', acc'' likewise), and out = acc / l: the
+/// rounding error is that of one sample's block attention plus log2 s merges, not growing
+/// with s. Cost sum_k sum_B |B|^2 d; extra memory O(64 d_v log2 s) per thread. Query tiles of
+/// 64 rows run in parallel (OpenMP), each row on one thread in a fixed order, so the output is
+/// bitwise the same for any thread count. Queries at an offset (options.query_offset = p0;
+/// unset: L - m): Q is m x d at positions p0 .. p0 + m - 1 over K, V of L rows, blocks and
+/// masks at the absolute positions, and only those rows are computed. A row's arithmetic
+/// depends only on its position, the keys it sees and the hashes, not on L or on the other
+/// rows: row r is bitwise row p0 + r of the kernel on all L positions, and causal chunked
+/// prefill with the keys so far (K = the first p0 + m positions, where the last block of a
+/// hash is cut at p0 + m) gives bitwise the rows of one prefill of the whole prompt;
+/// bidirectional chunks see all L keys and are bitwise too.
 /// Scalars: Q in Scalar, K and V in KVScalar, out in OutScalar (float, double, Eigen::half or
 /// Eigen::bfloat16; double only with double). Computed in C = compute_scalar_t<Scalar,
 /// KVScalar, OutScalar>: half-precision tiles of 64 rows are widened to float as they are
@@ -250,9 +358,8 @@ RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q,
                                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
                                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
                                          double sigma, const AttentionOptions& options = {}) {
-  RowMatrix<Scalar> out(q.rows(), v.cols());
-  fixed_blocks_attention<Scalar, KVScalar, Scalar>(q, k, v, sigma, out, options);
-  return out;
+  return lsh_attention_per_sample<Scalar, KVScalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)},
+                                                    options);
 }
 
 }  // namespace poslsh

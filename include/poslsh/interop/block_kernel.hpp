@@ -6,13 +6,12 @@
 #include <utility>
 #include <vector>
 
-#include "poslsh/detail/checks/lsh.hpp"
-#include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/interop/lse_merge.hpp"
-#include "poslsh/lsh/partition.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/lsh.hpp"
+#include "poslsh/interop/lse_merge.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {
 
@@ -28,29 +27,45 @@ struct PlainBlockAttention {
   void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k, ConstMatrixRef<KVScalar> v,
                   bool causal, C tau, MatrixRef<C> out,
                   Eigen::Ref<Eigen::Matrix<C, Eigen::Dynamic, 1>> lse) const {
-    detail::StreamingSoftmax<C> state;
+    const Index n = q.rows();
+    detail::SoftmaxPartials<C> state;
     detail::TileBuffers<C> buffers;
-    state.reset(q.rows(), v.cols());
-    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, q.rows(), state, buffers);
-    state.finish(0, out);
-    lse = (state.running_max + state.running_sum.log()).matrix();
+    state.resize(n, v.cols());
+    state.clear(0, n);
+    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, n, state.engine_state(0),
+                                         buffers);
+    for (Index r = 0; r < n; ++r) state.finish(r, out.row(r));
+    lse = (state.max + state.sum.log()).matrix();
   }
 };
 
 namespace detail {
 
-/// The loop of lsh_attention_by_blocks: for_each_sample(each_sample) calls
-/// each_sample(first, last) once per sample with its block edges [first, last) (blocks
-/// [first[r], first[r + 1]) covering 0 .. n); every block B goes to block_kernel(Q_B, K_B, V_B,
-/// causal, tau, O_B, lse_B) in order on the calling thread, and the samples' outputs are merged
-/// by LseMerger into out (a half-precision out: the merged result rounded once).
-template <typename C, typename Scalar, typename KVScalar, typename OutScalar, typename BlockKernel,
+/// Enables the lsh_attention_by_blocks overloads whose KVScalar and OutScalar are view scalars
+/// (so that a block kernel type in their place picks the form that names it second).
+template <typename KVScalar, typename OutScalar>
+using storage_scalars_t =
+    std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>;
+
+/// lsh_attention_by_blocks after the checks of its shapes and samples: options.query_offset
+/// unset or 0 (self-attention at positions 0 .. n - 1), tau = options.scale or 1/sqrt(d).
+/// for_each_sample(each_sample) calls each_sample(first, last) once per sample with its block
+/// edges [first, last) (blocks [first[r], first[r + 1]) covering 0 .. n); every block B goes
+/// to block_kernel(Q_B, K_B, V_B, causal, tau, O_B, lse_B) in order on the calling thread, and
+/// the samples' outputs are merged by LseMerger into out (a half-precision out: the merged
+/// result rounded once). Nothing is computed for n = 0.
+template <typename Scalar, typename KVScalar, typename OutScalar, typename BlockKernel,
           typename ForEachSample>
-void merge_block_attentions(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k,
-                            ConstMatrixRef<KVScalar> v, C tau, bool causal,
-                            MatrixRef<OutScalar> out, BlockKernel& block_kernel,
-                            ForEachSample&& for_each_sample) {
+void merge_block_attentions(const char* function, ConstMatrixRef<Scalar> q,
+                            ConstMatrixRef<KVScalar> k, ConstMatrixRef<KVScalar> v,
+                            MatrixRef<OutScalar> out, const AttentionOptions& options,
+                            BlockKernel& block_kernel, ForEachSample&& for_each_sample) {
+  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
+  resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
   const Index n = q.rows();
+  if (n == 0) return;
+  const auto tau = static_cast<C>(resolve_scale(function, options, q.cols()));
+  const bool causal = options.masking == Masking::causal;
   LseMerger<C> merger(n, v.cols());
   RowMatrix<C> sample_output(n, v.cols());
   Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
@@ -85,28 +100,21 @@ void merge_block_attentions(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k
 /// result rounded once. Blocks are processed one after the other on the calling thread, so the
 /// callable need not be thread-safe. Throws std::invalid_argument naming a bad argument;
 /// exceptions from the callable propagate.
-template <
-    typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
-    typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
-    typename = std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>>
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
+          typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
+          typename = detail::storage_scalars_t<KVScalar, OutScalar>>
 void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
                              const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
                              const AttentionOptions& options = {},
                              BlockKernel&& block_kernel = BlockKernel{}) {
-  using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_by_blocks";
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
-  detail::resolve_query_offset(function, options, q, k);  // self-attention: unset or 0
-  const Index n = q.rows();
-  if (n == 0) return;
-  const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
-  const bool causal = options.masking == Masking::causal;
-  detail::merge_block_attentions<C, Scalar, KVScalar, OutScalar>(
-      q, k, v, tau, causal, out, block_kernel, [&](auto&& each_sample) {
+  detail::merge_block_attentions<Scalar, KVScalar, OutScalar>(
+      function, q, k, v, out, options, block_kernel, [&](auto&& each_sample) {
         for (const BinHash& hash : hashes) {
-          const std::vector<Index> boundaries = block_boundaries(hash, n);
+          const std::vector<Index> boundaries = block_boundaries(hash, q.rows());
           each_sample(boundaries.data(), boundaries.data() + boundaries.size());
         }
       });

@@ -200,7 +200,8 @@ void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
-/// kernel's structure): sum over samples of plain-attention gradients with the combined lse.
+/// kernel's structure): the compensated sum over samples of plain-attention gradients with the
+/// combined lse.
 template <typename Scalar>
 void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                          const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
@@ -215,7 +216,7 @@ void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<S
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
-  for (const BinHash& hash : hashes) backward_hash_blocks(in, hash, causal, grads);
+  backward_hash_blocks(in, hashes, causal, grads);
 }
 
 /// The checks every backward entry point makes (self-attention from position 0, the shapes of
@@ -316,7 +317,7 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 }
 
 /// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
-/// e^{tau q_i.k_j - M_i} from the streaming softmax shared by the samples (equal to the fused
+/// e^{tau q_i.k_j - M_i} from the samples' partial results merged pairwise (equal to the fused
 /// kernel's lse to rounding); out bitwise that of the overload without lse.
 template <typename Scalar>
 void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
@@ -426,8 +427,10 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
 /// (causal inside B) with the combined lse and D, summed over the samples:
 ///   P^(k)_ij = e^{tau q_i.k_j - lse_i} [bin_k(i) = bin_k(j)],  sum_k P^(k) = P,
 /// so the result equals lsh_attention_fused_backward to rounding. Cost sum_k sum_B |B|^2 d.
-/// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order: bitwise
-/// the same for any thread count. Throws std::invalid_argument naming a bad argument.
+/// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order, the
+/// samples' gradients added with a compensated (Neumaier) sum so that the rounding error does
+/// not grow with s: bitwise the same for any thread count. Throws std::invalid_argument naming
+/// a bad argument.
 template <typename Scalar>
 void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                        ConstMatrixRef<Scalar> v, const HashSet& hashes,

@@ -11,12 +11,12 @@
 #include <Eigen/Core>
 #include <vector>
 
-#include "poslsh/training/backward.hpp"
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/blocks.hpp"
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
+#include "poslsh/training/backward.hpp"
 
 namespace poslsh {
 
@@ -24,8 +24,8 @@ namespace poslsh {
 ///   T_bar_i = (1/s) sum_k sum_{j in B_k(i)} e^{x_ij} v_j / sum_{j in B_k(i)} e^{x_ij},
 ///   x_ij = tau q_i.k_j,
 /// B_k(i) the block of hash k holding i (causal: its keys j <= i), i.e. the mean of the s
-/// plain attentions on each sample's blocks. Sample by sample (blocks of one sample in parallel,
-/// OpenMP, on disjoint rows), the sum in sample order, then divided by s: bitwise the same for
+/// plain attentions on each sample's blocks. Sample by sample (query tiles in parallel, OpenMP,
+/// on disjoint rows), the sum in sample order, then divided by s: bitwise the same for
 /// any thread count. Extra memory O(n d_v). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_mean_of_outputs(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,

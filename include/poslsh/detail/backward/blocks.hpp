@@ -1,18 +1,20 @@
 // poslsh internals: the per-sample block structure for the backward passes and the mean-of-
 // outputs estimator: plain attention (no positional bias; causal inside a block when causal) on
-// the blocks of one hash, forward with its log-sum-exp, and its gradients block by block.
+// the blocks of one hash or of every hash of a set, forward with its log-sum-exp, and its
+// gradients block by block (over a set of hashes: the samples' gradients in a compensated sum).
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <vector>
 
-#include "poslsh/detail/backward/tiles.hpp"
-#include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/backward/tiles.hpp"
+#include "poslsh/lsh/hash.hpp"
+#include "poslsh/lsh/partition.hpp"
 
 namespace poslsh::detail {
 
@@ -47,37 +49,125 @@ void backward_hash_blocks(const BackwardInputs<Scalar>& in, const BinHash& hash,
   }
 }
 
-/// lse_i = M_i + log l_i of a streaming softmax state (-inf for a row without keys).
+/// sum <- sum + x entry by entry, with Neumaier's compensation: the rounding error of each
+/// addition t = a + b, exactly (a - t) + b when |a| >= |b| (else (b - t) + a), is added to
+/// `compensation` (not where t is inf or NaN), and sum + compensation is the compensated sum:
+/// its error stays within about 2 eps sum |x| however many terms are added.
 template <typename Scalar>
-void state_lse(const StreamingSoftmax<Scalar>& state, Scalar* lse, Index rows) {
-  for (Index i = 0; i < rows; ++i) lse[i] = state.running_max(i) + std::log(state.running_sum(i));
+void compensated_add(MatrixRef<Scalar> sum, MatrixRef<Scalar> compensation,
+                     const MatrixRef<Scalar>& x) {
+  for (Index r = 0; r < x.rows(); ++r) {
+    Scalar* s = &sum.coeffRef(r, 0);
+    Scalar* c = &compensation.coeffRef(r, 0);
+    const Scalar* add = &x.coeffRef(r, 0);
+    for (Index col = 0; col < x.cols(); ++col) {
+      const Scalar a = s[col], b = add[col], t = a + b;
+      const Scalar error = std::abs(a) >= std::abs(b) ? (a - t) + b : (b - t) + a;
+      c[col] += t - t == Scalar(0) ? error : Scalar(0);
+      s[col] = t;
+    }
+  }
 }
 
-/// Plain attention on the blocks of `hashes` folded into one streaming softmax (the per-sample
-/// kernel's loop): out and, if not null, lse.
+/// dQ, dK and dV rows (one block's gradients, or the compensations of the sums).
+template <typename Scalar>
+struct GradientRows {
+  RowMatrix<Scalar> dq, dk, dv;
+
+  void resize(Index rows, Index d, Index d_v) {
+    dq.resize(rows, d);
+    dk.resize(rows, d);
+    dv.resize(rows, d_v);
+  }
+};
+
+/// Adds to `out` the sum over the samples of `hashes` of the plain-attention gradients on
+/// their blocks (backward_hash_blocks for each hash), with the probabilities of in.lse; for
+/// the count-weighted estimator (in.lse its combined lse) sum_k P^(k) = P, so this is its
+/// gradient. Each block's gradients are computed on the block's own rows (block-local views
+/// of the inputs, a fresh per-thread buffer of |B| rows: the tiles, sums and order of the pass
+/// on the whole sequence) and added to out with compensated_add, the compensations added at
+/// the end, so the rounding of the sum over the samples does not grow with s. Extra memory
+/// O(n (2 d + d_v)) and O(max |B| (2 d + d_v)) per thread; one hash is backward_hash_blocks
+/// itself. Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order,
+/// each block's pass and each entry's sum in a fixed order: bitwise the same for any thread
+/// count.
+template <typename Scalar>
+void backward_hash_blocks(const BackwardInputs<Scalar>& in, const HashSet& hashes, bool causal,
+                          BackwardOutputs<Scalar>& out) {
+  if (hashes.size() == 1) {
+    backward_hash_blocks(in, hashes.front(), causal, out);
+    return;
+  }
+  const Index n = in.q.rows(), d = in.q.cols(), d_v = in.v.cols();
+  std::vector<std::vector<Index>> boundaries;
+  boundaries.reserve(hashes.size());
+  Index widest = 0;
+  for (const BinHash& hash : hashes) {
+    boundaries.push_back(block_boundaries(hash, n));
+    const std::vector<Index>& edges = boundaries.back();
+    for (std::size_t r = 0; r + 1 < edges.size(); ++r)
+      widest = std::max(widest, edges[r + 1] - edges[r]);
+  }
+  GradientRows<Scalar> compensation;
+  compensation.resize(n, d, d_v);
+  constexpr Index chunk = backward_tile;
+  const auto chunks = static_cast<long>((n + chunk - 1) / chunk);
+#pragma omp parallel
+  {
+    const FlushSubnormals flush;
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; ++c) {
+      const Index r0 = static_cast<Index>(c) * chunk, rows = std::min(chunk, n - r0);
+      compensation.dq.middleRows(r0, rows).setZero();
+      compensation.dk.middleRows(r0, rows).setZero();
+      compensation.dv.middleRows(r0, rows).setZero();
+    }
+    BackwardWork<Scalar> work;
+    GradientRows<Scalar> block;
+    block.resize(widest, d, d_v);
+    for (const std::vector<Index>& edges : boundaries) {
+      const auto blocks = static_cast<long>(edges.size() - 1);
+#pragma omp for schedule(dynamic, 1)
+      for (long b = 0; b < blocks; ++b) {
+        const auto index = static_cast<std::size_t>(b);
+        const Index begin = edges[index], size = edges[index + 1] - begin;
+        const ConstMatrixRef<Scalar> q = in.q.middleRows(begin, size);
+        const ConstMatrixRef<Scalar> k = in.k.middleRows(begin, size);
+        const ConstMatrixRef<Scalar> v = in.v.middleRows(begin, size);
+        const ConstMatrixRef<Scalar> dout = in.dout.middleRows(begin, size);
+        const BackwardInputs<Scalar> local{q, k, v, dout, in.lse + begin, in.delta + begin, in.tau};
+        MatrixRef<Scalar> dq = block.dq.topRows(size), dk = block.dk.topRows(size),
+                          dv = block.dv.topRows(size);
+        BackwardOutputs<Scalar> fresh{dq, dk, dv, true};
+        const WindowRule<Scalar> rule = block_rule<Scalar>(0, size, causal);
+        backward_zero_unreached<Scalar>(rule, dq);
+        backward_serial(local, rule, fresh, work);
+        compensated_add<Scalar>(out.dq.middleRows(begin, size),
+                                compensation.dq.middleRows(begin, size), dq);
+        compensated_add<Scalar>(out.dk.middleRows(begin, size),
+                                compensation.dk.middleRows(begin, size), dk);
+        compensated_add<Scalar>(out.dv.middleRows(begin, size),
+                                compensation.dv.middleRows(begin, size), dv);
+      }
+    }
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; ++c) {
+      const Index r0 = static_cast<Index>(c) * chunk, rows = std::min(chunk, n - r0);
+      out.dq.middleRows(r0, rows) += compensation.dq.middleRows(r0, rows);
+      out.dk.middleRows(r0, rows) += compensation.dk.middleRows(r0, rows);
+      out.dv.middleRows(r0, rows) += compensation.dv.middleRows(r0, rows);
+    }
+  }
+}
+
+/// The per-sample kernel's rows for self-attention at positions 0 .. n - 1 (per_sample_rows):
+/// out and, if not null, lse.
 template <typename Scalar>
 void per_sample_forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                         const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
                         bool causal, MatrixRef<Scalar> out, Scalar* lse) {
-  const Index n = q.rows();
-  StreamingSoftmax<Scalar> state;
-  state.reset(n, v.cols());
-  for (const BinHash& hash : hashes) {
-    const std::vector<Index> boundaries = block_boundaries(hash, n);
-    const auto blocks = static_cast<long>(boundaries.size() - 1);
-#pragma omp parallel
-    {
-      LogitScratch<Scalar> scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (long r = 0; r < blocks; ++r) {
-        const auto index = static_cast<std::size_t>(r);
-        fold_block<Scalar>(q, k, v, tau, causal, boundaries[index], boundaries[index + 1], state,
-                           scratch);
-      }
-    }
-  }
-  state.finish(0, out);
-  if (lse != nullptr) state_lse(state, lse, n);
+  per_sample_rows<Scalar, Scalar, Scalar, Scalar>(q, k, v, hashes, tau, causal, 0, out, lse);
 }
 
 }  // namespace poslsh::detail
