@@ -62,30 +62,38 @@ struct EngineState {
   Index base;
 };
 
-/// The engine's default key source: K and V as row-strided matrices. A key source provides
+/// The part every key source over row-strided K and V matrices shares. A key source provides
 /// rows() (the key count L), value_cols(), tile(j0, keys) (the KeyTileRows of keys
 /// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile) and
 /// prefetch(first, last, d, d_v) (a hint for rows [first, last)); a source whose rows come
 /// in runs (ReadsInRuns, below) also key_row, value_row and run_end. Paged caches: PagedRows
 /// in poslsh/attention/paged.hpp.
-template <typename Scalar>
-class ContiguousKV {
+template <typename Storage>
+class StridedKV {
  public:
-  ContiguousKV(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v) : k_(k), v_(v) {}
+  StridedKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v) : k_(k), v_(v) {}
   Index rows() const { return k_.rows(); }
   Index value_cols() const { return v_.cols(); }
-  KeyTileRows<Scalar> tile(Index j0, Index) const {
-    return {k_.data() + j0 * k_.outerStride(), k_.outerStride(), v_.data() + j0 * v_.outerStride(),
-            v_.outerStride()};
-  }
   void prefetch(Index first, Index last, Index d, Index dv) const {
     tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
     tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
   }
 
- private:
-  const ConstMatrixRef<Scalar>& k_;
-  const ConstMatrixRef<Scalar>& v_;
+ protected:
+  const ConstMatrixRef<Storage>& k_;
+  const ConstMatrixRef<Storage>& v_;
+};
+
+/// The engine's default key source: K and V in the compute type, read in place (tile(j0, keys)
+/// points into them).
+template <typename Scalar>
+class ContiguousKV : public StridedKV<Scalar> {
+ public:
+  using StridedKV<Scalar>::StridedKV;
+  KeyTileRows<Scalar> tile(Index j0, Index) const {
+    return {this->k_.data() + j0 * this->k_.outerStride(), this->k_.outerStride(),
+            this->v_.data() + j0 * this->v_.outerStride(), this->v_.outerStride()};
+  }
 };
 
 /// The key source of K and V stored in a half-precision type `Storage` (row-strided matrices):
@@ -93,33 +101,27 @@ class ContiguousKV {
 /// `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile visited, 1/64
 /// of the tile's multiply-adds (a query tile of 64 rows uses each key row 64 times).
 template <typename Scalar, typename Storage>
-class WideningKV {
+class WideningKV : public StridedKV<Storage> {
  public:
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
   WideningKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v, Buffer& wide_k,
              Buffer& wide_v)
-      : k_(k), v_(v), wide_k_(wide_k), wide_v_(wide_v) {
-    if (wide_k_.size() < tile_key_cols * k_.cols()) wide_k_.resize(tile_key_cols * k_.cols());
-    if (wide_v_.size() < tile_key_cols * v_.cols()) wide_v_.resize(tile_key_cols * v_.cols());
+      : StridedKV<Storage>(k, v), wide_k_(wide_k), wide_v_(wide_v) {
+    if (wide_k_.size() < tile_key_cols * k.cols()) wide_k_.resize(tile_key_cols * k.cols());
+    if (wide_v_.size() < tile_key_cols * v.cols()) wide_v_.resize(tile_key_cols * v.cols());
   }
-  Index rows() const { return k_.rows(); }
-  Index value_cols() const { return v_.cols(); }
   KeyTileRows<Scalar> tile(Index j0, Index keys) {
-    const Index d = k_.cols(), dv = v_.cols();
+    const ConstMatrixRef<Storage>& k = this->k_;
+    const ConstMatrixRef<Storage>& v = this->v_;
+    const Index d = k.cols(), dv = v.cols();
     for (Index b = 0; b < keys; ++b) {
-      tile_widen<Scalar>(k_.data() + (j0 + b) * k_.outerStride(), wide_k_.data() + b * d, d);
-      tile_widen<Scalar>(v_.data() + (j0 + b) * v_.outerStride(), wide_v_.data() + b * dv, dv);
+      tile_widen<Scalar>(k.data() + (j0 + b) * k.outerStride(), wide_k_.data() + b * d, d);
+      tile_widen<Scalar>(v.data() + (j0 + b) * v.outerStride(), wide_v_.data() + b * dv, dv);
     }
     return {wide_k_.data(), d, wide_v_.data(), dv};
   }
-  void prefetch(Index first, Index last, Index d, Index dv) const {
-    tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
-    tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
-  }
 
  private:
-  const ConstMatrixRef<Storage>& k_;
-  const ConstMatrixRef<Storage>& v_;
   Buffer& wide_k_;
   Buffer& wide_v_;
 };
