@@ -8,9 +8,9 @@
 #include <cstdio>
 #include <poslsh/analysis.hpp>
 #include <poslsh/analysis/band_counts.hpp>
+#include <poslsh/core/slopes.hpp>
 #include <poslsh/lsh/hash.hpp>
 #include <poslsh/lsh/samplers.hpp>
-#include <poslsh/core/slopes.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -178,8 +178,7 @@ int main(int argc, char** argv) {
             head, sigma, static_cast<long>(settings.n), causal ? "causal" : "bidirectional",
             static_cast<unsigned long long>(settings.seed), static_cast<long>(s), norm.value,
             max_error, norm.value / kernel_norm, bound, kernel_norm, norm.converged ? 1 : 0,
-            static_cast<long>(norm.products), seconds, poslsh::enum_name(settings.sampler),
-            pairs);
+            static_cast<long>(norm.products), seconds, poslsh::enum_name(settings.sampler), pairs);
       }
       if (seconds_since(start) > 1.0) {
         std::fprintf(stderr, "[error_vs_samples] sigma %g, s = %ld done, %.1f s elapsed\n", sigma,

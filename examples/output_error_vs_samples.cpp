@@ -11,11 +11,11 @@
 #include <poslsh/analysis.hpp>
 #include <poslsh/attention/banded.hpp>
 #include <poslsh/attention/fused.hpp>
-#include <poslsh/lsh/hash.hpp>
 #include <poslsh/attention/partition.hpp>
 #include <poslsh/attention/per_sample.hpp>
-#include <poslsh/lsh/samplers.hpp>
 #include <poslsh/attention/tiled.hpp>
+#include <poslsh/lsh/hash.hpp>
+#include <poslsh/lsh/samplers.hpp>
 #include <random>
 #include <stdexcept>
 #include <string>

@@ -7,13 +7,13 @@
 #pragma once
 
 #include <poslsh/attention/banded.hpp>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/decode.hpp>
 #include <poslsh/attention/fused.hpp>
-#include <poslsh/multihead/attention.hpp>
 #include <poslsh/attention/per_sample.hpp>
-#include <poslsh/reference/attention.hpp>
 #include <poslsh/attention/tiled.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/multihead/attention.hpp>
+#include <poslsh/reference/attention.hpp>
 
 #if defined(POSLSH_TEST_INSTANTIATE_KERNELS)
 #define POSLSH_TEST_KERNEL template

@@ -2,8 +2,8 @@
 #pragma once
 
 #include <cmath>
-#include <poslsh/reference/masks.hpp>
 #include <poslsh/core/types.hpp>
+#include <poslsh/reference/masks.hpp>
 
 namespace poslsh_test {
 

@@ -6,8 +6,8 @@
 #include <poslsh/analysis.hpp>
 #include <poslsh/analysis/band_counts.hpp>
 #include <poslsh/attention/fused.hpp>
-#include <poslsh/reference/masks.hpp>
 #include <poslsh/lsh/samplers.hpp>
+#include <poslsh/reference/masks.hpp>
 
 #include "analysis_instantiations.hpp"
 #include "test_support.hpp"

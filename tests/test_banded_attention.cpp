@@ -2,8 +2,8 @@
 // band_for_bias_error against the ALiBi kernel it truncates.
 #include <cmath>
 #include <limits>
-#include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/attention/banded.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/attention.hpp>
 #include <vector>
 

@@ -1,7 +1,7 @@
 // Bring-your-own block kernel: the default and a user callable give the LSH estimator.
 #include <cmath>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/fused.hpp>
+#include <poslsh/interop/block_kernel.hpp>
 
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"

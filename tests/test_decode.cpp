@@ -1,9 +1,9 @@
 // Decode against the last prefill row (LSH) and against the reference (exact).
 #include <poslsh/attention/decode.hpp>
 #include <poslsh/attention/fused.hpp>
-#include <poslsh/reference/masks.hpp>
 #include <poslsh/attention/per_sample.hpp>
 #include <poslsh/reference/attention.hpp>
+#include <poslsh/reference/masks.hpp>
 
 #include "test_support.hpp"
 

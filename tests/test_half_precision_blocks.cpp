@@ -7,11 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/decode.hpp>
-#include <poslsh/lsh/hash.hpp>
 #include <poslsh/attention/per_sample.hpp>
 #include <poslsh/attention/tiled.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/lsh/hash.hpp>
 #include <vector>
 
 #include "half_support.hpp"

@@ -1,10 +1,10 @@
 // Log-sum-exp merging: per-sample block outputs merged by their lse equal the LSH kernels.
 #include <cmath>
 #include <limits>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/fused.hpp>
-#include <poslsh/interop/lse_merge.hpp>
 #include <poslsh/attention/per_sample.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/interop/lse_merge.hpp>
 
 #include "test_support.hpp"
 

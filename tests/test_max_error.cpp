@@ -2,9 +2,9 @@
 // decay.
 #include <array>
 #include <cmath>
+#include <poslsh/analysis/max_error.hpp>
 #include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/masks.hpp>
-#include <poslsh/analysis/max_error.hpp>
 #include <vector>
 
 #include "../examples/log_log_fit.hpp"

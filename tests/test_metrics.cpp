@@ -5,10 +5,10 @@
 #include <array>
 #include <cmath>
 #include <limits>
-#include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/analysis.hpp>
-#include <poslsh/reference/masks.hpp>
+#include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/attention.hpp>
+#include <poslsh/reference/masks.hpp>
 
 #include "analysis_instantiations.hpp"
 #include "lsh_oracle.hpp"

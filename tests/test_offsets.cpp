@@ -2,12 +2,12 @@
 // give bitwise the rows of one prefill, for every method, causal and bidirectional; bottom-right
 // alignment when the offset is unset; bad offsets are rejected by name.
 #include <poslsh/attention/banded.hpp>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/decode.hpp>
 #include <poslsh/attention/fused.hpp>
 #include <poslsh/attention/per_sample.hpp>
-#include <poslsh/reference/attention.hpp>
 #include <poslsh/attention/tiled.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/reference/attention.hpp>
 
 #include "test_support.hpp"
 

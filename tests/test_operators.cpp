@@ -1,11 +1,11 @@
-// Matrix-free products with L*, M~ and E = L* - M~ against the dense matrices of reference/alibi_kernel.hpp
-// and reference/masks.hpp.
+// Matrix-free products with L*, M~ and E = L* - M~ against the dense matrices of
+// reference/alibi_kernel.hpp and reference/masks.hpp.
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <poslsh/analysis/operators.hpp>
 #include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/masks.hpp>
-#include <poslsh/analysis/operators.hpp>
 #include <vector>
 
 #include "test_support.hpp"

@@ -2,9 +2,9 @@
 // on partition_set(hashes, n), the dense count-weighted formula on Poisson cuts, the same
 // output for any thread count, the pair count, and named argument errors.
 #include <cmath>
-#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/attention/fused.hpp>
 #include <poslsh/attention/partition.hpp>
+#include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/lsh/samplers.hpp>
 #include <vector>
 

@@ -445,7 +445,8 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
   require_invalid_argument([&] { poslsh::lattice_group_starts(4, options); },
                            "options.lattice_group");
   require_invalid_argument([] { poslsh::lattice_group_starts(0); }, "s");
-  CHECK(poslsh::enum_from_name<poslsh::Sampler>("stratified_lattice") == Sampler::stratified_lattice);
+  CHECK(poslsh::enum_from_name<poslsh::Sampler>("stratified_lattice") ==
+        Sampler::stratified_lattice);
   require_invalid_argument([] { poslsh::sample_partition_set(1.0, 4, -1, 1, 0, Sampler::poisson); },
                            "n");
   require_invalid_argument([] { poslsh::enum_from_name<poslsh::Sampler>("bogus"); }, "name");

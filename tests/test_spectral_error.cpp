@@ -4,9 +4,9 @@
 #include <Eigen/SVD>
 #include <array>
 #include <cmath>
+#include <poslsh/analysis/spectral_error.hpp>
 #include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/masks.hpp>
-#include <poslsh/analysis/spectral_error.hpp>
 #include <vector>
 
 #include "../examples/log_log_fit.hpp"

@@ -2,8 +2,8 @@
 // against the full call.
 #include <cmath>
 #include <limits>
-#include <poslsh/reference/attention.hpp>
 #include <poslsh/attention/tiled.hpp>
+#include <poslsh/reference/attention.hpp>
 #include <vector>
 
 #include "test_support.hpp"

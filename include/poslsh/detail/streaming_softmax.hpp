@@ -23,8 +23,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "poslsh/detail/tile/types.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/types.hpp"
 
 #if defined(__F16C__)
 #include <immintrin.h>

@@ -11,9 +11,9 @@
 #include <Eigen/Core>
 #include <algorithm>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

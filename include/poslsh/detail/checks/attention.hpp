@@ -5,8 +5,8 @@
 #include <optional>
 #include <string>
 
-#include "poslsh/detail/checks/require.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh::detail {
 

@@ -3,9 +3,9 @@
 
 #include <string>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 

@@ -11,11 +11,11 @@
 #include <array>
 #include <limits>
 
+#include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/core/types.hpp"
 
 namespace poslsh::detail {
 
