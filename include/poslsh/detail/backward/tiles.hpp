@@ -226,7 +226,17 @@ inline constexpr Index backward_prefetch_rows = 8;
 /// Prefetches the cache lines of `count` scalars from `row` (for writing when `Write`).
 template <bool Write, typename Scalar>
 void prefetch_row(const Scalar* row, Index count) {
-  tile_prefetch_rows<Write>(row, count, 0, 1, count);
+  // One row of a few cache lines, in a loop of its own that inlines into the row copies.
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  const auto size = static_cast<std::size_t>(count) * sizeof(Scalar);
+#if defined(__GNUC__)
+  for (std::size_t offset = 0; offset < size; offset += 64)
+    __builtin_prefetch(bytes + offset, Write ? 1 : 0);
+  if (size > 0) __builtin_prefetch(bytes + size - 1, Write ? 1 : 0);
+#else
+  for (std::size_t offset = 0; offset < size; offset += 64)
+    Eigen::internal::prefetch(bytes + offset);
+#endif
 }
 
 /// prefetch_row for rows [first, first + count) of m (the first `cols` columns).
