@@ -55,7 +55,7 @@ def main():
         if name not in best["after"]:
             continue
         before, after = best["before"][name], best["after"][name]
-        print(f"| {name} | {before:.2f} | {after:.2f} | {after / before:.3f} |")
+        print(f"| {name} | {before:.4g} | {after:.4g} | {after / before:.3f} |")
     return 0
 
 
