@@ -13,8 +13,8 @@ benchmark registered: poslsh_bench writes them into its JSON context (poslsh_met
 poslsh_decoders), so they are listed once, in prefill_bench.cpp and decode_bench.cpp. The
 targets are listed once, in TARGETS below.
 
-Several files are merged: a row found in two files keeps the first file's figures; the date and
-the load are the first file's (e.g. the default run and a `--long --benchmark_filter=lsh_fused`
+Several files are merged: a row found in two files keeps the first file's figures; the date is
+the first file's (e.g. the default run and a `--long --benchmark_filter=lsh_fused`
 run). With --benchmark_repetitions the "min" rows are used (the least disturbed run on a shared
 machine), or the median ones if there is no min. Rates of an aggregate row are recomputed from
 the work of one call (rate x time of an iteration or the median) and the row's time.
@@ -211,10 +211,8 @@ def write_data(rows, outdir, methods, decoders):
     styles = {name: index + 1 for index, (name, _) in enumerate(methods)}
     lines = ["has_prefill = %d" % has_prefill, "has_decode = %d" % has_decode,
              "max_n = %d" % max_n, "max_ms = %.6g" % max_ms]
-    load = rows.context.get("load_avg", [])
     date = str(rows.context.get("date", ""))[:16].replace("T", " ")
-    lines.append("run_info = %s" % quoted("%s, load average %.1f at start" %
-                                          (date, load[0] if load else float("nan"))))
+    lines.append("run_info = %s" % quoted(date))
     for index, (name, _) in enumerate(methods):
         colour, point, width = PALETTE[index % len(PALETTE)]
         lines.append('set style line %d lc rgb "%s" lw %d pt %d ps 1.3  # %s' %
@@ -243,9 +241,8 @@ def write_data(rows, outdir, methods, decoders):
 
 def write_report(rows, path, methods, decoders):
     out = []
-    load = " ".join("%g" % x for x in rows.context.get("load_avg", []))
-    out.append("poslsh_bench, %s, load average at start %s (%s cores, %s OpenMP threads)\n" %
-               (rows.context.get("date", "?"), load, rows.context.get("num_cpus", "?"),
+    out.append("poslsh_bench, %s (%s cores, %s OpenMP threads)\n" %
+               (rows.context.get("date", "?"), rows.context.get("num_cpus", "?"),
                 rows.context.get("omp_threads", "?")))
     problem = rows.context.get("poslsh_problem", "")
     methods = [(name, label) for name, label in methods if rows.sizes(name)]
