@@ -1,0 +1,891 @@
+"""FlashAttention-2's calls with ALiBi slopes on CPU tensors, computed by poslsh's kernels.
+
+    out = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          deterministic=False, return_attn_probs=False,
+                          *, method="exact", samples=16, seed=0, band_error=1e-3)
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 ..., block_table=None, *, method=..., ...)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                                  rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                                  cache_leftpad=None, block_table=None, softmax_scale=None,
+                                  causal=False, window_size=(-1, -1), softcap=0.0,
+                                  rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                  return_softmax_lse=False, *, method=..., ...)
+
+The positional order is FlashAttention 2.6's (softcap after window_size). Conventions, as
+FlashAttention-2 defines them:
+
+- q is (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim);
+  nheads_k divides nheads (grouped-query: query head h reads K/V head h // (nheads / nheads_k)).
+  varlen: (total_q, nheads, headdim) and (total_k, nheads_k, headdim), sequence b owning the
+  tokens cu_seqlens[b] .. cu_seqlens[b+1] - 1 (int32 cu_seqlens of batch + 1 entries).
+- Query row i of a sequence sits at key position P_i = i + seqlen_k - seqlen_q (bottom-right
+  alignment). With scale tau = softmax_scale (default 1/sqrt(headdim)) and slope m_h,
+
+      out_i = softmax_j(tau q_i . k_j - m_h |P_i - j|) V   over the visible keys j,
+
+  key j visible iff P_i - left <= j <= P_i + right for window_size = (left, right) (-1: that
+  side unbounded), and j <= P_i when causal (causal is window right = 0). A causal row with
+  no visible key (P_i < 0, seqlen_q > seqlen_k) has out 0 and softmax_lse +inf.
+- alibi_slopes: float32 (or float64) of shape (nheads,) or (batch, nheads), any values >= 0;
+  None means plain softmax attention (slope 0). poslsh's kernels take sigma_h = 1 / m_h; a slope
+  of 0 runs with sigma = 1e300 (the largest the hashes accept), where the bias
+  |i - j| / sigma is below any score's rounding and every LSH hash puts all positions in one bin:
+  plain softmax attention.
+- return_attn_probs=True returns (out, softmax_lse, None): softmax_lse float32
+  (batch, nheads, seqlen_q) (varlen: (nheads, total_q)), lse_i = log sum_j e^{x_ij} over the
+  visible keys (the LSH methods: log sum_j c_ij e^{tau q_i.k_j}); None for the dropout mask,
+  which poslsh never draws.
+
+Keyword-only extras: method "exact" (alibi_attention_tiled, every visible pair; a window skips
+the tiles outside it), "banded" (exact ALiBi on |P_i - j| <= W_h = band_for_bias_error(sigma_h,
+band_error), dropping entries whose bias weight is below band_error), "lsh" (the count-weighted
+Positional-LSH estimator, lsh_attention_fused), "lsh_per_sample" (the same estimator sample by
+sample), "fixed_blocks" (plain attention in blocks of width 2 sigma_h), "mean_of_outputs" (the
+mean over samples of plain attention inside each sample's blocks); poslsh's names exact_tiled,
+exact_banded and lsh_fused are accepted too. LSH head h uses rbf_hashes(sigma_h, samples, seed,
+stream=h): the hashes depend on neither the batch row nor the sequence length, so a decode step
+over a KV cache equals the rows of one longer prefill. The LSH methods and fixed_blocks take no
+window; mean_of_outputs has no softmax_lse.
+
+Autograd (flash_attn_func, flash_attn_varlen_func): dq, dk, dv for every method, and
+d alibi_slopes (dL/dm_h = -sum_ij dS_ij |P_i - j|, summed over the batch for (nheads,)
+slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slopes require
+grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
+computed in their dtype; bfloat16 and float16 are widened to float32, the output and the
+gradients rounded once back. Training calls with seqlen_q < seqlen_k run the self-attention
+kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming gradient:
+they change no output row and add exactly zero to dk, dv).
+
+Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
+cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
+positions, which the kernels do not represent).
+
+The calls are the registered operators torch.ops.poslsh.flash_attn, flash_attn_varlen and
+flash_attn_with_kvcache (CPU, Autograd and Meta kernels), so torch.jit.trace records them.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from . import _core
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+# The accepted method names and poslsh's method of each.
+_METHODS = {
+    "exact": "exact_tiled", "exact_tiled": "exact_tiled",
+    "banded": "exact_banded", "exact_banded": "exact_banded",
+    "lsh": "lsh_fused", "lsh_fused": "lsh_fused",
+    "lsh_per_sample": "lsh_per_sample",
+    "fixed_blocks": "fixed_blocks",
+    "mean_of_outputs": "mean_of_outputs",
+}
+_EXACT = ("exact_tiled", "exact_banded")
+
+# sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
+_FLAT_SIGMA = 1e300
+
+_FLOATS = (torch.float32, torch.float64)
+_HALF = (torch.bfloat16, torch.float16)
+_INPUT_DTYPES = _FLOATS + _HALF
+
+
+def _fail(function, name, rule, error=ValueError):
+    raise error(f"poslsh.torch.{function}: argument '{name}' {rule}")
+
+
+# Argument checks. -------------------------------------------------------------------------
+
+
+def _tensor(function, x, name, ndim, shape_text, dtypes=_INPUT_DTYPES):
+    """x after checking: a torch.Tensor on the CPU (or meta) of `ndim` dimensions and a dtype in
+    `dtypes`."""
+    if not isinstance(x, torch.Tensor):
+        _fail(function, name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
+    if x.device.type not in ("cpu", "meta"):
+        _fail(function, name, f"is on {x.device}: only CPU tensors are supported")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        _fail(function, name, f"has dtype {x.dtype}: must be one of {names}", TypeError)
+    if x.dim() != ndim:
+        _fail(function, name, f"has {x.dim()} dimensions (shape {tuple(x.shape)}): must be {ndim}-D {shape_text}")
+    return x
+
+
+def _check_heads(function, q, k, v, token_axis):
+    """Shapes of q, k, v agree: head dims, nheads_k dividing nheads, k and v alike on every axis
+    but the last; returns (nheads, nheads_k)."""
+    heads, heads_k = q.shape[-2], k.shape[-2]
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(function, "v", f"has shape {tuple(v.shape)}: must match k {tuple(k.shape)} on every axis but the last")
+    if q.shape[-1] != k.shape[-1]:
+        _fail(function, "k", f"has headdim {k.shape[-1]}: must equal q's headdim {q.shape[-1]}")
+    if heads_k < 1 or heads % heads_k != 0:
+        _fail(function, "k", f"has {heads_k} heads: nheads_k must divide q's nheads {heads}")
+    if q.shape[-1] < 1 or v.shape[-1] < 1:
+        _fail(function, "q", "must have headdim >= 1")
+    return heads, heads_k
+
+
+def _check_dtypes(function, q, k, v):
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            _fail(function, name, f"has dtype {x.dtype}: must equal q's dtype {q.dtype}", TypeError)
+
+
+def _unsupported(function, dropout_p, softcap):
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+        _fail(function, "dropout_p", f"is {dropout_p!r}: dropout is not supported by poslsh (only 0.0)")
+    if not isinstance(softcap, (int, float)) or softcap != 0.0:
+        _fail(function, "softcap", f"is {softcap!r}: logit soft-capping is not supported by poslsh (only 0.0)")
+
+
+def _window(function, window_size):
+    """(left, right) as two ints >= -1."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
+    left, right = window_size
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
+        if side < -1:
+            _fail(function, "window_size", f"is {window_size!r}: each side must be >= 0, or -1 (unbounded)")
+    return int(left), int(right)
+
+
+def _method(function, method):
+    if not isinstance(method, str):
+        _fail(function, "method", f"must be a str, got {type(method).__name__}", TypeError)
+    if method not in _METHODS:
+        _fail(function, "method", f"is {method!r}: must be one of {', '.join(repr(m) for m in _METHODS)}")
+    return _METHODS[method]
+
+
+def _scale(function, softmax_scale, headdim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        _fail(function, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}", TypeError)
+    if not math.isfinite(softmax_scale):
+        _fail(function, "softmax_scale", f"is {softmax_scale}: must be finite")
+    return float(softmax_scale)
+
+
+def _integer(function, value, name, low):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        _fail(function, name, f"must be an int, got {type(value).__name__}", TypeError)
+    if value < low:
+        _fail(function, name, f"is {value}: must be >= {low}")
+    return int(value)
+
+
+def _extras(function, method, samples, seed, band_error):
+    method = _method(function, method)
+    samples = _integer(function, samples, "samples", 1)
+    seed = _integer(function, seed, "seed", 0)
+    if seed >= 2**63:
+        _fail(function, "seed", f"is {seed}: must be < 2**63")
+    if isinstance(band_error, bool) or not isinstance(band_error, (int, float)) or not 0.0 < band_error < 1.0:
+        _fail(function, "band_error", f"is {band_error!r}: must be a float in (0, 1)")
+    return method, samples, seed, float(band_error)
+
+
+def _slopes(function, slopes, batch, heads):
+    """Checks alibi_slopes: None, or a float32/float64 tensor (heads,) or (batch, heads) of
+    finite values >= 0."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        _fail(function, "alibi_slopes", f"must be a torch.Tensor or None, got {type(slopes).__name__}", TypeError)
+    if slopes.device.type not in ("cpu", "meta"):
+        _fail(function, "alibi_slopes", f"is on {slopes.device}: only CPU tensors are supported")
+    if slopes.dtype not in _FLOATS:
+        _fail(function, "alibi_slopes", f"has dtype {slopes.dtype}: must be torch.float32 (or torch.float64)",
+              TypeError)
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        _fail(function, "alibi_slopes", f"has shape {tuple(slopes.shape)}: must be (nheads,) = ({heads},) or "
+              f"(batch, nheads) = ({batch}, {heads})")
+    if slopes.device.type == "cpu":
+        values = slopes.detach()
+        if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+            _fail(function, "alibi_slopes", "must hold finite values >= 0 (the bias is -slope * |i - j|)")
+    return slopes
+
+
+def _cu_seqlens(function, cu, name, total):
+    """cu_seqlens as an int64 numpy array, checked: int32 1-D tensor from 0, non-decreasing, last
+    entry = total."""
+    if not isinstance(cu, torch.Tensor):
+        _fail(function, name, f"must be a torch.Tensor, got {type(cu).__name__}", TypeError)
+    if cu.dtype != torch.int32:
+        _fail(function, name, f"has dtype {cu.dtype}: must be torch.int32", TypeError)
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        _fail(function, name, f"has shape {tuple(cu.shape)}: must be 1-D with batch + 1 entries")
+    values = cu.detach().cpu().numpy().astype(np.int64)
+    if values[0] != 0 or bool((np.diff(values) < 0).any()):
+        _fail(function, name, f"is {values.tolist()}: must start at 0 and be non-decreasing")
+    if values[-1] != total:
+        _fail(function, name, f"ends at {values[-1]}: must end at the token count {total}")
+    return values
+
+
+# The computation on packed sequences (varlen form). ------------------------------------
+
+
+class _Config:
+    """The options of one call, as the kernels take them."""
+
+    def __init__(self, method, scale, causal, left, right, samples, seed, band_error):
+        self.method, self.scale, self.causal = method, scale, causal
+        self.left, self.right = left, right
+        self.samples, self.seed, self.band_error = samples, seed, band_error
+
+    def keywords(self, sigmas):
+        keywords = dict(layout="nhd", method=self.method, masking="causal" if self.causal else "bidirectional",
+                        scale=self.scale, sigmas=sigmas, samples=self.samples, seed=self.seed,
+                        band_error=self.band_error)
+        if (self.left, self.right) != (-1, -1):
+            keywords["window"] = (self.left, self.right)
+        return keywords
+
+
+def _normalize(function, config, max_k, slopes_grad):
+    """The window as the kernels take it (FlashAttention's: a side >= seqlen_k is unbounded;
+    causal bounds the right side), checked against the method."""
+    left = -1 if config.left >= max_k else config.left
+    right = -1 if config.causal or config.right >= max_k else config.right
+    config.left, config.right = left, right
+    if (left, right) != (-1, -1) and config.method not in _EXACT:
+        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only 'exact' and "
+              "'banded')")
+    if slopes_grad and config.method not in _EXACT:
+        _fail(function, "alibi_slopes", f"requires grad: method {config.method!r} samples position bins from the "
+              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: 'exact', 'banded')")
+
+
+def _sigmas(slopes_row, heads):
+    """sigma_h = 1 / m_h for one row of slopes (None: slope 0); a zero slope gives _FLAT_SIGMA."""
+    if slopes_row is None:
+        return [_FLAT_SIGMA] * heads
+    return [min(1.0 / s, _FLAT_SIGMA) if s > 0.0 else _FLAT_SIGMA for s in slopes_row.tolist()]
+
+
+class _Rows:
+    """Where each query row sits: P = i + L_b - m_b in its sequence. `src` are the rows with a
+    key position (P >= 0), `dst` their token index among the keys, cu_valid the cu_seqlens of
+    those rows."""
+
+    def __init__(self, cu_q, cu_k):
+        m, lengths = np.diff(cu_q), np.diff(cu_k)
+        total_q = int(cu_q[-1])
+        seq = np.repeat(np.arange(len(m)), m)
+        position = np.arange(total_q) - cu_q[:-1][seq] + (lengths - m)[seq]
+        valid = position >= 0
+        self.all_valid = bool(valid.all())
+        self.src = np.nonzero(valid)[0]
+        self.dst = cu_k[:-1][seq[valid]] + position[valid]
+        self.cu_valid = np.concatenate([[0], np.cumsum(np.minimum(m, lengths))]).astype(np.int32)
+        self.self_attention = self.all_valid and total_q == int(cu_k[-1]) and bool((self.dst == np.arange(total_q))
+                                                                                     .all())
+        self.cu_k = cu_k.astype(np.int32)
+        self.total_q, self.total_k = total_q, int(cu_k[-1])
+        self.m, self.lengths = m, lengths
+
+
+def _kernel_view(x):
+    """x as the kernels read it (last axis contiguous, positive strides), a numpy view."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1 or any(x.shape[a] > 1 and x.stride(a) <= 0 for a in range(x.dim())):
+        x = x.contiguous()
+    return x.detach().numpy()
+
+
+def _index(indices):
+    return torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+
+
+def _pad_rows(x, rows):
+    """x (total_q, H, d) placed at the key positions of its rows: (total_k, H, d), zero elsewhere."""
+    if rows.self_attention:
+        return x
+    padded = x.new_zeros((rows.total_k,) + tuple(x.shape[1:]))
+    if len(rows.src):
+        padded.index_copy_(0, _index(rows.dst), x.index_select(0, _index(rows.src)))
+    return padded
+
+
+def _unpad_rows(x, rows):
+    """The inverse of _pad_rows: (total_q, H, d), zero for the rows without a key position."""
+    if rows.self_attention:
+        return x
+    out = x.new_zeros((rows.total_q,) + tuple(x.shape[1:]))
+    if len(rows.src):
+        out.index_copy_(0, _index(rows.src), x.index_select(0, _index(rows.dst)))
+    return out
+
+
+def _unpad_lse(lse, rows):
+    if rows.self_attention:
+        return lse
+    out = torch.full((lse.shape[0], rows.total_q), math.inf, dtype=lse.dtype)
+    if len(rows.src):
+        out[:, _index(rows.src)] = lse[:, _index(rows.dst)]
+    return out
+
+
+def _mean_of_outputs(q, k, v, rows, sigmas, config, dout=None):
+    """The mean-of-outputs estimator on the padded self-attention sequences, head by head
+    (poslsh.lsh_attention_mean_of_outputs with rbf_hashes(sigma_h, samples, seed, h)); its
+    backward when dout is given: (dq, dk, dv)."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    hashes = [_core.rbf_hashes(sigma, config.samples, config.seed, h) for h, sigma in enumerate(sigmas)]
+    qn, kn, vn = _kernel_view(q), _kernel_view(k), _kernel_view(v)
+    options = dict(causal=config.causal, scale=config.scale)
+    if dout is None:
+        out = torch.zeros((q.shape[0], heads, v.shape[2]), dtype=q.dtype)
+    else:
+        dn = _kernel_view(dout)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cu = rows.cu_k
+    for b in range(len(cu) - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if e == s:
+            continue
+        for h in range(heads):
+            g = h // group
+            args = (qn[s:e, h], kn[s:e, g], vn[s:e, g], hashes[h])
+            if dout is None:
+                _core.lsh_attention_mean_of_outputs(*args, out=out[s:e, h].numpy(), **options)
+            else:
+                gq, gk, gv = _core.lsh_attention_mean_of_outputs_backward(*args, dn[s:e, h], **options)
+                dq[s:e, h] = torch.from_numpy(gq)
+                dk[s:e, g] += torch.from_numpy(gk)
+                dv[s:e, g] += torch.from_numpy(gv)
+    return out if dout is None else (dq, dk, dv)
+
+
+def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
+    """out (total_q, H, d_v), lse (H, total_q) or None, and what the backward needs, for the
+    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors."""
+    heads = q.shape[1]
+    if rows.total_k == 0 or rows.total_q == 0:
+        out = q.new_zeros((rows.total_q, heads, v.shape[2]))
+        lse = torch.full((heads, rows.total_q), math.inf, dtype=q.dtype)
+        return out, lse, None
+    if config.method == "mean_of_outputs":
+        padded = _pad_rows(q, rows)
+        return _unpad_rows(_mean_of_outputs(padded, k, v, rows, sigmas, config), rows), None, (padded, None, None)
+    keywords = config.keywords(sigmas)
+    if not train and not want_lse:
+        queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
+        out = torch.empty((queries.shape[0], heads, v.shape[2]), dtype=q.dtype)
+        _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
+                                         rows.cu_k, out=out.numpy(), **keywords)
+        if not rows.all_valid:
+            full = q.new_zeros((rows.total_q, heads, v.shape[2]))
+            full.index_copy_(0, _index(rows.src), out)
+            out = full
+        return out, None, None
+    padded = _pad_rows(q, rows)
+    out = torch.empty((rows.total_k, heads, v.shape[2]), dtype=q.dtype)
+    lse = torch.empty((heads, rows.total_k), dtype=q.dtype)
+    _core.multihead_attention_with_lse(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out=out.numpy(),
+                                       lse=lse.numpy(), cu_seqlens=rows.cu_k, **keywords)
+    return _unpad_rows(out, rows), _unpad_lse(lse, rows), (padded, out, lse)
+
+
+def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
+    """(dq, dk, dv, dslopes or None) of one group from its forward's saved tensors."""
+    heads = q.shape[1]
+    if saved is None:  # no keys or no queries
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), (
+            np.zeros(heads) if slopes_grad else None)
+    padded, out, lse = saved
+    dout_padded = _pad_rows(dout, rows)
+    if config.method == "mean_of_outputs":
+        dq, dk, dv = _mean_of_outputs(padded, k, v, rows, sigmas, config, dout_padded)
+        return _unpad_rows(dq, rows), dk, dv, None
+    dq = torch.empty_like(padded)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    extra = {}
+    dslopes = None
+    if slopes_grad:
+        dslopes = np.zeros(heads)
+        extra["dslopes"] = dslopes
+    _core.multihead_attention_backward(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out.numpy(),
+                                       lse.numpy(), _kernel_view(dout_padded), dq=dq.numpy(), dk=dk.numpy(),
+                                       dv=dv.numpy(), cu_seqlens=rows.cu_k, **config.keywords(sigmas), **extra)
+    return _unpad_rows(dq, rows), dk, dv, dslopes
+
+
+def _groups(cu_q, cu_k, slopes, heads):
+    """The groups of sequences sharing their slopes: [(sequence range, sigmas)]. (nheads,)
+    slopes (or None): one group of all sequences; (batch, nheads): one group per sequence."""
+    batch = len(cu_q) - 1
+    if slopes is None or slopes.dim() == 1:
+        row = None if slopes is None else slopes.detach().double()
+        return [((0, batch), _sigmas(row, heads))]
+    values = slopes.detach().double()
+    return [((b, b + 1), _sigmas(values[b], heads)) for b in range(batch)]
+
+
+def _compute(function, q, k, v, cu_q, cu_k, slopes, config, train, want_lse):
+    """The packed computation of every group. q, k, v float32/float64; returns out, lse (float32
+    (H, total_q) or None) and the state of the backward."""
+    heads = q.shape[1]
+    groups = _groups(cu_q, cu_k, slopes, heads)
+    outs, lses, states = [], [], []
+    for (first, last), sigmas in groups:
+        gq, gk = cu_q[first:last + 1], cu_k[first:last + 1]
+        rows = _Rows(gq - gq[0], gk - gk[0])
+        qs, ks, vs = (x[int(c[0]):int(c[-1])] for x, c in ((q, gq), (k, gk), (v, gk)))
+        out, lse, saved = _forward_group(qs, ks, vs, rows, sigmas, config, train, want_lse)
+        outs.append(out)
+        lses.append(lse)
+        states.append((rows, sigmas, saved, (int(gq[0]), int(gq[-1])), (int(gk[0]), int(gk[-1]))))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    lse = None
+    if want_lse:
+        lse = (lses[0] if len(lses) == 1 else torch.cat(lses, 1)).float()
+    return out, lse, states
+
+
+def _gradients(q, k, v, states, config, dout, slopes, slopes_grad):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dslopes = np.zeros(tuple(slopes.shape)) if slopes_grad else None
+    for index, (rows, sigmas, saved, (qs, qe), (ks, ke)) in enumerate(states):
+        gq, gk, gv, gs = _backward_group(q[qs:qe], k[ks:ke], v[ks:ke], rows, sigmas, config, saved, dout[qs:qe],
+                                         slopes_grad)
+        dq[qs:qe], dk[ks:ke], dv[ks:ke] = gq, gk, gv
+        if slopes_grad:
+            if slopes.dim() == 1:
+                dslopes += gs
+            else:
+                dslopes[index] = gs
+    return dq, dk, dv, dslopes
+
+
+def _widen(x):
+    return x.float() if x.dtype in _HALF else x
+
+
+class _FlashPacked(torch.autograd.Function):
+    """Differentiable attention of packed sequences (the varlen form): out, lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, cu_q, cu_k, config, want_lse):
+        dtype = q.dtype
+        qw, kw, vw = _widen(q.detach()), _widen(k.detach()), _widen(v.detach())
+        train = any(ctx.needs_input_grad[:3])
+        ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
+        out, lse, states = _compute("flash_attn", qw, kw, vw, cu_q, cu_k, slopes, config, train, want_lse)
+        ctx.config, ctx.states, ctx.dtype = config, states, dtype
+        ctx.slopes = None if slopes is None else slopes.detach()
+        ctx.save_for_backward(qw, kw, vw)
+        if lse is None:
+            lse = out.new_empty((0,), dtype=torch.float32)
+        ctx.mark_non_differentiable(lse)
+        return out.to(dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        qw, kw, vw = ctx.saved_tensors
+        dq, dk, dv, dslopes = _gradients(qw, kw, vw, ctx.states, ctx.config, dout.to(qw.dtype), ctx.slopes,
+                                         ctx.slopes_grad)
+        grad_slopes = None
+        if ctx.slopes_grad:
+            grad_slopes = torch.from_numpy(dslopes).to(ctx.slopes.dtype)
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), grad_slopes, None, None, None, None
+
+
+# The operators. ----------------------------------------------------------------------------
+
+
+def _prepare(function, q, k, v, slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right, method,
+             samples, seed, band_error, batch, same_dtypes=True):
+    """Checks shared by the three calls; returns the config."""
+    heads, _ = _check_heads(function, q, k, v, 0)
+    if same_dtypes:
+        _check_dtypes(function, q, k, v)
+    _slopes(function, slopes, batch, heads)
+    method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
+    left, right = _window(function, (window_left, window_right))
+    config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,
+                     band_error)
+    m, lengths = np.diff(cu_q), np.diff(cu_k)
+    if not causal and bool((m > lengths).any()):
+        b = int(np.nonzero(m > lengths)[0][0])
+        _fail(function, "causal", f"is False with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence {b}): "
+              "the first rows sit at negative key positions, which poslsh's kernels do not represent")
+    slopes_grad = slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
+    _normalize(function, config, int(lengths.max()) if len(lengths) else 0, slopes_grad)
+    return config
+
+
+def _run(function, q, k, v, slopes, cu_q, cu_k, config, want_lse):
+    """out, lse through the autograd Function (it records the graph only when needed)."""
+    out, lse = _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
+    return out, lse
+
+
+def _dense_cu(batch, seqlen):
+    return np.arange(batch + 1, dtype=np.int64) * seqlen
+
+
+def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, method, samples, seed,
+                     band_error, return_lse):
+    function = "flash_attn_func"
+    _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    _tensor(function, k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _tensor(function, v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    if k.shape[0] != batch:
+        _fail(function, "k", f"has batch {k.shape[0]}: must equal q's batch {batch}")
+    if v.shape[0] != batch:
+        _fail(function, "v", f"has batch {v.shape[0]}: must equal q's batch {batch}")
+    seqlen_k = k.shape[1]
+    cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
+    config = _prepare(function, q, k, v, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right,
+                      method, samples, seed, band_error, batch)
+    if return_lse and config.method == "mean_of_outputs":
+        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    if q.device.type == "meta":
+        return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
+    flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
+    out, lse = _run(function, *flat, alibi_slopes, cu_q, cu_k, config, return_lse)
+    out = out.reshape(batch, seqlen_q, heads, v.shape[3])
+    if return_lse:
+        lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    return out, lse
+
+
+def _meta_out(q, v, out_shape, lse_shape, return_lse):
+    out = q.new_empty(tuple(out_shape) + (v.shape[-1],))
+    lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, window_left,
+                            window_right, method, samples, seed, band_error, return_lse):
+    function = "flash_attn_varlen_func"
+    _tensor(function, q, "q", 3, "(total_q, nheads, headdim)")
+    _tensor(function, k, "k", 3, "(total_k, nheads_k, headdim)")
+    _tensor(function, v, "v", 3, "(total_k, nheads_k, headdim)")
+    if q.device.type == "meta":
+        _check_heads(function, q, k, v, 0)
+        return _meta_out(q, v, (q.shape[0], q.shape[1]), (q.shape[1], q.shape[0]), return_lse)
+    cu_q = _cu_seqlens(function, cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _cu_seqlens(function, cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if len(cu_q) != len(cu_k):
+        _fail(function, "cu_seqlens_k", f"has {len(cu_k)} entries: must have as many as cu_seqlens_q ({len(cu_q)})")
+    config = _prepare(function, q, k, v, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right,
+                      method, samples, seed, band_error, len(cu_q) - 1)
+    if return_lse and config.method == "mean_of_outputs":
+        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    return _run(function, q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
+
+
+# flash_attn_with_kvcache. -------------------------------------------------------------------
+
+
+def _cache_positions(function, cache_seqlens, batch, capacity, new):
+    """The cache lengths before the append, int64 numpy (batch,), checked against the capacity."""
+    if cache_seqlens is None:
+        if new:
+            _fail(function, "cache_seqlens", "is None while k, v are given: the append position is needed")
+        return np.full(batch, capacity, dtype=np.int64)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64):
+            _fail(function, "cache_seqlens", f"has dtype {cache_seqlens.dtype}: must be torch.int32", TypeError)
+        if tuple(cache_seqlens.shape) != (batch,):
+            _fail(function, "cache_seqlens", f"has shape {tuple(cache_seqlens.shape)}: must be (batch,) = ({batch},)")
+        lengths = cache_seqlens.detach().cpu().numpy().astype(np.int64)
+    else:
+        _fail(function, "cache_seqlens", f"must be an int or an int32 tensor, got {type(cache_seqlens).__name__}",
+              TypeError)
+    if bool((lengths < 0).any()):
+        _fail(function, "cache_seqlens", f"is {lengths.tolist()}: must be >= 0")
+    if bool((lengths + new > capacity).any()):
+        b = int(np.nonzero(lengths + new > capacity)[0][0])
+        _fail(function, "cache_seqlens", f"is {int(lengths[b])} at batch row {b}: with {new} appended tokens the cache "
+              f"of {capacity} tokens per sequence is too small")
+    return lengths
+
+
+def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                                  softmax_scale, causal, window_left, window_right, method, samples, seed, band_error,
+                                  return_lse):
+    function = "flash_attn_with_kvcache"
+    _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    paged = block_table is not None
+    cache_text = "(num_blocks, block_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    _tensor(function, k_cache, "k_cache", 4, cache_text)
+    _tensor(function, v_cache, "v_cache", 4, cache_text)
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    heads, heads_k = _check_heads(function, q, k_cache, v_cache, 1)
+    if v_cache.dtype != k_cache.dtype:
+        _fail(function, "v_cache", f"has dtype {v_cache.dtype}: must equal k_cache's dtype {k_cache.dtype}", TypeError)
+    if q.dtype != k_cache.dtype and not (q.dtype == torch.float32 and k_cache.dtype in _HALF):
+        _fail(function, "k_cache", f"has dtype {k_cache.dtype}: must equal q's dtype {q.dtype} (or be bfloat16/float16 "
+              "under float32 queries)", TypeError)
+    if (k is None) != (v is None):
+        _fail(function, "v" if v is None else "k", "must be given together with " + ("k" if v is None else "v"))
+    new = 0
+    if k is not None:
+        _tensor(function, k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        _tensor(function, v, "v", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if x.dtype != cache.dtype:
+                _fail(function, name, f"has dtype {x.dtype}: must equal the cache's dtype {cache.dtype}", TypeError)
+            if x.shape[0] != batch or x.shape[2:] != cache.shape[2:] or x.shape[1] != k.shape[1]:
+                _fail(function, name, f"has shape {tuple(x.shape)}: must be (batch, seqlen_new, nheads_k, headdim) = "
+                      f"({batch}, {k.shape[1]}, {cache.shape[2]}, {cache.shape[3]})")
+        new = k.shape[1]
+    if cache_batch_idx is not None and paged:
+        _fail(function, "cache_batch_idx", "is given with block_table: a paged cache is indexed by block_table")
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            _fail(function, "block_table", "must be an int32 torch.Tensor (batch, max_num_blocks)", TypeError)
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            _fail(function, "block_table", f"has shape {tuple(block_table.shape)}: must be (batch, max_num_blocks) with "
+                  f"batch {batch}")
+        block_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * block_size
+        rows_of = None
+    else:
+        if cache_batch_idx is not None:
+            if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64):
+                _fail(function, "cache_batch_idx", "must be an int32 torch.Tensor (batch,)", TypeError)
+            if tuple(cache_batch_idx.shape) != (batch,):
+                _fail(function, "cache_batch_idx", f"has shape {tuple(cache_batch_idx.shape)}: must be ({batch},)")
+            rows_of = cache_batch_idx.detach().cpu().numpy().astype(np.int64)
+            if bool(((rows_of < 0) | (rows_of >= k_cache.shape[0])).any()):
+                _fail(function, "cache_batch_idx", f"is {rows_of.tolist()}: entries must lie in [0, {k_cache.shape[0]})")
+        else:
+            if k_cache.shape[0] != batch:
+                _fail(function, "k_cache", f"has batch {k_cache.shape[0]}: must equal q's batch {batch}")
+            rows_of = np.arange(batch)
+        capacity = k_cache.shape[1]
+    lengths = _cache_positions(function, cache_seqlens, batch, capacity, new)
+    total = lengths + new
+    # The flat cache row of every token of every sequence, up to its length after the append.
+    seq = np.repeat(np.arange(batch), total)
+    cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int64)
+    position = np.arange(int(cu_k[-1])) - cu_k[:-1][seq]
+    if paged:
+        table = block_table.detach().cpu().numpy().astype(np.int64)
+        blocks = table[seq, position // block_size]
+        if bool(((blocks < 0) | (blocks >= k_cache.shape[0])).any()):
+            bad = int(blocks[(blocks < 0) | (blocks >= k_cache.shape[0])][0])
+            _fail(function, "block_table", f"holds block {bad} for a used position: entries must lie in "
+                  f"[0, num_blocks = {k_cache.shape[0]})")
+        flat_rows = blocks * block_size + position % block_size
+    else:
+        flat_rows = rows_of[seq] * capacity + position
+    cu_q = _dense_cu(batch, seqlen_q)
+    config = _prepare(function, q, k_cache, v_cache, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left,
+                      window_right, method, samples, seed, band_error, batch, same_dtypes=False)
+    if config.method == "mean_of_outputs":
+        _fail(function, "method", "is 'mean_of_outputs': it runs on whole sequences only (flash_attn_func)")
+    if q.device.type == "meta":
+        return _meta_out(q, v_cache, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
+    k_flat = k_cache.view((-1,) + tuple(k_cache.shape[2:])) if k_cache.is_contiguous() else None
+    v_flat = v_cache.view((-1,) + tuple(v_cache.shape[2:])) if v_cache.is_contiguous() else None
+    if k_flat is None or v_flat is None:
+        _fail(function, "k_cache", "must be contiguous (written in place)")
+    if new:
+        appended = position >= lengths[seq]
+        target = _index(flat_rows[appended])
+        with torch.no_grad():
+            k_flat.index_copy_(0, target, k.detach().reshape((-1,) + tuple(k.shape[2:])))
+            v_flat.index_copy_(0, target, v.detach().reshape((-1,) + tuple(v.shape[2:])))
+    rows = _index(flat_rows)
+    keys, values = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
+    qw = q.detach()
+    if qw.dtype in _HALF or keys.dtype in _HALF:
+        qw, keys, values = qw.float(), keys.float(), values.float()
+    flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
+    with torch.no_grad():
+        out, lse, _ = _compute(function, flat_q, keys, values, cu_q, cu_k, alibi_slopes, config, False, return_lse)
+    out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
+    if return_lse:
+        lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    else:
+        lse = out.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+# Registration. ------------------------------------------------------------------------------
+
+_EXTRAS_SCHEMA = ("Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, int window_right, "
+                  "str method, int samples, int seed, float band_error, bool return_lse")
+_LIBRARY = torch.library.Library("poslsh", "DEF")
+_LIBRARY.define(f"flash_attn(Tensor q, Tensor k, Tensor v, {_EXTRAS_SCHEMA}) -> (Tensor, Tensor)")
+_LIBRARY.define(f"flash_attn_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                f"{_EXTRAS_SCHEMA}) -> (Tensor, Tensor)")
+_LIBRARY.define("flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+                f"Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? block_table, {_EXTRAS_SCHEMA}) "
+                "-> (Tensor, Tensor)")
+
+
+def _below_autograd(op, *args):
+    """Calls `op` below the Autograd key (the CPU or Meta kernel by the tensors' device)."""
+    guard = torch._C._AutoDispatchBelowAutograd()
+    try:
+        return op(*args)
+    finally:
+        del guard
+
+
+def _autograd_kernel(op, impl):
+    def kernel(*args):
+        if args[0].device.type == "meta":
+            return _below_autograd(op, *args)
+        return impl(*args)
+    return kernel
+
+
+def _no_grad_kernel(impl):
+    def kernel(*args):
+        with torch.no_grad():
+            return impl(*args)
+    return kernel
+
+
+for _name, _impl in (("flash_attn", _flash_attn_impl), ("flash_attn_varlen", _flash_attn_varlen_impl)):
+    _op = getattr(torch.ops.poslsh, _name).default
+    _LIBRARY.impl(_name, _no_grad_kernel(_impl), "CPU")
+    _LIBRARY.impl(_name, _impl, "Meta")
+    _LIBRARY.impl(_name, _autograd_kernel(_op, _impl), "Autograd")
+_LIBRARY.impl("flash_attn_with_kvcache", _no_grad_kernel(_flash_attn_with_kvcache_impl), "CPU")
+_LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
+
+
+# The public calls. ----------------------------------------------------------------------------
+
+
+def _window_args(function, window_size):
+    return _window(function, window_size)
+
+
+def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale):
+    """The argument types the operator schema would otherwise reject with a RuntimeError."""
+    for name, x in tensors:
+        if not isinstance(x, torch.Tensor):
+            _fail(function, name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
+    for name, x in optional:
+        if x is not None and not isinstance(x, torch.Tensor):
+            _fail(function, name, f"must be a torch.Tensor or None, got {type(x).__name__}", TypeError)
+    _extras(function, method, samples, seed, band_error)
+    if softmax_scale is not None:
+        _scale(function, softmax_scale, 1)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, method="exact", samples=16,
+                    seed=0, band_error=1e-3):
+    """FlashAttention-2's flash_attn_func on CPU tensors (torch.ops.poslsh.flash_attn).
+
+    q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), nheads_k
+    dividing nheads. For query row i (key position P_i = i + seqlen_k - seqlen_q) of head h:
+
+        out_i = softmax_j(softmax_scale q_i . k_j - alibi_slopes[h] |P_i - j|) v_j
+
+    over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), -1
+    unbounded; causal: j <= P_i). Returns out (batch, seqlen_q, nheads, headdim_v), or with
+    return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32, None). method,
+    samples, seed, band_error: poslsh's estimator (module docstring). deterministic is accepted
+    and has no effect: every method is deterministic. Differentiable in q, k, v and (exact,
+    banded) alibi_slopes."""
+    function = "flash_attn_func"
+    _unsupported(function, dropout_p, softcap)
+    left, right = _window_args(function, window_size)
+    _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
+                band_error, softmax_scale)
+    out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method,
+                                           samples, seed, band_error, bool(return_attn_probs))
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, method="exact",
+                           samples=16, seed=0, band_error=1e-3):
+    """FlashAttention-2's flash_attn_varlen_func on CPU tensors
+    (torch.ops.poslsh.flash_attn_varlen).
+
+    q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim); sequence b owns query tokens
+    cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 and key tokens cu_seqlens_k[b] .. cu_seqlens_k[b+1]
+    - 1 (int32, batch + 1 entries from 0, non-decreasing; empty sequences allowed), attending
+    only to itself with flash_attn_func's formula (bottom-right alignment per sequence).
+    max_seqlen_q, max_seqlen_k: at least the longest sequence (checked). alibi_slopes (nheads,)
+    or (batch, nheads). Returns out (total_q, nheads, headdim_v), or with return_attn_probs
+    (out, softmax_lse (nheads, total_q) float32, None). block_table (paged keys) is not
+    supported here (flash_attn_with_kvcache takes a paged cache)."""
+    function = "flash_attn_varlen_func"
+    _unsupported(function, dropout_p, softcap)
+    if block_table is not None:
+        _fail(function, "block_table", "is given: a paged varlen call is not supported (use flash_attn_with_kvcache)")
+    left, right = _window_args(function, window_size)
+    _check_call(function, (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
+                (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale)
+    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
+                                                                           cu_seqlens_k)):
+        _integer(function, bound, name, 0)
+        if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32:
+            longest = int(torch.diff(cu.detach().cpu()).max())
+            if longest > bound:
+                _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
+    out, lse = torch.ops.poslsh.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
+                                                  bool(causal), left, right, method, samples, seed, band_error,
+                                                  bool(return_attn_probs))
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, method="exact", samples=16,
+                            seed=0, band_error=1e-3):
+    """FlashAttention-2's flash_attn_with_kvcache on CPU tensors
+    (torch.ops.poslsh.flash_attn_with_kvcache); inference only (no gradients).
+
+    When k, v (batch, seqlen_new, nheads_k, headdim) are given they are written into the cache in
+    place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, then q
+    (batch, seqlen_q, nheads, headdim) attends to the cache_seqlens[b] + seqlen_new keys of
+    its row with flash_attn_func's formula (bottom-right: query i at key position
+    i + seqlen_k - seqlen_q). The cache: contiguous (batch_cache, seqlen_cache, nheads_k,
+    headdim) (row cache_batch_idx[b], default b), or paged (num_blocks, block_size, nheads_k,
+    headdim) with block_table int32 (batch, max_num_blocks): token t of row b is row t %
+    block_size of block block_table[b, t // block_size]. Its dtype is q's, or bfloat16/float16
+    under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
+    contiguous cache, nothing appended). The used keys are gathered (index_select) into one packed
+    batch for the all-heads kernels: a copy of the O(L H d) keys the step reads anyway, which keeps
+    grouped-query heads, windows, (batch, nheads) slopes and half-precision caches on one path.
+    Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
+    seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
+    seed, samples, slopes): a decode step equals the rows of one longer prefill. rotary
+    embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""
+    function = "flash_attn_with_kvcache"
+    _unsupported(function, 0.0, softcap)
+    if rotary_cos is not None or rotary_sin is not None:
+        _fail(function, "rotary_cos", "is given: rotary embeddings are not supported by poslsh (ALiBi models have none)")
+    if cache_leftpad is not None:
+        _fail(function, "cache_leftpad", "is given: left-padded caches are not supported")
+    left, right = _window_args(function, window_size)
+    _check_call(function, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
+                (("k", k), ("v", v), ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
+                 ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else 1
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+    out, lse = torch.ops.poslsh.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                                        block_table, alibi_slopes, softmax_scale, bool(causal), left,
+                                                        right, method, samples, seed, band_error,
+                                                        bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out
