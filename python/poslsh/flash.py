@@ -479,7 +479,7 @@ class _FlashPacked(torch.autograd.Function):
     def forward(ctx, q, k, v, slopes, cu_q, cu_k, config, want_lse):
         dtype = q.dtype
         qw, kw, vw = _widen(q.detach()), _widen(k.detach()), _widen(v.detach())
-        train = any(ctx.needs_input_grad[:3])
+        train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
         out, lse, states = _compute("flash_attn", qw, kw, vw, cu_q, cu_k, slopes, config, train, want_lse)
         ctx.config, ctx.states, ctx.dtype = config, states, dtype
@@ -837,7 +837,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
-        if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32:
+        if not torch.jit.is_tracing() and isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32:
             longest = int(torch.diff(cu.detach().cpu()).max())
             if longest > bound:
                 _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
