@@ -556,3 +556,27 @@ def test_block_table_entries_past_the_used_pages_are_not_read():
     keys = torch.cat([pages[0], pages[2, :1]])[None]
     expected, _ = dense(q, keys, torch.cat([pages[0], pages[2, :1]])[None], None, True)
     np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=1e-12)
+
+
+def test_slopes_alone_require_grad():
+    q, k, v = qkv(2, 4, 6, 2, 1, 3)
+    slopes = torch.tensor([0.4, 0.8], dtype=torch.float64, requires_grad=True)
+    dout = rand((2, 4, 2, 3), seed=95)
+    for method, bands in (("exact", None), ("banded", bands_of(slopes.detach()))):
+        got = torch.autograd.grad(flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, method=method), slopes,
+                                  dout)[0]
+        want = torch.autograd.grad(dense(q, k, v, slopes, True, bands=bands)[0], slopes, dout)[0]
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_kvcache_rows_by_cache_batch_idx_and_whole_cache():
+    cache_k, cache_v = rand((3, 5, 1, 4), seed=96), rand((3, 5, 1, 4), seed=97)
+    q = rand((2, 1, 2, 4), seed=98)
+    index = torch.tensor([2, 0], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, cache_k, cache_v, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+                                  cache_batch_idx=index, causal=True)
+    for b, (row, length) in enumerate(((2, 3), (0, 5))):
+        expected, _ = dense(q[None, b], cache_k[None, row, :length], cache_v[None, row, :length], None, True)
+        np.testing.assert_allclose(out[b].numpy(), expected[0].numpy(), atol=1e-12)
+    whole = flash_attn_with_kvcache(q, cache_k[:2], cache_v[:2])  # cache_seqlens None: every cached token
+    np.testing.assert_allclose(whole.numpy(), dense(q, cache_k[:2], cache_v[:2])[0].numpy(), atol=1e-12)
