@@ -54,9 +54,11 @@ d alibi_slopes (dL/dm_h = -sum_ij dS_ij |P_i - j|, summed over the batch for (nh
 slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slopes require
 grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
 computed in their dtype; bfloat16 and float16 are widened to float32, the output and the
-gradients rounded once back. Training calls with seqlen_q < seqlen_k run the self-attention
-kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming gradient:
-they change no output row and add exactly zero to dk, dv).
+gradients rounded once back. Calls that need gradients or softmax_lse with seqlen_q <
+seqlen_k run the self-attention kernels with q padded at the front to seqlen_k rows (zero
+queries, zero incoming gradient: they change no output row and add exactly zero to dk, dv), at
+the cost of seqlen_k query rows; calls without either run only the seqlen_q rows (at their key
+positions, poslsh's query_offset).
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
 cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key

@@ -580,3 +580,17 @@ def test_kvcache_rows_by_cache_batch_idx_and_whole_cache():
         np.testing.assert_allclose(out[b].numpy(), expected[0].numpy(), atol=1e-12)
     whole = flash_attn_with_kvcache(q, cache_k[:2], cache_v[:2])  # cache_seqlens None: every cached token
     np.testing.assert_allclose(whole.numpy(), dense(q, cache_k[:2], cache_v[:2])[0].numpy(), atol=1e-12)
+
+
+def test_strided_qkv_of_a_packed_buffer():
+    """q, k, v sliced from one (batch, seqlen, 3, nheads, headdim) buffer give the call on copies."""
+    packed = rand((2, 6, 3, 2, 4), seed=99, requires_grad=True)
+    q, k, v = packed.unbind(2)
+    slopes = torch.tensor([0.5, 0.2])
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    copies = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    expected = flash_attn_func(*copies, causal=True, alibi_slopes=slopes)
+    assert torch.equal(out, expected)
+    dout = rand((2, 6, 2, 4), seed=100)
+    grad = torch.autograd.grad(out, packed, dout)[0]
+    assert torch.equal(grad, torch.stack(torch.autograd.grad(expected, copies, dout), 2))
