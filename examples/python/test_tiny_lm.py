@@ -45,13 +45,13 @@ class DenseReference(torch.nn.Module):
             batch, length, width = x.shape
             heads = block.heads
             dim = width // heads
-            qkv = block.qkv(block.ln1(x)).view(batch, length, 3, heads, dim)
+            qkv = block.attn.qkv_proj(block.ln1(x)).view(batch, length, 3, heads, dim)
             y = torch.empty(batch, length, heads, dim, dtype=x.dtype)
             for b in range(batch):
                 for h in range(heads):
                     y[b, :, h] = dense_alibi(qkv[b, :, 0, h], qkv[b, :, 1, h], qkv[b, :, 2, h],
                                              float(self.slopes[h]))
-            x = x + block.proj(y.reshape(batch, length, width))
+            x = x + block.attn.o_proj(y.reshape(batch, length, width))
             x = x + block.mlp(block.ln2(x))
         return m.ln(x) @ m.embed.weight.t()
 
@@ -65,7 +65,7 @@ def test_alibi_logits_match_dense_pytorch(dtype, tolerance):
     # Larger weights than the initialisation so that the attention is far from uniform.
     with torch.no_grad():
         for block in model.blocks:
-            block.qkv.weight.normal_(0.0, 0.3)
+            block.attn.qkv_proj.weight.normal_(0.0, 0.3)
     tokens = torch.randint(0, 256, (2, 96))
     with torch.no_grad():
         got = model(tokens)
@@ -87,6 +87,43 @@ def test_alibi_gradients_match_dense_pytorch():
     DenseReference(model, poslsh.alibi_slopes(heads))(tokens).square().mean().backward()
     for a, p in zip(got, model.parameters()):
         assert torch.allclose(a, p.grad, rtol=1e-9, atol=1e-12)
+
+
+def sharpened_model(mode, seed=2, heads=4, samples=4):
+    torch.manual_seed(seed)
+    config = tiny_lm.AttentionConfig(mode, heads, tiny_lm.sigmas_for(heads), samples=samples, hash_seed=7)
+    model = tiny_lm.TinyLM(config, layers=2, width=32, heads=heads).double()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv_proj.weight.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["alibi", "lsh"])
+def test_generation_through_the_caches_equals_recomputation(mode):
+    """Greedy generation through the KV caches (flash_attn_with_kvcache) against the full
+    forward on the whole sequence at every step: the same logits and tokens. For lsh the decode
+    steps draw the prefill's hashes, so they equal the rows of one longer prefill."""
+    model = sharpened_model(mode)
+    prompt = torch.tensor([list(b"%\nA fool and")])
+    steps = 12
+    got = model.generate(prompt, steps, temperature=0)
+    assert got.shape == (1, prompt.shape[1] + steps) and torch.equal(got[:, :prompt.shape[1]], prompt)
+    with torch.no_grad():
+        caches = model.new_caches(1, got.shape[1])
+        cached = model(got[:, :prompt.shape[1]], caches)[:, -1]
+        for t in range(prompt.shape[1], got.shape[1]):
+            full = model(got[:, :t])[:, -1]
+            assert (cached - full).abs().max().item() < 1e-10
+            assert got[0, t].item() == full.argmax(-1).item()
+            cached = model(got[:, t:t + 1], caches)[:, -1]
+
+
+def test_sampled_generation_is_seeded():
+    model = sharpened_model("alibi").float()
+    first = tiny_lm.generate_text(model, b"The ", 20, 0.8, seed=3)
+    assert first[:4] == b"The " and len(first) == 24
+    assert tiny_lm.generate_text(model, b"The ", 20, 0.8, seed=3) == first
 
 
 def test_fortune_split_is_deterministic(tmp_path):
@@ -137,3 +174,18 @@ def test_quick_run(tmp_path):
     assert {r["mode"] for r in rows} == set(tiny_lm.MODES)
     for row in rows:
         assert math.isfinite(float(row["val_bpb"])) and float(row["val_bpb"]) < 8.0
+
+
+def test_generate_option(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "cookies").write_text("".join(f"fortune number {i} is a short one\n%\n" for i in range(200)))
+    done = subprocess.run([sys.executable, os.path.join(HERE, "tiny_lm.py"), "--mode", "alibi", "--steps", "4",
+                           "--batch", "2", "--context", "64", "--eval-bytes", "128", "--eval-factors", "1",
+                           "--val-every", "0", "--data-dir", str(corpus), "--no-install", "--generate", "30",
+                           "--prompt", "fortune ", "--temperature", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if "generated:" in x)
+    text = eval(line.split("generated: ", 1)[1])          # the printed bytes literal
+    assert isinstance(text, bytes) and text.startswith(b"fortune ") and len(text) == 8 + 30

@@ -4,18 +4,19 @@ paper's training experiment).
 
 A small decoder-only transformer (pre-LayerNorm, no position embeddings: the positional
 information comes from the attention bias alone) is trained at context 256 with AdamW on the
-fortune cookie files of Debian's ``fortunes`` package. Every attention call goes through
-``poslsh.torch`` (forward and backward in C++), one head of one sequence at a time. Modes:
+fortune cookie files of Debian's ``fortunes`` package. Every attention layer is a
+``poslsh.torch.AlibiSelfAttention`` (fused qkv projection, causal), which calls
+``flash_attn_func`` (forward and backward in C++) with the method of the mode:
 
-  alibi     exact ALiBi, softmax(tau QK^T - |i-j|/sigma_h) V (``alibi_attention_tiled``)
-  lsh       count-weighted estimator softmax(tau QK^T + log M~) V (``lsh_attention_fused``),
-            s hashes w ~ Gamma(2, sigma_h), xi ~ U[0, w); fresh hashes every training step
-            (and for every layer, head and sequence) unless --fixed-hashes
+  alibi     exact ALiBi, softmax(tau QK^T - |i-j|/sigma_h) V (method "exact")
+  lsh       count-weighted estimator softmax(tau QK^T + log M~) V (method "lsh"), s hashes
+            w ~ Gamma(2, sigma_h), xi ~ U[0, w); fresh hashes every training step and for every
+            layer, head and sequence (one call per sequence) unless --fixed-hashes
   lsh_mean  mean-of-outputs estimator (1/s) sum_k softmax within the blocks of hash k
-            (s single-hash calls of ``lsh_attention_fused``, averaged)
-  fixed     plain attention inside fixed blocks of width 2 sigma_h, offset 0
-            (``fixed_blocks_hash``; one hash, so the count-weighted kernel is block attention)
-  none      no positional bias: the exact kernel with sigma = 1e30 (|i-j|/sigma < 1e-26)
+            (method "mean_of_outputs")
+  fixed     plain attention inside fixed blocks of width 2 sigma_h, offset 0 (method
+            "fixed_blocks")
+  none      no positional bias: the exact method with slope 0
 
 sigma_h = 1/m_h with the ALiBi slopes of Press et al. (``poslsh.alibi_sigmas``), or one sigma
 for every head (``--sigma 256``, the paper's setting).
@@ -30,6 +31,12 @@ non-overlapping windows of the evaluation length (every position of every window
   tiny_lm.py --quick                                    # <= 60 s: each mode trains, loss falls
   tiny_lm.py --full --csv runs.csv --plot-dir docs/images --table table.md
   tiny_lm.py --mode lsh --samples 10 --seeds 0 --steps 300 --csv out.csv
+  tiny_lm.py --mode alibi --steps 300 --generate 200 --prompt "Q: "   # then sample text
+
+--generate N samples N bytes after --prompt from each trained model through the layers' KV
+caches (``flash_attn_with_kvcache``: the prompt in one call, then one byte per call), at
+--temperature (0: greedy), with the mode's attention (lsh_mean models: exact ALiBi, the
+mean-of-outputs estimator runs on whole sequences only).
 
 Needs poslsh (built with its backward kernels) on PYTHONPATH, PyTorch and numpy; the plots need
 matplotlib.
@@ -78,7 +85,6 @@ import poslsh.torch as ptorch
 
 FORTUNE_DIR = "/usr/share/games/fortunes"
 FORTUNE_PACKAGE = "fortunes"
-NO_BIAS_SIGMA = 1e30
 MODES = ("alibi", "lsh", "lsh_mean", "fixed", "none")
 CSV_COLUMNS = ("mode", "s", "seed", "train_context", "eval_context", "val_bpb", "train_seconds",
                "eval_attention")
@@ -161,80 +167,52 @@ def load_splits(directory=FORTUNE_DIR, install=True):
 
 
 class AttentionConfig:
-    """Which attention the model uses, and its hashes."""
+    """Which attention the model uses: the flash_attn_func method, the slopes and the LSH seeds.
+
+    Every attention layer is a ``poslsh.torch.AlibiSelfAttention``; ``configure`` sets its
+    method, samples, slopes and seed before a call. LSH hashes depend on the call's seed (head h
+    draws ``rbf_hashes(sigma_h, samples, seed, stream=h)``): ``seed(layer, row)`` differs for
+    every layer and every sequence of a batch, and ``set_hash_seed`` changes it every training
+    step, unless ``fixed_hashes`` (one seed per layer for every sequence and step)."""
+
+    METHODS = {"alibi": "exact", "none": "exact", "fixed": "fixed_blocks", "lsh": "lsh",
+               "lsh_mean": "mean_of_outputs"}
 
     def __init__(self, mode, heads, sigmas, samples=10, fixed_hashes=False, hash_seed=0):
-        if mode not in MODES and mode != "torch_reference":
+        if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self.mode = mode
+        self.method = self.METHODS[mode]
         self.heads = heads
         self.sigmas = [float(x) for x in sigmas]
-        self.samples = int(samples)
+        # slope_h = 1 / sigma_h; "none": slope 0 (no positional bias).
+        self.slopes = torch.tensor([0.0 if mode == "none" else 1.0 / x for x in self.sigmas],
+                                   dtype=torch.float32)
+        self.samples = int(samples) if mode in ("lsh", "lsh_mean") else 16
         self.fixed_hashes = bool(fixed_hashes)
         self.hash_seed = int(hash_seed)      # fresh hashes: set before every step / evaluation
-        self._cache = {}
-        self._fixed_sets = [poslsh.fixed_blocks_hash(s) for s in self.sigmas]
+
+    @property
+    def hashes_per_sequence(self):
+        """Whether each sequence of a batch draws its own hashes (one attention call per row)."""
+        return self.mode in ("lsh", "lsh_mean") and not self.fixed_hashes
 
     def set_hash_seed(self, seed):
         if not self.fixed_hashes:
             self.hash_seed = int(seed)
-            self._cache = {}
 
-    def hashes(self, layer, head, sequence):
-        """The HashSet of (layer, head, sequence); with --fixed-hashes the same for every
-        sequence and step."""
-        key = (layer, head, 0 if self.fixed_hashes else sequence)
-        found = self._cache.get(key)
-        if found is None:
-            stream = (layer * 64 + head) * 65536 + key[2]
-            found = poslsh.rbf_hashes(self.sigmas[head], self.samples, seed=self.hash_seed,
-                                      stream=stream)
-            if self.mode == "lsh_mean":
-                found = [poslsh.HashSet([w], [o]) for w, o in zip(found.widths, found.offsets)]
-            self._cache[key] = found
-        return found
+    def seed(self, layer, row=0):
+        """The flash_attn_func seed of (layer, sequence row); with --fixed-hashes the same for
+        every row and step."""
+        row = 0 if self.fixed_hashes else row
+        return (self.hash_seed * 64 + layer) * 65536 + row
 
-
-def torch_alibi_attention(q, k, v, sigma, scale):
-    """Dense causal softmax(scale QK^T - |i-j|/sigma) V in PyTorch, [n, d] per head."""
-    n = q.shape[0]
-    pos = torch.arange(n, dtype=q.dtype)
-    bias = -(pos[:, None] - pos[None, :]).abs() / sigma
-    scores = scale * (q @ k.transpose(0, 1)) + bias
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def attend(config, layer, qkv):
-    """Causal attention per (sequence, head). ``qkv`` is [3, B, H, T, d] (contiguous); returns
-    [B, H, T, d]. The per-head [T, d] tensors come from ``unbind`` (whose gradient is a stack),
-    not from indexing (whose gradient would be a zero-filled copy of the whole input per head)."""
-    _, batch, heads, length, dim = qkv.shape
-    scale = 1.0 / math.sqrt(dim)
-    qs, ks, vs = (x.reshape(batch * heads, length, dim).unbind(0) for x in qkv.unbind(0))
-    mode = config.mode
-    outs = []
-    for index in range(batch * heads):
-        b, h = divmod(index, heads)
-        qh, kh, vh = qs[index], ks[index], vs[index]
-        if mode == "alibi":
-            out = ptorch.alibi_attention(qh, kh, vh, config.sigmas[h], scale=scale)
-        elif mode == "none":
-            out = ptorch.alibi_attention(qh, kh, vh, NO_BIAS_SIGMA, scale=scale)
-        elif mode == "fixed":
-            out = ptorch.lsh_attention(qh, kh, vh, config._fixed_sets[h], scale=scale)
-        elif mode == "lsh":
-            out = ptorch.lsh_attention(qh, kh, vh, config.hashes(layer, h, b), scale=scale)
-        elif mode == "lsh_mean":
-            singles = config.hashes(layer, h, b)
-            out = ptorch.lsh_attention(qh, kh, vh, singles[0], scale=scale)
-            for single in singles[1:]:
-                out = out + ptorch.lsh_attention(qh, kh, vh, single, scale=scale)
-            out = out / len(singles)
-        else:  # torch_reference: the dense PyTorch formula (checks only)
-            out = torch_alibi_attention(qh, kh, vh, config.sigmas[h], scale)
-        outs.append(out)
-    return torch.stack(outs).view(batch, heads, length, dim)
+    def configure(self, attention, layer, row=0):
+        """Sets an AlibiSelfAttention's method, samples, slopes and seed for (layer, row)."""
+        attention.method, attention.samples, attention.seed = self.method, self.samples, self.seed(layer, row)
+        if not torch.equal(attention.alibi_slopes, self.slopes):
+            with torch.no_grad():
+                attention.alibi_slopes.copy_(self.slopes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,20 +220,29 @@ def attend(config, layer, qkv):
 
 
 class Block(nn.Module):
+    """Pre-LayerNorm transformer block; attention by poslsh.torch.AlibiSelfAttention (fused qkv
+    projection, no biases, causal)."""
+
     def __init__(self, width, heads):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.proj = nn.Linear(width, width, bias=False)
+        self.attn = ptorch.AlibiSelfAttention(width, heads, fused_qkv=True, bias=False, causal=True)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
-    def forward(self, x, config, layer):
-        batch, length, width = x.shape
-        qkv = self.qkv(self.ln1(x)).view(batch, length, 3, self.heads, width // self.heads)
-        y = attend(config, layer, qkv.permute(2, 0, 3, 1, 4).contiguous())     # [B, H, T, d]
-        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, width))
+    def forward(self, x, config, layer, cache=None):
+        h = self.ln1(x)
+        if cache is None and config.hashes_per_sequence:
+            rows = []
+            for row in range(h.shape[0]):          # each sequence its own LSH hashes
+                config.configure(self.attn, layer, row)
+                rows.append(self.attn(h[row:row + 1]))
+            y = torch.cat(rows)
+        else:
+            config.configure(self.attn, layer)
+            y = self.attn(h, cache=cache)
+        x = x + y
         return x + self.mlp(self.ln2(x))
 
 
@@ -279,11 +266,34 @@ class TinyLM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens):
+    def forward(self, tokens, caches=None):
+        """Logits (batch, seqlen, 256) of byte tokens (batch, seqlen). caches: one
+        poslsh.torch.KVCache per layer (new_caches); the tokens then continue the cached ones."""
         x = self.embed(tokens)
         for layer, block in enumerate(self.blocks):
-            x = block(x, self.config, layer)
+            x = block(x, self.config, layer, None if caches is None else caches[layer])
         return self.ln(x) @ self.embed.weight.t()     # tied output embedding
+
+    def new_caches(self, batch, max_seqlen):
+        return [ptorch.KVCache.for_module(block.attn, batch, max_seqlen) for block in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, prompt, steps, temperature=1.0, generator=None):
+        """prompt (batch, m) byte tokens followed by `steps` sampled tokens: the prompt through the
+        KV caches in one call, then one token per call (flash_attn_with_kvcache). temperature 0:
+        greedy (argmax); otherwise sampled from softmax(logits / temperature)."""
+        caches = self.new_caches(prompt.shape[0], prompt.shape[1] + steps)
+        tokens, logits = prompt, self(prompt, caches)[:, -1]
+        for step in range(steps):
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits.double() / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            if step + 1 < steps:
+                logits = self(nxt, caches)[:, -1]
+        return tokens
 
 
 def sigmas_for(heads, sigma=None):
@@ -315,7 +325,7 @@ def evaluate_bpb(model, data, length, total_bytes, batch, hash_seed=123457):
 
 
 def train_run(args, mode, samples, seed, train, val, log=print):
-    """Trains one model; returns (rows for the CSV, curve dict)."""
+    """Trains one model; returns (rows for the CSV, curve dict, the model)."""
     torch.manual_seed(seed)
     sigmas = sigmas_for(args.heads, args.sigma)
     config = AttentionConfig(mode, args.heads, sigmas, samples, args.fixed_hashes, hash_seed=seed)
@@ -366,7 +376,23 @@ def train_run(args, mode, samples, seed, train, val, log=print):
     model.config = config
     curve = {"mode": mode, "s": samples, "seed": seed, "train_bpb": losses, "val_bpb": val_curve,
              "train_seconds": train_seconds}
-    return rows, curve
+    return rows, curve, model
+
+
+def generate_text(model, prompt, steps, temperature, seed=0):
+    """`prompt` (bytes) and `steps` bytes sampled after it by TinyLM.generate, with the model's
+    attention (exact ALiBi for lsh_mean, which has no KV-cache call)."""
+    config = model.config
+    if config.mode == "lsh_mean":
+        model.config = AttentionConfig("alibi", config.heads, config.sigmas)
+    tokens = torch.tensor([list(prompt)], dtype=torch.long)
+    model.eval()
+    try:
+        out = model.generate(tokens, steps, temperature, torch.Generator().manual_seed(seed))
+    finally:
+        model.config = config
+        model.train()
+    return bytes(out[0].tolist())
 
 
 def label(mode, samples):
@@ -540,6 +566,10 @@ def parse_args(argv):
     p.add_argument("--table", help="write the markdown results table here")
     p.add_argument("--report-only", action="store_true", help="table and plots from --csv/--curves, no training")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="after training, sample N bytes after --prompt through the KV caches")
+    p.add_argument("--prompt", default="%\n", help="the bytes --generate continues (UTF-8)")
+    p.add_argument("--temperature", type=float, default=0.8, help="--generate: 0 = greedy")
     args = p.parse_args(argv)
     if args.quick:
         defaults = dict(mode=list(MODES), samples=[10], seeds=[0], steps=20, eval_bytes=1024,
@@ -560,6 +590,8 @@ def parse_args(argv):
             continue
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.generate < 0 or (args.generate and not args.prompt):
+        p.error("--generate needs N >= 0 and a non-empty --prompt")
     if args.curves is None and args.csv:
         args.curves = args.csv + ".curves.json"
     return args
@@ -605,7 +637,7 @@ def main(argv=None):
         if (mode, samples, seed) in done:
             continue
         t0 = time.perf_counter()
-        run_rows, curve = train_run(args, mode, samples, seed, train, val)
+        run_rows, curve, model = train_run(args, mode, samples, seed, train, val)
         rows.extend(run_rows)
         curves.append(curve)
         first = float(np.mean(curve["train_bpb"][:3]))
@@ -613,6 +645,9 @@ def main(argv=None):
         print(f"{label(mode, samples):>12} seed {seed}: train loss {first:.3f} -> {last:.3f} bpb, "
               f"{curve['train_seconds']:.1f} s training, {time.perf_counter() - t0:.1f} s total",
               flush=True)
+        if args.generate:
+            text = generate_text(model, args.prompt.encode("utf-8"), args.generate, args.temperature, seed)
+            print(f"{label(mode, samples):>12} seed {seed} generated: {text!r}", flush=True)
         if args.quick and not last < first - 0.5:
             failures.append(f"{label(mode, samples)}: training loss did not fall ({first:.3f} -> {last:.3f} bpb)")
         if writer_handle:
