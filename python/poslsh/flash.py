@@ -118,7 +118,7 @@ def _tensor(function, x, name, ndim, shape_text, dtypes=_INPUT_DTYPES):
     return x
 
 
-def _check_heads(function, q, k, v, token_axis):
+def _check_heads(function, q, k, v):
     """Shapes of q, k, v agree: head dims, nheads_k dividing nheads, k and v alike on every axis
     but the last; returns (nheads, nheads_k)."""
     heads, heads_k = q.shape[-2], k.shape[-2]
@@ -434,7 +434,7 @@ def _groups(cu_q, cu_k, slopes, heads):
     return [((b, b + 1), _sigmas(values[b], heads)) for b in range(batch)]
 
 
-def _compute(function, q, k, v, cu_q, cu_k, slopes, config, train, want_lse):
+def _compute(q, k, v, cu_q, cu_k, slopes, config, train, want_lse):
     """The packed computation of every group. q, k, v float32/float64; returns out, lse (float32
     (H, total_q) or None) and the state of the backward."""
     heads = q.shape[1]
@@ -483,7 +483,7 @@ class _FlashPacked(torch.autograd.Function):
         qw, kw, vw = _widen(q.detach()), _widen(k.detach()), _widen(v.detach())
         train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
-        out, lse, states = _compute("flash_attn", qw, kw, vw, cu_q, cu_k, slopes, config, train, want_lse)
+        out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, slopes, config, train, want_lse)
         ctx.config, ctx.states, ctx.dtype = config, states, dtype
         ctx.slopes = None if slopes is None else slopes.detach()
         ctx.save_for_backward(qw, kw, vw)
@@ -509,7 +509,7 @@ class _FlashPacked(torch.autograd.Function):
 def _prepare(function, q, k, v, slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right, method,
              samples, seed, band_error, batch, same_dtypes=True):
     """Checks shared by the three calls; returns the config."""
-    heads, _ = _check_heads(function, q, k, v, 0)
+    heads, _ = _check_heads(function, q, k, v)
     if same_dtypes:
         _check_dtypes(function, q, k, v)
     _slopes(function, slopes, batch, heads)
@@ -525,12 +525,6 @@ def _prepare(function, q, k, v, slopes, cu_q, cu_k, softmax_scale, causal, windo
     slopes_grad = slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
     _normalize(function, config, int(lengths.max()) if len(lengths) else 0, slopes_grad)
     return config
-
-
-def _run(function, q, k, v, slopes, cu_q, cu_k, config, want_lse):
-    """out, lse through the autograd Function (it records the graph only when needed)."""
-    out, lse = _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
-    return out, lse
 
 
 def _dense_cu(batch, seqlen):
@@ -557,7 +551,7 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
-    out, lse = _run(function, *flat, alibi_slopes, cu_q, cu_k, config, return_lse)
+    out, lse = _FlashPacked.apply(*flat, alibi_slopes, cu_q, cu_k, config, return_lse)
     out = out.reshape(batch, seqlen_q, heads, v.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -577,7 +571,7 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     _tensor(function, k, "k", 3, "(total_k, nheads_k, headdim)")
     _tensor(function, v, "v", 3, "(total_k, nheads_k, headdim)")
     if q.device.type == "meta":
-        _check_heads(function, q, k, v, 0)
+        _check_heads(function, q, k, v)
         return _meta_out(q, v, (q.shape[0], q.shape[1]), (q.shape[1], q.shape[0]), return_lse)
     cu_q = _cu_seqlens(function, cu_seqlens_q, "cu_seqlens_q", q.shape[0])
     cu_k = _cu_seqlens(function, cu_seqlens_k, "cu_seqlens_k", k.shape[0])
@@ -587,7 +581,7 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
                       method, samples, seed, band_error, len(cu_q) - 1)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
-    return _run(function, q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
+    return _FlashPacked.apply(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
 
 
 # flash_attn_with_kvcache. -------------------------------------------------------------------
@@ -625,11 +619,12 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
     function = "flash_attn_with_kvcache"
     _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
-    cache_text = "(num_blocks, block_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    cache_text = ("(num_blocks, block_size, nheads_k, headdim)" if paged
+                  else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _tensor(function, k_cache, "k_cache", 4, cache_text)
     _tensor(function, v_cache, "v_cache", 4, cache_text)
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
-    heads, heads_k = _check_heads(function, q, k_cache, v_cache, 1)
+    heads, heads_k = _check_heads(function, q, k_cache, v_cache)
     if v_cache.dtype != k_cache.dtype:
         _fail(function, "v_cache", f"has dtype {v_cache.dtype}: must equal k_cache's dtype {k_cache.dtype}", TypeError)
     if q.dtype != k_cache.dtype and not (q.dtype == torch.float32 and k_cache.dtype in _HALF):
@@ -654,8 +649,8 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
             _fail(function, "block_table", "must be an int32 torch.Tensor (batch, max_num_blocks)", TypeError)
         if block_table.dim() != 2 or block_table.shape[0] != batch:
-            _fail(function, "block_table", f"has shape {tuple(block_table.shape)}: must be (batch, max_num_blocks) with "
-                  f"batch {batch}")
+            _fail(function, "block_table", f"has shape {tuple(block_table.shape)}: must be "
+                  f"(batch, max_num_blocks) with batch {batch}")
         block_size = k_cache.shape[1]
         capacity = block_table.shape[1] * block_size
         rows_of = None
@@ -667,7 +662,8 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
                 _fail(function, "cache_batch_idx", f"has shape {tuple(cache_batch_idx.shape)}: must be ({batch},)")
             rows_of = cache_batch_idx.detach().cpu().numpy().astype(np.int64)
             if bool(((rows_of < 0) | (rows_of >= k_cache.shape[0])).any()):
-                _fail(function, "cache_batch_idx", f"is {rows_of.tolist()}: entries must lie in [0, {k_cache.shape[0]})")
+                _fail(function, "cache_batch_idx",
+                      f"is {rows_of.tolist()}: entries must lie in [0, {k_cache.shape[0]})")
         else:
             if k_cache.shape[0] != batch:
                 _fail(function, "k_cache", f"has batch {k_cache.shape[0]}: must equal q's batch {batch}")
@@ -713,7 +709,7 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         qw, keys, values = qw.float(), keys.float(), values.float()
     flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
     with torch.no_grad():
-        out, lse, _ = _compute(function, flat_q, keys, values, cu_q, cu_k, alibi_slopes, config, False, return_lse)
+        out, lse, _ = _compute(flat_q, keys, values, cu_q, cu_k, alibi_slopes, config, False, return_lse)
     out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -771,10 +767,6 @@ _LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
 # The public calls. ----------------------------------------------------------------------------
 
 
-def _window_args(function, window_size):
-    return _window(function, window_size)
-
-
 def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale):
     """The argument types the operator schema would otherwise reject with a RuntimeError."""
     for name, x in tensors:
@@ -806,7 +798,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     banded) alibi_slopes."""
     function = "flash_attn_func"
     _unsupported(function, dropout_p, softcap)
-    left, right = _window_args(function, window_size)
+    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
                 band_error, softmax_scale)
     out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method,
@@ -833,13 +825,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(function, dropout_p, softcap)
     if block_table is not None:
         _fail(function, "block_table", "is given: a paged varlen call is not supported (use flash_attn_with_kvcache)")
-    left, right = _window_args(function, window_size)
-    _check_call(function, (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
+    left, right = _window(function, window_size)
+    _check_call(function,
+                (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
                 (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale)
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
-        if not torch.jit.is_tracing() and isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32:
+        checkable = isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32
+        if checkable and not torch.jit.is_tracing():
             longest = int(torch.diff(cu.detach().cpu()).max())
             if longest > bound:
                 _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
@@ -876,10 +870,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     function = "flash_attn_with_kvcache"
     _unsupported(function, 0.0, softcap)
     if rotary_cos is not None or rotary_sin is not None:
-        _fail(function, "rotary_cos", "is given: rotary embeddings are not supported by poslsh (ALiBi models have none)")
+        _fail(function, "rotary_cos",
+              "is given: rotary embeddings are not supported by poslsh (ALiBi models have none)")
     if cache_leftpad is not None:
         _fail(function, "cache_leftpad", "is given: left-padded caches are not supported")
-    left, right = _window_args(function, window_size)
+    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                 (("k", k), ("v", v), ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
                  ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale)

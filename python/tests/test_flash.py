@@ -256,6 +256,7 @@ def test_kvcache_appends_at_different_lengths_and_matches_dense():
         assert torch.equal(v_cache[b, length:length + 2], v_new[b])
         assert torch.equal(k_cache[b, :length], original_k[b, :length])  # untouched before the append
         assert torch.equal(k_cache[b, length + 2:], original_k[b, length + 2:])  # and after it
+        assert torch.equal(v_cache[b, :length], original_v[b, :length])
         keys, values = k_cache[None, b, :length + 2], v_cache[None, b, :length + 2]
         expected, expected_lse = dense(q[None, b], keys, values, slopes[b], True)
         np.testing.assert_allclose(out[b].numpy(), expected[0].numpy(), atol=1e-12, rtol=0)
