@@ -129,15 +129,15 @@ def test_softmax_scale_and_method_names():
                                                method="exact_banded"))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_banded_matches_dense_with_its_band(causal):
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (9, 2))])
+def test_banded_matches_dense_with_its_band(causal, window):
     slopes = torch.tensor([0.9, 0.45, 0.3, 0.0])
     q, k, v = qkv(2, 12, 16, 4, 2, 4)
     bands = bands_of(slopes)
-    assert min(bands) < 12
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, method="banded",
+    assert min(bands) < 9
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes, method="banded",
                                   return_attn_probs=True)
-    expected, expected_lse = dense(q, k, v, slopes, causal, bands=bands)
+    expected, expected_lse = dense(q, k, v, slopes, causal, window, bands=bands)
     np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=1e-12, rtol=0)
     np.testing.assert_allclose(lse.double().numpy(), expected_lse.numpy(), rtol=2e-6)
 
