@@ -595,3 +595,20 @@ def test_strided_qkv_of_a_packed_buffer():
     dout = rand((2, 6, 2, 4), seed=100)
     grad = torch.autograd.grad(out, packed, dout)[0]
     assert torch.equal(grad, torch.stack(torch.autograd.grad(expected, copies, dout), 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_queries_and_cache(dtype):
+    """q and cache in half precision: the float32 call on the widened tensors, rounded once."""
+    q = rand((2, 2, 4, 8), dtype, 110)
+    k_cache, v_cache = rand((2, 7, 2, 8), dtype, 111), rand((2, 7, 2, 8), dtype, 112)
+    k_new, v_new = rand((2, 2, 2, 8), dtype, 113), rand((2, 2, 2, 8), dtype, 114)
+    lengths = torch.tensor([1, 5], dtype=torch.int32)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    wide_k, wide_v = k_cache.float(), v_cache.float()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                  alibi_slopes=slopes)
+    wide = flash_attn_with_kvcache(q.float(), wide_k, wide_v, k_new.float(), v_new.float(), cache_seqlens=lengths,
+                                   causal=True, alibi_slopes=slopes)
+    assert out.dtype == dtype and torch.equal(out, wide.to(dtype))
+    assert torch.equal(k_cache.float(), wide_k) and torch.equal(v_cache.float(), wide_v)
