@@ -11,6 +11,8 @@ against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it
     at batch 1, seqlen 4096, 8 heads, head dim 64, float32, forward (under torch.no_grad()).
     The two calls alternate for --rounds rounds (--calls calls each per round); the table gives
     the median time per call of each and the median of the per-round ratios wrapper / direct.
+    The same at seqlen 16 (200 calls a round, one thread), where the kernels cost little, gives the
+    wrapper's fixed cost per call, also as a share of the seqlen-4096 call.
 (b) Dense comparison: batch 1, 8 heads, head dim 64, float32, causal, every --lengths value;
     for poslsh's exact and LSH methods (flash_attn_func, method "exact" and --lsh-method) and for
     dense PyTorch, the forward (torch.no_grad()) and the forward + backward (loss = (out * g).sum()
@@ -26,7 +28,11 @@ against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it
     with the estimate; the children run under an address-space limit of that size plus
     --headroom-gib, so an underestimate ends in a MemoryError instead of exhausting the machine.
 
-Threads: --threads for torch (torch.set_num_threads) and poslsh (OMP_NUM_THREADS), default 2.
+Every measurement runs in a child process with --threads threads for torch
+(torch.set_num_threads) and poslsh (OMP_NUM_THREADS), default 2, and (unless --system-malloc)
+glibc malloc told to keep freed memory (MALLOC_MMAP_MAX_=0, a large MALLOC_TRIM_THRESHOLD_), so
+that repeated calls reuse their buffers as PyTorch's caching allocator does on GPUs instead of
+faulting fresh pages in on every call.
 """
 
 import argparse
@@ -104,30 +110,45 @@ def inputs(torch, length, requires_grad=False, seed=0):
 # (a) wrapper overhead
 
 
+def alternate(torch, calls, q, k, v, slopes, rounds, per_round):
+    """Median seconds per call of each of `calls` and the median of the rounds' ratios
+    first / second, the calls alternating round by round."""
+    times = {name: [] for name in calls}
+    ratios = []
+    with torch.no_grad():
+        for _ in range(rounds):
+            round_times = {}
+            for name, call in calls.items():
+                started = time.perf_counter()
+                for _ in range(per_round):
+                    call(q, k, v, slopes)
+                round_times[name] = (time.perf_counter() - started) / per_round
+                times[name].append(round_times[name])
+            first, second = calls
+            ratios.append(round_times[first] / round_times[second])
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result.update(ratio=statistics.median(ratios), ratios=ratios)
+    return result
+
+
 def overhead(args):
+    """(a): the two calls at --overhead-length, and at seqlen 16 (where the kernels cost little, so
+    the difference per call is the wrapper's fixed cost)."""
     import torch
     import poslsh.torch as ptorch
     torch.set_num_threads(args.threads)
     slopes = ptorch.make_alibi_slopes(HEADS)
-    q, k, v = inputs(torch, args.overhead_length)
     calls = {"flash_attn_func": flash_call(ptorch, "exact", args.samples), "multihead_attention": direct_call(ptorch)}
+    q, k, v = inputs(torch, args.overhead_length)
     with torch.no_grad():
-        wrapped = calls["flash_attn_func"](q, k, v, slopes)
-        direct = calls["multihead_attention"](q, k, v, slopes)
-        difference = (wrapped[0] - direct).abs().max().item()
-        times = {name: [] for name in calls}
-        ratios = []
-        for _ in range(args.rounds):
-            round_times = {}
-            for name, call in calls.items():
-                started = time.perf_counter()
-                for _ in range(args.calls):
-                    call(q, k, v, slopes)
-                round_times[name] = (time.perf_counter() - started) / args.calls
-                times[name].append(round_times[name])
-            ratios.append(round_times["flash_attn_func"] / round_times["multihead_attention"])
-    result = {name: statistics.median(values) for name, values in times.items()}
-    result.update(ratio=statistics.median(ratios), ratios=ratios, max_abs_difference=difference)
+        difference = (calls["flash_attn_func"](q, k, v, slopes)[0] - calls["multihead_attention"](q, k, v, slopes))
+    result = alternate(torch, calls, q, k, v, slopes, args.rounds, args.calls)
+    result["max_abs_difference"] = difference.abs().max().item()
+    small = inputs(torch, 16)
+    torch.set_num_threads(1)          # no thread wake-ups: the difference is the Python-side cost
+    tiny = alternate(torch, calls, *small, slopes, args.rounds, 200)
+    result["fixed_cost"] = tiny["flash_attn_func"] - tiny["multihead_attention"]
+    result["small"] = tiny
     return result
 
 
@@ -145,6 +166,9 @@ def child(args):
     slopes = ptorch.make_alibi_slopes(HEADS)
     q, k, v = inputs(torch, length, requires_grad=backward)
     grad = torch.randn(1, length, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)) if backward else None
+    if args.child_impl == "overhead":
+        print(json.dumps(overhead(args)))
+        return 0
     if args.child_impl == "dense":
         alibi, causal_mask = dense_setup(torch, slopes, length)
         call = dense_call(torch, alibi, causal_mask)
@@ -172,6 +196,27 @@ def child(args):
     return 0
 
 
+def child_env(args):
+    """The children's environment: --threads OpenMP threads, and (unless --system-malloc) glibc
+    malloc without mmap and without trimming, so freed memory is reused by later calls instead of
+    being returned and faulted in again (on a VM first-touch page faults cost much more than
+    the arithmetic of memory-bound steps)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if not args.system_malloc:
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 46), MALLOC_TOP_PAD_=str(1 << 20))
+    return env
+
+
+def run_overhead(args):
+    command = [sys.executable, os.path.abspath(__file__), "--child-impl", "overhead", "--child-length",
+               str(args.overhead_length), "--child-mode", "fwd", "--threads", str(args.threads), "--rounds",
+               str(args.rounds), "--calls", str(args.calls), "--overhead-length", str(args.overhead_length)]
+    done = subprocess.run(command, env=child_env(args), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"torch_attention_bench: the overhead run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_child(args, impl, length, mode):
     """The configuration's result dict, or {"oom": ...} (estimate or failure)."""
     limit = None
@@ -188,7 +233,7 @@ def run_child(args, impl, length, mode):
     command = [sys.executable, os.path.abspath(__file__), "--child-impl", impl, "--child-length", str(length),
                "--child-mode", mode, "--threads", str(args.threads), "--repeats", str(args.repeats),
                "--samples", str(args.samples)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = child_env(args)
     done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=limit_memory)
     if done.returncode != 0:
         text = done.stderr.strip().splitlines()
@@ -230,7 +275,12 @@ def markdown(args, over, rows):
                   f"| `multihead_attention(..., method=\"exact_tiled\")` | "
                   f"{over['multihead_attention'] * 1e3:.1f} |",
                   f"| ratio wrapper / direct (median of the rounds' ratios) | {over['ratio']:.3f} |", "",
-                  f"Largest difference between the two outputs: {over['max_abs_difference']:.2e}.", ""]
+                  f"Largest difference between the two outputs: {over['max_abs_difference']:.2e}. At seqlen 16 "
+                  f"(200 calls a round, one thread) the calls take {over['small']['flash_attn_func'] * 1e6:.0f} and "
+                  f"{over['small']['multihead_attention'] * 1e6:.0f} us: the wrapper's fixed cost is "
+                  f"{over['fixed_cost'] * 1e6:.0f} us per call, "
+                  f"{100 * over['fixed_cost'] / over['multihead_attention']:.2f}% of the seqlen "
+                  f"{args.overhead_length} call.", ""]
     if rows:
         lines += [f"(b) Median of {args.repeats} calls after one warm-up, each configuration in a fresh process; "
                   "peak RSS of that process (MiB), in parentheses above its RSS with torch imported and the inputs "
@@ -257,7 +307,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("overhead", "dense", "all"), default="all")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=7, help="(a) alternating rounds")
+    p.add_argument("--rounds", type=int, default=11, help="(a) alternating rounds")
     p.add_argument("--calls", type=int, default=3, help="(a) calls of each per round")
     p.add_argument("--overhead-length", type=int, default=4096)
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -266,6 +316,7 @@ def parse_args(argv):
     p.add_argument("--samples", type=int, default=16, help="LSH hashes per head")
     p.add_argument("--memory-limit-gib", type=float, default=16.0)
     p.add_argument("--headroom-gib", type=float, default=4.0)
+    p.add_argument("--system-malloc", action="store_true", help="children with glibc's default malloc settings")
     p.add_argument("--markdown", help="write the tables here")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--child-impl", help=argparse.SUPPRESS)
@@ -283,7 +334,7 @@ def main(argv=None):
     def log(text):
         print(text, file=sys.stderr, flush=True)
 
-    over = overhead(args) if args.part in ("overhead", "all") else None
+    over = run_overhead(args) if args.part in ("overhead", "all") else None
     if over:
         log(json.dumps(over))
     rows = dense_comparison(args, log) if args.part in ("dense", "all") else []
