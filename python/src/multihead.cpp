@@ -39,13 +39,14 @@ void require_plan_keywords(const char* function, const poslsh::MultiHeadOptions&
       {options.sigmas.empty(), "sigmas"},
       {options.samples == defaults.samples, "samples"},
       {options.seed == defaults.seed, "seed"},
-      {options.band_error == defaults.band_error, "band_error"}};
+      {options.band_error == defaults.band_error, "band_error"},
+      {options.window_left == -1 && options.window_right == -1, "window"}};
   for (const auto& [is_default, name] : keywords) {
     if (!is_default) {
       throw py::value_error(argument(function, name) +
                             " is set together with 'plans': a plan sets each head's method, "
-                            "sigma and parameters (leave method, sigmas, samples, seed and "
-                            "band_error at their defaults)");
+                            "sigma and parameters (leave method, sigmas, samples, seed, "
+                            "band_error and window at their defaults)");
     }
   }
 }
@@ -63,6 +64,9 @@ a packed qkv buffer), last axis contiguous; no copies.
 method: 'lsh_fused' (default), 'lsh_per_sample', 'fixed_blocks', 'exact_tiled',
 'exact_banded' (band_for_bias_error(sigma_h, band_error)).
 masking: 'causal' (default) or 'bidirectional'. scale: tau, None means 1/sqrt(d).
+window: (left, right), FlashAttention's window_size: key j is kept for the query at position i
+iff i - left <= j <= i + right (-1: unbounded on that side), together with the masking and the
+band; methods 'exact_tiled' and 'exact_banded' only (ValueError otherwise). Default (-1, -1).
 sigmas: one per query head, None means alibi_sigmas(H_q) (sigma_h = 1 / m_h).
 samples, seed: LSH head h uses rbf_hashes(sigma_h, samples, seed, stream=h).
 query_offset: position p0 of q's first token: the m queries are the tokens p0 .. p0 + m - 1
@@ -108,12 +112,12 @@ void register_multihead(py::module_& module) {
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, std::optional<Index> query_offset,
+         double band_error, std::pair<Index, Index> window, std::optional<Index> query_offset,
          std::optional<std::vector<poslsh::HeadPlan>> plans, py::handle out,
          std::optional<int> threads) -> py::object {
         constexpr const char* function = "multihead_attention";
         HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                sigmas, samples, seed, band_error);
+                                                sigmas, samples, seed, band_error, window);
         const Layout layout = keywords.layout;
         poslsh::MultiHeadOptions& options = keywords.options;
         options.query_offset = query_offset;
@@ -144,11 +148,12 @@ void register_multihead(py::module_& module) {
       [](py::handle q, py::handle k, py::handle v, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
          const std::string& layout_name, const std::string& method, const std::string& masking,
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
-         std::uint64_t seed, double band_error, std::optional<std::vector<Index>> query_offsets,
-         py::handle out, std::optional<int> threads) {
+         std::uint64_t seed, double band_error, std::pair<Index, Index> window,
+         std::optional<std::vector<Index>> query_offsets, py::handle out,
+         std::optional<int> threads) {
         constexpr const char* function = "multihead_attention_varlen";
         const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error);
+                                                      sigmas, samples, seed, band_error, window);
         const std::vector<std::int32_t> cu_q = int32_vector(cu_seqlens_q, function, "cu_seqlens_q");
         const std::vector<std::int32_t> cu_k = int32_vector(cu_seqlens_k, function, "cu_seqlens_k");
         const std::vector<Index> offsets = query_offsets.value_or(std::vector<Index>{});

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "arrays.hpp"
@@ -24,7 +25,8 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
                                     const std::string& method, const std::string& masking,
                                     std::optional<double> scale,
                                     const std::optional<std::vector<double>>& sigmas, Index samples,
-                                    std::uint64_t seed, double band_error) {
+                                    std::uint64_t seed, double band_error,
+                                    const std::pair<Index, Index>& window) {
   poslsh::MultiHeadOptions options;
   options.method = poslsh::enum_from_name<poslsh::Method>(method, function, "method");
   options.masking = poslsh::enum_from_name<poslsh::Masking>(masking, function, "masking");
@@ -33,18 +35,32 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
   options.samples = samples;
   options.seed = seed;
   options.band_error = band_error;
+  const bool exact = options.method == poslsh::Method::exact_tiled ||
+                     options.method == poslsh::Method::exact_banded;
+  if (window.first < -1 || window.second < -1)
+    throw py::value_error(argument(function, "window") + " = (" + std::to_string(window.first) +
+                          ", " + std::to_string(window.second) +
+                          "): each side must be -1 (unbounded) or >= 0");
+  if ((window.first != -1 || window.second != -1) && !exact)
+    throw py::value_error(argument(function, "window") +
+                          ": a local window needs method 'exact_tiled' or 'exact_banded' (got '" +
+                          method + "')");
+  options.window_left = window.first;
+  options.window_right = window.second;
   return {layout_of(layout, function), options};
 }
 
 /// The keywords of heads_keywords with MultiHeadOptions' defaults, after `layout`:
-/// layout="nhd", method, masking, scale=None, sigmas=None, samples, seed, band_error.
+/// layout="nhd", method, masking, scale=None, sigmas=None, samples, seed, band_error,
+/// window=(-1, -1) (FlashAttention's window_size: left, right).
 inline auto multihead_keywords() {
   const poslsh::MultiHeadOptions defaults;
   return std::make_tuple(
       py::arg("layout") = "nhd", py::arg("method") = poslsh::enum_name(defaults.method),
       py::arg("masking") = poslsh::enum_name(defaults.masking), py::arg("scale") = py::none(),
       py::arg("sigmas") = py::none(), py::arg("samples") = defaults.samples,
-      py::arg("seed") = defaults.seed, py::arg("band_error") = defaults.band_error);
+      py::arg("seed") = defaults.seed, py::arg("band_error") = defaults.band_error,
+      py::arg("window") = std::make_pair(defaults.window_left, defaults.window_right));
 }
 
 /// module.def(name, function, positional..., kw_only, the multihead_keywords, trailing...,

@@ -200,8 +200,35 @@ place (any strides on the first two axes); new arrays otherwise. No n x n buffer
 single-head backward of each head (summed over a group in head order), for any thread count.
 Self-attention only; float32 or float64; the GIL is released. cu_seqlens=: a packed batch, as
 in multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are
-those of its own call, none crosses sequences.
+those of its own call, none crosses sequences. dslopes= (float64 array of H_q entries,
+contiguous, written in place; methods exact_tiled and exact_banded only): the gradients in the
+ALiBi slopes slope_h = 1 / sigma_h,
+
+    dslopes[h] = dL/dslope_h = -sum_ij dS_h,ij |i - j|   (dS_h = P_h o (dO_h V_g^T - D))
+
+over the pairs of the head's window (summed over the sequences of a packed batch), from the
+same tiles as the other gradients (which are unchanged by it), bitwise the same for any thread
+count. window=(left, right): the local window of the forward (exact methods).
 )doc";
+
+/// The dslopes= output of multihead_attention_backward: unset for None, otherwise a map of
+/// a writable, contiguous float64 array of `heads` entries (TypeError / ValueError naming
+/// 'dslopes' otherwise).
+std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, Index heads,
+                                                           const char* function) {
+  if (dslopes.is_none()) return std::nullopt;
+  if (!py::isinstance<py::array>(dslopes) ||
+      !py::reinterpret_borrow<py::array>(dslopes).dtype().is(py::dtype::of<double>()))
+    throw py::type_error(argument(function, "dslopes") + " must be a float64 numpy array");
+  py::array array = py::reinterpret_borrow<py::array>(dslopes);
+  if (array.ndim() != 1 || array.shape(0) != heads)
+    throw py::value_error(argument(function, "dslopes") + " must have shape (" +
+                          std::to_string(heads) + ",) (one entry per query head)");
+  if (!array.writeable() ||
+      (heads > 1 && array.strides(0) != static_cast<py::ssize_t>(sizeof(double))))
+    throw py::value_error(argument(function, "dslopes") + " must be writable and contiguous");
+  return Eigen::Map<Eigen::VectorXd>(static_cast<double*>(array.mutable_data()), heads);
+}
 
 }  // namespace
 
@@ -313,13 +340,13 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, py::handle out, py::handle lse, py::handle cu_seqlens,
-         std::optional<int> threads) {
+         double band_error, std::pair<Index, Index> window, py::handle out, py::handle lse,
+         py::handle cu_seqlens, std::optional<int> threads) {
         const Batch batch =
             batch_of(cu_seqlens, "multihead_attention", "multihead_attention_varlen");
         const char* const function = batch.function;
         const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error);
+                                                      sigmas, samples, seed, band_error, window);
         threads = thread_count(threads, function);
         return dispatch(function, {q}, [&](auto types) {
           using T = typename decltype(types)::q;
@@ -351,14 +378,15 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse, py::handle dout,
          const std::string& layout_name, const std::string& method, const std::string& masking,
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
-         std::uint64_t seed, double band_error, py::handle dq, py::handle dk, py::handle dv,
-         py::handle cu_seqlens, std::optional<int> threads) {
+         std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
+         py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
+         std::optional<int> threads) {
         const Batch batch = batch_of(cu_seqlens, "multihead_attention_backward",
                                      "multihead_attention_varlen_backward");
         const char* const function = batch.function;
         threads = thread_count(threads, function);
         const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error);
+                                                      sigmas, samples, seed, band_error, window);
         return dispatch(function, {q}, [&](auto types) {
           using T = typename decltype(types)::q;
           const HeadsInputs<Types<T>> in =
@@ -378,11 +406,19 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           auto dv_out = heads_output<T>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", "q", inputs);
           const poslsh::ConstMatrixRef<T> lse_ref(lse_map);
+          const std::optional<Eigen::Map<Eigen::VectorXd>> dslopes_map =
+              slope_gradients(dslopes, in.q.heads, function);
+          const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
+          const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
           run_kernel(threads, [&] {
-            if (batch.cu_seqlens)
+            if (dslopes_map)
               poslsh::multihead_attention_varlen_backward<T>(
-                  in.q, in.k, in.v, out_view, lse_ref, dout_view, *batch.cu_seqlens, dq_out.view,
-                  dk_out.view, dv_out.view, keywords.options);
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, dq_out.view, dk_out.view,
+                  dv_out.view, *dslopes_map, keywords.options);
+            else if (batch.cu_seqlens)
+              poslsh::multihead_attention_varlen_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, dq_out.view, dk_out.view,
+                  dv_out.view, keywords.options);
             else
               poslsh::multihead_attention_backward<T>(in.q, in.k, in.v, out_view, lse_ref,
                                                       dout_view, dq_out.view, dk_out.view,
@@ -395,7 +431,7 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
                       py::arg("dout")),
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
-                      py::arg("num_threads") = py::none()),
+                      py::arg("dslopes") = py::none(), py::arg("num_threads") = py::none()),
       multihead_backward_doc);
 }
 

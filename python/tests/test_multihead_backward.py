@@ -248,3 +248,64 @@ def test_errors(rng):
         frozen = np.zeros((heads, n))
         frozen.flags.writeable = False
         poslsh.multihead_attention_with_lse(q, k, v, lse=frozen)
+
+
+def dense_window_head(q, k, v, dout, sigma, causal, window, tau):
+    """out and dL/dslope (slope = 1/sigma) of one exact head over FlashAttention's window
+    (left, right): P = softmax_j(tau q_i.k_j - |i-j| / sigma) over the kept keys,
+    dS = P o (dO V^T - D), dL/dslope = -sum_ij dS_ij |i - j|."""
+    n = q.shape[0]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = reference.visible(n, causal)
+    if window[0] >= 0:
+        keep = keep & (j >= i - window[0])
+    if window[1] >= 0:
+        keep = keep & (j <= i + window[1])
+    x = np.where(keep, tau * (q @ k.T) - np.abs(i - j) / sigma, -np.inf)
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    dp = dout @ v.T
+    ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))
+    return p @ v, -(ds * np.abs(i - j)).sum()
+
+
+@pytest.mark.parametrize("method", ["exact_tiled", "exact_banded"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [(-1, -1), (9, -1), (4, 13), (-1, 0)])
+def test_windows_and_slope_gradients_equal_the_dense_formulas(rng, method, causal, window):
+    n, heads, kv_heads, d = 70, 4, 2, 8
+    q, k, v = (rng.standard_normal((n, h, d)) for h in (heads, kv_heads, kv_heads))
+    dout = rng.standard_normal((n, heads, d))
+    sigmas = [0.7, 3.0, 25.0, 1e4]
+    keywords = dict(method=method, masking="causal" if causal else "bidirectional", sigmas=sigmas,
+                    window=window, band_error=0.5)
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords)
+    dslopes = np.zeros(heads)
+    poslsh.multihead_attention_backward(q, k, v, out, lse, dout, dslopes=dslopes, **keywords)
+    for h in range(heads):
+        window_h = window
+        if method == "exact_banded":  # the band narrows the window on both sides
+            band = int(np.ceil(sigmas[h] * np.log(2.0)))
+            window_h = tuple(band if side < 0 else min(side, band) for side in window)
+        dense_out, dense_dslope = dense_window_head(q[:, h], k[:, h // 2], v[:, h // 2], dout[:, h], sigmas[h],
+                                                    causal, window_h, 1 / np.sqrt(d))
+        np.testing.assert_allclose(out[:, h], dense_out, rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(dslopes[h], dense_dslope, rtol=1e-10, atol=1e-10)
+
+
+def test_window_and_slope_gradient_errors(rng):
+    n, d = 12, 4
+    q = rng.standard_normal((n, 2, d))
+    with pytest.raises(ValueError, match="'window'"):
+        poslsh.multihead_attention(q, q, q, method="lsh_fused", window=(3, -1))
+    with pytest.raises(ValueError, match="'window'"):
+        poslsh.multihead_attention(q, q, q, method="exact_tiled", window=(-2, 0))
+    out, lse = poslsh.multihead_attention_with_lse(q, q, q, method="exact_tiled")
+    with pytest.raises(ValueError, match="'dslopes'"):
+        poslsh.multihead_attention_backward(q, q, q, out, lse, q, method="exact_tiled", dslopes=np.zeros(3))
+    with pytest.raises(TypeError, match="'dslopes'"):
+        poslsh.multihead_attention_backward(q, q, q, out, lse, q, method="exact_tiled",
+                                            dslopes=np.zeros(2, dtype=np.float32))
+    out, lse = poslsh.multihead_attention_with_lse(q, q, q, method="lsh_fused")
+    with pytest.raises(ValueError, match="'dslopes'"):
+        poslsh.multihead_attention_backward(q, q, q, out, lse, q, method="lsh_fused", dslopes=np.zeros(2))

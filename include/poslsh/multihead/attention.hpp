@@ -87,6 +87,15 @@ inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
     require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
             options.band_error, "must be in (0, 1)");
   }
+  const bool exact =
+      options.method == Method::exact_tiled || options.method == Method::exact_banded;
+  for (const auto& [name, side] : {std::pair{"options.window_left", options.window_left},
+                                   std::pair{"options.window_right", options.window_right}}) {
+    require(side >= -1, function, name, side, "must be -1 (unbounded) or >= 0");
+    require(side == -1 || exact, function, name, side,
+            "a local window needs method exact_tiled or exact_banded (got " +
+                std::string(enum_name(options.method)) + ")");
+  }
   std::vector<HashSet> hashes = method_draws_hashes(options.method)
                                     ? multihead_hashes(sigmas, options.samples, options.seed)
                                     : std::vector<HashSet>(sigmas.size());
@@ -98,6 +107,8 @@ inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
     head.hashes = std::move(hashes[h]);
     if (options.method == Method::exact_banded)
       head.band = band_for_bias_error(head.sigma, options.band_error);
+    head.window_left = options.window_left;
+    head.window_right = options.window_right;
     if (options.method == Method::fixed_blocks) head.hashes = {fixed_blocks_hash(head.sigma)};
   }
   return methods;

@@ -8,6 +8,7 @@
 /// one enumerator, one row of its name table and one MethodKernels specialization.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -59,6 +60,12 @@ struct MultiHeadOptions : AttentionOptions {
   /// exact_banded: W = band_for_bias_error(sigma_h, band_error), so every dropped ALiBi entry
   /// exp(-|i-j|/sigma_h) is below band_error; in (0, 1).
   double band_error = 1e-3;
+  /// exact_tiled and exact_banded: a local window of keys, FlashAttention's window_size =
+  /// (left, right): key j is kept for the query at position i iff
+  /// i - window_left <= j <= i + window_right, as well as by the causal mask and the band;
+  /// -1 leaves that side unbounded. Other methods: both -1.
+  Index window_left = -1;
+  Index window_right = -1;
 };
 
 /// One query head's method with its parameters, resolved from MultiHeadOptions or a plan.
@@ -67,6 +74,9 @@ struct HeadMethod {
   double sigma = 1.0;
   /// exact_banded: the band W.
   Index band = 0;
+  /// exact_tiled, exact_banded: MultiHeadOptions::window_left and window_right (-1 unbounded).
+  Index window_left = -1;
+  Index window_right = -1;
   /// lsh_fused, lsh_per_sample: the samples; fixed_blocks: {fixed_blocks_hash(sigma)}.
   HashSet hashes{};
 };
@@ -106,6 +116,8 @@ struct HeadBackward {
   MatrixRef<Scalar> dq, dk, dv;
   Scalar tau;
   Masking masking;
+  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
+  double* dslope = nullptr;
 };
 
 /// A thread's scratch for backward jobs that run one head on one thread.
@@ -148,10 +160,14 @@ struct WholeHeadMethod {
 template <Method M>
 struct MethodKernels;
 
-/// The exact window lo <= i - j <= hi of a head: every key (tiled) or the band (banded).
+/// The exact window lo <= i - j <= hi of a head: every key (tiled) or the band (banded),
+/// narrowed to the head's local window (hi <= window_left, lo >= -window_right).
 inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking masking) {
-  if (head.method == Method::exact_banded) return banded_window(keys, head.band, masking);
-  return full_window(keys, masking);
+  ExactWindow window = head.method == Method::exact_banded ? banded_window(keys, head.band, masking)
+                                                           : full_window(keys, masking);
+  if (head.window_left >= 0) window.hi = std::min(window.hi, head.window_left);
+  if (head.window_right >= 0) window.lo = std::max(window.lo, -head.window_right);
+  return window;
 }
 
 /// exact_tiled and exact_banded: the ALiBi bias on the tile engine over the head's window.
@@ -171,7 +187,8 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
                        BackwardScratch<Scalar>* scratch) {
     exact_backward<Scalar>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
                            head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout, b.dq,
-                           b.dk, b.dv, parallel, scratch == nullptr ? nullptr : &scratch->work);
+                           b.dk, b.dv, parallel, scratch == nullptr ? nullptr : &scratch->work,
+                           b.dslope);
   }
 };
 

@@ -84,26 +84,36 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
                     const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                     const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
                     const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
-                    const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv) {
+                    const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                    double* dslopes = nullptr) {
   const FlushSubnormals flush;  // as every thread of the passes (the group sums)
   const Index heads = q.heads, group = q.heads / k.heads;
   const auto tau = static_cast<Scalar>(call.tau);
+  // dL/dslope of every (sequence, head), summed over the sequences in order at the end.
+  std::vector<double> sequence_dslopes(
+      dslopes == nullptr ? 0 : call.sequences.size() * static_cast<std::size_t>(heads), 0.0);
   // The gradients of head h of sequence s, into dk_h and dv_h.
   const auto head_job = [&](const HeadsSequence& s, Index h, MatrixRef<Scalar> dk_h,
                             MatrixRef<Scalar> dv_h, bool parallel,
                             BackwardScratch<Scalar>* scratch) {
     const Index begin = s.q_begin, end = s.q_end, g = h / group;
-    HeadBackward<Scalar> b{token_range(q, begin, end).head(h),
-                           token_range(k, begin, end).head(g),
-                           token_range(v, begin, end).head(g),
-                           token_range(out, begin, end).head(h),
-                           lse.row(h).segment(begin, end - begin).transpose(),
-                           token_range(dout, begin, end).head(h),
-                           token_range(dq, begin, end).head(h),
-                           dk_h,
-                           dv_h,
-                           tau,
-                           call.masking};
+    HeadBackward<Scalar> b{
+        token_range(q, begin, end).head(h),
+        token_range(k, begin, end).head(g),
+        token_range(v, begin, end).head(g),
+        token_range(out, begin, end).head(h),
+        lse.row(h).segment(begin, end - begin).transpose(),
+        token_range(dout, begin, end).head(h),
+        token_range(dq, begin, end).head(h),
+        dk_h,
+        dv_h,
+        tau,
+        call.masking,
+        dslopes == nullptr
+            ? nullptr
+            : &sequence_dslopes[static_cast<std::size_t>(&s - call.sequences.data()) *
+                                    static_cast<std::size_t>(heads) +
+                                static_cast<std::size_t>(h)]};
     const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
     visit_method(head.method, [&](auto kernels) {
       decltype(kernels)::template backward<Scalar>(head, b, parallel, scratch);
@@ -119,6 +129,15 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
   for (std::size_t b = 0; b < call.sequences.size(); ++b) {
     if (call.sequences[b].q_end > call.sequences[b].q_begin) sequences.push_back(b);
   }
+  const auto sum_dslopes = [&] {
+    if (dslopes == nullptr) return;
+    for (Index h = 0; h < heads; ++h) {
+      dslopes[h] = 0.0;
+      for (std::size_t b = 0; b < call.sequences.size(); ++b)
+        dslopes[h] +=
+            sequence_dslopes[b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
+    }
+  };
   if (one_thread_per_head) {
     const auto jobs = static_cast<long>(sequences.size()) * static_cast<long>(heads);
     parallel_jobs<BackwardScratch<Scalar>>(jobs, [&](long j, BackwardScratch<Scalar>& scratch) {
@@ -127,6 +146,7 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
       head_job(s, h, token_range(dk, s.q_begin, s.q_end).head(h),
                token_range(dv, s.q_begin, s.q_end).head(h), false, &scratch);
     });
+    sum_dslopes();
     return;
   }
   RowMatrix<Scalar> dk_head, dv_head;
@@ -154,6 +174,7 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
       }
     }
   }
+  sum_dslopes();
 }
 
 /// The gradient views of a backward call: dout as out, dq as q, dk and dv as k and v.
@@ -166,6 +187,27 @@ void require_gradient_views(const char* function, const HeadsView<const Scalar>&
   require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
   require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
   require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
+}
+
+/// The backward of a training call with the slope gradients (the public
+/// multihead_attention_backward and multihead_attention_varlen_backward with dslopes).
+template <typename Scalar>
+void backward_with_slopes(const char* function, const HeadsView<const Scalar>& q,
+                          const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                          const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
+                          const HeadsView<const Scalar>& dout,
+                          const std::vector<std::int32_t>& cu_seqlens, const HeadsView<Scalar>& dq,
+                          const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                          Eigen::Ref<Eigen::VectorXd> dslopes, const MultiHeadOptions& options) {
+  const HeadsCall call = training_call(function, q, k, v, lse, cu_seqlens, out, options);
+  require_gradient_views(function, q, k, v, dout, dq, dk, dv);
+  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
+          "dslopes", enum_name(options.method),
+          "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
+          "methods are not differentiable in the slope)");
+  require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(),
+          "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+  heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv, dslopes.data());
 }
 
 }  // namespace detail
@@ -207,6 +249,26 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
   detail::heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv);
 }
 
+/// multihead_attention_backward with the gradients in the ALiBi slopes too: dslopes (H_q
+/// entries) gets, for each query head h with slope_h = 1/sigma_h,
+///   dL/dslope_h = -sum_ij dS_ij |i - j|,   dS_ij = P_ij (dO_i . v_j - D_i) = dL/dx_ij,
+/// over the pairs of the head's window, from the same tiles as dQ, dK, dV (which are bitwise
+/// those of the call without dslopes). Each key tile's terms are summed in double in a fixed
+/// order, so dslopes too is bitwise the same for any thread count. Methods exact_tiled and
+/// exact_banded only: the bins of the LSH methods are not differentiable in the slope.
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                  HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                  ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                  HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
+                                  Eigen::Ref<Eigen::VectorXd> dslopes,
+                                  const MultiHeadOptions& options = {}) {
+  detail::backward_with_slopes<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
+                                       {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv,
+                                       dslopes, options);
+}
+
 /// multihead_attention on a packed batch of self-attention sequences, with the log-sum-exp:
 /// sequence b is tokens [cu_seqlens[b], cu_seqlens[b + 1]) of q, k, v and out (positions
 /// 0 .. m_b - 1 in each), and column t of lse (H_q x total tokens, FlashAttention's varlen
@@ -246,6 +308,22 @@ void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<co
       detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
   detail::require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   detail::heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv);
+}
+
+/// multihead_attention_varlen_backward with the gradients in the ALiBi slopes (dslopes, H_q
+/// entries, summed over the sequences in increasing order) as multihead_attention_backward
+/// with dslopes. Methods exact_tiled and exact_banded only.
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         const std::vector<std::int32_t>& cu_seqlens,
+                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+                                         HeadsView<Scalar> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
+                                         const MultiHeadOptions& options = {}) {
+  detail::backward_with_slopes<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse,
+                                       dout, cu_seqlens, dq, dk, dv, dslopes, options);
 }
 
 }  // namespace poslsh

@@ -151,18 +151,29 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr) {
+                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
   const FlushSubnormals flush;
   backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
+  std::vector<double> tile_sums;
+  if (distance_sum != nullptr) {
+    tile_sums.assign(
+        static_cast<std::size_t>((rule.end() - rule.begin() + backward_tile - 1) / backward_tile),
+        0.0);
+    grads.distance_sums = tile_sums.data();
+  }
   if (parallel) {
     backward_parallel(in, rule, grads);
   } else {
     BackwardWork<Scalar> own;
     backward_serial(in, rule, grads, work != nullptr ? *work : own);
+  }
+  if (distance_sum != nullptr) {
+    *distance_sum = 0.0;
+    for (const double tile_sum : tile_sums) *distance_sum += tile_sum;  // in key tile order
   }
 }
 
@@ -173,12 +184,14 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
                     MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
-                    BackwardWork<Scalar>* work = nullptr) {
+                    BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
+  double distance_sum = 0.0;
   windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
-                            parallel, work);
+                            parallel, work, dslope == nullptr ? nullptr : &distance_sum);
+  if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this

@@ -204,6 +204,11 @@ struct BackwardOutputs {
   /// caller zeroes the steps that reach no key: backward_zero_unreached). The pass must then
   /// cover every row and key.
   bool fresh = false;
+  /// When not null, one entry per key tile of the domain (backward_tile keys from the rule's
+  /// first row), to which each query step reaching the tile adds, in increasing step order,
+  /// the tile's sum over its pairs (i, j) of G_ij |i - j|, G_ij = P_ij (dP_ij - D_i) = dL/dx_ij:
+  /// the terms of the gradient in an ALiBi slope, dL/dslope = -sum_ij G_ij |i - j|.
+  double* distance_sums = nullptr;
 };
 
 /// With fresh outputs (BackwardOutputs::fresh): the dQ rows of the query steps whose rows reach
@@ -589,10 +594,13 @@ struct PackedSteps {
 ///   dV_J += P^T dO,  dK_J += dS^T Q  (tile.dv_sum, tile.dk_sum: each key j over the rows that
 ///   reach it),  work.dq_part = dS K_J  (each row over the keys it reaches, from zero).
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
+/// With `distance_sum` not null, also *distance_sum += sum over the pair's entries of
+/// G_ij |i - j| (G = dS / tau, summed in double key by key: BackwardOutputs::distance_sums).
 template <typename Scalar, typename Rule>
 void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index i0, Index r0,
                    Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
-                   const BackwardKeyTile<Scalar>& tile_rows, BackwardWork<Scalar>& work) {
+                   const BackwardKeyTile<Scalar>& tile_rows, BackwardWork<Scalar>& work,
+                   double* distance_sum = nullptr) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
@@ -639,6 +647,20 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
   rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
   // dS^T = tau P^T o (dP^T - D).
   scores(step.ot, tile_rows.v_rows, dvp, dv, ds);
+  if (distance_sum != nullptr) {
+    using Column = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+    const Index rows = a1 - a0;
+    const auto row_offsets = Column::LinSpaced(rows, Scalar(0), static_cast<Scalar>(rows - 1));
+    const Eigen::Map<const Column> delta(work.delta.data() + a0, rows);
+    double sum = 0.0;
+    for (Index b = b0; b < b1; ++b) {
+      const Eigen::Map<const Column> prob(p + b * Bq + a0, rows), dprob(ds + b * Bq + a0, rows);
+      const Scalar first_distance = static_cast<Scalar>(i0 + a0 - j0 - b);
+      sum += static_cast<double>(
+          (prob * (dprob - delta) * (row_offsets + first_distance).abs()).sum());
+    }
+    *distance_sum += sum;
+  }
   const Packet tau = ei::pset1<Packet>(in.tau);
   for (Index b = b0; b < b1; ++b) {
     for (Index a = first_packet * P; a < a1; a += P) {
@@ -738,7 +760,8 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
         }
         prepared = true;
       }
-      backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work);
+      backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work,
+                    out.distance_sums == nullptr ? nullptr : out.distance_sums + (j0 - base) / Bk);
       order.add((i0 - base) / Bq, (j0 - base) / Bk, [&] {
         // The step's first key tile (the first that any of its rows reaches) comes first.
         if (out.fresh &&
@@ -916,7 +939,8 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
       const Index k0 = std::max(j0, keys.first), k1 = std::min(j1, keys.last);
       if (k0 >= k1) continue;
       touched[static_cast<std::size_t>(tile % span)] = 1;
-      backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work);
+      backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work,
+                    out.distance_sums == nullptr ? nullptr : out.distance_sums + tile);
       backward_add_rows<Scalar, false>(work.dq_step.data() + (rows.first - i0) * dp, dp,
                                        work.dq_part.data(), dp, rows.last - rows.first, d);
     }
