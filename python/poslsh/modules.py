@@ -106,6 +106,10 @@ class KVCache:
         self.cache_seqlens.zero_()
 
 
+# The flash_attn_func methods that give gradients in alibi_slopes.
+_SLOPE_GRADIENT_METHODS = ("exact", "exact_tiled", "banded", "exact_banded")
+
+
 class AlibiSelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention with ALiBi, the attention layer of a BLOOM-,
     MPT- or JinaBERT-style model:
@@ -194,6 +198,10 @@ class AlibiSelfAttention(nn.Module):
                                  f"({num_heads},), one slope per query head")
             if not bool(torch.isfinite(values).all()):
                 raise ValueError("poslsh.torch: argument 'slopes' must be finite")
+        if trainable_slopes and method not in _SLOPE_GRADIENT_METHODS:
+            raise ValueError(f"poslsh.torch: argument 'trainable_slopes' is True with method {method!r}: only the "
+                             f"exact methods ({', '.join(_SLOPE_GRADIENT_METHODS)}) differentiate the slopes (LSH "
+                             "bins are sampled, not differentiable in the slope)")
         if trainable_slopes:
             self.alibi_slopes = nn.Parameter(values)
         else:

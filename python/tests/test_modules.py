@@ -123,6 +123,24 @@ def test_trainable_slope_gradients_match_dense(causal):
     assert reference.grad.abs().min().item() > 0     # every head's slope matters
 
 
+def test_module_bfloat16_matches_dense():
+    """bfloat16 weights and inputs: the projections are torch's bfloat16 Linear layers, the
+    attention is computed in float32 and rounded once, so the reference takes the module's own
+    bfloat16 q, k, v, the dense formula in float64 rounded to bfloat16, and the bfloat16 o_proj."""
+    module = sharpen(ptorch.AlibiSelfAttention(64, 4, 2)).to(torch.bfloat16)
+    assert module.alibi_slopes.dtype == torch.float32 and module.q_proj.weight.dtype == torch.bfloat16
+    torch.manual_seed(8)
+    x = torch.randn(2, 40, 64).to(torch.bfloat16)
+    got = module(x)
+    assert got.dtype == torch.bfloat16
+    q, k, v = module._projections(x)
+    attention = dense_attention(q, k, v, module.alibi_slopes, True).to(torch.bfloat16)
+    want = module.o_proj(attention.reshape(2, 40, 64)).double()
+    # The float32 attention and the float64 reference may round to neighbouring bfloat16
+    # values; o_proj then differs by a few units in the last place of its largest output.
+    assert (got.double() - want).abs().max().item() <= 2.0 ** -6 * want.abs().max().item()
+
+
 def test_slopes_stay_float32_through_conversions():
     module = ptorch.AlibiSelfAttention(18, 3)
     want = ptorch.make_alibi_slopes(3)
@@ -308,6 +326,8 @@ def test_module_rejects_bad_arguments():
         (lambda: ptorch.AlibiSelfAttention(32, 4, slopes="abcd"), TypeError, "slopes"),
         (lambda: ptorch.AlibiSelfAttention(32, 4, slopes=[0.5, 0.25, math.nan, 1.0]), ValueError, "slopes"),
         (lambda: ptorch.AlibiSelfAttention(32, 4, causal=1), TypeError, "causal"),
+        (lambda: ptorch.AlibiSelfAttention(32, 4, trainable_slopes=True, method="lsh"), ValueError,
+         "trainable_slopes"),
         (lambda: ptorch.make_alibi_slopes(4, -1.0), ValueError, "max_bias"),
         (lambda: ptorch.KVCache(1, 0, 2, 8), ValueError, "max_seqlen"),
         (lambda: ptorch.KVCache(1, 8, 2, 8, dtype=torch.int32), TypeError, "dtype"),
