@@ -20,8 +20,9 @@ against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it
     eager attention: the alibi tensor slope_h * j (BH, 1, L) and the causal mask built once
     outside the timed region, then per call the (B, L, H, d) -> (BH, L, d) copies, ``baddbmm``
     (alibi + scale Q K^T), ``masked_fill`` with the dtype's minimum, ``softmax`` and ``bmm``.
-    Each configuration runs in a fresh child process (one warm-up call, then --repeats timed
-    calls, median reported); its peak memory is the child's ``ru_maxrss`` (peak RSS), also
+    Each configuration runs in a fresh child process (poslsh: one warm-up call, then --repeats
+    timed calls, median reported; dense: one warm-up call at L = 256, then --dense-repeats timed
+    calls, since every call allocates and faults in its L^2 tensors anew); its peak memory is the child's ``ru_maxrss`` (peak RSS), also
     given above the child's RSS once torch is imported and the inputs exist (the baseline).
     Dense configurations whose estimated memory (3 (forward) or 4 (forward + backward) tensors
     of H L^2 floats) exceeds --memory-limit-gib are not run and are reported as out of memory
@@ -29,10 +30,9 @@ against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it
     --headroom-gib, so an underestimate ends in a MemoryError instead of exhausting the machine.
 
 Every measurement runs in a child process with --threads threads for torch
-(torch.set_num_threads) and poslsh (OMP_NUM_THREADS), default 2, and (unless --system-malloc)
-glibc malloc told to keep freed memory (MALLOC_MMAP_MAX_=0, a large MALLOC_TRIM_THRESHOLD_), so
-that repeated calls reuse their buffers as PyTorch's caching allocator does on GPUs instead of
-faulting fresh pages in on every call.
+(torch.set_num_threads) and poslsh (OMP_NUM_THREADS), default 2, and the default allocator: a
+dense (H, L, L) tensor is a fresh mmap on every call, so its pages are faulted in every time
+(part of what materialising the scores costs; expensive on a virtual machine).
 """
 
 import argparse
@@ -170,6 +170,10 @@ def child(args):
         print(json.dumps(overhead(args)))
         return 0
     if args.child_impl == "dense":
+        small = inputs(torch, 256, requires_grad=backward)      # library and thread start-up, off the clock
+        out = dense_call(torch, *dense_setup(torch, slopes, 256))(*small, slopes)
+        if backward:
+            out.sum().backward()
         alibi, causal_mask = dense_setup(torch, slopes, length)
         call = dense_call(torch, alibi, causal_mask)
     else:
@@ -186,10 +190,11 @@ def child(args):
                 call(q, k, v, slopes)
 
     seconds = []
-    for index in range(args.repeats + 1):
+    warm_up = args.child_impl != "dense"
+    for index in range(args.repeats + warm_up):
         started = time.perf_counter()
         once()
-        if index:                                      # the first call is the warm-up
+        if index or not warm_up:                       # poslsh: the first call is the warm-up
             seconds.append(time.perf_counter() - started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(dict(seconds=statistics.median(seconds), all_seconds=seconds, peak=peak, baseline=baseline)))
@@ -197,14 +202,8 @@ def child(args):
 
 
 def child_env(args):
-    """The children's environment: --threads OpenMP threads, and (unless --system-malloc) glibc
-    malloc without mmap and without trimming, so freed memory is reused by later calls instead of
-    being returned and faulted in again (on a VM first-touch page faults cost much more than
-    the arithmetic of memory-bound steps)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if not args.system_malloc:
-        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 46), MALLOC_TOP_PAD_=str(1 << 20))
-    return env
+    """The children's environment: --threads OpenMP threads."""
+    return dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
 
 def run_overhead(args):
@@ -231,7 +230,8 @@ def run_child(args, impl, length, mode):
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     command = [sys.executable, os.path.abspath(__file__), "--child-impl", impl, "--child-length", str(length),
-               "--child-mode", mode, "--threads", str(args.threads), "--repeats", str(args.repeats),
+               "--child-mode", mode, "--threads", str(args.threads),
+               "--repeats", str(args.dense_repeats if impl == "dense" else args.repeats),
                "--samples", str(args.samples)]
     env = child_env(args)
     done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=limit_memory)
@@ -282,7 +282,8 @@ def markdown(args, over, rows):
                   f"{100 * over['fixed_cost'] / over['multihead_attention']:.2f}% of the seqlen "
                   f"{args.overhead_length} call.", ""]
     if rows:
-        lines += [f"(b) Median of {args.repeats} calls after one warm-up, each configuration in a fresh process; "
+        lines += [f"(b) poslsh: median of {args.repeats} calls after one warm-up; dense PyTorch: median of "
+                  f"{args.dense_repeats} calls after a warm-up at seqlen 256; each configuration in a fresh process; "
                   "peak RSS of that process (MiB), in parentheses above its RSS with torch imported and the inputs "
                   "allocated.", "",
                   "| seqlen | pass | implementation | time (s) | vs dense | peak RSS (MiB) |", "|---|---|---|---|---|---|"]
@@ -316,7 +317,7 @@ def parse_args(argv):
     p.add_argument("--samples", type=int, default=16, help="LSH hashes per head")
     p.add_argument("--memory-limit-gib", type=float, default=16.0)
     p.add_argument("--headroom-gib", type=float, default=4.0)
-    p.add_argument("--system-malloc", action="store_true", help="children with glibc's default malloc settings")
+    p.add_argument("--dense-repeats", type=int, default=1, help="(b) timed calls of dense PyTorch (no warm-up)")
     p.add_argument("--markdown", help="write the tables here")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--child-impl", help=argparse.SUPPRESS)
