@@ -143,7 +143,8 @@ class AlibiSelfAttention(nn.Module):
     KVCache the tokens continue the cached ones: their keys and values are appended at
     cache.cache_seqlens, they attend to the cache (flash_attn_with_kvcache: bottom-right
     aligned, the new tokens are the last positions), and cache.cache_seqlens advances by
-    seqlen. The cached path is for inference (forward only)."""
+    seqlen. The cached path is for inference: under torch.no_grad() (ValueError while autograd
+    records with parameters or x requiring grad)."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, head_dim=None, fused_qkv=False, bias=False,
                  slopes=None, max_bias=8.0, trainable_slopes=False, method="exact", samples=16, seed=0,
@@ -259,6 +260,10 @@ class AlibiSelfAttention(nn.Module):
             if not isinstance(cache, KVCache):
                 raise TypeError(f"poslsh.torch: argument 'cache' must be a poslsh.torch.KVCache, got "
                                 f"{type(cache).__name__}")
+            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+                raise ValueError("poslsh.torch: argument 'cache' is given while autograd records: the cached path "
+                                 "is inference only (flash_attn_with_kvcache has no gradients); call it under "
+                                 "torch.no_grad()")
             if cache.batch_size != batch or cache.k_cache.shape[2:] != (self.num_kv_heads, self.head_dim):
                 raise ValueError(f"poslsh.torch: argument 'cache' holds {tuple(cache.k_cache.shape)} (batch, "
                                  f"max_seqlen, num_kv_heads, head_dim): must be ({batch}, *, {self.num_kv_heads}, "

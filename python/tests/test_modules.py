@@ -341,6 +341,8 @@ def test_module_rejects_bad_arguments():
         module(torch.zeros(2, 5, 31))
     with pytest.raises(TypeError, match="'x'"):
         module([[0.0] * 32])
+    with pytest.raises(ValueError, match="cache.*no_grad"):
+        module(torch.zeros(1, 3, 32), cache=ptorch.KVCache.for_module(module, 1, 8))
     with torch.no_grad():
         with pytest.raises(TypeError, match="cache"):
             module(torch.zeros(1, 3, 32), cache=(torch.zeros(1, 8, 2, 8),) * 2)
