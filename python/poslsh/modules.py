@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .flash import flash_attn_func, flash_attn_with_kvcache
+from .flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __all__ = ["AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
 
@@ -285,9 +285,69 @@ _IGNORED_MASK_NOTE = ("poslsh computes causal (bottom-right aligned) or bidirect
                       "batches use unpadded sequences with flash_attn_varlen_func")
 
 
-def _mask_causality(mask, batch, q_len, kv_len):
+def _packed_sequences(kwargs, batch, q_len, kv_len):
+    """(cu_seqlens_q, cu_seqlens_k) int32 of a packed row of sequences, from transformers'
+    cu_seq_lens_q / cu_seq_lens_k kwargs or from position_ids restarting at 0; None for an
+    ordinary batch (no position_ids, or the positions kv_len - q_len .. kv_len - 1 of every row).
+    ValueError for positions the kernels do not compute."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        for name, cu, total in (("cu_seq_lens_q", cu_q, q_len), ("cu_seq_lens_k", cu_k, kv_len)):
+            if not isinstance(cu, torch.Tensor):
+                raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor (cu_seq_lens_q and "
+                                f"cu_seq_lens_k come together), got {type(cu).__name__}")
+            if cu.dim() != 1 or cu.shape[0] < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+                raise ValueError(f"poslsh.torch: argument '{name}' must be 1-D offsets from 0 to {total}, got "
+                                 f"{cu.tolist()}")
+        if batch != 1:
+            raise ValueError(f"poslsh.torch: argument 'cu_seq_lens_q' describes packed sequences, which come as one "
+                             f"row (batch 1): got batch {batch}")
+        return cu_q.to(torch.int32), cu_k.to(torch.int32)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        return None
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"poslsh.torch: argument 'position_ids' must be a torch.Tensor or None, got "
+                        f"{type(positions).__name__}")
+    positions = positions[None] if positions.dim() == 1 else positions
+    if positions.dim() != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != q_len:
+        raise ValueError(f"poslsh.torch: argument 'position_ids' has shape {tuple(positions.shape)}: must be "
+                         f"(batch or 1, {q_len})")
+    if bool((positions == torch.arange(kv_len - q_len, kv_len)).all()):
+        return None
+    if batch == 1 and q_len == kv_len:
+        row = positions[0].long()
+        starts = torch.nonzero(row == 0).flatten()
+        if len(starts) and int(starts[0]) == 0:
+            cu = torch.cat([starts, torch.tensor([q_len])])
+            if bool((row == torch.arange(q_len) - torch.repeat_interleave(starts, cu[1:] - cu[:-1])).all()):
+                cu = cu.to(torch.int32)
+                return cu, cu
+    raise ValueError("poslsh.torch: argument 'position_ids' is neither the positions kv_len - q_len .. kv_len - 1 "
+                     "of every row nor packed sequences restarting at 0 (batch 1), which poslsh cannot honour: "
+                     "the ALiBi bias uses the token indices")
+
+
+def _patterns(q_len, kv_len, packed):
+    """The (causal, full) boolean (q_len, kv_len) patterns the kernels compute: bottom-right
+    aligned over the whole row, or within each packed sequence."""
+    if packed is None:
+        i = torch.arange(q_len)[:, None] + (kv_len - q_len)
+        j = torch.arange(kv_len)[None, :]
+        return j <= i, torch.ones(q_len, kv_len, dtype=torch.bool)
+    cu_q, cu_k = (cu.long() for cu in packed)
+    seq_q = torch.bucketize(torch.arange(q_len), cu_q[1:], right=True)
+    seq_k = torch.bucketize(torch.arange(kv_len), cu_k[1:], right=True)
+    row = torch.arange(q_len) - cu_q[seq_q] + (cu_k[seq_q + 1] - cu_k[seq_q]) - (cu_q[seq_q + 1] - cu_q[seq_q])
+    column = torch.arange(kv_len) - cu_k[seq_k]
+    same = seq_q[:, None] == seq_k[None, :]
+    return same & (column[None, :] <= row[:, None]), same
+
+
+def _mask_causality(mask, batch, q_len, kv_len, packed=None):
     """Which attention a given attention_mask describes: True (causal, bottom-right aligned),
-    False (every key), None (both: one query row, or no mask). ValueError for anything else."""
+    False (every key), None (both: one query row, or no mask); within each sequence when
+    `packed`. ValueError for anything else."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -315,12 +375,10 @@ def _mask_causality(mask, batch, q_len, kv_len):
     else:
         raise TypeError(f"poslsh.torch: argument 'attention_mask' has dtype {mask.dtype}: a 4-D mask must be "
                         "torch.bool (True = attend) or floating (0 = attend, -inf or the dtype's minimum = masked)")
-    i = torch.arange(q_len)[:, None] + (kv_len - q_len)
-    j = torch.arange(kv_len)[None, :]
-    causal = (j <= i).expand(keep.shape)
+    causal, full = (x.expand(keep.shape) for x in _patterns(q_len, kv_len, packed))
     if bool((keep == causal).all()):
-        return None if bool(causal.all()) else True
-    if bool(keep.all()):
+        return None if bool((causal == full).all()) else True
+    if bool((keep == full).all()):
         return False
     raise ValueError("poslsh.torch: argument 'attention_mask' is neither the causal nor the full mask, which "
                      "poslsh cannot honour: " + _IGNORED_MASK_NOTE)
@@ -359,9 +417,16 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
       - a 4-D mask (batch or 1, heads or 1, q_len, kv_len), boolean (True = attend) or
         floating (0 = attend, -inf or <= the dtype's minimum / 2 = masked), equal to the causal
         mask (key j for query i iff j <= i + kv_len - q_len) or to the full mask.
+    Packed sequences (batch 1, several sequences one after the other, as transformers'
+    DataCollatorWithFlattening makes them): ``kwargs["cu_seq_lens_q"]`` and
+    ``kwargs["cu_seq_lens_k"]`` (offsets from 0, as flash_attn_varlen_func's cu_seqlens), or
+    ``position_ids`` restarting at 0 at each sequence; each sequence then attends only to
+    itself (flash_attn_varlen_func), and a 4-D mask must be the block-diagonal causal or full
+    mask. Other position_ids must be kv_len - q_len .. kv_len - 1 in every row (ValueError
+    otherwise: the bias uses token indices).
     Any other mask (padding, document masks, sliding windows, additive biases) raises ValueError
     saying so; so do dropout > 0 and the kwargs softcap, sliding_window, s_aux, head_mask when
-    not None. Other kwargs (position_ids, cache_position, ...) are ignored."""
+    not None. Other kwargs (cache_position, ...) are ignored."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"poslsh.torch: argument '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
@@ -386,7 +451,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                          "attention module an 'alibi_slopes' attribute (float32, (num_heads,))")
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    causal = _mask_causality(attention_mask, batch, q_len, kv_len)
+    packed = _packed_sequences(kwargs, batch, q_len, kv_len)
+    causal = _mask_causality(attention_mask, batch, q_len, kv_len, packed)
     if causal is None:
         causal = kwargs.get("is_causal")
     if causal is None:
@@ -396,7 +462,15 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         value = kwargs.get(name)
         return getattr(module, name, default) if value is None else value
 
-    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
-                          causal=bool(causal), alibi_slopes=slopes, method=setting("poslsh_method", "exact"),
-                          samples=setting("poslsh_samples", 16), seed=setting("poslsh_seed", 0))
-    return out, None
+    keywords = dict(softmax_scale=scaling, causal=bool(causal), alibi_slopes=slopes,
+                    method=setting("poslsh_method", "exact"), samples=setting("poslsh_samples", 16),
+                    seed=setting("poslsh_seed", 0))
+    if packed is None:
+        return flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **keywords), None
+    cu_q, cu_k = packed
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 and slopes.shape[0] == 1:
+        keywords["alibi_slopes"] = slopes[0]        # one row of packed sequences: the row's slopes for each
+    out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
+                                 cu_k, int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max()),
+                                 **keywords)
+    return out.unsqueeze(0), None

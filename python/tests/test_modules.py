@@ -280,6 +280,50 @@ def test_attention_forward_gradients_match_dense():
         assert (a - b).abs().max().item() < 1e-10
 
 
+def packed_reference(query, key, value, slopes, causal, lengths):
+    """dense_attention of each sequence of a packed row (batch 1) on its own, concatenated."""
+    outs, start = [], 0
+    for length in lengths:
+        part = [x[:, :, start:start + length].transpose(1, 2) for x in (query, key, value)]
+        outs.append(dense_attention(*part, slopes, causal))
+        start += length
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_forward_packed_sequences(causal):
+    lengths = [5, 1, 0, 8]
+    total = sum(lengths)
+    query, key, value = hub_inputs(batch=1, q_len=total, kv_len=total, seed=23)
+    slopes = ptorch.make_alibi_slopes(4)
+    module = HubAttention(slopes, is_causal=causal)
+    want = packed_reference(query, key, value, slopes, causal, lengths)
+    cu = torch.tensor([0, 5, 6, 6, 14], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    block_mask = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() if causal else
+                                    torch.ones(n, n, dtype=torch.bool) for n in lengths])[None, None]
+    for keywords, mask in (({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, None),
+                           ({"position_ids": positions}, None),
+                           ({"position_ids": positions}, block_mask)):
+        out, _ = ptorch.attention_forward(module, query, key, value, mask, **keywords)
+        assert out.shape == (1, total, 4, 16)
+        assert (out - want).abs().max().item() < 1e-10
+    with pytest.raises(ValueError, match="attention_mask"):      # the unpacked causal mask crosses sequences
+        ptorch.attention_forward(module, query, key, value, causal_bool_mask(1, total, total),
+                                 position_ids=positions)
+
+
+def test_attention_forward_position_ids_of_a_decode_step():
+    query, key, value = hub_inputs()                              # q_len 9 over kv_len 14
+    module = HubAttention(ptorch.make_alibi_slopes(4))
+    want, _ = ptorch.attention_forward(module, query, key, value, None)
+    got, _ = ptorch.attention_forward(module, query, key, value, None, position_ids=torch.arange(5, 14)[None])
+    assert torch.equal(got, want)
+    for positions in (torch.arange(9)[None], torch.stack([torch.arange(5, 14), torch.arange(4, 13)])):
+        with pytest.raises(ValueError, match="position_ids"):
+            ptorch.attention_forward(module, query, key, value, None, position_ids=positions)
+
+
 # Bad inputs -----------------------------------------------------------------------------------
 
 def test_attention_forward_rejects_what_it_cannot_honour():
@@ -314,6 +358,14 @@ def test_attention_forward_rejects_what_it_cannot_honour():
         ptorch.attention_forward(module, query, key.numpy(), value, None)
     with pytest.raises(ValueError, match="value"):
         ptorch.attention_forward(module, query, key, value[:, :, :5], None)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):                 # batch 2
+        ptorch.attention_forward(module, query, key, value, None, cu_seq_lens_q=cu,
+                                 cu_seq_lens_k=torch.tensor([0, 14], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seq_lens_k"):
+        ptorch.attention_forward(module, query[:1], key[:1], value[:1], None, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):                 # does not end at kv_len 14
+        ptorch.attention_forward(module, query[:1], key[:1], value[:1], None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_module_rejects_bad_arguments():
