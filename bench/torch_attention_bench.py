@@ -22,8 +22,9 @@ against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it
     (alibi + scale Q K^T), ``masked_fill`` with the dtype's minimum, ``softmax`` and ``bmm``.
     Each configuration runs in a fresh child process (poslsh: one warm-up call, then --repeats
     timed calls, median reported; dense: one warm-up call at L = 256, then --dense-repeats timed
-    calls, since every call allocates and faults in its L^2 tensors anew); its peak memory is the child's ``ru_maxrss`` (peak RSS), also
-    given above the child's RSS once torch is imported and the inputs exist (the baseline).
+    calls, since every call allocates and faults in its L^2 tensors anew); its peak memory is the
+    child's ``ru_maxrss`` (peak RSS), also given above the child's RSS once torch is imported and
+    the inputs exist (the baseline).
     Dense configurations whose estimated memory (3 (forward) or 4 (forward + backward) tensors
     of H L^2 floats) exceeds --memory-limit-gib are not run and are reported as out of memory
     with the estimate; the children run under an address-space limit of that size plus
@@ -286,7 +287,8 @@ def markdown(args, over, rows):
                   f"{args.dense_repeats} calls after a warm-up at seqlen 256; each configuration in a fresh process; "
                   "peak RSS of that process (MiB), in parentheses above its RSS with torch imported and the inputs "
                   "allocated.", "",
-                  "| seqlen | pass | implementation | time (s) | vs dense | peak RSS (MiB) |", "|---|---|---|---|---|---|"]
+                  "| seqlen | pass | implementation | time (s) | vs dense | peak RSS (MiB) |",
+                  "|---|---|---|---|---|---|"]
         dense = {(r["length"], r["mode"]): r for r in rows if r["impl"] == "dense"}
         for r in rows:
             pass_name = "forward" if r["mode"] == "fwd" else "forward + backward"
@@ -295,7 +297,8 @@ def markdown(args, over, rows):
                 speed = f"{base['seconds'] / r['seconds']:.1f}x" if base and "seconds" in base and \
                     r["impl"] != "dense" else ("1.0x" if r["impl"] == "dense" else "-")
                 memory = f"{mib(r['peak'])} ({mib(r['peak'] - r['baseline'])})"
-                lines.append(f"| {r['length']} | {pass_name} | {r['label']} | {r['seconds']:.2f} | {speed} | {memory} |")
+                lines.append(f"| {r['length']} | {pass_name} | {r['label']} | {r['seconds']:.2f} | {speed} | "
+                             f"{memory} |")
             elif r.get("oom") and not r.get("ran"):
                 lines.append(f"| {r['length']} | {pass_name} | {r['label']} | out of memory (estimated "
                              f"{r['estimate'] / GIB:.1f} GiB > {args.memory_limit_gib:g} GiB; not run) | - | - |")

@@ -141,6 +141,38 @@ def test_module_bfloat16_matches_dense():
     assert (got.double() - want).abs().max().item() <= 2.0 ** -6 * want.abs().max().item()
 
 
+def test_module_window_matches_dense():
+    """window_size=(left, right) as flash_attn_func: key j visible from query i iff
+    i - left <= j <= i + right (bidirectional here), the other keys masked in the reference."""
+    module = sharpen(ptorch.AlibiSelfAttention(32, 4, causal=False, window_size=(5, 2))).double()
+    torch.manual_seed(9)
+    x = torch.randn(2, 30, 32, dtype=torch.float64)
+    q, k, v = (t.detach() for t in module._projections(x))
+    i = torch.arange(30)[:, None]
+    j = torch.arange(30)[None, :]
+    slopes = module.alibi_slopes.double()
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(8) - slopes[None, :, None, None] * (i - j).abs()
+    scores = scores.masked_fill((j < i - 5) | (j > i + 2), -math.inf)
+    attention = torch.einsum("bhij,bjhd->bihd", torch.softmax(scores, dim=-1), v)
+    want = module.o_proj(attention.reshape(2, 30, 32))
+    assert (module(x) - want).abs().max().item() < 1e-10
+
+
+def test_module_lsh_method_with_flat_slopes_is_softmax_attention():
+    """method="lsh" with every slope 0: each hash puts all positions in one bin, so the
+    estimator is plain causal softmax attention, the dense formula with slope 0."""
+    module = sharpen(ptorch.AlibiSelfAttention(32, 4, 2, slopes=[0.0] * 4, method="lsh", samples=4,
+                                               seed=5)).double()
+    torch.manual_seed(10)
+    x = torch.randn(2, 33, 32, dtype=torch.float64, requires_grad=True)
+    got = module(x)
+    want = dense_module(module, x)
+    assert (got - want).abs().max().item() < 1e-10
+    grad = torch.autograd.grad(got.sum(), x)[0]
+    want_grad = torch.autograd.grad(want.sum(), x)[0]
+    assert (grad - want_grad).abs().max().item() < 1e-9
+
+
 def test_slopes_stay_float32_through_conversions():
     module = ptorch.AlibiSelfAttention(18, 3)
     want = ptorch.make_alibi_slopes(3)
