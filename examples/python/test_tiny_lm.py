@@ -126,6 +126,17 @@ def test_sampled_generation_is_seeded():
     assert tiny_lm.generate_text(model, b"The ", 20, 0.8, seed=3) == first
 
 
+def test_lsh_mean_models_generate_with_exact_alibi():
+    """mean_of_outputs has no KV-cache call: generate_text runs an lsh_mean model with exact
+    ALiBi, the same weights giving the tokens of the alibi configuration, and restores it."""
+    model = sharpened_model("lsh_mean")
+    config = model.config
+    got = tiny_lm.generate_text(model, b"%\n", 16, 0)
+    assert model.config is config
+    model.config = tiny_lm.AttentionConfig("alibi", config.heads, config.sigmas)
+    assert got == tiny_lm.generate_text(model, b"%\n", 16, 0)
+
+
 def test_fortune_split_is_deterministic(tmp_path):
     for name, count in (("alpha", 13), ("beta", 9)):
         text = "".join(f"{name} fortune {i}\nline two\n%\n" for i in range(count))
