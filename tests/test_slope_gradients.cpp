@@ -1,7 +1,8 @@
 // Local windows (FlashAttention's window_size) and the gradients in the ALiBi slopes of the
 // all-heads exact calls: against a dense computation of the same attention and its gradient,
 // central differences of the loss in the slope, determinism across thread counts, gradients in
-// q, k, v unchanged by asking for the slopes', packed batches, and the named errors.
+// q, k, v unchanged by asking for the slopes', packed batches, and the named errors; the varlen
+// forward with lse at query offsets (FlashAttention's varlen call with softmax_lse).
 #include <poslsh/multihead/training.hpp>
 
 #include "test_support.hpp"
@@ -310,4 +311,65 @@ TEST_CASE("windows and slope gradients reject what they cannot do, by name", "[s
   options.method = Method::lsh_fused;
   poslsh::multihead_attention<float>(view, view, view, out_view, lse, options);
   poslsh_test::require_invalid_argument([&] { gradients(dslopes); }, "dslopes");
+}
+
+TEST_CASE("the varlen forward with lse at query offsets equals the rows of self-attention",
+          "[varlen][lse]") {
+  // Sequence b: L_b keys, its last m_b tokens as queries (bottom-right), against the
+  // self-attention call with lse on all L_b tokens (row p0 + r is bitwise the same row).
+  const Index heads = 4, kv_heads = 2, d = 8;
+  const std::vector<std::int32_t> cu_k = {0, 90, 90, 91, 200};
+  const std::vector<std::int32_t> cu_q = {0, 3, 3, 4, 74};
+  const RowMatrix<float> kb = random_matrix<float>(cu_k.back(), kv_heads * d, 341);
+  const RowMatrix<float> vb = random_matrix<float>(cu_k.back(), kv_heads * d, 342);
+  const RowMatrix<float> full_q = random_matrix<float>(cu_k.back(), heads * d, 343);
+  RowMatrix<float> qb(cu_q.back(), heads * d);
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const Index m = cu_q[b + 1] - cu_q[b];
+    qb.middleRows(cu_q[b], m) = full_q.middleRows(cu_k[b + 1] - m, m);
+  }
+  for (Method method : {Method::exact_tiled, Method::lsh_fused, Method::lsh_per_sample}) {
+    INFO(poslsh::enum_name(method));
+    poslsh::MultiHeadOptions options;
+    options.method = method;
+    options.samples = 4;
+    const Index total_q = cu_q.back(), total_k = cu_k.back();
+    const auto q = poslsh::interleaved_heads<const float>(qb.data(), total_q, heads, d);
+    const auto k = poslsh::interleaved_heads<const float>(kb.data(), total_k, kv_heads, d);
+    const auto v = poslsh::interleaved_heads<const float>(vb.data(), total_k, kv_heads, d);
+    RowMatrix<float> out(total_q, heads * d), plain(total_q, heads * d), lse(heads, total_q);
+    poslsh::multihead_attention_varlen<float>(
+        q, k, v, poslsh::interleaved_heads<float>(out.data(), total_q, heads, d), lse, cu_q, cu_k,
+        options);
+    poslsh::multihead_attention_varlen<float>(
+        q, k, v, poslsh::interleaved_heads<float>(plain.data(), total_q, heads, d), cu_q, cu_k,
+        options);
+    CHECK(out == plain);
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      const Index m = cu_q[b + 1] - cu_q[b], L = cu_k[b + 1] - cu_k[b];
+      if (L == 0) continue;
+      RowMatrix<float> self_out(L, heads * d), self_lse(heads, L);
+      poslsh::multihead_attention<float>(
+          poslsh::interleaved_heads<const float>(full_q.data() + cu_k[b] * heads * d, L, heads, d),
+          poslsh::interleaved_heads<const float>(kb.data() + cu_k[b] * kv_heads * d, L, kv_heads,
+                                                 d),
+          poslsh::interleaved_heads<const float>(vb.data() + cu_k[b] * kv_heads * d, L, kv_heads,
+                                                 d),
+          poslsh::interleaved_heads<float>(self_out.data(), L, heads, d), self_lse, options);
+      CHECK(lse.middleCols(cu_q[b], m) == self_lse.rightCols(m));
+      CHECK(out.middleRows(cu_q[b], m) == self_out.bottomRows(m));
+    }
+  }
+  RowMatrix<float> small_lse(heads, 3);
+  RowMatrix<float> out(cu_q.back(), heads * d);
+  poslsh_test::require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_varlen<float>(
+            poslsh::interleaved_heads<const float>(qb.data(), cu_q.back(), heads, d),
+            poslsh::interleaved_heads<const float>(kb.data(), cu_k.back(), kv_heads, d),
+            poslsh::interleaved_heads<const float>(vb.data(), cu_k.back(), kv_heads, d),
+            poslsh::interleaved_heads<float>(out.data(), cu_q.back(), heads, d), small_lse, cu_q,
+            cu_k);
+      },
+      "lse");
 }

@@ -381,16 +381,27 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
         padded = _pad_rows(q, rows)
         return _unpad_rows(_mean_of_outputs(padded, k, v, rows, sigmas, config), rows), None, (padded, None, None)
     keywords = config.keywords(sigmas)
-    if not train and not want_lse:
+    if not train:  # only the query rows, at their key positions
         queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
         out = torch.empty((queries.shape[0], heads, v.shape[2]), dtype=q.dtype)
-        _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
-                                         rows.cu_k, out=out.numpy(), **keywords)
+        lse = None
+        if want_lse:
+            lse = torch.empty((heads, queries.shape[0]), dtype=q.dtype)
+            _core.multihead_attention_with_lse(_kernel_view(queries), _kernel_view(k), _kernel_view(v),
+                                               out=out.numpy(), lse=lse.numpy(), cu_seqlens=rows.cu_valid,
+                                               cu_seqlens_k=rows.cu_k, **keywords)
+        else:
+            _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
+                                             rows.cu_k, out=out.numpy(), **keywords)
         if not rows.all_valid:
             full = q.new_zeros((rows.total_q, heads, v.shape[2]))
             full.index_copy_(0, _index(rows.src), out)
             out = full
-        return out, None, None
+            if lse is not None:
+                full_lse = torch.full((heads, rows.total_q), math.inf, dtype=q.dtype)
+                full_lse[:, _index(rows.src)] = lse
+                lse = full_lse
+        return out, lse, None
     padded = _pad_rows(q, rows)
     out = torch.empty((rows.total_k, heads, v.shape[2]), dtype=q.dtype)
     lse = torch.empty((heads, rows.total_k), dtype=q.dtype)

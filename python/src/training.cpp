@@ -175,13 +175,17 @@ multihead_attention and the log-sum-exp of every query head, (out, lse):
 
 lse is [H_q, n] (FlashAttention's softmax_lse of one sequence), a new array or the given lse=
 ([H_q, n], last axis contiguous) written in place; out is bitwise that of multihead_attention.
-Self-attention only (k, v have the n tokens of q). Keywords as multihead_attention (no
+Self-attention (k, v have the n tokens of q) unless cu_seqlens_k is given. Keywords as multihead_attention (no
 query_offset, no plans); float32 or float64. The GIL is released.
 
 cu_seqlens= (int32, B + 1 entries, 0 = cu_seqlens[0] <= ... <= cu_seqlens[B] = n): a packed
 batch of B self-attention sequences, tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 (positions 0 ..
 m_b - 1 each); lse[:, t] is token t's. Each sequence is bitwise its own call, and out is bitwise
-multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens).
+multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens). cu_seqlens_k= (with cu_seqlens,
+then the queries' offsets): sequence b's queries are tokens cu_seqlens[b] .. of q over its
+keys cu_seqlens_k[b] .. of k and v, at the last positions (bottom-right), out bitwise that of
+multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens_k): FlashAttention's varlen forward
+with softmax_lse. Forward only (multihead_attention_backward takes self-attention).
 )doc";
 
 const char* const multihead_backward_doc = R"doc(
@@ -341,9 +345,16 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
          double band_error, std::pair<Index, Index> window, py::handle out, py::handle lse,
-         py::handle cu_seqlens, std::optional<int> threads) {
+         py::handle cu_seqlens, py::handle cu_seqlens_k, std::optional<int> threads) {
         const Batch batch =
             batch_of(cu_seqlens, "multihead_attention", "multihead_attention_varlen");
+        std::optional<std::vector<std::int32_t>> cu_k;
+        if (!cu_seqlens_k.is_none()) {
+          if (!batch.cu_seqlens)
+            throw py::value_error(argument(batch.function, "cu_seqlens_k") +
+                                  " is given without cu_seqlens (the queries' offsets)");
+          cu_k = int32_vector(cu_seqlens_k, batch.function, "cu_seqlens_k");
+        }
         const char* const function = batch.function;
         const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                       sigmas, samples, seed, band_error, window);
@@ -358,7 +369,10 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           auto [lse_result, lse_map] = lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, true,
                                                      {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
           run_kernel(threads, [&] {
-            if (batch.cu_seqlens)
+            if (cu_k)
+              poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
+                                                    *batch.cu_seqlens, *cu_k, keywords.options);
+            else if (batch.cu_seqlens)
               poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
                                                     *batch.cu_seqlens, keywords.options);
             else
@@ -370,7 +384,8 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       },
       std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v")),
       std::make_tuple(py::arg("out") = py::none(), py::arg("lse") = py::none(),
-                      py::arg("cu_seqlens") = py::none(), py::arg("num_threads") = py::none()),
+                      py::arg("cu_seqlens") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+                      py::arg("num_threads") = py::none()),
       with_lse_doc);
 
   def_multihead(

@@ -226,7 +226,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
 
   /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null
-  /// (self-attention with one scalar type only: the forwards with lse).
+  /// (one scalar type only: the forwards with lse).
   template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
             typename OutType>
   static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
@@ -241,8 +241,10 @@ struct PerSampleMethodKernels : WholeHeadMethod {
                                                              options);
     } else if constexpr (std::is_same_v<QScalar, Compute> && std::is_same_v<KVScalar, Compute> &&
                          std::is_same_v<OutScalar, Compute>) {
-      per_sample_forward<Compute>(f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau),
-                                  f.masking == Masking::causal, f.out, lse);
+      MatrixRef<Compute> out = f.out;
+      per_sample_rows<Compute, Compute, Compute, Compute>(
+          f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
+          f.p0, out, lse);
     }
   }
 

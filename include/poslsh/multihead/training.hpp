@@ -289,6 +289,35 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
+/// The forward of FlashAttention's variable-length call with its softmax_lse: the packed
+/// batch of multihead_attention_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, options,
+/// query_offsets) (queries at offsets over their own keys, bottom-right by default; out bitwise
+/// that call's), and column t of lse (H_q x total query tokens) the log-sum-exp of query token
+/// t. Forward only: the backward passes take self-attention sequences.
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                                MatrixRef<Scalar> lse,
+                                const std::vector<std::int32_t>& cu_seqlens_q,
+                                const std::vector<std::int32_t>& cu_seqlens_k,
+                                const MultiHeadOptions& options = {},
+                                const std::vector<Index>& query_offsets = {}) {
+  constexpr const char* function = "multihead_attention_varlen";
+  detail::require_heads_inputs(function, q, k, v);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
+                  std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
+                  "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
+                      std::to_string(q.tokens));
+  const detail::HeadsCall call{
+      detail::head_methods(function, q.heads, options),
+      detail::packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens,
+                               options.query_offset, query_offsets),
+      detail::resolve_scale(function, options, q.dim), options.masking};
+  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+}
+
 /// Gradients of the packed-batch multihead_attention_varlen for dO = dout, from its out and
 /// lse: for each sequence b, multihead_attention_backward on the sequence's views (tokens
 /// [cu_seqlens[b], cu_seqlens[b + 1]) of every tensor, lse's columns of those tokens). No
