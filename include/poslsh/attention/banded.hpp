@@ -27,9 +27,10 @@ inline Index band_for_bias_error(double sigma, double eps) {
 
 namespace detail {
 
-inline ExactWindow banded_window(Index n, Index band, Masking masking) {
-  const Index width = std::min(band, n);
-  return {masking == Masking::causal ? 0 : -width, width};
+/// The window of banded attention over `keys` keys: full_window of the keys within the band,
+/// lo <= i - j <= hi with hi = min(band, keys) (lo = 0 causal, -hi bidirectional).
+inline ExactWindow banded_window(Index keys, Index band, Masking masking) {
+  return full_window(std::min(band, keys), masking);
 }
 
 }  // namespace detail

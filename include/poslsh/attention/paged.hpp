@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "poslsh/attention/fused.hpp"
+#include "poslsh/attention/tiled.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
@@ -211,7 +212,7 @@ void alibi_attention_tiled_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>
   const Index m = q.rows();
   if (m == 0) return;
   const Index n = cache.length(sequence);
-  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
+  const detail::ExactWindow window = detail::full_window(n, options.masking);
   detail::parallel_query_tiles<Scalar>(
       1, p0, p0 + m, [&](Index, Index i0, Index rows, detail::TileWorkspace<Scalar>& work) {
         detail::AlibiBias<Scalar> bias(n, sigma, window);

@@ -26,6 +26,26 @@ namespace poslsh {
 
 namespace detail {
 
+/// Valid partitions (validate_partition_set) of the k.rows() key positions.
+template <typename KType>
+void require_key_partitions(const char* function, const PartitionSet& partitions, const KType& k) {
+  validate_partition_set(partitions, function);
+  require(partitions.n == k.rows(), function, "partitions.n", partitions.n,
+          "must equal k.rows() (the partitions cut the key positions)");
+}
+
+/// Self-attention shapes (K, V have n rows), output n x d_v, valid partitions on the n
+/// positions.
+template <typename QType, typename KType, typename VType, typename OutType>
+void require_partition_arguments(const char* function, const QType& q, const KType& k,
+                                 const VType& v, const PartitionSet& partitions,
+                                 const OutType& out) {
+  require_qkv_shapes(function, q, k, v);
+  require_self_attention(function, q, k);
+  require_output_shape(function, out, q.rows(), v.cols());
+  require_key_partitions(function, partitions, k);
+}
+
 /// Shapes (Q of m rows at positions p0 .. p0 + m - 1 over K, V of L rows), output m x d_v,
 /// valid partitions on the L key positions; returns p0.
 template <typename QType, typename KType, typename VType, typename OutType>
@@ -35,9 +55,7 @@ Index require_partition_arguments(const char* function, const QType& q, const KT
   require_qkv_shapes(function, q, k, v);
   const Index p0 = resolve_query_offset(function, options, q, k);
   require_output_shape(function, out, q.rows(), v.cols());
-  validate_partition_set(partitions, function);
-  require(partitions.n == k.rows(), function, "partitions.n", partitions.n,
-          "must equal k.rows() (the partitions cut the key positions)");
+  require_key_partitions(function, partitions, k);
   return p0;
 }
 
@@ -106,12 +124,7 @@ void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
                              const AttentionOptions& options = {},
                              BlockKernel&& block_kernel = BlockKernel{}) {
   constexpr const char* function = "lsh_attention_by_blocks";
-  detail::require_qkv_shapes(function, q, k, v);
-  detail::require_self_attention(function, q, k);
-  detail::require_output_shape(function, out, q.rows(), v.cols());
-  validate_partition_set(partitions, function);
-  detail::require(partitions.n == k.rows(), function, "partitions.n", partitions.n,
-                  "must equal k.rows() (the partitions cut the key positions)");
+  detail::require_partition_arguments(function, q, k, v, partitions, out);
   detail::merge_block_attentions<Scalar, KVScalar, OutScalar>(
       function, q, k, v, out, options, block_kernel, [&](auto&& each_sample) {
         for (Index sample = 0; sample < partitions.samples(); ++sample)

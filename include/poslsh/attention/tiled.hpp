@@ -43,7 +43,9 @@ void exact_attention_call(const char* function, const ConstMatrixRef<Scalar>& q,
                                               p0 + row_end, out, p0);
 }
 
-/// The window of exact attention over every key: lo <= i - j <= hi.
+/// The window of exact attention over every one of `keys` keys: lo <= i - j <= hi with
+/// hi = keys and lo = 0 (causal) or -keys (bidirectional). The one rule of the exact windows
+/// (banded_window narrows it to the band).
 inline ExactWindow full_window(Index keys, Masking masking) {
   return {masking == Masking::causal ? 0 : -keys, keys};
 }

@@ -9,6 +9,7 @@
 ///   };
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -45,6 +46,15 @@ constexpr bool enum_is_valid(Enum value) {
     if (entry.value == value) return true;
   }
   return false;
+}
+
+/// The enumerators of an enum's table, in declaration order (a std::array, for sweeps).
+template <typename Enum>
+constexpr auto enum_values() {
+  constexpr std::size_t count = std::size(EnumNames<Enum>::table);
+  std::array<Enum, count> values{};
+  for (std::size_t e = 0; e < count; ++e) values[e] = EnumNames<Enum>::table[e].value;
+  return values;
 }
 
 /// The names of an enum's table, joined as "a, b or c" (for messages).

@@ -40,12 +40,6 @@ enum class Sampler {
   poisson              ///< Poisson-process cuts of rate 1/sigma (partitions only, no BinHash)
 };
 
-/// All samplers, in declaration order (for sweeps).
-inline constexpr Sampler all_samplers[] = {Sampler::independent,        Sampler::antithetic,
-                                           Sampler::stratified,         Sampler::lattice_offsets,
-                                           Sampler::coupled_offsets,    Sampler::rqmc,
-                                           Sampler::stratified_lattice, Sampler::poisson};
-
 /// The samplers' names: "independent", "antithetic", ... (enum_name, enum_from_name).
 template <>
 struct EnumNames<Sampler> {
@@ -58,6 +52,9 @@ struct EnumNames<Sampler> {
                                                 {Sampler::stratified_lattice, "stratified_lattice"},
                                                 {Sampler::poisson, "poisson"}};
 };
+
+/// All samplers, in declaration order (for sweeps): the enumerators of the name table.
+inline constexpr auto all_samplers = enum_values<Sampler>();
 
 /// Options of the samplers.
 struct SamplerOptions {

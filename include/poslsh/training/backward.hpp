@@ -264,6 +264,39 @@ void lsh_backward_call(const char* function, const ConstMatrixRef<Scalar>& q,
   pass(tau, options.masking == Masking::causal);
 }
 
+/// The body of the exact forwards with lse (tiled, banded): the checks (self-attention from
+/// position 0, the views, sigma, lse of size n), then exact_with_lse over window(n) when there
+/// are rows.
+template <typename Scalar, typename Window>
+void exact_lse_call(const char* function, const ConstMatrixRef<Scalar>& q,
+                    const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v, double sigma,
+                    MatrixRef<Scalar> out, VectorRef<Scalar>& lse, const AttentionOptions& options,
+                    Window window) {
+  require_self_positions(function, options);
+  require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  require_lse_size(function, lse, q.rows());
+  const double tau = resolve_scale(function, options, q.cols());
+  const Index n = q.rows();
+  if (n == 0) return;
+  exact_with_lse<Scalar>(q, k, v, sigma, tau, window(n), out, lse.data());
+}
+
+/// The body of the exact backward passes (tiled, banded): the checks (sigma and
+/// backward_scale's), then exact_backward over window(n) when there are rows.
+template <typename Scalar, typename Window>
+void exact_backward_call(const char* function, const ConstMatrixRef<Scalar>& q,
+                         const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+                         double sigma, const ConstMatrixRef<Scalar>& out,
+                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
+                         const AttentionOptions& options, Window window) {
+  require_sigma(sigma, function);
+  const double tau = backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
+  const Index n = q.rows();
+  if (n == 0) return;
+  exact_backward<Scalar>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv);
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
@@ -279,15 +312,9 @@ template <typename Scalar>
 void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
                            VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
-  constexpr const char* function = "alibi_attention_tiled";
-  detail::require_self_positions(function, options);
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
-  detail::require_lse_size(function, lse, q.rows());
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index n = q.rows();
-  if (n == 0) return;
-  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau, window, out, lse.data());
+  detail::exact_lse_call<Scalar>(
+      "alibi_attention_tiled", q, k, v, sigma, out, lse, options,
+      [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
 /// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
@@ -298,16 +325,10 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, Index band,
                             MatrixRef<Scalar> out, VectorRef<Scalar> lse,
                             const AttentionOptions& options = {}) {
-  constexpr const char* function = "alibi_attention_banded";
-  detail::require_self_positions(function, options);
-  detail::require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
-  detail::require_size(band, function, "band");
-  detail::require_lse_size(function, lse, q.rows());
-  const double tau = detail::resolve_scale(function, options, q.cols());
-  const Index n = q.rows();
-  if (n == 0) return;
-  detail::exact_with_lse<Scalar>(q, k, v, sigma, tau,
-                                 detail::banded_window(n, band, options.masking), out, lse.data());
+  detail::require_size(band, "alibi_attention_banded", "band");
+  detail::exact_lse_call<Scalar>(
+      "alibi_attention_banded", q, k, v, sigma, out, lse, options,
+      [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
 /// lsh_attention_fused with lse: lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i},
@@ -378,14 +399,9 @@ void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sca
                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                     const AttentionOptions& options = {}) {
-  constexpr const char* function = "alibi_attention_tiled_backward";
-  detail::require_sigma(sigma, function);
-  const double tau =
-      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
-  const Index n = q.rows();
-  if (n == 0) return;
-  const detail::ExactWindow window{options.masking == Masking::causal ? 0 : -n, n};
-  detail::exact_backward<Scalar>(q, k, v, sigma, tau, window, out, lse, dout, dq, dk, dv);
+  detail::exact_backward_call<Scalar>(
+      "alibi_attention_tiled_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
+      [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
 /// Gradients of banded exact ALiBi attention (alibi_attention_banded): the formulas of
@@ -399,16 +415,10 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
                                      ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
                                      MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
                                      const AttentionOptions& options = {}) {
-  constexpr const char* function = "alibi_attention_banded_backward";
-  detail::require_sigma(sigma, function);
-  detail::require_size(band, function, "band");
-  const double tau =
-      detail::backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
-  const Index n = q.rows();
-  if (n == 0) return;
-  detail::exact_backward<Scalar>(q, k, v, sigma, tau,
-                                 detail::banded_window(n, band, options.masking), out, lse, dout,
-                                 dq, dk, dv);
+  detail::require_size(band, "alibi_attention_banded_backward", "band");
+  detail::exact_backward_call<Scalar>(
+      "alibi_attention_banded_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
+      [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
 /// Gradients of the count-weighted LSH estimator (lsh_attention_fused): with
