@@ -198,7 +198,8 @@ def _extras(function, method, samples, seed, band_error):
 
 def _slopes(function, slopes, batch, heads):
     """Checks alibi_slopes: None, or a float32/float64 tensor (heads,) or (batch, heads) of
-    finite values >= 0."""
+    finite values >= 0. Returns its values as (nested) Python floats (None for None and meta
+    tensors)."""
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
@@ -211,11 +212,13 @@ def _slopes(function, slopes, batch, heads):
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         _fail(function, "alibi_slopes", f"has shape {tuple(slopes.shape)}: must be (nheads,) = ({heads},) or "
               f"(batch, nheads) = ({batch}, {heads})")
-    if slopes.device.type == "cpu":
-        values = slopes.detach()
-        if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
-            _fail(function, "alibi_slopes", "must hold finite values >= 0 (the bias is -slope * |i - j|)")
-    return slopes
+    if slopes.device.type != "cpu":
+        return None
+    values = slopes.detach().tolist()
+    flat = values if slopes.dim() == 1 else [x for row in values for x in row]
+    if not all(0.0 <= x < math.inf for x in flat):  # False for NaN too
+        _fail(function, "alibi_slopes", "must hold finite values >= 0 (the bias is -slope * |i - j|)")
+    return values
 
 
 def _cu_seqlens(function, cu, name, total):
@@ -270,10 +273,11 @@ def _normalize(function, config, max_k, slopes_grad):
 
 
 def _sigmas(slopes_row, heads):
-    """sigma_h = 1 / m_h for one row of slopes (None: slope 0); a zero slope gives _FLAT_SIGMA."""
+    """sigma_h = 1 / m_h for one row of slopes (a list of floats; None: slope 0); a zero slope
+    gives _FLAT_SIGMA."""
     if slopes_row is None:
         return [_FLAT_SIGMA] * heads
-    return [min(1.0 / s, _FLAT_SIGMA) if s > 0.0 else _FLAT_SIGMA for s in slopes_row.tolist()]
+    return [min(1.0 / s, _FLAT_SIGMA) if s > 0.0 else _FLAT_SIGMA for s in slopes_row]
 
 
 class _Rows:
@@ -282,24 +286,43 @@ class _Rows:
     those rows."""
 
     def __init__(self, cu_q, cu_k):
-        m, lengths = np.diff(cu_q), np.diff(cu_k)
-        total_q = int(cu_q[-1])
-        seq = np.repeat(np.arange(len(m)), m)
-        position = np.arange(total_q) - cu_q[:-1][seq] + (lengths - m)[seq]
-        valid = position >= 0
-        self.all_valid = bool(valid.all())
-        self.src = np.nonzero(valid)[0]
-        self.dst = cu_k[:-1][seq[valid]] + position[valid]
-        self.cu_valid = np.concatenate([[0], np.cumsum(np.minimum(m, lengths))]).astype(np.int32)
-        self.self_attention = self.all_valid and total_q == int(cu_k[-1]) and bool((self.dst == np.arange(total_q))
-                                                                                     .all())
+        m, lengths = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        self.total_q, self.total_k = int(cu_q[-1]), int(cu_k[-1])
+        self.all_valid = bool((m <= lengths).all())
+        self.self_attention = self.all_valid and bool((m == lengths).all())
+        self.cu_q = cu_q
         self.cu_k = cu_k.astype(np.int32)
-        self.total_q, self.total_k = total_q, int(cu_k[-1])
         self.m, self.lengths = m, lengths
+        self._placed = None
+
+    def _place(self):
+        if self._placed is None:
+            m, lengths, cu_q = self.m, self.lengths, self.cu_q
+            seq = np.repeat(np.arange(len(m)), m)
+            position = np.arange(self.total_q) - cu_q[:-1][seq] + (lengths - m)[seq]
+            valid = position >= 0
+            self._placed = np.nonzero(valid)[0], self.cu_k[:-1].astype(np.int64)[seq[valid]] + position[valid]
+        return self._placed
+
+    @property
+    def src(self):
+        return self._place()[0]
+
+    @property
+    def dst(self):
+        return self._place()[1]
+
+    @property
+    def cu_valid(self):
+        if self.all_valid:
+            return self.cu_q.astype(np.int32)
+        return np.concatenate([[0], np.cumsum(np.minimum(self.m, self.lengths))]).astype(np.int32)
 
 
 def _kernel_view(x):
     """x as the kernels read it (last axis contiguous, positive strides), a numpy view."""
+    if x.is_contiguous():
+        return x.detach().numpy()
     if x.shape[-1] > 1 and x.stride(-1) != 1 or any(x.shape[a] > 1 and x.stride(a) <= 0 for a in range(x.dim())):
         x = x.contiguous()
     return x.detach().numpy()
@@ -434,22 +457,20 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
     return _unpad_rows(dq, rows), dk, dv, dslopes
 
 
-def _groups(cu_q, cu_k, slopes, heads):
+def _groups(batch, config, heads):
     """The groups of sequences sharing their slopes: [(sequence range, sigmas)]. (nheads,)
     slopes (or None): one group of all sequences; (batch, nheads): one group per sequence."""
-    batch = len(cu_q) - 1
-    if slopes is None or slopes.dim() == 1:
-        row = None if slopes is None else slopes.detach().double()
-        return [((0, batch), _sigmas(row, heads))]
-    values = slopes.detach().double()
+    values = config.slope_values
+    if values is None or not config.slopes_per_row:
+        return [((0, batch), _sigmas(values, heads))]
     return [((b, b + 1), _sigmas(values[b], heads)) for b in range(batch)]
 
 
-def _compute(q, k, v, cu_q, cu_k, slopes, config, train, want_lse):
+def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
     """The packed computation of every group. q, k, v float32/float64; returns out, lse (float32
     (H, total_q) or None) and the state of the backward."""
     heads = q.shape[1]
-    groups = _groups(cu_q, cu_k, slopes, heads)
+    groups = _groups(len(cu_q) - 1, config, heads)
     outs, lses, states = [], [], []
     for (first, last), sigmas in groups:
         gq, gk = cu_q[first:last + 1], cu_k[first:last + 1]
@@ -494,7 +515,7 @@ class _FlashPacked(torch.autograd.Function):
         qw, kw, vw = _widen(q.detach()), _widen(k.detach()), _widen(v.detach())
         train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
-        out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, slopes, config, train, want_lse)
+        out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, config, train, want_lse)
         ctx.config, ctx.states, ctx.dtype = config, states, dtype
         ctx.slopes = None if slopes is None else slopes.detach()
         ctx.save_for_backward(qw, kw, vw)
@@ -517,25 +538,41 @@ class _FlashPacked(torch.autograd.Function):
 # The operators. ----------------------------------------------------------------------------
 
 
-def _prepare(function, q, k, v, slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right, method,
+def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, window_left, window_right, method,
              samples, seed, band_error, batch, same_dtypes=True):
-    """Checks shared by the three calls; returns the config."""
+    """Checks shared by the three calls (m, lengths: the query and key counts of the sequences,
+    numpy arrays); returns the config."""
     heads, _ = _check_heads(function, q, k, v)
     if same_dtypes:
         _check_dtypes(function, q, k, v)
-    _slopes(function, slopes, batch, heads)
+    slope_values = _slopes(function, slopes, batch, heads)
     method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
     left, right = _window(function, (window_left, window_right))
     config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,
                      band_error)
-    m, lengths = np.diff(cu_q), np.diff(cu_k)
-    if not causal and bool((m > lengths).any()):
-        b = int(np.nonzero(m > lengths)[0][0])
-        _fail(function, "causal", f"is False with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence {b}): "
-              "the first rows sit at negative key positions, which poslsh's kernels do not represent")
+    config.slope_values = slope_values
+    config.slopes_per_row = slopes is not None and slopes.dim() == 2
+    if not causal:
+        longer = m > lengths
+        if bool(longer.any()):
+            b = int(np.nonzero(longer)[0][0])
+            _fail(function, "causal", f"is False with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence "
+                  f"{b}): the first rows sit at negative key positions, which poslsh's kernels do not represent")
     slopes_grad = slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
     _normalize(function, config, int(lengths.max()) if len(lengths) else 0, slopes_grad)
     return config
+
+
+def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse):
+    """out and lse (empty unless want_lse) of packed sequences: through _FlashPacked when a
+    gradient is recorded, else the forward alone."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, slopes)):
+        return _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
+    out, lse, _ = _compute(_widen(q.detach()), _widen(k.detach()), _widen(v.detach()), cu_q, cu_k, config, False,
+                           want_lse)
+    if lse is None:
+        lse = out.new_empty((0,), dtype=torch.float32)
+    return out.to(q.dtype), lse
 
 
 def _dense_cu(batch, seqlen):
@@ -554,15 +591,15 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     if v.shape[0] != batch:
         _fail(function, "v", f"has batch {v.shape[0]}: must equal q's batch {batch}")
     seqlen_k = k.shape[1]
-    cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
-    config = _prepare(function, q, k, v, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right,
-                      method, samples, seed, band_error, batch)
+    config = _prepare(function, q, k, v, alibi_slopes, np.full(batch, seqlen_q), np.full(batch, seqlen_k),
+                      softmax_scale, causal, window_left, window_right, method, samples, seed, band_error, batch)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
-    out, lse = _FlashPacked.apply(*flat, alibi_slopes, cu_q, cu_k, config, return_lse)
+    out, lse = _packed(*flat, alibi_slopes, _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k), config,
+                       return_lse)
     out = out.reshape(batch, seqlen_q, heads, v.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -588,11 +625,11 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     cu_k = _cu_seqlens(function, cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if len(cu_q) != len(cu_k):
         _fail(function, "cu_seqlens_k", f"has {len(cu_k)} entries: must have as many as cu_seqlens_q ({len(cu_q)})")
-    config = _prepare(function, q, k, v, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left, window_right,
-                      method, samples, seed, band_error, len(cu_q) - 1)
+    config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
+                      causal, window_left, window_right, method, samples, seed, band_error, len(cu_q) - 1)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
-    return _FlashPacked.apply(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
+    return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
 
 
 # flash_attn_with_kvcache. -------------------------------------------------------------------
@@ -682,11 +719,11 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         capacity = k_cache.shape[1]
     lengths = _cache_positions(function, cache_seqlens, batch, capacity, new)
     total = lengths + new
-    # The flat cache row of every token of every sequence, up to its length after the append.
-    seq = np.repeat(np.arange(batch), total)
-    cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int64)
-    position = np.arange(int(cu_k[-1])) - cu_k[:-1][seq]
     if paged:
+        # The flat cache row of every token of every sequence, up to its length after the append.
+        seq = np.repeat(np.arange(batch), total)
+        cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int64)
+        position = np.arange(int(cu_k[-1])) - cu_k[:-1][seq]
         table = block_table.detach().cpu().numpy().astype(np.int64)
         blocks = table[seq, position // block_size]
         if bool(((blocks < 0) | (blocks >= k_cache.shape[0])).any()):
@@ -694,19 +731,19 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
             _fail(function, "block_table", f"holds block {bad} for a used position: entries must lie in "
                   f"[0, num_blocks = {k_cache.shape[0]})")
         flat_rows = blocks * block_size + position % block_size
-    else:
-        flat_rows = rows_of[seq] * capacity + position
-    cu_q = _dense_cu(batch, seqlen_q)
-    config = _prepare(function, q, k_cache, v_cache, alibi_slopes, cu_q, cu_k, softmax_scale, causal, window_left,
-                      window_right, method, samples, seed, band_error, batch, same_dtypes=False)
+    config = _prepare(function, q, k_cache, v_cache, alibi_slopes, np.full(batch, seqlen_q), total, softmax_scale,
+                      causal, window_left, window_right, method, samples, seed, band_error, batch, same_dtypes=False)
     if config.method == "mean_of_outputs":
         _fail(function, "method", "is 'mean_of_outputs': it runs on whole sequences only (flash_attn_func)")
     if q.device.type == "meta":
         return _meta_out(q, v_cache, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
-    k_flat = k_cache.view((-1,) + tuple(k_cache.shape[2:])) if k_cache.is_contiguous() else None
-    v_flat = v_cache.view((-1,) + tuple(v_cache.shape[2:])) if v_cache.is_contiguous() else None
-    if k_flat is None or v_flat is None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         _fail(function, "k_cache", "must be contiguous (written in place)")
+    if not paged:
+        return _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, cache_batch_idx is None, lengths, new,
+                                     config, return_lse)
+    k_flat = k_cache.view((-1,) + tuple(k_cache.shape[2:]))
+    v_flat = v_cache.view((-1,) + tuple(v_cache.shape[2:]))
     if new:
         appended = position >= lengths[seq]
         target = _index(flat_rows[appended])
@@ -720,12 +757,81 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         qw, keys, values = qw.float(), keys.float(), values.float()
     flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
     with torch.no_grad():
-        out, lse, _ = _compute(flat_q, keys, values, cu_q, cu_k, alibi_slopes, config, False, return_lse)
+        out, lse, _ = _compute(flat_q, keys, values, _dense_cu(batch, seqlen_q), cu_k, config, False, return_lse)
     out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     else:
         lse = out.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+def _cache_reader(cache, widen):
+    """reader(row, length): the first `length` tokens of cache row `row` as the kernels take
+    them, read in place (a numpy view; bfloat16: poslsh.BFloat16Bits over the int16 view), or
+    float32 copies when `widen`."""
+    if widen:
+        return lambda row, length: cache[row, :length].float().numpy()
+    if cache.dtype == torch.bfloat16:
+        bits = cache.view(torch.int16).numpy()
+        return lambda row, length: _core.BFloat16Bits(bits[row, :length])
+    array = cache.numpy()
+    return lambda row, length: array[row, :length]
+
+
+def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths, new, config, want_lse):
+    """flash_attn_with_kvcache on a contiguous cache (batch_cache, seqlen_cache, nheads_k, d): k, v
+    appended at `lengths`, then one kernel call per batch row over its cache row's first tokens,
+    read in place. Half-precision caches are read as they are (computed in float32), except
+    for softmax_lse, whose kernel takes float32 or float64 only: there the row is widened."""
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    if new:
+        with torch.no_grad():
+            if in_order and batch and bool((lengths == lengths[0]).all()):
+                start = int(lengths[0])
+                k_cache[:, start:start + new] = k.detach()
+                v_cache[:, start:start + new] = v.detach()
+            else:
+                for b in range(batch):
+                    row, start = int(rows_of[b]), int(lengths[b])
+                    k_cache[row, start:start + new] = k[b].detach()
+                    v_cache[row, start:start + new] = v[b].detach()
+    qw = q.detach()
+    if qw.dtype in _HALF:
+        qw = qw.float()
+    widen = want_lse and k_cache.dtype in _HALF
+    keys_of, values_of = _cache_reader(k_cache, widen), _cache_reader(v_cache, widen)
+    out = torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=qw.dtype)
+    queries, out_rows = _kernel_view(qw), out.numpy()
+    lse = lse_rows = None
+    if want_lse:
+        lse = torch.empty((batch, heads, seqlen_q), dtype=qw.dtype)
+        lse_rows = lse.numpy()
+    total = (lengths + new).tolist()
+    rows_of = rows_of.tolist()
+    for (first, last), sigmas in _groups(batch, config, heads):
+        keywords = config.keywords(sigmas)
+        for b in range(first, last):
+            length = total[b]
+            valid = min(seqlen_q, length)
+            skip = seqlen_q - valid  # rows at negative key positions (causal): out 0, lse +inf
+            if skip:
+                out[b, :skip] = 0.0
+                if want_lse:
+                    lse[b, :, :skip] = math.inf
+            if valid == 0:
+                continue
+            keys, values = keys_of(rows_of[b], length), values_of(rows_of[b], length)
+            if want_lse:
+                _core.multihead_attention_with_lse(queries[b, skip:], keys, values, out=out_rows[b, skip:],
+                                                   lse=lse_rows[b, :, skip:],
+                                                   cu_seqlens=np.array([0, valid], dtype=np.int32),
+                                                   cu_seqlens_k=np.array([0, length], dtype=np.int32), **keywords)
+            else:
+                _core.multihead_attention(queries[b, skip:], keys, values, query_offset=length - valid,
+                                          out=out_rows[b, skip:], **keywords)
+    out = out.to(q.dtype)
+    lse = lse.float() if want_lse else out.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
