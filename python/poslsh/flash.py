@@ -474,8 +474,12 @@ def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
     outs, lses, states = [], [], []
     for (first, last), sigmas in groups:
         gq, gk = cu_q[first:last + 1], cu_k[first:last + 1]
-        rows = _Rows(gq - gq[0], gk - gk[0])
-        qs, ks, vs = (x[int(c[0]):int(c[-1])] for x, c in ((q, gq), (k, gk), (v, gk)))
+        if len(groups) == 1:  # every sequence (cu_q and cu_k start at 0 and end at the token counts)
+            rows = _Rows(gq, gk)
+            qs, ks, vs = q, k, v
+        else:
+            rows = _Rows(gq - gq[0], gk - gk[0])
+            qs, ks, vs = (x[int(c[0]):int(c[-1])] for x, c in ((q, gq), (k, gk), (v, gk)))
         out, lse, saved = _forward_group(qs, ks, vs, rows, sigmas, config, train, want_lse)
         outs.append(out)
         lses.append(lse)
@@ -591,15 +595,15 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     if v.shape[0] != batch:
         _fail(function, "v", f"has batch {v.shape[0]}: must equal q's batch {batch}")
     seqlen_k = k.shape[1]
-    config = _prepare(function, q, k, v, alibi_slopes, np.full(batch, seqlen_q), np.full(batch, seqlen_k),
-                      softmax_scale, causal, window_left, window_right, method, samples, seed, band_error, batch)
+    cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
+    config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
+                      causal, window_left, window_right, method, samples, seed, band_error, batch)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
-    out, lse = _packed(*flat, alibi_slopes, _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k), config,
-                       return_lse)
+    out, lse = _packed(*flat, alibi_slopes, cu_q, cu_k, config, return_lse)
     out = out.reshape(batch, seqlen_q, heads, v.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()

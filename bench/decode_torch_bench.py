@@ -1,0 +1,167 @@
+"""Decode-step cost of poslsh.torch.flash_attn_with_kvcache and the fixed cost of flash_attn_func:
+the current python/poslsh/flash.py against the one of an earlier commit, in one process.
+
+    PYTHONPATH=build-py/python python3 bench/decode_torch_bench.py [--old-rev REV] [--rounds 15]
+        [--lengths 4096 16384] [--markdown FILE]
+
+The earlier flash.py is read with `git show REV:python/poslsh/flash.py` and loaded as a separate
+module whose operators are registered under the namespace poslsh_old (the compiled kernels are
+the same poslsh._core), so both run on one machine state. Each round times the old and the new
+call (which one goes first alternates from round to round), `--calls` calls each after one
+untimed call; the table gives the median over the rounds of the time per call and the median of
+the rounds' old / new ratios. Every case also checks that the two outputs (and softmax_lse) are
+bitwise equal.
+
+Cases (batch 1, seqlen_q 1, 8 query heads, 8 K/V heads, head dim 64, causal, the official ALiBi
+slopes, method "exact"):
+- one decode step of flash_attn_with_kvcache: the new token's k, v appended at cache_seqlens =
+  L - 1 of a contiguous (1, L, 8, 64) cache, then attention over its L keys; float32 q and cache,
+  and bfloat16 q and cache; also float32 with return_softmax_lse;
+- flash_attn_func at seqlen 16 (q, k, v (1, 16, 8, 64) float32), and the direct
+  poslsh._core.multihead_attention call on the same tensors for the kernel's own time.
+"""
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import poslsh.torch as ptorch
+from poslsh import _core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADS, HEADDIM = 8, 64
+
+
+def load_old(rev):
+    """flash.py of commit `rev` as a module registering its operators under poslsh_old."""
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:python/poslsh/flash.py"], check=True,
+                            capture_output=True, text=True).stdout
+    source = source.replace("from . import _core", "from poslsh import _core")
+    source = source.replace('torch.library.Library("poslsh", "DEF")', 'torch.library.Library("poslsh_old", "DEF")')
+    source = source.replace("torch.ops.poslsh.", "torch.ops.poslsh_old.")
+    source = source.replace("getattr(torch.ops.poslsh, ", "getattr(torch.ops.poslsh_old, ")
+    path = os.path.join(tempfile.mkdtemp(), "poslsh_flash_old.py")
+    with open(path, "w") as handle:
+        handle.write(source)
+    spec = importlib.util.spec_from_file_location("poslsh_flash_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def slopes():
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)])
+
+
+def decode_case(length, dtype, with_lse):
+    generator = torch.Generator().manual_seed(length)
+    q = torch.randn(1, 1, HEADS, HEADDIM, generator=generator).to(dtype)
+    k_cache = torch.randn(1, length, HEADS, HEADDIM, generator=generator).to(dtype)
+    v_cache = torch.randn(1, length, HEADS, HEADDIM, generator=generator).to(dtype)
+    k_new = torch.randn(1, 1, HEADS, HEADDIM, generator=generator).to(dtype)
+    v_new = torch.randn(1, 1, HEADS, HEADDIM, generator=generator).to(dtype)
+    seqlens = torch.tensor([length - 1], dtype=torch.int32)
+    alibi = slopes()
+
+    def call(module):
+        return lambda: module.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                      causal=True, alibi_slopes=alibi,
+                                                      return_softmax_lse=with_lse)
+    return call
+
+
+def func_case(seqlen):
+    generator = torch.Generator().manual_seed(seqlen)
+    q, k, v = (torch.randn(1, seqlen, HEADS, HEADDIM, generator=generator) for _ in range(3))
+    alibi = slopes()
+
+    def call(module):
+        return lambda: module.flash_attn_func(q, k, v, causal=True, alibi_slopes=alibi)
+    sigmas = [1.0 / s for s in alibi.tolist()]
+
+    def direct():
+        out = torch.empty(seqlen, HEADS, HEADDIM)
+        _core.multihead_attention(q[0].numpy(), k[0].numpy(), v[0].numpy(), layout="nhd", method="exact_tiled",
+                                  masking="causal", sigmas=sigmas, out=out.numpy())
+        return out[None]
+    return call, direct
+
+
+def per_call(function, calls):
+    function()
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter() - start) / calls
+
+
+def same(a, b):
+    if isinstance(a, tuple):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
+def compare(old, new, rounds, calls):
+    """Median seconds per call of old and new and the median of the rounds' old / new ratios."""
+    old_times, new_times, ratios = [], [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            t_old, t_new = per_call(old, calls), per_call(new, calls)
+        else:
+            t_new, t_old = per_call(new, calls), per_call(old, calls)
+        old_times.append(t_old)
+        new_times.append(t_new)
+        ratios.append(t_old / t_new)
+    return statistics.median(old_times), statistics.median(new_times), statistics.median(ratios)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--old-rev", default="a33f5ce", help="commit whose flash.py is the old implementation")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--markdown", help="also write the table to this file")
+    args = parser.parse_args()
+    old = load_old(args.old_rev)
+    rows = []
+    with torch.no_grad():
+        for length in args.lengths:
+            for dtype, with_lse in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+                call = decode_case(length, dtype, with_lse)
+                old_call, new_call = call(old), call(ptorch)
+                equal = same(old_call(), new_call())
+                calls = max(5, 40960 // length)
+                t_old, t_new, ratio = compare(old_call, new_call, args.rounds, calls)
+                name = f"flash_attn_with_kvcache, L = {length}, {str(dtype).replace('torch.', '')} cache"
+                if with_lse:
+                    name += ", return_softmax_lse"
+                rows.append((name, t_old, t_new, ratio, equal))
+                print(rows[-1], flush=True)
+        call, direct = func_case(16)
+        old_call, new_call = call(old), call(ptorch)
+        equal = same(old_call(), new_call()) and same(new_call(), direct())
+        t_old, t_new, ratio = compare(old_call, new_call, args.rounds, 200)
+        rows.append(("flash_attn_func, seqlen 16", t_old, t_new, ratio, equal))
+        print(rows[-1], flush=True)
+        t_direct = statistics.median(per_call(direct, 200) for _ in range(args.rounds))
+        rows.append(("_core.multihead_attention, seqlen 16 (direct)", t_direct, t_direct, 1.0, equal))
+    lines = ["| call | old (us) | new (us) | old / new (median of rounds) | bitwise equal |", "|---|---|---|---|---|"]
+    for name, t_old, t_new, ratio, equal in rows:
+        lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {'yes' if equal else 'NO'} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(table + "\n")
+    return 0 if all(row[4] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
