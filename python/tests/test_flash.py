@@ -612,3 +612,142 @@ def test_half_precision_queries_and_cache(dtype):
                                    causal=True, alibi_slopes=slopes)
     assert out.dtype == dtype and torch.equal(out, wide.to(dtype))
     assert torch.equal(k_cache.float(), wide_k) and torch.equal(v_cache.float(), wide_v)
+
+
+# The contiguous cache read in place. ------------------------------------------------------------
+
+
+def _packed_cache_call(q, k_cache, v_cache, rows, totals, **extras):
+    """The gathered-keys computation a KV-cache step equals: the used tokens of each cache row
+    copied into one packed batch, then flash_attn_varlen_func. Returns out (batch, sq, H, d_v)
+    and lse (batch, H, sq)."""
+    batch, sq, heads = q.shape[:3]
+    wide = torch.float32 if k_cache.dtype in (torch.bfloat16, torch.float16) else k_cache.dtype
+    keys = torch.cat([k_cache[row, :total] for row, total in zip(rows, totals)]).to(wide)
+    values = torch.cat([v_cache[row, :total] for row, total in zip(rows, totals)]).to(wide)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * sq
+    cu_k = torch.tensor([0] + np.cumsum(totals).tolist(), dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(q.reshape(batch * sq, heads, q.shape[3]).to(wide), keys, values, cu_q,
+                                         cu_k, sq, max(totals), return_attn_probs=True, **extras)
+    out = out.reshape(batch, sq, heads, v_cache.shape[3])
+    return out, lse.reshape(heads, batch, sq).transpose(0, 1)
+
+
+KV_CASES = [
+    # method, causal, window
+    ("exact", True, (-1, -1)),
+    ("exact", False, (2, 1)),
+    ("exact", True, (3, -1)),
+    ("banded", True, (-1, -1)),
+    ("banded", False, (1, 0)),
+    ("lsh", True, (-1, -1)),
+    ("lsh", False, (-1, -1)),
+    ("lsh_per_sample", True, (-1, -1)),
+    ("fixed_blocks", True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("method, causal, window", KV_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_contiguous_cache_step_is_bitwise_the_gathered_keys_call(method, causal, window, dtype):
+    """Rows chosen by cache_batch_idx, different lengths (causal: a row with more queries than
+    keys), grouped-query heads, (batch, nheads) slopes, an append: out and softmax_lse are
+    bitwise those of the packed call on the gathered keys; the cache tokens past each row's
+    length (NaN here) are never read."""
+    batch, capacity, heads, heads_k, d, sq = 2, 10, 4, 2, 4, 3
+    k_cache = torch.full((3, capacity, heads_k, d), math.nan, dtype=dtype)
+    v_cache = torch.full((3, capacity, heads_k, d), math.nan, dtype=dtype)
+    rows, lengths = [2, 0], ([1, 6] if causal else [3, 6])
+    for row, length in zip(rows, lengths):
+        k_cache[row, :length] = rand((length, heads_k, d), dtype, 120 + row)
+        v_cache[row, :length] = rand((length, heads_k, d), dtype, 130 + row)
+    q = rand((batch, sq, heads, d), dtype, 140)
+    k_new, v_new = rand((batch, 1, heads_k, d), dtype, 141), rand((batch, 1, heads_k, d), dtype, 142)
+    extras = dict(causal=causal, window_size=window, alibi_slopes=slopes_of((batch, heads)), method=method,
+                  samples=4, seed=3)
+    index = torch.tensor(rows, dtype=torch.int32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                       cache_batch_idx=index, return_softmax_lse=True, **extras)
+    for b, (row, length) in enumerate(zip(rows, lengths)):
+        assert torch.equal(k_cache[row, length], k_new[b, 0]) and torch.equal(v_cache[row, length], v_new[b, 0])
+        assert bool(torch.isnan(k_cache[row, length + 1:]).all())
+    totals = [length + 1 for length in lengths]
+    expected, expected_lse = _packed_cache_call(q, k_cache, v_cache, rows, totals, **extras)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    assert bool(torch.isfinite(out).all())
+    # Without softmax_lse (the other kernel); the append again at the same positions.
+    plain = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, cache_batch_idx=index,
+                                    **extras)
+    assert torch.equal(plain, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("method", ["exact", "lsh"])
+@pytest.mark.parametrize("half_queries", [False, True])
+def test_half_precision_cache_is_the_float32_kernels_on_the_widened_cache(dtype, method, half_queries):
+    """A bfloat16 or float16 cache (read as it is) gives bitwise the float32 computation on the
+    widened cache, under float32 or half-precision queries (rounded once), with softmax_lse
+    too; every cache row in order, equal lengths, appended in one copy."""
+    batch, capacity, heads, heads_k, d, sq = 2, 9, 4, 2, 8, 2
+    k_cache, v_cache = rand((batch, capacity, heads_k, d), dtype, 150), rand((batch, capacity, heads_k, d), dtype, 151)
+    q = rand((batch, sq, heads, d), dtype if half_queries else torch.float32, 152)
+    k_new, v_new = rand((batch, sq, heads_k, d), dtype, 153), rand((batch, sq, heads_k, d), dtype, 154)
+    slopes = torch.tensor([0.5, 0.25, 0.0, 0.0625])
+    extras = dict(causal=True, alibi_slopes=slopes, method=method, samples=4, seed=1)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=5, return_softmax_lse=True,
+                                       **extras)
+    assert torch.equal(k_cache[:, 5:7], k_new) and torch.equal(v_cache[:, 5:7], v_new)
+    assert torch.equal(k_cache[:, :5], before_k[:, :5]) and torch.equal(k_cache[:, 7:], before_k[:, 7:])
+    assert torch.equal(v_cache[:, :5], before_v[:, :5]) and torch.equal(v_cache[:, 7:], before_v[:, 7:])
+    expected, expected_lse = _packed_cache_call(q, k_cache, v_cache, [0, 1], [7, 7], **extras)
+    assert out.dtype == q.dtype
+    assert torch.equal(out, expected.to(q.dtype)) and torch.equal(lse, expected_lse)
+    plain = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, **extras)
+    assert torch.equal(plain, expected.to(q.dtype))
+
+
+def test_contiguous_cache_rows_without_keys():
+    """Causal rows before the first key (a cache row of length 0, or fewer keys than queries):
+    out 0 and softmax_lse +inf, as flash_attn_func gives them."""
+    k_cache, v_cache = rand((2, 6, 1, 4), seed=160), rand((2, 6, 1, 4), seed=161)
+    q = rand((2, 3, 2, 4), seed=162)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                                       causal=True, return_softmax_lse=True)
+    assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all()) and bool((lse[0] > 0).all())
+    expected, expected_lse, _ = flash_attn_func(q[1:], k_cache[1:, :2], v_cache[1:, :2], causal=True,
+                                                return_attn_probs=True)
+    assert torch.equal(out[1:], expected) and torch.equal(lse[1:], expected_lse)
+    assert bool((out[1, 0] == 0).all()) and bool(torch.isinf(lse[1, :, 0]).all())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_slopes_not_finite_name_the_argument(bad):
+    q, k, v = qkv(1, 3, 3, 2, 1, 4)
+    slopes = torch.tensor([0.5, bad])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_with_kvcache(q[:, :1], k, v, alibi_slopes=slopes[None].expand(1, 2).contiguous())
+
+
+def test_noncontiguous_cache_names_the_argument():
+    cache = rand((2, 6, 2, 4), seed=170).transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="k_cache"):
+        flash_attn_with_kvcache(rand((2, 1, 2, 4), seed=171), cache, cache.clone(), cache_seqlens=3)
+
+
+def test_flash_attn_func_without_gradients_is_bitwise_the_differentiable_call():
+    """The forward alone (no tensor requires grad, or grad mode off) gives the output and
+    softmax_lse of the call that records gradients."""
+    for sq, sk, slopes in ((5, 5, slopes_of((4,))), (2, 7, slopes_of((2, 4))), (6, 3, None)):
+        q, k, v = qkv(2, sq, sk, 4, 2, 4, seed=180)
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        graded, graded_lse, _ = flash_attn_func(*leaves, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+        assert graded.requires_grad and not out.requires_grad
+        assert torch.equal(out, graded.detach()) and torch.equal(lse, graded_lse)
+        with torch.no_grad():
+            assert torch.equal(flash_attn_func(*leaves, causal=True, alibi_slopes=slopes), out)
