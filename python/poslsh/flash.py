@@ -54,11 +54,11 @@ d alibi_slopes (dL/dm_h = -sum_ij dS_ij |P_i - j|, summed over the batch for (nh
 slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slopes require
 grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
 computed in their dtype; bfloat16 and float16 are widened to float32, the output and the
-gradients rounded once back. Calls that need gradients or softmax_lse with seqlen_q <
-seqlen_k run the self-attention kernels with q padded at the front to seqlen_k rows (zero
-queries, zero incoming gradient: they change no output row and add exactly zero to dk, dv), at
-the cost of seqlen_k query rows; calls without either run only the seqlen_q rows (at their key
-positions, poslsh's query_offset).
+gradients rounded once back. Calls that need gradients with seqlen_q < seqlen_k run the
+self-attention kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming
+gradient: they change no output row and add exactly zero to dk, dv), at the cost of seqlen_k
+query rows; calls without gradients (softmax_lse included) run only the seqlen_q rows (at their
+key positions, poslsh's query_offset) and skip the autograd Function.
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
 cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
@@ -982,9 +982,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     headdim) with block_table int32 (batch, max_num_blocks): token t of row b is row t %
     block_size of block block_table[b, t // block_size]. Its dtype is q's, or bfloat16/float16
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
-    contiguous cache, nothing appended). The used keys are gathered (index_select) into one packed
-    batch for the all-heads kernels: a copy of the O(L H d) keys the step reads anyway, which keeps
-    grouped-query heads, windows, (batch, nheads) slopes and half-precision caches on one path.
+    contiguous cache, nothing appended). A contiguous cache is read in place: one all-heads kernel
+    call per batch row over the first cache_seqlens[b] + seqlen_new tokens of its cache row
+    (bfloat16/float16 caches as they are, computed in float32; with return_softmax_lse, whose
+    kernel takes float32 or float64 only, that row is widened to a float32 copy). A paged cache's
+    used blocks are gathered (index_select) into one packed batch, a copy of the keys the step
+    reads (widened to float32 when half precision).
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
     seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
     seed, samples, slopes): a decode step equals the rows of one longer prefill. rotary
