@@ -793,13 +793,13 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
         with torch.no_grad():
             if in_order and batch and bool((lengths == lengths[0]).all()):
                 start = int(lengths[0])
-                k_cache[:, start:start + new] = k.detach()
-                v_cache[:, start:start + new] = v.detach()
+                k_cache.narrow(1, start, new).copy_(k.detach())
+                v_cache.narrow(1, start, new).copy_(v.detach())
             else:
                 for b in range(batch):
                     row, start = int(rows_of[b]), int(lengths[b])
-                    k_cache[row, start:start + new] = k[b].detach()
-                    v_cache[row, start:start + new] = v[b].detach()
+                    k_cache[row].narrow(0, start, new).copy_(k[b].detach())
+                    v_cache[row].narrow(0, start, new).copy_(v[b].detach())
     qw = q.detach()
     if qw.dtype in _HALF:
         qw = qw.float()
