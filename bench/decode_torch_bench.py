@@ -7,16 +7,19 @@ the current python/poslsh/flash.py against the one of an earlier commit, in one 
 The earlier flash.py is read with `git show REV:python/poslsh/flash.py` and loaded as a separate
 module whose operators are registered under the namespace poslsh_old (the compiled kernels are
 the same poslsh._core), so both run on one machine state. Each round times the old and the new
-call (which one goes first alternates from round to round), `--calls` calls each after one
-untimed call; the table gives the median over the rounds of the time per call and the median of
-the rounds' old / new ratios. Every case also checks that the two outputs (and softmax_lse) are
-bitwise equal.
+call (which one goes first alternates from round to round), max(5, 40960 // L) calls each for a
+decode step over L keys and 200 for flash_attn_func, after one untimed call. The table gives the
+median over the rounds of the time per call and the median of the rounds' old / new ratios; a
+direct-call row is timed after the pair in each round, its old and new columns both its median.
+Every case also checks that the two outputs (and softmax_lse) are bitwise equal, and the new
+output bitwise the direct call's.
 
 Cases (batch 1, seqlen_q 1, 8 query heads, 8 K/V heads, head dim 64, causal, the official ALiBi
 slopes, method "exact"):
 - one decode step of flash_attn_with_kvcache: the new token's k, v appended at cache_seqlens =
   L - 1 of a contiguous (1, L, 8, 64) cache, then attention over its L keys; float32 q and cache,
-  and bfloat16 q and cache; also float32 with return_softmax_lse;
+  and bfloat16 q and cache; also float32 with return_softmax_lse; and (float32) the direct
+  poslsh._core.multihead_attention call on the cache row for the kernel's own time;
 - flash_attn_func at seqlen 16 (q, k, v (1, 16, 8, 64) float32), and the direct
   poslsh._core.multihead_attention call on the same tensors for the kernel's own time.
 """
@@ -74,7 +77,15 @@ def decode_case(length, dtype, with_lse):
         return lambda: module.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
                                                       causal=True, alibi_slopes=alibi,
                                                       return_softmax_lse=with_lse)
-    return call
+    sigmas = [1.0 / s for s in alibi.tolist()]
+
+    def direct():  # the kernel alone on the cache (float32 only)
+        out = torch.empty(1, HEADS, HEADDIM)
+        _core.multihead_attention(q[0].numpy(), k_cache[0].numpy(), v_cache[0].numpy(), layout="nhd",
+                                  method="exact_tiled", masking="causal", sigmas=sigmas, query_offset=length - 1,
+                                  out=out.numpy())
+        return out[None]
+    return call, direct
 
 
 def func_case(seqlen):
@@ -108,9 +119,11 @@ def same(a, b):
     return torch.equal(a, b)
 
 
-def compare(old, new, rounds, calls):
-    """Median seconds per call of old and new and the median of the rounds' old / new ratios."""
-    old_times, new_times, ratios = [], [], []
+def compare(old, new, rounds, calls, direct=None):
+    """Median seconds per call of old and new, the median of the rounds' old / new ratios, and
+    the median seconds per call of `direct` (timed after the pair in each round; None if not
+    given)."""
+    old_times, new_times, ratios, direct_times = [], [], [], []
     for r in range(rounds):
         if r % 2 == 0:
             t_old, t_new = per_call(old, calls), per_call(new, calls)
@@ -119,7 +132,10 @@ def compare(old, new, rounds, calls):
         old_times.append(t_old)
         new_times.append(t_new)
         ratios.append(t_old / t_new)
-    return statistics.median(old_times), statistics.median(new_times), statistics.median(ratios)
+        if direct is not None:
+            direct_times.append(per_call(direct, calls))
+    t_direct = statistics.median(direct_times) if direct is not None else None
+    return statistics.median(old_times), statistics.median(new_times), statistics.median(ratios), t_direct
 
 
 def main():
@@ -134,25 +150,32 @@ def main():
     with torch.no_grad():
         for length in args.lengths:
             for dtype, with_lse in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
-                call = decode_case(length, dtype, with_lse)
+                call, direct = decode_case(length, dtype, with_lse)
                 old_call, new_call = call(old), call(ptorch)
                 equal = same(old_call(), new_call())
+                plain = dtype == torch.float32 and not with_lse
+                if plain:
+                    equal = equal and torch.equal(new_call(), direct())
                 calls = max(5, 40960 // length)
-                t_old, t_new, ratio = compare(old_call, new_call, args.rounds, calls)
+                t_old, t_new, ratio, t_direct = compare(old_call, new_call, args.rounds, calls,
+                                                        direct if plain else None)
                 name = f"flash_attn_with_kvcache, L = {length}, {str(dtype).replace('torch.', '')} cache"
                 if with_lse:
                     name += ", return_softmax_lse"
                 rows.append((name, t_old, t_new, ratio, equal))
                 print(rows[-1], flush=True)
+                if plain:
+                    rows.append((f"_core.multihead_attention on the cache, L = {length} (direct)", t_direct,
+                                 t_direct, 1.0, equal))
         call, direct = func_case(16)
         old_call, new_call = call(old), call(ptorch)
         equal = same(old_call(), new_call()) and same(new_call(), direct())
-        t_old, t_new, ratio = compare(old_call, new_call, args.rounds, 200)
+        t_old, t_new, ratio, t_direct = compare(old_call, new_call, args.rounds, 200, direct)
         rows.append(("flash_attn_func, seqlen 16", t_old, t_new, ratio, equal))
         print(rows[-1], flush=True)
-        t_direct = statistics.median(per_call(direct, 200) for _ in range(args.rounds))
         rows.append(("_core.multihead_attention, seqlen 16 (direct)", t_direct, t_direct, 1.0, equal))
-    lines = ["| call | old (us) | new (us) | old / new (median of rounds) | bitwise equal |", "|---|---|---|---|---|"]
+    lines = [f"torch.get_num_threads() = {torch.get_num_threads()}, old = {args.old_rev}, {args.rounds} rounds", "",
+             "| call | old (us) | new (us) | old / new (median of rounds) | bitwise equal |", "|---|---|---|---|---|"]
     for name, t_old, t_new, ratio, equal in rows:
         lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {'yes' if equal else 'NO'} |")
     table = "\n".join(lines)
