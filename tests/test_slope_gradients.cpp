@@ -338,7 +338,7 @@ TEST_CASE("the varlen forward with lse at query offsets equals the rows of self-
     const auto k = poslsh::interleaved_heads<const float>(kb.data(), total_k, kv_heads, d);
     const auto v = poslsh::interleaved_heads<const float>(vb.data(), total_k, kv_heads, d);
     RowMatrix<float> out(total_q, heads * d), plain(total_q, heads * d), lse(heads, total_q);
-    poslsh::multihead_attention_varlen<float>(
+    poslsh::multihead_attention_varlen_with_lse<float>(
         q, k, v, poslsh::interleaved_heads<float>(out.data(), total_q, heads, d), lse, cu_q, cu_k,
         options);
     poslsh::multihead_attention_varlen<float>(
@@ -364,7 +364,7 @@ TEST_CASE("the varlen forward with lse at query offsets equals the rows of self-
   RowMatrix<float> out(cu_q.back(), heads * d);
   poslsh_test::require_invalid_argument(
       [&] {
-        poslsh::multihead_attention_varlen<float>(
+        poslsh::multihead_attention_varlen_with_lse<float>(
             poslsh::interleaved_heads<const float>(qb.data(), cu_q.back(), heads, d),
             poslsh::interleaved_heads<const float>(kb.data(), cu_k.back(), kv_heads, d),
             poslsh::interleaved_heads<const float>(vb.data(), cu_k.back(), kv_heads, d),

@@ -370,8 +370,9 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
                                                      {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
           run_kernel(threads, [&] {
             if (cu_k)
-              poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
-                                                    *batch.cu_seqlens, *cu_k, keywords.options);
+              poslsh::multihead_attention_varlen_with_lse<T>(in.q, in.k, in.v, output.view, lse_map,
+                                                             *batch.cu_seqlens, *cu_k,
+                                                             keywords.options);
             else if (batch.cu_seqlens)
               poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
                                                     *batch.cu_seqlens, keywords.options);

@@ -293,17 +293,18 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 /// batch of multihead_attention_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, options,
 /// query_offsets) (queries at offsets over their own keys, bottom-right by default; out bitwise
 /// that call's), and column t of lse (H_q x total query tokens) the log-sum-exp of query token
-/// t. Forward only: the backward passes take self-attention sequences.
+/// t. Forward only: the backward passes take self-attention sequences. (A name of its own:
+/// with braces for its last arguments a call would be ambiguous with the self-attention form.)
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                MatrixRef<Scalar> lse,
-                                const std::vector<std::int32_t>& cu_seqlens_q,
-                                const std::vector<std::int32_t>& cu_seqlens_k,
-                                const MultiHeadOptions& options = {},
-                                const std::vector<Index>& query_offsets = {}) {
-  constexpr const char* function = "multihead_attention_varlen";
+void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                                         MatrixRef<Scalar> lse,
+                                         const std::vector<std::int32_t>& cu_seqlens_q,
+                                         const std::vector<std::int32_t>& cu_seqlens_k,
+                                         const MultiHeadOptions& options = {},
+                                         const std::vector<Index>& query_offsets = {}) {
+  constexpr const char* function = "multihead_attention_varlen_with_lse";
   detail::require_heads_inputs(function, q, k, v);
   detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
   detail::require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
