@@ -33,6 +33,8 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
   options.samples = samples;
   options.seed = seed;
   options.band_error = band_error;
+  // Float products, as the single-head kernels (attention_options).
+  options.precision = poslsh::Precision::float_products;
   return {layout_of(layout, function), options};
 }
 
