@@ -1,12 +1,17 @@
 // poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>; the tile
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
+// The half-precision rows run on the best unit of the CPU (the default precision) and name it
+// in their label (unit=avx512_bf16, unit=float_widening); where that is a matrix unit,
+// <method>_bf16_float_widening/<n> runs the same call with Precision::float_products, so one
+// run compares the units side by side.
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
+#include "poslsh/core/matrix_units.hpp"
 
 namespace poslsh::bench {
 
@@ -116,6 +121,7 @@ void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions
     benchmark::ClobberMemory();
   }
   set_kernel_counters(state, pairs, n * heads);
+  state.SetLabel(std::string("unit=") + enum_name(matrix_unit_for<Half, Half>(options)));
 }
 
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
@@ -175,6 +181,13 @@ void register_prefill(bool long_runs) {
     methods += std::string(methods.empty() ? "" : ";") + row.name + "=" + row.label;
   }
   benchmark::AddCustomContext("poslsh_methods", methods);
+  // The units this CPU has for half-precision products (core/matrix_units.hpp).
+  std::string units;
+  for (const auto& unit : EnumNames<MatrixUnit>::table) {
+    if (matrix_unit_available(unit.value))
+      units += std::string(units.empty() ? "" : ",") + unit.name;
+  }
+  benchmark::AddCustomContext("poslsh_matrix_units", units);
   // Ordered by n, so the rows a target compares (e.g. exact_tiled/16384 and lsh_fused/16384)
   // run close together in time on a shared machine.
   for (Index n = 1024; n <= 65536; n *= 2) {
@@ -188,9 +201,17 @@ void register_prefill(bool long_runs) {
       if (row.run != run_multihead) continue;
       // The half-precision rows of the tile methods right after their float row.
       const std::string suffix = "/" + std::to_string(n);
-      if (row.method == Method::exact_tiled || row.method == Method::lsh_fused)
+      if (row.method == Method::exact_tiled || row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_bf16" + suffix, n, options,
                      run_multihead_half<Eigen::bfloat16>);
+        if (matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(options) !=
+            MatrixUnit::float_widening) {
+          MultiHeadOptions widening = options;
+          widening.precision = Precision::float_products;
+          register_row(std::string(row.name) + "_bf16_float_widening" + suffix, n, widening,
+                       run_multihead_half<Eigen::bfloat16>);
+        }
+      }
       if (row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_f16" + suffix, n, options,
                      run_multihead_half<Eigen::half>);

@@ -1,8 +1,9 @@
 // The tile-engine kernels (exact tiled, banded, fused LSH, multi-head) on Eigen::bfloat16 and
-// Eigen::half inputs: against dense double formulas on the rounded inputs (at most 2x the error
-// of the float kernel on the same inputs), bitwise against the float kernel on the widened
-// inputs, a half-precision output bitwise the float output rounded once, the bias exact at
-// positions past 256 and 65536, and bad input named as for float.
+// Eigen::half inputs with float products (Precision::float_products): against dense double
+// formulas on the rounded inputs (at most 2x the error of the float kernel on the same inputs),
+// bitwise against the float kernel on the widened inputs, a half-precision output bitwise the
+// float output rounded once, the bias exact at positions past 256 and 65536, and bad input
+// named as for float. The matrix units: test_matrix_units.cpp.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,6 +23,7 @@ using poslsh::AttentionOptions;
 using poslsh::HashSet;
 using poslsh::Index;
 using poslsh::Masking;
+using poslsh::Precision;
 using poslsh::RowMatrix;
 using poslsh_test::max_error;
 using poslsh_test::random_half;
@@ -117,6 +119,7 @@ void check_tile_kernels(Index n, Index d, double sigma, Masking masking, std::ui
   const double tau = 1.0 / std::sqrt(static_cast<double>(d));
   AttentionOptions options;
   options.masking = masking;
+  options.precision = Precision::float_products;
   {
     INFO("alibi_attention_tiled");
     check_kernel<Half>(
@@ -185,17 +188,20 @@ TEST_CASE("bfloat16 kernels at n = 4096 against the dense double formulas", "[ha
   const RowMatrix<double> q = to_double(qh), k = to_double(kh), v = to_double(vh);
   const double tau = 0.125, sigma = 16.0;
   const HashSet hashes = poslsh::rbf_hashes(sigma, 16, 5, 0);
+  AttentionOptions options;
+  options.scale = tau;
+  options.precision = Precision::float_products;
   check_kernel<Half>(
       qh, kh, vh, dense_fused(q, k, v, hashes, Masking::causal, tau),
       [&](auto s, auto kv, auto o, const auto& qx, const auto& kx, const auto& vx, auto& out) {
-        poslsh::lsh_attention_fused<decltype(s), decltype(kv), decltype(o)>(qx, kx, vx, hashes,
-                                                                            out);
+        poslsh::lsh_attention_fused<decltype(s), decltype(kv), decltype(o)>(qx, kx, vx, hashes, out,
+                                                                            options);
       });
   check_kernel<Half>(
       qh, kh, vh, dense_alibi(q, k, v, sigma, tau, 0, n),
       [&](auto s, auto kv, auto o, const auto& qx, const auto& kx, const auto& vx, auto& out) {
         poslsh::alibi_attention_tiled<decltype(s), decltype(kv), decltype(o)>(qx, kx, vx, sigma,
-                                                                              out);
+                                                                              out, options);
       });
 }
 
@@ -208,25 +214,28 @@ TEMPLATE_TEST_CASE("half-precision row ranges and returning forms match the whol
   const auto v = random_half<Half>(n, d, 33);
   const double sigma = 8.0;
   const Index band = 70;
-  const RowMatrix<Half> tiled = poslsh::alibi_attention_tiled<Half>(q, k, v, sigma);
-  const RowMatrix<Half> banded = poslsh::alibi_attention_banded<Half>(q, k, v, sigma, band);
+  AttentionOptions options;
+  options.precision = Precision::float_products;
+  const RowMatrix<Half> tiled = poslsh::alibi_attention_tiled<Half>(q, k, v, sigma, options);
+  const RowMatrix<Half> banded =
+      poslsh::alibi_attention_banded<Half>(q, k, v, sigma, band, options);
   RowMatrix<float> tiled_float(n, d), banded_float(n, d);
-  poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, sigma, tiled_float);
-  poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, sigma, band, banded_float);
+  poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, sigma, tiled_float, options);
+  poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, sigma, band, banded_float, options);
   CHECK(same_values(tiled, tiled_float.cast<Half>()));
   CHECK(same_values(banded, banded_float.cast<Half>()));
   RowMatrix<float> rows_tiled(n, d), rows_banded(n, d);
   for (Index begin : {Index{0}, Index{37}, Index{200}}) {
     const Index end = begin == 0 ? 37 : begin == 37 ? 200 : n;
     poslsh::alibi_attention_tiled_rows<Half, Half, float>(
-        q, k, v, sigma, begin, end, rows_tiled.middleRows(begin, end - begin));
+        q, k, v, sigma, begin, end, rows_tiled.middleRows(begin, end - begin), options);
     poslsh::alibi_attention_banded_rows<Half, Half, float>(
-        q, k, v, sigma, band, begin, end, rows_banded.middleRows(begin, end - begin));
+        q, k, v, sigma, band, begin, end, rows_banded.middleRows(begin, end - begin), options);
   }
   CHECK(same_values(rows_tiled, tiled_float));
   CHECK(same_values(rows_banded, banded_float));
   const HashSet hashes = poslsh::rbf_hashes(sigma, 8, 3, 1);
-  const RowMatrix<Half> fused = poslsh::lsh_attention_fused<Half>(q, k, v, hashes);
+  const RowMatrix<Half> fused = poslsh::lsh_attention_fused<Half>(q, k, v, hashes, options);
   const RowMatrix<float> fused_float =
       poslsh::lsh_attention_fused<float>(widened(q), widened(k), widened(v), hashes);
   CHECK(same_values(fused, fused_float.cast<Half>()));
@@ -254,6 +263,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
         AttentionOptions options;
         options.masking = masking;
         options.query_offset = p0;
+        options.precision = Precision::float_products;
         RowMatrix<float> from_half(m, d), from_float(m, d);
         poslsh::alibi_attention_tiled<Half, Half, float>(qh, kh, vh, sigma, from_half, options);
         poslsh::alibi_attention_tiled<float>(widened(qh), kw, vw, sigma, from_float, options);
@@ -268,6 +278,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
     const HashSet hashes = poslsh::rbf_hashes(16.0, 4, 11, 2);
     AttentionOptions options;
     options.query_offset = p0;
+    options.precision = Precision::float_products;
     RowMatrix<float> fused_half(m, d);
     poslsh::lsh_attention_fused<Half, Half, float>(qh, kh, vh, hashes, fused_half, options);
     const RowMatrix<float> fused_float =
@@ -298,6 +309,7 @@ TEST_CASE(
       options.masking = masking;
       options.samples = 4;
       options.seed = 3;
+      options.precision = Precision::float_products;
       RowMatrix<float> expected(n, heads * d), mixed(n, heads * d), from_half(n, heads * d);
       RowMatrix<Half> half_out(n, heads * d);
       poslsh::multihead_attention<float>(interleaved_heads<const float>(q.data(), n, heads, d),

@@ -1,8 +1,9 @@
 // The per-sample, fixed-blocks and bring-your-own-block kernels and the decoders on
 // Eigen::bfloat16 and Eigen::half inputs: against dense double formulas on the rounded inputs
-// (at most 2x the error of the float kernel on the same inputs), the prefill kernels bitwise
-// the float kernel on the widened inputs, a half-precision output bitwise the float output
-// rounded once, decode past position 65536 with an exact bias, and bad input named as for float.
+// (at most 2x the error of the float kernel on the same inputs), the prefill kernels with float
+// products (Precision::float_products) bitwise the float kernel on the widened inputs, a
+// half-precision output bitwise the float output rounded once, decode past position 65536 with an
+// exact bias, and bad input named as for float.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -139,7 +140,8 @@ void check_prefill(Kernel kernel, const Shape& shape, Masking masking, std::uint
   const HashSet hashes = kernel == Kernel::fixed_blocks
                              ? HashSet{poslsh::fixed_blocks_hash(shape.sigma)}
                              : poslsh::rbf_hashes(shape.sigma, 4, seed, 1);
-  const AttentionOptions options = poslsh_test::with_masking(masking);
+  AttentionOptions options = poslsh_test::with_masking(masking);
+  options.precision = poslsh::Precision::float_products;
   const double tau = 1.0 / std::sqrt(static_cast<double>(d));
   const std::vector<Index> rows = positions_from(0, (n + row_step - 1) / row_step, row_step);
   const RowMatrix<double> q_rows = to_double(q)(rows, Eigen::all);
@@ -197,7 +199,8 @@ TEMPLATE_TEST_CASE("per-sample rows at an offset and the returning forms on half
   const RowMatrix<TestType> v = random_matrix<float>(n, d, 13).template cast<TestType>();
   const HashSet hashes = poslsh::rbf_hashes(16.0, 4, 5, 1);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    const AttentionOptions options = poslsh_test::with_masking(masking);
+    AttentionOptions options = poslsh_test::with_masking(masking);
+    options.precision = poslsh::Precision::float_products;
     RowMatrix<float> full(n, d);
     poslsh::lsh_attention_per_sample<TestType, TestType, float>(q, k, v, hashes, full, options);
     AttentionOptions at = options;
@@ -351,9 +354,11 @@ TEMPLATE_TEST_CASE("half-precision decode at t = 100000: the bias is exact", "[h
                            LogCounts(hashes, n, Masking::causal))
               : dense_rows(qd, kd, vd, tau, positions_from(t - m + 1, m), LogBias{sigma});
       CHECK(max_error(half_out, reference) <= 2.0 * max_error(float_out, reference));
-      // The prefill row at position t (queries at an offset) on the same half-precision views.
+      // The prefill row at position t (queries at an offset) on the same half-precision views,
+      // with float products as the decoders.
       AttentionOptions at;
       at.query_offset = t;
+      at.precision = poslsh::Precision::float_products;
       RowMatrix<float> prefill_row(1, d);
       if (lsh) {
         poslsh::lsh_attention_per_sample<TestType, TestType, float>(q.bottomRows(1), k, v, hashes,

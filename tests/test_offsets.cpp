@@ -131,8 +131,10 @@ void offset_check_per_sample_chunks(const RowMatrix<Scalar>& q, const RowMatrix<
   }
 }
 
-TEST_CASE("per-sample chunked prefill is bitwise in double and over a bfloat16 cache",
-          "[offsets][per_sample]") {
+TEST_CASE(
+    "per-sample chunked prefill is bitwise in double, over a bfloat16 cache and on bfloat16 "
+    "Q, K, V (the default matrix unit)",
+    "[offsets][per_sample]") {
   const Index n = 300;
   const auto q = random_matrix<double>(n, 8, 351);
   const auto k = random_matrix<double>(n, 8, 352);
@@ -141,9 +143,12 @@ TEST_CASE("per-sample chunked prefill is bitwise in double and over a bfloat16 c
   const RowMatrix<float> q_float = q.cast<float>();
   const RowMatrix<Eigen::bfloat16> k_half = k.cast<Eigen::bfloat16>();
   const RowMatrix<Eigen::bfloat16> v_half = v.cast<Eigen::bfloat16>();
+  const RowMatrix<Eigen::bfloat16> q_half = q.cast<Eigen::bfloat16>();
   for (Index chunk : {1, 7, 64, 1000}) {
     offset_check_per_sample_chunks<double, double>(q, k, v, hashes, chunk);
     offset_check_per_sample_chunks<float, Eigen::bfloat16>(q_float, k_half, v_half, hashes, chunk);
+    offset_check_per_sample_chunks<Eigen::bfloat16, Eigen::bfloat16>(q_half, k_half, v_half, hashes,
+                                                                     chunk);
   }
 }
 

@@ -28,6 +28,7 @@
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/attention/tiled.hpp"
 #include "poslsh/core/heads_view.hpp"
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/slopes.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/interop/block_kernel.hpp"

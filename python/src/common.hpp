@@ -103,11 +103,14 @@ inline poslsh::Masking masking_of(bool causal) {
   return causal ? poslsh::Masking::causal : poslsh::Masking::bidirectional;
 }
 
-/// AttentionOptions from the keywords of the single-head kernels.
+/// AttentionOptions from the keywords of the single-head kernels. The Python kernels keep float
+/// products (poslsh::Precision::float_products): their half-precision results are the float32
+/// kernel's on the widened inputs, rounded once, on every CPU.
 inline poslsh::AttentionOptions attention_options(bool causal, std::optional<double> scale,
                                                   std::optional<Index> query_offset = {}) {
   poslsh::AttentionOptions options{masking_of(causal), scale};
   options.query_offset = query_offset;
+  options.precision = poslsh::Precision::float_products;
   return options;
 }
 

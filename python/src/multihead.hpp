@@ -47,6 +47,8 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
                           method + "')");
   options.window_left = window.first;
   options.window_right = window.second;
+  // Float products, as the single-head kernels (attention_options).
+  options.precision = poslsh::Precision::float_products;
   return {layout_of(layout, function), options};
 }
 

@@ -20,7 +20,8 @@ namespace detail {
 /// Rows at positions [i0, i0 + rows) of the fused estimator over the k.rows() positions,
 /// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
 /// position query_offset + r. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may be
-/// stored in a half-precision type, out in any scalar type (engine_rows). The counts come from
+/// stored in a half-precision type, out in any scalar type, their products on the unit
+/// `precision` selects (engine_rows). The counts come from
 /// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
           typename OutType>
@@ -28,10 +29,10 @@ void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
                 bool causal, Index i0, Index rows, OutType& out, TileWorkspace<Scalar>& work,
-                Index query_offset = 0) {
+                Index query_offset, Precision precision) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
   engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
-                                         query_offset, i0, i0 + rows,
+                                         query_offset, precision, i0, i0 + rows,
                                          out.middleRows(i0 - query_offset, rows));
 }
 
@@ -46,11 +47,11 @@ void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrix
   if (m == 0) return;
   const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  parallel_query_tiles<Compute>(1, p0, p0 + m,
-                                [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
-                                  fused_tile<Compute, Scalar, KVScalar>(
-                                      q, k, v, counts, tau, causal, i0, rows, out, work, p0);
-                                });
+  parallel_query_tiles<Compute>(
+      1, p0, p0 + m, [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
+        fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau, causal, i0, rows, out, work, p0,
+                                              options.precision);
+      });
 }
 
 /// sum_i |[lo_i, hi_i)| over positions 0 .. n - 1, the key intervals of `counts` (a HashSet or
@@ -90,7 +91,9 @@ long long fused_pair_count(const Counts& counts_source, Index n, Masking masking
 /// deduced); computed in compute_scalar_t<Scalar, KVScalar, OutScalar>: half-precision inputs
 /// widened exactly to float as they are loaded, scores, counts, softmax and sums in float, a
 /// half-precision output the float result rounded once. Bitwise the float kernel's output on
-/// the widened inputs, rounded once to OutScalar.
+/// the widened inputs, rounded once to OutScalar, except on a CPU matrix unit (bfloat16 Q, K, V
+/// with options.precision = Precision::matrix_units, the default: core/matrix_units.hpp), where
+/// the products are bfloat16 and the probabilities rounded to bfloat16 before they weight V.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const HashSet& hashes,

@@ -198,30 +198,25 @@ inline std::size_t lowest_level(std::size_t samples) {
 /// (multiples of 64), a row's arithmetic depends only on the row, its tile and the keys it
 /// sees (in the engine's fixed order), and keys it does not see get probability exactly 0: a
 /// row gets bitwise the same update for any base, row range, and (causal) any block end past
-/// the row. Half-precision Q, K and V are widened to C tile by tile (the arithmetic of C views
-/// of the widened values). Out of line: the engine's kernels compile in this function, not in
-/// the callers' loops.
+/// the row. Half-precision Q, K and V are multiplied on the unit `precision` selects
+/// (with_tile_engine): widened to C tile by tile (the arithmetic of C views of the widened
+/// values), or bfloat16 products on AVX512-BF16. Out of line: the engine's kernels compile in this
+/// function, not in the callers' loops.
 template <typename Scalar, typename KVScalar = Scalar,
           typename C = compute_scalar_t<Scalar, KVScalar>>
 EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
                                   ConstMatrixRef<nondeduced_t<KVScalar>> k,
                                   ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal,
                                   Index begin, Index end, const EngineState<C>& state,
-                                  TileBuffers<C>& buffers, Index rows_first = 0,
+                                  TileBuffers<C>& buffers, Precision precision,
+                                  Index rows_first = 0,
                                   Index rows_last = std::numeric_limits<Index>::max()) {
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
-  if constexpr (std::is_same_v<KVScalar, C>) {
-    TileEngine<C, BlockWindowBias<C>, ContiguousKV<C>, Scalar> engine(
-        q, ContiguousKV<C>(k, v), static_cast<double>(tau), bias, buffers, state.base);
-    engine.accumulate(first, last, state);
-  } else {
-    TileEngine<C, BlockWindowBias<C>, WideningKV<C, KVScalar>, Scalar> engine(
-        q, WideningKV<C, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), static_cast<double>(tau),
-        bias, buffers, state.base);
-    engine.accumulate(first, last, state);
-  }
+  with_tile_engine<C, Scalar, KVScalar>(
+      q, k, v, static_cast<double>(tau), bias, buffers, state.base, precision,
+      [&](auto& engine) { engine.accumulate(first, last, state); });
 }
 
 /// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
@@ -236,7 +231,7 @@ EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
 template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
 void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
                      const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
-                     Index p0, MatrixRef<OutScalar>& out, C* lse = nullptr) {
+                     Index p0, Precision precision, MatrixRef<OutScalar>& out, C* lse = nullptr) {
   constexpr Index Bq = tile_query_rows;
   const Index m = q.rows(), n = k.rows();
   if (m == 0) return;
@@ -267,7 +262,8 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
         for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
              ++edge)
           fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
-                                          fresh.engine_state(first), buffers, first, last);
+                                          fresh.engine_state(first), buffers, precision, first,
+                                          last);
         for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
       }
       SoftmaxPartials<C>& result = partials[lowest];
@@ -308,9 +304,11 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
 /// Scalars: Q in Scalar, K and V in KVScalar, out in OutScalar (float, double, Eigen::half or
 /// Eigen::bfloat16; double only with double). Computed in C = compute_scalar_t<Scalar,
 /// KVScalar, OutScalar>: half-precision tiles of 64 rows are widened to float as they are
-/// read, so the result is bitwise that of the float kernel on the widened inputs, and a
-/// half-precision output is that float result rounded once. Throws std::invalid_argument
-/// naming a bad argument (shapes, empty or invalid hashes, non-finite scale, offset).
+/// read, so the result is bitwise that of the float kernel on the widened inputs (except on a
+/// CPU matrix unit: bfloat16 Q, K, V with options.precision = Precision::matrix_units, the
+/// default; core/matrix_units.hpp), and a half-precision output is that result rounded once. Throws
+/// std::invalid_argument naming a bad argument (shapes, empty or invalid hashes, non-finite scale,
+/// offset).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
                               ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
@@ -323,7 +321,8 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
   const auto tau = static_cast<C>(detail::resolve_scale(function, options, q.cols()));
   if (q.rows() == 0) return;
   const bool causal = options.masking == Masking::causal;
-  detail::per_sample_rows<Scalar, KVScalar, OutScalar, C>(q, k, v, hashes, tau, causal, p0, out);
+  detail::per_sample_rows<Scalar, KVScalar, OutScalar, C>(q, k, v, hashes, tau, causal, p0,
+                                                          options.precision, out);
 }
 
 /// Returning form of lsh_attention_per_sample (output in Scalar, the type of Q).

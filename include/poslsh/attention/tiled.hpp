@@ -11,7 +11,9 @@
 // (formed from the integer distance, exact below 2^24), the online softmax and the value sums
 // are float, and an output in a half-precision type is the float result rounded once (round to
 // nearest even). The result is bitwise the float kernel's on float matrices holding the widened
-// inputs, rounded once to OutScalar.
+// inputs, rounded once to OutScalar; except on a CPU matrix unit (bfloat16 Q, K and V with
+// options.precision = Precision::matrix_units, the default; core/matrix_units.hpp), where the
+// two products of each tile take bfloat16 operands (the probabilities rounded to bfloat16).
 #pragma once
 
 #include "poslsh/core/types.hpp"
@@ -40,7 +42,7 @@ void exact_attention_call(const char* function, const ConstMatrixRef<Scalar>& q,
   const double tau = resolve_scale(function, options, q.cols());
   if (row_begin == row_end) return;
   exact_alibi_rows<Compute, Scalar, KVScalar>(q, k, v, sigma, tau, window(k.rows()), p0 + row_begin,
-                                              p0 + row_end, out, p0);
+                                              p0 + row_end, out, p0, options.precision);
 }
 
 /// The window of exact attention over every one of `keys` keys: lo <= i - j <= hi with

@@ -101,6 +101,23 @@ struct EnumNames<Masking> {
                                                 {Masking::bidirectional, "bidirectional"}};
 };
 
+/// How the kernels multiply half-precision inputs (scores tau q.k and the probability-weighted
+/// sums of values). `matrix_units`: when Q, K and V are all Eigen::bfloat16 and the CPU has a
+/// bfloat16 matrix unit (MatrixUnit, core/matrix_units.hpp), the two products of every tile run
+/// on it: bfloat16 operands, products and sums in float, the probabilities rounded to bfloat16
+/// before they weight the values; the bias, the count weights, the running softmax and the
+/// sums stay float. Elsewhere it is `float_products`. `float_products`: every value is widened
+/// exactly to float and every product and sum is float (the result is the float kernel's on
+/// the widened inputs, rounded once).
+enum class Precision { matrix_units, float_products };
+
+/// The names "matrix_units" and "float_products" (enum_name, enum_from_name).
+template <>
+struct EnumNames<Precision> {
+  static constexpr EnumName<Precision> table[] = {{Precision::matrix_units, "matrix_units"},
+                                                  {Precision::float_products, "float_products"}};
+};
+
 /// Options common to the attention kernels.
 struct AttentionOptions {
   /// Causal or bidirectional.
@@ -117,6 +134,8 @@ struct AttentionOptions {
   /// or all L keys when bidirectional) gives bitwise the rows of one prefill, and a few new
   /// tokens at the end of a cache (multi-token decode) are the same call with small m.
   std::optional<Index> query_offset{};
+  /// Products of half-precision inputs: on the CPU's matrix units (the default) or in float.
+  Precision precision = Precision::matrix_units;
 };
 
 }  // namespace poslsh

@@ -2,6 +2,7 @@
 // attention kernel that returns the block outputs and their log-sum-exp, merged by LseMerger.
 #pragma once
 
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -18,12 +19,16 @@ namespace poslsh {
 /// The library's block kernel: plain softmax attention on one block (no positional bias;
 /// causal inside the block when `causal`), out_i = sum_j e^{tau q_i.k_j} v_j / sum_j e^{tau
 /// q_i.k_j}, and lse_i = log sum_j e^{tau q_i.k_j} (natural log of the scaled scores, as
-/// FlashAttention's softmax_lse). Q in Scalar, K and V in KVScalar (half-precision tiles are
-/// widened to float as they are read); out, lse and tau in C = compute_scalar_t<Scalar,
-/// KVScalar>. Any callable with this call signature can replace it in lsh_attention_by_blocks.
+/// FlashAttention's softmax_lse). Q in Scalar, K and V in KVScalar (half-precision products on
+/// the unit `precision` selects, core/matrix_units.hpp); out, lse and tau in C =
+/// compute_scalar_t<Scalar, KVScalar>. Any callable with this call signature can replace it in
+/// lsh_attention_by_blocks.
 template <typename Scalar, typename KVScalar = Scalar>
 struct PlainBlockAttention {
   using C = compute_scalar_t<Scalar, KVScalar>;
+  /// The products of half-precision inputs (AttentionOptions::precision); unset: the call's
+  /// options.precision in lsh_attention_by_blocks, Precision::matrix_units when called directly.
+  std::optional<Precision> precision{};
   void operator()(ConstMatrixRef<Scalar> q, ConstMatrixRef<KVScalar> k, ConstMatrixRef<KVScalar> v,
                   bool causal, C tau, MatrixRef<C> out,
                   Eigen::Ref<Eigen::Matrix<C, Eigen::Dynamic, 1>> lse) const {
@@ -32,8 +37,8 @@ struct PlainBlockAttention {
     detail::TileBuffers<C> buffers;
     state.resize(n, v.cols());
     state.clear(0, n);
-    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, n, state.engine_state(0),
-                                         buffers);
+    detail::fold_block<Scalar, KVScalar>(q, k, v, tau, causal, 0, n, state.engine_state(0), buffers,
+                                         precision.value_or(Precision::matrix_units));
     for (Index r = 0; r < n; ++r) state.finish(r, out.row(r));
     lse = (state.max + state.sum.log()).matrix();
   }
@@ -46,6 +51,20 @@ namespace detail {
 template <typename KVScalar, typename OutScalar>
 using storage_scalars_t =
     std::enable_if_t<is_storage_scalar_v<KVScalar> && is_storage_scalar_v<OutScalar>>;
+
+/// The block kernel a call runs: `kernel` itself, or for the library's PlainBlockAttention
+/// without a precision, a copy with the call's options.precision.
+template <typename BlockKernel>
+BlockKernel& block_kernel_for(BlockKernel& kernel, const AttentionOptions&) {
+  return kernel;
+}
+template <typename Scalar, typename KVScalar>
+PlainBlockAttention<Scalar, KVScalar> block_kernel_for(
+    PlainBlockAttention<Scalar, KVScalar>& kernel, const AttentionOptions& options) {
+  PlainBlockAttention<Scalar, KVScalar> copy = kernel;
+  if (!copy.precision) copy.precision = options.precision;
+  return copy;
+}
 
 /// lsh_attention_by_blocks after the checks of its shapes and samples: options.query_offset
 /// unset or 0 (self-attention at positions 0 .. n - 1), tau = options.scale or 1/sqrt(d).
@@ -69,13 +88,13 @@ void merge_block_attentions(const char* function, ConstMatrixRef<Scalar> q,
   LseMerger<C> merger(n, v.cols());
   RowMatrix<C> sample_output(n, v.cols());
   Eigen::Matrix<C, Eigen::Dynamic, 1> sample_lse(n);
+  auto&& kernel = block_kernel_for(block_kernel, options);
   for_each_sample([&](const Index* first, const Index* last) {
     for (; first + 1 < last; ++first) {
       const Index begin = first[0];
       const Index size = first[1] - begin;
-      block_kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
-                   causal, tau, sample_output.middleRows(begin, size),
-                   sample_lse.segment(begin, size));
+      kernel(q.middleRows(begin, size), k.middleRows(begin, size), v.middleRows(begin, size),
+             causal, tau, sample_output.middleRows(begin, size), sample_lse.segment(begin, size));
     }
     merger.add(sample_output, sample_lse);
   });

@@ -169,6 +169,7 @@ struct HeadsCall {
   std::vector<HeadsSequence> sequences;
   double tau = 1.0;
   Masking masking = Masking::causal;
+  Precision precision = Precision::matrix_units;
 };
 
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
@@ -201,7 +202,7 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
         const auto v_h = token_range(v, s.k_begin, s.k_end).head(h / group);
         auto out_h = token_range(out, s.q_begin, s.q_end).head(h);
         const HeadForward<decltype(q_h), decltype(k_h), decltype(out_h)> f{
-            q_h, k_h, v_h, out_h, call.tau, call.masking, s.p0};
+            q_h, k_h, v_h, out_h, call.tau, call.masking, s.p0, call.precision};
         Compute* const head_lse = lse == nullptr ? nullptr : lse + h * lse_stride + s.q_begin;
         visit_method(head.method, [&](auto kernels) {
           using Kernels = decltype(kernels);
@@ -232,7 +233,8 @@ void one_sequence_forward(const char* function, const HeadsView<const QScalar>& 
   const HeadsCall call{head_methods(),
                        {{0, q.tokens, 0, k.tokens, p0}},
                        resolve_scale(function, options, q.dim),
-                       options.masking};
+                       options.masking,
+                       options.precision};
   run_heads_forward<Compute>(call, q, k, v, out);
 }
 
@@ -253,7 +255,8 @@ void one_sequence_forward(const char* function, const HeadsView<const QScalar>& 
 /// Scalar types: q in Scalar, k and v in KVScalar, out in OutScalar (float, double,
 /// Eigen::half or Eigen::bfloat16, deduced from the views; e.g. float queries over a bfloat16
 /// KV cache), computed in compute_scalar_t<Scalar, KVScalar, OutScalar>: half-precision values
-/// widened to float as they are loaded, the output rounded once.
+/// widened to float as they are loaded (or, for bfloat16 Q, K and V, multiplied on the CPU's
+/// matrix unit under options.precision: core/matrix_units.hpp), the output rounded once.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void multihead_attention(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
@@ -293,7 +296,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVSca
       detail::head_methods(function, q.heads, options),
       detail::packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens,
                                options.query_offset, query_offsets),
-      detail::resolve_scale(function, options, q.dim), options.masking};
+      detail::resolve_scale(function, options, q.dim), options.masking, options.precision};
   detail::run_heads_forward<Compute>(call, q, k, v, out);
 }
 

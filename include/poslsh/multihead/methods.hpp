@@ -95,7 +95,7 @@ inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, 
 namespace detail {
 
 /// One head's views and scalars for a forward job: Q rows at positions p0 .. over the keys of
-/// k and v, scale tau, masking.
+/// k and v, scale tau, masking, the precision of half-precision products.
 template <typename QType, typename KType, typename OutType>
 struct HeadForward {
   const QType& q;
@@ -105,6 +105,7 @@ struct HeadForward {
   double tau;
   Masking masking;
   Index p0;
+  Precision precision;
 };
 
 /// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens).
@@ -144,8 +145,8 @@ struct QueryTileMethod {
     auto bias = Kernels::template tile_bias<Compute>(head, f.k.rows(), f.masking, work);
     const ConstMatrixRef<QScalar> q(f.q);
     const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, f.precision,
+                                            r0, r0 + rows, f.out.middleRows(r0 - f.p0, rows), lse);
   }
 };
 
@@ -236,6 +237,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
     options.masking = f.masking;
     options.scale = f.tau;
     options.query_offset = f.p0;
+    options.precision = f.precision;
     if (lse == nullptr) {
       lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
                                                              options);
@@ -244,7 +246,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
       MatrixRef<Compute> out = f.out;
       per_sample_rows<Compute, Compute, Compute, Compute>(
           f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
-          f.p0, out, lse);
+          f.p0, f.precision, out, lse);
     }
   }
 

@@ -51,6 +51,7 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   }
   call.tau = resolve_scale(function, options, q.dim);
   call.masking = options.masking;
+  call.precision = options.precision;
   return call;
 }
 

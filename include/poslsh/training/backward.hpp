@@ -119,7 +119,8 @@ void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
                     MatrixRef<Scalar> out, Scalar* lse) {
   with_value_columns<Scalar>(
       v, out, [&](const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> o) {
-        exact_alibi_rows<Scalar>(q, k, values, sigma, tau, window, 0, q.rows(), o, 0, lse);
+        exact_alibi_rows<Scalar>(q, k, values, sigma, tau, window, 0, q.rows(), o, 0,
+                                 Precision::float_products, lse);
       });
 }
 
@@ -135,8 +136,8 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
             1, 0, n, [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
               CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
               engine_rows<Scalar, Scalar, Scalar>(q, k, values, static_cast<double>(tau), bias,
-                                                  work.buffers, 0, i0, i0 + rows,
-                                                  o.middleRows(i0, rows), lse + i0);
+                                                  work.buffers, 0, Precision::float_products, i0,
+                                                  i0 + rows, o.middleRows(i0, rows), lse + i0);
             });
       });
 }

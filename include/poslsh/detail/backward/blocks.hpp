@@ -167,7 +167,8 @@ template <typename Scalar>
 void per_sample_forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                         const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
                         bool causal, MatrixRef<Scalar> out, Scalar* lse) {
-  per_sample_rows<Scalar, Scalar, Scalar, Scalar>(q, k, v, hashes, tau, causal, 0, out, lse);
+  per_sample_rows<Scalar, Scalar, Scalar, Scalar>(q, k, v, hashes, tau, causal, 0,
+                                                  Precision::float_products, out, lse);
 }
 
 }  // namespace poslsh::detail

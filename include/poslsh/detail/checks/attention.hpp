@@ -79,11 +79,14 @@ void require_output_shape(const char* function, const OutType& out, Index rows, 
 }
 
 /// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite or the masking
-/// is not one of the enumerators.
+/// or the precision is not one of the enumerators.
 inline double resolve_scale(const char* function, const AttentionOptions& options, Index d) {
   require(options.masking == Masking::causal || options.masking == Masking::bidirectional, function,
           "options.masking", static_cast<int>(options.masking),
           "must be Masking::causal or Masking::bidirectional");
+  require(enum_is_valid(options.precision), function, "options.precision",
+          static_cast<int>(options.precision),
+          "must be Precision::matrix_units or Precision::float_products");
   if (options.scale) {
     require(std::isfinite(*options.scale), function, "options.scale", *options.scale,
             "must be finite");

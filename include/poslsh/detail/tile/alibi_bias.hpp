@@ -106,7 +106,8 @@ class AlibiBias {
 /// out rows 0 .. row_end - row_begin (lse[r] for out row r when lse is not null); q used
 /// unscaled, tau applied here. Row r of q is the query at position query_offset + r, the keys
 /// are at positions 0 .. k.rows() - 1. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may
-/// be stored in a half-precision type, out in any scalar type (engine_rows). The bias is formed
+/// be stored in a half-precision type, out in any scalar type, their products on the unit
+/// `precision` selects (engine_rows). The bias is formed
 /// in Scalar from the integer distance. Query tiles run in parallel (parallel_query_tiles),
 /// each row's arithmetic depending on its position alone: bitwise the same for any thread
 /// count and any split of the rows.
@@ -115,12 +116,13 @@ void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                       const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
                       const ConstMatrixRef<nondeduced_t<KVScalar>>& v, double sigma, double tau,
                       ExactWindow window, Index row_begin, Index row_end, OutType&& out,
-                      Index query_offset = 0, Scalar* lse = nullptr) {
+                      Index query_offset, Precision precision, Scalar* lse = nullptr) {
   parallel_query_tiles<Scalar>(
       1, row_begin, row_end, [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
         AlibiBias<Scalar> bias(k.rows(), sigma, window);
-        engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, work.buffers, query_offset, r0,
-                                               r0 + rows, out.middleRows(r0 - row_begin, rows),
+        engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, work.buffers, query_offset,
+                                               precision, r0, r0 + rows,
+                                               out.middleRows(r0 - row_begin, rows),
                                                lse == nullptr ? nullptr : lse + (r0 - row_begin));
       });
 }

@@ -23,6 +23,13 @@
 // K and V rows are widened into a buffer when the tile is first used (WideningKV), and each
 // output row is rounded to the output's type once, as it is written. A row's result is then
 // bitwise the engine's on Scalar matrices holding the widened values, rounded once.
+// With Q, K and V all in Eigen::bfloat16 on a CPU with AVX512-BF16 (MatrixUnit::avx512_bf16,
+// chosen at run time by Precision::matrix_units), the key source PairedBf16KV makes the engine
+// multiply on that unit (detail/tile/pair_kernels.hpp): x_ij = tau (q_i.k_j in float from
+// bfloat16 products), p_ij rounded to bfloat16 before acc_i += p_ij v_j (bfloat16 products
+// summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, and l_i sums
+// the unrounded p_ij. A row's result still depends only on its position, the keys and the
+// policy.
 // The bias policy concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
@@ -33,9 +40,11 @@
 #include <type_traits>
 #include <utility>
 
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 
 namespace poslsh::detail {
@@ -126,6 +135,65 @@ class WideningKV : public StridedKV<Storage> {
   Buffer& wide_v_;
 };
 
+#if POSLSH_X86_UNITS
+/// The key tile of PairedBf16KV: key b's row (bfloat16 bits, an even count) at k + b k_stride,
+/// the values as pairs along keys, pair b2 at v + b2 v_stride (pair_pack_values).
+struct PairTileRows {
+  const std::uint16_t* k;
+  Index k_stride;
+  const std::uint32_t* v;
+  Index v_stride;
+};
+
+/// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit:
+/// pair_tile(j0, keys) packs the tile's values into pairs along keys (buffer pair_v, rows of
+/// ceil(d_v / 16) 16 words) and gives the key rows in place (copied into pair_k with a zero
+/// appended when d is odd). One packing per key tile visited.
+class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
+ public:
+  PairedBf16KV(const ConstMatrixRef<Eigen::bfloat16>& k, const ConstMatrixRef<Eigen::bfloat16>& v,
+               TileBuffers<float>& buffers)
+      : StridedKV<Eigen::bfloat16>(k, v),
+        pair_k_(buffers.pair_k),
+        pair_v_(buffers.pair_v),
+        cols_((v.cols() + 15) / 16 * 16) {
+    if (pair_v_.size() < tile_key_cols / 2 * cols_) pair_v_.resize(tile_key_cols / 2 * cols_);
+    if (k.cols() % 2 != 0 && pair_k_.size() < tile_key_cols * (k.cols() + 1))
+      pair_k_.resize(tile_key_cols * (k.cols() + 1));
+  }
+  PairTileRows pair_tile(Index j0, Index keys) {
+    const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
+    const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
+    pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
+                     pair_v_.data());
+    const Index d = k.cols();
+    if (d % 2 == 0)
+      return {bits(k.data() + j0 * k.outerStride()), k.outerStride(), pair_v_.data(), cols_};
+    for (Index b = 0; b < keys; ++b) {
+      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k_.data() + b * (d + 1));
+      pair_k_(b * (d + 1) + d) = 0;
+    }
+    return {pair_k_.data(), d + 1, pair_v_.data(), cols_};
+  }
+
+ private:
+  static const std::uint16_t* bits(const Eigen::bfloat16* values) {
+    return reinterpret_cast<const std::uint16_t*>(values);
+  }
+  Eigen::Array<std::uint16_t, Eigen::Dynamic, 1>& pair_k_;
+  Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>& pair_v_;
+  Index cols_;
+};
+#endif
+
+/// Whether the key source KV multiplies on the AVX512-BF16 unit (provides pair_tile(j0, keys),
+/// a PairTileRows, instead of tile()).
+template <typename KV, typename = void>
+struct MultipliesPairs : std::false_type {};
+template <typename KV>
+struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
+    : std::true_type {};
+
 /// Whether the key source KV reads its rows in runs (a paged cache): it then provides
 /// key_row(j) and value_row(j) (pointers to the K and V rows of key j; rows of one run are
 /// k_stride and v_stride apart, as in tile()) and run_end(j) (the first key after j's run),
@@ -155,8 +223,12 @@ class TileEngine {
   static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
   static constexpr int value_packets = 4;
   static constexpr bool in_runs = ReadsInRuns<KV>::value;
+  static constexpr bool pairs = MultipliesPairs<KV>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
+  static_assert(!pairs || (std::is_same_v<Scalar, float> &&
+                           std::is_same_v<QScalar, Eigen::bfloat16> && !in_runs),
+                "AVX512-BF16 products: float engine, bfloat16 queries, keys read by tiles");
 
  public:
   /// q (m x d, row r at position query_offset + r) is used unscaled; tau is applied here. K and
@@ -182,7 +254,10 @@ class TileEngine {
         b_(buffers) {
     std::fill_n(ones_, value_rows, Scalar(1));
     b_.prepare(d_, dvp_, pack_values_ || in_runs);
-    if constexpr (!std::is_same_v<QScalar, Scalar>) {
+    if constexpr (pairs) {
+      if (b_.pair_q.size() < Bq * (d_ + 1) / 2) b_.pair_q.resize(Bq * ((d_ + 1) / 2));
+      if (b_.pair_p.size() < Bq * Bk / 2) b_.pair_p.resize(Bq * Bk / 2);
+    } else if constexpr (!std::is_same_v<QScalar, Scalar>) {
       if (b_.wide_q.size() < Bq * d_) b_.wide_q.resize(Bq * d_);
     }
   }
@@ -253,7 +328,12 @@ class TileEngine {
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc (from -inf, 0,
   // 0, or from the rows of external_ when set).
   void query_tile(Index i0, Index r0, Index r1) {
-    if constexpr (std::is_same_v<QScalar, Scalar>)
+#if POSLSH_X86_UNITS
+    if constexpr (pairs)
+      pair_pack_queries(q_, i0 - p0_, r0 - i0, r1 - i0, b_.pair_q.data(), Bq);
+    else
+#endif
+        if constexpr (std::is_same_v<QScalar, Scalar>)
       tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
     else
       tile_pack_queries_widened<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq,
@@ -297,7 +377,10 @@ class TileEngine {
     const KeyTileCut cut = bias_.key_tile(j0, keys, packets_);
     if (cut == KeyTileCut::skip) return;
     j0_ = j0;
-    rows_of_tile_ = kv_.tile(j0, keys);
+    if constexpr (pairs)
+      pair_tile_ = kv_.pair_tile(j0, keys);
+    else
+      rows_of_tile_ = kv_.tile(j0, keys);
     if constexpr (in_runs) find_runs(keys);
     const bool masked = cut == KeyTileCut::masked;
     if (masked)
@@ -381,6 +464,9 @@ class TileEngine {
 
   template <bool Masked>
   void score_run(Index packets, Index b, Index end, Index a) {
+#if POSLSH_X86_UNITS
+    if constexpr (pairs) return score_pairs<Masked>(packets, b, end, a);
+#endif
     static_assert(query_packets == 4, "register blocks are written for groups of 4 packets");
     switch (packets) {
       case 1:
@@ -423,6 +509,28 @@ class TileEngine {
     }
   }
 
+#if POSLSH_X86_UNITS
+  // score_keys on the AVX512-BF16 unit: the products of the span into the scores, then the
+  // policy's scores and the tile maximum packet by packet.
+  template <bool Masked>
+  void score_pairs(Index packets, Index b, Index end, Index a0) {
+    namespace ei = Eigen::internal;
+    pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
+                    a0, a0 + packets * P, tau_, b_.scores.data());
+    const auto scorer = bias_.scorer();
+    for (Index a = a0; a < a0 + packets * P; a += P) {
+      Packet best = ei::pload<Packet>(b_.tile_max.data() + a);
+      for (Index kk = b; kk < end; ++kk) {
+        Scalar* entry = b_.scores.data() + kk * Bq + a;
+        const Packet x = scorer.template score<Masked>(ei::pload<Packet>(entry), kk, a);
+        best = ei::pmax(best, x);
+        ei::pstore(entry, x);
+      }
+      ei::pstore(b_.tile_max.data() + a, best);
+    }
+  }
+#endif
+
   // M <- max(M, tile max); alpha = e^{M_old - M} (1 while a row has seen no kept key); the
   // shift of the exponentials is M, or 0 while M = -inf (all the row's entries are masked).
   void update_max() {
@@ -460,13 +568,41 @@ class TileEngine {
       const Packet old_sum = ei::pload<Packet>(b_.running_sum.data() + a);
       ei::pstore(b_.running_sum.data() + a,
                  ei::pmadd(old_sum, ei::pload<Packet>(b_.alpha.data() + a), sum));
+      if constexpr (pairs) {
+        // The value products read whole pairs of keys: the other key of a pair at either end
+        // of the packet's keys gets probability 0.
+        const Packet zero = ei::pset1<Packet>(Scalar(0));
+        if (reach.first % 2 != 0) ei::pstore(b_.scores.data() + (reach.first - 1) * Bq + a, zero);
+        if (reach.last % 2 != 0) ei::pstore(b_.scores.data() + reach.last * Bq + a, zero);
+      }
     }
+#if POSLSH_X86_UNITS
+    if constexpr (pairs)
+      pair_pack_probs(b_.scores.data(), Bq, (keys + 1) / 2, packets_.first, packets_.last,
+                      b_.pair_p.data());
+#endif
   }
 
   // acc <- alpha acc + P V over the tile's keys, for the value blocks holding computed rows.
   // A block of rows only visits the keys its windows reach: the others have probability 0,
   // and a block that reaches none has alpha = 1 (its maximum did not move), so nothing to do.
   void value_tile(Index, Index keys) {
+#if POSLSH_X86_UNITS
+    if constexpr (pairs) {
+      // Whole pairs of keys from the pair holding the block's first key (pair_p is 0 for the
+      // keys the block's rows do not reach).
+      for (Index a = rows_.first / value_rows * value_rows; a < rows_.last; a += value_rows) {
+        const KeyRange reach = keys_reached(a, a + value_rows, keys);
+        if (reach.first >= reach.last) continue;
+        const Index first = reach.first / 2, last = (reach.last + 1) / 2;
+        pair_value_rows<value_rows>(b_.pair_p.data() + first * Bq + a, Bq,
+                                    pair_tile_.v + first * pair_tile_.v_stride, pair_tile_.v_stride,
+                                    last - first, b_.alpha.data() + a, b_.acc.data() + a * dvp_,
+                                    dvp_, dv_);
+      }
+      return;
+    }
+#endif
     const Scalar* values = rows_of_tile_.v;
     Index stride = rows_of_tile_.v_stride;
     // Rows in more than two runs (pages shorter than a tile) are packed too: one value block
@@ -567,6 +703,9 @@ class TileEngine {
   Index j0_ = 0;
   const EngineState<Scalar>* external_ = nullptr;
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
+#if POSLSH_X86_UNITS
+  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};
+#endif
   const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
   Index run_b_ = 0;
   // In runs: the current key tile's runs (find_runs), at most one per key.
@@ -578,25 +717,52 @@ class TileEngine {
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
-/// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
-/// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) at positions
-/// query_offset .. over K and V (KVScalar), read directly when KVScalar is Scalar and through
-/// WideningKV when it is a half-precision type; out of any scalar type.
-template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
-void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
-                 const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
-                 TileBuffers<Scalar>& buffers, Index query_offset, Index row_begin, Index row_end,
-                 OutType&& out, Scalar* lse = nullptr) {
+/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) at positions
+/// query_offset .. and K, V (KVScalar): KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV
+/// when matrix_unit_for<QScalar, KVScalar>(precision) is MatrixUnit::avx512_bf16, WideningKV
+/// otherwise.
+template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
+void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
+                      const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
+                      TileBuffers<Scalar>& buffers, Index query_offset, Precision precision,
+                      Job&& job) {
   if constexpr (std::is_same_v<KVScalar, Scalar>) {
+    static_cast<void>(precision);
     TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
         q, ContiguousKV<Scalar>(k, v), tau, bias, buffers, query_offset);
-    engine.run(row_begin, row_end, std::forward<OutType>(out), lse);
+    job(engine);
   } else {
+#if POSLSH_X86_UNITS
+    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, Eigen::bfloat16> &&
+                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
+      if (matrix_unit_for<QScalar, KVScalar>(precision) == MatrixUnit::avx512_bf16) {
+        TileEngine<Scalar, Bias, PairedBf16KV, QScalar> engine(q, PairedBf16KV(k, v, buffers), tau,
+                                                               bias, buffers, query_offset);
+        job(engine);
+        return;
+      }
+    }
+#endif
+    static_cast<void>(precision);
     TileEngine<Scalar, Bias, WideningKV<Scalar, KVScalar>, QScalar> engine(
         q, WideningKV<Scalar, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), tau, bias, buffers,
         query_offset);
-    engine.run(row_begin, row_end, std::forward<OutType>(out), lse);
+    job(engine);
   }
+}
+
+/// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
+/// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) at positions
+/// query_offset .. over K and V (KVScalar), read directly when KVScalar is Scalar, on the unit
+/// `precision` selects for half-precision ones (with_tile_engine); out of any scalar type.
+template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
+void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
+                 const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
+                 TileBuffers<Scalar>& buffers, Index query_offset, Precision precision,
+                 Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
+  with_tile_engine<Scalar, QScalar, KVScalar>(
+      q, k, v, tau, bias, buffers, query_offset, precision,
+      [&](auto& engine) { engine.run(row_begin, row_end, out, lse); });
 }
 
 }  // namespace poslsh::detail

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <cstdint>
 
 #include "poslsh/core/types.hpp"
 
@@ -42,12 +43,18 @@ enum class KeyTileCut { skip, full, masked };
 /// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
-/// an output row before it is rounded to a half-precision output.
+/// an output row before it is rounded to a half-precision output. On the AVX512-BF16 unit
+/// (PairedBf16KV, detail/tile/pair_kernels.hpp), `pair_q`, `pair_p` and `pair_v` hold the query
+/// tile, the probabilities and the key tile's values as pairs of bfloat16 values, `pair_k` the
+/// key tile's rows padded to an even length when d is odd.
 template <typename Scalar>
 struct TileBuffers {
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  using Words = Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>;
   Buffer qt, scores, running_max, running_sum, alpha, shift, tile_max, acc, values;
   Buffer wide_q, wide_k, wide_v, wide_out;
+  Words pair_q, pair_p, pair_v;
+  Eigen::Array<std::uint16_t, Eigen::Dynamic, 1> pair_k;
 
   void prepare(Index d, Index dv_padded, bool pack_values) {
     constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;

@@ -1,0 +1,278 @@
+// poslsh internals: the tile engine's products on AVX512-BF16 (MatrixUnit::avx512_bf16,
+// core/matrix_units.hpp), for Q, K and V stored in Eigen::bfloat16. vdpbf16ps multiplies 16
+// pairs of bfloat16 values by 16 other pairs and adds each pair's two products (exact in
+// float) to a float lane, one rounding per product; both operands hold adjacent pairs along
+// the summed index, so the tile engine packs:
+//   queries  pair_q[c2 * tile + a] = (q_a[2 c2], q_a[2 c2 + 1])    (d summed, 16 queries a vector)
+//   keys     read in place: key b's word c2 is (k_b[2 c2], k_b[2 c2 + 1]), broadcast
+//   probs    pair_p[b2 * tile + a] = (p_a,2b2, p_a,2b2+1) rounded to bfloat16, broadcast
+//   values   pair_v[b2 * cols + c] = (v_2b2[c], v_2b2+1[c])     (keys summed, 16 columns)
+// with a zero for the missing half of the last pair of an odd d or an odd key count (words
+// are two bfloat16 bit patterns, the first in the low 16 bits). Scores and value sums are
+// float; each lane's sum runs over the pairs in order, so a query's result depends only on its
+// own row and the keys, never on the other queries in its tile.
+// Every function carrying AVX-512 instructions is compiled for that target by a function
+// attribute, so the code exists in any x86-64 build (with or without -march=native) and runs
+// only where matrix_unit_available(MatrixUnit::avx512_bf16) says the CPU has it.
+#pragma once
+
+#include "poslsh/core/matrix_units.hpp"
+
+#if POSLSH_X86_UNITS
+
+#include <immintrin.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/kernels.hpp"
+
+#define POSLSH_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define POSLSH_AVX512_BF16_INLINE POSLSH_AVX512_BF16_TARGET inline __attribute__((always_inline))
+
+#include "poslsh/detail/disable_intrinsic_warnings.hpp"
+
+namespace poslsh::detail {
+
+/// The bit pattern of a bfloat16 value.
+inline std::uint16_t bf16_bits(Eigen::bfloat16 value) {
+  return Eigen::numext::bit_cast<std::uint16_t>(value);
+}
+
+/// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
+/// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile.
+inline void pair_pack_queries(const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0,
+                              Index a1, std::uint32_t* pair_q, Index tile) {
+  const Index d = q.cols(), half_d = (d + 1) / 2;
+  if (a0 > 0 || a1 < tile) std::fill_n(pair_q, half_d * tile, std::uint32_t{0});
+  for (Index a = a0; a < a1; ++a) {
+    const Eigen::bfloat16* row = q.data() + (i0 + a) * q.outerStride();
+    for (Index c2 = 0; c2 < d / 2; ++c2)
+      pair_q[c2 * tile + a] =
+          bf16_bits(row[2 * c2]) | static_cast<std::uint32_t>(bf16_bits(row[2 * c2 + 1])) << 16;
+    if (d % 2 != 0) pair_q[(half_d - 1) * tile + a] = bf16_bits(row[d - 1]);
+  }
+}
+
+/// The lanes of the 16 rows from `start` that lie in [lo, hi).
+inline __mmask16 pair_row_mask(Index start, Index lo, Index hi) {
+  const Index first = std::clamp<Index>(lo - start, 0, 16),
+              last = std::clamp<Index>(hi - start, 0, 16);
+  const unsigned below_last = last >= 16 ? 0xffffu : (1u << last) - 1u;
+  const unsigned below_first = first >= 16 ? 0xffffu : (1u << first) - 1u;
+  return static_cast<__mmask16>(below_last & ~below_first);
+}
+
+/// Stops the compiler from folding a vector's load or broadcast into each instruction that
+/// uses it: loaded once into a register. No code is emitted.
+template <typename Vector>
+POSLSH_AVX512_BF16_INLINE void pair_keep_in_register(Vector& vector) {
+  __asm__("" : "+v"(vector));
+}
+
+/// scores[(b0 + kk) * tile + a] = tau sum_c2 pair_q[c2][a] . key (b0 + kk)'s pair c2, for
+/// kk < Keys and the rows a of the Vectors vectors of 16 from `start` inside [lo, hi) (the
+/// other lanes are not written).
+template <int Keys, int Vectors>
+POSLSH_AVX512_BF16_INLINE void pair_score_block(const std::uint32_t* pair_q, Index tile,
+                                                const std::uint16_t* keys, Index key_stride,
+                                                Index half_d, Index b0, Index start, Index lo,
+                                                Index hi, float tau, float* scores) {
+  __m512 acc[Keys][Vectors];
+  POSLSH_TILE_UNROLL
+  for (int kk = 0; kk < Keys; ++kk) {
+    POSLSH_TILE_UNROLL
+    for (int w = 0; w < Vectors; ++w) acc[kk][w] = _mm512_setzero_ps();
+  }
+  const std::uint16_t* key_rows = keys + b0 * key_stride;
+  for (Index c2 = 0; c2 < half_d; ++c2) {
+    __m512bh queries[Vectors];
+    POSLSH_TILE_UNROLL
+    for (int w = 0; w < Vectors; ++w) {
+      queries[w] = (__m512bh)_mm512_loadu_si512(pair_q + c2 * tile + start + 16 * w);
+      pair_keep_in_register(queries[w]);
+    }
+    POSLSH_TILE_UNROLL
+    for (int kk = 0; kk < Keys; ++kk) {
+      std::uint32_t word;
+      std::memcpy(&word, key_rows + kk * key_stride + 2 * c2, sizeof(word));
+      __m512bh key = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      pair_keep_in_register(key);
+      POSLSH_TILE_UNROLL
+      for (int w = 0; w < Vectors; ++w) acc[kk][w] = _mm512_dpbf16_ps(acc[kk][w], queries[w], key);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(tau);
+  POSLSH_TILE_UNROLL
+  for (int w = 0; w < Vectors; ++w) {
+    const __mmask16 mask = pair_row_mask(start + 16 * w, lo, hi);
+    POSLSH_TILE_UNROLL
+    for (int kk = 0; kk < Keys; ++kk)
+      _mm512_mask_storeu_ps(scores + (b0 + kk) * tile + start + 16 * w, mask,
+                            _mm512_mul_ps(acc[kk][w], scale));
+  }
+}
+
+template <int Keys, int Vectors>
+POSLSH_AVX512_BF16_INLINE void pair_score_keys(const std::uint32_t* pair_q, Index tile,
+                                               const std::uint16_t* keys, Index key_stride,
+                                               Index half_d, Index b, Index end, Index start,
+                                               Index lo, Index hi, float tau, float* scores) {
+  for (; b + Keys <= end; b += Keys)
+    pair_score_block<Keys, Vectors>(pair_q, tile, keys, key_stride, half_d, b, start, lo, hi, tau,
+                                    scores);
+  if constexpr (Keys > 1)
+    pair_score_keys<Keys / 2, Vectors>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo,
+                                       hi, tau, scores);
+}
+
+/// scores[b * tile + a] = tau q_a.k_b (bfloat16 products summed in float) for keys b in
+/// [b, end) of the tile (key b's row at keys + b key_stride, bfloat16 bits) and query rows a in
+/// [lo, hi) (hi - lo <= 64), from the query pairs pair_q (pair_pack_queries).
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_score_span(
+    const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride,
+    Index half_d, Index b, Index end, Index lo, Index hi, float tau, float* scores) {
+  const Index start = lo / 16 * 16;
+  switch ((hi - start + 15) / 16) {
+    case 1:
+      return pair_score_keys<16, 1>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
+                                    tau, scores);
+    case 2:
+      return pair_score_keys<8, 2>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
+                                   tau, scores);
+    case 3:
+      return pair_score_keys<5, 3>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
+                                   tau, scores);
+    default:
+      return pair_score_keys<4, 4>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
+                                   tau, scores);
+  }
+}
+
+/// pair_p[b2 * tile + a] = (probs[2 b2][a], probs[2 b2 + 1][a]) rounded to bfloat16 (round to
+/// nearest even; vcvtneps2bf16 takes values below the float normal range as 0) for b2 < pairs
+/// and rows a in [lo, hi) rounded out to multiples of 16 (probs[b][a] at probs + b tile + a).
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_probs(
+    const float* probs, Index tile, Index pairs, Index lo, Index hi, std::uint32_t* pair_p) {
+  for (Index b2 = 0; b2 < pairs; ++b2) {
+    for (Index a = lo / 16 * 16; a < hi; a += 16) {
+      const __m256bh even = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + 2 * b2 * tile + a));
+      const __m256bh odd = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + (2 * b2 + 1) * tile + a));
+      const __m512i low = _mm512_cvtepu16_epi32((__m256i)even);
+      const __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)odd), 16);
+      _mm512_storeu_si512(pair_p + b2 * tile + a, _mm512_or_si512(low, high));
+    }
+  }
+}
+
+/// pair_v[b2 * cols + c] = (v_2b2[c], v_2b2+1[c]) for b2 < ceil(keys / 2), c < cols (cols a
+/// multiple of 16 >= dv), 0 past column dv - 1 and for the missing key of an odd count; key b's
+/// dv values (bfloat16 bits) at values + b stride. 32 columns at a time: the two rows' words
+/// interleaved by two permutes.
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_values(
+    const std::uint16_t* values, Index stride, Index keys, Index dv, Index cols,
+    std::uint32_t* pair_v) {
+  alignas(64) std::uint16_t low_index[32], high_index[32];
+  for (int i = 0; i < 32; ++i) {
+    low_index[i] = static_cast<std::uint16_t>((i % 2 == 0 ? 0 : 32) + i / 2);
+    high_index[i] = static_cast<std::uint16_t>((i % 2 == 0 ? 0 : 32) + 16 + i / 2);
+  }
+  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
+  for (Index b2 = 0; 2 * b2 < keys; ++b2) {
+    const std::uint16_t* even = values + 2 * b2 * stride;
+    const std::uint16_t* odd = even + stride;
+    const bool has_odd = 2 * b2 + 1 < keys;
+    std::uint32_t* out = pair_v + b2 * cols;
+    for (Index c = 0; c < cols; c += 32) {
+      const Index left = std::min<Index>(32, std::max<Index>(0, dv - c));
+      const __mmask32 mask = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, even + c);
+      const __m512i b = has_odd ? _mm512_maskz_loadu_epi16(mask, odd + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(a, low, b));
+      if (c + 16 < cols) _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+/// acc[r][c] <- alpha[r] acc[r][c] + sum_b2 pair_p[b2 * tile + r] . pair_v[b2 * cols + c] for
+/// Rows rows r, b2 < pairs, Vectors vectors of 16 columns from c (the last one masked by
+/// last_mask).
+template <int Rows, int Vectors>
+POSLSH_AVX512_BF16_INLINE void pair_value_block(const std::uint32_t* pair_p, Index tile,
+                                                const std::uint32_t* pair_v, Index cols,
+                                                Index pairs, const float* alpha, float* acc,
+                                                Index acc_stride, __mmask16 last_mask) {
+  __m512 sum[Rows][Vectors];
+  POSLSH_TILE_UNROLL
+  for (int r = 0; r < Rows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    POSLSH_TILE_UNROLL
+    for (int w = 0; w < Vectors; ++w) {
+      const __mmask16 mask = w + 1 == Vectors ? last_mask : __mmask16(0xffff);
+      sum[r][w] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + r * acc_stride + 16 * w), scale);
+    }
+  }
+  for (Index b2 = 0; b2 < pairs; ++b2) {
+    __m512bh row[Vectors];
+    POSLSH_TILE_UNROLL
+    for (int w = 0; w < Vectors; ++w) {
+      row[w] = (__m512bh)_mm512_loadu_si512(pair_v + b2 * cols + 16 * w);
+      pair_keep_in_register(row[w]);
+    }
+    POSLSH_TILE_UNROLL
+    for (int r = 0; r < Rows; ++r) {
+      __m512bh prob = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_p[b2 * tile + r]));
+      pair_keep_in_register(prob);
+      POSLSH_TILE_UNROLL
+      for (int w = 0; w < Vectors; ++w) sum[r][w] = _mm512_dpbf16_ps(sum[r][w], prob, row[w]);
+    }
+  }
+  POSLSH_TILE_UNROLL
+  for (int r = 0; r < Rows; ++r) {
+    POSLSH_TILE_UNROLL
+    for (int w = 0; w < Vectors; ++w) {
+      const __mmask16 mask = w + 1 == Vectors ? last_mask : __mmask16(0xffff);
+      _mm512_mask_storeu_ps(acc + r * acc_stride + 16 * w, mask, sum[r][w]);
+    }
+  }
+}
+
+/// acc[r][c] <- alpha[r] acc[r][c] + sum_{b2 < pairs} sum_t p_r,2b2+t v_2b2+t[c] for Rows rows
+/// r and the dv columns c, from pair_p (pair_pack_probs, row r at pair_p + r) and pair_v
+/// (pair_pack_values, cols words a pair).
+template <int Rows>
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_value_rows(
+    const std::uint32_t* pair_p, Index tile, const std::uint32_t* pair_v, Index cols, Index pairs,
+    const float* alpha, float* acc, Index acc_stride, Index dv) {
+  for (Index c = 0; c < dv; c += 64) {
+    const Index vectors = std::min<Index>(4, (dv - c + 15) / 16);
+    const __mmask16 last = pair_row_mask(c + 16 * (vectors - 1), 0, dv);
+    switch (vectors) {
+      case 1:
+        pair_value_block<Rows, 1>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
+                                  last);
+        break;
+      case 2:
+        pair_value_block<Rows, 2>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
+                                  last);
+        break;
+      case 3:
+        pair_value_block<Rows, 3>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
+                                  last);
+        break;
+      default:
+        pair_value_block<Rows, 4>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
+                                  last);
+        break;
+    }
+  }
+}
+
+}  // namespace poslsh::detail
+
+#include "poslsh/detail/restore_warnings.hpp"
+
+#endif  // POSLSH_X86_UNITS

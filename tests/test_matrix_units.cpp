@@ -1,0 +1,475 @@
+// The matrix units of half-precision attention (core/matrix_units.hpp, Precision): the unit
+// table and the run-time choice, and on every unit this CPU has (the others are skipped with a
+// message) the kernels of the tile engine on bfloat16 Q, K and V:
+//  - accuracy: against double formulas on the same rounded inputs, at most 2x the error of a
+//    plain bfloat16 attention written here (bfloat16 operands, float sums, float softmax, the
+//    probabilities rounded to bfloat16 before they weight the values), over random, smooth and
+//    heavy-tailed inputs, causal and bidirectional, n not a multiple of the tile, sigma 0.5 to
+//    1e6;
+//  - bitwise the same for 1 and 2 threads, chunked prefill bitwise one prefill, every kernel
+//    on the engine (banded, fused, partitions, per-sample, fixed blocks, multi-head, packed
+//    batches, the block kernel with lse) on the chosen unit;
+//  - Precision::float_products bitwise the float kernel on the widened inputs.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <poslsh/attention/banded.hpp>
+#include <poslsh/attention/fused.hpp>
+#include <poslsh/attention/partition.hpp>
+#include <poslsh/attention/per_sample.hpp>
+#include <poslsh/attention/tiled.hpp>
+#include <poslsh/core/matrix_units.hpp>
+#include <poslsh/interop/block_kernel.hpp>
+#include <poslsh/lsh/partition.hpp>
+#include <poslsh/lsh/samplers.hpp>
+#include <poslsh/multihead/attention.hpp>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "half_support.hpp"
+#include "test_support.hpp"
+
+using poslsh::AttentionOptions;
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::MatrixUnit;
+using poslsh::Precision;
+using poslsh::RowMatrix;
+using bf16 = Eigen::bfloat16;
+
+namespace {
+
+/// The inputs of the accuracy sweep.
+enum class Inputs { random, smooth, heavy_tailed };
+
+const char* inputs_name(Inputs inputs) {
+  switch (inputs) {
+    case Inputs::random:
+      return "random";
+    case Inputs::smooth:
+      return "smooth";
+    case Inputs::heavy_tailed:
+      return "heavy-tailed";
+  }
+  return "?";
+}
+
+/// An n x d matrix of the given kind rounded to bfloat16: standard normal entries; smooth rows
+/// (sines of the position, a slowly turning direction); or Student-t entries with 2 degrees of
+/// freedom (normal / sqrt(chi^2_2 / 2), a few entries in the tens).
+RowMatrix<bf16> make_input(Inputs inputs, Index n, Index d, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  std::exponential_distribution<double> exponential;
+  RowMatrix<double> m(n, d);
+  for (Index i = 0; i < n; ++i) {
+    for (Index c = 0; c < d; ++c) {
+      switch (inputs) {
+        case Inputs::random:
+          m(i, c) = normal(rng);
+          break;
+        case Inputs::smooth:
+          m(i, c) =
+              1.5 * std::sin(0.02 * static_cast<double>(i) * (1.0 + 0.1 * static_cast<double>(c)) +
+                             static_cast<double>(seed % 7) + static_cast<double>(c));
+          break;
+        case Inputs::heavy_tailed:
+          // chi^2 with 2 degrees of freedom is 2 Exp(1): t_2 = Z / sqrt(Exp(1)).
+          m(i, c) = normal(rng) / std::sqrt(std::max(exponential(rng), 1e-3));
+          break;
+      }
+    }
+  }
+  return m.cast<float>().cast<bf16>();
+}
+
+/// The key weights of row i (position i): 1 (or the LSH count c_ij) where the row keeps key j,
+/// 0 elsewhere, and the ALiBi bias -|i - j| / sigma (0 for the LSH kernels).
+struct RowWeights {
+  std::vector<double> weight, bias;
+};
+
+/// Exact ALiBi over keys lo <= i - j <= hi.
+RowWeights alibi_weights(Index i, Index n, double sigma, Index lo, Index hi) {
+  RowWeights w{std::vector<double>(static_cast<std::size_t>(n), 0.0),
+               std::vector<double>(static_cast<std::size_t>(n), 0.0)};
+  for (Index j = 0; j < n; ++j) {
+    const auto u = static_cast<std::size_t>(j);
+    if (i - j >= lo && i - j <= hi) w.weight[u] = 1.0;
+    w.bias[u] = -static_cast<double>(std::abs(i - j)) / sigma;
+  }
+  return w;
+}
+
+/// The LSH counts c_ij of `hashes` (causal: j <= i), no bias.
+RowWeights count_weights(Index i, Index n, const HashSet& hashes, Masking masking) {
+  RowWeights w{std::vector<double>(static_cast<std::size_t>(n), 0.0),
+               std::vector<double>(static_cast<std::size_t>(n), 0.0)};
+  for (const poslsh::BinHash& hash : hashes) {
+    const poslsh::Block block = poslsh::block_containing(hash, i, n);
+    for (Index j = block.begin; j < block.end; ++j) w.weight[static_cast<std::size_t>(j)] += 1.0;
+  }
+  if (masking == Masking::causal)
+    for (Index j = i + 1; j < n; ++j) w.weight[static_cast<std::size_t>(j)] = 0.0;
+  return w;
+}
+
+/// The double formula out_i = sum_j w_ij e^{x_ij - M_i} v_j / sum_j w_ij e^{x_ij - M_i},
+/// x_ij = tau q_i.k_j + bias_ij, on the (rounded) inputs; and the plain bfloat16 attention of
+/// the same rows: q_i.k_j summed in float over the bfloat16 products (exact in float), x_ij =
+/// tau (float) times it plus the bias (float), the softmax in float, each w_ij e^{x_ij - M_i}
+/// rounded to bfloat16 before it weights v_j, the weighted values summed in float and divided
+/// by the float sum of the unrounded probabilities.
+template <typename Weights>
+void references(const RowMatrix<bf16>& qh, const RowMatrix<bf16>& kh, const RowMatrix<bf16>& vh,
+                double tau, Weights&& weights, RowMatrix<double>& exact, RowMatrix<float>& plain) {
+  const Index n = qh.rows(), d = qh.cols(), dv = vh.cols();
+  const RowMatrix<double> q = poslsh_test::to_double(qh), k = poslsh_test::to_double(kh),
+                          v = poslsh_test::to_double(vh);
+  const RowMatrix<float> qf = poslsh_test::widened(qh), kf = poslsh_test::widened(kh),
+                         vf = poslsh_test::widened(vh);
+  exact.resize(n, dv);
+  plain.resize(n, dv);
+  const auto tau_f = static_cast<float>(tau);
+  for (Index i = 0; i < n; ++i) {
+    const RowWeights w = weights(i);
+    double max64 = -std::numeric_limits<double>::infinity();
+    float max32 = -std::numeric_limits<float>::infinity();
+    std::vector<double> x64(static_cast<std::size_t>(n));
+    std::vector<float> x32(static_cast<std::size_t>(n));
+    for (Index j = 0; j < n; ++j) {
+      const auto u = static_cast<std::size_t>(j);
+      if (w.weight[u] == 0.0) continue;
+      x64[u] = tau * q.row(i).dot(k.row(j)) + w.bias[u];
+      float dot = 0.0f;
+      for (Index c = 0; c < d; ++c) dot += qf(i, c) * kf(j, c);
+      x32[u] = tau_f * dot + static_cast<float>(w.bias[u]);
+      max64 = std::max(max64, x64[u]);
+      max32 = std::max(max32, x32[u]);
+    }
+    Eigen::RowVectorXd num64 = Eigen::RowVectorXd::Zero(dv);
+    Eigen::RowVectorXf num32 = Eigen::RowVectorXf::Zero(dv);
+    double sum64 = 0.0;
+    float sum32 = 0.0f;
+    for (Index j = 0; j < n; ++j) {
+      const auto u = static_cast<std::size_t>(j);
+      if (w.weight[u] == 0.0) continue;
+      const double p64 = w.weight[u] * std::exp(x64[u] - max64);
+      sum64 += p64;
+      num64 += p64 * v.row(j);
+      const float p32 = static_cast<float>(w.weight[u]) * std::exp(x32[u] - max32);
+      sum32 += p32;
+      num32 += static_cast<float>(bf16(p32)) * vf.row(j);
+    }
+    exact.row(i) = num64 / sum64;
+    plain.row(i) = num32 / sum32;
+  }
+}
+
+/// max_ij |a_ij - b_ij|.
+double max_error(const RowMatrix<float>& a, const RowMatrix<double>& b) {
+  return (a.cast<double>() - b).cwiseAbs().maxCoeff();
+}
+
+/// Whether this CPU has `unit`; when not, says so (the caller skips the unit's checks).
+bool have_unit(MatrixUnit unit) {
+  if (poslsh::matrix_unit_available(unit)) return true;
+  WARN("skipped: this CPU has no " << poslsh::enum_name(unit) << " unit");
+  return false;
+}
+
+/// Options selecting the matrix unit (the default precision).
+AttentionOptions unit_options(Masking masking) {
+  AttentionOptions options;
+  options.masking = masking;
+  options.precision = Precision::matrix_units;
+  return options;
+}
+
+/// Runs body() with OpenMP on `threads` threads (the count restored after).
+template <typename Body>
+void with_threads(int threads, Body&& body) {
+#ifdef _OPENMP
+  const int restore = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  body();
+  omp_set_num_threads(restore);
+#else
+  static_cast<void>(threads);
+  body();
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("matrix units: the table, availability and the unit a call uses", "[units]") {
+  using poslsh::matrix_unit_for;
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::float_widening)) == "float_widening");
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::avx512_bf16)) == "avx512_bf16");
+  CHECK(poslsh::enum_from_name<MatrixUnit>("avx512_bf16") == MatrixUnit::avx512_bf16);
+  CHECK(poslsh::enum_from_name<Precision>("float_products") == Precision::float_products);
+  CHECK(std::string(poslsh::enum_name(Precision::matrix_units)) == "matrix_units");
+  CHECK(poslsh::matrix_unit_available(MatrixUnit::float_widening));
+  const bool bf16_unit = poslsh::matrix_unit_available(MatrixUnit::avx512_bf16);
+  WARN("units on this CPU: float_widening" << (bf16_unit ? ", avx512_bf16" : ""));
+  AttentionOptions options;
+  CHECK(options.precision == Precision::matrix_units);
+  CHECK(matrix_unit_for<bf16, bf16>(options) ==
+        (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
+  CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
+  options.precision = Precision::float_products;
+  CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_widening);
+  // A precision outside the enumerators is named.
+  options.precision = static_cast<Precision>(7);
+  const RowMatrix<bf16> x = poslsh_test::random_half<bf16>(8, 4, 1);
+  RowMatrix<float> out(8, 4);
+  const auto call = [&] {
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(x, x, x, 4.0, out, options);
+  };
+  CHECK_THROWS_WITH(call(), Catch::Matchers::Contains("options.precision"));
+  CHECK_THROWS_AS(call(), std::invalid_argument);
+}
+
+TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against double",
+          "[units][half]") {
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  std::uint64_t seed = 100;
+  for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
+    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (const double sigma : {0.5, 16.0, 1e6}) {
+        for (const auto& [n, d] : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
+          INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
+                                   << (masking == Masking::causal ? ", causal" : ", bidir."));
+          const RowMatrix<bf16> q = make_input(inputs, n, d, ++seed),
+                                k = make_input(inputs, n, d, ++seed),
+                                v = make_input(inputs, n, d + 3, ++seed);
+          const double tau = 1.0 / std::sqrt(static_cast<double>(d));
+          const AttentionOptions options = unit_options(masking);
+          const bool causal = masking == Masking::causal;
+          RowMatrix<double> exact;
+          RowMatrix<float> plain, out(n, d + 3);
+          {
+            INFO("alibi_attention_tiled");
+            references(
+                q, k, v, tau,
+                [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -n, n); }, exact,
+                plain);
+            poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, out, options);
+            CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
+          }
+          {
+            const Index band = 40;
+            INFO("alibi_attention_banded");
+            references(
+                q, k, v, tau,
+                [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -band, band); },
+                exact, plain);
+            poslsh::alibi_attention_banded<bf16, bf16, float>(q, k, v, sigma, band, out, options);
+            CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
+          }
+          {
+            const HashSet hashes = poslsh::rbf_hashes(std::min(sigma, 64.0), 8, seed, 1);
+            INFO("lsh_attention_fused and lsh_attention_per_sample");
+            references(
+                q, k, v, tau, [&](Index i) { return count_weights(i, n, hashes, masking); }, exact,
+                plain);
+            poslsh::lsh_attention_fused<bf16, bf16, float>(q, k, v, hashes, out, options);
+            CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
+            poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, out, options);
+            CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one prefill",
+          "[units][half]") {
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  const Index n = 333, d = 64;
+  const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 1),
+                        k = make_input(Inputs::random, n, d, 2),
+                        v = make_input(Inputs::random, n, d, 3);
+  const HashSet hashes = poslsh::rbf_hashes(32.0, 16, 5, 0);
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    INFO((masking == Masking::causal ? "causal" : "bidirectional"));
+    const AttentionOptions options = unit_options(masking);
+    const auto tiled = [&](RowMatrix<float>& out) {
+      poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, out, options);
+    };
+    const auto fused = [&](RowMatrix<float>& out) {
+      poslsh::lsh_attention_fused<bf16, bf16, float>(q, k, v, hashes, out, options);
+    };
+    const auto per_sample = [&](RowMatrix<float>& out) {
+      poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, out, options);
+    };
+    for (const auto& [name, kernel] :
+         {std::pair<const char*, std::function<void(RowMatrix<float>&)>>{"tiled", tiled},
+          {"fused", fused},
+          {"per_sample", per_sample}}) {
+      INFO(name);
+      RowMatrix<float> one(n, d), two(n, d);
+      with_threads(1, [&] { kernel(one); });
+      with_threads(2, [&] { kernel(two); });
+      CHECK(one == two);
+    }
+    // Chunked prefill (causal: the keys so far; bidirectional: all keys) against one prefill.
+    RowMatrix<float> whole_tiled(n, d), whole_fused(n, d), chunk(n, d);
+    tiled(whole_tiled);
+    fused(whole_fused);
+    for (Index first = 0; first < n;) {
+      const Index rows = std::min<Index>(n - first, first % 3 == 0 ? 50 : 101);
+      const Index keys = masking == Masking::causal ? first + rows : n;
+      AttentionOptions at = options;
+      at.query_offset = first;
+      RowMatrix<float> part(rows, d);
+      poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(first, rows), k.topRows(keys),
+                                                       v.topRows(keys), 16.0, part, at);
+      CHECK(part == whole_tiled.middleRows(first, rows));
+      if (masking == Masking::bidirectional) {
+        poslsh::lsh_attention_fused<bf16, bf16, float>(q.middleRows(first, rows), k, v, hashes,
+                                                       part, at);
+        CHECK(part == whole_fused.middleRows(first, rows));
+      }
+      first += rows;
+    }
+  }
+}
+
+TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units][half]") {
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  const Index n = 150, heads = 2, d = 32;
+  const RowMatrix<bf16> q = make_input(Inputs::random, n, heads * d, 11),
+                        k = make_input(Inputs::random, n, heads * d, 12),
+                        v = make_input(Inputs::random, n, heads * d, 13);
+  const auto head = [&](const RowMatrix<bf16>& m, Index h) {
+    return poslsh::ConstMatrixRef<bf16>(m.middleCols(h * d, d));
+  };
+  AttentionOptions unit = unit_options(Masking::causal), widening = unit;
+  widening.precision = Precision::float_products;
+  // Each multi-head method, one head at a time against the single-head call on the unit (and
+  // not the float products' bits: the call did use the unit).
+  for (const poslsh::Method method :
+       {poslsh::Method::exact_tiled, poslsh::Method::exact_banded, poslsh::Method::lsh_fused,
+        poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks}) {
+    INFO(poslsh::enum_name(method));
+    poslsh::MultiHeadOptions options;
+    options.method = method;
+    options.samples = 4;
+    options.sigmas = {8.0, 40.0};
+    RowMatrix<float> out(n, heads * d);
+    const auto view = [&](const RowMatrix<bf16>& m) {
+      return poslsh::HeadsView<const bf16>{m.data(), n, heads, d, heads * d, d};
+    };
+    poslsh::multihead_attention<bf16, bf16, float>(
+        view(q), view(k), view(v), poslsh::HeadsView<float>{out.data(), n, heads, d, heads * d, d},
+        options);
+    for (Index h = 0; h < heads; ++h) {
+      INFO("head " << h);
+      const double sigma = options.sigmas[static_cast<std::size_t>(h)];
+      RowMatrix<float> single(n, d), floats(n, d);
+      for (const auto& [opts, target] : {std::pair{unit, &single}, std::pair{widening, &floats}}) {
+        switch (method) {
+          case poslsh::Method::exact_tiled:
+            poslsh::alibi_attention_tiled<bf16, bf16, float>(head(q, h), head(k, h), head(v, h),
+                                                             sigma, *target, opts);
+            break;
+          case poslsh::Method::exact_banded:
+            poslsh::alibi_attention_banded<bf16, bf16, float>(
+                head(q, h), head(k, h), head(v, h), sigma,
+                poslsh::band_for_bias_error(sigma, options.band_error), *target, opts);
+            break;
+          case poslsh::Method::lsh_fused:
+            poslsh::lsh_attention_fused<bf16, bf16, float>(
+                head(q, h), head(k, h), head(v, h),
+                poslsh::rbf_hashes(sigma, options.samples, options.seed,
+                                   static_cast<std::uint64_t>(h)),
+                *target, opts);
+            break;
+          case poslsh::Method::lsh_per_sample:
+            poslsh::lsh_attention_per_sample<bf16, bf16, float>(
+                head(q, h), head(k, h), head(v, h),
+                poslsh::rbf_hashes(sigma, options.samples, options.seed,
+                                   static_cast<std::uint64_t>(h)),
+                *target, opts);
+            break;
+          case poslsh::Method::fixed_blocks:
+            poslsh::lsh_attention_per_sample<bf16, bf16, float>(
+                head(q, h), head(k, h), head(v, h), HashSet{poslsh::fixed_blocks_hash(sigma)},
+                *target, opts);
+            break;
+        }
+      }
+      const RowMatrix<float> got = out.middleCols(h * d, d);
+      CHECK(got == single);
+      CHECK(got != floats);
+    }
+  }
+  // Stored partitions through the fused kernel.
+  {
+    const HashSet hashes = poslsh::rbf_hashes(20.0, 4, 3, 0);
+    const poslsh::PartitionSet partitions = poslsh::partition_set(hashes, n);
+    RowMatrix<float> from_partitions(n, d), from_hashes(n, d), floats(n, d);
+    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
+                                                   from_partitions, unit);
+    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), hashes,
+                                                   from_hashes, unit);
+    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
+                                                   floats, widening);
+    CHECK(from_partitions == from_hashes);
+    CHECK(from_partitions != floats);
+  }
+  // The block kernel with lse: the unit's block outputs against the plain bfloat16 formula.
+  {
+    poslsh::PlainBlockAttention<bf16, bf16> block;
+    RowMatrix<float> out(n, d);
+    Eigen::VectorXf lse(n);
+    block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
+    RowMatrix<double> exact;
+    RowMatrix<float> plain;
+    references(
+        RowMatrix<bf16>(head(q, 0)), RowMatrix<bf16>(head(k, 0)), RowMatrix<bf16>(head(v, 0)), 0.2,
+        [&](Index i) { return alibi_weights(i, n, std::numeric_limits<double>::infinity(), 0, n); },
+        exact, plain);
+    CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
+    block.precision = Precision::float_products;
+    RowMatrix<float> floats(n, d);
+    block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, floats, lse);
+    CHECK(out != floats);
+  }
+}
+
+TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[units][half]") {
+  const Index n = 190, d = 48;
+  const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 21),
+                        k = make_input(Inputs::random, n, d, 22),
+                        v = make_input(Inputs::random, n, d, 23);
+  const RowMatrix<float> qf = poslsh_test::widened(q), kf = poslsh_test::widened(k),
+                         vf = poslsh_test::widened(v);
+  const HashSet hashes = poslsh::rbf_hashes(24.0, 8, 9, 0);
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    AttentionOptions options;
+    options.masking = masking;
+    options.precision = Precision::float_products;
+    RowMatrix<float> half_in(n, d), float_in(n, d);
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, half_in, options);
+    poslsh::alibi_attention_tiled<float>(qf, kf, vf, 16.0, float_in, options);
+    CHECK(half_in == float_in);
+    poslsh::lsh_attention_fused<bf16, bf16, float>(q, k, v, hashes, half_in, options);
+    poslsh::lsh_attention_fused<float>(qf, kf, vf, hashes, float_in, options);
+    CHECK(half_in == float_in);
+    poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, half_in, options);
+    poslsh::lsh_attention_per_sample<float>(qf, kf, vf, hashes, float_in, options);
+    CHECK(half_in == float_in);
+  }
+}
