@@ -12,7 +12,9 @@ decode step over L keys and 200 for flash_attn_func, after one untimed call. The
 median over the rounds of the time per call and the median of the rounds' old / new ratios; a
 direct-call row is timed after the pair in each round, its old and new columns both its median.
 Every case also checks that the two outputs (and softmax_lse) are bitwise equal, and the new
-output bitwise the direct call's.
+output bitwise the direct call's. The page-fault column is the process's minor page faults
+(getrusage) per call over 3 further calls: memory touched for the first time, e.g. a fresh
+copy of the keys.
 
 Cases (batch 1, seqlen_q 1, 8 query heads, 8 K/V heads, head dim 64, causal, the official ALiBi
 slopes, method "exact"):
@@ -27,6 +29,7 @@ slopes, method "exact"):
 import argparse
 import importlib.util
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -113,6 +116,15 @@ def per_call(function, calls):
     return (time.perf_counter() - start) / calls
 
 
+def faults_per_call(function, calls=3):
+    """Minor page faults of the process per call (fresh memory being touched)."""
+    function()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        function()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
 def same(a, b):
     if isinstance(a, tuple):
         return all(torch.equal(x, y) for x, y in zip(a, b))
@@ -159,25 +171,30 @@ def main():
                 calls = max(5, 40960 // length)
                 t_old, t_new, ratio, t_direct = compare(old_call, new_call, args.rounds, calls,
                                                         direct if plain else None)
+                faults = f"{faults_per_call(old_call):.0f} / {faults_per_call(new_call):.0f}"
                 name = f"flash_attn_with_kvcache, L = {length}, {str(dtype).replace('torch.', '')} cache"
                 if with_lse:
                     name += ", return_softmax_lse"
-                rows.append((name, t_old, t_new, ratio, equal))
+                rows.append((name, t_old, t_new, ratio, equal, faults))
                 print(rows[-1], flush=True)
                 if plain:
                     rows.append((f"_core.multihead_attention on the cache, L = {length} (direct)", t_direct,
-                                 t_direct, 1.0, equal))
+                                 t_direct, 1.0, equal, f"{faults_per_call(direct):.0f}"))
         call, direct = func_case(16)
         old_call, new_call = call(old), call(ptorch)
         equal = same(old_call(), new_call()) and same(new_call(), direct())
         t_old, t_new, ratio, t_direct = compare(old_call, new_call, args.rounds, 200, direct)
-        rows.append(("flash_attn_func, seqlen 16", t_old, t_new, ratio, equal))
+        faults = f"{faults_per_call(old_call):.0f} / {faults_per_call(new_call):.0f}"
+        rows.append(("flash_attn_func, seqlen 16", t_old, t_new, ratio, equal, faults))
         print(rows[-1], flush=True)
-        rows.append(("_core.multihead_attention, seqlen 16 (direct)", t_direct, t_direct, 1.0, equal))
+        rows.append(("_core.multihead_attention, seqlen 16 (direct)", t_direct, t_direct, 1.0, equal,
+                     f"{faults_per_call(direct):.0f}"))
     lines = [f"torch.get_num_threads() = {torch.get_num_threads()}, old = {args.old_rev}, {args.rounds} rounds", "",
-             "| call | old (us) | new (us) | old / new (median of rounds) | bitwise equal |", "|---|---|---|---|---|"]
-    for name, t_old, t_new, ratio, equal in rows:
-        lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {'yes' if equal else 'NO'} |")
+             "| call | old (us) | new (us) | old / new (median of rounds) | page faults per call (old / new) | "
+             "bitwise equal |", "|---|---|---|---|---|---|"]
+    for name, t_old, t_new, ratio, equal, faults in rows:
+        lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {faults} | "
+                     f"{'yes' if equal else 'NO'} |")
     table = "\n".join(lines)
     print(table)
     if args.markdown:
