@@ -550,6 +550,8 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     if same_dtypes:
         _check_dtypes(function, q, k, v)
     slope_values = _slopes(function, slopes, batch, heads)
+    if slopes is not None and slope_values is None and q.device.type != "meta":
+        _fail(function, "alibi_slopes", f"is on {slopes.device} while q is on {q.device}: must be a CPU tensor")
     method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
     left, right = _window(function, (window_left, window_right))
     config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,

@@ -751,3 +751,9 @@ def test_flash_attn_func_without_gradients_is_bitwise_the_differentiable_call():
         assert torch.equal(out, graded.detach()) and torch.equal(lse, graded_lse)
         with torch.no_grad():
             assert torch.equal(flash_attn_func(*leaves, causal=True, alibi_slopes=slopes), out)
+
+
+def test_meta_slopes_with_cpu_tensors_name_the_argument():
+    q, k, v = qkv(1, 3, 3, 2, 1, 4)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.empty(2, device="meta"))
