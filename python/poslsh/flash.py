@@ -332,24 +332,22 @@ def _index(indices):
     return torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
 
 
+def _moved_rows(x, total, target, source):
+    """A new (total, ...) tensor, zero but for rows `target`, which hold x's rows `source`."""
+    moved = x.new_zeros((total,) + tuple(x.shape[1:]))
+    if len(source):
+        moved.index_copy_(0, _index(target), x.index_select(0, _index(source)))
+    return moved
+
+
 def _pad_rows(x, rows):
     """x (total_q, H, d) placed at the key positions of its rows: (total_k, H, d), zero elsewhere."""
-    if rows.self_attention:
-        return x
-    padded = x.new_zeros((rows.total_k,) + tuple(x.shape[1:]))
-    if len(rows.src):
-        padded.index_copy_(0, _index(rows.dst), x.index_select(0, _index(rows.src)))
-    return padded
+    return x if rows.self_attention else _moved_rows(x, rows.total_k, rows.dst, rows.src)
 
 
 def _unpad_rows(x, rows):
     """The inverse of _pad_rows: (total_q, H, d), zero for the rows without a key position."""
-    if rows.self_attention:
-        return x
-    out = x.new_zeros((rows.total_q,) + tuple(x.shape[1:]))
-    if len(rows.src):
-        out.index_copy_(0, _index(rows.src), x.index_select(0, _index(rows.dst)))
-    return out
+    return x if rows.self_attention else _moved_rows(x, rows.total_q, rows.src, rows.dst)
 
 
 def _unpad_lse(lse, rows):
