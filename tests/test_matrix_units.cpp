@@ -246,7 +246,8 @@ TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against dou
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (const double sigma : {0.5, 16.0, 1e6}) {
-        for (const auto& [n, d] : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
+        for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
+          const Index n = size.first, d = size.second;
           INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
                                    << (masking == Masking::causal ? ", causal" : ", bidir."));
           const RowMatrix<bf16> q = make_input(inputs, n, d, ++seed),
@@ -313,11 +314,12 @@ TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one
     const auto per_sample = [&](RowMatrix<float>& out) {
       poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, out, options);
     };
-    for (const auto& [name, kernel] :
+    for (const auto& named :
          {std::pair<const char*, std::function<void(RowMatrix<float>&)>>{"tiled", tiled},
           {"fused", fused},
           {"per_sample", per_sample}}) {
-      INFO(name);
+      const auto& kernel = named.second;
+      INFO(named.first);
       RowMatrix<float> one(n, d), two(n, d);
       with_threads(1, [&] { kernel(one); });
       with_threads(2, [&] { kernel(two); });
