@@ -246,8 +246,8 @@ TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against dou
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (const double sigma : {0.5, 16.0, 1e6}) {
-        for (const auto& shape : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
-          const Index n = shape.first, d = shape.second;  // lambdas below capture them
+        for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
+          const Index n = size.first, d = size.second;
           INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
                                    << (masking == Masking::causal ? ", causal" : ", bidir."));
           const RowMatrix<bf16> q = make_input(inputs, n, d, ++seed),
@@ -318,7 +318,7 @@ TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one
          {std::pair<const char*, std::function<void(RowMatrix<float>&)>>{"tiled", tiled},
           {"fused", fused},
           {"per_sample", per_sample}}) {
-      const auto& kernel = named.second;  // the lambdas below capture it
+      const auto& kernel = named.second;
       INFO(named.first);
       RowMatrix<float> one(n, d), two(n, d);
       with_threads(1, [&] { kernel(one); });

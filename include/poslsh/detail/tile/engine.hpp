@@ -147,8 +147,9 @@ struct PairTileRows {
 
 /// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit:
 /// pair_tile(j0, keys) packs the tile's values into pairs along keys (buffer pair_v, rows of
-/// ceil(d_v / 16) 16 words) and gives the key rows in place (copied into pair_k with a zero
-/// appended when d is odd). One packing per key tile visited.
+/// ceil(d_v / 16) 16 words) and copies its key rows into pair_k, d + (d mod 2) apart (a zero
+/// appended when d is odd), so that the score products read them from one contiguous block
+/// whatever the row stride of K. One packing per key tile visited.
 class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
  public:
   PairedBf16KV(const ConstMatrixRef<Eigen::bfloat16>& k, const ConstMatrixRef<Eigen::bfloat16>& v,
@@ -158,22 +159,20 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
         pair_v_(buffers.pair_v),
         cols_((v.cols() + 15) / 16 * 16) {
     if (pair_v_.size() < tile_key_cols / 2 * cols_) pair_v_.resize(tile_key_cols / 2 * cols_);
-    if (k.cols() % 2 != 0 && pair_k_.size() < tile_key_cols * (k.cols() + 1))
-      pair_k_.resize(tile_key_cols * (k.cols() + 1));
+    const Index stride = k.cols() + k.cols() % 2;
+    if (pair_k_.size() < tile_key_cols * stride) pair_k_.resize(tile_key_cols * stride);
   }
   PairTileRows pair_tile(Index j0, Index keys) {
     const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
     const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
     pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
                      pair_v_.data());
-    const Index d = k.cols();
-    if (d % 2 == 0)
-      return {bits(k.data() + j0 * k.outerStride()), k.outerStride(), pair_v_.data(), cols_};
+    const Index d = k.cols(), stride = d + d % 2;
     for (Index b = 0; b < keys; ++b) {
-      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k_.data() + b * (d + 1));
-      pair_k_(b * (d + 1) + d) = 0;
+      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k_.data() + b * stride);
+      if (d % 2 != 0) pair_k_(b * stride + d) = 0;
     }
-    return {pair_k_.data(), d + 1, pair_v_.data(), cols_};
+    return {pair_k_.data(), stride, pair_v_.data(), cols_};
   }
 
  private:

@@ -4,7 +4,7 @@
 // float) to a float lane, one rounding per product; both operands hold adjacent pairs along
 // the summed index, so the tile engine packs:
 //   queries  pair_q[c2 * tile + a] = (q_a[2 c2], q_a[2 c2 + 1])    (d summed, 16 queries a vector)
-//   keys     read in place: key b's word c2 is (k_b[2 c2], k_b[2 c2 + 1]), broadcast
+//   keys     rows copied as they are: key b's word c2 is (k_b[2 c2], k_b[2 c2 + 1]), broadcast
 //   probs    pair_p[b2 * tile + a] = (p_a,2b2, p_a,2b2+1) rounded to bfloat16, broadcast
 //   values   pair_v[b2 * cols + c] = (v_2b2[c], v_2b2+1[c])     (keys summed, 16 columns)
 // with a zero for the missing half of the last pair of an odd d or an odd key count (words
