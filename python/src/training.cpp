@@ -16,17 +16,18 @@ namespace {
 template <typename T>
 using VectorMap = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>;
 
-/// The data of a 1-D lse array of n entries (one per query row), checked: shape and a
+/// The data of the 1-D array `name` of n entries (one per `entry`), checked: shape and a
 /// contiguous axis.
 template <typename T>
-T* lse_data(const py::array& array, Index n, const char* function) {
+T* vector_data(const py::array& array, Index n, const char* function, const char* name = "lse",
+               const char* entry = "query row") {
   if (array.ndim() != 1 || array.shape(0) != n) {
-    throw py::value_error(argument(function, "lse") + " has shape " + shape_text(array) +
-                          ": must be a 1-D array of " + std::to_string(n) +
-                          " entries (one per query row)");
+    throw py::value_error(argument(function, name) + " has shape " + shape_text(array) +
+                          ": must be a 1-D array of " + std::to_string(n) + " entries (one per " +
+                          entry + ")");
   }
   if (n > 1 && array.strides(0) != static_cast<py::ssize_t>(sizeof(T))) {
-    throw py::value_error(argument(function, "lse") + " must be contiguous");
+    throw py::value_error(argument(function, name) + " must be contiguous");
   }
   return static_cast<T*>(const_cast<void*>(array.data()));
 }
@@ -83,7 +84,7 @@ void def_training(py::module_& module, const char* function, const char* lse_doc
             const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
             auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
             const Output lse_out = output_of<T>(lse, {n}, function, "lse", "q", inputs, false);
-            VectorMap<T> lse_map(lse_data<T>(lse_out.array, n, function), n);
+            VectorMap<T> lse_map(vector_data<T>(lse_out.array, n, function), n);
             run_kernel(threads, [&] {
               single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
                                                lse_map, options);
@@ -114,7 +115,7 @@ void def_training(py::module_& module, const char* function, const char* lse_doc
             const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
             const Index n = maps.q.rows();
             const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> lse_map(
-                lse_data<T>(storage_array<T>(lse, name, "lse", "q"), n, name), n);
+                vector_data<T>(storage_array<T>(lse, name, "lse", "q"), n, name), n);
             auto grads = gradient_outputs<T>(
                 name, maps, dq, dk, dv,
                 {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
@@ -224,14 +225,10 @@ std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, I
   if (!py::isinstance<py::array>(dslopes) ||
       !py::reinterpret_borrow<py::array>(dslopes).dtype().is(py::dtype::of<double>()))
     throw py::type_error(argument(function, "dslopes") + " must be a float64 numpy array");
-  py::array array = py::reinterpret_borrow<py::array>(dslopes);
-  if (array.ndim() != 1 || array.shape(0) != heads)
-    throw py::value_error(argument(function, "dslopes") + " must have shape (" +
-                          std::to_string(heads) + ",) (one entry per query head)");
-  if (!array.writeable() ||
-      (heads > 1 && array.strides(0) != static_cast<py::ssize_t>(sizeof(double))))
-    throw py::value_error(argument(function, "dslopes") + " must be writable and contiguous");
-  return Eigen::Map<Eigen::VectorXd>(static_cast<double*>(array.mutable_data()), heads);
+  const py::array array = py::reinterpret_borrow<py::array>(dslopes);
+  if (!array.writeable()) throw py::value_error(argument(function, "dslopes") + " is read-only");
+  return Eigen::Map<Eigen::VectorXd>(
+      vector_data<double>(array, heads, function, "dslopes", "query head"), heads);
 }
 
 }  // namespace

@@ -172,6 +172,23 @@ struct HeadsCall {
   Precision precision = Precision::matrix_units;
 };
 
+/// The checked arguments of a packed-batch forward (multihead_attention_varlen and its form
+/// with lse): the inputs, out (q.tokens x q.heads x v.dim), the sequences with their query
+/// offsets (packed_sequences) and the methods of the heads.
+template <typename QElement, typename KVElement, typename OutElement>
+HeadsCall varlen_call(const char* function, const HeadsView<QElement>& q,
+                      const HeadsView<KVElement>& k, const HeadsView<KVElement>& v,
+                      const HeadsView<OutElement>& out, const std::vector<std::int32_t>& cu_q,
+                      const std::vector<std::int32_t>& cu_k, const MultiHeadOptions& options,
+                      const std::vector<Index>& query_offsets) {
+  require_heads_inputs(function, q, k, v);
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  return {head_methods(function, q.heads, options),
+          packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options.query_offset,
+                           query_offsets),
+          resolve_scale(function, options, q.dim), options.masking, options.precision};
+}
+
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
 /// head) jobs of all sequences, heads outermost when a method reads every key before its tiles
 /// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
@@ -289,14 +306,9 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVSca
                                 const MultiHeadOptions& options = {},
                                 const std::vector<Index>& query_offsets = {}) {
   using Compute = compute_scalar_t<Scalar, KVScalar, OutScalar>;
-  constexpr const char* function = "multihead_attention_varlen";
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  const detail::HeadsCall call{
-      detail::head_methods(function, q.heads, options),
-      detail::packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens,
-                               options.query_offset, query_offsets),
-      detail::resolve_scale(function, options, q.dim), options.masking, options.precision};
+  const detail::HeadsCall call =
+      detail::varlen_call("multihead_attention_varlen", q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+                          options, query_offsets);
   detail::run_heads_forward<Compute>(call, q, k, v, out);
 }
 

@@ -24,6 +24,15 @@ namespace poslsh {
 
 namespace detail {
 
+/// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
+template <typename LseType, typename QElement>
+void require_lse_shape(const char* function, const LseType& lse, const HeadsView<QElement>& q) {
+  require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
+          std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
+          "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
+              std::to_string(q.tokens));
+}
+
 /// The checked arguments of an all-heads training call on the sequences [cu[b], cu[b + 1]) of
 /// q, k and v (self-attention): the inputs (k and v with q's tokens), the lse matrix
 /// (q.heads x q.tokens), out (q.tokens x q.heads x v.dim), the query offset (unset or 0) and
@@ -38,10 +47,7 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   require(k.tokens == q.tokens, function, "k.tokens", k.tokens,
           "must equal q.tokens = " + std::to_string(q.tokens) + " (self-attention)");
   require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
-          std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
-          "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
-              std::to_string(q.tokens));
+  require_lse_shape(function, lse, q);
   require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
   HeadsCall call;
   call.heads = head_methods(function, q.heads, options);
@@ -306,17 +312,9 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
                                          const MultiHeadOptions& options = {},
                                          const std::vector<Index>& query_offsets = {}) {
   constexpr const char* function = "multihead_attention_varlen_with_lse";
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  detail::require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
-                  std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
-                  "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
-                      std::to_string(q.tokens));
-  const detail::HeadsCall call{
-      detail::head_methods(function, q.heads, options),
-      detail::packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens,
-                               options.query_offset, query_offsets),
-      detail::resolve_scale(function, options, q.dim), options.masking};
+  const detail::HeadsCall call = detail::varlen_call(function, q, k, v, out, cu_seqlens_q,
+                                                     cu_seqlens_k, options, query_offsets);
+  detail::require_lse_shape(function, lse, q);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
