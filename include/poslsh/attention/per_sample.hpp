@@ -150,6 +150,10 @@ struct SoftmaxPartials {
   template <typename OutRow>
   void finish(Index r, OutRow&& out) const {
     using OutScalar = typename std::decay_t<OutRow>::Scalar;
+    if (sum(r) == C(0)) {  // a row without keys (keys at an offset)
+      out.setZero();
+      return;
+    }
     const C inverse = C(1) / sum(r);
     const auto row = acc.row(r).head(cols) * inverse;
     if constexpr (std::is_same_v<OutScalar, C>)
@@ -210,17 +214,19 @@ EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
                                   Index begin, Index end, const EngineState<C>& state,
                                   TileBuffers<C>& buffers, Precision precision,
                                   Index rows_first = 0,
-                                  Index rows_last = std::numeric_limits<Index>::max()) {
+                                  Index rows_last = std::numeric_limits<Index>::max(),
+                                  Index key_offset = 0) {
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
   with_tile_engine<C, Scalar, KVScalar>(
-      q, k, v, static_cast<double>(tau), bias, buffers, state.base, precision,
+      q, k, v, static_cast<double>(tau), bias, buffers, TilePositions(state.base, key_offset),
+      precision,
       [&](auto& engine) { engine.accumulate(first, last, state); });
 }
 
-/// Rows at positions [p0, p0 + q.rows()) of the per-sample estimator over the k.rows()
-/// positions, into out (and lse, when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for
+/// Rows at positions [p0, p0 + q.rows()) (p0 = positions.query) of the per-sample estimator
+/// over the keys at positions positions.key .. positions.key + k.rows() - 1, into out (and lse, when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for
 /// row r, i = p0 + r). The rows go by query tiles (tile_query_rows positions, aligned from
 /// position 0; the tiles in parallel, OpenMP). In a tile, each sample's blocks meeting the
 /// tile's rows are folded into fresh partials (fold_block), which are merged with the earlier
@@ -231,15 +237,19 @@ EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
 template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
 void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
                      const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
-                     Index p0, Precision precision, MatrixRef<OutScalar>& out, C* lse = nullptr) {
+                     TilePositions positions, Precision precision, MatrixRef<OutScalar>& out,
+                     C* lse = nullptr) {
   constexpr Index Bq = tile_query_rows;
-  const Index m = q.rows(), n = k.rows();
+  const Index m = q.rows(), p0 = positions.query, k0 = positions.key;
   if (m == 0) return;
   const std::size_t samples = hashes.size(), levels = merge_levels(samples);
   const std::size_t lowest = lowest_level(samples);
+  // The blocks over the positions of the queries and the keys (cut to them: no row or key
+  // lies outside).
+  const Index lo = std::min(p0, k0), hi = std::max(p0 + m, k0 + k.rows());
   std::vector<std::vector<Index>> boundaries;
   boundaries.reserve(samples);
-  for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries(hash, n));
+  for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries_between(hash, lo, hi));
   const Index first_tile = p0 / Bq;
   const auto tiles = static_cast<long>((p0 + m - 1) / Bq - first_tile + 1);
 #pragma omp parallel
@@ -263,7 +273,7 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
              ++edge)
           fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
                                           fresh.engine_state(first), buffers, precision, first,
-                                          last);
+                                          last, k0);
         for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
       }
       SoftmaxPartials<C>& result = partials[lowest];

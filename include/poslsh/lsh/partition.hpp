@@ -40,18 +40,28 @@ inline Block block_containing(const BinHash& hash, Index i, Index n) {
   return block;
 }
 
+namespace detail {
+
+/// Block boundaries lo = t_0 < t_1 < ... < t_m = hi of `hash` on the positions [lo, hi) (its
+/// blocks cut to the range; hi = lo gives {lo}). Unchecked: 0 <= lo <= hi.
+inline std::vector<Index> block_boundaries_between(const BinHash& hash, Index lo, Index hi) {
+  std::vector<Index> boundaries{lo};
+  for (Index begin = lo; begin < hi;) {
+    begin = block_containing(hash, begin, hi).end;
+    boundaries.push_back(begin);
+  }
+  return boundaries;
+}
+
+}  // namespace detail
+
 /// Block boundaries 0 = t_0 < t_1 < ... < t_m = n of `hash` on [0, n): block r is
 /// [t_r, t_{r+1}); n = 0 gives {0}. Throws std::invalid_argument if n < 0 or the hash is
 /// invalid. O(m) = O(n / w + 1) time.
 inline std::vector<Index> block_boundaries(const BinHash& hash, Index n) {
   detail::require_size(n, "block_boundaries", "n");
   validate_hash(hash, "block_boundaries");
-  std::vector<Index> boundaries{0};
-  for (Index begin = 0; begin < n;) {
-    begin = block_containing(hash, begin, n).end;
-    boundaries.push_back(begin);
-  }
-  return boundaries;
+  return detail::block_boundaries_between(hash, 0, n);
 }
 
 }  // namespace poslsh

@@ -29,11 +29,12 @@ namespace detail {
 
 /// One sequence of an all-heads call: the query tokens [q_begin, q_end) of q and out sit at
 /// positions p0 .. p0 + (q_end - q_begin) - 1 over the key tokens [k_begin, k_end) of k and v
-/// (positions from 0 in each sequence).
+/// at positions k0 .. k0 + (k_end - k_begin) - 1 (positions from 0 in each sequence).
 struct HeadsSequence {
   Index q_begin = 0, q_end = 0;
   Index k_begin = 0, k_end = 0;
   Index p0 = 0;
+  Index k0 = 0;
 };
 
 /// Tokens [begin, end) of every head of a view (one sequence of a packed batch).
@@ -219,7 +220,7 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
         const auto v_h = token_range(v, s.k_begin, s.k_end).head(h / group);
         auto out_h = token_range(out, s.q_begin, s.q_end).head(h);
         const HeadForward<decltype(q_h), decltype(k_h), decltype(out_h)> f{
-            q_h, k_h, v_h, out_h, call.tau, call.masking, s.p0, call.precision};
+            q_h, k_h, v_h, out_h, call.tau, call.masking, s.p0, call.precision, s.k0};
         Compute* const head_lse = lse == nullptr ? nullptr : lse + h * lse_stride + s.q_begin;
         visit_method(head.method, [&](auto kernels) {
           using Kernels = decltype(kernels);

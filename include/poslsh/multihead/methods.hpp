@@ -95,7 +95,7 @@ inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, 
 namespace detail {
 
 /// One head's views and scalars for a forward job: Q rows at positions p0 .. over the keys of
-/// k and v, scale tau, masking, the precision of half-precision products.
+/// k and v at positions k0 .., scale tau, masking, the precision of half-precision products.
 template <typename QType, typename KType, typename OutType>
 struct HeadForward {
   const QType& q;
@@ -106,6 +106,10 @@ struct HeadForward {
   Masking masking;
   Index p0;
   Precision precision;
+  Index k0 = 0;
+
+  /// One past the last position of a query or a key.
+  Index extent() const { return std::max(p0 + q.rows(), k0 + k.rows()); }
 };
 
 /// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens).
@@ -119,6 +123,8 @@ struct HeadBackward {
   Masking masking;
   /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
   double* dslope = nullptr;
+  /// The position of the first token (the LSH bins are those of the positions origin ..).
+  Index origin = 0;
 };
 
 /// A thread's scratch for backward jobs that run one head on one thread.
@@ -129,7 +135,8 @@ struct BackwardScratch {
 };
 
 /// The kernels of the methods evaluated by the tile engine query tile by query tile, under the
-/// policy Kernels::tile_bias(head, keys, masking, workspace) (exact ALiBi or LSH counts):
+/// policy Kernels::tile_bias(head, extent, masking, workspace) (exact ALiBi or LSH counts, over
+/// the positions [0, extent) of the queries and keys):
 /// forward_tile computes rows [r0, r0 + rows) (positions) of one head into out rows r0 - p0 ..,
 /// and their lse (lse[r] for row r0 + r) when lse is not null. Their backward passes can run a
 /// head on one thread.
@@ -142,11 +149,12 @@ struct QueryTileMethod {
             typename OutType>
   static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
-    auto bias = Kernels::template tile_bias<Compute>(head, f.k.rows(), f.masking, work);
+    auto bias = Kernels::template tile_bias<Compute>(head, f.extent(), f.masking, work);
     const ConstMatrixRef<QScalar> q(f.q);
     const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers, f.p0, f.precision,
-                                            r0, r0 + rows, f.out.middleRows(r0 - f.p0, rows), lse);
+    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers,
+                                            TilePositions(f.p0, f.k0), f.precision, r0, r0 + rows,
+                                            f.out.middleRows(r0 - f.p0, rows), lse);
   }
 };
 
@@ -186,6 +194,7 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
   template <typename Scalar>
   static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
+    // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
     exact_backward<Scalar>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
                            head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout, b.dq,
                            b.dk, b.dv, parallel, scratch == nullptr ? nullptr : &scratch->work,
@@ -217,7 +226,7 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
     count_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal, b.out,
                            b.lse, b.dout, b.dq, b.dk, b.dv, parallel,
                            scratch == nullptr ? nullptr : &scratch->work,
-                           scratch == nullptr ? nullptr : &scratch->windows);
+                           scratch == nullptr ? nullptr : &scratch->windows, b.origin);
   }
 };
 
@@ -238,7 +247,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
     options.scale = f.tau;
     options.query_offset = f.p0;
     options.precision = f.precision;
-    if (lse == nullptr) {
+    if (lse == nullptr && f.k0 == 0) {
       lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
                                                              options);
     } else if constexpr (std::is_same_v<QScalar, Compute> && std::is_same_v<KVScalar, Compute> &&
@@ -246,7 +255,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
       MatrixRef<Compute> out = f.out;
       per_sample_rows<Compute, Compute, Compute, Compute>(
           f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
-          f.p0, f.precision, out, lse);
+          TilePositions(f.p0, f.k0), f.precision, out, lse);
     }
   }
 
@@ -254,7 +263,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
   static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool,
                        BackwardScratch<Scalar>*) {
     per_sample_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                b.out, b.lse, b.dout, b.dq, b.dk, b.dv);
+                                b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.origin);
   }
 };
 

@@ -120,7 +120,8 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
             ? nullptr
             : &sequence_dslopes[static_cast<std::size_t>(&s - call.sequences.data()) *
                                     static_cast<std::size_t>(heads) +
-                                static_cast<std::size_t>(h)]};
+                                static_cast<std::size_t>(h)],
+        s.p0};
     const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
     visit_method(head.method, [&](auto kernels) {
       decltype(kernels)::template backward<Scalar>(head, b, parallel, scratch);

@@ -197,31 +197,34 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
 /// is the fused evaluation, each pair once); `work` and `windows` (when not null) are a
-/// thread's scratch, reused across heads.
+/// thread's scratch, reused across heads. Rows are the positions origin .. origin + n - 1 of
+/// the hashes' sequence (CountWindows::build).
 template <typename Scalar>
 void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                     const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
                     const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
                     MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
-                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
+                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr,
+                    Index origin = 0) {
   const Index n = q.rows();
   CountWindows own;
   CountWindows& counts = windows != nullptr ? *windows : own;
-  counts.build(hashes, n, causal);
+  counts.build(hashes, n, causal, origin);
   const CountRule<Scalar> rule(counts, n, causal);
   windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, work);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
 /// kernel's structure): the compensated sum over samples of plain-attention gradients with the
-/// combined lse.
+/// combined lse. Rows are the positions origin .. origin + n - 1 of the hashes' sequence.
 template <typename Scalar>
 void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                          const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
                          bool causal, const ConstMatrixRef<Scalar>& out,
                          const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
-                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv) {
+                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
+                         Index origin = 0) {
   const detail::FlushSubnormals flush;
   dq.setZero();
   dk.setZero();
@@ -230,7 +233,7 @@ void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<S
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
-  backward_hash_blocks(in, hashes, causal, grads);
+  backward_hash_blocks(in, hashes, causal, grads, origin);
 }
 
 /// The checks every backward entry point makes (self-attention from position 0, the shapes of

@@ -26,15 +26,23 @@ WindowRule<Scalar> block_rule(Index begin, Index end, bool causal) {
   return WindowRule<Scalar>(begin, end, causal ? 0 : -width, width, Scalar(0));
 }
 
+/// The block boundaries 0 = t_0 < ... < t_m = n of `hash` on rows 0 .. n - 1 that are the
+/// positions origin .. origin + n - 1 of its sequence (its blocks cut to them).
+inline std::vector<Index> window_block_boundaries(const BinHash& hash, Index origin, Index n) {
+  std::vector<Index> boundaries = block_boundaries_between(hash, origin, origin + n);
+  for (Index& boundary : boundaries) boundary -= origin;
+  return boundaries;
+}
+
 /// Adds the gradients of plain attention on every block of `hash` to `out`, with the
 /// probabilities P_ij = e^{x_ij - lse_i} of in.lse (the caller's normalization: the combined
 /// lse of all samples for the count-weighted estimator, the sample's own for the mean of
-/// outputs). Blocks run in parallel (OpenMP) on disjoint rows and keys; each block's pass runs
-/// on one thread in a fixed order.
+/// outputs); rows are the positions origin .. of the hash's sequence. Blocks run in parallel
+/// (OpenMP) on disjoint rows and keys; each block's pass runs on one thread in a fixed order.
 template <typename Scalar>
 void backward_hash_blocks(const BackwardInputs<Scalar>& in, const BinHash& hash, bool causal,
-                          BackwardOutputs<Scalar>& out) {
-  const std::vector<Index> boundaries = block_boundaries(hash, in.q.rows());
+                          BackwardOutputs<Scalar>& out, Index origin = 0) {
+  const std::vector<Index> boundaries = window_block_boundaries(hash, origin, in.q.rows());
   const auto blocks = static_cast<long>(boundaries.size() - 1);
 #pragma omp parallel
   {
@@ -94,9 +102,9 @@ struct GradientRows {
 /// count.
 template <typename Scalar>
 void backward_hash_blocks(const BackwardInputs<Scalar>& in, const HashSet& hashes, bool causal,
-                          BackwardOutputs<Scalar>& out) {
+                          BackwardOutputs<Scalar>& out, Index origin = 0) {
   if (hashes.size() == 1) {
-    backward_hash_blocks(in, hashes.front(), causal, out);
+    backward_hash_blocks(in, hashes.front(), causal, out, origin);
     return;
   }
   const Index n = in.q.rows(), d = in.q.cols(), d_v = in.v.cols();
@@ -104,7 +112,7 @@ void backward_hash_blocks(const BackwardInputs<Scalar>& in, const HashSet& hashe
   boundaries.reserve(hashes.size());
   Index widest = 0;
   for (const BinHash& hash : hashes) {
-    boundaries.push_back(block_boundaries(hash, n));
+    boundaries.push_back(window_block_boundaries(hash, origin, n));
     const std::vector<Index>& edges = boundaries.back();
     for (std::size_t r = 0; r + 1 < edges.size(); ++r)
       widest = std::max(widest, edges[r + 1] - edges[r]);

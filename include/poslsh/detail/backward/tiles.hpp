@@ -332,12 +332,13 @@ class WindowRule {
 
 /// The count structure of every query tile of n rows (tiles of tile_query_rows from row 0) and
 /// each row's window [lo_i, hi_i) of keys with c_ij > 0: what the fused forward builds tile by
-/// tile, kept for both backward passes (O(n s) memory).
+/// tile, kept for both backward passes (O(n s) memory). With `origin`, row r is the position
+/// origin + r of a longer sequence (TileCounts::build).
 struct CountWindows {
   std::vector<TileCounts> tiles;
   std::vector<Index> lo, hi;
 
-  void build(const HashSet& hashes, Index n, bool causal) {
+  void build(const HashSet& hashes, Index n, bool causal, Index origin = 0) {
     const Index count = (n + tile_query_rows - 1) / tile_query_rows;
     tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
     lo.resize(static_cast<std::size_t>(n));
@@ -348,7 +349,7 @@ struct CountWindows {
       const Index i0 = static_cast<Index>(t) * tile_query_rows;
       const Index rows = std::min(tile_query_rows, n - i0);
       TileCounts& counts = tiles[static_cast<std::size_t>(t)];
-      counts.build(hashes, i0, rows, n, causal);
+      counts.build(hashes, i0, rows, n, causal, origin);
       std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
       std::copy(counts.hi.begin(), counts.hi.end(), hi.begin() + i0);
     }

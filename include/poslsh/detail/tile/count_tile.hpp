@@ -31,13 +31,16 @@ struct TileCounts {
   std::vector<Index> lo;
   std::vector<Index> hi;
 
-  void build(const HashSet& hashes, Index i0, Index rows, Index n, bool causal) {
+  /// From the hashes, on the n positions [0, n), or (`origin`) on the positions origin ..
+  /// origin + n - 1 of a longer sequence numbered from 0 here: the bins are those of the
+  /// absolute positions, the blocks cut to the window.
+  void build(const HashSet& hashes, Index i0, Index rows, Index n, bool causal, Index origin = 0) {
     rectangles.clear();
     lo.assign(static_cast<std::size_t>(rows), n);
     hi.assign(static_cast<std::size_t>(rows), 0);
     const Index i1 = i0 + rows;
     positions_.resize(rows);
-    for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(i0 + r);
+    for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(origin + i0 + r);
     begins_.resize(static_cast<std::size_t>(rows));
     ends_.resize(static_cast<std::size_t>(rows));
     starts_.resize(static_cast<std::size_t>(rows) + 1);
@@ -50,8 +53,9 @@ struct TileCounts {
       bins_ = ((positions_ - hash.offset) / hash.width).floor();
       changed_(0) = 0;
       changed_.tail(rows - 1) = (bins_.tail(rows - 1) != bins_.head(rows - 1)).cast<Index>();
-      Index begin = block_containing(hash, i0, n).begin;
-      Index end = block_containing(hash, i1 - 1, n).end;
+      Index begin =
+          std::max(origin, block_containing(hash, origin + i0, origin + n).begin) - origin;
+      Index end = block_containing(hash, origin + i1 - 1, origin + n).end - origin;
       const Index* changed = changed_.data();
       std::size_t blocks = 1;
       starts_[0] = 0;

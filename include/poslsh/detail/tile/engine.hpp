@@ -230,20 +230,23 @@ class TileEngine {
                 "AVX512-BF16 products: float engine, bfloat16 queries, keys read by tiles");
 
  public:
-  /// q (m x d, row r at position query_offset + r) is used unscaled; tau is applied here. K and
-  /// V hold the keys at positions 0 .. k.rows() - 1. `bias` and `buffers` outlive the engine.
+  /// q (m x d, row r at position positions.query + r) is used unscaled; tau is applied here. K
+  /// and V hold the keys at positions positions.key .. positions.key + k.rows() - 1; `bias`
+  /// works in positions. A row that reaches no key gets 0 (and lse -inf). `bias` and `buffers`
+  /// outlive the engine.
   TileEngine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<Scalar>& k,
              const ConstMatrixRef<Scalar>& v, double tau, Bias& bias, TileBuffers<Scalar>& buffers,
-             Index query_offset = 0)
-      : TileEngine(q, KV(k, v), tau, bias, buffers, query_offset) {}
+             TilePositions positions = {})
+      : TileEngine(q, KV(k, v), tau, bias, buffers, positions) {}
 
   /// The same with the keys and values of the key source `kv` (d_v = kv.value_cols()).
   TileEngine(const ConstMatrixRef<QScalar>& q, KV kv, double tau, Bias& bias,
-             TileBuffers<Scalar>& buffers, Index query_offset = 0)
+             TileBuffers<Scalar>& buffers, TilePositions positions = {})
       : q_(q),
         kv_(std::move(kv)),
-        n_(kv_.rows()),
-        p0_(query_offset),
+        k0_(positions.key),
+        n_(positions.key + kv_.rows()),
+        p0_(positions.query),
         d_(q.cols()),
         dv_(kv_.value_cols()),
         dvp_((dv_ + P - 1) / P * P),
@@ -280,6 +283,11 @@ class TileEngine {
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
+        if (b_.running_sum(a) == Scalar(0)) {  // no key in reach (keys at an offset)
+          out.row(i - row_begin).setZero();
+          if (lse != nullptr) lse[i - row_begin] = minus_infinity;
+          continue;
+        }
         if constexpr (std::is_same_v<OutScalar, Scalar>) {
           out.row(i - row_begin) =
               b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
@@ -353,7 +361,7 @@ class TileEngine {
     // Key tiles aligned to multiples of Bk (the first and the last cut to the keys reached),
     // visited from the tile holding the diagonal outwards.
     const KeyRange reach = bias_.query_tile(i0);
-    const Index key_lo = std::max<Index>(0, reach.first);
+    const Index key_lo = std::max(k0_, reach.first);
     const Index key_hi = std::min(n_, reach.last) - 1;
     if (key_lo > key_hi) return;
     // The next tile's queries, and the keys and values just past this tile's: their memory
@@ -361,7 +369,7 @@ class TileEngine {
     // run()).
     tile_prefetch_rows(q_.data(), q_.outerStride(), std::max<Index>(0, i0 + Bq - p0_),
                        std::min(q_.rows(), i0 + 2 * Bq - p0_), d_);
-    kv_.prefetch(key_hi + 1, std::min(n_, key_hi + 1 + Bq), d_, dv_);
+    kv_.prefetch(key_hi + 1 - k0_, std::min(n_, key_hi + 1 + Bq) - k0_, d_, dv_);
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
@@ -377,9 +385,9 @@ class TileEngine {
     if (cut == KeyTileCut::skip) return;
     j0_ = j0;
     if constexpr (pairs)
-      pair_tile_ = kv_.pair_tile(j0, keys);
+      pair_tile_ = kv_.pair_tile(j0 - k0_, keys);
     else
-      rows_of_tile_ = kv_.tile(j0, keys);
+      rows_of_tile_ = kv_.tile(j0 - k0_, keys);
     if constexpr (in_runs) find_runs(keys);
     const bool masked = cut == KeyTileCut::masked;
     if (masked)
@@ -657,9 +665,10 @@ class TileEngine {
     runs_ = 0;
     for (Index b = 0; b < keys; ++runs_) {
       run_start_[runs_] = b;
-      run_keys_[runs_] = kv_.key_row(j0_ + b);
-      run_values_[runs_] = kv_.value_row(j0_ + b);
-      b = std::min(keys, kv_.run_end(j0_ + b) - j0_);
+      const Index row = j0_ - k0_ + b;
+      run_keys_[runs_] = kv_.key_row(row);
+      run_values_[runs_] = kv_.value_row(row);
+      b = std::min(keys, kv_.run_end(row) - (j0_ - k0_));
     }
     run_start_[runs_] = keys;
   }
@@ -694,7 +703,7 @@ class TileEngine {
 
   const ConstMatrixRef<QScalar>& q_;
   KV kv_;
-  Index n_, p0_, d_, dv_, dvp_;
+  Index k0_, n_, p0_, d_, dv_, dvp_;
   Scalar tau_;
   bool pack_values_;
   Bias& bias_;
@@ -716,19 +725,19 @@ class TileEngine {
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
-/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) at positions
-/// query_offset .. and K, V (KVScalar): KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV
+/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
+/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV
 /// when matrix_unit_for<QScalar, KVScalar>(precision) is MatrixUnit::avx512_bf16, WideningKV
 /// otherwise.
 template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
-                      TileBuffers<Scalar>& buffers, Index query_offset, Precision precision,
+                      TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                       Job&& job) {
   if constexpr (std::is_same_v<KVScalar, Scalar>) {
     static_cast<void>(precision);
     TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
-        q, ContiguousKV<Scalar>(k, v), tau, bias, buffers, query_offset);
+        q, ContiguousKV<Scalar>(k, v), tau, bias, buffers, positions);
     job(engine);
   } else {
 #if POSLSH_X86_UNITS
@@ -736,7 +745,7 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
                   std::is_same_v<KVScalar, Eigen::bfloat16>) {
       if (matrix_unit_for<QScalar, KVScalar>(precision) == MatrixUnit::avx512_bf16) {
         TileEngine<Scalar, Bias, PairedBf16KV, QScalar> engine(q, PairedBf16KV(k, v, buffers), tau,
-                                                               bias, buffers, query_offset);
+                                                               bias, buffers, positions);
         job(engine);
         return;
       }
@@ -745,22 +754,22 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
     static_cast<void>(precision);
     TileEngine<Scalar, Bias, WideningKV<Scalar, KVScalar>, QScalar> engine(
         q, WideningKV<Scalar, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), tau, bias, buffers,
-        query_offset);
+        positions);
     job(engine);
   }
 }
 
 /// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
-/// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) at positions
-/// query_offset .. over K and V (KVScalar), read directly when KVScalar is Scalar, on the unit
+/// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) over K and V
+/// (KVScalar) at `positions`, read directly when KVScalar is Scalar, on the unit
 /// `precision` selects for half-precision ones (with_tile_engine); out of any scalar type.
 template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
 void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                  const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
-                 TileBuffers<Scalar>& buffers, Index query_offset, Precision precision,
+                 TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                  Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
   with_tile_engine<Scalar, QScalar, KVScalar>(
-      q, k, v, tau, bias, buffers, query_offset, precision,
+      q, k, v, tau, bias, buffers, positions, precision,
       [&](auto& engine) { engine.run(row_begin, row_end, out, lse); });
 }
 

@@ -37,6 +37,18 @@ struct KeyRange {
   Index last;
 };
 
+/// The positions of the rows an engine reads: query row r is the query at position query + r,
+/// key (and value) row j the key at position key + j. Positions, not rows, decide the bias, the
+/// causal mask, the LSH bins and the tiles (aligned to multiples of the tile size from
+/// position 0), so a slice of keys at its positions gives bitwise the terms of the whole
+/// sequence for the pairs it holds. Converts from the query offset alone (keys from 0).
+struct TilePositions {
+  Index query = 0;
+  Index key = 0;
+  TilePositions(Index query_offset = 0, Index key_offset = 0)  // NOLINT: converts from Index
+      : query(query_offset), key(key_offset) {}
+};
+
 /// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
 enum class KeyTileCut { skip, full, masked };
 
