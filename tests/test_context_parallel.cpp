@@ -318,7 +318,8 @@ TEMPLATE_TEST_CASE("the exact ring merged by lse equals the single-process call"
                                                           poslsh::LseMerger<TestType>(m, cp_d));
           // Every shard range of every rank is one slice of keys.
           for (Index source = 0; source < ranks; ++source) {
-            for (const PositionRange& keys : poslsh::shard_ranges(n, ranks, source, plan.layout)) {
+            for (const PositionRange& keys :
+                 poslsh::shard_ranges(n, ranks, source, ShardLayout::zigzag)) {
               const Index L = keys.size();
               const RowMatrix<TestType> kb = s.k.middleRows(keys.begin, L);
               const RowMatrix<TestType> vb = s.v.middleRows(keys.begin, L);
@@ -364,6 +365,16 @@ TEST_CASE("context parallel calls name their bad arguments", "[context_parallel]
         poslsh::context_parallel_plan(10, 2, ShardLayout::contiguous, heads, 3, Masking::causal);
       },
       "kv_heads");
+  require_invalid_argument(
+      [&] {
+        poslsh::context_parallel_plan({{{0, 4}}, {{5, 10}}}, 10, heads, 2, Masking::causal);
+      },
+      "shards");
+  require_invalid_argument(
+      [&] {
+        poslsh::context_parallel_plan({{{0, 4}}, {{4, 9}}}, 10, heads, 2, Masking::causal);
+      },
+      "shards");
   require_invalid_argument([] { poslsh::resolve_head_methods(0, MultiHeadOptions{}); },
                            "query_heads");
   const Index n = 8;

@@ -36,6 +36,7 @@ from ._core import (  # noqa: F401
     alibi_slopes,
     band_for_bias_error,
     block_plans,
+    context_parallel_plan,
     fixed_blocks_attention,
     fixed_blocks_attention_backward,
     fixed_blocks_attention_with_lse,
@@ -66,6 +67,7 @@ from ._core import (  # noqa: F401
     rbf_hashes,
     sample_hashes,
     sampler_names,
+    shard_ranges,
 )
 
 if has_spectra:

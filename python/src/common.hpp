@@ -148,6 +148,7 @@ void register_training(py::module_& module);
 void register_paged(py::module_& module);
 void register_interop(py::module_& module);
 void register_planner(py::module_& module);
+void register_parallel(py::module_& module);
 void register_analysis(py::module_& module);
 
 }  // namespace poslsh_python

@@ -6,6 +6,7 @@
 
 #include "arrays.hpp"
 #include "multihead.hpp"
+#include "poslsh/parallel/context_parallel.hpp"
 #include "poslsh/training/mean_of_outputs.hpp"
 #include "single_head.hpp"
 
@@ -187,6 +188,13 @@ then the queries' offsets): sequence b's queries are tokens cu_seqlens[b] .. of 
 keys cu_seqlens_k[b] .. of k and v, at the last positions (bottom-right), out bitwise that of
 multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens_k): FlashAttention's varlen forward
 with softmax_lse. Forward only (multihead_attention_backward takes self-attention).
+
+key_offset=, query_offset= (one sequence): a slice of a longer sequence, the queries at
+positions query_offset .. query_offset + m - 1 (unset: the last m of the keys' positions) over
+the keys at positions key_offset .. key_offset + L - 1 (unset: 0), every bias, mask and LSH bin
+at those positions; a row with no key of nonzero weight in the slice gets out 0 and lse -inf.
+Results over disjoint key slices merge exactly by lse; a slice holding every key the rows reach
+gives bitwise the rows of the whole sequence (context parallelism: poslsh.distributed).
 )doc";
 
 const char* const multihead_backward_doc = R"doc(
@@ -214,6 +222,12 @@ ALiBi slopes slope_h = 1 / sigma_h,
 over the pairs of the head's window (summed over the sequences of a packed batch), from the
 same tiles as the other gradients (which are unchanged by it), bitwise the same for any thread
 count. window=(left, right): the local window of the forward (exact methods).
+
+position= (one sequence, no dslopes): the n tokens are a window of a longer sequence at
+positions position .. position + n - 1, out and lse that sequence's forward rows; only the
+pairs inside the window count, bias, masks and LSH bins at the absolute positions. A row (key)
+whose pairs of nonzero weight all lie in the window gets the whole sequence's gradient, bitwise
+when position is a multiple of 64.
 )doc";
 
 /// The dslopes= output of multihead_attention_backward: unset for None, otherwise a map of
@@ -342,9 +356,15 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
          const std::string& method, const std::string& masking, std::optional<double> scale,
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
          double band_error, std::pair<Index, Index> window, py::handle out, py::handle lse,
-         py::handle cu_seqlens, py::handle cu_seqlens_k, std::optional<int> threads) {
+         py::handle cu_seqlens, py::handle cu_seqlens_k, std::optional<Index> query_offset,
+         std::optional<Index> key_offset, std::optional<int> threads) {
+        const bool slice = query_offset || key_offset;
         const Batch batch =
-            batch_of(cu_seqlens, "multihead_attention", "multihead_attention_varlen");
+            batch_of(cu_seqlens, slice ? "multihead_attention_slice" : "multihead_attention",
+                     "multihead_attention_varlen");
+        if (slice && batch.cu_seqlens)
+          throw py::value_error(argument(batch.function, "query_offset") +
+                                "/key_offset take one sequence: give no cu_seqlens");
         std::optional<std::vector<std::int32_t>> cu_k;
         if (!cu_seqlens_k.is_none()) {
           if (!batch.cu_seqlens)
@@ -365,8 +385,19 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
                                         function, "out", "q", inputs);
           auto [lse_result, lse_map] = lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, true,
                                                      {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+          Index p0 = 0;
+          if (slice) {
+            // Unset query_offset: the last m positions of the keys (bottom-right).
+            p0 = query_offset ? *query_offset : key_offset.value_or(0) + in.k.tokens - in.q.tokens;
+            if (p0 < 0)
+              throw py::value_error(argument(function, "query_offset") + " = " +
+                                    std::to_string(p0) + " must be >= 0");
+          }
           run_kernel(threads, [&] {
-            if (cu_k)
+            if (slice)
+              poslsh::multihead_attention_slice<T>(in.q, in.k, in.v, output.view, lse_map, p0,
+                                                   key_offset.value_or(0), keywords.options);
+            else if (cu_k)
               poslsh::multihead_attention_varlen_with_lse<T>(in.q, in.k, in.v, output.view, lse_map,
                                                              *batch.cu_seqlens, *cu_k,
                                                              keywords.options);
@@ -383,6 +414,7 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v")),
       std::make_tuple(py::arg("out") = py::none(), py::arg("lse") = py::none(),
                       py::arg("cu_seqlens") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+                      py::arg("query_offset") = py::none(), py::arg("key_offset") = py::none(),
                       py::arg("num_threads") = py::none()),
       with_lse_doc);
 
@@ -393,10 +425,15 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
          py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
-         std::optional<int> threads) {
-        const Batch batch = batch_of(cu_seqlens, "multihead_attention_backward",
-                                     "multihead_attention_varlen_backward");
+         std::optional<Index> position, std::optional<int> threads) {
+        const Batch batch = batch_of(
+            cu_seqlens,
+            position ? "multihead_attention_window_backward" : "multihead_attention_backward",
+            "multihead_attention_varlen_backward");
         const char* const function = batch.function;
+        if (position && (batch.cu_seqlens || !dslopes.is_none()))
+          throw py::value_error(argument(function, "position") +
+                                " (a window of one sequence) takes no cu_seqlens and no dslopes");
         threads = thread_count(threads, function);
         const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                       sigmas, samples, seed, band_error, window);
@@ -424,7 +461,11 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
           const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
           run_kernel(threads, [&] {
-            if (dslopes_map)
+            if (position)
+              poslsh::multihead_attention_window_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
+                  dv_out.view, *position, keywords.options);
+            else if (dslopes_map)
               poslsh::multihead_attention_varlen_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, dq_out.view, dk_out.view,
                   dv_out.view, *dslopes_map, keywords.options);
@@ -444,7 +485,8 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
                       py::arg("dout")),
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
-                      py::arg("dslopes") = py::none(), py::arg("num_threads") = py::none()),
+                      py::arg("dslopes") = py::none(), py::arg("position") = py::none(),
+                      py::arg("num_threads") = py::none()),
       multihead_backward_doc);
 }
 

@@ -188,7 +188,6 @@ struct ContextParallelChunk {
 struct ContextParallelPlan {
   Index n = 0;
   Index ranks = 1;
-  ShardLayout layout = ShardLayout::contiguous;
   Masking masking = Masking::causal;
   bool ring = false;
   std::vector<std::vector<ContextParallelChunk>> chunks;
@@ -203,28 +202,45 @@ struct ContextParallelPlan {
   }
 };
 
-/// The transport-free plan of one sequence of n positions over `ranks` ranks under `layout`,
-/// for the query heads `heads` (resolved methods, e.g. resolve_head_methods) read by
-/// `kv_heads` K/V heads (grouped-query attention: query head h reads K/V head h / (H_q /
-/// H_kv)). For each rank and each of its shard ranges, the keys of every K/V head
-/// (head_key_range of its query heads) and the backward window (the union of head_key_range
-/// and head_query_range of the own positions, begin rounded down to a multiple of 64).
+/// The transport-free plan of one sequence of n positions whose rank r holds the position
+/// ranges shards[r] (together they cover [0, n) once; empty ranges allowed), for the query
+/// heads `heads` (resolved methods, e.g. resolve_head_methods) read by `kv_heads` K/V heads
+/// (grouped-query attention: query head h reads K/V head h / (H_q / H_kv)). For each rank and
+/// each of its ranges, the keys of every K/V head (head_key_range of its query heads) and the
+/// backward window (the union of head_key_range and head_query_range of the own positions,
+/// begin rounded down to a multiple of 64).
 /// \throws std::invalid_argument naming a bad argument.
-inline ContextParallelPlan context_parallel_plan(Index n, Index ranks, ShardLayout layout,
-                                                 const std::vector<HeadMethod>& heads,
-                                                 Index kv_heads, Masking masking) {
+inline ContextParallelPlan context_parallel_plan(
+    const std::vector<std::vector<PositionRange>>& shards, Index n,
+    const std::vector<HeadMethod>& heads, Index kv_heads, Masking masking) {
   constexpr const char* function = "context_parallel_plan";
-  detail::require_shards(function, n, ranks);
+  detail::require_shards(function, n, static_cast<Index>(shards.size()));
   detail::require(enum_is_valid(masking), function, "masking", static_cast<int>(masking),
                   "must be " + enum_name_list<Masking>());
   const auto query_heads = static_cast<Index>(heads.size());
   detail::require(query_heads >= 1, function, "heads", query_heads, "must hold >= 1 head");
   detail::require(kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
                   "must divide the query heads " + std::to_string(query_heads));
+  // The ranges tile [0, n): sorted by begin, each starts where the previous ended.
+  std::vector<PositionRange> all;
+  for (const auto& ranges : shards) all.insert(all.end(), ranges.begin(), ranges.end());
+  std::sort(all.begin(), all.end(), [](const PositionRange& a, const PositionRange& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  Index next = 0;
+  for (const PositionRange& range : all) {
+    detail::require(range.begin == next && range.end >= range.begin, function, "shards",
+                    "[" + std::to_string(range.begin) + ", " + std::to_string(range.end) + ")",
+                    "must cover [0, n) = [0, " + std::to_string(n) +
+                        ") once: a range starts where another ends (expected begin " +
+                        std::to_string(next) + ")");
+    next = range.end;
+  }
+  detail::require(next == n, function, "shards", next,
+                  "must cover [0, n) = [0, " + std::to_string(n) + ") (they end at this)");
   ContextParallelPlan plan;
   plan.n = n;
-  plan.ranks = ranks;
-  plan.layout = layout;
+  plan.ranks = static_cast<Index>(shards.size());
   plan.masking = masking;
   for (const HeadMethod& head : heads) {
     detail::require(enum_is_valid(head.method), function, "heads", static_cast<int>(head.method),
@@ -236,15 +252,15 @@ inline ContextParallelPlan context_parallel_plan(Index n, Index ranks, ShardLayo
   }
   const Index group = query_heads / kv_heads;
   constexpr Index tile = detail::backward_tile;
-  plan.chunks.resize(static_cast<std::size_t>(ranks));
-  for (Index r = 0; r < ranks; ++r) {
-    for (const PositionRange& own : shard_ranges(n, ranks, r, layout)) {
+  for (const auto& ranges : shards) {
+    std::vector<ContextParallelChunk> chunks;
+    for (const PositionRange& own : ranges) {
       ContextParallelChunk chunk;
       chunk.queries = own;
-      chunk.key_span = {own.begin, own.end};
-      chunk.window_span = chunk.key_span;
+      chunk.key_span = own;
+      chunk.window_span = own;
       for (Index g = 0; g < kv_heads; ++g) {
-        PositionRange keys{own.begin, own.end}, window{own.begin, own.end};
+        PositionRange keys = own, window = own;
         for (Index h = g * group; h < (g + 1) * group; ++h) {
           const HeadMethod& head = heads[static_cast<std::size_t>(h)];
           const PositionRange reach = head_key_range(head, own, n, masking);
@@ -257,10 +273,22 @@ inline ContextParallelPlan context_parallel_plan(Index n, Index ranks, ShardLayo
         chunk.window_span = range_union(chunk.window_span, window);
       }
       chunk.window_span.begin = chunk.window_span.begin / tile * tile;
-      plan.chunks[static_cast<std::size_t>(r)].push_back(std::move(chunk));
+      chunks.push_back(std::move(chunk));
     }
+    plan.chunks.push_back(std::move(chunks));
   }
   return plan;
+}
+
+/// context_parallel_plan over the shards of `layout` (shard_ranges of every rank).
+/// \throws std::invalid_argument naming a bad argument.
+inline ContextParallelPlan context_parallel_plan(Index n, Index ranks, ShardLayout layout,
+                                                 const std::vector<HeadMethod>& heads,
+                                                 Index kv_heads, Masking masking) {
+  detail::require_shards("context_parallel_plan", n, ranks);
+  std::vector<std::vector<PositionRange>> shards;
+  for (Index r = 0; r < ranks; ++r) shards.push_back(shard_ranges(n, ranks, r, layout));
+  return context_parallel_plan(shards, n, heads, kv_heads, masking);
 }
 
 /// The method of every query head from the options, as the all-heads calls resolve them
