@@ -1,0 +1,418 @@
+"""poslsh.distributed: context parallelism over torch.distributed (gloo), ranks spawned with
+torch.multiprocessing.
+
+One world per world size (1, 2, 3, 4) runs every case in its workers (spawning is the expensive
+part): each worker builds the whole sequence from a seed, runs the single-process
+poslsh.torch.multihead_attention on it (forward and backward with a random upstream gradient)
+and context_parallel_attention on its shard, and reports per case either None (passed) or a
+message. Halo methods must be bitwise, the ring to rounding; the bytes in `stats` must follow the
+plan. Every wait is bounded (gloo timeout in the workers, a deadline in the parent): a broken
+case fails, it never hangs.
+"""
+
+import dataclasses
+import datetime
+import math
+import os
+import queue
+import socket
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import poslsh
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import poslsh.torch as ptorch  # noqa: E402
+from poslsh import distributed as pdist  # noqa: E402
+
+WORLD_SIZES = [1, 2, 3, 4]
+GLOO_TIMEOUT = 20.0  # seconds, every collective and point-to-point wait in the workers
+WORLD_DEADLINE = 150.0  # seconds, a whole world in the parent (spawn, import, every case)
+ERROR_DEADLINE = 10.0  # seconds within which every rank must have raised on a bad call
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    method: str
+    masking: str
+    dtype: str = "float32"
+    layout: str = "contiguous"
+    lengths: str = "even"  # 'even' (shard_ranges), 'uneven' (contiguous, rank r ~ r + 1), 'empty_first'
+    n: int = 203
+    heads: int = 4
+    kv_heads: int = 2
+    d: int = 8
+    d_v: int = 8
+    sigmas: tuple = None
+    samples: int = 4
+    seed: int = 7
+    window: tuple = (-1, -1)
+
+    @property
+    def ring(self):
+        left, right = self.window
+        return self.method == "exact_tiled" and (left < 0 or (self.masking == "bidirectional" and right < 0))
+
+
+BIG_SIGMAS = (300.0, 150.0, 40.0, 8.0)  # blocks of hundreds of tokens over shards of ~50
+CASES = [
+    Case("lsh_fused-causal-f32", "lsh_fused", "causal"),
+    Case("lsh_fused-bidirectional-f64-zigzag", "lsh_fused", "bidirectional", "float64", "zigzag", sigmas=BIG_SIGMAS),
+    Case("lsh_fused-causal-f64-uneven-mha", "lsh_fused", "causal", "float64", lengths="uneven", heads=2, kv_heads=2,
+         sigmas=(300.0, 20.0)),
+    Case("lsh_fused-causal-f32-empty-shard", "lsh_fused", "causal", lengths="empty_first", sigmas=BIG_SIGMAS),
+    Case("lsh_per_sample-causal-f64-zigzag", "lsh_per_sample", "causal", "float64", "zigzag"),
+    Case("lsh_per_sample-bidirectional-f32-uneven", "lsh_per_sample", "bidirectional", lengths="uneven",
+         sigmas=BIG_SIGMAS),
+    Case("fixed_blocks-causal-f32-zigzag", "fixed_blocks", "causal", "float32", "zigzag", sigmas=BIG_SIGMAS),
+    Case("fixed_blocks-bidirectional-f64", "fixed_blocks", "bidirectional", "float64"),
+    Case("exact_banded-causal-f32", "exact_banded", "causal", sigmas=(300.0, 30.0, 10.0, 3.0)),
+    Case("exact_banded-bidirectional-f64-zigzag", "exact_banded", "bidirectional", "float64", "zigzag"),
+    Case("exact_banded-causal-f64-uneven-dv", "exact_banded", "causal", "float64", lengths="uneven", d=16, d_v=8),
+    Case("exact_tiled-window-causal-f32-zigzag", "exact_tiled", "causal", "float32", "zigzag", window=(40, 0)),
+    Case("exact_tiled-window-bidirectional-f64-uneven", "exact_tiled", "bidirectional", "float64", lengths="uneven",
+         window=(40, 17)),
+    Case("exact_tiled-wide-window-causal-f64", "exact_tiled", "causal", "float64", window=(300, -1)),
+    Case("ring-causal-f32", "exact_tiled", "causal"),
+    Case("ring-causal-f64-zigzag", "exact_tiled", "causal", "float64", "zigzag"),
+    Case("ring-bidirectional-f32-zigzag", "exact_tiled", "bidirectional", "float32", "zigzag", sigmas=BIG_SIGMAS),
+    Case("ring-bidirectional-f64-uneven-dv", "exact_tiled", "bidirectional", "float64", lengths="uneven", d=16,
+         d_v=8),
+    Case("ring-bidirectional-left-window-f64", "exact_tiled", "bidirectional", "float64", window=(30, -1)),
+    Case("ring-causal-f32-empty-shard", "exact_tiled", "causal", lengths="empty_first"),
+]
+ERROR_CHECKS = ["bad_shape_on_last_rank", "seed_differs", "method_differs", "query_heads_differ",
+                "zigzag_lengths", "bad_method_everywhere"]
+
+
+# Worker side. ----------------------------------------------------------------------------------
+
+def shard_lengths(case, world_size):
+    n = case.n
+    if case.lengths == "uneven":
+        weights = [r + 1 for r in range(world_size)]
+        lengths = [n * w // sum(weights) for w in weights]
+        lengths[-1] += n - sum(lengths)
+        return lengths
+    if case.lengths == "empty_first" and world_size > 1:
+        rest = [n * (r + 1) // (world_size - 1) - n * r // (world_size - 1) for r in range(world_size - 1)]
+        return [0] + rest
+    return None
+
+
+def shard_of(x, case, rank, world_size):
+    lengths = shard_lengths(case, world_size)
+    if lengths is None:
+        return pdist.shard(x, rank, world_size, case.layout)
+    begin = sum(lengths[:rank])
+    return x[begin:begin + lengths[rank]]
+
+
+def plan_shards(case, world_size):
+    lengths = shard_lengths(case, world_size)
+    if lengths is None:
+        return [[tuple(r) for r in poslsh.shard_ranges(case.n, world_size, rank, layout=case.layout)]
+                for rank in range(world_size)]
+    starts = [sum(lengths[:r]) for r in range(world_size)]
+    return [[(s, s + m)] for s, m in zip(starts, lengths)]
+
+
+def keywords_of(case):
+    return dict(method=case.method, masking=case.masking, sigmas=case.sigmas, samples=case.samples, seed=case.seed)
+
+
+def inputs(case, index):
+    generator = torch.Generator().manual_seed(1000 + index)
+    dtype = getattr(torch, case.dtype)
+
+    def uniform(*shape):
+        return torch.rand(shape, generator=generator, dtype=dtype).mul_(2).sub_(1)
+
+    return (uniform(case.n, case.heads, case.d), uniform(case.n, case.kv_heads, case.d),
+            uniform(case.n, case.kv_heads, case.d_v), uniform(case.n, case.heads, case.d_v))
+
+
+def single_process(case, q, k, v, dout):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    if case.window == (-1, -1):
+        out = ptorch.multihead_attention(q, k, v, **keywords_of(case))
+    else:  # poslsh.torch.multihead_attention takes no window: the Function with the kernels' keywords
+        out = ptorch.MultiheadAttention.apply(q, k, v, dict(layout="nhd", scale=None, band_error=1e-3,
+                                                            window=case.window, **keywords_of(case)))
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def outside_rows(ranges, own):
+    """Rows of the ranges (one per K/V head) outside the rank's own ranges."""
+    total = 0
+    for b, e in ranges:
+        inside = sum(max(0, min(e, oe) - max(b, ob)) for ob, oe in own)
+        total += (e - b) - inside
+    return total
+
+
+def expected_bytes(case, rank, world_size, n_local):
+    itemsize = 4 if case.dtype == "float32" else 8
+    d, d_v, group = case.d, case.d_v, case.heads // case.kv_heads
+    if case.ring:
+        forward = (case.n - n_local) * case.kv_heads * (d + d_v) * itemsize
+        partials = (world_size - 1) * n_local * case.kv_heads * (d + d_v) * itemsize
+        return forward, forward + partials
+    shards = plan_shards(case, world_size)
+    plan = poslsh.context_parallel_plan(case.n, world_size, query_heads=case.heads, kv_heads=case.kv_heads,
+                                        window=case.window, shards=shards, **keywords_of(case))
+    own = shards[rank]
+    chunks = plan["chunks"][rank]
+    forward = sum(outside_rows(chunk["keys"], own) for chunk in chunks) * (d + d_v) * itemsize
+    backward = sum(outside_rows(chunk["window"], own) for chunk in chunks) * (
+        d + d_v + group * (d + 2 * d_v + 1)) * itemsize
+    return forward, backward
+
+
+def relative_error(got, want):
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return (got - want).abs().max().item() / max(scale, 1e-300) if want.numel() else 0.0
+
+
+def run_case(case, index, rank, world_size):
+    q, k, v, dout = inputs(case, index)
+    reference = single_process(case, q, k, v, dout)
+    local = [shard_of(x, case, rank, world_size).clone() for x in (q, k, v, dout)]
+    ql, kl, vl = (x.requires_grad_() for x in local[:3])
+    stats = {}
+    out = pdist.context_parallel_attention(ql, kl, vl, layout=case.layout, window=case.window, num_threads=1,
+                                           stats=stats, **keywords_of(case))
+    out.backward(local[3])
+    problems = []
+    tolerance = 1e-6 if case.dtype == "float32" else 1e-12
+    for name, got, whole in zip(("out", "dq", "dk", "dv"), (out.detach(), ql.grad, kl.grad, vl.grad), reference):
+        want = shard_of(whole, case, rank, world_size)
+        if got is None or got.shape != want.shape or got.dtype != want.dtype:
+            problems.append(f"{name}: got {None if got is None else (tuple(got.shape), got.dtype)}, want "
+                            f"{(tuple(want.shape), want.dtype)}")
+        elif case.ring:
+            error = relative_error(got, want)
+            if not error <= tolerance:
+                problems.append(f"{name}: relative error {error:.3g} > {tolerance:g}")
+        elif not torch.equal(got, want):
+            problems.append(f"{name}: not bitwise, max |diff| {(got - want).abs().max().item():.3g}")
+    # The whole output, gathered from every rank, is the single-process output.
+    whole_out = pdist.gather_sequence(out.detach(), layout=case.layout)
+    if case.ring:
+        if not relative_error(whole_out, reference[0]) <= tolerance:
+            problems.append("gather_sequence: not the single-process output")
+    elif not torch.equal(whole_out, reference[0]):
+        problems.append("gather_sequence: not bitwise the single-process output")
+    # Bytes: as the plan gives them, and what is sent is received.
+    forward, backward = expected_bytes(case, rank, world_size, ql.shape[0])
+    if (stats["forward_bytes_received"], stats["backward_bytes_received"]) != (forward, backward):
+        problems.append(f"stats: received {stats['forward_bytes_received']}, {stats['backward_bytes_received']} "
+                        f"bytes, the plan gives {forward}, {backward}")
+    every = [None] * world_size
+    dist.all_gather_object(every, stats)
+    for phase in ("forward", "backward"):
+        sent = sum(s[phase + "_bytes_sent"] for s in every)
+        received = sum(s[phase + "_bytes_received"] for s in every)
+        if sent != received:
+            problems.append(f"stats: {phase} bytes sent {sent} != received {received} over the ranks")
+    if world_size == 1 and stats["messages"] != 0:
+        problems.append(f"stats: one rank sent {stats['messages']} messages")
+    return "; ".join(problems) or None
+
+
+def run_error_check(check, rank, world_size):
+    """Runs a bad call; returns None when this rank raised the expected error in time."""
+    case = Case("error", "lsh_fused", "causal")
+    q, k, v, _ = inputs(case, 0)
+    q, k, v = (pdist.shard(x, rank, world_size) for x in (q, k, v))
+    keywords = keywords_of(case)
+    layout = "contiguous"
+    expected_type, expected = ValueError, []
+    if check == "bad_shape_on_last_rank":
+        if rank == world_size - 1:
+            k = k[:, :, :-1]
+        expected = [f"rank {world_size - 1} of {world_size} failed its checks", "'k'"]
+    elif check == "seed_differs":
+        keywords["seed"] = rank
+        expected = ["'seed' differs across ranks", "rank 1: 1"]
+    elif check == "method_differs":
+        keywords["method"] = "lsh_fused" if rank == 0 else "fixed_blocks"
+        expected = ["'method' differs across ranks"]
+    elif check == "query_heads_differ":
+        if rank == 1:
+            q = q[:, :2]
+        expected = ["'query_heads' differs across ranks"]
+    elif check == "zigzag_lengths":
+        layout = "zigzag"
+        q, k, v = (pdist.shard(x, rank, world_size, "zigzag") for x in inputs(case, 0)[:3])
+        if rank == 0:  # one token moves from rank 0 to rank 1: n is the same, the lengths are not zigzag's
+            q, k, v = (x[:-1] for x in (q, k, v))
+        elif rank == 1:
+            q, k, v = (torch.cat([x, x[:1]]) for x in (q, k, v))
+        expected = ["argument 'q'", "zigzag"]
+    elif check == "bad_method_everywhere":
+        keywords["method"] = "no_such_method"
+        expected = ["method"]
+    start = time.monotonic()
+    try:
+        pdist.context_parallel_attention(q, k, v, layout=layout, num_threads=1, **keywords)
+    except expected_type as error:
+        elapsed = time.monotonic() - start
+        message = str(error)
+        missing = [part for part in expected if part not in message]
+        if missing:
+            return f"message {message!r} lacks {missing}"
+        if elapsed > ERROR_DEADLINE:
+            return f"raised after {elapsed:.1f} s"
+        return None
+    except Exception as error:  # noqa: BLE001
+        return f"raised {type(error).__name__}: {error}"
+    return "did not raise"
+
+
+def worker(rank, world_size, port, results):
+    report = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))
+        for index, case in enumerate(CASES):
+            if case.lengths == "empty_first" and world_size == 1:
+                continue
+            try:
+                report[case.name] = run_case(case, index, rank, world_size)
+            except Exception:  # noqa: BLE001
+                report[case.name] = traceback.format_exc()
+        if world_size > 1:
+            for check in ERROR_CHECKS:
+                try:
+                    report["error:" + check] = run_error_check(check, rank, world_size)
+                except Exception:  # noqa: BLE001
+                    report["error:" + check] = traceback.format_exc()
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        report["world"] = traceback.format_exc()
+    results.put((rank, report))
+
+
+# Parent side. ----------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_WORLDS = {}
+
+
+def world(world_size):
+    """{rank: {case: None or message}} of one spawned world (run once per world size)."""
+    if world_size in _WORLDS:
+        return _WORLDS[world_size]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        port = free_port()
+        processes = [context.Process(target=worker, args=(rank, world_size, port, results), daemon=True)
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    reports, deadline = {}, time.monotonic() + WORLD_DEADLINE
+    try:
+        while len(reports) < world_size:
+            try:
+                rank, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                reports[rank] = report
+            except queue.Empty:
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+    for rank in range(world_size):
+        reports.setdefault(rank, {"world": f"rank {rank} reported nothing within {WORLD_DEADLINE} s"})
+    _WORLDS[world_size] = reports
+    return reports
+
+
+def check_world(world_size, key):
+    reports = world(world_size)
+    problems = []
+    for rank in range(world_size):
+        report = reports[rank]
+        if "world" in report:
+            problems.append(f"rank {rank}: {report['world']}")
+        elif key not in report:
+            problems.append(f"rank {rank}: no result for {key}")
+        elif report[key] is not None:
+            problems.append(f"rank {rank}: {report[key]}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_matches_single_process(world_size, case):
+    if case.lengths == "empty_first" and world_size == 1:
+        pytest.skip("an empty shard needs two ranks")
+    check_world(world_size, case.name)
+
+
+@pytest.mark.parametrize("check", ERROR_CHECKS)
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w > 1])
+def test_bad_calls_raise_on_every_rank(world_size, check):
+    check_world(world_size, "error:" + check)
+
+
+# Helpers without a process group. --------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shard_and_unshard(layout, world_size):
+    x = torch.arange(2 * 23 * 3).reshape(2, 23, 3)
+    parts = [pdist.shard(x, r, world_size, layout, dim=1) for r in range(world_size)]
+    for r, part in enumerate(parts):
+        positions = [p for b, e in poslsh.shard_ranges(23, world_size, r, layout=layout) for p in range(b, e)]
+        assert torch.equal(part, x[:, positions])
+    assert torch.equal(pdist.unshard(parts, layout, dim=1), x)
+    array = x.numpy()
+    assert np.array_equal(pdist.unshard([pdist.shard(array, r, world_size, layout, dim=1)
+                                         for r in range(world_size)], layout, dim=1), array)
+
+
+def test_unshard_checks_zigzag_lengths():
+    parts = [torch.zeros(6), torch.zeros(5)]  # zigzag over 11 rows: 5 and 6
+    with pytest.raises(ValueError, match="zigzag"):
+        pdist.unshard(parts, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        pdist.shard(torch.zeros(4), 0, 2, "striped")
+
+
+def test_cases_cover_the_methods():
+    """Every method, both maskings, both dtypes and layouts, GQA and the ring are exercised."""
+    assert {case.method for case in CASES} == {"lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_banded",
+                                               "exact_tiled"}
+    assert {case.masking for case in CASES} == {"causal", "bidirectional"}
+    assert {case.dtype for case in CASES} == {"float32", "float64"}
+    assert {case.layout for case in CASES} == {"contiguous", "zigzag"}
+    assert any(case.ring for case in CASES) and any(case.method == "exact_tiled" and not case.ring for case in CASES)
+    assert any(case.heads > case.kv_heads for case in CASES)
+    assert all(math.gcd(case.n, 2 * 3 * 4) == 1 for case in CASES)  # n divisible by no world size
