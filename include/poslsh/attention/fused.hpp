@@ -76,16 +76,22 @@ long long fused_pair_count(const Counts& counts_source, Index n, Masking masking
 /// Fused, count-weighted LSH ALiBi attention: the same estimator as lsh_attention_per_sample,
 ///   out_i = sum_j c_ij e^{tau q_i.k_j - M_i} v_j / sum_j c_ij e^{tau q_i.k_j - M_i},
 ///   c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i),
-/// with each pair of c_ij > 0 evaluated once. The keys with c_ij > 0 form one interval per
-/// query; queries are taken in tiles of 64 whose key band is cut in tiles of 64, scored by
+/// with each pair of c_ij > 0 evaluated once. `samples` is a HashSet, or stored partitions
+/// (PartitionSet, attention/partition.hpp: any blocks, including Sampler::poisson's cuts) with
+/// c_ij = #{k : i and j share a block of partition k}. The keys with c_ij > 0 form one interval
+/// per query; queries are taken in tiles of 64 whose key band is cut in tiles of 64, scored by
 /// register-blocked packet kernels only where some query's interval reaches, weighted by the
-/// count tile (built from the blocks by difference arrays) inside an online softmax whose
-/// running maximum is over entries of non-zero weight. Extra memory O(tile) per thread. Tiles
-/// run in parallel (OpenMP) and write disjoint rows: bitwise the same output for any thread
-/// count. Queries at an offset (options.query_offset = p0; unset: L - m): Q is m x d at
-/// positions p0 .. p0 + m - 1 over K, V of L rows, c_{p0+r, j} read at the absolute positions
-/// (causal: j <= p0 + r), and row r is bitwise row p0 + r of the kernel on all L positions
-/// (chunked prefill, multi-token decode). Throws std::invalid_argument naming a bad argument.
+/// count tile (built from the blocks by difference arrays; for partitions each query tile finds
+/// its blocks by binary search on every sample's edges, O(s log(n / sigma)) per tile) inside an
+/// online softmax whose running maximum is over entries of non-zero weight. Extra memory
+/// O(tile) per thread. Tiles run in parallel (OpenMP) and write disjoint rows: bitwise the same
+/// output for any thread count; partitions = partition_set(hashes, k.rows()) give bitwise the
+/// output of the hash set. Queries at an offset (options.query_offset = p0; unset: L - m): Q is
+/// m x d at positions p0 .. p0 + m - 1 over K, V of L rows, c_{p0+r, j} read at the absolute
+/// positions (causal: j <= p0 + r), and row r is bitwise row p0 + r of the kernel on all L
+/// positions (chunked prefill, multi-token decode). Throws std::invalid_argument naming a bad
+/// argument (for partitions also as validate_partition_set, and 'partitions.n' unless it
+/// equals k.rows()).
 /// Scalar types: Q is Scalar, K and V KVScalar, out OutScalar (each float, double,
 /// Eigen::half or Eigen::bfloat16; KVScalar and OutScalar default to Scalar and are not
 /// deduced); computed in compute_scalar_t<Scalar, KVScalar, OutScalar>: half-precision inputs
@@ -94,24 +100,28 @@ long long fused_pair_count(const Counts& counts_source, Index n, Masking masking
 /// the widened inputs, rounded once to OutScalar, except on a CPU matrix unit (bfloat16 Q, K, V
 /// with options.precision = Precision::matrix_units, the default: core/matrix_units.hpp), where
 /// the products are bfloat16 and the probabilities rounded to bfloat16 before they weight V.
-template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
+template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
+          typename Samples = HashSet, typename = detail::lsh_samples_t<Samples>>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const HashSet& hashes,
+                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const Samples& samples,
                          MatrixRef<detail::nondeduced_t<OutScalar>> out,
                          const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
-  const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
-  detail::fused_attention<Scalar, KVScalar, OutScalar>(function, q, k, v, hashes, out, options, p0);
+  const Index p0 = detail::require_lsh_arguments(function, q, k, v, samples, out, options);
+  detail::fused_attention<Scalar, KVScalar, OutScalar>(function, q, k, v, samples, out, options,
+                                                       p0);
 }
 
 /// Returning form of lsh_attention_fused (the output in Q's scalar type).
-template <typename Scalar, typename KVScalar = Scalar>
+template <typename Scalar, typename KVScalar = Scalar, typename Samples = HashSet,
+          typename = detail::lsh_samples_t<Samples>>
 RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
                                       ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
                                       ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                      const HashSet& hashes, const AttentionOptions& options = {}) {
+                                      const Samples& samples,
+                                      const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
-  lsh_attention_fused<Scalar, KVScalar, Scalar>(q, k, v, hashes, out, options);
+  lsh_attention_fused<Scalar, KVScalar, Scalar>(q, k, v, samples, out, options);
   return out;
 }
 

@@ -197,25 +197,32 @@ void require_gradient_views(const char* function, const HeadsView<const Scalar>&
   require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
 }
 
-/// The backward of a training call with the slope gradients (the public
-/// multihead_attention_backward and multihead_attention_varlen_backward with dslopes).
+/// The backward of a training call on the sequences [cu[b], cu[b + 1]) (every public
+/// multihead_attention_backward and multihead_attention_varlen_backward): the arguments checked
+/// (training_call, then the gradient views; with dslopes, the method exact_tiled or
+/// exact_banded and one entry per query head), then heads_backward, which writes the slope
+/// gradients into *dslopes when it is given.
 template <typename Scalar>
-void backward_with_slopes(const char* function, const HeadsView<const Scalar>& q,
-                          const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                          const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
-                          const HeadsView<const Scalar>& dout,
-                          const std::vector<std::int32_t>& cu_seqlens, const HeadsView<Scalar>& dq,
-                          const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
-                          Eigen::Ref<Eigen::VectorXd> dslopes, const MultiHeadOptions& options) {
+void training_backward(const char* function, const HeadsView<const Scalar>& q,
+                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                       const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
+                       const HeadsView<const Scalar>& dout,
+                       const std::vector<std::int32_t>& cu_seqlens, const HeadsView<Scalar>& dq,
+                       const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                       const MultiHeadOptions& options,
+                       Eigen::Ref<Eigen::VectorXd>* dslopes = nullptr) {
   const HeadsCall call = training_call(function, q, k, v, lse, cu_seqlens, out, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
-          "dslopes", enum_name(options.method),
-          "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
-          "methods are not differentiable in the slope)");
-  require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(),
-          "must hold one entry per query head (" + std::to_string(q.heads) + ")");
-  heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv, dslopes.data());
+  if (dslopes != nullptr) {
+    require(options.method == Method::exact_tiled || options.method == Method::exact_banded,
+            function, "dslopes", enum_name(options.method),
+            "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
+            "methods are not differentiable in the slope)");
+    require(dslopes->size() == q.heads, function, "dslopes", dslopes->size(),
+            "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+  }
+  heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv,
+                         dslopes == nullptr ? nullptr : dslopes->data());
 }
 
 }  // namespace detail
@@ -250,11 +257,8 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
                                   ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
                                   HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
                                   const MultiHeadOptions& options = {}) {
-  constexpr const char* function = "multihead_attention_backward";
-  const detail::HeadsCall call = detail::training_call(
-      function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
-  detail::require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  detail::heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv);
+  detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
+                                    {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options);
 }
 
 /// multihead_attention_backward with the gradients in the ALiBi slopes too: dslopes (H_q
@@ -272,9 +276,9 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
                                   HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
                                   Eigen::Ref<Eigen::VectorXd> dslopes,
                                   const MultiHeadOptions& options = {}) {
-  detail::backward_with_slopes<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
-                                       {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv,
-                                       dslopes, options);
+  detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
+                                    {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options,
+                                    &dslopes);
 }
 
 /// multihead_attention on a packed batch of self-attention sequences, with the log-sum-exp:
@@ -333,11 +337,8 @@ void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<co
                                          HeadsView<Scalar> dq, HeadsView<Scalar> dk,
                                          HeadsView<Scalar> dv,
                                          const MultiHeadOptions& options = {}) {
-  constexpr const char* function = "multihead_attention_varlen_backward";
-  const detail::HeadsCall call =
-      detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
-  detail::require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  detail::heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv);
+  detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
+                                    cu_seqlens, dq, dk, dv, options);
 }
 
 /// multihead_attention_varlen_backward with the gradients in the ALiBi slopes (dslopes, H_q
@@ -352,8 +353,8 @@ void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<co
                                          HeadsView<Scalar> dq, HeadsView<Scalar> dk,
                                          HeadsView<Scalar> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
                                          const MultiHeadOptions& options = {}) {
-  detail::backward_with_slopes<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse,
-                                       dout, cu_seqlens, dq, dk, dv, dslopes, options);
+  detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
+                                    cu_seqlens, dq, dk, dv, options, &dslopes);
 }
 
 }  // namespace poslsh

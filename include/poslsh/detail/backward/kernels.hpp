@@ -1,6 +1,6 @@
 // poslsh internals: the register-blocked packet kernels of the backward passes
-// (detail/backward/tiles.hpp), in the style of the forward's (detail/tile/kernels.hpp), whose
-// transposed score kernel they reuse. Two shapes:
+// (detail/backward/tiles.hpp), built on the forward's register block (tile_accumulate_block,
+// detail/tile/kernels.hpp) and its transposed score kernel. Two shapes:
 //   scores (transposed):  S^T[b][a] = sum_c X^T[c][a] Y[b][c]   (S = Q K^T and dP = dO V^T)
 //   products:             acc[r][:] += sum_t W(r, t) values[t][:]
 // where W(r, t) = weights[r * row_step + t * sum_step] is read from a tile stored either way
@@ -90,25 +90,9 @@ EIGEN_DONT_INLINE void backward_product_block(const Scalar* weights, Index row_s
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
   Packet sum[Rows][Packets];
-  POSLSH_TILE_UNROLL
-  for (int r = 0; r < Rows; ++r) {
-    POSLSH_TILE_UNROLL
-    for (int p = 0; p < Packets; ++p) sum[r][p] = ei::pset1<Packet>(Scalar(0));
-  }
-  for (Index t = 0; t < count; ++t) {
-    Packet row[Packets];
-    POSLSH_TILE_UNROLL
-    for (int p = 0; p < Packets; ++p) {
-      row[p] = ei::ploadu<Packet>(values + t * value_stride + p * P);
-      tile_keep_in_register(row[p]);
-    }
-    POSLSH_TILE_UNROLL
-    for (int r = 0; r < Rows; ++r) {
-      const Packet weight = ei::pset1<Packet>(weights[r * row_step + t * sum_step]);
-      POSLSH_TILE_UNROLL
-      for (int p = 0; p < Packets; ++p) sum[r][p] = ei::pmadd(weight, row[p], sum[r][p]);
-    }
-  }
+  tile_clear_block<Scalar>(sum);
+  tile_accumulate_block<Scalar, Rows, Packets, false>(weights, row_step, sum_step, values,
+                                                      value_stride, count, sum);
   POSLSH_TILE_UNROLL
   for (int r = 0; r < Rows; ++r) {
     POSLSH_TILE_UNROLL

@@ -7,6 +7,7 @@
 // The query tile is stored transposed (Q^T, d x tile) so that scores come out one packet per
 // group of queries: the softmax reductions over keys are then packet-wise (no horizontal
 // reductions) and every query's arithmetic is independent of the other queries in its tile.
+// Both are one register block, tile_accumulate_block, with the operands in different roles.
 #pragma once
 
 #include <Eigen/Core>
@@ -205,38 +206,64 @@ void tile_pack_queries_widened(const ConstMatrixRef<Storage>& q, Index i0, Index
   tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(widened), 0, a0, a1, scale, qt_data, tile);
 }
 
-/// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
-/// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries.
-template <typename Scalar, int Keys, int QueryPackets>
-EIGEN_ALWAYS_INLINE void tile_score_block(const Scalar* qt, Index qt_stride, const Scalar* keys,
-                                          Index key_stride, Index d,
-                                          TilePacket<Scalar> (&acc)[Keys][QueryPackets]) {
+/// The register block of every packet kernel (the scores, the values and the backward's
+/// products), a sum of weighted rows:
+///   acc[r][p] += sum_{t < count} weights[r * row_step + t * term_step] x_t[p]
+/// for r < Rows, p < Packets, x_t[p] the packet at rows + t * row_stride + p * P. The terms are
+/// added in increasing t, one multiply-add acc[r][p] = pmadd(w, x, acc[r][p]) each; every row
+/// x_t is loaded once (aligned when AlignedRows) and kept in registers while the Rows weights
+/// are broadcast against it.
+template <typename Scalar, int Rows, int Packets, bool AlignedRows>
+EIGEN_ALWAYS_INLINE void tile_accumulate_block(const Scalar* weights, Index row_step,
+                                               Index term_step, const Scalar* rows,
+                                               Index row_stride, Index count,
+                                               TilePacket<Scalar> (&acc)[Rows][Packets]) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
-  POSLSH_TILE_UNROLL
-  for (int kk = 0; kk < Keys; ++kk) {
+  for (Index t = 0; t < count; ++t) {
+    Packet row[Packets];
     POSLSH_TILE_UNROLL
-    for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pset1<Packet>(Scalar(0));
-  }
-  for (Index c = 0; c < d; ++c) {
-    Packet queries[QueryPackets];
-    POSLSH_TILE_UNROLL
-    for (int p = 0; p < QueryPackets; ++p) {
-      queries[p] = ei::pload<Packet>(qt + c * qt_stride + p * P);
-      tile_keep_in_register(queries[p]);
+    for (int p = 0; p < Packets; ++p) {
+      const Scalar* x = rows + t * row_stride + p * P;
+      row[p] = AlignedRows ? ei::pload<Packet>(x) : ei::ploadu<Packet>(x);
+      tile_keep_in_register(row[p]);
     }
     POSLSH_TILE_UNROLL
-    for (int kk = 0; kk < Keys; ++kk) {
-      const Packet key = ei::pset1<Packet>(keys[kk * key_stride + c]);
+    for (int r = 0; r < Rows; ++r) {
+      const Packet weight = ei::pset1<Packet>(weights[r * row_step + t * term_step]);
       POSLSH_TILE_UNROLL
-      for (int p = 0; p < QueryPackets; ++p) acc[kk][p] = ei::pmadd(queries[p], key, acc[kk][p]);
+      for (int p = 0; p < Packets; ++p) acc[r][p] = ei::pmadd(weight, row[p], acc[r][p]);
     }
   }
 }
 
+/// acc[r][p] = 0 for r < Rows, p < Packets.
+template <typename Scalar, int Rows, int Packets>
+EIGEN_ALWAYS_INLINE void tile_clear_block(TilePacket<Scalar> (&acc)[Rows][Packets]) {
+  POSLSH_TILE_UNROLL
+  for (int r = 0; r < Rows; ++r) {
+    POSLSH_TILE_UNROLL
+    for (int p = 0; p < Packets; ++p)
+      acc[r][p] = Eigen::internal::pset1<TilePacket<Scalar>>(Scalar(0));
+  }
+}
+
+/// acc[kk][p] = sum_c qt[c * qt_stride + p * P ...] * keys[kk * key_stride + c], c < d:
+/// the scores of `Keys` keys (rows of K) against `QueryPackets` packets of queries (qt
+/// aligned), summed from zero in increasing c (tile_accumulate_block).
+template <typename Scalar, int Keys, int QueryPackets>
+EIGEN_ALWAYS_INLINE void tile_score_block(const Scalar* qt, Index qt_stride, const Scalar* keys,
+                                          Index key_stride, Index d,
+                                          TilePacket<Scalar> (&acc)[Keys][QueryPackets]) {
+  tile_clear_block<Scalar>(acc);
+  tile_accumulate_block<Scalar, Keys, QueryPackets, true>(keys, key_stride, 1, qt, qt_stride, d,
+                                                          acc);
+}
+
 /// acc[r][:] <- alpha[r] acc[r][:] + sum_{b < keys} probs[b * prob_stride + r] values[b][:]
-/// for `Rows` rows and `ValuePackets` packets of value columns; acc is aligned.
+/// for `Rows` rows and `ValuePackets` packets of value columns; acc is aligned, values are
+/// read unaligned. The rescaled row, then the terms in increasing b (tile_accumulate_block).
 template <typename Scalar, int Rows, int ValuePackets>
 EIGEN_ALWAYS_INLINE void tile_value_block(const Scalar* probs, Index prob_stride,
                                           const Scalar* values, Index value_stride, Index keys,
@@ -252,20 +279,8 @@ EIGEN_ALWAYS_INLINE void tile_value_block(const Scalar* probs, Index prob_stride
     for (int p = 0; p < ValuePackets; ++p)
       sum[r][p] = ei::pmul(ei::pload<Packet>(acc + r * acc_stride + p * P), scale);
   }
-  for (Index b = 0; b < keys; ++b) {
-    Packet row[ValuePackets];
-    POSLSH_TILE_UNROLL
-    for (int p = 0; p < ValuePackets; ++p) {
-      row[p] = ei::ploadu<Packet>(values + b * value_stride + p * P);
-      tile_keep_in_register(row[p]);
-    }
-    POSLSH_TILE_UNROLL
-    for (int r = 0; r < Rows; ++r) {
-      const Packet prob = ei::pset1<Packet>(probs[b * prob_stride + r]);
-      POSLSH_TILE_UNROLL
-      for (int p = 0; p < ValuePackets; ++p) sum[r][p] = ei::pmadd(prob, row[p], sum[r][p]);
-    }
-  }
+  tile_accumulate_block<Scalar, Rows, ValuePackets, false>(probs, 1, prob_stride, values,
+                                                           value_stride, keys, sum);
   POSLSH_TILE_UNROLL
   for (int r = 0; r < Rows; ++r) {
     POSLSH_TILE_UNROLL
