@@ -18,6 +18,7 @@
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
@@ -208,28 +209,33 @@ inline std::size_t lowest_level(std::size_t samples) {
 /// function, not in the callers' loops.
 template <typename Scalar, typename KVScalar = Scalar,
           typename C = compute_scalar_t<Scalar, KVScalar>>
-EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q,
-                                  ConstMatrixRef<nondeduced_t<KVScalar>> k,
-                                  ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal,
-                                  Index begin, Index end, const EngineState<C>& state,
-                                  TileBuffers<C>& buffers, Precision precision,
-                                  Index rows_first = 0,
-                                  Index rows_last = std::numeric_limits<Index>::max(),
-                                  Index key_offset = 0) {
+EIGEN_DONT_INLINE void fold_block(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<nondeduced_t<KVScalar>> k,
+    ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal, Index begin, Index end,
+    const EngineState<C>& state, TileBuffers<C>& buffers, Precision precision, Index rows_first = 0,
+    Index rows_last = std::numeric_limits<Index>::max(), Index key_offset = 0) {
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
   with_tile_engine<C, Scalar, KVScalar>(
       q, k, v, static_cast<double>(tau), bias, buffers, TilePositions(state.base, key_offset),
-      precision,
-      [&](auto& engine) { engine.accumulate(first, last, state); });
+      precision, [&](auto& engine) { engine.accumulate(first, last, state); });
 }
 
+/// Per-thread scratch of per_sample_rows: the engine's buffers and one partial result per
+/// merge level (sized on a thread's first tile).
+template <typename C>
+struct PerSampleWorkspace {
+  TileBuffers<C> buffers;
+  std::vector<SoftmaxPartials<C>> partials;
+};
+
 /// Rows at positions [p0, p0 + q.rows()) (p0 = positions.query) of the per-sample estimator
-/// over the keys at positions positions.key .. positions.key + k.rows() - 1, into out (and lse, when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for
-/// row r, i = p0 + r). The rows go by query tiles (tile_query_rows positions, aligned from
-/// position 0; the tiles in parallel, OpenMP). In a tile, each sample's blocks meeting the
-/// tile's rows are folded into fresh partials (fold_block), which are merged with the earlier
+/// over the keys at positions positions.key .. positions.key + k.rows() - 1, into out (and lse,
+/// when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for row r, i = p0 + r). The rows go by
+/// query tiles (tile_query_rows positions, aligned from position 0; the tiles in parallel by
+/// parallel_jobs, which hands an exception to the caller). In a tile, each sample's blocks meeting
+/// the tile's rows are folded into fresh partials (fold_block), which are merged with the earlier
 /// samples' partials pairwise (merge_level: a binary tree over the samples in order, each
 /// merge SoftmaxPartials::merge); the levels left at the end are merged lowest first, and
 /// out_r = acc_r / l_r. Each row's arithmetic depends only on its position, the keys and the
@@ -250,41 +256,40 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
   std::vector<std::vector<Index>> boundaries;
   boundaries.reserve(samples);
   for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries_between(hash, lo, hi));
-  const Index first_tile = p0 / Bq;
-  const auto tiles = static_cast<long>((p0 + m - 1) / Bq - first_tile + 1);
-#pragma omp parallel
-  {
-    TileBuffers<C> buffers;
-    std::vector<SoftmaxPartials<C>> partials(levels);
-    for (SoftmaxPartials<C>& level : partials) level.resize(Bq, v.cols());
-#pragma omp for schedule(dynamic, 1)
-    for (long tile = 0; tile < tiles; ++tile) {
-      // The rows at positions [first, last), partial row i - first for position i.
-      const Index i0 = (first_tile + static_cast<Index>(tile)) * Bq;
-      const Index first = std::max(i0, p0), last = std::min(i0 + Bq, p0 + m), rows = last - first;
-      const ConstMatrixRef<Scalar> tile_q = q.middleRows(first - p0, rows);
-      for (std::size_t sample = 0; sample < samples; ++sample) {
-        const std::size_t level = merge_level(sample);
-        SoftmaxPartials<C>& fresh = partials[level];
-        fresh.clear(0, rows);
-        // The blocks [t_r, t_{r+1}) with t_{r+1} > first and t_r < last.
-        const std::vector<Index>& edges = boundaries[sample];
-        for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
-             ++edge)
-          fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
-                                          fresh.engine_state(first), buffers, precision, first,
-                                          last, k0);
-        for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
-      }
-      SoftmaxPartials<C>& result = partials[lowest];
-      for (std::size_t above = lowest + 1; above < levels; ++above)
-        if (((samples >> above) & 1U) != 0) result.merge(partials[above], 0, rows);
-      for (Index r = 0; r < rows; ++r) {
-        result.finish(r, out.row(first - p0 + r));
-        if (lse != nullptr) lse[first - p0 + r] = result.lse(r);
-      }
-    }
-  }
+  std::vector<QueryTile> tiles;
+  append_query_tiles(tiles, 0, p0, p0 + m);
+  parallel_jobs<PerSampleWorkspace<C>>(
+      static_cast<long>(tiles.size()), [&](long t, PerSampleWorkspace<C>& work) {
+        if (work.partials.size() != levels) {
+          work.partials.resize(levels);
+          for (SoftmaxPartials<C>& level : work.partials) level.resize(Bq, v.cols());
+        }
+        std::vector<SoftmaxPartials<C>>& partials = work.partials;
+        // The rows at positions [first, last), partial row i - first for position i.
+        const QueryTile& tile = tiles[static_cast<std::size_t>(t)];
+        const Index first = tile.row_begin, rows = tile.rows, last = first + rows;
+        const ConstMatrixRef<Scalar> tile_q = q.middleRows(first - p0, rows);
+        for (std::size_t sample = 0; sample < samples; ++sample) {
+          const std::size_t level = merge_level(sample);
+          SoftmaxPartials<C>& fresh = partials[level];
+          fresh.clear(0, rows);
+          // The blocks [t_r, t_{r+1}) with t_{r+1} > first and t_r < last.
+          const std::vector<Index>& edges = boundaries[sample];
+          for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
+               ++edge)
+            fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
+                                            fresh.engine_state(first), work.buffers, precision,
+                                            first, last, k0);
+          for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
+        }
+        SoftmaxPartials<C>& result = partials[lowest];
+        for (std::size_t above = lowest + 1; above < levels; ++above)
+          if (((samples >> above) & 1U) != 0) result.merge(partials[above], 0, rows);
+        for (Index r = 0; r < rows; ++r) {
+          result.finish(r, out.row(first - p0 + r));
+          if (lse != nullptr) lse[first - p0 + r] = result.lse(r);
+        }
+      });
 }
 
 }  // namespace detail
