@@ -195,15 +195,16 @@ class MultiheadAttention(torch.autograd.Function):
 
 
 def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,
-                        samples=16, seed=0, band_error=1e-3, cu_seqlens=None):
+                        samples=16, seed=0, band_error=1e-3, window=(-1, -1), cu_seqlens=None):
     """poslsh.multihead_attention (self-attention, grouped-query when k, v have fewer heads),
     differentiable in q, k, v: for query head h (K/V head h // G)
     out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h), dK and dV summed over each group.
+    window=(left, right): a local window (exact methods; -1 leaves a side unbounded).
     cu_seqlens (int32 tensor or array of B + 1 token offsets): a packed batch of B sequences,
     each attending only to itself at positions 0 .. m_b - 1 (multihead_attention_varlen)."""
     keywords = dict(layout=layout, method=method, masking=masking, scale=scale,
                     sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
-                    band_error=band_error)
+                    band_error=band_error, window=tuple(window))
     if cu_seqlens is not None:
         keywords["cu_seqlens"] = cu_seqlens.numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
     return MultiheadAttention.apply(q, k, v, keywords)
