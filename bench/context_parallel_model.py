@@ -16,21 +16,38 @@ G = heads / kv_heads; query head h uses rbf_hashes(sigma_h, samples, seed, strea
       (fixed_blocks: the one hash fixed_blocks_hash(sigma_h), width 2 sigma_h, offset 0);
   exact_banded: a = max(0, s - W_h), b = min(n, e + W_h), W_h = band_for_bias_error(sigma_h,
       band_error); exact_tiled: a = 0, b = n.
-  Forward keys: causal [a, e), bidirectional [a, b). Backward (both maskings): queries and keys
-  of the window [a64, b), a64 = 64 floor(a / 64) (the tile size). A rank's halo is the union
-  over its chunks, minus its own rows; halo rows are fetched from the ranks that own them.
-  (Problem.window / a record's "window" picks another backward convention: "exact" [a, b) per
-  head, as include/poslsh/parallel/context_parallel.hpp's window[g]; "span" the rounded union
-  over the heads, its window_span, for every head.)
-Bytes received per rank (kv_heads groups, d = head dim of Q/K, dv of V):
-  forward halo    rows(forward halo of g) (d + dv) itemsize, summed over g;
-  backward halo   rows(window of g outside the own rows) G ((d + dv) itemsize + 2 stat_itemsize)
-                  (Q, dO, lse, D of the group's query heads) + rows(window of g not in the
-                  forward halo nor own) (d + dv) itemsize (K, V not received yet);
-  forward ring    (n - own rows) kv_heads (d + dv) itemsize  (= (R-1)/R of K and V);
-  backward ring   2 (n - own rows) kv_heads (d + dv) itemsize (K, V and dK, dV travel;
-                  Megatron-style, dK and dV in the element size).
-Sent bytes are the same rows counted at their owners.
+  Forward keys: causal [a, e), bidirectional [a, b) (context_parallel_plan's keys[g]).
+  Backward window (both maskings): [a, b) (the plan's window[g]: the rows the gradients of the
+  own rows read; Problem.window = "exact", the default). Other conventions (Problem.window, a
+  record's "window"): "tile" [a64, b), a64 = 64 floor(a / 64); "span" the union over the heads
+  with its begin rounded down to 64 (the plan's window_span), for every head.
+  A rank receives the rows of these ranges outside its own shard from the ranks that own them.
+  Problem.chunks says how a zigzag rank's two chunks combine: "separate" (default, as
+  poslsh.distributed sends them: each own chunk receives its ranges, a row two chunks need
+  travels twice) or "merged" (the union over the rank's chunks, each row once, as
+  examples/mpi_context_parallel.cpp receives its forward halo). Contiguous shards: the same.
+Bytes received per rank (kv_heads groups of G query heads, d = head dim of Q/K, dv of V, every
+value in the element size `itemsize`), as python/poslsh/distributed.py sends them:
+  forward halo    rows(keys[g] outside the own rows) (d + dv) itemsize, summed over g (K, V);
+  backward halo   rows(window[g] outside the own rows) (d + dv + G (d + 2 dv + 1)) itemsize,
+                  summed over g: K, V, and Q, out, dO, lse of the G query heads
+                  (Problem.backward_payload = "out_lse", the default). "lse_d" counts a kernel
+                  that would send Q, dO, lse and D instead of out (lse and D in stat_itemsize)
+                  and K, V only for the window rows not received forward:
+                  rows(window[g] outside own) G ((d + dv) itemsize + 2 stat_itemsize)
+                  + rows(window[g] outside own and outside keys[g]) (d + dv) itemsize;
+  forward ring    (n - own rows) kv_heads (d + dv) itemsize: every shard but the own one;
+  backward ring   the ring again, (n - own rows) kv_heads (d + dv) itemsize, then the dK/dV
+                  partials of the own shard from every other rank, (R - 1) (own rows) kv_heads
+                  (d + dv) itemsize.
+Bytes sent per rank: halo, the same rows counted at their owners; ring forward, the shards of
+every rank but rank + 1 (at step k rank r forwards the shard of rank r - k, k = 0 .. R-2):
+(n - rows of rank r+1) kv_heads (d + dv) itemsize; ring backward, that again plus its dK/dV
+partials of every other rank's shard, (n - own rows) kv_heads (d + dv) itemsize. With unequal
+shards a rank's sent and received ring bytes differ.
+Messages per rank (sent plus received, as distributed.py's stats count them): a halo pass, one
+message to and one from each peer with a nonempty range; a ring forward 2 (R - 1); a ring
+backward 4 (R - 1) (empty shards send nothing).
 
 Compute: pairs(Q, K) = the pairs (i in Q, j in K) of non-zero weight, summed over query heads;
 for the random methods its expectation over the hashes, exactly, from the distance law
@@ -63,7 +80,8 @@ Time model, per pass (--passes both: the forward and backward times added), slow
           + max over ranks of the compute of the last step
           (step k computes the rank's queries against the K/V shard of rank (r - k) mod R while
           the next shard arrives, K and V forward, K, V, dK, dV backward: transfer and compute
-          overlap).
+          overlap; poslsh.distributed returns the dK/dV partials in one exchange after its
+          backward ring instead: the same bytes, not overlapped).
   hybrid  halos for some key/value heads, a ring for the others, one after the other (times
           add): a K/V head goes to the ring when, alone and without overlap, its ring time
           (pairs(own queries, all keys) (8 d + 6 dv) / rate + 3 (n - own rows) (d + dv)
@@ -74,26 +92,34 @@ Rate, latency and bandwidth are parameters: --flops-rate (90e9: one AVX-512 core
 exact_tiled's 180 GFLOP/s on 2 cores, docs/benchmarks.md) times --cores-per-rank, --latency
 (5e-6 s), --bandwidth (25e9 B/s per rank and direction).
 
-Measured-bytes file for --check (JSON): a list of records
+Measured-bytes files for --check (JSON, one or more): a list of records (or one record)
   {"n": int, "R": int, "layout": "contiguous"|"zigzag",
    "method": "lsh_fused"|"lsh_per_sample"|"fixed_blocks"|"exact_banded"|"exact_tiled",
    "masking": "causal"|"bidirectional", "heads": int, "kv_heads": int, "d": int, "dv": int,
    "itemsize": int, "sigmas": [float per query head] | null (alibi_sigmas(heads)),
    "samples": int, "seed": int,
    "forward_bytes_per_rank": [R ints], "backward_bytes_per_rank": [R ints]}
-with optional fields "transport": "halo" (default; "ring" for a ring's bytes),
-"band_error" (default 1e-3), "stat_itemsize" (bytes of one lse or D value, default 4),
-"window" ("tile", default: [a64, b) per head; "exact": [a, b); "span": see above),
-"forward_sent_bytes_per_rank", "backward_sent_bytes_per_rank" ([R ints], checked if present).
-The *_bytes_per_rank lists hold the bytes each rank RECEIVES in that pass (halo rows only: a
-rank's own rows are never counted). --check prints, per record, the relative difference
-|measured - model| / max(model, 1), largest over the ranks, and fails (exit status 1) above
---tolerance (default 0: the model counts the same rows, so halos must match exactly).
+with optional fields "transport": "halo" (default; "ring" for a ring's bytes; exact_tiled
+defaults to "ring"), "band_error" (default 1e-3), "window" ("exact", default; "tile", "span"),
+"chunks" ("separate", default; "merged"), "backward_payload" ("out_lse", default; "lse_d"),
+"stat_itemsize" (bytes of one lse or D value of "lse_d", default 4),
+"forward_sent_bytes_per_rank", "backward_sent_bytes_per_rank", "forward_messages_per_rank",
+"backward_messages_per_rank" ([R ints]). Every *_per_rank field present is checked; a record
+needs none in particular (the MPI example's forward-only records carry no backward bytes).
+The *_bytes_per_rank lists hold the bytes each rank RECEIVES in that pass, the *_sent_* lists
+those it sends (a rank's own rows are never counted). An element of the list that holds
+"model_record" is a report of examples/mpi_context_parallel --json: its "model_record" is
+checked, with "chunks" "merged" unless the record says otherwise (that example receives the
+union of its chunks' halos; a null model_record, a local window, is skipped). --check prints,
+per record and field, the relative difference |measured - model| / max(model, 1), largest over
+the ranks, and fails (exit status 1) above --tolerance (default 0: the model counts the rows the
+implementations send, so the bytes must match exactly).
 
 Usage:
   python3 bench/context_parallel_model.py                    # projection tables + plot
   python3 bench/context_parallel_model.py --full             # also the table of every row
   python3 bench/context_parallel_model.py --check bytes.json # compare measured byte counts
+  python3 bench/context_parallel_model.py --check report-R2.json report-R3.json  # MPI reports
   python3 bench/context_parallel_model.py --halos --n 65536 --ranks 8 --model mpt-7b-storywriter
 Needs numpy and the poslsh module (PYTHONPATH=build-py/python); gnuplot for the plot.
 """
@@ -121,12 +147,19 @@ ALIASES = {"banded": "exact_banded", "exact": "exact_tiled", "lsh": "lsh_fused"}
 LAYOUTS = ("contiguous", "zigzag")
 MASKINGS = ("causal", "bidirectional")
 TRANSPORTS = ("halo", "ring", "hybrid")
-TILE = 64  # backward windows start on a multiple of the tile size
-# Backward window of key/value head g on a chunk: "tile" [64 floor(a_g / 64), b_g) (the
-# definition above); "exact" [a_g, b_g) (context_parallel_plan's window[g]: the rows the
-# gradients read); "span" [64 floor(min_g a_g / 64), max_g b_g) for every head
-# (context_parallel_plan's window_span, the rows multihead_attention_window_backward spans).
-WINDOWS = ("tile", "exact", "span")
+TILE = 64  # window_span starts on a multiple of the tile size
+# Backward window of key/value head g on a chunk: "exact" [a_g, b_g) (context_parallel_plan's
+# window[g]: the rows the gradients read, the rows poslsh.distributed sends); "tile"
+# [64 floor(a_g / 64), b_g); "span" [64 floor(min_g a_g / 64), max_g b_g) for every head
+# (context_parallel_plan's window_span, the rows multihead_attention_backward(position=) spans).
+WINDOWS = ("exact", "tile", "span")
+# How a rank's chunks (two for zigzag) combine their halos: "separate" (each chunk receives its
+# own ranges, as poslsh.distributed) or "merged" (their union, as the MPI example's forward).
+CHUNK_HALOS = ("separate", "merged")
+# What the halo backward sends per window row: "out_lse" (K, V; Q, out, dO, lse per query head,
+# all in the element size: poslsh.distributed) or "lse_d" (Q, dO, lse, D per query head, lse
+# and D in stat_itemsize; K, V only for rows outside the forward halo).
+BACKWARD_PAYLOADS = ("out_lse", "lse_d")
 MAX_SAMPLES = 32  # lsh_fused's expected pairs: an alternating sum of 2^s, long double above 24
 
 # Model shapes of the projection: query heads, key/value heads, head dim, ALiBi max_bias.
@@ -178,7 +211,9 @@ class Problem:
     itemsize: int = 2
     stat_itemsize: int = 4
     band_error: float = 1e-3
-    window: str = "tile"  # backward window convention, WINDOWS
+    window: str = "exact"  # backward window convention, WINDOWS
+    chunks: str = "separate"  # how a rank's chunks combine their halos, CHUNK_HALOS
+    backward_payload: str = "out_lse"  # what a backward window row carries, BACKWARD_PAYLOADS
     streams: tuple | None = None  # hash stream of each query head; None: 0 .. H-1
 
     def __post_init__(self):
@@ -200,6 +235,11 @@ class Problem:
             raise ValueError(f"masking {self.masking!r}: one of {MASKINGS}")
         if self.window not in WINDOWS:
             raise ValueError(f"window {self.window!r}: one of {WINDOWS}")
+        if self.chunks not in CHUNK_HALOS:
+            raise ValueError(f"chunks {self.chunks!r}: one of {CHUNK_HALOS}")
+        if self.backward_payload not in BACKWARD_PAYLOADS:
+            raise ValueError(f"backward_payload {self.backward_payload!r}: one of "
+                             f"{BACKWARD_PAYLOADS}")
         chunks = self.ranks * (2 if self.layout == "zigzag" else 1)
         if self.ranks < 1 or self.n < chunks:
             raise ValueError(f"need ranks >= 1 and n >= {chunks} (one row per chunk)")
@@ -222,9 +262,16 @@ class Problem:
         return (self.d + self.dv) * self.itemsize
 
     @property
-    def q_row_bytes(self):
-        """Backward bytes of one row for the G query heads of a key/value head: Q, dO, lse, D."""
-        return self.group * ((self.d + self.dv) * self.itemsize + 2 * self.stat_itemsize)
+    def backward_row_bytes(self):
+        """(bytes of one backward window row of one key/value head outside the own rows, extra
+        bytes when the row is outside the forward halo too): "out_lse", K, V and Q, out, dO, lse
+        of the G query heads, (d + dv + G (d + 2 dv + 1)) itemsize, nothing extra; "lse_d",
+        Q, dO, lse, D of the G query heads, G ((d + dv) itemsize + 2 stat_itemsize), and K, V,
+        (d + dv) itemsize, if not received forward."""
+        if self.backward_payload == "out_lse":
+            return (self.d + self.dv + self.group * (self.d + 2 * self.dv + 1)) * self.itemsize, 0
+        return (self.group * ((self.d + self.dv) * self.itemsize + 2 * self.stat_itemsize),
+                self.kv_row_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,8 +433,12 @@ class Halos:
     forward_end: np.ndarray
     window_begin: np.ndarray
     window_end: np.ndarray
-    forward_rows: np.ndarray = field(default=None)  # (R, kv_heads) halo rows (own excluded)
-    window_rows: np.ndarray = field(default=None)  # (R, kv_heads)
+    # (R, kv_heads): rows received (own rows excluded; Problem.chunks "separate": summed over
+    # the rank's chunks, a row two chunks need counted twice)
+    forward_rows: np.ndarray = field(default=None)
+    window_rows: np.ndarray = field(default=None)
+    forward_bytes: np.ndarray = field(default=None)  # (R, kv_heads) bytes received
+    backward_bytes: np.ndarray = field(default=None)
     forward_recv: np.ndarray = field(default=None)
     forward_sent: np.ndarray = field(default=None)
     backward_recv: np.ndarray = field(default=None)
@@ -398,7 +449,8 @@ class Halos:
     backward_peers_out: np.ndarray = field(default=None)
 
     def rank_intervals(self, r, g, which="forward"):
-        """The halo of rank r, kv head g as a sorted list of disjoint [x, y) (own rows out)."""
+        """The halo of rank r, kv head g as a sorted list of disjoint [x, y) (own rows out; the
+        union over the rank's chunks)."""
         begin = self.forward_begin if which == "forward" else self.window_begin
         end = self.forward_end if which == "forward" else self.window_end
         union = _merge([(int(x), int(y)) for x, y in zip(begin[r, :, g], end[r, :, g])])
@@ -491,6 +543,14 @@ def halo_ranges(problem):
     return _halo_ranges(problem)
 
 
+def _own_overlap(begin, end, starts, ends):
+    """|[begin, end) n the rank's own rows| of (R, C, G) intervals, the rank's chunks [starts,
+    ends) of shape (R, C')."""
+    lo = np.maximum(begin[..., None], starts[:, None, None, :])
+    hi = np.minimum(end[..., None], ends[:, None, None, :])
+    return np.maximum(hi - lo, 0).sum(axis=-1)
+
+
 @functools.lru_cache(maxsize=16)
 def _halo_ranges(problem):
     starts, ends = shards(problem)  # (R, C)
@@ -508,23 +568,35 @@ def _halo_ranges(problem):
         window_end = np.broadcast_to(b.max(axis=2, keepdims=True), b.shape)
     halos = Halos(problem, starts, ends, a, b, forward_begin, forward_end, window_begin,
                   window_end)
-    own_rows = (ends - starts).sum(axis=1)  # (R,)
-    fb, fe = _union_chunks(forward_begin, forward_end)
-    wb, we = _union_chunks(window_begin, window_end)
-    halos.forward_rows = (fe - fb).sum(axis=1) - own_rows[:, None]
-    halos.window_rows = (we - wb).sum(axis=1) - own_rows[:, None]
-    kv, qb = problem.kv_row_bytes, problem.q_row_bytes
-    halos.forward_recv = halos.forward_rows.sum(axis=1) * kv
-    new_kv_rows = halos.window_rows - halos.forward_rows  # forward halo is inside the window
-    halos.backward_recv = halos.window_rows.sum(axis=1) * qb + new_kv_rows.sum(axis=1) * kv
+    if problem.chunks == "merged":
+        fb, fe = _union_chunks(forward_begin, forward_end)
+        wb, we = _union_chunks(window_begin, window_end)
+    else:
+        fb, fe, wb, we = forward_begin, forward_end, window_begin, window_end
+    # Rows of each (rank, chunk, head) range that the rank owns: not sent.
+    own_forward = _own_overlap(fb, fe, starts, ends)  # (R, C, G)
+    own_window = _own_overlap(wb, we, starts, ends)
+    halos.forward_rows = ((fe - fb) - own_forward).sum(axis=1)  # (R, G)
+    halos.window_rows = ((we - wb) - own_window).sum(axis=1)
+    kv = problem.kv_row_bytes
+    row, extra = problem.backward_row_bytes  # extra: rows outside the forward halo (lse_d)
+    halos.forward_bytes = halos.forward_rows * kv
+    # The forward range of a chunk lies inside its window (and so do their unions).
+    halos.backward_bytes = (halos.window_rows * row
+                            + (halos.window_rows - halos.forward_rows) * extra)
+    halos.forward_recv = halos.forward_bytes.sum(axis=1)
+    halos.backward_recv = halos.backward_bytes.sum(axis=1)
     bounds, owner = chunk_bounds(problem.n, problem.ranks, problem.layout)
-    R, G = problem.ranks, problem.kv_heads
-    forward_cover = np.bincount(owner, _chunk_overlap(fb, fe, kv, bounds), minlength=R)
-    window_cover = _chunk_overlap(wb, we, qb + kv, bounds) - _chunk_overlap(fb, fe, kv, bounds)
-    window_cover = np.bincount(owner, window_cover, minlength=R)
-    # Every interval set holds its rank's own rows once: those are not sent.
-    halos.forward_sent = np.rint(forward_cover).astype(np.int64) - own_rows * G * kv
-    halos.backward_sent = np.rint(window_cover).astype(np.int64) - own_rows * G * qb
+    R = problem.ranks
+    # Sent: every range's rows counted at the ranks owning them, minus those a rank owns itself.
+    forward_cover = _chunk_overlap(fb, fe, kv, bounds)
+    window_cover = _chunk_overlap(wb, we, row + extra, bounds) - _chunk_overlap(fb, fe, extra,
+                                                                                bounds)
+    halos.forward_sent = (np.bincount(owner, forward_cover, minlength=R).round().astype(np.int64)
+                          - own_forward.sum(axis=(1, 2)) * kv)
+    halos.backward_sent = (np.bincount(owner, window_cover, minlength=R).round().astype(np.int64)
+                           - own_window.sum(axis=(1, 2)) * (row + extra)
+                           + own_forward.sum(axis=(1, 2)) * extra)
     halos.forward_peers_in, halos.forward_peers_out = _peers(forward_begin, forward_end, bounds,
                                                              owner, R)
     halos.backward_peers_in, halos.backward_peers_out = _peers(window_begin, window_end, bounds,
@@ -532,13 +604,47 @@ def _halo_ranges(problem):
     return halos
 
 
-def ring_bytes(problem):
-    """(forward, backward) bytes each rank receives in a K/V ring: (n - own rows) kv_heads
-    (d + dv) itemsize, twice that backward (K, V, dK, dV)."""
+def shard_rows(problem):
+    """Rows of every rank's shard, (R,)."""
     starts, ends = shards(problem)
-    other = problem.n - (ends - starts).sum(axis=1)
-    forward = other * problem.kv_heads * problem.kv_row_bytes
-    return forward, 2 * forward
+    return (ends - starts).sum(axis=1)
+
+
+def ring_bytes(problem):
+    """(forward, backward) bytes each rank receives in the K/V ring of poslsh.distributed (and
+    the MPI example's forward): every shard but the own one, (n - own rows) kv_heads (d + dv)
+    itemsize; backward that again plus the dK/dV partials of the own shard from the R - 1
+    others, (R - 1) (own rows) kv_heads (d + dv) itemsize."""
+    own = shard_rows(problem)
+    row = problem.kv_heads * problem.kv_row_bytes
+    forward = (problem.n - own) * row
+    return forward, forward + (problem.ranks - 1) * own * row
+
+
+def ring_bytes_sent(problem):
+    """(forward, backward) bytes each rank sends in the K/V ring: rank r forwards the shards of
+    ranks r, r - 1, .., r - R + 2 (every one but rank r + 1's), (n - rows of rank r + 1)
+    kv_heads (d + dv) itemsize; backward that again plus its dK/dV partials of every other
+    rank's shard, (n - own rows) kv_heads (d + dv) itemsize."""
+    own = shard_rows(problem)
+    row = problem.kv_heads * problem.kv_row_bytes
+    forward = (problem.n - np.roll(own, -1)) * row
+    return forward, forward + (problem.n - own) * row
+
+
+def ring_messages(problem):
+    """(forward, backward) messages per rank, sent plus received (empty ones are not sent)."""
+    own = shard_rows(problem)
+    R = problem.ranks
+    r = np.arange(R)
+    steps = np.arange(R - 1)
+    nonempty = own > 0
+    # Step k: rank r sends the shard of rank r - k, receives that of rank r - k - 1.
+    ring = (nonempty[(r[:, None] - steps[None, :]) % R].sum(axis=1)
+            + nonempty[(r[:, None] - steps[None, :] - 1) % R].sum(axis=1))
+    others = nonempty.sum() - nonempty  # dK/dV partials sent to the nonempty other shards
+    partials = others + np.where(nonempty, R - 1, 0)  # and received when the own is nonempty
+    return ring, ring + partials
 
 
 def ring_bytes_closed_form(n, ranks, kv_heads, d, dv, itemsize):
@@ -875,15 +981,14 @@ def ring_heads(problem, machine, backward_pairs="window", halos=None):
     compute = halo_compute(problem, None if halos is halo_ranges(problem) else halos,
                            backward_pairs)
     d, dv, G = problem.d, problem.dv, problem.group
-    kv, qb = problem.kv_row_bytes, problem.q_row_bytes
+    kv = problem.kv_row_bytes
 
     def by_kv(heads):  # (H, R) -> (G_kv, R): sum over each key/value head's query heads
         return heads.reshape(problem.kv_heads, G, -1).sum(axis=1)
 
     own_all = by_kv(compute.own_all_heads)
     halo_flops = by_kv(compute.forward_flops_heads + compute.backward_flops_heads)
-    halo_bytes = (halos.forward_rows * kv + halos.window_rows * qb
-                  + (halos.window_rows - halos.forward_rows) * kv).T  # (G_kv, R)
+    halo_bytes = (halos.forward_bytes + halos.backward_bytes).T  # (G_kv, R)
     halo_time = halo_flops.max(axis=1) / machine.flops_rate + halo_bytes.max(axis=1) / \
         machine.bandwidth
     starts, ends = shards(problem)
@@ -928,19 +1033,23 @@ def estimate(problem, transport, machine, passes="both", backward_pairs="window"
 
 
 def model_problem(model, n, ranks, method, layout, samples=16, seed=0, itemsize=2,
-                  masking="causal", window="tile"):
+                  masking="causal", window="exact", **options):
+    """The Problem of a model of MODELS; options: further Problem fields (chunks,
+    backward_payload, ...)."""
     shape = MODELS[model]
     return Problem(n=n, ranks=ranks, sigmas=tuple(alibi_sigmas(shape["heads"], shape["max_bias"])),
                    layout=layout, method=method, masking=masking, samples=samples, seed=seed,
-                   kv_heads=shape["kv_heads"], d=shape["d"], itemsize=itemsize, window=window)
+                   kv_heads=shape["kv_heads"], d=shape["d"], itemsize=itemsize, window=window,
+                   **options)
 
 
 def projection(models=tuple(MODELS), ranks=DEFAULT_RANKS, lengths=DEFAULT_LENGTHS,
                rows=PROJECTION_ROWS, machine=Machine(), samples=16, seed=0, itemsize=2,
-               masking="causal", passes="both", layout=None, window="tile",
-               backward_pairs="window"):
+               masking="causal", passes="both", layout=None, window="exact",
+               backward_pairs="window", **options):
     """One record per (model, n, R, row), a row (method, transport, layout) of PROJECTION_ROWS
-    (layout None: every row's own): dicts with the Estimate's fields."""
+    (layout None: every row's own; options: further Problem fields): dicts with the Estimate's
+    fields."""
     out = []
     for model in models:
         for n in lengths:
@@ -948,7 +1057,7 @@ def projection(models=tuple(MODELS), ranks=DEFAULT_RANKS, lengths=DEFAULT_LENGTH
                 for method, transport, row_layout in rows:
                     chosen = layout or row_layout
                     problem = model_problem(model, n, R, method, chosen, samples, seed, itemsize,
-                                            masking, window)
+                                            masking, window, **options)
                     result = estimate(problem, transport, machine, passes, backward_pairs)
                     out.append(dict(model=model, n=n, R=R, method=method, transport=transport,
                                     layout=chosen, halo_bytes=result.halo_bytes,
@@ -1122,20 +1231,31 @@ def record_problem(record):
                    itemsize=int(record["itemsize"]),
                    stat_itemsize=int(record.get("stat_itemsize", 4)),
                    band_error=float(record.get("band_error", 1e-3)),
-                   window=record.get("window", "tile"))
+                   window=record.get("window", "exact"),
+                   chunks=record.get("chunks", "separate"),
+                   backward_payload=record.get("backward_payload", "out_lse"))
 
 
 def model_bytes(problem, transport="halo"):
-    """{field: per-rank array} of the bytes the measured records carry."""
+    """{field: per-rank array} of the bytes (received, sent) and messages the measured records
+    carry."""
     if transport == "ring":
         forward, backward = ring_bytes(problem)
-        return {"forward_bytes_per_rank": forward, "backward_bytes_per_rank": backward,
-                "forward_sent_bytes_per_rank": forward, "backward_sent_bytes_per_rank": backward}
-    halos = halo_ranges(problem)
-    return {"forward_bytes_per_rank": halos.forward_recv,
-            "backward_bytes_per_rank": halos.backward_recv,
-            "forward_sent_bytes_per_rank": halos.forward_sent,
-            "backward_sent_bytes_per_rank": halos.backward_sent}
+        forward_sent, backward_sent = ring_bytes_sent(problem)
+        forward_messages, backward_messages = ring_messages(problem)
+    elif transport == "halo":
+        halos = halo_ranges(problem)
+        forward, backward = halos.forward_recv, halos.backward_recv
+        forward_sent, backward_sent = halos.forward_sent, halos.backward_sent
+        forward_messages = halos.forward_peers_in + halos.forward_peers_out
+        backward_messages = halos.backward_peers_in + halos.backward_peers_out
+    else:
+        raise ValueError(f"transport {transport!r}: 'halo' or 'ring'")
+    return {"forward_bytes_per_rank": forward, "backward_bytes_per_rank": backward,
+            "forward_sent_bytes_per_rank": forward_sent,
+            "backward_sent_bytes_per_rank": backward_sent,
+            "forward_messages_per_rank": forward_messages,
+            "backward_messages_per_rank": backward_messages}
 
 
 def relative_difference(measured, model):
@@ -1146,12 +1266,32 @@ def relative_difference(measured, model):
     return np.abs(measured - model) / np.maximum(model, 1.0)
 
 
+def measured_records(data):
+    """The records of a --check file's JSON: a list of records or one; a report of
+    examples/mpi_context_parallel --json (it holds "model_record") stands for its model_record,
+    with "chunks" "merged" unless given (None for a null model_record: nothing to check)."""
+    out = []
+    for item in data if isinstance(data, list) else [data]:
+        if "model_record" in item:
+            record = item["model_record"]
+            if record is not None:
+                record = {"chunks": "merged", **record}
+            item = record
+        out.append(item)
+    return out
+
+
 def check(records, tolerance=0.0):
-    """Compares measured records with the model: (ok, rows of a markdown table)."""
+    """Compares measured records with the model: (ok, rows of a markdown table). A None record
+    (a report without a model record) is listed as skipped."""
     lines = ["| # | n | R | layout | method | masking | transport | field | max rel. diff "
              "| measured (rank of max) | model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ok = True
     for index, record in enumerate(records):
+        if record is None:
+            lines.append(f"| {index} | - | - | - | - | - | - | no model record (skipped) "
+                         "| - | - | - |")
+            continue
         problem = record_problem(record)
         transport = record.get("transport", "ring" if problem.method == "exact_tiled" else "halo")
         expected = model_bytes(problem, transport)
@@ -1201,15 +1341,20 @@ def main(argv=None):
     parser.add_argument("--passes", choices=("both", "forward", "backward"), default="both")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="one layout for every row (default: each row's own, PROJECTION_ROWS)")
-    parser.add_argument("--window", choices=WINDOWS, default="tile",
+    parser.add_argument("--window", choices=WINDOWS, default="exact",
                         help="backward window convention (module docstring)")
+    parser.add_argument("--chunks", choices=CHUNK_HALOS, default="separate",
+                        help="zigzag: each chunk's halo (poslsh.distributed) or their union")
+    parser.add_argument("--backward-payload", choices=BACKWARD_PAYLOADS, default="out_lse",
+                        help="what a halo backward row carries (module docstring)")
     parser.add_argument("--backward-pairs", choices=BACKWARD_PAIRS, default="window",
                         help="halo backward compute: every pair of the window (default) or only "
                              "the pairs with an own query or key")
     parser.add_argument("--plot", default="docs/images/context_parallel_model.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--full", action="store_true", help="print the table of every row")
-    parser.add_argument("--check", metavar="JSON", help="compare measured bytes with the model")
+    parser.add_argument("--check", metavar="JSON", nargs="+",
+                        help="compare measured bytes with the model (one or more files)")
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument("--halos", action="store_true",
                         help="print the halo ranges of one problem (--n, --model, --method)")
@@ -1219,8 +1364,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.check:
-        with open(args.check) as f:
-            records = json.load(f)
+        records = []
+        for name in args.check:
+            with open(name) as f:
+                records += measured_records(json.load(f))
         ok, table = check(records, args.tolerance)
         print(table)
         print(f"\n{'OK' if ok else 'MISMATCH'}: tolerance {args.tolerance:g}")
@@ -1229,7 +1376,8 @@ def main(argv=None):
     if args.halos:
         problem = model_problem(args.model, args.n, args.ranks[0], ALIASES.get(args.method,
                                 args.method), args.layout or "contiguous", args.samples,
-                                args.seed, args.itemsize, args.masking, args.window)
+                                args.seed, args.itemsize, args.masking, args.window,
+                                chunks=args.chunks, backward_payload=args.backward_payload)
         halos = halo_ranges(problem)
         print("| rank | kv head | chunk | a | b | forward halo | backward window halo |")
         print("|---|---|---|---|---|---|---|")
@@ -1252,12 +1400,14 @@ def main(argv=None):
     started = time.perf_counter()
     records = projection(models, args.ranks, args.lengths, PROJECTION_ROWS, machine,
                          args.samples, args.seed, args.itemsize, args.masking, args.passes,
-                         args.layout, args.window, args.backward_pairs)
+                         args.layout, args.window, args.backward_pairs, chunks=args.chunks,
+                         backward_payload=args.backward_payload)
     elapsed = time.perf_counter() - started
     print(f"<!-- bench/context_parallel_model.py: latency {machine.latency:g} s, bandwidth "
           f"{machine.bandwidth:g} B/s, {machine.flops_rate:g} FLOP/s per rank, s = "
           f"{args.samples}, seed {args.seed}, itemsize {args.itemsize}, {args.masking}, passes "
-          f"{args.passes}, window {args.window}, backward pairs {args.backward_pairs}; "
+          f"{args.passes}, window {args.window}, chunks {args.chunks}, backward payload "
+          f"{args.backward_payload}, backward pairs {args.backward_pairs}; "
           f"{len(records)} rows in {elapsed:.1f} s -->")
     for model in models:
         print(f"\n### {MODELS[model]['label']}\n")

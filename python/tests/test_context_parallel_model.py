@@ -1,11 +1,19 @@
 """bench/context_parallel_model.py: halo ranges and bytes against a brute force over every
 position, the expected pair counts against direct sums and lsh_fused_pair_count, ring bytes
-against the closed form, the --check format, and the projection's speed."""
+against the closed form and the ring's schedule, the --check format, the projection's speed,
+and the model's bytes and messages against poslsh.distributed's stats in spawned gloo worlds
+(R = 2, 3, 4)."""
 
+import dataclasses
+import datetime
 import json
 import math
+import os
+import queue
+import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +54,9 @@ def rows_of(intervals):
 
 
 def brute_force(problem):
-    """Per rank r and kv head g: forward halo rows, backward window rows (sets, own rows out),
-    and per chunk (a, b) from the positions the chunk's queries reach and that reach its keys."""
+    """Per rank r and kv head g: forward halo rows, backward window rows (sets, own rows out;
+    "chunk_forward", "chunk_window": one set per chunk), and per chunk (a, b) from the positions
+    the chunk's queries reach and that reach its keys."""
     starts, ends = cpm.shards(problem)
     reach = [reach_matrix(problem, h) for h in range(problem.heads)]
     out = {}
@@ -56,25 +65,27 @@ def brute_force(problem):
         for g in range(problem.kv_heads):
             heads = range(g * problem.group, (g + 1) * problem.group)
             group_reach = np.logical_or.reduce([reach[h] for h in heads])
-            keys, ab = set(), []
+            keys, ab, chunk_keys = set(), [], []
             for s, e in zip(starts[r], ends[r]):
                 reached = np.flatnonzero(group_reach[s:e].any(axis=0))  # keys of the chunk
                 reaching = np.flatnonzero(group_reach[:, s:e].any(axis=1))  # its keys' queries
                 ab.append((int(reached.min()), int(reaching.max()) + 1))
                 keys |= set(reached.tolist())
-            out[r, g] = dict(forward=keys - own, ab=ab, own=own)
+                chunk_keys.append(set(reached.tolist()) - own)
+            out[r, g] = dict(forward=keys - own, ab=ab, own=own, chunk_forward=chunk_keys)
     for (r, g), entry in out.items():  # the backward window of each convention
-        window = set()
+        windows = []
         for c, (a, b) in enumerate(entry["ab"]):
             if problem.window == "tile":
-                window |= set(range(a // 64 * 64, b))
+                windows.append(set(range(a // 64 * 64, b)))
             elif problem.window == "exact":
-                window |= set(range(a, b))
+                windows.append(set(range(a, b)))
             else:
                 spans = [out[r, h]["ab"][c] for h in range(problem.kv_heads)]
-                window |= set(range(min(x for x, _ in spans) // 64 * 64,
-                                    max(y for _, y in spans)))
-        entry["window"] = window - entry["own"]
+                windows.append(set(range(min(x for x, _ in spans) // 64 * 64,
+                                         max(y for _, y in spans))))
+        entry["window"] = set().union(*windows) - entry["own"]
+        entry["chunk_window"] = [w - entry["own"] for w in windows]
     return out
 
 
@@ -89,6 +100,14 @@ CASES = [
 ]
 
 
+def row_lists(entry, chunks):
+    """[(forward rows, window rows)] of one rank and head: per chunk ("separate"), or their
+    unions ("merged")."""
+    if chunks == "merged":
+        return [(entry["forward"], entry["window"])]
+    return list(zip(entry["chunk_forward"], entry["chunk_window"]))
+
+
 @pytest.mark.parametrize("window", cpm.WINDOWS)
 @pytest.mark.parametrize("layout", cpm.LAYOUTS)
 @pytest.mark.parametrize("masking", cpm.MASKINGS)
@@ -98,11 +117,24 @@ def test_halo_ranges_match_brute_force(method, n, ranks, sigmas, kv_heads, layou
     problem = cpm.Problem(n=n, ranks=ranks, sigmas=sigmas, layout=layout, method=method,
                           masking=masking, samples=6, seed=11, kv_heads=kv_heads, d=16, dv=8,
                           itemsize=2, stat_itemsize=4, window=window)
-    halos = cpm.halo_ranges(problem)
     expected = brute_force(problem)
+    for chunks in cpm.CHUNK_HALOS if layout == "zigzag" else ("separate",):
+        for payload in cpm.BACKWARD_PAYLOADS:
+            check_halos(dataclasses.replace(problem, chunks=chunks, backward_payload=payload),
+                        expected)
+
+
+def check_halos(problem, expected):
+    n, ranks, layout = problem.n, problem.ranks, problem.layout
+    halos = cpm.halo_ranges(problem)
     bounds, owner = cpm.chunk_bounds(n, ranks, layout)
     row_owner = np.repeat(owner, np.diff(bounds))
-    kv, qb = problem.kv_row_bytes, problem.q_row_bytes
+    kv, G, itemsize = problem.kv_row_bytes, problem.group, problem.itemsize
+    d, dv = problem.d, problem.dv
+    if problem.backward_payload == "out_lse":  # K, V; Q, out, dO, lse per query head
+        window_bytes, new_kv_bytes = (d + dv + G * (d + 2 * dv + 1)) * itemsize, 0
+    else:  # Q, dO, lse, D per query head; K, V if not received forward
+        window_bytes, new_kv_bytes = G * ((d + dv) * itemsize + 2 * problem.stat_itemsize), kv
     recv_f = np.zeros(ranks, np.int64)
     recv_b = np.zeros(ranks, np.int64)
     sent_f = np.zeros(ranks, np.int64)
@@ -114,17 +146,18 @@ def test_halo_ranges_match_brute_force(method, n, ranks, sigmas, kv_heads, layou
                 for c in range(halos.a.shape[1])] == want["ab"]
         assert rows_of(halos.rank_intervals(r, g)) == want["forward"]
         assert rows_of(halos.rank_intervals(r, g, "window")) == want["window"]
-        assert halos.forward_rows[r, g] == len(want["forward"])
-        assert halos.window_rows[r, g] == len(want["window"])
-        new_kv = want["window"] - want["forward"]
-        recv_f[r] += len(want["forward"]) * kv
-        recv_b[r] += len(want["window"]) * qb + len(new_kv) * kv
-        for row in want["forward"]:
-            sent_f[row_owner[row]] += kv
-            peers_f[r].add(row_owner[row])
-        for row in want["window"]:
-            sent_b[row_owner[row]] += qb + (kv if row in new_kv else 0)
-            peers_b[r].add(row_owner[row])
+        lists = row_lists(want, problem.chunks)
+        assert halos.forward_rows[r, g] == sum(len(f) for f, _ in lists)
+        assert halos.window_rows[r, g] == sum(len(w) for _, w in lists)
+        for forward, window in lists:
+            recv_f[r] += len(forward) * kv
+            recv_b[r] += len(window) * window_bytes + len(window - forward) * new_kv_bytes
+            for row in forward:
+                sent_f[row_owner[row]] += kv
+                peers_f[r].add(row_owner[row])
+            for row in window:
+                sent_b[row_owner[row]] += window_bytes + (new_kv_bytes if row not in forward else 0)
+                peers_b[r].add(row_owner[row])
     np.testing.assert_array_equal(halos.forward_recv, recv_f)
     np.testing.assert_array_equal(halos.backward_recv, recv_b)
     np.testing.assert_array_equal(halos.forward_sent, sent_f)
@@ -335,6 +368,37 @@ def test_ring_bytes_closed_form(layout):
     assert forward.sum() == (7 - 1) * 1001 * problem.kv_row_bytes  # each shard to R-1 ranks
 
 
+@pytest.mark.parametrize("layout", cpm.LAYOUTS)
+@pytest.mark.parametrize("n,ranks", [(1001, 7), (5000, 3), (301, 4), (10, 2), (7, 1)])
+def test_ring_bytes_follow_the_schedule(layout, n, ranks):
+    """Step k of R - 1: rank r sends the shard it holds (rank r - k's) to r + 1 and receives
+    rank r - k - 1's; the backward runs the ring again, then sends each other rank the dK/dV
+    partials of its shard. Unequal shards: a rank sends every shard but rank r + 1's."""
+    problem = cpm.Problem(n=n, ranks=ranks, sigmas=(1.0,) * 8, layout=layout, kv_heads=4,
+                          d=32, dv=32, itemsize=4)
+    own = cpm.shard_rows(problem)
+    row = 4 * (32 + 32) * 4
+    sent, received = np.zeros(ranks, np.int64), np.zeros(ranks, np.int64)
+    for r in range(ranks):
+        for k in range(ranks - 1):
+            sent[r] += own[(r - k) % ranks] * row
+            received[r] += own[(r - k - 1) % ranks] * row
+    forward, backward = cpm.ring_bytes(problem)
+    forward_sent, backward_sent = cpm.ring_bytes_sent(problem)
+    np.testing.assert_array_equal(forward, received)
+    np.testing.assert_array_equal(forward_sent, sent)
+    partials_sent = np.array([(n - own[r]) * row for r in range(ranks)])
+    partials_received = (ranks - 1) * own * row
+    np.testing.assert_array_equal(backward, received + partials_received)
+    np.testing.assert_array_equal(backward_sent, sent + partials_sent)
+    assert forward.sum() == forward_sent.sum() and backward.sum() == backward_sent.sum()
+    forward_messages, backward_messages = cpm.ring_messages(problem)
+    np.testing.assert_array_equal(forward_messages, [2 * (ranks - 1)] * ranks)
+    np.testing.assert_array_equal(backward_messages, [4 * (ranks - 1)] * ranks)
+    if (n, ranks, layout) == (5000, 3, "contiguous"):  # shards 1666, 1667, 1667
+        assert forward_sent[2] == 3414016 and forward[2] == 3412992
+
+
 def test_check_accepts_the_model_and_flags_a_difference(tmp_path, capsys):
     records = []
     for method, layout, masking in (("lsh_fused", "zigzag", "causal"),
@@ -357,6 +421,27 @@ def test_check_accepts_the_model_and_flags_a_difference(tmp_path, capsys):
                         backward_bytes_per_rank=backward.tolist()))
     ok, table = cpm.check(records)
     assert ok and table.count("\n") == 2 + 2 * len(records) - 1
+    # A report of examples/mpi_context_parallel --json: its model record, chunks "merged" (the
+    # union of a zigzag rank's chunk halos); a null model record is skipped.
+    banded = records[1]  # exact_banded, bidirectional: bands wider than a chunk
+    merged = cpm.Problem(n=5000, ranks=4, sigmas=tuple(banded["sigmas"]), layout="zigzag",
+                         method=banded["method"], masking=banded["masking"], kv_heads=2, d=32,
+                         dv=32, itemsize=2, chunks="merged")
+    model = cpm.model_bytes(merged)
+    report = dict(program="mpi_context_parallel", model_record=dict(
+        {k: v for k, v in banded.items() if not k.endswith("_per_rank")}, layout="zigzag",
+        forward_bytes_per_rank=model["forward_bytes_per_rank"].tolist(),
+        forward_sent_bytes_per_rank=model["forward_sent_bytes_per_rank"].tolist()))
+    separate = cpm.model_bytes(dataclasses.replace(merged, chunks="separate"))
+    assert separate["forward_bytes_per_rank"].sum() > model["forward_bytes_per_rank"].sum()
+    unwrapped = cpm.measured_records([report, dict(program="mpi_context_parallel",
+                                                   model_record=None)])
+    assert unwrapped[0]["chunks"] == "merged" and unwrapped[1] is None
+    ok, table = cpm.check(unwrapped)
+    assert ok and "skipped" in table
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert cpm.main(["--check", str(path)]) == 0
     path = tmp_path / "bytes.json"
     path.write_text(json.dumps(records))
     assert cpm.main(["--check", str(path)]) == 0
@@ -404,3 +489,175 @@ def test_hybrid_sends_the_widest_heads_around_the_ring():
     assert not cpm.ring_heads(bloom, machine).any()
     assert cpm.estimate(bloom, "hybrid", machine).total == cpm.estimate(bloom, "halo",
                                                                          machine).total
+
+
+# The model against poslsh.distributed's stats. -------------------------------------------------
+#
+# One spawned gloo world per R (2, 3, 4) on 127.0.0.1 runs context_parallel_attention forward and
+# backward for each case with stats= and reports every rank's stats; the model's bytes (received
+# and sent, forward and backward) and messages must equal them exactly. Every wait is bounded
+# (gloo timeout in the workers, a deadline in the parent): a broken world fails, never hangs.
+
+try:
+    import torch
+except ImportError:  # the spawned-world test skips
+    torch = None
+
+SPAWN_RANKS = [2, 3, 4]
+SPAWN_N = 301  # unequal shards for every R
+SPAWN_GLOO_TIMEOUT = 20.0  # seconds, every wait in a worker
+SPAWN_DEADLINE = 120.0  # seconds, a whole world in the parent
+SPAWN_SIGMAS = (2.0, 9.0, 30.0, 120.0)  # halos from a few rows to several shards
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnCase:
+    name: str
+    method: str
+    masking: str
+    layout: str
+    dtype: str = "float32"
+    d: int = 8
+    dv: int = 8
+
+    @property
+    def itemsize(self):
+        return 4 if self.dtype == "float32" else 8
+
+    @property
+    def transport(self):
+        return "ring" if self.method == "exact_tiled" else "halo"
+
+
+SPAWN_CASES = [
+    SpawnCase("lsh_fused-causal", "lsh_fused", "causal", "contiguous"),
+    SpawnCase("lsh_fused-causal-zigzag-f64", "lsh_fused", "causal", "zigzag", "float64", 16, 8),
+    SpawnCase("exact_banded-bidirectional-zigzag", "exact_banded", "bidirectional", "zigzag"),
+    SpawnCase("exact_tiled-ring-causal", "exact_tiled", "causal", "contiguous"),
+    SpawnCase("exact_tiled-ring-bidirectional-zigzag-f64", "exact_tiled", "bidirectional",
+              "zigzag", "float64", 8, 16),
+]
+SPAWN_KEYWORDS = dict(sigmas=list(SPAWN_SIGMAS), samples=8, seed=5)
+SPAWN_KEYWORDS_MODEL = dict(samples=SPAWN_KEYWORDS["samples"], seed=SPAWN_KEYWORDS["seed"])
+
+
+def spawn_stats(case, index, rank, world_size):
+    """This rank's stats after the forward and backward of one case."""
+    from poslsh import distributed as pdist
+
+    generator = torch.Generator().manual_seed(100 + index)
+    dtype = getattr(torch, case.dtype)
+    heads, kv_heads = len(SPAWN_SIGMAS), 2
+    whole = [torch.rand((SPAWN_N, h, width), generator=generator, dtype=dtype) - 0.5
+             for h, width in ((heads, case.d), (kv_heads, case.d), (kv_heads, case.dv),
+                              (heads, case.dv))]
+    q, k, v, dout = (pdist.shard(x, rank, world_size, case.layout).clone() for x in whole)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    stats = {}
+    out = pdist.context_parallel_attention(q, k, v, method=case.method, masking=case.masking,
+                                           layout=case.layout, num_threads=1, stats=stats,
+                                           **SPAWN_KEYWORDS)
+    out.backward(dout)
+    return dict(stats)
+
+
+def spawn_worker(rank, world_size, port, results):
+    import torch.distributed as dist
+
+    report = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=SPAWN_GLOO_TIMEOUT))
+        for index, case in enumerate(SPAWN_CASES):
+            try:
+                report[case.name] = spawn_stats(case, index, rank, world_size)
+            except Exception:  # noqa: BLE001 -- reported to the parent
+                report[case.name] = traceback.format_exc()
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        report["world"] = traceback.format_exc()
+    results.put((rank, report))
+
+
+_SPAWNED = {}
+
+
+def spawned_world(world_size):
+    """{rank: {case: stats dict or traceback}} of one spawned world (run once per R)."""
+    if world_size in _SPAWNED:
+        return _SPAWNED[world_size]
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        processes = [context.Process(target=spawn_worker, args=(rank, world_size, port, results),
+                                     daemon=True) for rank in range(world_size)]
+        for process in processes:
+            process.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    reports, deadline = {}, time.monotonic() + SPAWN_DEADLINE
+    try:
+        while len(reports) < world_size:
+            try:
+                rank, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                reports[rank] = report
+            except queue.Empty:
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+    for rank in range(world_size):
+        reports.setdefault(rank, {"world": f"rank {rank} reported nothing within "
+                                           f"{SPAWN_DEADLINE} s"})
+    _SPAWNED[world_size] = reports
+    return reports
+
+
+@pytest.mark.skipif(torch is None, reason="PyTorch is not installed")
+@pytest.mark.parametrize("case", SPAWN_CASES, ids=[case.name for case in SPAWN_CASES])
+@pytest.mark.parametrize("world_size", SPAWN_RANKS)
+def test_model_bytes_equal_the_distributed_stats(world_size, case):
+    reports = spawned_world(world_size)
+    measured = []
+    for rank in range(world_size):
+        report = reports[rank]
+        assert "world" not in report, f"rank {rank}: {report['world']}"
+        assert isinstance(report.get(case.name), dict), f"rank {rank}: {report.get(case.name)}"
+        measured.append(report[case.name])
+    problem = cpm.Problem(n=SPAWN_N, ranks=world_size, sigmas=SPAWN_SIGMAS, layout=case.layout,
+                          method=case.method, masking=case.masking, kv_heads=2, d=case.d,
+                          dv=case.dv, itemsize=case.itemsize, **SPAWN_KEYWORDS_MODEL)
+    model = cpm.model_bytes(problem, case.transport)
+    fields = {"forward_bytes_per_rank": "forward_bytes_received",
+              "backward_bytes_per_rank": "backward_bytes_received",
+              "forward_sent_bytes_per_rank": "forward_bytes_sent",
+              "backward_sent_bytes_per_rank": "backward_bytes_sent",
+              "forward_messages_per_rank": "forward_messages",
+              "backward_messages_per_rank": "backward_messages"}
+    got = {name: [stats[key] for stats in measured] for name, key in fields.items()}
+    want = {name: [int(x) for x in model[name]] for name in fields}
+    assert got == want
+    # The same as a --check record.
+    record = dict(n=SPAWN_N, R=world_size, layout=case.layout, method=case.method,
+                  masking=case.masking, heads=len(SPAWN_SIGMAS), kv_heads=2, d=case.d,
+                  dv=case.dv, itemsize=case.itemsize, sigmas=list(SPAWN_SIGMAS),
+                  transport=case.transport, **SPAWN_KEYWORDS_MODEL, **got)
+    ok, table = cpm.check([record])
+    assert ok, table
+
