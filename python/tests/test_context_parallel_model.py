@@ -8,9 +8,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import queue
-import socket
 import sys
 import time
 import traceback
@@ -20,6 +17,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from spawned_world import run_world
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import context_parallel_model as cpm  # noqa: E402
@@ -587,46 +585,9 @@ _SPAWNED = {}
 
 def spawned_world(world_size):
     """{rank: {case: stats dict or traceback}} of one spawned world (run once per R)."""
-    if world_size in _SPAWNED:
-        return _SPAWNED[world_size]
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        processes = [context.Process(target=spawn_worker, args=(rank, world_size, port, results),
-                                     daemon=True) for rank in range(world_size)]
-        for process in processes:
-            process.start()
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    reports, deadline = {}, time.monotonic() + SPAWN_DEADLINE
-    try:
-        while len(reports) < world_size:
-            try:
-                rank, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                reports[rank] = report
-            except queue.Empty:
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
-    for rank in range(world_size):
-        reports.setdefault(rank, {"world": f"rank {rank} reported nothing within "
-                                           f"{SPAWN_DEADLINE} s"})
-    _SPAWNED[world_size] = reports
-    return reports
+    if world_size not in _SPAWNED:
+        _SPAWNED[world_size] = run_world(spawn_worker, world_size, SPAWN_DEADLINE)
+    return _SPAWNED[world_size]
 
 
 @pytest.mark.skipif(torch is None, reason="PyTorch is not installed")

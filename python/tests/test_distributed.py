@@ -13,9 +13,6 @@ case fails, it never hangs.
 import dataclasses
 import datetime
 import math
-import os
-import queue
-import socket
 import time
 import traceback
 
@@ -23,10 +20,10 @@ import numpy as np
 import pytest
 
 import poslsh
+from spawned_world import run_world
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import poslsh.torch as ptorch  # noqa: E402
 from poslsh import distributed as pdist  # noqa: E402
@@ -306,52 +303,14 @@ def worker(rank, world_size, port, results):
 
 # Parent side. ----------------------------------------------------------------------------------
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _WORLDS = {}
 
 
 def world(world_size):
     """{rank: {case: None or message}} of one spawned world (run once per world size)."""
-    if world_size in _WORLDS:
-        return _WORLDS[world_size]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        port = free_port()
-        processes = [context.Process(target=worker, args=(rank, world_size, port, results), daemon=True)
-                     for rank in range(world_size)]
-        for process in processes:
-            process.start()
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    reports, deadline = {}, time.monotonic() + WORLD_DEADLINE
-    try:
-        while len(reports) < world_size:
-            try:
-                rank, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                reports[rank] = report
-            except queue.Empty:
-                break
-    finally:
-        for process in processes:
-            process.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
-    for rank in range(world_size):
-        reports.setdefault(rank, {"world": f"rank {rank} reported nothing within {WORLD_DEADLINE} s"})
-    _WORLDS[world_size] = reports
-    return reports
+    if world_size not in _WORLDS:
+        _WORLDS[world_size] = run_world(worker, world_size, WORLD_DEADLINE)
+    return _WORLDS[world_size]
 
 
 def check_world(world_size, key):
