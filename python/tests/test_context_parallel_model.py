@@ -503,8 +503,8 @@ except ImportError:  # the spawned-world test skips
 
 SPAWN_RANKS = [2, 3, 4]
 SPAWN_N = 301  # unequal shards for every R
-SPAWN_GLOO_TIMEOUT = 20.0  # seconds, every wait in a worker
-SPAWN_DEADLINE = 120.0  # seconds, a whole world in the parent
+SPAWN_GLOO_TIMEOUT = 60.0  # seconds, every wait in a worker
+SPAWN_DEADLINE = 900.0  # seconds, a whole world in the parent (a guard against a hang)
 SPAWN_SIGMAS = (2.0, 9.0, 30.0, 120.0)  # halos from a few rows to several shards
 
 
