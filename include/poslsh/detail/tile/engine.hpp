@@ -736,8 +736,8 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
                       Job&& job) {
   if constexpr (std::is_same_v<KVScalar, Scalar>) {
     static_cast<void>(precision);
-    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
-        q, ContiguousKV<Scalar>(k, v), tau, bias, buffers, positions);
+    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(q, ContiguousKV<Scalar>(k, v),
+                                                                   tau, bias, buffers, positions);
     job(engine);
   } else {
 #if POSLSH_X86_UNITS
