@@ -835,8 +835,10 @@ def _cache_reader(cache, widen):
 def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths, new, config, want_lse):
     """flash_attn_with_kvcache on a contiguous cache (batch_cache, seqlen_cache, nheads_k, d): k, v
     appended at `lengths`, then one kernel call per batch row over its cache row's first tokens,
-    read in place. Half-precision caches are read as they are (computed in float32), except
-    for softmax_lse, whose kernel takes float32 or float64 only: there the row is widened."""
+    read in place. Half-precision caches are read as they are (float32 sums; bfloat16 q over a
+    bfloat16 cache on the matrix unit when config.uses_unit), except for softmax_lse, whose
+    kernel takes float32 or float64 only: there the row is widened for the lse (and the output
+    when no unit is used)."""
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
     if new:
         with torch.no_grad():
@@ -1051,10 +1053,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
     contiguous cache, nothing appended). A contiguous cache is read in place: one all-heads kernel
     call per batch row over the first cache_seqlens[b] + seqlen_new tokens of its cache row
-    (bfloat16/float16 caches as they are, computed in float32; with return_softmax_lse, whose
-    kernel takes float32 or float64 only, that row is widened to a float32 copy). A paged cache's
-    used blocks are gathered (index_select) into one packed batch, a copy of the keys the step
-    reads (widened to float32 when half precision).
+    (bfloat16/float16 caches as they are, float32 sums; with return_softmax_lse, whose kernel
+    takes float32 or float64 only, that row is widened to a float32 copy for softmax_lse). A
+    paged cache's used blocks are gathered (index_select) into one packed batch, a copy of the
+    keys the step reads (widened to float32 when half precision, except for the output of
+    bfloat16 q over a bfloat16 cache on the matrix unit).
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
     seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
     seed, samples, slopes): a decode step equals the rows of one longer prefill. precision as

@@ -70,8 +70,8 @@ order) whose entries are the upper 16 bits of float32 values,
 e.g. torch_tensor.view(torch.int16).numpy() of a bfloat16 tensor. The array is shared, never
 copied or converted: alibi_attention_tiled, alibi_attention_banded, lsh_attention_fused,
 lsh_attention_per_sample, fixed_blocks_attention, the decoders, multihead_attention and
-multihead_attention_varlen read q, k, v given as BFloat16Bits as bfloat16 (computing in
-float32) and write an `out=` BFloat16Bits (or return a new one over a uint16 array). Integer
+multihead_attention_varlen read q, k, v given as BFloat16Bits as bfloat16 (float32 sums and
+softmax; the products on the CPU's matrix unit under precision='matrix_units') and write an `out=` BFloat16Bits (or return a new one over a uint16 array). Integer
 arrays are read as bfloat16 only through this wrapper.
 )doc")
       .def(py::init([](py::handle bits) {
