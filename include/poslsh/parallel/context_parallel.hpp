@@ -350,9 +350,11 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 template <typename Scalar>
 void multihead_attention_window_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                          HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-                                         HeadsView<Scalar> dv, Index position,
+                                         ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+                                         HeadsView<const Scalar> dout,
+                                         HeadsView<backward_scalar_t<Scalar>> dq,
+                                         HeadsView<backward_scalar_t<Scalar>> dk,
+                                         HeadsView<backward_scalar_t<Scalar>> dv, Index position,
                                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_window_backward";
   detail::require(position >= 0, function, "position", position, "must be >= 0");

@@ -43,6 +43,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -180,13 +181,15 @@ class FlushSubnormals {
   unsigned saved_ = 0;
 };
 
-/// The inputs of the backward passes: row i of every per-row array is entry i.
-template <typename Scalar>
+/// The inputs of the backward passes: row i of every per-row array is entry i. Q, K, V and dO
+/// are stored as Input (Scalar, or a half-precision type with Scalar float: their rows are
+/// widened to Scalar as the passes pack them, backward_rows); lse and D are in Scalar.
+template <typename Scalar, typename Input = Scalar>
 struct BackwardInputs {
-  const ConstMatrixRef<Scalar>& q;
-  const ConstMatrixRef<Scalar>& k;
-  const ConstMatrixRef<Scalar>& v;
-  const ConstMatrixRef<Scalar>& dout;
+  const ConstMatrixRef<Input>& q;
+  const ConstMatrixRef<Input>& k;
+  const ConstMatrixRef<Input>& v;
+  const ConstMatrixRef<Input>& dout;
   const Scalar* lse;
   const Scalar* delta;  ///< D_i = dO_i . O_i
   Scalar tau;
@@ -517,22 +520,47 @@ struct StepOperands {
   const Scalar* o_rows;
 };
 
+/// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
+/// m's stay as they are): contiguous, aligned rows for the kernels. Rows stored in a
+/// half-precision type are widened to Scalar as they are copied (tile_widen, exact), so the
+/// buffer holds what the copy of a Scalar matrix of the widened values holds.
+template <typename Scalar, typename Input>
+void backward_rows(const ConstMatrixRef<Input>& m, Index first, Index count, Index padded,
+                   Scalar* buffer) {
+  if constexpr (std::is_same_v<Input, Scalar>) {
+    Eigen::Map<RowMatrix<Scalar>>(buffer, count, padded).leftCols(m.cols()) =
+        m.middleRows(first, count);
+  } else {
+    for (Index r = 0; r < count; ++r)
+      tile_widen<Scalar>(m.data() + (first + r) * m.outerStride(), buffer + r * padded, m.cols());
+  }
+}
+
 /// Packs the step at i0 (`rows` rows of q and dout) into qt, ot, q_rows, o_rows (padded
-/// columns d_p, d_vp, zero past the inputs' columns and rows).
-template <typename Scalar>
-void pack_step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index i0,
+/// columns d_p, d_vp, zero past the inputs' columns and rows). Half-precision rows are
+/// widened into q_rows and o_rows (backward_rows) and Q^T, dO^T packed from there; Scalar
+/// rows are packed from the inputs. Either way the same values.
+template <typename Scalar, typename Input>
+void pack_step(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout, Index i0,
                Index rows, Index dp, Index dvp, Scalar* qt, Scalar* ot, Scalar* q_rows,
                Scalar* o_rows) {
   constexpr Index Bq = backward_query_rows;
-  tile_pack_queries<Scalar>(q, i0, 0, rows, Scalar(1), qt, Bq);
-  tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
   Eigen::Map<RowMatrix<Scalar>> qr(q_rows, Bq, dp), orows(o_rows, Bq, dvp);
-  qr.topLeftCorner(rows, q.cols()) = q.middleRows(i0, rows);
+  backward_rows<Scalar>(q, i0, rows, dp, q_rows);
   qr.topRightCorner(rows, dp - q.cols()).setZero();
   qr.bottomRows(Bq - rows).setZero();
-  orows.topLeftCorner(rows, dout.cols()) = dout.middleRows(i0, rows);
+  backward_rows<Scalar>(dout, i0, rows, dvp, o_rows);
   orows.topRightCorner(rows, dvp - dout.cols()).setZero();
   orows.bottomRows(Bq - rows).setZero();
+  if constexpr (std::is_same_v<Input, Scalar>) {
+    tile_pack_queries<Scalar>(q, i0, 0, rows, Scalar(1), qt, Bq);
+    tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
+  } else {
+    tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(qr.leftCols(q.cols())), 0, 0, rows, Scalar(1),
+                              qt, Bq);
+    tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(orows.leftCols(dout.cols())), 0, 0, rows,
+                              Scalar(1), ot, Bq);
+  }
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
@@ -542,8 +570,10 @@ struct PackedSteps {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> qt, ot, q_rows, o_rows;
   Index begin = 0, d = 0, dv = 0, dp = 0, dvp = 0;
 
-  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel`.
-  void pack(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index begin_row,
+  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel` (rows of Input
+  /// widened to Scalar: pack_step).
+  template <typename Input>
+  void pack(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout, Index begin_row,
             Index end_row, bool parallel) {
     constexpr Index Bq = backward_query_rows;
     constexpr Index P = tile_packet_size<Scalar>;
@@ -597,9 +627,9 @@ struct PackedSteps {
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
 /// With `distance_sum` not null, also *distance_sum += sum over the pair's entries of
 /// G_ij |i - j| (G = dS / tau, summed in double key by key: BackwardOutputs::distance_sums).
-template <typename Scalar, typename Rule>
-void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index i0, Index r0,
-                   Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
+template <typename Scalar, typename Input, typename Rule>
+void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j0, Index i0,
+                   Index r0, Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
                    const BackwardKeyTile<Scalar>& tile_rows, BackwardWork<Scalar>& work,
                    double* distance_sum = nullptr) {
   namespace ei = Eigen::internal;
@@ -692,16 +722,6 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
                             work.dq_part.data(), dp, keys_of);
 }
 
-/// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
-/// m's stay as they are, zero from BackwardWork::prepare): contiguous, aligned rows for the
-/// kernels.
-template <typename Scalar>
-void backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, Index padded,
-                   Scalar* buffer) {
-  Eigen::Map<RowMatrix<Scalar>>(buffer, count, padded).leftCols(m.cols()) =
-      m.middleRows(first, count);
-}
-
 /// Key tiles [j_begin, j_end) (up to backward_group_tiles tiles of backward_tile keys, aligned
 /// from the rule's first row): the query steps reaching any of them in increasing order, and
 /// for each step the tiles it reaches in increasing order, the pair's gradients
@@ -710,8 +730,8 @@ void backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, In
 /// tiles), and dQ_I += (dS K_J) in increasing key tile order, as `order` enforces: the same
 /// sums in the same order as one key tile at a time. Q^T and dO^T of the steps from `packed`,
 /// or packed here per step when it is null.
-template <typename Scalar, typename Rule, typename Order>
-void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Index j_begin,
+template <typename Scalar, typename Input, typename Rule, typename Order>
+void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j_begin,
                         Index j_end, BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                         const Order& order, const PackedSteps<Scalar>* packed) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
@@ -800,8 +820,8 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
 /// thread summing over query steps in increasing order, dQ of a query step summed over key
 /// tiles in increasing order (KeyTileOrder). Q^T and dO^T of every step are packed first
 /// (O(n (d + d_v)) memory). Outputs are accumulated into.
-template <typename Scalar, typename Rule>
-void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
+template <typename Scalar, typename Input, typename Rule>
+void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   constexpr Index group = backward_group_tiles * backward_tile;
   const Index begin = rule.begin(), end = rule.end();
@@ -849,8 +869,8 @@ inline constexpr std::size_t backward_step_window_bytes = std::size_t{4} << 20;
 /// a running sum from zero over the steps in increasing order, output + sum at the end;
 /// dQ_i: output (or 0 with fresh outputs) + each key tile's partial sum in increasing key
 /// tile order), so the gradients are bitwise the same. span >= backward_step_span(rule).
-template <typename Scalar, typename Rule>
-void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index span,
+template <typename Scalar, typename Input, typename Rule>
+void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index span,
                        BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
@@ -955,8 +975,8 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
 /// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, Q^T and dO^T
 /// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed as
 /// they come.
-template <typename Scalar, typename Rule>
-void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
+template <typename Scalar, typename Input, typename Rule>
+void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                      const PackedSteps<Scalar>* packed = nullptr,
                      std::size_t window_bytes = backward_step_window_bytes) {
@@ -982,38 +1002,58 @@ void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
 /// packet holds column c of P rows (the rows left over: a broadcast packet per row, the same
 /// arithmetic in every lane). Where O_i = v_j exactly (a row whose only key is j, as in blocks
 /// of one token) D_i and dP_ij are then the same number, so dS_ij = P_ij (dP_ij - D_i) is
-/// exactly 0, as in exact arithmetic.
-template <typename Scalar>
-Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Scalar>& out,
-                                                        const ConstMatrixRef<Scalar>& dout) {
+/// exactly 0, as in exact arithmetic. O and dO stored in a half-precision type (Input; Scalar
+/// float) are widened P rows at a time (backward_rows) and summed as above: the bits of D for
+/// float matrices of the widened values.
+template <typename Scalar, typename Input = Scalar>
+Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(
+    const ConstMatrixRef<nondeduced_t<Input>>& out,
+    const ConstMatrixRef<nondeduced_t<Input>>& dout) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
+  constexpr bool widen = !std::is_same_v<Input, Scalar>;
   const Index n = out.rows(), cols = out.cols();
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(n);
   Index i = 0;
   if constexpr (P > 1) {
     // Column c of the block's rows at c * P (dO^T and O^T of P rows, P columns at a time).
     Eigen::Matrix<Scalar, P * P, 1> dout_t, out_t;
+    // The block's rows widened (half-precision inputs only).
+    RowMatrix<Scalar> dout_wide(widen ? P : 0, widen ? cols : 0),
+        out_wide(widen ? P : 0, widen ? cols : 0);
     const Index whole = cols / P * P;
     for (; i + P <= n; i += P) {
       if (i + 2 * P <= n) {
         prefetch_rows<false>(dout, i + P, P);
         prefetch_rows<false>(out, i + P, P);
       }
+      // The block's rows: row r of dO at dout_rows + r * dout_stride (of O likewise).
+      const Scalar* dout_rows = nullptr;
+      const Scalar* out_rows = nullptr;
+      Index dout_stride = cols, out_stride = cols;
+      if constexpr (widen) {
+        backward_rows<Scalar>(dout, i, P, cols, dout_wide.data());
+        backward_rows<Scalar>(out, i, P, cols, out_wide.data());
+        dout_rows = dout_wide.data();
+        out_rows = out_wide.data();
+      } else {
+        dout_rows = dout.data() + i * dout.outerStride();
+        out_rows = out.data() + i * out.outerStride();
+        dout_stride = dout.outerStride();
+        out_stride = out.outerStride();
+      }
       Packet sum = ei::pset1<Packet>(Scalar(0));
       for (Index c0 = 0; c0 < cols; c0 += P) {
         const Index width = std::min(P, cols - c0);
         if (c0 < whole) {
-          tile_transpose_block<Scalar>(dout.data() + i * dout.outerStride() + c0,
-                                       dout.outerStride(), dout_t.data(), P, Scalar(1));
-          tile_transpose_block<Scalar>(out.data() + i * out.outerStride() + c0, out.outerStride(),
-                                       out_t.data(), P, Scalar(1));
+          tile_transpose_block<Scalar>(dout_rows + c0, dout_stride, dout_t.data(), P, Scalar(1));
+          tile_transpose_block<Scalar>(out_rows + c0, out_stride, out_t.data(), P, Scalar(1));
         } else {
           for (Index c = 0; c < width; ++c) {
             for (Index r = 0; r < P; ++r) {
-              dout_t(c * P + r) = dout(i + r, c0 + c);
-              out_t(c * P + r) = out(i + r, c0 + c);
+              dout_t(c * P + r) = dout_rows[r * dout_stride + c0 + c];
+              out_t(c * P + r) = out_rows[r * out_stride + c0 + c];
             }
           }
         }
@@ -1027,7 +1067,8 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Sca
   for (; i < n; ++i) {
     Packet sum = ei::pset1<Packet>(Scalar(0));
     for (Index c = 0; c < cols; ++c)
-      sum = ei::pmadd(ei::pset1<Packet>(dout(i, c)), ei::pset1<Packet>(out(i, c)), sum);
+      sum = ei::pmadd(ei::pset1<Packet>(static_cast<Scalar>(dout(i, c))),
+                      ei::pset1<Packet>(static_cast<Scalar>(out(i, c))), sum);
     delta(i) = ei::pfirst(sum);
   }
   return delta;
