@@ -251,7 +251,10 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
 /// lsh_attention_per_sample_backward, fixed_blocks_attention_backward) gives dq_h, and
 ///   dk_g = sum_{h : h / G = g} dK_h,  dv_g = sum_{h : h / G = g} dV_h,
 /// summed in increasing h. Bitwise the same for any thread count and as the single-head calls.
-/// Extra memory O(n d) for grouped-query attention (one head's dK, dV).
+/// Extra memory O(n d) for grouped-query attention (one head's dK, dV). q, k, v, out and dout
+/// are views of Scalar (float, double, Eigen::bfloat16 or Eigen::half, deduced from them), lse
+/// and the gradients of backward_scalar_t<Scalar> (float for the half-precision types, whose
+/// gradients are bitwise the float call's on the widened inputs: poslsh/training/backward.hpp).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,

@@ -17,6 +17,16 @@
 // n, out and dout n x d_v, dq and dk n x d, dv n x d_v (output rows must not overlap). Not
 // checked: the values, that lse and out come from the forward of the same inputs, and that the
 // gradient outputs overlap neither each other nor the inputs.
+//
+// Scalar types of the backward passes: q, k, v, out and dout stored in one type Scalar (float,
+// double, Eigen::bfloat16 or Eigen::half); lse and the gradients dq, dk, dv in
+// backward_scalar_t<Scalar> (double for double, float otherwise). Half-precision rows are widened
+// exactly to float where the float passes copy their operands anyway (each query step's Q and dO
+// rows, each key tile's K and V rows, O and dO a few rows at a time for D): no extra memory, and
+// the same sums in the same order, so the gradients are bitwise those of the float backward on
+// float matrices holding the widened inputs. The gradients stay float because they are sums that
+// training accumulates in float (over the heads of a group, over samples, into an optimizer's
+// float master gradients); rounding them to the input type is one step for the caller.
 #pragma once
 
 #include <Eigen/Core>
@@ -403,8 +413,10 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// writes its dk and dv rows, summing each step's rows in increasing order and the steps' sums
 /// in increasing order; each key tile's contribution to a dq row is summed over its keys in
 /// increasing order and added in increasing key tile order (a thread waits for the key tiles
-/// before its own). Bitwise the same for any thread count. Throws std::invalid_argument naming
-/// a bad argument.
+/// before its own). Bitwise the same for any thread count. q, k, v, out and dout in Scalar
+/// (float, double, Eigen::bfloat16, Eigen::half), lse and the gradients in
+/// backward_scalar_t<Scalar> (half-precision inputs: bitwise the float call on the widened
+/// inputs; file comment). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_tiled_backward(
     ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
@@ -419,8 +431,8 @@ void alibi_attention_tiled_backward(
 
 /// Gradients of banded exact ALiBi attention (alibi_attention_banded): the formulas of
 /// alibi_attention_tiled_backward with P_ij = 0 for |i - j| > band; only the tiles meeting the
-/// band are visited (cost O(n (band + tile) d)). Same passes and ordering, bitwise the same for
-/// any thread count. Throws std::invalid_argument naming a bad argument.
+/// band are visited (cost O(n (band + tile) d)). Same passes, ordering and scalar types, bitwise
+/// the same for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_banded_backward(
     ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
@@ -442,8 +454,8 @@ void alibi_attention_banded_backward(
 /// tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles: O(n s)
 /// memory, and O(n (d + d_v)) for Q and dO packed per step). One parallel pass (OpenMP) over
 /// key tiles of 64, each meeting the query rows whose windows reach it in steps of 64, in the
-/// reduction order of alibi_attention_tiled_backward. Bitwise the same for any thread count.
-/// Throws std::invalid_argument naming a bad argument.
+/// reduction order and with the scalar types of alibi_attention_tiled_backward. Bitwise the same
+/// for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_fused_backward(
     ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
@@ -466,8 +478,8 @@ void lsh_attention_fused_backward(
 /// so the result equals lsh_attention_fused_backward to rounding. Cost sum_k sum_B |B|^2 d.
 /// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order, the
 /// samples' gradients added with a compensated (Neumaier) sum so that the rounding error does
-/// not grow with s: bitwise the same for any thread count. Throws std::invalid_argument naming
-/// a bad argument.
+/// not grow with s: bitwise the same for any thread count. Scalar types as
+/// alibi_attention_tiled_backward's. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void lsh_attention_per_sample_backward(
     ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
