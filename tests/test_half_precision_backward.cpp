@@ -1,10 +1,13 @@
-// Backward passes on Q, K, V, out and dO stored in bfloat16 or binary16: bitwise the float
-// backward on float copies of the widened inputs (every method, causal and bidirectional, n not
-// a multiple of 64, rows with a stride, single-head and all-heads with grouped-query heads,
-// packed batches, slope gradients and the window backward, 1 and 2 threads), and the named
-// argument checks.
+// Backward passes on Q, K, V, out and dO stored in bfloat16 or binary16: with float products,
+// bitwise the float backward on float copies of the widened inputs (every method, causal and
+// bidirectional, n not a multiple of 64, rows with a stride, single-head and all-heads with
+// grouped-query heads, packed batches, slope gradients and the window backward, 1 and 2
+// threads); on the AVX512-BF16 unit, within twice the error of a plain bfloat16 backward
+// against double and bitwise the same for 1 and 2 threads; and the named argument checks.
+#include <poslsh/core/matrix_units.hpp>
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/parallel/context_parallel.hpp>
+#include <poslsh/reference/masks.hpp>
 #include <poslsh/training/backward.hpp>
 
 #include "half_support.hpp"
@@ -14,6 +17,7 @@
 #include <omp.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -173,10 +177,13 @@ struct StridedInput {
   ConstMatrixRef<Half> view() const { return storage.leftCols(wide.cols()); }
 };
 
-/// The configurations of the single-head tests at n rows.
-std::vector<Config> configs(Masking masking, Index n) {
+/// The configurations of the single-head tests at n rows, with float products or the CPU's
+/// matrix unit (`precision`).
+std::vector<Config> configs(Masking masking, Index n,
+                            poslsh::Precision precision = poslsh::Precision::float_products) {
   std::vector<Config> result;
-  const poslsh::AttentionOptions options = poslsh_test::with_masking(masking);
+  poslsh::AttentionOptions options = poslsh_test::with_masking(masking);
+  options.precision = precision;
   for (const Kind kind : all_kinds) {
     for (const double sigma : {2.0, 48.0}) {
       result.push_back({kind, sigma, 37,
@@ -301,6 +308,65 @@ Grads heads_backward_of(HeadsCall call, const HeadsProblem<Half>& p, const Scala
   return g;
 }
 
+/// The weights w_ij of c's probabilities P_ij = w_ij e^{x_ij - lse_i} (dense, n x n) and the
+/// ALiBi slope of its scores x_ij = tau q_i.k_j - slope |i - j| (0 for the LSH methods).
+RowMatrix<float> dense_weights(const Config& c, Index n, float& slope) {
+  const Masking masking = c.options.masking;
+  RowMatrix<float> w = RowMatrix<float>::Zero(n, n);
+  slope = 0.0f;
+  switch (c.kind) {
+    case Kind::tiled:
+    case Kind::banded:
+      slope = static_cast<float>(1.0 / c.sigma);
+      for (Index i = 0; i < n; ++i)
+        for (Index j = 0; j < n; ++j)
+          w(i, j) = (masking == Masking::bidirectional || j <= i) &&
+                            (c.kind == Kind::tiled || std::abs(i - j) <= c.band)
+                        ? 1.0f
+                        : 0.0f;
+      break;
+    case Kind::fused:
+    case Kind::per_sample:
+      for (const poslsh::BinHash& hash : c.hashes)
+        w += poslsh::bin_mask_dense<float>(hash, n, masking);
+      break;
+    case Kind::fixed_blocks:
+      w = poslsh::bin_mask_dense<float>(poslsh::fixed_blocks_hash(c.sigma), n, masking);
+      break;
+  }
+  return w;
+}
+
+/// x rounded to bfloat16 and widened back.
+RowMatrix<float> rounded(const RowMatrix<float>& x) {
+  return x.cast<Eigen::bfloat16>().cast<float>();
+}
+
+/// A plain bfloat16 backward, dense: Q K^T and dO V^T from the bfloat16 inputs with float
+/// sums, P and D = rowsum(dO o out) in float, dS = P o (dP - D), P and dS rounded to bfloat16
+/// before dV = P^T dO, dQ = tau dS K and dK = tau dS^T Q (float sums).
+Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q, const RowMatrix<float>& k,
+                          const RowMatrix<float>& v, const RowMatrix<float>& out,
+                          const FloatVector& lse, const RowMatrix<float>& dout) {
+  const Index n = q.rows();
+  const auto tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.cols())));
+  float slope = 0.0f;
+  const RowMatrix<float> w = dense_weights(c, n, slope);
+  const RowMatrix<float> scores = q * k.transpose(), dp = dout * v.transpose();
+  const FloatVector delta = (dout.array() * out.array()).rowwise().sum();
+  RowMatrix<float> p = RowMatrix<float>::Zero(n, n), ds = RowMatrix<float>::Zero(n, n);
+  for (Index i = 0; i < n; ++i) {
+    for (Index j = 0; j < n; ++j) {
+      if (w(i, j) == 0.0f) continue;
+      const float x = tau * scores(i, j) - slope * static_cast<float>(std::abs(i - j));
+      p(i, j) = w(i, j) * std::exp(x - lse(i));
+      ds(i, j) = p(i, j) * (dp(i, j) - delta(i));
+    }
+  }
+  const RowMatrix<float> p16 = rounded(p), ds16 = rounded(ds);
+  return {tau * (ds16 * k), tau * (ds16.transpose() * q), p16.transpose() * dout};
+}
+
 }  // namespace half_backward
 }  // namespace
 
@@ -371,6 +437,7 @@ TEMPLATE_TEST_CASE(
       options.samples = 3;
       options.seed = 5;
       options.band_error = 1e-2;
+      options.precision = poslsh::Precision::float_products;
       const bool exact =
           method == poslsh::Method::exact_tiled || method == poslsh::Method::exact_banded;
       for (const HeadsCall call :
@@ -408,6 +475,164 @@ TEMPLATE_TEST_CASE(
             CHECK(half_slopes == first_slopes);
           }
         }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "bfloat16 backward passes on the AVX512-BF16 unit: within twice a plain bfloat16 "
+    "backward's error against double, the same bits for 1 and 2 threads",
+    "[half][backward][matrix_units]") {
+  using namespace half_backward;
+  using bf16 = Eigen::bfloat16;
+  if (!poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16)) {
+    WARN("this CPU has no AVX512-BF16: nothing to check");
+    return;
+  }
+  const Index n = 300, d = 39, dv = 21;
+  const RowMatrix<bf16> q = random_half<bf16>(n, d, 71), k = random_half<bf16>(n, d, 72),
+                        v = random_half<bf16>(n, dv, 73), dout = random_half<bf16>(n, dv, 74);
+  const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);
+  const RowMatrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>(),
+                          doutd = doutf.cast<double>();
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (const Config& c : configs(masking, n, poslsh::Precision::matrix_units)) {
+      INFO(kind_name(c.kind) << ", sigma " << c.sigma << ", "
+                             << poslsh_test::masking_name(masking));
+      REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(c.options) == poslsh::MatrixUnit::avx512_bf16);
+      RowMatrix<float> out_float;
+      FloatVector lse;
+      forward_with_lse(c, qf, kf, vf, out_float, lse);
+      const RowMatrix<bf16> out = out_float.cast<bf16>();
+      // The double gradients of the same rounded inputs (the double backward on the double
+      // forward's out and lse).
+      RowMatrix<double> out_double(n, dv);
+      Eigen::Matrix<double, Eigen::Dynamic, 1> lse_double(n);
+      RowMatrix<double> dq_double(n, d), dk_double(n, d), dv_double(n, dv);
+      switch (c.kind) {
+        case Kind::tiled:
+          poslsh::alibi_attention_tiled<double>(qd, kd, vd, c.sigma, out_double, lse_double,
+                                                c.options);
+          poslsh::alibi_attention_tiled_backward<double>(qd, kd, vd, c.sigma, out_double,
+                                                         lse_double, doutd, dq_double, dk_double,
+                                                         dv_double, c.options);
+          break;
+        case Kind::banded:
+          poslsh::alibi_attention_banded<double>(qd, kd, vd, c.sigma, c.band, out_double,
+                                                 lse_double, c.options);
+          poslsh::alibi_attention_banded_backward<double>(qd, kd, vd, c.sigma, c.band, out_double,
+                                                          lse_double, doutd, dq_double, dk_double,
+                                                          dv_double, c.options);
+          break;
+        case Kind::fused:
+        case Kind::per_sample:
+          poslsh::lsh_attention_fused<double>(qd, kd, vd, c.hashes, out_double, lse_double,
+                                              c.options);
+          poslsh::lsh_attention_fused_backward<double>(qd, kd, vd, c.hashes, out_double, lse_double,
+                                                       doutd, dq_double, dk_double, dv_double,
+                                                       c.options);
+          break;
+        case Kind::fixed_blocks:
+          poslsh::fixed_blocks_attention<double>(qd, kd, vd, c.sigma, out_double, lse_double,
+                                                 c.options);
+          poslsh::fixed_blocks_attention_backward<double>(qd, kd, vd, c.sigma, out_double,
+                                                          lse_double, doutd, dq_double, dk_double,
+                                                          dv_double, c.options);
+          break;
+      }
+      const Grads plain = plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
+      Grads first;
+      for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        const Threads scope(threads);
+        const Grads unit = backward_of<bf16>(c, q, k, v, out, lse, dout);
+        const Grads widening = [&] {
+          Config float_products = c;
+          float_products.options.precision = poslsh::Precision::float_products;
+          return backward_of<bf16>(float_products, q, k, v, out, lse, dout);
+        }();
+        // The unit is used: its roundings of P and dS change the bits.
+        CHECK_FALSE(same_bits(unit, widening));
+        const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
+          return poslsh_test::relative_max_error(a.cast<double>(), b);
+        };
+        INFO("dq error " << error(unit.dq, dq_double) << ", plain " << error(plain.dq, dq_double));
+        INFO("dk error " << error(unit.dk, dk_double) << ", plain " << error(plain.dk, dk_double));
+        INFO("dv error " << error(unit.dv, dv_double) << ", plain " << error(plain.dv, dv_double));
+        CHECK(error(unit.dq, dq_double) <= 2.0 * error(plain.dq, dq_double));
+        CHECK(error(unit.dk, dk_double) <= 2.0 * error(plain.dk, dk_double));
+        CHECK(error(unit.dv, dv_double) <= 2.0 * error(plain.dv, dv_double));
+        if (threads == 1) {
+          first = unit;
+        } else {
+          CHECK(same_bits(unit, first));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "all-heads bfloat16 backward passes on the AVX512-BF16 unit: the single-head passes "
+    "of each head, the same bits for 1 and 2 threads",
+    "[half][backward][matrix_units]") {
+  using namespace half_backward;
+  using bf16 = Eigen::bfloat16;
+  if (!poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16)) {
+    WARN("this CPU has no AVX512-BF16: nothing to check");
+    return;
+  }
+  const Index n = 200, heads = 2, kv_heads = 1, d = 24, dv = 16;
+  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
+  HeadsProblem<bf16> p(n, heads, kv_heads, d, dv, 900);
+  for (const poslsh::Method method :
+       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::exact_tiled}) {
+    INFO(poslsh::enum_name(method));
+    poslsh::MultiHeadOptions options;
+    options.method = method;
+    options.samples = 3;
+    options.seed = 5;
+    options.precision = poslsh::Precision::matrix_units;
+    p.forward(options, whole);
+    Eigen::VectorXd unused;
+    Grads first;
+    for (const int threads : {1, 2}) {
+      INFO(threads << " threads");
+      const Threads scope(threads);
+      const Grads unit =
+          heads_backward_of<bf16>(HeadsCall::whole, p, p.q.data(), p.k.data(), p.v.data(),
+                                  p.out.data(), p.dout.data(), whole, options, unused);
+      // Each query head is the single-head call on its views (dk, dv: the two heads' sum).
+      const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
+      const std::vector<HashSet> hashes = poslsh::multihead_hashes(sigmas, 3, 5);
+      RowMatrix<float> dk_sum = RowMatrix<float>::Zero(n, d),
+                       dv_sum = RowMatrix<float>::Zero(n, dv);
+      for (Index h = 0; h < heads; ++h) {
+        const auto index = static_cast<std::size_t>(h);
+        const Config c{method == poslsh::Method::exact_tiled ? Kind::tiled
+                       : method == poslsh::Method::lsh_fused ? Kind::fused
+                                                             : Kind::per_sample,
+                       sigmas[index], 0, hashes[index], options};
+        const auto head = [&](const RowMatrix<bf16>& m, Index count, Index width) {
+          return ConstMatrixRef<bf16>(
+              poslsh::interleaved_heads<const bf16>(m.data(), n, count, width)
+                  .head(count == heads ? h : 0));
+        };
+        const FloatVector lse = p.lse.row(h).transpose();
+        const Grads single = backward_of<bf16>(c, head(p.q, heads, d), head(p.k, kv_heads, d),
+                                               head(p.v, kv_heads, dv), head(p.out, heads, dv), lse,
+                                               head(p.dout, heads, dv));
+        CHECK(same_bits(RowMatrix<float>(unit.dq.middleCols(h * d, d)), single.dq));
+        dk_sum += single.dk;
+        dv_sum += single.dv;
+      }
+      CHECK(same_bits(unit.dk, dk_sum));
+      CHECK(same_bits(unit.dv, dv_sum));
+      if (threads == 1) {
+        first = unit;
+      } else {
+        CHECK(same_bits(unit, first));
       }
     }
   }

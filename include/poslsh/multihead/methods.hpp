@@ -126,6 +126,8 @@ struct HeadBackward {
   double* dslope = nullptr;
   /// The position of the first token (the LSH bins are those of the positions origin ..).
   Index origin = 0;
+  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
+  Precision precision = Precision::float_products;
 };
 
 /// A thread's scratch for backward jobs that run one head on one thread.
@@ -198,7 +200,7 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
     // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
     exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
                                   head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
-                                  b.dq, b.dk, b.dv, parallel,
+                                  b.dq, b.dk, b.dv, b.precision, parallel,
                                   scratch == nullptr ? nullptr : &scratch->work, b.dslope);
   }
 };
@@ -225,7 +227,7 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
     count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, parallel,
+                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
                                   scratch == nullptr ? nullptr : &scratch->work,
                                   scratch == nullptr ? nullptr : &scratch->windows, b.origin);
   }
@@ -265,7 +267,7 @@ struct PerSampleMethodKernels : WholeHeadMethod {
                        BackwardScratch<Scalar>*) {
     per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
                                        b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
-                                       b.dk, b.dv, b.origin);
+                                       b.dk, b.dv, b.precision, b.origin);
   }
 };
 

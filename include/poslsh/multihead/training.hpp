@@ -123,7 +123,8 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
             : &sequence_dslopes[static_cast<std::size_t>(&s - call.sequences.data()) *
                                     static_cast<std::size_t>(heads) +
                                 static_cast<std::size_t>(h)],
-        s.p0};
+        s.p0,
+        call.precision};
     const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
     visit_method(head.method, [&](auto kernels) {
       decltype(kernels)::template backward<Scalar, Input>(head, b, parallel, scratch);
@@ -254,7 +255,8 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
 /// Extra memory O(n d) for grouped-query attention (one head's dK, dV). q, k, v, out and dout
 /// are views of Scalar (float, double, Eigen::bfloat16 or Eigen::half, deduced from them), lse
 /// and the gradients of backward_scalar_t<Scalar> (float for the half-precision types, whose
-/// gradients are bitwise the float call's on the widened inputs: poslsh/training/backward.hpp).
+/// gradients are bitwise the float call's on the widened inputs, or from bfloat16 products on
+/// the CPU's matrix unit under options.precision: poslsh/training/backward.hpp).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,

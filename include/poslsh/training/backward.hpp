@@ -27,6 +27,12 @@
 // float matrices holding the widened inputs. The gradients stay float because they are sums that
 // training accumulates in float (over the heads of a group, over samples, into an optimizer's
 // float master gradients); rounding them to the input type is one step for the caller.
+// Except on a CPU matrix unit: with bfloat16 inputs, options.precision = Precision::matrix_units
+// (the default) and matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16> = avx512_bf16, the five
+// products of every tile pair take bfloat16 operands with float sums (S = Q K^T and dP = dO V^T
+// from the inputs; P and dS rounded to bfloat16 before P^T dO, dS K and dS^T Q), as
+// FlashAttention's bfloat16 backward does; still bitwise the same for any thread count, within
+// twice the error of such a plain bfloat16 backward (docs/half_precision.md).
 #pragma once
 
 #include <Eigen/Core>
@@ -40,6 +46,7 @@
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/slopes.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/blocks.hpp"
@@ -163,19 +170,29 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
 /// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
 /// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
-/// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed).
+/// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
+/// the products on the AVX512-BF16 unit where matrix_unit_for<Input, Input>(precision) is it
+/// (BackwardInputs::paired).
 template <typename Scalar, typename Input, typename Rule>
 void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
                        const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                       MatrixRef<Scalar>& dv, bool parallel = true,
+                       MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                        BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
   const FlushSubnormals flush;
   backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar, Input> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  const BackwardInputs<Scalar, Input> in{
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
@@ -202,14 +219,15 @@ void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
                     const ConstMatrixRef<Input>& v, double sigma, double tau, ExactWindow window,
                     const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                    MatrixRef<Scalar>& dv, bool parallel = true,
+                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                     BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
   double distance_sum = 0.0;
   windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, parallel, work, dslope == nullptr ? nullptr : &distance_sum);
+                                   dv, precision, parallel, work,
+                                   dslope == nullptr ? nullptr : &distance_sum);
   if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
 }
 
@@ -222,7 +240,7 @@ void count_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
                     const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau, bool causal,
                     const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
                     const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                    MatrixRef<Scalar>& dv, bool parallel = true,
+                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                     BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr,
                     Index origin = 0) {
   const Index n = q.rows();
@@ -230,7 +248,8 @@ void count_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
   CountWindows& counts = windows != nullptr ? *windows : own;
   counts.build(hashes, n, causal, origin);
   const CountRule<Scalar> rule(counts, n, causal);
-  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, work);
+  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, precision,
+                                   parallel, work);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
@@ -242,14 +261,22 @@ void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<In
                          bool causal, const ConstMatrixRef<Input>& out,
                          const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                          MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
-                         Index origin = 0) {
+                         Precision precision, Index origin = 0) {
   const detail::FlushSubnormals flush;
   dq.setZero();
   dk.setZero();
   dv.setZero();
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar, Input> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  const BackwardInputs<Scalar, Input> in{
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
   backward_hash_blocks(in, hashes, causal, grads, origin);
 }
@@ -317,7 +344,8 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
       backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
   const Index n = q.rows();
   if (n == 0) return;
-  exact_backward<Scalar, Input>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv);
+  exact_backward<Scalar, Input>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv,
+                                options.precision);
 }
 
 }  // namespace detail
@@ -416,7 +444,8 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// before its own). Bitwise the same for any thread count. q, k, v, out and dout in Scalar
 /// (float, double, Eigen::bfloat16, Eigen::half), lse and the gradients in
 /// backward_scalar_t<Scalar> (half-precision inputs: bitwise the float call on the widened
-/// inputs; file comment). Throws std::invalid_argument naming a bad argument.
+/// inputs, or bfloat16 products on the CPU's matrix unit under options.precision; file
+/// comment). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
 void alibi_attention_tiled_backward(
     ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
@@ -466,8 +495,8 @@ void lsh_attention_fused_backward(
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
       [&](backward_scalar_t<Scalar> tau, bool causal) {
-        detail::count_backward<backward_scalar_t<Scalar>, Scalar>(q, k, v, hashes, tau, causal, out,
-                                                                  lse, dout, dq, dk, dv);
+        detail::count_backward<backward_scalar_t<Scalar>, Scalar>(
+            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
       });
 }
 
@@ -490,8 +519,8 @@ void lsh_attention_per_sample_backward(
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_per_sample_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
       [&](backward_scalar_t<Scalar> tau, bool causal) {
-        detail::per_sample_backward<backward_scalar_t<Scalar>, Scalar>(q, k, v, hashes, tau, causal,
-                                                                       out, lse, dout, dq, dk, dv);
+        detail::per_sample_backward<backward_scalar_t<Scalar>, Scalar>(
+            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
       });
 }
 

@@ -145,7 +145,7 @@ void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const HashSet
         const ConstMatrixRef<Input> v = in.v.middleRows(begin, size);
         const ConstMatrixRef<Input> dout = in.dout.middleRows(begin, size);
         const BackwardInputs<Scalar, Input> local{
-            q, k, v, dout, in.lse + begin, in.delta + begin, in.tau};
+            q, k, v, dout, in.lse + begin, in.delta + begin, in.tau, in.paired};
         MatrixRef<Scalar> dq = block.dq.topRows(size), dk = block.dk.topRows(size),
                           dv = block.dv.topRows(size);
         BackwardOutputs<Scalar> fresh{dq, dk, dv, true};

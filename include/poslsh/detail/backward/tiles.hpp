@@ -26,6 +26,13 @@
 //               (a per-step counter makes a thread wait for the key tiles before its own).
 // Partial sums per step of 64 rows also make the rounding error of dK and dV grow with the
 // number of steps plus 64 rather than with the number of rows.
+// Inputs stored in a half-precision type are widened as they are packed (backward_rows), so
+// the sums above are those of the float pass on the widened values. With bfloat16 inputs on
+// the AVX512-BF16 unit (BackwardInputs::paired) the five products are vdpbf16ps sums of pairs
+// (detail/tile/pair_kernels.hpp) in the same loops: S^T and dP^T from the bfloat16 rows, and
+// P, dS rounded to bfloat16 before the products, whose sums over whole pairs (rows or keys
+// outside the pair's weighted 0) are formed on the running sums dV_J, dK_J (and from zero for
+// a key tile's dQ contribution) in increasing pair order: the same for any thread count.
 //
 // A rule (window policy) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
@@ -49,10 +56,12 @@
 #include <xmmintrin.h>
 #endif
 
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 
 namespace poslsh::detail {
@@ -91,6 +100,15 @@ struct BackwardWork {
   Index d = -1, dv = -1, dp = 0, dvp = 0;
   Index key_tiles = 0;     ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
   Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
+  /// Operands of the AVX512-BF16 products (BackwardInputs::paired; sized by prepare_pairs):
+  /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
+  /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
+  /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
+  /// row at b * backward_query_rows), dS as pairs along the keys (pair_pack_probs), and ones.
+  std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
+  std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
+  Buffer ones;
+  Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
 
   BackwardWork()
       : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
@@ -128,6 +146,33 @@ struct BackwardWork {
     packed_step = -1;
   }
 
+  /// Sizes the operands of the AVX512-BF16 products for d, d_v (after prepare) and `tiles`
+  /// key tiles (they only grow; the packing writes every word the products read).
+  void prepare_pairs(Index tiles) {
+    constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+    const Index cols_d = (d + 15) / 16 * 16, cols_dv = (dv + 15) / 16 * 16;
+    if (cols_d != pair_d || cols_dv != pair_dv) {
+      pair_d = cols_d;
+      pair_dv = cols_dv;
+      pair_key_tiles = 0;
+      const auto size = [](Index count) {
+        return static_cast<std::size_t>(std::max<Index>(count, 1));
+      };
+      pair_qt.assign(size((d + 1) / 2 * Bq), 0);
+      pair_ot.assign(size((dv + 1) / 2 * Bq), 0);
+      pair_q_rows.assign(size(Bq / 2 * pair_d), 0);
+      pair_o_rows.assign(size(Bq / 2 * pair_dv), 0);
+      pair_ds.assign(size(Bk / 2 * Bq), 0);
+      p_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
+      ds_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
+      ones = Buffer::Ones(Bq);
+    }
+    if (tiles > pair_key_tiles) {
+      pair_key_tiles = tiles;
+      pair_k.assign(static_cast<std::size_t>(std::max<Index>(tiles * Bk / 2 * pair_d, 1)), 0);
+    }
+  }
+
   /// Room for the K, V rows and dK, dV sums of `tiles` key tiles (after prepare; zeroed when
   /// they grow: the padding stays 0).
   void reserve_key_tiles(Index tiles) {
@@ -148,6 +193,7 @@ struct BackwardKeyTile {
   const Scalar* v_rows;  ///< V rows of the tile, d_vp columns (zero past d_v)
   Scalar* dk_sum;
   Scalar* dv_sum;
+  const std::uint32_t* pair_k = nullptr;  ///< K as pairs along the keys (paired passes)
 };
 
 /// Subnormal numbers flushed to zero on the calling thread while in scope (x86: the MXCSR
@@ -193,7 +239,17 @@ struct BackwardInputs {
   const Scalar* lse;
   const Scalar* delta;  ///< D_i = dO_i . O_i
   Scalar tau;
+  /// The five products of every pair on the AVX512-BF16 unit (backward_pairs_v inputs only,
+  /// where matrix_unit_for says the unit multiplies): S^T and dP^T from bfloat16 operands, and
+  /// P, dS rounded to bfloat16 before P^T dO, dS^T Q and dS K (backward_pair).
+  bool paired = false;
 };
+
+/// Whether inputs stored as Input, computed in Scalar, can take the AVX512-BF16 products
+/// (bfloat16 inputs, float compute, an x86 build).
+template <typename Scalar, typename Input>
+inline constexpr bool backward_pairs_v =
+    POSLSH_X86_UNITS&& std::is_same_v<Scalar, float>&& std::is_same_v<Input, Eigen::bfloat16>;
 
 /// The gradient outputs (accumulated into: the caller zeroes them).
 template <typename Scalar>
@@ -520,6 +576,71 @@ struct StepOperands {
   const Scalar* o_rows;
 };
 
+#if POSLSH_X86_UNITS
+
+/// acc[r * acc_stride + c] += sum_{t < pairs} pair_p[r row_step + t pair_step] . pair_v[t cols +
+/// c] (AVX512-BF16, in registers from acc) for r < rows, c < count: pair_value_rows in blocks of
+/// 4 rows, then single rows.
+inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Index pair_step,
+                               const std::uint32_t* pair_v, Index cols, Index pairs, Index rows,
+                               Index count, const float* ones, float* acc, Index acc_stride) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4)
+    pair_value_rows<4>(pair_p + r * row_step, pair_step, pair_v, cols, pairs, ones,
+                       acc + r * acc_stride, acc_stride, count, row_step);
+  for (; r < rows; ++r)
+    pair_value_rows<1>(pair_p + r * row_step, pair_step, pair_v, cols, pairs, ones,
+                       acc + r * acc_stride, acc_stride, count, row_step);
+}
+
+/// The three products of backward_pair on the AVX512-BF16 unit, from P^T and dS^T (float, in
+/// work.probabilities and work.gradients, rows [a0, a1) and keys [b0, b1) of the pair) and the
+/// pairs of the step and the key tile: P and dS rounded to bfloat16 (0 at the rows and keys
+/// outside the pair that whole pairs take in), then
+///   dV_J += P^T dO and dK_J += dS^T Q  (each key over the step's rows, pairs along the rows),
+///   work.dq_part = dS K_J              (each row over the tile's keys, pairs along the keys),
+/// each sum formed on the running sum (dk_sum, dv_sum) or from zero (dq_part), pairs in order.
+inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
+                                   const BackwardKeyTile<float>& tile_rows,
+                                   BackwardWork<float>& work) {
+  constexpr Index Bq = backward_query_rows;
+  float* p = work.probabilities.data();
+  float* ds = work.gradients.data();
+  const Index a_lo = a0 / 2 * 2, a_hi = (a1 + 1) / 2 * 2;
+  for (Index b = b0; b < b1; ++b) {
+    for (float* row : {p + b * Bq, ds + b * Bq}) {
+      std::fill(row + a_lo, row + a0, 0.0f);
+      std::fill(row + a1, row + a_hi, 0.0f);
+    }
+    tile_narrow<Eigen::bfloat16>(p + b * Bq + a_lo, work.p_rounded.data() + b * Bq + a_lo,
+                                 a_hi - a_lo);
+    tile_narrow<Eigen::bfloat16>(ds + b * Bq + a_lo, work.ds_rounded.data() + b * Bq + a_lo,
+                                 a_hi - a_lo);
+  }
+  const float* ones = work.ones.data();
+  const auto words = [](const std::vector<Eigen::bfloat16>& rounded, Index b, Index a) {
+    return reinterpret_cast<const std::uint32_t*>(rounded.data() + b * Bq + a);
+  };
+  const Index row_pairs = (a_hi - a_lo) / 2;
+  backward_pair_rows(words(work.p_rounded, b0, a_lo), Bq / 2, 1,
+                     work.pair_o_rows.data() + a_lo / 2 * work.pair_dv, work.pair_dv, row_pairs,
+                     b1 - b0, work.dv, ones, tile_rows.dv_sum + b0 * work.dvp, work.dvp);
+  backward_pair_rows(words(work.ds_rounded, b0, a_lo), Bq / 2, 1,
+                     work.pair_q_rows.data() + a_lo / 2 * work.pair_d, work.pair_d, row_pairs,
+                     b1 - b0, work.d, ones, tile_rows.dk_sum + b0 * work.dp, work.dp);
+  // dS K: keys in whole pairs from b0 / 2 (the key outside [b0, b1) of a pair gets dS = 0).
+  const Index b_lo = b0 / 2 * 2, b_hi = (b1 + 1) / 2 * 2;
+  if (b_lo < b0) std::fill(ds + b_lo * Bq + a0, ds + b_lo * Bq + a1, 0.0f);
+  if (b_hi > b1) std::fill(ds + b1 * Bq + a0, ds + b1 * Bq + a1, 0.0f);
+  const Index key_pairs = (b_hi - b_lo) / 2;
+  pair_pack_probs(ds + b_lo * Bq, Bq, key_pairs, a0, a1, work.pair_ds.data());
+  work.dq_part.head((a1 - a0) * work.dp).setZero();
+  backward_pair_rows(work.pair_ds.data() + a0, 1, Bq, tile_rows.pair_k + b_lo / 2 * work.pair_d,
+                     work.pair_d, key_pairs, a1 - a0, work.d, ones, work.dq_part.data(), work.dp);
+}
+
+#endif  // POSLSH_X86_UNITS
+
 /// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
 /// m's stay as they are): contiguous, aligned rows for the kernels. Rows stored in a
 /// half-precision type are widened to Scalar as they are copied (tile_widen, exact), so the
@@ -561,6 +682,50 @@ void pack_step(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout
     tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(orows.leftCols(dout.cols())), 0, 0, rows,
                               Scalar(1), ot, Bq);
   }
+}
+
+/// Packs the query step at i0 (`rows` rows) into work's buffers (pack_step; after
+/// work.prepare) and, for the AVX512-BF16 products (in.paired; after work.prepare_pairs), Q and
+/// dO as pairs along their columns and along the rows.
+template <typename Scalar, typename Input>
+void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index rows,
+                        BackwardWork<Scalar>& work) {
+  pack_step<Scalar>(in.q, in.dout, i0, rows, work.dp, work.dvp, work.qt.data(), work.ot.data(),
+                    work.q_rows.data(), work.o_rows.data());
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (!in.paired) return;
+    constexpr Index Bq = backward_query_rows;
+    pair_pack_queries(in.q, i0, 0, rows, work.pair_qt.data(), Bq);
+    pair_pack_queries(in.dout, i0, 0, rows, work.pair_ot.data(), Bq);
+    pair_pack_values(bf16_words(in.q.data() + i0 * in.q.outerStride()), in.q.outerStride(), rows,
+                     in.q.cols(), work.pair_d, work.pair_q_rows.data());
+    pair_pack_values(bf16_words(in.dout.data() + i0 * in.dout.outerStride()), in.dout.outerStride(),
+                     rows, in.dout.cols(), work.pair_dv, work.pair_o_rows.data());
+  }
+#endif
+}
+
+/// For the AVX512-BF16 products (in.paired; after work.prepare_pairs): K's rows [j0, j0 + keys)
+/// as pairs along the keys into slot `slot` of work.pair_k; returns the slot (null otherwise).
+template <typename Scalar, typename Input>
+const std::uint32_t* backward_pack_key_pairs(const BackwardInputs<Scalar, Input>& in, Index j0,
+                                             Index keys, Index slot, BackwardWork<Scalar>& work) {
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (!in.paired) return nullptr;
+    std::uint32_t* pairs = work.pair_k.data() + slot * (backward_tile / 2) * work.pair_d;
+    pair_pack_values(bf16_words(in.k.data() + j0 * in.k.outerStride()), in.k.outerStride(), keys,
+                     in.k.cols(), work.pair_d, pairs);
+    return pairs;
+  }
+#endif
+  static_cast<void>(in);
+  static_cast<void>(j0);
+  static_cast<void>(keys);
+  static_cast<void>(slot);
+  static_cast<void>(work);
+  return nullptr;
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
@@ -655,29 +820,49 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
     packet_keys[k] = {c0, std::clamp<Index>(reached.last - j0, c0, b1)};
     whole = whole && packet_keys[k].first == b0 && packet_keys[k].last == b1;
   }
-  const auto scores = [&](const Scalar* xt, const Scalar* y, Index y_stride, Index depth,
-                          Scalar* target) {
+  // S^T or dP^T (`values`): block(first, last, a, count) for the keys [first, last) and the
+  // `count` packets of rows from a, 0 at the keys of [b0, b1) a packet does not reach.
+  const auto scores = [&](bool values, Scalar* target) {
+    const auto block = [&](Index first, Index last, Index a, Index count) {
+#if POSLSH_X86_UNITS
+      if constexpr (backward_pairs_v<Scalar, Input>) {
+        if (in.paired) {
+          const ConstMatrixRef<Input>& y = values ? in.v : in.k;
+          pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
+                          bf16_words(y.data() + j0 * y.outerStride()), y.outerStride(),
+                          ((values ? dv : d) + 1) / 2, first, last, a, a + count * P, 1.0f, target);
+          return;
+        }
+      }
+#endif
+      if (values) {
+        backward_scores<Scalar>(step.ot + a, tile_rows.v_rows, dvp, dv, first, last, count,
+                                target + a);
+      } else {
+        backward_scores<Scalar>(step.qt + a, tile_rows.k_rows, dp, d, first, last, count,
+                                target + a);
+      }
+    };
     if (whole) {
-      backward_scores<Scalar>(xt + first_packet * P, y, y_stride, depth, b0, b1, packets,
-                              target + first_packet * P);
+      block(b0, b1, first_packet * P, packets);
       return;
     }
     const Packet zero = ei::pset1<Packet>(Scalar(0));
     for (Index k = 0; k < packets; ++k) {
       const Index a = (first_packet + k) * P;
       const KeyRange keys = packet_keys[k];
-      backward_scores<Scalar>(xt + a, y, y_stride, depth, keys.first, keys.last, 1, target + a);
+      block(keys.first, keys.last, a, 1);
       for (Index b = b0; b < keys.first; ++b) ei::pstore(target + b * Bq + a, zero);
       for (Index b = keys.last; b < b1; ++b) ei::pstore(target + b * Bq + a, zero);
     }
   };
   // P^T from S^T (rows of the packets holding [a0, a1)).
-  scores(step.qt, tile_rows.k_rows, dp, d, p);
+  scores(false, p);
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
       p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
   rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
   // dS^T = tau P^T o (dP^T - D).
-  scores(step.ot, tile_rows.v_rows, dvp, dv, ds);
+  scores(true, ds);
   if (distance_sum != nullptr) {
     using Column = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
     const Index rows = a1 - a0;
@@ -702,6 +887,14 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
           ei::pmul(ei::pmul(tau, prob), ei::psub(dprob, ei::pload<Packet>(work.delta.data() + a))));
     }
   }
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (in.paired) {
+      backward_pair_products(a0, a1, b0, b1, tile_rows, work);
+      return;
+    }
+  }
+#endif
   // dV_J += P^T dO and dK_J += dS^T Q: keys [c0, c1) over the step's rows reaching them.
   const auto rows_of = [&](Index c0, Index c1) {
     const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1, r0, r1);
@@ -736,6 +929,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
                         const Order& order, const PackedSteps<Scalar>* packed) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
+  if (in.paired) work.prepare_pairs(backward_group_tiles);
   const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (j_end - j_begin + Bk - 1) / Bk;
@@ -753,6 +947,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
     last_row = std::max(last_row, reaching[g].last);
     backward_rows<Scalar>(in.k, j0, keys, dp, k_rows);
     backward_rows<Scalar>(in.v, j0, keys, dvp, v_rows);
+    rows[g].pair_k = backward_pack_key_pairs(in, j0, keys, g, work);
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dk_sum, keys * dp).setZero();
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dv_sum, keys * dvp).setZero();
   }
@@ -775,8 +970,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
         if (packed != nullptr) {
           step = packed->step(i0);
         } else if (work.packed_step != i0) {
-          pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
-                            work.q_rows.data(), work.o_rows.data());
+          backward_pack_step(in, i0, step_rows, work);
           work.packed_step = i0;
         }
         prepared = true;
@@ -826,8 +1020,9 @@ void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   constexpr Index group = backward_group_tiles * backward_tile;
   const Index begin = rule.begin(), end = rule.end();
   const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  // The paired products pack their steps per group (backward_pack_step).
   PackedSteps<Scalar> packed;
-  packed.pack(in.q, in.dout, begin, end, true);
+  if (!in.paired) packed.pack(in.q, in.dout, begin, end, true);
   const auto group_count = static_cast<long>((end - begin + group - 1) / group);
 #pragma omp parallel
   {
@@ -836,7 +1031,8 @@ void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule
 #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < group_count; ++t) {
       const Index j0 = begin + static_cast<Index>(t) * group;
-      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, &packed);
+      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order,
+                         in.paired ? nullptr : &packed);
     }
   }
 }
@@ -875,6 +1071,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
   work.reserve_key_tiles(span);
+  if (in.paired) work.prepare_pairs(span);
   const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (end - base + Bk - 1) / Bk;
@@ -884,7 +1081,8 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     const Index slot = tile % span;
     return BackwardKeyTile<Scalar>{
         work.k_rows.data() + slot * Bk * dp, work.v_rows.data() + slot * Bk * dvp,
-        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp};
+        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp,
+        in.paired ? work.pair_k.data() + slot * (Bk / 2) * work.pair_d : nullptr};
   };
   // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
   const auto finish = [&](Index tile) {
@@ -915,6 +1113,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     touched[static_cast<std::size_t>(slot)] = 0;
     backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows.data() + slot * Bk * dp);
     backward_rows<Scalar>(in.v, j0, keys, dvp, work.v_rows.data() + slot * Bk * dvp);
+    backward_pack_key_pairs(in, j0, keys, slot, work);
     work.dk_sum.segment(slot * Bk * dp, keys * dp).setZero();
     work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
   };
@@ -946,8 +1145,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     for (; finished < first; ++finished) finish(finished);
     for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
     work.load_step(in.delta, in.lse, i0, step_rows);
-    pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
-                      work.q_rows.data(), work.o_rows.data());
+    backward_pack_step(in, i0, step_rows, work);
     if (out.fresh)
       dq_step.topRows(step_rows).setZero();
     else
