@@ -10,6 +10,7 @@
 #include <poslsh/reference/masks.hpp>
 #include <poslsh/training/backward.hpp>
 
+#include "backward_kernels.hpp"
 #include "half_support.hpp"
 #include "test_support.hpp"
 
@@ -34,42 +35,13 @@ using poslsh::RowMatrix;
 using poslsh_test::random_half;
 using poslsh_test::widened;
 
-using FloatVector = Eigen::Matrix<float, Eigen::Dynamic, 1>;
-
-enum class Kind { tiled, banded, fused, per_sample, fixed_blocks };
-
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::tiled:
-      return "tiled";
-    case Kind::banded:
-      return "banded";
-    case Kind::fused:
-      return "fused";
-    case Kind::per_sample:
-      return "per_sample";
-    case Kind::fixed_blocks:
-      return "fixed_blocks";
-  }
-  return "?";
-}
-
-constexpr Kind all_kinds[] = {Kind::tiled, Kind::banded, Kind::fused, Kind::per_sample,
-                              Kind::fixed_blocks};
-
-/// One kernel configuration of a single-head test.
-struct Config {
-  Kind kind;
-  double sigma;
-  Index band;
-  HashSet hashes;
-  poslsh::AttentionOptions options;
-};
-
-/// The gradients of one backward call (float for every input type).
-struct Grads {
-  RowMatrix<float> dq, dk, dv;
-};
+using poslsh_test::all_backward_kinds;
+using poslsh_test::BackwardKind;
+using poslsh_test::setup_backward;
+using poslsh_test::setup_forward;
+using Config = poslsh_test::BackwardSetup;
+using Grads = poslsh_test::BackwardGradients<float>;
+using FloatVector = poslsh_test::ColumnVector<float>;
 
 /// True when a and b have the same shape and the same bits in every entry.
 bool same_bits(const RowMatrix<float>& a, const RowMatrix<float>& b) {
@@ -79,6 +51,33 @@ bool same_bits(const RowMatrix<float>& a, const RowMatrix<float>& b) {
 
 bool same_bits(const Grads& a, const Grads& b) {
   return same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
+}
+
+/// Checks that the gradients of a half-precision call are finite and have the bits of `wide`.
+void check_bitwise(const Grads& half, const Grads& wide) {
+  CHECK(half.dq.allFinite());
+  CHECK(half.dk.allFinite());
+  CHECK(half.dv.allFinite());
+  CHECK(same_bits(half.dq, wide.dq));
+  CHECK(same_bits(half.dk, wide.dk));
+  CHECK(same_bits(half.dv, wide.dv));
+}
+
+/// Whether the CPU has the AVX512-BF16 unit (a warning when not: nothing to check).
+bool has_bf16_unit() {
+  const bool available = poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16);
+  if (!available) WARN("this CPU has no AVX512-BF16: nothing to check");
+  return available;
+}
+
+/// The run with `threads` threads: the first run's gradients are kept in `first`, the second's
+/// must have their bits.
+void check_threads(int threads, const Grads& result, Grads& first) {
+  if (threads == 1) {
+    first = result;
+  } else {
+    CHECK(same_bits(result, first));
+  }
 }
 
 /// Sets the OpenMP thread count while in scope (no effect without OpenMP).
@@ -105,64 +104,6 @@ class Threads {
 #endif
 };
 
-/// out and lse of the float forward with lse of `c` on float inputs.
-void forward_with_lse(const Config& c, const RowMatrix<float>& q, const RowMatrix<float>& k,
-                      const RowMatrix<float>& v, RowMatrix<float>& out, FloatVector& lse) {
-  out.resize(q.rows(), v.cols());
-  lse.resize(q.rows());
-  switch (c.kind) {
-    case Kind::tiled:
-      poslsh::alibi_attention_tiled<float>(q, k, v, c.sigma, out, lse, c.options);
-      break;
-    case Kind::banded:
-      poslsh::alibi_attention_banded<float>(q, k, v, c.sigma, c.band, out, lse, c.options);
-      break;
-    case Kind::fused:
-      poslsh::lsh_attention_fused<float>(q, k, v, c.hashes, out, lse, c.options);
-      break;
-    case Kind::per_sample:
-      poslsh::lsh_attention_per_sample<float>(q, k, v, c.hashes, out, lse, c.options);
-      break;
-    case Kind::fixed_blocks:
-      poslsh::fixed_blocks_attention<float>(q, k, v, c.sigma, out, lse, c.options);
-      break;
-  }
-}
-
-/// The single-head backward of `c` on inputs stored as Scalar; the gradients start as NaN.
-template <typename Scalar>
-Grads backward_of(const Config& c, const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                  const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
-                  const FloatVector& lse, const ConstMatrixRef<Scalar>& dout) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  Grads g{RowMatrix<float>::Constant(q.rows(), q.cols(), nan),
-          RowMatrix<float>::Constant(k.rows(), k.cols(), nan),
-          RowMatrix<float>::Constant(v.rows(), v.cols(), nan)};
-  switch (c.kind) {
-    case Kind::tiled:
-      poslsh::alibi_attention_tiled_backward<Scalar>(q, k, v, c.sigma, out, lse, dout, g.dq, g.dk,
-                                                     g.dv, c.options);
-      break;
-    case Kind::banded:
-      poslsh::alibi_attention_banded_backward<Scalar>(q, k, v, c.sigma, c.band, out, lse, dout,
-                                                      g.dq, g.dk, g.dv, c.options);
-      break;
-    case Kind::fused:
-      poslsh::lsh_attention_fused_backward<Scalar>(q, k, v, c.hashes, out, lse, dout, g.dq, g.dk,
-                                                   g.dv, c.options);
-      break;
-    case Kind::per_sample:
-      poslsh::lsh_attention_per_sample_backward<Scalar>(q, k, v, c.hashes, out, lse, dout, g.dq,
-                                                        g.dk, g.dv, c.options);
-      break;
-    case Kind::fixed_blocks:
-      poslsh::fixed_blocks_attention_backward<Scalar>(q, k, v, c.sigma, out, lse, dout, g.dq, g.dk,
-                                                      g.dv, c.options);
-      break;
-  }
-  return g;
-}
-
 /// A half-precision matrix stored with a row stride larger than its column count (`cols` of
 /// `cols + 5` columns), and its float copy (contiguous, the widened values).
 template <typename Half>
@@ -184,7 +125,7 @@ std::vector<Config> configs(Masking masking, Index n,
   std::vector<Config> result;
   poslsh::AttentionOptions options = poslsh_test::with_masking(masking);
   options.precision = precision;
-  for (const Kind kind : all_kinds) {
+  for (const BackwardKind kind : all_backward_kinds) {
     for (const double sigma : {2.0, 48.0}) {
       result.push_back({kind, sigma, 37,
                         poslsh::rbf_hashes(sigma, 3, 11 + static_cast<std::uint64_t>(n), 1),
@@ -315,22 +256,22 @@ RowMatrix<float> dense_weights(const Config& c, Index n, float& slope) {
   RowMatrix<float> w = RowMatrix<float>::Zero(n, n);
   slope = 0.0f;
   switch (c.kind) {
-    case Kind::tiled:
-    case Kind::banded:
+    case BackwardKind::tiled:
+    case BackwardKind::banded:
       slope = static_cast<float>(1.0 / c.sigma);
       for (Index i = 0; i < n; ++i)
         for (Index j = 0; j < n; ++j)
           w(i, j) = (masking == Masking::bidirectional || j <= i) &&
-                            (c.kind == Kind::tiled || std::abs(i - j) <= c.band)
+                            (c.kind == BackwardKind::tiled || std::abs(i - j) <= c.band)
                         ? 1.0f
                         : 0.0f;
       break;
-    case Kind::fused:
-    case Kind::per_sample:
+    case BackwardKind::fused:
+    case BackwardKind::per_sample:
       for (const poslsh::BinHash& hash : c.hashes)
         w += poslsh::bin_mask_dense<float>(hash, n, masking);
       break;
-    case Kind::fixed_blocks:
+    case BackwardKind::fixed_blocks:
       w = poslsh::bin_mask_dense<float>(poslsh::fixed_blocks_hash(c.sigma), n, masking);
       break;
   }
@@ -385,11 +326,11 @@ TEMPLATE_TEST_CASE(
     const StridedInput<Half> dout(random_half<Half>(n, dv, seed + 4));
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (const Config& c : configs(masking, n)) {
-        INFO(kind_name(c.kind) << ", n " << n << ", sigma " << c.sigma << ", "
-                               << poslsh_test::masking_name(masking));
+        INFO(poslsh_test::backward_kind_name(c.kind)
+             << ", n " << n << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
         RowMatrix<float> out_float;
         FloatVector lse;
-        forward_with_lse(c, q.wide, k.wide, v.wide, out_float, lse);
+        setup_forward<float>(c, q.wide, k.wide, v.wide, out_float, lse);
         // out as a half-precision forward writes it: the float output rounded once.
         const StridedInput<Half> out(out_float.template cast<Half>());
         Grads first;
@@ -397,20 +338,11 @@ TEMPLATE_TEST_CASE(
           INFO(threads << " threads");
           const Threads scope(threads);
           const Grads half =
-              backward_of<Half>(c, q.view(), k.view(), v.view(), out.view(), lse, dout.view());
+              setup_backward<Half>(c, q.view(), k.view(), v.view(), out.view(), lse, dout.view());
           const Grads wide =
-              backward_of<float>(c, q.wide, k.wide, v.wide, out.wide, lse, dout.wide);
-          CHECK(half.dq.allFinite());
-          CHECK(half.dk.allFinite());
-          CHECK(half.dv.allFinite());
-          CHECK(same_bits(half.dq, wide.dq));
-          CHECK(same_bits(half.dk, wide.dk));
-          CHECK(same_bits(half.dv, wide.dv));
-          if (threads == 1) {
-            first = half;
-          } else {
-            CHECK(same_bits(half, first));
-          }
+              setup_backward<float>(c, q.wide, k.wide, v.wide, out.wide, lse, dout.wide);
+          check_bitwise(half, wide);
+          check_threads(threads, half, first);
         }
       }
     }
@@ -459,19 +391,13 @@ TEMPLATE_TEST_CASE(
           const Grads wide = heads_backward_of<float>(call, p, p.qf.data(), p.kf.data(),
                                                       p.vf.data(), widened(p.out).data(),
                                                       p.doutf.data(), cu, options, wide_slopes);
-          CHECK(half.dq.allFinite());
-          CHECK(half.dk.allFinite());
-          CHECK(half.dv.allFinite());
-          CHECK(same_bits(half.dq, wide.dq));
-          CHECK(same_bits(half.dk, wide.dk));
-          CHECK(same_bits(half.dv, wide.dv));
+          check_bitwise(half, wide);
           CHECK(half_slopes.size() == wide_slopes.size());
           CHECK(half_slopes == wide_slopes);
+          check_threads(threads, half, first);
           if (threads == 1) {
-            first = half;
             first_slopes = half_slopes;
           } else {
-            CHECK(same_bits(half, first));
             CHECK(half_slopes == first_slopes);
           }
         }
@@ -486,10 +412,7 @@ TEST_CASE(
     "[half][backward][matrix_units]") {
   using namespace half_backward;
   using bf16 = Eigen::bfloat16;
-  if (!poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16)) {
-    WARN("this CPU has no AVX512-BF16: nothing to check");
-    return;
-  }
+  if (!has_bf16_unit()) return;
   const Index n = 300, d = 39, dv = 21;
   const RowMatrix<bf16> q = random_half<bf16>(n, d, 71), k = random_half<bf16>(n, d, 72),
                         v = random_half<bf16>(n, dv, 73), dout = random_half<bf16>(n, dv, 74);
@@ -498,76 +421,43 @@ TEST_CASE(
                           doutd = doutf.cast<double>();
   for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (const Config& c : configs(masking, n, poslsh::Precision::matrix_units)) {
-      INFO(kind_name(c.kind) << ", sigma " << c.sigma << ", "
-                             << poslsh_test::masking_name(masking));
+      INFO(poslsh_test::backward_kind_name(c.kind)
+           << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
       REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(c.options) == poslsh::MatrixUnit::avx512_bf16);
       RowMatrix<float> out_float;
       FloatVector lse;
-      forward_with_lse(c, qf, kf, vf, out_float, lse);
+      setup_forward<float>(c, qf, kf, vf, out_float, lse);
       const RowMatrix<bf16> out = out_float.cast<bf16>();
       // The double gradients of the same rounded inputs (the double backward on the double
       // forward's out and lse).
-      RowMatrix<double> out_double(n, dv);
-      Eigen::Matrix<double, Eigen::Dynamic, 1> lse_double(n);
-      RowMatrix<double> dq_double(n, d), dk_double(n, d), dv_double(n, dv);
-      switch (c.kind) {
-        case Kind::tiled:
-          poslsh::alibi_attention_tiled<double>(qd, kd, vd, c.sigma, out_double, lse_double,
-                                                c.options);
-          poslsh::alibi_attention_tiled_backward<double>(qd, kd, vd, c.sigma, out_double,
-                                                         lse_double, doutd, dq_double, dk_double,
-                                                         dv_double, c.options);
-          break;
-        case Kind::banded:
-          poslsh::alibi_attention_banded<double>(qd, kd, vd, c.sigma, c.band, out_double,
-                                                 lse_double, c.options);
-          poslsh::alibi_attention_banded_backward<double>(qd, kd, vd, c.sigma, c.band, out_double,
-                                                          lse_double, doutd, dq_double, dk_double,
-                                                          dv_double, c.options);
-          break;
-        case Kind::fused:
-        case Kind::per_sample:
-          poslsh::lsh_attention_fused<double>(qd, kd, vd, c.hashes, out_double, lse_double,
-                                              c.options);
-          poslsh::lsh_attention_fused_backward<double>(qd, kd, vd, c.hashes, out_double, lse_double,
-                                                       doutd, dq_double, dk_double, dv_double,
-                                                       c.options);
-          break;
-        case Kind::fixed_blocks:
-          poslsh::fixed_blocks_attention<double>(qd, kd, vd, c.sigma, out_double, lse_double,
-                                                 c.options);
-          poslsh::fixed_blocks_attention_backward<double>(qd, kd, vd, c.sigma, out_double,
-                                                          lse_double, doutd, dq_double, dk_double,
-                                                          dv_double, c.options);
-          break;
-      }
+      RowMatrix<double> out_double;
+      poslsh_test::ColumnVector<double> lse_double;
+      setup_forward<double>(c, qd, kd, vd, out_double, lse_double);
+      const poslsh_test::BackwardGradients<double> exact =
+          setup_backward<double>(c, qd, kd, vd, out_double, lse_double, doutd);
       const Grads plain = plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
       Grads first;
       for (const int threads : {1, 2}) {
         INFO(threads << " threads");
         const Threads scope(threads);
-        const Grads unit = backward_of<bf16>(c, q, k, v, out, lse, dout);
+        const Grads unit = setup_backward<bf16>(c, q, k, v, out, lse, dout);
         const Grads widening = [&] {
           Config float_products = c;
           float_products.options.precision = poslsh::Precision::float_products;
-          return backward_of<bf16>(float_products, q, k, v, out, lse, dout);
+          return setup_backward<bf16>(float_products, q, k, v, out, lse, dout);
         }();
         // The unit is used: its roundings of P and dS change the bits.
         CHECK_FALSE(same_bits(unit, widening));
         const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
           return poslsh_test::relative_max_error(a.cast<double>(), b);
         };
-        INFO("dq error " << error(unit.dq, dq_double) << ", plain " << error(plain.dq, dq_double));
-        INFO("dk error " << error(unit.dk, dk_double) << ", plain " << error(plain.dk, dk_double));
-        INFO("dv error " << error(unit.dv, dv_double) << ", plain " << error(plain.dv, dv_double));
-        CHECK(error(unit.dq, dq_double) <= 2.0 * error(plain.dq, dq_double));
-        CHECK(error(unit.dk, dk_double) <= 2.0 * error(plain.dk, dk_double));
-        CHECK(error(unit.dv, dv_double) <= 2.0 * error(plain.dv, dv_double));
-        if (threads == 1) {
-          first = unit;
-        } else {
-          CHECK(same_bits(unit, first));
-        }
+        INFO("dq error " << error(unit.dq, exact.dq) << ", plain " << error(plain.dq, exact.dq));
+        INFO("dk error " << error(unit.dk, exact.dk) << ", plain " << error(plain.dk, exact.dk));
+        INFO("dv error " << error(unit.dv, exact.dv) << ", plain " << error(plain.dv, exact.dv));
+        CHECK(error(unit.dq, exact.dq) <= 2.0 * error(plain.dq, exact.dq));
+        CHECK(error(unit.dk, exact.dk) <= 2.0 * error(plain.dk, exact.dk));
+        CHECK(error(unit.dv, exact.dv) <= 2.0 * error(plain.dv, exact.dv));
+        check_threads(threads, unit, first);
       }
     }
   }
@@ -579,10 +469,7 @@ TEST_CASE(
     "[half][backward][matrix_units]") {
   using namespace half_backward;
   using bf16 = Eigen::bfloat16;
-  if (!poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16)) {
-    WARN("this CPU has no AVX512-BF16: nothing to check");
-    return;
-  }
+  if (!has_bf16_unit()) return;
   const Index n = 200, heads = 2, kv_heads = 1, d = 24, dv = 16;
   const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
   HeadsProblem<bf16> p(n, heads, kv_heads, d, dv, 900);
@@ -610,9 +497,9 @@ TEST_CASE(
                        dv_sum = RowMatrix<float>::Zero(n, dv);
       for (Index h = 0; h < heads; ++h) {
         const auto index = static_cast<std::size_t>(h);
-        const Config c{method == poslsh::Method::exact_tiled ? Kind::tiled
-                       : method == poslsh::Method::lsh_fused ? Kind::fused
-                                                             : Kind::per_sample,
+        const Config c{method == poslsh::Method::exact_tiled ? BackwardKind::tiled
+                       : method == poslsh::Method::lsh_fused ? BackwardKind::fused
+                                                             : BackwardKind::per_sample,
                        sigmas[index], 0, hashes[index], options};
         const auto head = [&](const RowMatrix<bf16>& m, Index count, Index width) {
           return ConstMatrixRef<bf16>(
@@ -620,20 +507,16 @@ TEST_CASE(
                   .head(count == heads ? h : 0));
         };
         const FloatVector lse = p.lse.row(h).transpose();
-        const Grads single = backward_of<bf16>(c, head(p.q, heads, d), head(p.k, kv_heads, d),
-                                               head(p.v, kv_heads, dv), head(p.out, heads, dv), lse,
-                                               head(p.dout, heads, dv));
+        const Grads single = setup_backward<bf16>(c, head(p.q, heads, d), head(p.k, kv_heads, d),
+                                                  head(p.v, kv_heads, dv), head(p.out, heads, dv),
+                                                  lse, head(p.dout, heads, dv));
         CHECK(same_bits(RowMatrix<float>(unit.dq.middleCols(h * d, d)), single.dq));
         dk_sum += single.dk;
         dv_sum += single.dv;
       }
       CHECK(same_bits(unit.dk, dk_sum));
       CHECK(same_bits(unit.dv, dv_sum));
-      if (threads == 1) {
-        first = unit;
-      } else {
-        CHECK(same_bits(unit, first));
-      }
+      check_threads(threads, unit, first);
     }
   }
 }
