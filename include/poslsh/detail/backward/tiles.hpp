@@ -246,10 +246,10 @@ struct BackwardInputs {
 };
 
 /// Whether inputs stored as Input, computed in Scalar, can take the AVX512-BF16 products
-/// (bfloat16 inputs, float compute, an x86 build).
+/// (bfloat16 inputs, float compute; used in x86 builds, POSLSH_X86_UNITS).
 template <typename Scalar, typename Input>
 inline constexpr bool backward_pairs_v =
-    POSLSH_X86_UNITS&& std::is_same_v<Scalar, float>&& std::is_same_v<Input, Eigen::bfloat16>;
+    std::conjunction_v<std::is_same<Scalar, float>, std::is_same<Input, Eigen::bfloat16>>;
 
 /// The gradient outputs (accumulated into: the caller zeroes them).
 template <typename Scalar>
