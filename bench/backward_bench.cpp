@@ -1,11 +1,15 @@
 // poslsh benchmarks: multi-head backward passes, <method>_backward/<n> on the default problem
-// (float, H = 8, d = 64, causal, sigma = alibi_sigmas(8), s = 16), n = 1024, 4096, 16384.
-// One multihead_attention_backward call per iteration from the out and lse of one forward with
-// lse (computed before the timed loop); dout is the shared v tensor. Counters as the forward
-// rows (pairs of the forward, 4 d FLOPs per pair), so GFLOP/s compare with the forward rows.
+// (float, H = 8, d = 64, causal, sigma = alibi_sigmas(8), s = 16), n = 1024, 4096, 16384, and
+// <method>_bf16_backward/16384 with q, k, v, out and dout in Eigen::bfloat16 (the float tensors
+// rounded; lse and the gradients in float), next to the forward rows <method>_bf16/<n>.
+// One multihead_attention_backward call per iteration from the out and lse of one float forward
+// with lse on the float tensors (computed before the timed loop; out rounded for the bfloat16
+// rows); dout is the shared v tensor. Counters as the forward rows (pairs of the forward, 4 d
+// FLOPs per pair), so GFLOP/s compare with the forward rows.
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/training/backward.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -14,22 +18,35 @@ namespace poslsh::bench {
 
 namespace {
 
+/// Input tensor `which` of n tokens stored as Input: the float tensor, or its rounding.
+template <typename Input>
+HeadsView<const Input> stored_view(Which which, Index n) {
+  if constexpr (std::is_same_v<Input, float>) {
+    return input_view(which, n);
+  } else {
+    return half_view<Input>(which, n);
+  }
+}
+
+template <typename Input>
 void run_backward(benchmark::State& state, Index n, Method method) {
   MultiHeadOptions options;
   options.method = method;
   options.samples = default_samples;
   options.seed = seed;
-  const auto q = input_view(Which::q, n);
-  const auto k = input_view(Which::k, n);
-  const auto v = input_view(Which::v, n);
   const std::size_t size = static_cast<std::size_t>(n * heads * dim);
   std::vector<float> out(size), dq(size), dk(size), dv(size);
   RowMatrix<float> lse(heads, n);
-  multihead_attention<float>(q, k, v, interleaved_heads<float>(out.data(), n, heads, dim), lse,
-                             options);
-  const auto out_view = interleaved_heads<const float>(out.data(), n, heads, dim);
+  multihead_attention<float>(input_view(Which::q, n), input_view(Which::k, n),
+                             input_view(Which::v, n),
+                             interleaved_heads<float>(out.data(), n, heads, dim), lse, options);
+  std::vector<Input> stored_out(out.begin(), out.end());
+  const auto q = stored_view<Input>(Which::q, n);
+  const auto k = stored_view<Input>(Which::k, n);
+  const auto v = stored_view<Input>(Which::v, n);
+  const auto out_view = interleaved_heads<const Input>(stored_out.data(), n, heads, dim);
   for (auto _ : state) {
-    multihead_attention_backward<float>(q, k, v, out_view, lse, v, /*dq=*/
+    multihead_attention_backward<Input>(q, k, v, out_view, lse, v, /*dq=*/
                                         interleaved_heads<float>(dq.data(), n, heads, dim),
                                         interleaved_heads<float>(dk.data(), n, heads, dim),
                                         interleaved_heads<float>(dv.data(), n, heads, dim),
@@ -48,13 +65,17 @@ void run_backward(benchmark::State& state, Index n, Method method) {
 /// two methods at one n run close together in time.
 const bool registered = [] {
   for (Index n : {Index{1024}, Index{4096}, Index{16384}}) {
-    for (const auto& [name, method] : {std::pair{"exact_tiled_backward/", Method::exact_tiled},
-                                       std::pair{"lsh_fused_backward/", Method::lsh_fused}}) {
-      with_min_statistic(
-          benchmark::RegisterBenchmark((name + std::to_string(n)).c_str(), run_backward, n, method))
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime()
-          ->MinTime(0.5);
+    for (const auto& [name, method] : {std::pair{"exact_tiled", Method::exact_tiled},
+                                       std::pair{"lsh_fused", Method::lsh_fused}}) {
+      const auto add = [n, method = method](const std::string& row, auto run) {
+        with_min_statistic(
+            benchmark::RegisterBenchmark((row + std::to_string(n)).c_str(), run, n, method))
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->MinTime(0.5);
+      };
+      add(std::string(name) + "_backward/", run_backward<float>);
+      if (n == 16384) add(std::string(name) + "_bf16_backward/", run_backward<Eigen::bfloat16>);
     }
   }
   return true;

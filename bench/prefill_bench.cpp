@@ -5,9 +5,7 @@
 // in their label (unit=avx512_bf16, unit=float_widening); where that is a matrix unit,
 // <method>_bf16_float_widening/<n> runs the same call with Precision::float_products, so one
 // run compares the units side by side.
-#include <map>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -79,32 +77,6 @@ void run_naive(benchmark::State& state, Index n, const MultiHeadOptions& options
     benchmark::ClobberMemory();
   }
   set_kernel_counters(state, heads * causal_pairs(n), n * heads);
-}
-
-/// Tensor `which` of n tokens rounded to Half ([n, H, d]), made once outside the timed loops
-/// (the tensors of one n at a time).
-template <typename Half>
-std::vector<Half>& half_tensor(Which which, Index n) {
-  static std::map<std::pair<int, Index>, std::vector<Half>> cache;
-  const std::pair<int, Index> key{static_cast<int>(which), n};
-  auto found = cache.find(key);
-  if (found == cache.end()) {
-    for (auto it = cache.begin(); it != cache.end();)
-      it = it->first.second != n ? cache.erase(it) : ++it;
-    const auto size = static_cast<long>(n * heads * dim);
-    std::vector<Half> values(static_cast<std::size_t>(size));
-    const float* source = which == Which::out ? nullptr : tensor(which, n).data();
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < size; ++i)
-      values[static_cast<std::size_t>(i)] = static_cast<Half>(source == nullptr ? 0.0f : source[i]);
-    found = cache.emplace(key, std::move(values)).first;
-  }
-  return found->second;
-}
-
-template <typename Half>
-HeadsView<const Half> half_view(Which which, Index n) {
-  return interleaved_heads<const Half>(half_tensor<Half>(which, n).data(), n, heads, dim);
 }
 
 /// One multihead_attention call per iteration with Q, K, V and the output in Half.

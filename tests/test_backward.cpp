@@ -5,6 +5,7 @@
 #include <poslsh/reference/masks.hpp>
 #include <poslsh/training/backward.hpp>
 
+#include "backward_kernels.hpp"
 #include "test_support.hpp"
 
 #ifdef _OPENMP
@@ -29,92 +30,25 @@ using poslsh_test::with_masking;
 
 namespace {
 
+using poslsh_test::backward_kind_name;
+using poslsh_test::BackwardKind;
+using poslsh_test::ColumnVector;
+using Setup = poslsh_test::BackwardSetup;
 template <typename Scalar>
-using ColumnVector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
-
-enum class BackwardKind { tiled, banded, fused, per_sample, fixed_blocks };
-
-const char* backward_kind_name(BackwardKind kind) {
-  switch (kind) {
-    case BackwardKind::tiled:
-      return "tiled";
-    case BackwardKind::banded:
-      return "banded";
-    case BackwardKind::fused:
-      return "fused";
-    case BackwardKind::per_sample:
-      return "per_sample";
-    case BackwardKind::fixed_blocks:
-      return "fixed_blocks";
-  }
-  return "?";
-}
-
-/// One kernel configuration: its kind, sigma, band and hashes, and the options.
-struct Setup {
-  BackwardKind kind;
-  double sigma;
-  Index band;
-  HashSet hashes;
-  AttentionOptions options;
-};
-
-template <typename Scalar>
-struct Gradients {
-  RowMatrix<Scalar> dq, dk, dv;
-};
+using Gradients = poslsh_test::BackwardGradients<Scalar>;
 
 template <typename Scalar>
 void forward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
              const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, ColumnVector<Scalar>& lse,
              bool resize = true) {
-  if (resize) {
-    out.resize(q.rows(), v.cols());
-    lse.resize(q.rows());
-  }
-  switch (s.kind) {
-    case BackwardKind::tiled:
-      return poslsh::alibi_attention_tiled<Scalar>(q, k, v, s.sigma, out, lse, s.options);
-    case BackwardKind::banded:
-      return poslsh::alibi_attention_banded<Scalar>(q, k, v, s.sigma, s.band, out, lse, s.options);
-    case BackwardKind::fused:
-      return poslsh::lsh_attention_fused<Scalar>(q, k, v, s.hashes, out, lse, s.options);
-    case BackwardKind::per_sample:
-      return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, s.hashes, out, lse, s.options);
-    case BackwardKind::fixed_blocks:
-      return poslsh::fixed_blocks_attention<Scalar>(q, k, v, s.sigma, out, lse, s.options);
-  }
+  poslsh_test::setup_forward<Scalar>(s, q, k, v, out, lse, resize);
 }
 
 template <typename Scalar>
 Gradients<Scalar> backward(const Setup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
                            const RowMatrix<Scalar>& v, const RowMatrix<Scalar>& out,
                            const ColumnVector<Scalar>& lse, const RowMatrix<Scalar>& dout) {
-  Gradients<Scalar> g{RowMatrix<Scalar>(q.rows(), q.cols()), RowMatrix<Scalar>(k.rows(), k.cols()),
-                      RowMatrix<Scalar>(v.rows(), v.cols())};
-  switch (s.kind) {
-    case BackwardKind::tiled:
-      poslsh::alibi_attention_tiled_backward<Scalar>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
-                                                     g.dv, s.options);
-      break;
-    case BackwardKind::banded:
-      poslsh::alibi_attention_banded_backward<Scalar>(q, k, v, s.sigma, s.band, out, lse, dout,
-                                                      g.dq, g.dk, g.dv, s.options);
-      break;
-    case BackwardKind::fused:
-      poslsh::lsh_attention_fused_backward<Scalar>(q, k, v, s.hashes, out, lse, dout, g.dq, g.dk,
-                                                   g.dv, s.options);
-      break;
-    case BackwardKind::per_sample:
-      poslsh::lsh_attention_per_sample_backward<Scalar>(q, k, v, s.hashes, out, lse, dout, g.dq,
-                                                        g.dk, g.dv, s.options);
-      break;
-    case BackwardKind::fixed_blocks:
-      poslsh::fixed_blocks_attention_backward<Scalar>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
-                                                      g.dv, s.options);
-      break;
-  }
-  return g;
+  return poslsh_test::setup_backward<Scalar>(s, q, k, v, out, lse, dout);
 }
 
 /// Relative error of central differences against <gradient, direction> for one random

@@ -105,12 +105,13 @@ struct HeadForward {
   Index extent() const { return std::max(p0 + q.rows(), k0 + k.rows()); }
 };
 
-/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens).
-template <typename Scalar>
+/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
+/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
+template <typename Scalar, typename Input = Scalar>
 struct HeadBackward {
-  ConstMatrixRef<Scalar> q, k, v, out;
+  ConstMatrixRef<Input> q, k, v, out;
   ConstVectorRef<Scalar> lse;
-  ConstMatrixRef<Scalar> dout;
+  ConstMatrixRef<Input> dout;
   MatrixRef<Scalar> dq, dk, dv;
   Scalar tau;
   Masking masking;
@@ -118,6 +119,8 @@ struct HeadBackward {
   double* dslope = nullptr;
   /// The position of the first token (the LSH bins are those of the positions origin ..).
   Index origin = 0;
+  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
+  Precision precision = Precision::float_products;
 };
 
 /// A thread's scratch for backward jobs that run one head on one thread.
@@ -184,14 +187,14 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
     return AlibiBias<Compute>(keys, head.sigma, head_window(head, keys, masking));
   }
 
-  template <typename Scalar>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool parallel,
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
     // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
-    exact_backward<Scalar>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
-                           head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout, b.dq,
-                           b.dk, b.dv, parallel, scratch == nullptr ? nullptr : &scratch->work,
-                           b.dslope);
+    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
+                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
+                                  b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
   }
 };
 
@@ -213,13 +216,13 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
                               work.count_tile);
   }
 
-  template <typename Scalar>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool parallel,
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
-    count_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal, b.out,
-                           b.lse, b.dout, b.dq, b.dk, b.dv, parallel,
-                           scratch == nullptr ? nullptr : &scratch->work,
-                           scratch == nullptr ? nullptr : &scratch->windows, b.origin);
+    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
+                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work,
+                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
   }
 };
 
@@ -252,11 +255,12 @@ struct PerSampleMethodKernels : WholeHeadMethod {
     }
   }
 
-  template <typename Scalar>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar>& b, bool,
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
                        BackwardScratch<Scalar>*) {
-    per_sample_backward<Scalar>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.origin);
+    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
+                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
+                                       b.dk, b.dv, b.precision, b.origin);
   }
 };
 

@@ -86,11 +86,13 @@ void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Scalar>
 /// with groups each head's dK, dV go to scratch first, then are summed over the group in
 /// increasing head order. Either way every gradient row is the single-head kernel's sum in
 /// its fixed order: bitwise the same for any thread count.
-template <typename Scalar>
-void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
-                    const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                    const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
-                    const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
+/// q, k, v, out and dout are stored as Input, lse and the gradients in Scalar =
+/// backward_scalar_t<Input> (half-precision rows widened as the passes pack them).
+template <typename Input, typename Scalar = backward_scalar_t<Input>>
+void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
+                    const HeadsView<const Input>& k, const HeadsView<const Input>& v,
+                    const HeadsView<const Input>& out, const ConstMatrixRef<Scalar>& lse,
+                    const HeadsView<const Input>& dout, const HeadsView<Scalar>& dq,
                     const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
                     double* dslopes = nullptr) {
   const FlushSubnormals flush;  // as every thread of the passes (the group sums)
@@ -104,7 +106,7 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
                             MatrixRef<Scalar> dv_h, bool parallel,
                             BackwardScratch<Scalar>* scratch) {
     const Index begin = s.q_begin, end = s.q_end, g = h / group;
-    HeadBackward<Scalar> b{
+    HeadBackward<Scalar, Input> b{
         token_range(q, begin, end).head(h),
         token_range(k, begin, end).head(g),
         token_range(v, begin, end).head(g),
@@ -121,10 +123,11 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
             : &sequence_dslopes[static_cast<std::size_t>(&s - call.sequences.data()) *
                                     static_cast<std::size_t>(heads) +
                                 static_cast<std::size_t>(h)],
-        s.p0};
+        s.p0,
+        call.precision};
     const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
     visit_method(head.method, [&](auto kernels) {
-      decltype(kernels)::template backward<Scalar>(head, b, parallel, scratch);
+      decltype(kernels)::template backward<Scalar, Input>(head, b, parallel, scratch);
     });
   };
   bool one_thread_per_head = group == 1;
@@ -186,10 +189,10 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Scalar>& q,
 }
 
 /// The gradient views of a backward call: dout as out, dq as q, dk and dv as k and v.
-template <typename Scalar>
-void require_gradient_views(const char* function, const HeadsView<const Scalar>& q,
-                            const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                            const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
+template <typename Input, typename Scalar>
+void require_gradient_views(const char* function, const HeadsView<const Input>& q,
+                            const HeadsView<const Input>& k, const HeadsView<const Input>& v,
+                            const HeadsView<const Input>& dout, const HeadsView<Scalar>& dq,
                             const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv) {
   require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
   require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
@@ -202,11 +205,11 @@ void require_gradient_views(const char* function, const HeadsView<const Scalar>&
 /// (training_call, then the gradient views; with dslopes, the method exact_tiled or
 /// exact_banded and one entry per query head), then heads_backward, which writes the slope
 /// gradients into *dslopes when it is given.
-template <typename Scalar>
-void training_backward(const char* function, const HeadsView<const Scalar>& q,
-                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                       const HeadsView<const Scalar>& out, const ConstMatrixRef<Scalar>& lse,
-                       const HeadsView<const Scalar>& dout,
+template <typename Input, typename Scalar = backward_scalar_t<Input>>
+void training_backward(const char* function, const HeadsView<const Input>& q,
+                       const HeadsView<const Input>& k, const HeadsView<const Input>& v,
+                       const HeadsView<const Input>& out, const ConstMatrixRef<Scalar>& lse,
+                       const HeadsView<const Input>& dout,
                        const std::vector<std::int32_t>& cu_seqlens, const HeadsView<Scalar>& dq,
                        const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
                        const MultiHeadOptions& options,
@@ -221,8 +224,8 @@ void training_backward(const char* function, const HeadsView<const Scalar>& q,
     require(dslopes->size() == q.heads, function, "dslopes", dslopes->size(),
             "must hold one entry per query head (" + std::to_string(q.heads) + ")");
   }
-  heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv,
-                         dslopes == nullptr ? nullptr : dslopes->data());
+  heads_backward<Input>(call, q, k, v, out, lse, dout, dq, dk, dv,
+                        dslopes == nullptr ? nullptr : dslopes->data());
 }
 
 }  // namespace detail
@@ -249,13 +252,20 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
 /// lsh_attention_per_sample_backward, fixed_blocks_attention_backward) gives dq_h, and
 ///   dk_g = sum_{h : h / G = g} dK_h,  dv_g = sum_{h : h / G = g} dV_h,
 /// summed in increasing h. Bitwise the same for any thread count and as the single-head calls.
-/// Extra memory O(n d) for grouped-query attention (one head's dK, dV).
+/// Extra memory O(n d) for grouped-query attention (one head's dK, dV). q, k, v, out and dout
+/// are views of Scalar (float, double, Eigen::bfloat16 or Eigen::half, deduced from them), lse
+/// and the gradients of backward_scalar_t<Scalar> (float for the half-precision types, whose
+/// gradients are bitwise the float call's on the widened inputs, or from bfloat16 products on
+/// the CPU's matrix unit under options.precision: poslsh/training/backward.hpp).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                   HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                  ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                  HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
+                                  ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+                                  HeadsView<const Scalar> dout,
+                                  HeadsView<backward_scalar_t<Scalar>> dq,
+                                  HeadsView<backward_scalar_t<Scalar>> dk,
+                                  HeadsView<backward_scalar_t<Scalar>> dv,
                                   const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
                                     {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options);
@@ -270,12 +280,12 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
 /// exact_banded only: the bins of the LSH methods are not differentiable in the slope.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                  HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                  ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                  HeadsView<Scalar> dq, HeadsView<Scalar> dk, HeadsView<Scalar> dv,
-                                  Eigen::Ref<Eigen::VectorXd> dslopes,
-                                  const MultiHeadOptions& options = {}) {
+void multihead_attention_backward(
+    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+    HeadsView<const Scalar> dout, HeadsView<backward_scalar_t<Scalar>> dq,
+    HeadsView<backward_scalar_t<Scalar>> dk, HeadsView<backward_scalar_t<Scalar>> dv,
+    Eigen::Ref<Eigen::VectorXd> dslopes, const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
                                     {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options,
                                     &dslopes);
@@ -330,13 +340,12 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
 /// calls.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                         const std::vector<std::int32_t>& cu_seqlens,
-                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-                                         HeadsView<Scalar> dv,
-                                         const MultiHeadOptions& options = {}) {
+void multihead_attention_varlen_backward(
+    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+    HeadsView<const Scalar> dout, const std::vector<std::int32_t>& cu_seqlens,
+    HeadsView<backward_scalar_t<Scalar>> dq, HeadsView<backward_scalar_t<Scalar>> dk,
+    HeadsView<backward_scalar_t<Scalar>> dv, const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
                                     cu_seqlens, dq, dk, dv, options);
 }
@@ -346,13 +355,13 @@ void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<co
 /// with dslopes. Methods exact_tiled and exact_banded only.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                         const std::vector<std::int32_t>& cu_seqlens,
-                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-                                         HeadsView<Scalar> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
-                                         const MultiHeadOptions& options = {}) {
+void multihead_attention_varlen_backward(
+    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+    HeadsView<const Scalar> dout, const std::vector<std::int32_t>& cu_seqlens,
+    HeadsView<backward_scalar_t<Scalar>> dq, HeadsView<backward_scalar_t<Scalar>> dk,
+    HeadsView<backward_scalar_t<Scalar>> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
+    const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
                                     cu_seqlens, dq, dk, dv, options, &dslopes);
 }

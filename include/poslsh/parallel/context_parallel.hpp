@@ -337,18 +337,21 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 /// out, dout (and the n columns of lse) are the positions position .. position + n - 1, and
 /// only the pairs (i, j) of the window count (self-attention inside it, bias, masks and LSH
 /// bins at the absolute positions), with out and lse the forward's rows of the whole sequence
-/// (P_ij = w_ij e^{x_ij - lse_i}). Conventions and sums as multihead_attention_backward. A query
-/// row all of whose keys of nonzero weight lie in the window gets its dq row, and a key all of
-/// whose queries do gets its dk and dv rows, equal to the whole sequence's; bitwise equal when
-/// `position` is a multiple of 64 (the tiles of the window are then the sequence's):
-/// ContextParallelChunk::window_span. Bitwise the same for any thread count.
+/// (P_ij = w_ij e^{x_ij - lse_i}). Conventions, sums and scalar types (half-precision inputs,
+/// float lse and gradients) as multihead_attention_backward. A query row all of whose keys of
+/// nonzero weight lie in the window gets its dq row, and a key all of whose queries do gets its
+/// dk and dv rows, equal to the whole sequence's; bitwise equal when `position` is a multiple of
+/// 64 (the tiles of the window are then the sequence's): ContextParallelChunk::window_span.
+/// Bitwise the same for any thread count.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention_window_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                          HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                         ConstMatrixRef<Scalar> lse, HeadsView<const Scalar> dout,
-                                         HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-                                         HeadsView<Scalar> dv, Index position,
+                                         ConstMatrixRef<backward_scalar_t<Scalar>> lse,
+                                         HeadsView<const Scalar> dout,
+                                         HeadsView<backward_scalar_t<Scalar>> dq,
+                                         HeadsView<backward_scalar_t<Scalar>> dk,
+                                         HeadsView<backward_scalar_t<Scalar>> dv, Index position,
                                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_window_backward";
   detail::require(position >= 0, function, "position", position, "must be >= 0");

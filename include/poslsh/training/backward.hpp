@@ -17,6 +17,22 @@
 // n, out and dout n x d_v, dq and dk n x d, dv n x d_v (output rows must not overlap). Not
 // checked: the values, that lse and out come from the forward of the same inputs, and that the
 // gradient outputs overlap neither each other nor the inputs.
+//
+// Scalar types of the backward passes: q, k, v, out and dout stored in one type Scalar (float,
+// double, Eigen::bfloat16 or Eigen::half); lse and the gradients dq, dk, dv in
+// backward_scalar_t<Scalar> (double for double, float otherwise). Half-precision rows are widened
+// exactly to float where the float passes copy their operands anyway (each query step's Q and dO
+// rows, each key tile's K and V rows, O and dO a few rows at a time for D): no extra memory, and
+// the same sums in the same order, so the gradients are bitwise those of the float backward on
+// float matrices holding the widened inputs. The gradients stay float because they are sums that
+// training accumulates in float (over the heads of a group, over samples, into an optimizer's
+// float master gradients); rounding them to the input type is one step for the caller.
+// Except on a CPU matrix unit: with bfloat16 inputs, options.precision = Precision::matrix_units
+// (the default) and matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16> = avx512_bf16, the five
+// products of every tile pair take bfloat16 operands with float sums (S = Q K^T and dP = dO V^T
+// from the inputs; P and dS rounded to bfloat16 before P^T dO, dS K and dS^T Q), as
+// FlashAttention's bfloat16 backward does; still bitwise the same for any thread count, within
+// twice the error of such a plain bfloat16 backward (docs/half_precision.md).
 #pragma once
 
 #include <Eigen/Core>
@@ -30,6 +46,7 @@
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/slopes.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/blocks.hpp"
@@ -53,6 +70,12 @@ using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
 /// Read-only view of a vector, e.g. the lse input of a backward pass.
 template <typename Scalar>
 using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+/// The scalar of the lse input and the gradient outputs of a backward pass whose q, k, v, out
+/// and dout are stored as Scalar: its compute scalar, double for double, float for float,
+/// Eigen::bfloat16 and Eigen::half (compute_scalar_t).
+template <typename Scalar>
+using backward_scalar_t = compute_scalar_t<Scalar>;
 
 namespace detail {
 
@@ -84,11 +107,11 @@ void require_lse_size(const char* function, const VectorType& lse, Index n) {
 }
 
 /// out, lse, dout, dq, dk, dv of a backward pass on Q (n x d), V (n x d_v).
-template <typename Scalar>
-void require_backward_arguments(const char* function, const ConstMatrixRef<Scalar>& q,
-                                const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
+template <typename Scalar, typename Input>
+void require_backward_arguments(const char* function, const ConstMatrixRef<Input>& q,
+                                const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
                                 const ConstVectorRef<Scalar>& lse,
-                                const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+                                const ConstMatrixRef<Input>& dout, const MatrixRef<Scalar>& dq,
                                 const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv) {
   const Index n = q.rows(), d = q.cols(), dv_cols = v.cols();
   require_matrix_shape(function, "out", out, n, dv_cols, false);
@@ -146,18 +169,30 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
 /// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
 /// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
 /// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
-template <typename Scalar, typename Rule>
-void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                       const ConstMatrixRef<Scalar>& v, const ConstMatrixRef<Scalar>& out,
-                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+/// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
+/// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
+/// the products on the AVX512-BF16 unit where matrix_unit_for<Input, Input>(precision) is it
+/// (BackwardInputs::paired).
+template <typename Scalar, typename Input, typename Rule>
+void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                       const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                       MatrixRef<Scalar>& dv, bool parallel = true,
+                       MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                        BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
   const FlushSubnormals flush;
   backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  const BackwardInputs<Scalar, Input> in{
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
@@ -179,19 +214,20 @@ void windowed_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Sca
 }
 
 /// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).
-template <typename Scalar>
-void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
-                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
-                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+template <typename Scalar, typename Input = Scalar>
+void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                    const ConstMatrixRef<Input>& v, double sigma, double tau, ExactWindow window,
+                    const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                     BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr) {
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
   double distance_sum = 0.0;
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk, dv,
-                            parallel, work, dslope == nullptr ? nullptr : &distance_sum);
+  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
+                                   dv, precision, parallel, work,
+                                   dslope == nullptr ? nullptr : &distance_sum);
   if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
 }
 
@@ -199,12 +235,12 @@ void exact_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
 /// is the fused evaluation, each pair once); `work` and `windows` (when not null) are a
 /// thread's scratch, reused across heads. Rows are the positions origin .. origin + n - 1 of
 /// the hashes' sequence (CountWindows::build).
-template <typename Scalar>
-void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
-                    const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
-                    const ConstMatrixRef<Scalar>& dout, MatrixRef<Scalar>& dq,
-                    MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel = true,
+template <typename Scalar, typename Input = Scalar>
+void count_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                    const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
+                    const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
                     BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr,
                     Index origin = 0) {
   const Index n = q.rows();
@@ -212,58 +248,67 @@ void count_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
   CountWindows& counts = windows != nullptr ? *windows : own;
   counts.build(hashes, n, causal, origin);
   const CountRule<Scalar> rule(counts, n, causal);
-  windowed_backward<Scalar>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, parallel, work);
+  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, precision,
+                                   parallel, work);
 }
 
 /// The count-weighted estimator's backward sample by sample, block by block (the per-sample
 /// kernel's structure): the compensated sum over samples of plain-attention gradients with the
 /// combined lse. Rows are the positions origin .. origin + n - 1 of the hashes' sequence.
-template <typename Scalar>
-void per_sample_backward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                         const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
-                         bool causal, const ConstMatrixRef<Scalar>& out,
-                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+template <typename Scalar, typename Input = Scalar>
+void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                         const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau,
+                         bool causal, const ConstMatrixRef<Input>& out,
+                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                          MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
-                         Index origin = 0) {
+                         Precision precision, Index origin = 0) {
   const detail::FlushSubnormals flush;
   dq.setZero();
   dk.setZero();
   dv.setZero();
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar>(out, dout);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar> in{q, k, v, dout, lse_copy.data(), delta.data(), tau};
+  const BackwardInputs<Scalar, Input> in{
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
   backward_hash_blocks(in, hashes, causal, grads, origin);
 }
 
 /// The checks every backward entry point makes (self-attention from position 0, the shapes of
 /// q, k, v, out, lse, dout and the gradients); returns tau (options.scale or 1/sqrt(d)).
-template <typename Scalar>
-double backward_scale(const char* function, const ConstMatrixRef<Scalar>& q,
-                      const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
-                      const ConstMatrixRef<Scalar>& out, const ConstVectorRef<Scalar>& lse,
-                      const ConstMatrixRef<Scalar>& dout, const MatrixRef<Scalar>& dq,
+template <typename Scalar, typename Input>
+double backward_scale(const char* function, const ConstMatrixRef<Input>& q,
+                      const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v,
+                      const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
+                      const ConstMatrixRef<Input>& dout, const MatrixRef<Scalar>& dq,
                       const MatrixRef<Scalar>& dk, const MatrixRef<Scalar>& dv,
                       const AttentionOptions& options) {
   require_self_positions(function, options);
   require_qkv_shapes(function, q, k, v);
   require_self_attention(function, q, k);
-  require_backward_arguments<Scalar>(function, q, v, out, lse, dout, dq, dk, dv);
+  require_backward_arguments<Scalar, Input>(function, q, v, out, lse, dout, dq, dk, dv);
   return resolve_scale(function, options, q.cols());
 }
 
 /// The checks of an LSH backward entry point (the hashes and backward_scale's), then
 /// pass(tau, causal) when there are rows.
-template <typename Scalar, typename Pass>
-void lsh_backward_call(const char* function, const ConstMatrixRef<Scalar>& q,
-                       const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
-                       const HashSet& hashes, const ConstMatrixRef<Scalar>& out,
-                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+template <typename Scalar, typename Input, typename Pass>
+void lsh_backward_call(const char* function, const ConstMatrixRef<Input>& q,
+                       const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v,
+                       const HashSet& hashes, const ConstMatrixRef<Input>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        const MatrixRef<Scalar>& dq, const MatrixRef<Scalar>& dk,
                        const MatrixRef<Scalar>& dv, const AttentionOptions& options, Pass&& pass) {
   validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(
-      backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
+      backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
   pass(tau, options.masking == Masking::causal);
 }
@@ -287,18 +332,20 @@ void exact_lse_call(const char* function, const ConstMatrixRef<Scalar>& q,
 
 /// The body of the exact backward passes (tiled, banded): the checks (sigma and
 /// backward_scale's), then exact_backward over window(n) when there are rows.
-template <typename Scalar, typename Window>
-void exact_backward_call(const char* function, const ConstMatrixRef<Scalar>& q,
-                         const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
-                         double sigma, const ConstMatrixRef<Scalar>& out,
-                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Scalar>& dout,
+template <typename Scalar, typename Input, typename Window>
+void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
+                         const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v,
+                         double sigma, const ConstMatrixRef<Input>& out,
+                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                          MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
                          const AttentionOptions& options, Window window) {
   require_sigma(sigma, function);
-  const double tau = backward_scale<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
+  const double tau =
+      backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
   const Index n = q.rows();
   if (n == 0) return;
-  exact_backward<Scalar>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv);
+  exact_backward<Scalar, Input>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv,
+                                options.precision);
 }
 
 }  // namespace detail
@@ -394,33 +441,36 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// writes its dk and dv rows, summing each step's rows in increasing order and the steps' sums
 /// in increasing order; each key tile's contribution to a dq row is summed over its keys in
 /// increasing order and added in increasing key tile order (a thread waits for the key tiles
-/// before its own). Bitwise the same for any thread count. Throws std::invalid_argument naming
-/// a bad argument.
+/// before its own). Bitwise the same for any thread count. q, k, v, out and dout in Scalar
+/// (float, double, Eigen::bfloat16, Eigen::half), lse and the gradients in
+/// backward_scalar_t<Scalar> (half-precision inputs: bitwise the float call on the widened
+/// inputs, or bfloat16 products on the CPU's matrix unit under options.precision; file
+/// comment). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                    ConstMatrixRef<Scalar> v, double sigma,
-                                    ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
-                                    ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
-                                    MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                                    const AttentionOptions& options = {}) {
-  detail::exact_backward_call<Scalar>(
+void alibi_attention_tiled_backward(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
+    ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
+    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
+    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
+    const AttentionOptions& options = {}) {
+  detail::exact_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "alibi_attention_tiled_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
 /// Gradients of banded exact ALiBi attention (alibi_attention_banded): the formulas of
 /// alibi_attention_tiled_backward with P_ij = 0 for |i - j| > band; only the tiles meeting the
-/// band are visited (cost O(n (band + tile) d)). Same passes and ordering, bitwise the same for
-/// any thread count. Throws std::invalid_argument naming a bad argument.
+/// band are visited (cost O(n (band + tile) d)). Same passes, ordering and scalar types, bitwise
+/// the same for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
-                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
-                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
-                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                                     const AttentionOptions& options = {}) {
+void alibi_attention_banded_backward(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
+    Index band, ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
+    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
+    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
+    const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded_backward", "band");
-  detail::exact_backward_call<Scalar>(
+  detail::exact_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "alibi_attention_banded_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
       [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
@@ -433,20 +483,21 @@ void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Sc
 /// tiles (the rectangles of the forward's TileCounts, kept for the n / 64 query tiles: O(n s)
 /// memory, and O(n (d + d_v)) for Q and dO packed per step). One parallel pass (OpenMP) over
 /// key tiles of 64, each meeting the query rows whose windows reach it in steps of 64, in the
-/// reduction order of alibi_attention_tiled_backward. Bitwise the same for any thread count.
-/// Throws std::invalid_argument naming a bad argument.
+/// reduction order and with the scalar types of alibi_attention_tiled_backward. Bitwise the same
+/// for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                                  ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
-                                  ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
-                                  MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                                  const AttentionOptions& options = {}) {
-  detail::lsh_backward_call<Scalar>("lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout,
-                                    dq, dk, dv, options, [&](Scalar tau, bool causal) {
-                                      detail::count_backward<Scalar>(q, k, v, hashes, tau, causal,
-                                                                     out, lse, dout, dq, dk, dv);
-                                    });
+void lsh_attention_fused_backward(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
+    const HashSet& hashes, ConstMatrixRef<Scalar> out,
+    ConstVectorRef<backward_scalar_t<Scalar>> lse, ConstMatrixRef<Scalar> dout,
+    MatrixRef<backward_scalar_t<Scalar>> dq, MatrixRef<backward_scalar_t<Scalar>> dk,
+    MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
+  detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
+      "lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
+      [&](backward_scalar_t<Scalar> tau, bool causal) {
+        detail::count_backward<backward_scalar_t<Scalar>, Scalar>(
+            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
+      });
 }
 
 /// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
@@ -456,32 +507,33 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
 /// so the result equals lsh_attention_fused_backward to rounding. Cost sum_k sum_B |B|^2 d.
 /// Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order, the
 /// samples' gradients added with a compensated (Neumaier) sum so that the rounding error does
-/// not grow with s: bitwise the same for any thread count. Throws std::invalid_argument naming
-/// a bad argument.
+/// not grow with s: bitwise the same for any thread count. Scalar types as
+/// alibi_attention_tiled_backward's. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                                       ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
-                                       ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
-                                       MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                                       const AttentionOptions& options = {}) {
-  detail::lsh_backward_call<Scalar>("lsh_attention_per_sample_backward", q, k, v, hashes, out, lse,
-                                    dout, dq, dk, dv, options, [&](Scalar tau, bool causal) {
-                                      detail::per_sample_backward<Scalar>(
-                                          q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv);
-                                    });
+void lsh_attention_per_sample_backward(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
+    const HashSet& hashes, ConstMatrixRef<Scalar> out,
+    ConstVectorRef<backward_scalar_t<Scalar>> lse, ConstMatrixRef<Scalar> dout,
+    MatrixRef<backward_scalar_t<Scalar>> dq, MatrixRef<backward_scalar_t<Scalar>> dk,
+    MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
+  detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
+      "lsh_attention_per_sample_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
+      [&](backward_scalar_t<Scalar> tau, bool causal) {
+        detail::per_sample_backward<backward_scalar_t<Scalar>, Scalar>(
+            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
+      });
 }
 
 /// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
 /// fixed_blocks_hash(sigma), i.e. plain-attention gradients inside consecutive blocks of
 /// 2 sigma tokens.
 template <typename Scalar>
-void fixed_blocks_attention_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                                     ConstMatrixRef<Scalar> v, double sigma,
-                                     ConstMatrixRef<Scalar> out, ConstVectorRef<Scalar> lse,
-                                     ConstMatrixRef<Scalar> dout, MatrixRef<Scalar> dq,
-                                     MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                                     const AttentionOptions& options = {}) {
+void fixed_blocks_attention_backward(
+    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
+    ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
+    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
+    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
+    const AttentionOptions& options = {}) {
   lsh_attention_per_sample_backward<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
                                             dout, dq, dk, dv, options);
 }

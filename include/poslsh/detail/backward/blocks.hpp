@@ -39,8 +39,8 @@ inline std::vector<Index> window_block_boundaries(const BinHash& hash, Index ori
 /// lse of all samples for the count-weighted estimator, the sample's own for the mean of
 /// outputs); rows are the positions origin .. of the hash's sequence. Blocks run in parallel
 /// (OpenMP) on disjoint rows and keys; each block's pass runs on one thread in a fixed order.
-template <typename Scalar>
-void backward_hash_blocks(const BackwardInputs<Scalar>& in, const BinHash& hash, bool causal,
+template <typename Scalar, typename Input>
+void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const BinHash& hash, bool causal,
                           BackwardOutputs<Scalar>& out, Index origin = 0) {
   const std::vector<Index> boundaries = window_block_boundaries(hash, origin, in.q.rows());
   const auto blocks = static_cast<long>(boundaries.size() - 1);
@@ -100,9 +100,9 @@ struct GradientRows {
 /// itself. Blocks of one sample run in parallel (OpenMP) on disjoint rows, samples in order,
 /// each block's pass and each entry's sum in a fixed order: bitwise the same for any thread
 /// count.
-template <typename Scalar>
-void backward_hash_blocks(const BackwardInputs<Scalar>& in, const HashSet& hashes, bool causal,
-                          BackwardOutputs<Scalar>& out, Index origin = 0) {
+template <typename Scalar, typename Input>
+void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const HashSet& hashes,
+                          bool causal, BackwardOutputs<Scalar>& out, Index origin = 0) {
   if (hashes.size() == 1) {
     backward_hash_blocks(in, hashes.front(), causal, out, origin);
     return;
@@ -140,11 +140,12 @@ void backward_hash_blocks(const BackwardInputs<Scalar>& in, const HashSet& hashe
       for (long b = 0; b < blocks; ++b) {
         const auto index = static_cast<std::size_t>(b);
         const Index begin = edges[index], size = edges[index + 1] - begin;
-        const ConstMatrixRef<Scalar> q = in.q.middleRows(begin, size);
-        const ConstMatrixRef<Scalar> k = in.k.middleRows(begin, size);
-        const ConstMatrixRef<Scalar> v = in.v.middleRows(begin, size);
-        const ConstMatrixRef<Scalar> dout = in.dout.middleRows(begin, size);
-        const BackwardInputs<Scalar> local{q, k, v, dout, in.lse + begin, in.delta + begin, in.tau};
+        const ConstMatrixRef<Input> q = in.q.middleRows(begin, size);
+        const ConstMatrixRef<Input> k = in.k.middleRows(begin, size);
+        const ConstMatrixRef<Input> v = in.v.middleRows(begin, size);
+        const ConstMatrixRef<Input> dout = in.dout.middleRows(begin, size);
+        const BackwardInputs<Scalar, Input> local{
+            q, k, v, dout, in.lse + begin, in.delta + begin, in.tau, in.paired};
         MatrixRef<Scalar> dq = block.dq.topRows(size), dk = block.dk.topRows(size),
                           dv = block.dv.topRows(size);
         BackwardOutputs<Scalar> fresh{dq, dk, dv, true};

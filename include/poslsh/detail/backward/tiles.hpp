@@ -26,6 +26,13 @@
 //               (a per-step counter makes a thread wait for the key tiles before its own).
 // Partial sums per step of 64 rows also make the rounding error of dK and dV grow with the
 // number of steps plus 64 rather than with the number of rows.
+// Inputs stored in a half-precision type are widened as they are packed (backward_rows), so
+// the sums above are those of the float pass on the widened values. With bfloat16 inputs on
+// the AVX512-BF16 unit (BackwardInputs::paired) the five products are vdpbf16ps sums of pairs
+// (detail/tile/pair_kernels.hpp) in the same loops: S^T and dP^T from the bfloat16 rows, and
+// P, dS rounded to bfloat16 before the products, whose sums over whole pairs (rows or keys
+// outside the pair's weighted 0) are formed on the running sums dV_J, dK_J (and from zero for
+// a key tile's dQ contribution) in increasing pair order: the same for any thread count.
 //
 // A rule (window policy) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
@@ -43,15 +50,18 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
 #endif
 
+#include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
 
 namespace poslsh::detail {
@@ -90,6 +100,15 @@ struct BackwardWork {
   Index d = -1, dv = -1, dp = 0, dvp = 0;
   Index key_tiles = 0;     ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
   Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
+  /// Operands of the AVX512-BF16 products (BackwardInputs::paired; sized by prepare_pairs):
+  /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
+  /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
+  /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
+  /// row at b * backward_query_rows), dS as pairs along the keys (pair_pack_probs), and ones.
+  std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
+  std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
+  Buffer ones;
+  Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
 
   BackwardWork()
       : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
@@ -127,6 +146,33 @@ struct BackwardWork {
     packed_step = -1;
   }
 
+  /// Sizes the operands of the AVX512-BF16 products for d, d_v (after prepare) and `tiles`
+  /// key tiles (they only grow; the packing writes every word the products read).
+  void prepare_pairs(Index tiles) {
+    constexpr Index Bq = backward_query_rows, Bk = backward_tile;
+    const Index cols_d = (d + 15) / 16 * 16, cols_dv = (dv + 15) / 16 * 16;
+    if (cols_d != pair_d || cols_dv != pair_dv) {
+      pair_d = cols_d;
+      pair_dv = cols_dv;
+      pair_key_tiles = 0;
+      const auto size = [](Index count) {
+        return static_cast<std::size_t>(std::max<Index>(count, 1));
+      };
+      pair_qt.assign(size((d + 1) / 2 * Bq), 0);
+      pair_ot.assign(size((dv + 1) / 2 * Bq), 0);
+      pair_q_rows.assign(size(Bq / 2 * pair_d), 0);
+      pair_o_rows.assign(size(Bq / 2 * pair_dv), 0);
+      pair_ds.assign(size(Bk / 2 * Bq), 0);
+      p_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
+      ds_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
+      ones = Buffer::Ones(Bq);
+    }
+    if (tiles > pair_key_tiles) {
+      pair_key_tiles = tiles;
+      pair_k.assign(static_cast<std::size_t>(std::max<Index>(tiles * Bk / 2 * pair_d, 1)), 0);
+    }
+  }
+
   /// Room for the K, V rows and dK, dV sums of `tiles` key tiles (after prepare; zeroed when
   /// they grow: the padding stays 0).
   void reserve_key_tiles(Index tiles) {
@@ -147,6 +193,7 @@ struct BackwardKeyTile {
   const Scalar* v_rows;  ///< V rows of the tile, d_vp columns (zero past d_v)
   Scalar* dk_sum;
   Scalar* dv_sum;
+  const std::uint32_t* pair_k = nullptr;  ///< K as pairs along the keys (paired passes)
 };
 
 /// Subnormal numbers flushed to zero on the calling thread while in scope (x86: the MXCSR
@@ -180,17 +227,29 @@ class FlushSubnormals {
   unsigned saved_ = 0;
 };
 
-/// The inputs of the backward passes: row i of every per-row array is entry i.
-template <typename Scalar>
+/// The inputs of the backward passes: row i of every per-row array is entry i. Q, K, V and dO
+/// are stored as Input (Scalar, or a half-precision type with Scalar float: their rows are
+/// widened to Scalar as the passes pack them, backward_rows); lse and D are in Scalar.
+template <typename Scalar, typename Input = Scalar>
 struct BackwardInputs {
-  const ConstMatrixRef<Scalar>& q;
-  const ConstMatrixRef<Scalar>& k;
-  const ConstMatrixRef<Scalar>& v;
-  const ConstMatrixRef<Scalar>& dout;
+  const ConstMatrixRef<Input>& q;
+  const ConstMatrixRef<Input>& k;
+  const ConstMatrixRef<Input>& v;
+  const ConstMatrixRef<Input>& dout;
   const Scalar* lse;
   const Scalar* delta;  ///< D_i = dO_i . O_i
   Scalar tau;
+  /// The five products of every pair on the AVX512-BF16 unit (backward_pairs_v inputs only,
+  /// where matrix_unit_for says the unit multiplies): S^T and dP^T from bfloat16 operands, and
+  /// P, dS rounded to bfloat16 before P^T dO, dS^T Q and dS K (backward_pair).
+  bool paired = false;
 };
+
+/// Whether inputs stored as Input, computed in Scalar, can take the AVX512-BF16 products
+/// (bfloat16 inputs, float compute; used in x86 builds, POSLSH_X86_UNITS).
+template <typename Scalar, typename Input>
+inline constexpr bool backward_pairs_v =
+    std::conjunction_v<std::is_same<Scalar, float>, std::is_same<Input, Eigen::bfloat16>>;
 
 /// The gradient outputs (accumulated into: the caller zeroes them).
 template <typename Scalar>
@@ -517,22 +576,156 @@ struct StepOperands {
   const Scalar* o_rows;
 };
 
+#if POSLSH_X86_UNITS
+
+/// acc[r * acc_stride + c] += sum_{t < pairs} pair_p[r row_step + t pair_step] . pair_v[t cols +
+/// c] (AVX512-BF16, in registers from acc) for r < rows, c < count: pair_value_rows in blocks of
+/// 4 rows, then single rows.
+inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Index pair_step,
+                               const std::uint32_t* pair_v, Index cols, Index pairs, Index rows,
+                               Index count, const float* ones, float* acc, Index acc_stride) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4)
+    pair_value_rows<4>(pair_p + r * row_step, pair_step, pair_v, cols, pairs, ones,
+                       acc + r * acc_stride, acc_stride, count, row_step);
+  for (; r < rows; ++r)
+    pair_value_rows<1>(pair_p + r * row_step, pair_step, pair_v, cols, pairs, ones,
+                       acc + r * acc_stride, acc_stride, count, row_step);
+}
+
+/// The three products of backward_pair on the AVX512-BF16 unit, from P^T and dS^T (float, in
+/// work.probabilities and work.gradients, rows [a0, a1) and keys [b0, b1) of the pair) and the
+/// pairs of the step and the key tile: P and dS rounded to bfloat16 (0 at the rows and keys
+/// outside the pair that whole pairs take in), then
+///   dV_J += P^T dO and dK_J += dS^T Q  (each key over the step's rows, pairs along the rows),
+///   work.dq_part = dS K_J              (each row over the tile's keys, pairs along the keys),
+/// each sum formed on the running sum (dk_sum, dv_sum) or from zero (dq_part), pairs in order.
+inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
+                                   const BackwardKeyTile<float>& tile_rows,
+                                   BackwardWork<float>& work) {
+  constexpr Index Bq = backward_query_rows;
+  float* p = work.probabilities.data();
+  float* ds = work.gradients.data();
+  const Index a_lo = a0 / 2 * 2, a_hi = (a1 + 1) / 2 * 2;
+  for (Index b = b0; b < b1; ++b) {
+    for (float* row : {p + b * Bq, ds + b * Bq}) {
+      std::fill(row + a_lo, row + a0, 0.0f);
+      std::fill(row + a1, row + a_hi, 0.0f);
+    }
+    tile_narrow<Eigen::bfloat16>(p + b * Bq + a_lo, work.p_rounded.data() + b * Bq + a_lo,
+                                 a_hi - a_lo);
+    tile_narrow<Eigen::bfloat16>(ds + b * Bq + a_lo, work.ds_rounded.data() + b * Bq + a_lo,
+                                 a_hi - a_lo);
+  }
+  const float* ones = work.ones.data();
+  const auto words = [](const std::vector<Eigen::bfloat16>& rounded, Index b, Index a) {
+    return reinterpret_cast<const std::uint32_t*>(rounded.data() + b * Bq + a);
+  };
+  const Index row_pairs = (a_hi - a_lo) / 2;
+  backward_pair_rows(words(work.p_rounded, b0, a_lo), Bq / 2, 1,
+                     work.pair_o_rows.data() + a_lo / 2 * work.pair_dv, work.pair_dv, row_pairs,
+                     b1 - b0, work.dv, ones, tile_rows.dv_sum + b0 * work.dvp, work.dvp);
+  backward_pair_rows(words(work.ds_rounded, b0, a_lo), Bq / 2, 1,
+                     work.pair_q_rows.data() + a_lo / 2 * work.pair_d, work.pair_d, row_pairs,
+                     b1 - b0, work.d, ones, tile_rows.dk_sum + b0 * work.dp, work.dp);
+  // dS K: keys in whole pairs from b0 / 2 (the key outside [b0, b1) of a pair gets dS = 0).
+  const Index b_lo = b0 / 2 * 2, b_hi = (b1 + 1) / 2 * 2;
+  if (b_lo < b0) std::fill(ds + b_lo * Bq + a0, ds + b_lo * Bq + a1, 0.0f);
+  if (b_hi > b1) std::fill(ds + b1 * Bq + a0, ds + b1 * Bq + a1, 0.0f);
+  const Index key_pairs = (b_hi - b_lo) / 2;
+  pair_pack_probs(ds + b_lo * Bq, Bq, key_pairs, a0, a1, work.pair_ds.data());
+  work.dq_part.head((a1 - a0) * work.dp).setZero();
+  backward_pair_rows(work.pair_ds.data() + a0, 1, Bq, tile_rows.pair_k + b_lo / 2 * work.pair_d,
+                     work.pair_d, key_pairs, a1 - a0, work.d, ones, work.dq_part.data(), work.dp);
+}
+
+#endif  // POSLSH_X86_UNITS
+
+/// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
+/// m's stay as they are): contiguous, aligned rows for the kernels. Rows stored in a
+/// half-precision type are widened to Scalar as they are copied (tile_widen, exact), so the
+/// buffer holds what the copy of a Scalar matrix of the widened values holds.
+template <typename Scalar, typename Input>
+void backward_rows(const ConstMatrixRef<Input>& m, Index first, Index count, Index padded,
+                   Scalar* buffer) {
+  if constexpr (std::is_same_v<Input, Scalar>) {
+    Eigen::Map<RowMatrix<Scalar>>(buffer, count, padded).leftCols(m.cols()) =
+        m.middleRows(first, count);
+  } else {
+    for (Index r = 0; r < count; ++r)
+      tile_widen<Scalar>(m.data() + (first + r) * m.outerStride(), buffer + r * padded, m.cols());
+  }
+}
+
 /// Packs the step at i0 (`rows` rows of q and dout) into qt, ot, q_rows, o_rows (padded
-/// columns d_p, d_vp, zero past the inputs' columns and rows).
-template <typename Scalar>
-void pack_step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index i0,
+/// columns d_p, d_vp, zero past the inputs' columns and rows). Half-precision rows are
+/// widened into q_rows and o_rows (backward_rows) and Q^T, dO^T packed from there; Scalar
+/// rows are packed from the inputs. Either way the same values.
+template <typename Scalar, typename Input>
+void pack_step(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout, Index i0,
                Index rows, Index dp, Index dvp, Scalar* qt, Scalar* ot, Scalar* q_rows,
                Scalar* o_rows) {
   constexpr Index Bq = backward_query_rows;
-  tile_pack_queries<Scalar>(q, i0, 0, rows, Scalar(1), qt, Bq);
-  tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
   Eigen::Map<RowMatrix<Scalar>> qr(q_rows, Bq, dp), orows(o_rows, Bq, dvp);
-  qr.topLeftCorner(rows, q.cols()) = q.middleRows(i0, rows);
+  backward_rows<Scalar>(q, i0, rows, dp, q_rows);
   qr.topRightCorner(rows, dp - q.cols()).setZero();
   qr.bottomRows(Bq - rows).setZero();
-  orows.topLeftCorner(rows, dout.cols()) = dout.middleRows(i0, rows);
+  backward_rows<Scalar>(dout, i0, rows, dvp, o_rows);
   orows.topRightCorner(rows, dvp - dout.cols()).setZero();
   orows.bottomRows(Bq - rows).setZero();
+  if constexpr (std::is_same_v<Input, Scalar>) {
+    tile_pack_queries<Scalar>(q, i0, 0, rows, Scalar(1), qt, Bq);
+    tile_pack_queries<Scalar>(dout, i0, 0, rows, Scalar(1), ot, Bq);
+  } else {
+    tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(qr.leftCols(q.cols())), 0, 0, rows, Scalar(1),
+                              qt, Bq);
+    tile_pack_queries<Scalar>(ConstMatrixRef<Scalar>(orows.leftCols(dout.cols())), 0, 0, rows,
+                              Scalar(1), ot, Bq);
+  }
+}
+
+/// Packs the query step at i0 (`rows` rows) into work's buffers (pack_step; after
+/// work.prepare) and, for the AVX512-BF16 products (in.paired; after work.prepare_pairs), Q and
+/// dO as pairs along their columns and along the rows.
+template <typename Scalar, typename Input>
+void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index rows,
+                        BackwardWork<Scalar>& work) {
+  pack_step<Scalar>(in.q, in.dout, i0, rows, work.dp, work.dvp, work.qt.data(), work.ot.data(),
+                    work.q_rows.data(), work.o_rows.data());
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (!in.paired) return;
+    constexpr Index Bq = backward_query_rows;
+    pair_pack_queries(in.q, i0, 0, rows, work.pair_qt.data(), Bq);
+    pair_pack_queries(in.dout, i0, 0, rows, work.pair_ot.data(), Bq);
+    pair_pack_values(bf16_words(in.q.data() + i0 * in.q.outerStride()), in.q.outerStride(), rows,
+                     in.q.cols(), work.pair_d, work.pair_q_rows.data());
+    pair_pack_values(bf16_words(in.dout.data() + i0 * in.dout.outerStride()), in.dout.outerStride(),
+                     rows, in.dout.cols(), work.pair_dv, work.pair_o_rows.data());
+  }
+#endif
+}
+
+/// For the AVX512-BF16 products (in.paired; after work.prepare_pairs): K's rows [j0, j0 + keys)
+/// as pairs along the keys into slot `slot` of work.pair_k; returns the slot (null otherwise).
+template <typename Scalar, typename Input>
+const std::uint32_t* backward_pack_key_pairs(const BackwardInputs<Scalar, Input>& in, Index j0,
+                                             Index keys, Index slot, BackwardWork<Scalar>& work) {
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (!in.paired) return nullptr;
+    std::uint32_t* pairs = work.pair_k.data() + slot * (backward_tile / 2) * work.pair_d;
+    pair_pack_values(bf16_words(in.k.data() + j0 * in.k.outerStride()), in.k.outerStride(), keys,
+                     in.k.cols(), work.pair_d, pairs);
+    return pairs;
+  }
+#endif
+  static_cast<void>(in);
+  static_cast<void>(j0);
+  static_cast<void>(keys);
+  static_cast<void>(slot);
+  static_cast<void>(work);
+  return nullptr;
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
@@ -542,8 +735,10 @@ struct PackedSteps {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> qt, ot, q_rows, o_rows;
   Index begin = 0, d = 0, dv = 0, dp = 0, dvp = 0;
 
-  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel`.
-  void pack(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& dout, Index begin_row,
+  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel` (rows of Input
+  /// widened to Scalar: pack_step).
+  template <typename Input>
+  void pack(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout, Index begin_row,
             Index end_row, bool parallel) {
     constexpr Index Bq = backward_query_rows;
     constexpr Index P = tile_packet_size<Scalar>;
@@ -597,9 +792,9 @@ struct PackedSteps {
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
 /// With `distance_sum` not null, also *distance_sum += sum over the pair's entries of
 /// G_ij |i - j| (G = dS / tau, summed in double key by key: BackwardOutputs::distance_sums).
-template <typename Scalar, typename Rule>
-void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0, Index i0, Index r0,
-                   Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
+template <typename Scalar, typename Input, typename Rule>
+void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j0, Index i0,
+                   Index r0, Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
                    const BackwardKeyTile<Scalar>& tile_rows, BackwardWork<Scalar>& work,
                    double* distance_sum = nullptr) {
   namespace ei = Eigen::internal;
@@ -625,29 +820,49 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
     packet_keys[k] = {c0, std::clamp<Index>(reached.last - j0, c0, b1)};
     whole = whole && packet_keys[k].first == b0 && packet_keys[k].last == b1;
   }
-  const auto scores = [&](const Scalar* xt, const Scalar* y, Index y_stride, Index depth,
-                          Scalar* target) {
+  // S^T or dP^T (`values`): block(first, last, a, count) for the keys [first, last) and the
+  // `count` packets of rows from a, 0 at the keys of [b0, b1) a packet does not reach.
+  const auto scores = [&](bool values, Scalar* target) {
+    const auto block = [&](Index first, Index last, Index a, Index count) {
+#if POSLSH_X86_UNITS
+      if constexpr (backward_pairs_v<Scalar, Input>) {
+        if (in.paired) {
+          const ConstMatrixRef<Input>& y = values ? in.v : in.k;
+          pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
+                          bf16_words(y.data() + j0 * y.outerStride()), y.outerStride(),
+                          ((values ? dv : d) + 1) / 2, first, last, a, a + count * P, 1.0f, target);
+          return;
+        }
+      }
+#endif
+      if (values) {
+        backward_scores<Scalar>(step.ot + a, tile_rows.v_rows, dvp, dv, first, last, count,
+                                target + a);
+      } else {
+        backward_scores<Scalar>(step.qt + a, tile_rows.k_rows, dp, d, first, last, count,
+                                target + a);
+      }
+    };
     if (whole) {
-      backward_scores<Scalar>(xt + first_packet * P, y, y_stride, depth, b0, b1, packets,
-                              target + first_packet * P);
+      block(b0, b1, first_packet * P, packets);
       return;
     }
     const Packet zero = ei::pset1<Packet>(Scalar(0));
     for (Index k = 0; k < packets; ++k) {
       const Index a = (first_packet + k) * P;
       const KeyRange keys = packet_keys[k];
-      backward_scores<Scalar>(xt + a, y, y_stride, depth, keys.first, keys.last, 1, target + a);
+      block(keys.first, keys.last, a, 1);
       for (Index b = b0; b < keys.first; ++b) ei::pstore(target + b * Bq + a, zero);
       for (Index b = keys.last; b < b1; ++b) ei::pstore(target + b * Bq + a, zero);
     }
   };
   // P^T from S^T (rows of the packets holding [a0, a1)).
-  scores(step.qt, tile_rows.k_rows, dp, d, p);
+  scores(false, p);
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
       p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
   rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
   // dS^T = tau P^T o (dP^T - D).
-  scores(step.ot, tile_rows.v_rows, dvp, dv, ds);
+  scores(true, ds);
   if (distance_sum != nullptr) {
     using Column = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
     const Index rows = a1 - a0;
@@ -672,6 +887,14 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
           ei::pmul(ei::pmul(tau, prob), ei::psub(dprob, ei::pload<Packet>(work.delta.data() + a))));
     }
   }
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (in.paired) {
+      backward_pair_products(a0, a1, b0, b1, tile_rows, work);
+      return;
+    }
+  }
+#endif
   // dV_J += P^T dO and dK_J += dS^T Q: keys [c0, c1) over the step's rows reaching them.
   const auto rows_of = [&](Index c0, Index c1) {
     const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1, r0, r1);
@@ -692,16 +915,6 @@ void backward_pair(const BackwardInputs<Scalar>& in, const Rule& rule, Index j0,
                             work.dq_part.data(), dp, keys_of);
 }
 
-/// Rows [first, first + count) of m copied to `buffer` (`padded` columns; the columns past
-/// m's stay as they are, zero from BackwardWork::prepare): contiguous, aligned rows for the
-/// kernels.
-template <typename Scalar>
-void backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, Index padded,
-                   Scalar* buffer) {
-  Eigen::Map<RowMatrix<Scalar>>(buffer, count, padded).leftCols(m.cols()) =
-      m.middleRows(first, count);
-}
-
 /// Key tiles [j_begin, j_end) (up to backward_group_tiles tiles of backward_tile keys, aligned
 /// from the rule's first row): the query steps reaching any of them in increasing order, and
 /// for each step the tiles it reaches in increasing order, the pair's gradients
@@ -710,12 +923,13 @@ void backward_rows(const ConstMatrixRef<Scalar>& m, Index first, Index count, In
 /// tiles), and dQ_I += (dS K_J) in increasing key tile order, as `order` enforces: the same
 /// sums in the same order as one key tile at a time. Q^T and dO^T of the steps from `packed`,
 /// or packed here per step when it is null.
-template <typename Scalar, typename Rule, typename Order>
-void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Index j_begin,
+template <typename Scalar, typename Input, typename Rule, typename Order>
+void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j_begin,
                         Index j_end, BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                         const Order& order, const PackedSteps<Scalar>* packed) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
+  if (in.paired) work.prepare_pairs(backward_group_tiles);
   const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (j_end - j_begin + Bk - 1) / Bk;
@@ -733,6 +947,7 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
     last_row = std::max(last_row, reaching[g].last);
     backward_rows<Scalar>(in.k, j0, keys, dp, k_rows);
     backward_rows<Scalar>(in.v, j0, keys, dvp, v_rows);
+    rows[g].pair_k = backward_pack_key_pairs(in, j0, keys, g, work);
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dk_sum, keys * dp).setZero();
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dv_sum, keys * dvp).setZero();
   }
@@ -755,8 +970,7 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
         if (packed != nullptr) {
           step = packed->step(i0);
         } else if (work.packed_step != i0) {
-          pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
-                            work.q_rows.data(), work.o_rows.data());
+          backward_pack_step(in, i0, step_rows, work);
           work.packed_step = i0;
         }
         prepared = true;
@@ -800,14 +1014,15 @@ void backward_key_group(const BackwardInputs<Scalar>& in, const Rule& rule, Inde
 /// thread summing over query steps in increasing order, dQ of a query step summed over key
 /// tiles in increasing order (KeyTileOrder). Q^T and dO^T of every step are packed first
 /// (O(n (d + d_v)) memory). Outputs are accumulated into.
-template <typename Scalar, typename Rule>
-void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
+template <typename Scalar, typename Input, typename Rule>
+void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   constexpr Index group = backward_group_tiles * backward_tile;
   const Index begin = rule.begin(), end = rule.end();
   const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  // The paired products pack their steps per group (backward_pack_step).
   PackedSteps<Scalar> packed;
-  packed.pack(in.q, in.dout, begin, end, true);
+  if (!in.paired) packed.pack(in.q, in.dout, begin, end, true);
   const auto group_count = static_cast<long>((end - begin + group - 1) / group);
 #pragma omp parallel
   {
@@ -816,7 +1031,8 @@ void backward_parallel(const BackwardInputs<Scalar>& in, const Rule& rule,
 #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < group_count; ++t) {
       const Index j0 = begin + static_cast<Index>(t) * group;
-      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, &packed);
+      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order,
+                         in.paired ? nullptr : &packed);
     }
   }
 }
@@ -849,12 +1065,13 @@ inline constexpr std::size_t backward_step_window_bytes = std::size_t{4} << 20;
 /// a running sum from zero over the steps in increasing order, output + sum at the end;
 /// dQ_i: output (or 0 with fresh outputs) + each key tile's partial sum in increasing key
 /// tile order), so the gradients are bitwise the same. span >= backward_step_span(rule).
-template <typename Scalar, typename Rule>
-void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index span,
+template <typename Scalar, typename Input, typename Rule>
+void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index span,
                        BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
   work.reserve_key_tiles(span);
+  if (in.paired) work.prepare_pairs(span);
   const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (end - base + Bk - 1) / Bk;
@@ -864,7 +1081,8 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     const Index slot = tile % span;
     return BackwardKeyTile<Scalar>{
         work.k_rows.data() + slot * Bk * dp, work.v_rows.data() + slot * Bk * dvp,
-        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp};
+        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp,
+        in.paired ? work.pair_k.data() + slot * (Bk / 2) * work.pair_d : nullptr};
   };
   // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
   const auto finish = [&](Index tile) {
@@ -895,6 +1113,7 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     touched[static_cast<std::size_t>(slot)] = 0;
     backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows.data() + slot * Bk * dp);
     backward_rows<Scalar>(in.v, j0, keys, dvp, work.v_rows.data() + slot * Bk * dvp);
+    backward_pack_key_pairs(in, j0, keys, slot, work);
     work.dk_sum.segment(slot * Bk * dp, keys * dp).setZero();
     work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
   };
@@ -926,8 +1145,7 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
     for (; finished < first; ++finished) finish(finished);
     for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
     work.load_step(in.delta, in.lse, i0, step_rows);
-    pack_step<Scalar>(in.q, in.dout, i0, step_rows, dp, dvp, work.qt.data(), work.ot.data(),
-                      work.q_rows.data(), work.o_rows.data());
+    backward_pack_step(in, i0, step_rows, work);
     if (out.fresh)
       dq_step.topRows(step_rows).setZero();
     else
@@ -955,8 +1173,8 @@ void backward_by_steps(const BackwardInputs<Scalar>& in, const Rule& rule, Index
 /// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, Q^T and dO^T
 /// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed as
 /// they come.
-template <typename Scalar, typename Rule>
-void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
+template <typename Scalar, typename Input, typename Rule>
+void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                      const PackedSteps<Scalar>* packed = nullptr,
                      std::size_t window_bytes = backward_step_window_bytes) {
@@ -982,38 +1200,58 @@ void backward_serial(const BackwardInputs<Scalar>& in, const Rule& rule,
 /// packet holds column c of P rows (the rows left over: a broadcast packet per row, the same
 /// arithmetic in every lane). Where O_i = v_j exactly (a row whose only key is j, as in blocks
 /// of one token) D_i and dP_ij are then the same number, so dS_ij = P_ij (dP_ij - D_i) is
-/// exactly 0, as in exact arithmetic.
-template <typename Scalar>
-Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Scalar>& out,
-                                                        const ConstMatrixRef<Scalar>& dout) {
+/// exactly 0, as in exact arithmetic. O and dO stored in a half-precision type (Input; Scalar
+/// float) are widened P rows at a time (backward_rows) and summed as above: the bits of D for
+/// float matrices of the widened values.
+template <typename Scalar, typename Input = Scalar>
+Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(
+    const ConstMatrixRef<nondeduced_t<Input>>& out,
+    const ConstMatrixRef<nondeduced_t<Input>>& dout) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
+  constexpr bool widen = !std::is_same_v<Input, Scalar>;
   const Index n = out.rows(), cols = out.cols();
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta(n);
   Index i = 0;
   if constexpr (P > 1) {
     // Column c of the block's rows at c * P (dO^T and O^T of P rows, P columns at a time).
     Eigen::Matrix<Scalar, P * P, 1> dout_t, out_t;
+    // The block's rows widened (half-precision inputs only).
+    RowMatrix<Scalar> dout_wide(widen ? P : 0, widen ? cols : 0),
+        out_wide(widen ? P : 0, widen ? cols : 0);
     const Index whole = cols / P * P;
     for (; i + P <= n; i += P) {
       if (i + 2 * P <= n) {
         prefetch_rows<false>(dout, i + P, P);
         prefetch_rows<false>(out, i + P, P);
       }
+      // The block's rows: row r of dO at dout_rows + r * dout_stride (of O likewise).
+      const Scalar* dout_rows = nullptr;
+      const Scalar* out_rows = nullptr;
+      Index dout_stride = cols, out_stride = cols;
+      if constexpr (widen) {
+        backward_rows<Scalar>(dout, i, P, cols, dout_wide.data());
+        backward_rows<Scalar>(out, i, P, cols, out_wide.data());
+        dout_rows = dout_wide.data();
+        out_rows = out_wide.data();
+      } else {
+        dout_rows = dout.data() + i * dout.outerStride();
+        out_rows = out.data() + i * out.outerStride();
+        dout_stride = dout.outerStride();
+        out_stride = out.outerStride();
+      }
       Packet sum = ei::pset1<Packet>(Scalar(0));
       for (Index c0 = 0; c0 < cols; c0 += P) {
         const Index width = std::min(P, cols - c0);
         if (c0 < whole) {
-          tile_transpose_block<Scalar>(dout.data() + i * dout.outerStride() + c0,
-                                       dout.outerStride(), dout_t.data(), P, Scalar(1));
-          tile_transpose_block<Scalar>(out.data() + i * out.outerStride() + c0, out.outerStride(),
-                                       out_t.data(), P, Scalar(1));
+          tile_transpose_block<Scalar>(dout_rows + c0, dout_stride, dout_t.data(), P, Scalar(1));
+          tile_transpose_block<Scalar>(out_rows + c0, out_stride, out_t.data(), P, Scalar(1));
         } else {
           for (Index c = 0; c < width; ++c) {
             for (Index r = 0; r < P; ++r) {
-              dout_t(c * P + r) = dout(i + r, c0 + c);
-              out_t(c * P + r) = out(i + r, c0 + c);
+              dout_t(c * P + r) = dout_rows[r * dout_stride + c0 + c];
+              out_t(c * P + r) = out_rows[r * out_stride + c0 + c];
             }
           }
         }
@@ -1027,7 +1265,8 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> backward_delta(const ConstMatrixRef<Sca
   for (; i < n; ++i) {
     Packet sum = ei::pset1<Packet>(Scalar(0));
     for (Index c = 0; c < cols; ++c)
-      sum = ei::pmadd(ei::pset1<Packet>(dout(i, c)), ei::pset1<Packet>(out(i, c)), sum);
+      sum = ei::pmadd(ei::pset1<Packet>(static_cast<Scalar>(dout(i, c))),
+                      ei::pset1<Packet>(static_cast<Scalar>(out(i, c))), sum);
     delta(i) = ei::pfirst(sum);
   }
   return delta;

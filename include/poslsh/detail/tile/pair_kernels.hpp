@@ -42,6 +42,11 @@ inline std::uint16_t bf16_bits(Eigen::bfloat16 value) {
   return Eigen::numext::bit_cast<std::uint16_t>(value);
 }
 
+/// The bit patterns of bfloat16 values, as the pair kernels read them.
+inline const std::uint16_t* bf16_words(const Eigen::bfloat16* values) {
+  return reinterpret_cast<const std::uint16_t*>(values);
+}
+
 /// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
 /// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile.
 inline void pair_pack_queries(const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0,
@@ -197,14 +202,15 @@ POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_values
   }
 }
 
-/// acc[r][c] <- alpha[r] acc[r][c] + sum_b2 pair_p[b2 * tile + r] . pair_v[b2 * cols + c] for
-/// Rows rows r, b2 < pairs, Vectors vectors of 16 columns from c (the last one masked by
+/// acc[r][c] <- alpha[r] acc[r][c] + sum_b2 pair_p[b2 * tile + r row_step] . pair_v[b2 * cols +
+/// c] for Rows rows r, b2 < pairs, Vectors vectors of 16 columns from c (the last one masked by
 /// last_mask).
 template <int Rows, int Vectors>
 POSLSH_AVX512_BF16_INLINE void pair_value_block(const std::uint32_t* pair_p, Index tile,
                                                 const std::uint32_t* pair_v, Index cols,
                                                 Index pairs, const float* alpha, float* acc,
-                                                Index acc_stride, __mmask16 last_mask) {
+                                                Index acc_stride, __mmask16 last_mask,
+                                                Index row_step) {
   __m512 sum[Rows][Vectors];
   POSLSH_TILE_UNROLL
   for (int r = 0; r < Rows; ++r) {
@@ -224,7 +230,8 @@ POSLSH_AVX512_BF16_INLINE void pair_value_block(const std::uint32_t* pair_p, Ind
     }
     POSLSH_TILE_UNROLL
     for (int r = 0; r < Rows; ++r) {
-      __m512bh prob = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_p[b2 * tile + r]));
+      __m512bh prob =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_p[b2 * tile + r * row_step]));
       pair_keep_in_register(prob);
       POSLSH_TILE_UNROLL
       for (int w = 0; w < Vectors; ++w) sum[r][w] = _mm512_dpbf16_ps(sum[r][w], prob, row[w]);
@@ -241,31 +248,31 @@ POSLSH_AVX512_BF16_INLINE void pair_value_block(const std::uint32_t* pair_p, Ind
 }
 
 /// acc[r][c] <- alpha[r] acc[r][c] + sum_{b2 < pairs} sum_t p_r,2b2+t v_2b2+t[c] for Rows rows
-/// r and the dv columns c, from pair_p (pair_pack_probs, row r at pair_p + r) and pair_v
-/// (pair_pack_values, cols words a pair).
+/// r and the dv columns c, from pair_p (row r's pair b2 at pair_p + b2 tile + r row_step:
+/// pair_pack_probs with row_step 1) and pair_v (pair_pack_values, cols words a pair).
 template <int Rows>
 POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_value_rows(
     const std::uint32_t* pair_p, Index tile, const std::uint32_t* pair_v, Index cols, Index pairs,
-    const float* alpha, float* acc, Index acc_stride, Index dv) {
+    const float* alpha, float* acc, Index acc_stride, Index dv, Index row_step = 1) {
   for (Index c = 0; c < dv; c += 64) {
     const Index vectors = std::min<Index>(4, (dv - c + 15) / 16);
     const __mmask16 last = pair_row_mask(c + 16 * (vectors - 1), 0, dv);
     switch (vectors) {
       case 1:
         pair_value_block<Rows, 1>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
-                                  last);
+                                  last, row_step);
         break;
       case 2:
         pair_value_block<Rows, 2>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
-                                  last);
+                                  last, row_step);
         break;
       case 3:
         pair_value_block<Rows, 3>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
-                                  last);
+                                  last, row_step);
         break;
       default:
         pair_value_block<Rows, 4>(pair_p, tile, pair_v + c, cols, pairs, alpha, acc + c, acc_stride,
-                                  last);
+                                  last, row_step);
         break;
     }
   }

@@ -1,0 +1,605 @@
+// Backward passes on Q, K, V, out and dO stored in bfloat16 or binary16: with float products,
+// bitwise the float backward on float copies of the widened inputs (every method, causal and
+// bidirectional, n not a multiple of 64, rows with a stride, single-head and all-heads with
+// grouped-query heads, packed batches, slope gradients and the window backward, 1 and 2
+// threads); on the AVX512-BF16 unit, within twice the error of a plain bfloat16 backward
+// against double and bitwise the same for 1 and 2 threads; and the named argument checks.
+#include <poslsh/core/matrix_units.hpp>
+#include <poslsh/multihead/training.hpp>
+#include <poslsh/parallel/context_parallel.hpp>
+#include <poslsh/reference/masks.hpp>
+#include <poslsh/training/backward.hpp>
+
+#include "backward_kernels.hpp"
+#include "half_support.hpp"
+#include "test_support.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+namespace half_backward {
+
+using poslsh::ConstMatrixRef;
+using poslsh::HashSet;
+using poslsh::Index;
+using poslsh::Masking;
+using poslsh::RowMatrix;
+using poslsh_test::random_half;
+using poslsh_test::widened;
+
+using poslsh_test::all_backward_kinds;
+using poslsh_test::BackwardKind;
+using poslsh_test::setup_backward;
+using poslsh_test::setup_forward;
+using Config = poslsh_test::BackwardSetup;
+using Grads = poslsh_test::BackwardGradients<float>;
+using FloatVector = poslsh_test::ColumnVector<float>;
+
+/// True when a and b have the same shape and the same bits in every entry.
+bool same_bits(const RowMatrix<float>& a, const RowMatrix<float>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+bool same_bits(const Grads& a, const Grads& b) {
+  return same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
+}
+
+/// Checks that the gradients of a half-precision call are finite and have the bits of `wide`.
+void check_bitwise(const Grads& half, const Grads& wide) {
+  CHECK(half.dq.allFinite());
+  CHECK(half.dk.allFinite());
+  CHECK(half.dv.allFinite());
+  CHECK(same_bits(half.dq, wide.dq));
+  CHECK(same_bits(half.dk, wide.dk));
+  CHECK(same_bits(half.dv, wide.dv));
+}
+
+/// Whether the CPU has the AVX512-BF16 unit (a warning when not: nothing to check).
+bool has_bf16_unit() {
+  const bool available = poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16);
+  if (!available) WARN("this CPU has no AVX512-BF16: nothing to check");
+  return available;
+}
+
+/// The run with `threads` threads: the first run's gradients are kept in `first`, the second's
+/// must have their bits.
+void check_threads(int threads, const Grads& result, Grads& first) {
+  if (threads == 1) {
+    first = result;
+  } else {
+    CHECK(same_bits(result, first));
+  }
+}
+
+/// Sets the OpenMP thread count while in scope (no effect without OpenMP).
+class Threads {
+ public:
+  explicit Threads(int count) {
+#ifdef _OPENMP
+    omp_set_num_threads(count);
+#else
+    static_cast<void>(count);
+#endif
+  }
+  ~Threads() {
+#ifdef _OPENMP
+    omp_set_num_threads(saved_);
+#endif
+  }
+  Threads(const Threads&) = delete;
+  Threads& operator=(const Threads&) = delete;
+
+ private:
+#ifdef _OPENMP
+  int saved_ = omp_get_max_threads();
+#endif
+};
+
+/// A half-precision matrix stored with a row stride larger than its column count (`cols` of
+/// `cols + 5` columns), and its float copy (contiguous, the widened values).
+template <typename Half>
+struct StridedInput {
+  RowMatrix<Half> storage;
+  RowMatrix<float> wide;
+
+  StridedInput(const RowMatrix<Half>& values)
+      : storage(RowMatrix<Half>::Zero(values.rows(), values.cols() + 5)), wide(widened(values)) {
+    storage.leftCols(values.cols()) = values;
+  }
+  ConstMatrixRef<Half> view() const { return storage.leftCols(wide.cols()); }
+};
+
+/// The configurations of the single-head tests at n rows, with float products or the CPU's
+/// matrix unit (`precision`).
+std::vector<Config> configs(Masking masking, Index n,
+                            poslsh::Precision precision = poslsh::Precision::float_products) {
+  std::vector<Config> result;
+  poslsh::AttentionOptions options = poslsh_test::with_masking(masking);
+  options.precision = precision;
+  for (const BackwardKind kind : all_backward_kinds) {
+    for (const double sigma : {2.0, 48.0}) {
+      result.push_back({kind, sigma, 37,
+                        poslsh::rbf_hashes(sigma, 3, 11 + static_cast<std::uint64_t>(n), 1),
+                        options});
+    }
+  }
+  return result;
+}
+
+/// Views [n, H, d] of a buffer's rows (interleaved heads).
+template <typename Element>
+poslsh::HeadsView<Element> heads_of(Element* data, Index tokens, Index heads, Index dim) {
+  return poslsh::interleaved_heads<Element>(data, tokens, heads, dim);
+}
+
+/// The tensors of an all-heads test: Q (H_q heads of d), K (H_kv heads of d), V (H_kv of d_v),
+/// dO (H_q of d_v) stored as Half, their float copies, and out (H_q of d_v) and lse (H_q x n)
+/// of the float forward with lse on the copies, out also rounded to Half.
+template <typename Half>
+struct HeadsProblem {
+  Index n, heads, kv_heads, d, dv;
+  RowMatrix<Half> q, k, v, dout, out;
+  RowMatrix<float> qf, kf, vf, doutf, outf, lse;
+
+  HeadsProblem(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
+               std::uint64_t seed)
+      : n(tokens),
+        heads(query_heads),
+        kv_heads(key_heads),
+        d(dim),
+        dv(value_dim),
+        q(random_half<Half>(tokens, query_heads * dim, seed)),
+        k(random_half<Half>(tokens, key_heads * dim, seed + 1)),
+        v(random_half<Half>(tokens, key_heads * value_dim, seed + 2)),
+        dout(random_half<Half>(tokens, query_heads * value_dim, seed + 3)),
+        qf(widened(q)),
+        kf(widened(k)),
+        vf(widened(v)),
+        doutf(widened(dout)) {}
+
+  /// out, lse of multihead_attention_varlen with lse (one sequence: multihead_attention's).
+  void forward(const poslsh::MultiHeadOptions& options, const std::vector<std::int32_t>& cu) {
+    outf.resize(n, heads * dv);
+    lse.resize(heads, n);
+    poslsh::multihead_attention_varlen<float>(heads_of<const float>(qf.data(), n, heads, d),
+                                              heads_of<const float>(kf.data(), n, kv_heads, d),
+                                              heads_of<const float>(vf.data(), n, kv_heads, dv),
+                                              heads_of<float>(outf.data(), n, heads, dv), lse, cu,
+                                              options);
+    out = outf.template cast<Half>();
+  }
+};
+
+/// Gradients of an all-heads call (float buffers [n, H, d]) that start as NaN.
+Grads heads_grads(Index n, Index heads, Index kv_heads, Index d, Index dv) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  return {RowMatrix<float>::Constant(n, heads * d, nan),
+          RowMatrix<float>::Constant(n, kv_heads * d, nan),
+          RowMatrix<float>::Constant(n, kv_heads * dv, nan)};
+}
+
+/// What an all-heads backward call computes besides dq, dk, dv.
+enum class HeadsCall { whole, varlen, slopes, window };
+
+const char* heads_call_name(HeadsCall call) {
+  switch (call) {
+    case HeadsCall::whole:
+      return "multihead_attention_backward";
+    case HeadsCall::varlen:
+      return "multihead_attention_varlen_backward";
+    case HeadsCall::slopes:
+      return "multihead_attention_backward with dslopes";
+    case HeadsCall::window:
+      return "multihead_attention_window_backward";
+  }
+  return "?";
+}
+
+/// Tokens before the window of the window backward (a multiple of 64) and its length.
+constexpr Index window_start = 64, window_tokens = 150;
+
+/// The all-heads backward `call` on inputs stored as Scalar (q .. dout with the shapes of p),
+/// the gradients and, for HeadsCall::slopes, the slope gradients (else empty).
+template <typename Scalar, typename Half>
+Grads heads_backward_of(HeadsCall call, const HeadsProblem<Half>& p, const Scalar* q,
+                        const Scalar* k, const Scalar* v, const Scalar* out, const Scalar* dout,
+                        const std::vector<std::int32_t>& cu,
+                        const poslsh::MultiHeadOptions& options, Eigen::VectorXd& dslopes) {
+  const bool window = call == HeadsCall::window;
+  const Index first = window ? window_start : 0, n = window ? window_tokens : p.n;
+  const Index row_q = p.heads * p.d, row_k = p.kv_heads * p.d, row_v = p.kv_heads * p.dv,
+              row_o = p.heads * p.dv;
+  Grads g = heads_grads(n, p.heads, p.kv_heads, p.d, p.dv);
+  const auto qv = heads_of<const Scalar>(q + first * row_q, n, p.heads, p.d);
+  const auto kv = heads_of<const Scalar>(k + first * row_k, n, p.kv_heads, p.d);
+  const auto vv = heads_of<const Scalar>(v + first * row_v, n, p.kv_heads, p.dv);
+  const auto ov = heads_of<const Scalar>(out + first * row_o, n, p.heads, p.dv);
+  const auto gv = heads_of<const Scalar>(dout + first * row_o, n, p.heads, p.dv);
+  const auto dq = heads_of<float>(g.dq.data(), n, p.heads, p.d);
+  const auto dk = heads_of<float>(g.dk.data(), n, p.kv_heads, p.d);
+  const auto dv = heads_of<float>(g.dv.data(), n, p.kv_heads, p.dv);
+  const ConstMatrixRef<float> lse = p.lse.middleCols(first, n);
+  switch (call) {
+    case HeadsCall::whole:
+      poslsh::multihead_attention_backward<Scalar>(qv, kv, vv, ov, lse, gv, dq, dk, dv, options);
+      break;
+    case HeadsCall::varlen:
+      poslsh::multihead_attention_varlen_backward<Scalar>(qv, kv, vv, ov, lse, gv, cu, dq, dk, dv,
+                                                          options);
+      break;
+    case HeadsCall::slopes:
+      dslopes.resize(p.heads);
+      poslsh::multihead_attention_backward<Scalar>(qv, kv, vv, ov, lse, gv, dq, dk, dv, dslopes,
+                                                   options);
+      break;
+    case HeadsCall::window:
+      poslsh::multihead_attention_window_backward<Scalar>(qv, kv, vv, ov, lse, gv, dq, dk, dv,
+                                                          window_start, options);
+      break;
+  }
+  return g;
+}
+
+/// The weights w_ij of c's probabilities P_ij = w_ij e^{x_ij - lse_i} (dense, n x n) and the
+/// ALiBi slope of its scores x_ij = tau q_i.k_j - slope |i - j| (0 for the LSH methods).
+RowMatrix<float> dense_weights(const Config& c, Index n, float& slope) {
+  const Masking masking = c.options.masking;
+  RowMatrix<float> w = RowMatrix<float>::Zero(n, n);
+  slope = 0.0f;
+  switch (c.kind) {
+    case BackwardKind::tiled:
+    case BackwardKind::banded:
+      slope = static_cast<float>(1.0 / c.sigma);
+      for (Index i = 0; i < n; ++i)
+        for (Index j = 0; j < n; ++j)
+          w(i, j) = (masking == Masking::bidirectional || j <= i) &&
+                            (c.kind == BackwardKind::tiled || std::abs(i - j) <= c.band)
+                        ? 1.0f
+                        : 0.0f;
+      break;
+    case BackwardKind::fused:
+    case BackwardKind::per_sample:
+      for (const poslsh::BinHash& hash : c.hashes)
+        w += poslsh::bin_mask_dense<float>(hash, n, masking);
+      break;
+    case BackwardKind::fixed_blocks:
+      w = poslsh::bin_mask_dense<float>(poslsh::fixed_blocks_hash(c.sigma), n, masking);
+      break;
+  }
+  return w;
+}
+
+/// x rounded to bfloat16 and widened back.
+RowMatrix<float> rounded(const RowMatrix<float>& x) {
+  return x.cast<Eigen::bfloat16>().cast<float>();
+}
+
+/// A plain bfloat16 backward, dense: Q K^T and dO V^T from the bfloat16 inputs with float
+/// sums, P and D = rowsum(dO o out) in float, dS = P o (dP - D), P and dS rounded to bfloat16
+/// before dV = P^T dO, dQ = tau dS K and dK = tau dS^T Q (float sums).
+Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q, const RowMatrix<float>& k,
+                          const RowMatrix<float>& v, const RowMatrix<float>& out,
+                          const FloatVector& lse, const RowMatrix<float>& dout) {
+  const Index n = q.rows();
+  const auto tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.cols())));
+  float slope = 0.0f;
+  const RowMatrix<float> w = dense_weights(c, n, slope);
+  const RowMatrix<float> scores = q * k.transpose(), dp = dout * v.transpose();
+  const FloatVector delta = (dout.array() * out.array()).rowwise().sum();
+  RowMatrix<float> p = RowMatrix<float>::Zero(n, n), ds = RowMatrix<float>::Zero(n, n);
+  for (Index i = 0; i < n; ++i) {
+    for (Index j = 0; j < n; ++j) {
+      if (w(i, j) == 0.0f) continue;
+      const float x = tau * scores(i, j) - slope * static_cast<float>(std::abs(i - j));
+      p(i, j) = w(i, j) * std::exp(x - lse(i));
+      ds(i, j) = p(i, j) * (dp(i, j) - delta(i));
+    }
+  }
+  const RowMatrix<float> p16 = rounded(p), ds16 = rounded(ds);
+  return {tau * (ds16 * k), tau * (ds16.transpose() * q), p16.transpose() * dout};
+}
+
+}  // namespace half_backward
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "half-precision backward passes are bitwise the float passes on the widened "
+    "inputs",
+    "[half][backward]", Eigen::bfloat16, Eigen::half) {
+  using Half = TestType;
+  using namespace half_backward;
+  const Index d = 40, dv = 20;
+  for (const Index n : {Index{77}, Index{300}}) {
+    const auto seed = static_cast<std::uint64_t>(n) * 10;
+    const StridedInput<Half> q(random_half<Half>(n, d, seed + 1));
+    const StridedInput<Half> k(random_half<Half>(n, d, seed + 2));
+    const StridedInput<Half> v(random_half<Half>(n, dv, seed + 3));
+    const StridedInput<Half> dout(random_half<Half>(n, dv, seed + 4));
+    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+      for (const Config& c : configs(masking, n)) {
+        INFO(poslsh_test::backward_kind_name(c.kind)
+             << ", n " << n << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
+        RowMatrix<float> out_float;
+        FloatVector lse;
+        setup_forward<float>(c, q.wide, k.wide, v.wide, out_float, lse);
+        // out as a half-precision forward writes it: the float output rounded once.
+        const StridedInput<Half> out(out_float.template cast<Half>());
+        Grads first;
+        for (const int threads : {1, 2}) {
+          INFO(threads << " threads");
+          const Threads scope(threads);
+          const Grads half =
+              setup_backward<Half>(c, q.view(), k.view(), v.view(), out.view(), lse, dout.view());
+          const Grads wide =
+              setup_backward<float>(c, q.wide, k.wide, v.wide, out.wide, lse, dout.wide);
+          check_bitwise(half, wide);
+          check_threads(threads, half, first);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "half-precision all-heads backward passes are bitwise the float calls on the "
+    "widened inputs",
+    "[half][backward]", Eigen::bfloat16, Eigen::half) {
+  using Half = TestType;
+  using namespace half_backward;
+  const Index n = 300, heads = 4, kv_heads = 2, d = 24, dv = 16;
+  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
+  const std::vector<std::int32_t> packed = {0, 130, static_cast<std::int32_t>(n)};
+  HeadsProblem<Half> p(n, heads, kv_heads, d, dv, 500);
+  for (const poslsh::Method method :
+       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+        poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
+    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+      poslsh::MultiHeadOptions options;
+      options.method = method;
+      options.masking = masking;
+      options.samples = 3;
+      options.seed = 5;
+      options.band_error = 1e-2;
+      options.precision = poslsh::Precision::float_products;
+      const bool exact =
+          method == poslsh::Method::exact_tiled || method == poslsh::Method::exact_banded;
+      for (const HeadsCall call :
+           {HeadsCall::whole, HeadsCall::varlen, HeadsCall::slopes, HeadsCall::window}) {
+        if (call == HeadsCall::slopes && !exact) continue;
+        INFO(poslsh::enum_name(method)
+             << ", " << poslsh_test::masking_name(masking) << ", " << heads_call_name(call));
+        const std::vector<std::int32_t>& cu = call == HeadsCall::varlen ? packed : whole;
+        p.forward(options, cu);
+        Grads first;
+        Eigen::VectorXd first_slopes;
+        for (const int threads : {1, 2}) {
+          INFO(threads << " threads");
+          const Threads scope(threads);
+          Eigen::VectorXd half_slopes, wide_slopes;
+          const Grads half =
+              heads_backward_of<Half>(call, p, p.q.data(), p.k.data(), p.v.data(), p.out.data(),
+                                      p.dout.data(), cu, options, half_slopes);
+          const Grads wide = heads_backward_of<float>(call, p, p.qf.data(), p.kf.data(),
+                                                      p.vf.data(), widened(p.out).data(),
+                                                      p.doutf.data(), cu, options, wide_slopes);
+          check_bitwise(half, wide);
+          CHECK(half_slopes.size() == wide_slopes.size());
+          CHECK(half_slopes == wide_slopes);
+          check_threads(threads, half, first);
+          if (threads == 1) {
+            first_slopes = half_slopes;
+          } else {
+            CHECK(half_slopes == first_slopes);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "bfloat16 backward passes on the AVX512-BF16 unit: within twice a plain bfloat16 "
+    "backward's error against double, the same bits for 1 and 2 threads",
+    "[half][backward][matrix_units]") {
+  using namespace half_backward;
+  using bf16 = Eigen::bfloat16;
+  if (!has_bf16_unit()) return;
+  const Index n = 300, d = 39, dv = 21;
+  const RowMatrix<bf16> q = random_half<bf16>(n, d, 71), k = random_half<bf16>(n, d, 72),
+                        v = random_half<bf16>(n, dv, 73), dout = random_half<bf16>(n, dv, 74);
+  const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);
+  const RowMatrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>(),
+                          doutd = doutf.cast<double>();
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (const Config& c : configs(masking, n, poslsh::Precision::matrix_units)) {
+      INFO(poslsh_test::backward_kind_name(c.kind)
+           << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
+      REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(c.options) == poslsh::MatrixUnit::avx512_bf16);
+      RowMatrix<float> out_float;
+      FloatVector lse;
+      setup_forward<float>(c, qf, kf, vf, out_float, lse);
+      const RowMatrix<bf16> out = out_float.cast<bf16>();
+      // The double gradients of the same rounded inputs (the double backward on the double
+      // forward's out and lse).
+      RowMatrix<double> out_double;
+      poslsh_test::ColumnVector<double> lse_double;
+      setup_forward<double>(c, qd, kd, vd, out_double, lse_double);
+      const poslsh_test::BackwardGradients<double> exact =
+          setup_backward<double>(c, qd, kd, vd, out_double, lse_double, doutd);
+      const Grads plain = plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
+      Grads first;
+      for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        const Threads scope(threads);
+        const Grads unit = setup_backward<bf16>(c, q, k, v, out, lse, dout);
+        const Grads widening = [&] {
+          Config float_products = c;
+          float_products.options.precision = poslsh::Precision::float_products;
+          return setup_backward<bf16>(float_products, q, k, v, out, lse, dout);
+        }();
+        // The unit is used: its roundings of P and dS change the bits.
+        CHECK_FALSE(same_bits(unit, widening));
+        const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
+          return poslsh_test::relative_max_error(a.cast<double>(), b);
+        };
+        INFO("dq error " << error(unit.dq, exact.dq) << ", plain " << error(plain.dq, exact.dq));
+        INFO("dk error " << error(unit.dk, exact.dk) << ", plain " << error(plain.dk, exact.dk));
+        INFO("dv error " << error(unit.dv, exact.dv) << ", plain " << error(plain.dv, exact.dv));
+        CHECK(error(unit.dq, exact.dq) <= 2.0 * error(plain.dq, exact.dq));
+        CHECK(error(unit.dk, exact.dk) <= 2.0 * error(plain.dk, exact.dk));
+        CHECK(error(unit.dv, exact.dv) <= 2.0 * error(plain.dv, exact.dv));
+        check_threads(threads, unit, first);
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "all-heads bfloat16 backward passes on the AVX512-BF16 unit: the single-head passes "
+    "of each head, the same bits for 1 and 2 threads",
+    "[half][backward][matrix_units]") {
+  using namespace half_backward;
+  using bf16 = Eigen::bfloat16;
+  if (!has_bf16_unit()) return;
+  const Index n = 200, heads = 2, kv_heads = 1, d = 24, dv = 16;
+  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
+  HeadsProblem<bf16> p(n, heads, kv_heads, d, dv, 900);
+  for (const poslsh::Method method :
+       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::exact_tiled}) {
+    INFO(poslsh::enum_name(method));
+    poslsh::MultiHeadOptions options;
+    options.method = method;
+    options.samples = 3;
+    options.seed = 5;
+    options.precision = poslsh::Precision::matrix_units;
+    p.forward(options, whole);
+    Eigen::VectorXd unused;
+    Grads first;
+    for (const int threads : {1, 2}) {
+      INFO(threads << " threads");
+      const Threads scope(threads);
+      const Grads unit =
+          heads_backward_of<bf16>(HeadsCall::whole, p, p.q.data(), p.k.data(), p.v.data(),
+                                  p.out.data(), p.dout.data(), whole, options, unused);
+      // Each query head is the single-head call on its views (dk, dv: the two heads' sum).
+      const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
+      const std::vector<HashSet> hashes = poslsh::multihead_hashes(sigmas, 3, 5);
+      RowMatrix<float> dk_sum = RowMatrix<float>::Zero(n, d),
+                       dv_sum = RowMatrix<float>::Zero(n, dv);
+      for (Index h = 0; h < heads; ++h) {
+        const auto index = static_cast<std::size_t>(h);
+        const Config c{method == poslsh::Method::exact_tiled ? BackwardKind::tiled
+                       : method == poslsh::Method::lsh_fused ? BackwardKind::fused
+                                                             : BackwardKind::per_sample,
+                       sigmas[index], 0, hashes[index], options};
+        const auto head = [&](const RowMatrix<bf16>& m, Index count, Index width) {
+          return ConstMatrixRef<bf16>(
+              poslsh::interleaved_heads<const bf16>(m.data(), n, count, width)
+                  .head(count == heads ? h : 0));
+        };
+        const FloatVector lse = p.lse.row(h).transpose();
+        const Grads single = setup_backward<bf16>(c, head(p.q, heads, d), head(p.k, kv_heads, d),
+                                                  head(p.v, kv_heads, dv), head(p.out, heads, dv),
+                                                  lse, head(p.dout, heads, dv));
+        CHECK(same_bits(RowMatrix<float>(unit.dq.middleCols(h * d, d)), single.dq));
+        dk_sum += single.dk;
+        dv_sum += single.dv;
+      }
+      CHECK(same_bits(unit.dk, dk_sum));
+      CHECK(same_bits(unit.dv, dv_sum));
+      check_threads(threads, unit, first);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("half-precision backward passes name a bad argument", "[half][backward]",
+                   Eigen::bfloat16, Eigen::half) {
+  using Half = TestType;
+  using namespace half_backward;
+  using poslsh_test::require_invalid_argument;
+  const Index n = 70, d = 8, dv = 6;
+  const RowMatrix<Half> q = random_half<Half>(n, d, 1), k = random_half<Half>(n, d, 2),
+                        v = random_half<Half>(n, dv, 3), out = random_half<Half>(n, dv, 4),
+                        dout = random_half<Half>(n, dv, 5);
+  const RowMatrix<Half> k_wide = random_half<Half>(n, d + 1, 6),
+                        out_short = random_half<Half>(n - 1, dv, 7),
+                        dout_wide = random_half<Half>(n, dv + 1, 8);
+  const FloatVector lse = FloatVector::Zero(n), lse_short = FloatVector::Zero(n - 1);
+  RowMatrix<float> dq(n, d), dk(n, d), dvg(n, dv), dq_bad(n, d + 1), dv_bad(n + 1, dv);
+  const HashSet hashes = poslsh::rbf_hashes(8.0, 2, 3, 0);
+  const auto tiled = [&](const RowMatrix<Half>& kk, const RowMatrix<Half>& oo,
+                         const FloatVector& ll, const RowMatrix<Half>& gg, RowMatrix<float>& gq,
+                         RowMatrix<float>& gv) {
+    poslsh::alibi_attention_tiled_backward<Half>(q, kk, v, 8.0, oo, ll, gg, gq, dk, gv);
+  };
+  require_invalid_argument([&] { tiled(k, out, lse_short, dout, dq, dvg); }, "lse");
+  require_invalid_argument([&] { tiled(k_wide, out, lse, dout, dq, dvg); }, "k");
+  require_invalid_argument([&] { tiled(k, out_short, lse, dout, dq, dvg); }, "out");
+  require_invalid_argument([&] { tiled(k, out, lse, dout_wide, dq, dvg); }, "dout");
+  require_invalid_argument([&] { tiled(k, out, lse, dout, dq_bad, dvg); }, "dq");
+  require_invalid_argument([&] { tiled(k, out, lse, dout, dq, dv_bad); }, "dv");
+  require_invalid_argument(
+      [&] {
+        poslsh::alibi_attention_banded_backward<Half>(q, k, v, 8.0, -1, out, lse, dout, dq, dk,
+                                                      dvg);
+      },
+      "band");
+  require_invalid_argument(
+      [&] {
+        poslsh::lsh_attention_fused_backward<Half>(q, k, v, hashes, out, lse_short, dout, dq, dk,
+                                                   dvg);
+      },
+      "lse");
+  require_invalid_argument(
+      [&] {
+        poslsh::lsh_attention_per_sample_backward<Half>(q, k, v, hashes, out, lse, dout_wide, dq,
+                                                        dk, dvg);
+      },
+      "dout");
+  require_invalid_argument(
+      [&] {
+        poslsh::fixed_blocks_attention_backward<Half>(q, k, v, 8.0, out, lse, dout, dq_bad, dk,
+                                                      dvg);
+      },
+      "dq");
+  // All heads (two query heads over one K/V head): an lse of the wrong shape, a dout view of
+  // the wrong width.
+  const RowMatrix<Half> q2 = random_half<Half>(n, 2 * d, 9),
+                        out2 = random_half<Half>(n, 2 * dv, 10),
+                        dout2 = random_half<Half>(n, 2 * dv, 11);
+  const auto qv = heads_of<const Half>(q2.data(), n, 2, d);
+  const auto kv = heads_of<const Half>(k.data(), n, 1, d);
+  const auto vv = heads_of<const Half>(v.data(), n, 1, dv);
+  const auto ov = heads_of<const Half>(out2.data(), n, 2, dv);
+  const auto gv = heads_of<const Half>(dout2.data(), n, 2, dv);
+  const RowMatrix<float> heads_lse = RowMatrix<float>::Zero(2, n),
+                         heads_lse_bad = RowMatrix<float>::Zero(3, n);
+  RowMatrix<float> heads_dq(n, 2 * d), heads_dk(n, d), heads_dv(n, dv);
+  const auto dqv = heads_of<float>(heads_dq.data(), n, 2, d);
+  const auto dkv = heads_of<float>(heads_dk.data(), n, 1, d);
+  const auto dvv = heads_of<float>(heads_dv.data(), n, 1, dv);
+  poslsh::MultiHeadOptions options;
+  options.method = poslsh::Method::exact_tiled;
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_backward<Half>(qv, kv, vv, ov, heads_lse_bad, gv, dqv, dkv, dvv,
+                                                   options);
+      },
+      "lse");
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_backward<Half>(qv, kv, vv, ov, heads_lse,
+                                                   heads_of<const Half>(dout2.data(), n, 2, dv - 1),
+                                                   dqv, dkv, dvv, options);
+      },
+      "dout");
+}
