@@ -297,20 +297,31 @@ double backward_scale(const char* function, const ConstMatrixRef<Input>& q,
   return resolve_scale(function, options, q.cols());
 }
 
-/// The checks of an LSH backward entry point (the hashes and backward_scale's), then
-/// pass(tau, causal) when there are rows.
-template <typename Scalar, typename Input, typename Pass>
+/// The two passes of the LSH backward entry points: count_backward (the fused kernel's
+/// structure) and per_sample_backward.
+enum class LshBackwardPass { counts, per_sample };
+
+/// The body of an LSH backward entry point: the checks (the hashes and backward_scale's), then
+/// the pass over the rows, if any.
+template <typename Scalar, typename Input>
 void lsh_backward_call(const char* function, const ConstMatrixRef<Input>& q,
                        const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v,
                        const HashSet& hashes, const ConstMatrixRef<Input>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
-                       const MatrixRef<Scalar>& dq, const MatrixRef<Scalar>& dk,
-                       const MatrixRef<Scalar>& dv, const AttentionOptions& options, Pass&& pass) {
+                       MatrixRef<Scalar> dq, MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
+                       const AttentionOptions& options, LshBackwardPass pass) {
   validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(
       backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
-  pass(tau, options.masking == Masking::causal);
+  const bool causal = options.masking == Masking::causal;
+  if (pass == LshBackwardPass::counts) {
+    count_backward<Scalar, Input>(q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv,
+                                  options.precision);
+  } else {
+    per_sample_backward<Scalar, Input>(q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv,
+                                       options.precision);
+  }
 }
 
 /// The body of the exact forwards with lse (tiled, banded): the checks (self-attention from
@@ -494,10 +505,7 @@ void lsh_attention_fused_backward(
     MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
-      [&](backward_scalar_t<Scalar> tau, bool causal) {
-        detail::count_backward<backward_scalar_t<Scalar>, Scalar>(
-            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
-      });
+      detail::LshBackwardPass::counts);
 }
 
 /// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
@@ -518,10 +526,7 @@ void lsh_attention_per_sample_backward(
     MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_per_sample_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
-      [&](backward_scalar_t<Scalar> tau, bool causal) {
-        detail::per_sample_backward<backward_scalar_t<Scalar>, Scalar>(
-            q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv, options.precision);
-      });
+      detail::LshBackwardPass::per_sample);
 }
 
 /// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
