@@ -84,9 +84,12 @@ inline bool detect_avx512_bf16() {
 /// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7 EDX bits 24 and 22), the OS saves
 /// the tile configuration and data (XCR0 bits 17 and 18) and grants this process the tile data
 /// (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); other systems: no), and the
-/// CPU has avx512_bf16 (detect_avx512_bf16). Asks for the permission when the rest holds; a
-/// refusal means false. Call once (matrix_unit_available keeps the answer).
+/// CPU has avx512_bf16 (detect_avx512_bf16); in 64-bit code. Asks for the permission when the
+/// rest holds; a refusal means false. Call once (matrix_unit_available keeps the answer).
 inline bool detect_amx_bf16() {
+#if !defined(__x86_64__)
+  return false;  // the tiles exist in 64-bit mode only
+#endif
   constexpr std::uint64_t tile_state = (std::uint64_t{1} << 17) | (std::uint64_t{1} << 18);
   const CpuidRegisters leaf7 = cpuid(7, 0);
   const bool tile = (leaf7.edx & (1u << 24)) != 0, bf16 = (leaf7.edx & (1u << 22)) != 0;

@@ -16,8 +16,10 @@
 // column and the blocks summed: a query's result depends only on its own row and the keys,
 // never on the other rows of its tile. Blocks of zeros add exactly 0.
 // The tile operations (configure, zero, load, dot, store, release) come from a layer `Tiles`:
-// AmxNativeTiles issues the instructions; AmxEmulatedTiles computes them in software as the
-// Intel SDM's pseudo-code for TDPBF16PS gives (see there), for tests on CPUs without AMX
+// AmxNativeTiles issues the instructions (inline assembly rather than the _tile_* intrinsics,
+// whose GCC forms tell the compiler of no memory read by tileloadd and of only 8 bytes read by
+// ldtilecfg); AmxEmulatedTiles computes them in software as the Intel SDM's pseudo-code for
+// TDPBF16PS gives (stated at AmxEmulatedTiles), for tests on CPUs without AMX
 // (detail::set_amx_mode_for_tests, core/matrix_units.hpp).
 // Every function carrying AMX or AVX-512 instructions is compiled for that target by a
 // function attribute, so the code exists in any x86-64 build (with or without -march=native)
@@ -27,8 +29,6 @@
 #include "poslsh/core/matrix_units.hpp"
 
 #if POSLSH_X86_UNITS
-
-#include <immintrin.h>
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -78,100 +78,141 @@ inline AmxTileConfig amx_tile_config() {
   return config;
 }
 
-/// The tile instructions. Tiles: C in 0-3, A in 4, B in 5 and 6 (dot(c, b): C_c += A_4 B_b).
+// The tile instructions as inline assembly (both assembler syntaxes): loads and stores name
+// the memory they read or write (a "memory" clobber, so stores before a load are done and
+// reads after a store see it), ldtilecfg its whole 64-byte operand. Only x86-64 has the tiles.
+#if defined(__x86_64__)
+#define POSLSH_AMX_LOAD(t)                                                             \
+  __asm__ volatile("{tileloadd (%0,%1,1), %%tmm" #t "|tileloadd tmm" #t ", [%0+%1*1]}" \
+                   :                                                                   \
+                   : "r"(base), "r"(s)                                                 \
+                   : "memory")
+#define POSLSH_AMX_STORE(t)                                                              \
+  __asm__ volatile("{tilestored %%tmm" #t ", (%0,%1,1)|tilestored [%0+%1*1], tmm" #t "}" \
+                   :                                                                     \
+                   : "r"(base), "r"(s)                                                   \
+                   : "memory")
+#define POSLSH_AMX_DOT(c, b)                                                                       \
+  __asm__ volatile("{tdpbf16ps %%tmm" #b ", %%tmm4, %%tmm" #c "|tdpbf16ps tmm" #c ", tmm4, tmm" #b \
+                   "}" ::)
+#define POSLSH_AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#else
+#define POSLSH_AMX_LOAD(t) static_cast<void>(s)
+#define POSLSH_AMX_STORE(t) static_cast<void>(s)
+#define POSLSH_AMX_DOT(c, b) static_cast<void>(0)
+#define POSLSH_AMX_ZERO(t) static_cast<void>(0)
+#endif
+
+/// The tile instructions (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored, tilerelease).
+/// Tiles: C in 0-3, A in 4, B in 5 and 6 (dot(c, b): C_c += A_4 B_b).
 struct AmxNativeTiles {
   POSLSH_AMX_BF16_INLINE static void configure(const AmxTileConfig& config) {
-    _tile_loadconfig(&config);
+#if defined(__x86_64__)
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
+#else
+    static_cast<void>(config);
+#endif
   }
   POSLSH_AMX_BF16_INLINE static void zero(int t) {
     switch (t) {
       case 0:
-        _tile_zero(0);
+        POSLSH_AMX_ZERO(0);
         break;
       case 1:
-        _tile_zero(1);
+        POSLSH_AMX_ZERO(1);
         break;
       case 2:
-        _tile_zero(2);
+        POSLSH_AMX_ZERO(2);
         break;
       default:
-        _tile_zero(3);
+        POSLSH_AMX_ZERO(3);
         break;
     }
   }
   POSLSH_AMX_BF16_INLINE static void load(int t, const void* base, Index stride) {
     const auto s = static_cast<long>(stride);
+    static_cast<void>(base);
     switch (t) {
       case 0:
-        _tile_loadd(0, base, s);
+        POSLSH_AMX_LOAD(0);
         break;
       case 1:
-        _tile_loadd(1, base, s);
+        POSLSH_AMX_LOAD(1);
         break;
       case 2:
-        _tile_loadd(2, base, s);
+        POSLSH_AMX_LOAD(2);
         break;
       case 3:
-        _tile_loadd(3, base, s);
+        POSLSH_AMX_LOAD(3);
         break;
       case 4:
-        _tile_loadd(4, base, s);
+        POSLSH_AMX_LOAD(4);
         break;
       case 5:
-        _tile_loadd(5, base, s);
+        POSLSH_AMX_LOAD(5);
         break;
       default:
-        _tile_loadd(6, base, s);
+        POSLSH_AMX_LOAD(6);
         break;
     }
   }
   POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
     switch (2 * c + (b == 5 ? 0 : 1)) {
       case 0:
-        _tile_dpbf16ps(0, 4, 5);
+        POSLSH_AMX_DOT(0, 5);
         break;
       case 1:
-        _tile_dpbf16ps(0, 4, 6);
+        POSLSH_AMX_DOT(0, 6);
         break;
       case 2:
-        _tile_dpbf16ps(1, 4, 5);
+        POSLSH_AMX_DOT(1, 5);
         break;
       case 3:
-        _tile_dpbf16ps(1, 4, 6);
+        POSLSH_AMX_DOT(1, 6);
         break;
       case 4:
-        _tile_dpbf16ps(2, 4, 5);
+        POSLSH_AMX_DOT(2, 5);
         break;
       case 5:
-        _tile_dpbf16ps(2, 4, 6);
+        POSLSH_AMX_DOT(2, 6);
         break;
       case 6:
-        _tile_dpbf16ps(3, 4, 5);
+        POSLSH_AMX_DOT(3, 5);
         break;
       default:
-        _tile_dpbf16ps(3, 4, 6);
+        POSLSH_AMX_DOT(3, 6);
         break;
     }
   }
   POSLSH_AMX_BF16_INLINE static void store(int t, void* base, Index stride) {
     const auto s = static_cast<long>(stride);
+    static_cast<void>(base);
     switch (t) {
       case 0:
-        _tile_stored(0, base, s);
+        POSLSH_AMX_STORE(0);
         break;
       case 1:
-        _tile_stored(1, base, s);
+        POSLSH_AMX_STORE(1);
         break;
       case 2:
-        _tile_stored(2, base, s);
+        POSLSH_AMX_STORE(2);
         break;
       default:
-        _tile_stored(3, base, s);
+        POSLSH_AMX_STORE(3);
         break;
     }
   }
-  POSLSH_AMX_BF16_INLINE static void release() { _tile_release(); }
+  POSLSH_AMX_BF16_INLINE static void release() {
+#if defined(__x86_64__)
+    __asm__ volatile("tilerelease" ::);
+#endif
+  }
 };
+
+#undef POSLSH_AMX_LOAD
+#undef POSLSH_AMX_STORE
+#undef POSLSH_AMX_DOT
+#undef POSLSH_AMX_ZERO
 
 /// The tile instructions computed in software, one set of 8 tiles and a configuration per
 /// thread, with the register assignment of AmxNativeTiles. dot(c, b) follows the Intel SDM's
