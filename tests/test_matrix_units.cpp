@@ -655,6 +655,28 @@ TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefil
   EmulationWatch watch;
   thread_and_chunk_checks(MatrixUnit::amx_bf16);
   CHECK(watch.ran());
+  // One row at a time (a 16-row block of the tiles holding one computed row, the others
+  // stale or zero) against all rows at once: each row's bits depend on its row alone.
+  const Index n = 150, d = 40;
+  const RowMatrix<bf16> q = make_input(Inputs::heavy_tailed, n, d, 31),
+                        k = make_input(Inputs::heavy_tailed, n, d, 32),
+                        v = make_input(Inputs::heavy_tailed, n, d + 1, 33);
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    INFO((masking == Masking::causal ? "causal" : "bidirectional"));
+    const AttentionOptions options = unit_options(masking);
+    RowMatrix<float> whole(n, d + 1), row(1, d + 1);
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 8.0, whole, options);
+    for (const Index i : {Index{0}, Index{1}, Index{15}, Index{16}, Index{63}, Index{64}, Index{77},
+                          Index{128}, Index{149}}) {
+      INFO("row " << i);
+      AttentionOptions at = options;
+      at.query_offset = i;
+      const Index keys = masking == Masking::causal ? i + 1 : n;
+      poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(i, 1), k.topRows(keys),
+                                                       v.topRows(keys), 8.0, row, at);
+      CHECK(row == whole.row(i));
+    }
+  }
 }
 
 TEST_CASE("amx_bf16 (emulated tiles): every kernel on the tile engine uses the unit",
