@@ -215,9 +215,9 @@ struct AmxNativeTiles {
 #undef POSLSH_AMX_ZERO
 
 /// The tile instructions computed in software, one set of 8 tiles and a configuration per
-/// thread, with the register assignment of AmxNativeTiles. dot(c, b) follows the Intel SDM's
-/// pseudo-code of TDPBF16PS (C = tile c, A = tile 4, B = tile b): for each row m of C, float
-/// sums t[0 .. 2 N) start at 0; for each pair k of A's row and each column n < N,
+/// thread, with the register assignment of AmxNativeTiles. dot(c, b) follows the pseudo-code of
+/// TDPBF16PS in the Intel SDM, Vol. 2B (C = tile c, A = tile 4, B = tile b): for each row m of
+/// C, float sums t[0 .. 2 N) start at 0; for each pair k of A's row and each column n < N,
 ///   t[2n]     <- fma(A[m].bf16[2k],     B[k].bf16[2n],     t[2n]),
 ///   t[2n + 1] <- fma(A[m].bf16[2k + 1], B[k].bf16[2n + 1], t[2n + 1]),
 /// then C[m][n] <- C[m][n] + (t[2n] + t[2n + 1]); every operation in float, round to nearest
@@ -349,13 +349,14 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
       }
     }
     const Index key_first = std::max(b, k0), key_last = std::min(end, k0 + amx_rows);
+    const __m512 scale = _mm512_set1_ps(tau);
     for (int q = 0; q < blocks; ++q) {
       Tiles::store(q, c_tile, amx_row_bytes);
       const Index q0 = start + q * amx_rows;
-      const Index a_first = std::max(lo, q0), a_last = std::min(hi, q0 + amx_rows);
+      const __mmask16 mask = pair_row_mask(q0, lo, hi);
       for (Index key = key_first; key < key_last; ++key)
-        for (Index a = a_first; a < a_last; ++a)
-          scores[key * tile + a] = c_tile[(key - k0) * amx_rows + (a - q0)] * tau;
+        _mm512_mask_storeu_ps(scores + key * tile + q0, mask,
+                              _mm512_mul_ps(_mm512_load_ps(c_tile + (key - k0) * amx_rows), scale));
     }
   }
   Tiles::release();
@@ -370,8 +371,13 @@ template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
     const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v, Index cols,
     Index first, Index last, const float* alpha, float* acc, Index acc_stride) {
-  for (Index r = 0; r < amx_rows; ++r)
-    for (Index c = 0; c < cols; ++c) acc[r * acc_stride + c] *= alpha[r];
+  for (Index r = 0; r < amx_rows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (Index c = 0; c < cols; c += amx_rows) {
+      float* entry = acc + r * acc_stride + c;
+      _mm512_storeu_ps(entry, _mm512_mul_ps(_mm512_loadu_ps(entry), scale));
+    }
+  }
   const AmxTileConfig config = amx_tile_config();
   Tiles::configure(config);
   const Index acc_bytes = acc_stride * static_cast<Index>(sizeof(float));
