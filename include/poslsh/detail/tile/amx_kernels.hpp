@@ -325,7 +325,8 @@ inline std::uint16_t amx_round_bf16(float x) {
 /// other entries are not written. keys: the key rows (bfloat16 bits, key_stride a multiple of
 /// 32, zero past column d - 1, at least up to the multiple of 16 past `end`); pair_q: the query
 /// pairs (pair_q[c2 * tile + a], key_stride / 2 rows, zero past d). Keys in blocks of 16 from
-/// b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down.
+/// b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. The tiles
+/// configured (amx_tile_config).
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
     const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride, Index b,
@@ -334,8 +335,6 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
   const int blocks = static_cast<int>((hi - start + amx_rows - 1) / amx_rows);
   const Index d_blocks = key_stride / (2 * amx_pairs);
   alignas(64) float c_tile[amx_rows * amx_rows];
-  const AmxTileConfig config = amx_tile_config();
-  Tiles::configure(config);
   for (Index k0 = b / amx_rows * amx_rows; k0 < end; k0 += amx_rows) {
     for (int q = 0; q < blocks; ++q) Tiles::zero(q);
     for (Index c = 0; c < d_blocks; ++c) {
@@ -359,14 +358,14 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
                               _mm512_mul_ps(_mm512_load_ps(c_tile + (key - k0) * amx_rows), scale));
     }
   }
-  Tiles::release();
 }
 
 /// acc[r][c] <- alpha[r] acc[r][c] + sum over the key pairs of blocks [first, last] (16 pairs a
 /// block) of probs[r] . pair_v, for the 16 rows r of a block of queries and the `cols` columns
 /// (a multiple of 16; acc's rows acc_stride floats apart, at least cols). probs: row r's pairs
 /// at probs + r * probs_stride (words, amx_pack_probs); pair_v: pair b2 at pair_v + b2 * cols
-/// (zero past the tile's keys up to the last block). Columns in groups of up to 64.
+/// (zero past the tile's keys up to the last block). Columns in groups of up to 64. The tiles
+/// configured (amx_tile_config).
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
     const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v, Index cols,
@@ -378,8 +377,6 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
       _mm512_storeu_ps(entry, _mm512_mul_ps(_mm512_loadu_ps(entry), scale));
     }
   }
-  const AmxTileConfig config = amx_tile_config();
-  Tiles::configure(config);
   const Index acc_bytes = acc_stride * static_cast<Index>(sizeof(float));
   for (Index c0 = 0; c0 < cols; c0 += 4 * amx_rows) {
     const int blocks = static_cast<int>(std::min<Index>(4, (cols - c0) / amx_rows));
@@ -396,24 +393,58 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
     }
     for (int t = 0; t < blocks; ++t) Tiles::store(t, acc + c0 + t * amx_rows, acc_bytes);
   }
+}
+
+/// Whether the tile layer is the emulation (the test hook) rather than the CPU's tiles.
+inline bool amx_emulated() {
+  return amx_test_mode().load(std::memory_order_relaxed) == AmxTestMode::emulated;
+}
+
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_configure_tiles() {
+  const AmxTileConfig config = amx_tile_config();
+  Tiles::configure(config);
+}
+
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_release_tiles() {
   Tiles::release();
 }
 
-/// amx_score_tiles on the CPU's tiles, or on their emulation while the test hook is on.
+/// Loads the tile configuration of the kernels below (amx_tile_config) on this thread's tiles;
+/// amx_score_span and amx_value_rows run between it and amx_release on the same thread.
+inline void amx_configure() {
+  if (amx_emulated())
+    amx_configure_tiles<AmxEmulatedTiles>();
+  else
+    amx_configure_tiles<AmxNativeTiles>();
+}
+
+/// Releases this thread's tiles (tilerelease), after amx_configure and the kernels.
+inline void amx_release() {
+  if (amx_emulated())
+    amx_release_tiles<AmxEmulatedTiles>();
+  else
+    amx_release_tiles<AmxNativeTiles>();
+}
+
+/// amx_score_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
+/// tiles configured by amx_configure).
 inline void amx_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
                            Index key_stride, Index b, Index end, Index lo, Index hi, float tau,
                            float* scores) {
-  if (amx_test_mode().load(std::memory_order_relaxed) == AmxTestMode::emulated)
+  if (amx_emulated())
     amx_score_tiles<AmxEmulatedTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
   else
     amx_score_tiles<AmxNativeTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
 }
 
-/// amx_value_tiles on the CPU's tiles, or on their emulation while the test hook is on.
+/// amx_value_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
+/// tiles configured by amx_configure).
 inline void amx_value_rows(const std::uint32_t* probs, Index probs_stride,
                            const std::uint32_t* pair_v, Index cols, Index first, Index last,
                            const float* alpha, float* acc, Index acc_stride) {
-  if (amx_test_mode().load(std::memory_order_relaxed) == AmxTestMode::emulated)
+  if (amx_emulated())
     amx_value_tiles<AmxEmulatedTiles>(probs, probs_stride, pair_v, cols, first, last, alpha, acc,
                                       acc_stride);
   else

@@ -402,10 +402,16 @@ class TileEngine {
     kv_.prefetch(key_hi + 1 - k0_, std::min(n_, key_hi + 1 + Bq) - k0_, d_, dv_);
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
+#if POSLSH_X86_UNITS
+    if constexpr (amx) amx_configure();  // the tiles' configuration, once per query tile
+#endif
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
+#if POSLSH_X86_UNITS
+    if constexpr (amx) amx_release();
+#endif
   }
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {
