@@ -2,9 +2,12 @@
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
-// in their label (unit=avx512_bf16, unit=float_widening); where that is a matrix unit,
-// <method>_bf16_float_widening/<n> runs the same call with Precision::float_products, so one
-// run compares the units side by side.
+// in their label (unit=amx_bf16, unit=avx512_bf16, unit=float_widening); where that is a
+// matrix unit, <method>_bf16_float_widening/<n> runs the same call with
+// Precision::float_products, and where it is amx_bf16, <method>_bf16_avx512_bf16/<n> runs it
+// with the AMX unit turned off (the detail-level switch of the tests), so one run compares the
+// units side by side.
+#include <map>
 #include <string>
 #include <vector>
 
@@ -96,6 +99,15 @@ void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions
   state.SetLabel(std::string("unit=") + enum_name(matrix_unit_for<Half, Half>(options)));
 }
 
+/// run_multihead_half<Eigen::bfloat16> with the AMX unit turned off: the next unit
+/// (avx512_bf16) on a CPU with both.
+void run_multihead_bf16_without_amx(benchmark::State& state, Index n,
+                                    const MultiHeadOptions& options) {
+  detail::set_amx_mode_for_tests(detail::AmxTestMode::disabled);
+  run_multihead_half<Eigen::bfloat16>(state, n, options);
+  detail::set_amx_mode_for_tests(detail::AmxTestMode::cpu);
+}
+
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
 void run_multihead_bf16_kv(benchmark::State& state, Index n, const MultiHeadOptions& options) {
   const auto q = input_view(Which::q, n);
@@ -176,8 +188,12 @@ void register_prefill(bool long_runs) {
       if (row.method == Method::exact_tiled || row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_bf16" + suffix, n, options,
                      run_multihead_half<Eigen::bfloat16>);
-        if (matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(options) !=
-            MatrixUnit::float_widening) {
+        const MatrixUnit unit = matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(options);
+        if (unit == MatrixUnit::amx_bf16 && matrix_unit_available(MatrixUnit::avx512_bf16)) {
+          register_row(std::string(row.name) + "_bf16_avx512_bf16" + suffix, n, options,
+                       run_multihead_bf16_without_amx);
+        }
+        if (unit != MatrixUnit::float_widening) {
           MultiHeadOptions widening = options;
           widening.precision = Precision::float_products;
           register_row(std::string(row.name) + "_bf16_float_widening" + suffix, n, widening,

@@ -10,6 +10,12 @@
 //    on the engine (banded, fused, partitions, per-sample, fixed blocks, multi-head, packed
 //    batches, the block kernel with lse) on the chosen unit;
 //  - Precision::float_products bitwise the float kernel on the widened inputs.
+// amx_bf16 runs these checks twice: on the software emulation of the tile instructions
+// (detail::set_amx_mode_for_tests, on any CPU with avx512_bf16) and on the CPU's tiles where
+// it has them; the emulation itself is checked against the SDM's TDPBF16PS on values where
+// the order of its sums shows, and the emulated path against avx512_bf16 within the error
+// bound (they sum the same products in another order). The avx512_bf16 checks run with AMX
+// disabled, so they test that unit on CPUs with AMX too.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -20,6 +26,7 @@
 #include <poslsh/attention/per_sample.hpp>
 #include <poslsh/attention/tiled.hpp>
 #include <poslsh/core/matrix_units.hpp>
+#include <poslsh/detail/tile/amx_kernels.hpp>
 #include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/lsh/partition.hpp>
 #include <poslsh/lsh/samplers.hpp>
@@ -42,6 +49,7 @@ using poslsh::Masking;
 using poslsh::MatrixUnit;
 using poslsh::Precision;
 using poslsh::RowMatrix;
+using poslsh::detail::AmxTestMode;
 using bf16 = Eigen::bfloat16;
 
 namespace {
@@ -207,46 +215,54 @@ void with_threads(int threads, Body&& body) {
 #endif
 }
 
-}  // namespace
+/// The AmxTestMode `mode` for a scope (AmxTestMode::cpu restored after); active() is false
+/// where the mode could not be set (the emulation on a CPU without avx512_bf16).
+class AmxModeScope {
+ public:
+  explicit AmxModeScope(AmxTestMode mode) : active_(poslsh::detail::set_amx_mode_for_tests(mode)) {}
+  ~AmxModeScope() { poslsh::detail::set_amx_mode_for_tests(AmxTestMode::cpu); }
+  AmxModeScope(const AmxModeScope&) = delete;
+  AmxModeScope& operator=(const AmxModeScope&) = delete;
+  bool active() const { return active_; }
 
-TEST_CASE("matrix units: the table, availability and the unit a call uses", "[units]") {
-  using poslsh::matrix_unit_for;
-  CHECK(std::string(poslsh::enum_name(MatrixUnit::float_widening)) == "float_widening");
-  CHECK(std::string(poslsh::enum_name(MatrixUnit::avx512_bf16)) == "avx512_bf16");
-  CHECK(poslsh::enum_from_name<MatrixUnit>("avx512_bf16") == MatrixUnit::avx512_bf16);
-  CHECK(poslsh::enum_from_name<Precision>("float_products") == Precision::float_products);
-  CHECK(std::string(poslsh::enum_name(Precision::matrix_units)) == "matrix_units");
-  CHECK(poslsh::matrix_unit_available(MatrixUnit::float_widening));
-  const bool bf16_unit = poslsh::matrix_unit_available(MatrixUnit::avx512_bf16);
-  WARN("units on this CPU: float_widening" << (bf16_unit ? ", avx512_bf16" : ""));
-  AttentionOptions options;
-  CHECK(options.precision == Precision::matrix_units);
-  CHECK(matrix_unit_for<bf16, bf16>(options) ==
-        (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
-  CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
-  CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_widening);
-  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
-  options.precision = Precision::float_products;
-  CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_widening);
-  // A precision outside the enumerators is named.
-  options.precision = static_cast<Precision>(7);
-  const RowMatrix<bf16> x = poslsh_test::random_half<bf16>(8, 4, 1);
-  RowMatrix<float> out(8, 4);
-  const auto call = [&] {
-    poslsh::alibi_attention_tiled<bf16, bf16, float>(x, x, x, 4.0, out, options);
-  };
-  CHECK_THROWS_WITH(call(), Catch::Matchers::Contains("options.precision"));
-  CHECK_THROWS_AS(call(), std::invalid_argument);
+ private:
+  bool active_;
+};
+
+#if POSLSH_X86_UNITS
+/// The emulated tdpbf16ps instructions run so far (all threads).
+long long emulated_products() {
+  return poslsh::detail::AmxEmulatedTiles::products().load(std::memory_order_relaxed);
 }
+#else
+long long emulated_products() { return 0; }
+#endif
 
-TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against double",
-          "[units][half]") {
-  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+/// Whether the emulated tile instructions ran since the last call (or since `reset`).
+class EmulationWatch {
+ public:
+  EmulationWatch() : last_(emulated_products()) {}
+  bool ran() {
+    const long long now = emulated_products();
+    const bool any = now > last_;
+    last_ = now;
+    return any;
+  }
+
+ private:
+  long long last_;
+};
+
+/// The accuracy sweep on `unit` (the unit bfloat16 calls use here, checked first).
+void accuracy_sweep(MatrixUnit unit) {
+  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == unit);
   std::uint64_t seed = 100;
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (const double sigma : {0.5, 16.0, 1e6}) {
-        for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}}) {
+        // n and d not multiples of the tiles (64 rows, 16 x 32 products), d over 64 columns,
+        // d_v over 64 value columns.
+        for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}, {130, 81}}) {
           const Index n = size.first, d = size.second;
           INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
                                    << (masking == Masking::causal ? ", causal" : ", bidir."));
@@ -294,9 +310,9 @@ TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against dou
   }
 }
 
-TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one prefill",
-          "[units][half]") {
-  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+/// 1 and 2 threads bitwise the same, chunked prefill bitwise one prefill, on `unit`.
+void thread_and_chunk_checks(MatrixUnit unit) {
+  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == unit);
   const Index n = 333, d = 64;
   const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 1),
                         k = make_input(Inputs::random, n, d, 2),
@@ -348,8 +364,12 @@ TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one
   }
 }
 
-TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units][half]") {
-  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+/// Every kernel on the tile engine runs on `unit`: each one against the single-head call on
+/// the unit and not bitwise the float products; ran() says whether the unit ran since it was
+/// last asked (checked after each call on the unit).
+template <typename Ran>
+void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
+  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == expected);
   const Index n = 150, heads = 2, d = 32;
   const RowMatrix<bf16> q = make_input(Inputs::random, n, heads * d, 11),
                         k = make_input(Inputs::random, n, heads * d, 12),
@@ -376,6 +396,7 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
     poslsh::multihead_attention<bf16, bf16, float>(
         view(q), view(k), view(v), poslsh::HeadsView<float>{out.data(), n, heads, d, heads * d, d},
         options);
+    CHECK(ran());
     for (Index h = 0; h < heads; ++h) {
       INFO("head " << h);
       const double sigma = options.sigmas[static_cast<std::size_t>(h)];
@@ -412,6 +433,7 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
             break;
         }
       }
+      CHECK(ran());  // the call on the unit (the float products never use it)
       const RowMatrix<float> got = out.middleCols(h * d, d);
       CHECK(got == single);
       CHECK(got != floats);
@@ -424,6 +446,7 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
     RowMatrix<float> from_partitions(n, d), from_hashes(n, d), floats(n, d);
     poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
                                                    from_partitions, unit);
+    CHECK(ran());
     poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), hashes,
                                                    from_hashes, unit);
     poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
@@ -437,6 +460,7 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
     RowMatrix<float> out(n, d);
     Eigen::VectorXf lse(n);
     block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
+    CHECK(ran());
     RowMatrix<double> exact;
     RowMatrix<float> plain;
     references(
@@ -449,6 +473,80 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
     block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, floats, lse);
     CHECK(out != floats);
   }
+}
+
+}  // namespace
+
+TEST_CASE("matrix units: the table, availability and the unit a call uses", "[units]") {
+  using poslsh::matrix_unit_for;
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::float_widening)) == "float_widening");
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::avx512_bf16)) == "avx512_bf16");
+  CHECK(poslsh::enum_from_name<MatrixUnit>("avx512_bf16") == MatrixUnit::avx512_bf16);
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::amx_bf16)) == "amx_bf16");
+  CHECK(poslsh::enum_from_name<MatrixUnit>("amx_bf16") == MatrixUnit::amx_bf16);
+  CHECK(poslsh::enum_from_name<Precision>("float_products") == Precision::float_products);
+  CHECK(std::string(poslsh::enum_name(Precision::matrix_units)) == "matrix_units");
+  CHECK(poslsh::matrix_unit_available(MatrixUnit::float_widening));
+  const bool bf16_unit = poslsh::matrix_unit_available(MatrixUnit::avx512_bf16);
+  const bool amx_unit = poslsh::matrix_unit_available(MatrixUnit::amx_bf16);
+  WARN("units on this CPU: float_widening" << (bf16_unit ? ", avx512_bf16" : "")
+                                           << (amx_unit ? ", amx_bf16" : ""));
+  // The first the CPU has of amx_bf16, avx512_bf16, float_widening (and AMX only with
+  // avx512_bf16, the code around its tiles).
+  CHECK((!amx_unit || bf16_unit));
+  AttentionOptions options;
+  CHECK(options.precision == Precision::matrix_units);
+  CHECK(matrix_unit_for<bf16, bf16>(options) == (amx_unit    ? MatrixUnit::amx_bf16
+                                                 : bf16_unit ? MatrixUnit::avx512_bf16
+                                                             : MatrixUnit::float_widening));
+  {
+    const AmxModeScope no_amx(AmxTestMode::disabled);
+    CHECK_FALSE(poslsh::matrix_unit_available(MatrixUnit::amx_bf16));
+    CHECK(matrix_unit_for<bf16, bf16>(options) ==
+          (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
+  }
+  {
+    const AmxModeScope emulated(AmxTestMode::emulated);
+    CHECK(emulated.active() == bf16_unit);
+    CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == (bf16_unit || amx_unit));
+    if (emulated.active()) CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::amx_bf16);
+    CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
+  }
+  CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == amx_unit);
+  CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
+  options.precision = Precision::float_products;
+  CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_widening);
+  // A precision outside the enumerators is named.
+  options.precision = static_cast<Precision>(7);
+  const RowMatrix<bf16> x = poslsh_test::random_half<bf16>(8, 4, 1);
+  RowMatrix<float> out(8, 4);
+  const auto call = [&] {
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(x, x, x, 4.0, out, options);
+  };
+  CHECK_THROWS_WITH(call(), Catch::Matchers::Contains("options.precision"));
+  CHECK_THROWS_AS(call(), std::invalid_argument);
+}
+
+TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against double",
+          "[units][half]") {
+  const AmxModeScope no_amx(AmxTestMode::disabled);
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  accuracy_sweep(MatrixUnit::avx512_bf16);
+}
+
+TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one prefill",
+          "[units][half]") {
+  const AmxModeScope no_amx(AmxTestMode::disabled);
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  thread_and_chunk_checks(MatrixUnit::avx512_bf16);
+}
+
+TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units][half]") {
+  const AmxModeScope no_amx(AmxTestMode::disabled);
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  every_kernel_checks(MatrixUnit::avx512_bf16, [] { return true; });
 }
 
 TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[units][half]") {
@@ -474,4 +572,191 @@ TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[un
     poslsh::lsh_attention_per_sample<float>(qf, kf, vf, hashes, float_in, options);
     CHECK(half_in == float_in);
   }
+}
+
+#if POSLSH_X86_UNITS
+TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
+  using Tiles = poslsh::detail::AmxEmulatedTiles;
+  const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(bf16(x)); };
+  // A (tile 4): row m's pairs along k; B (tile 5): row k's pairs along columns n; C (tile 0).
+  std::uint16_t a[16][32] = {}, b[16][32] = {};
+  float c[16][16] = {};
+  // Row 0, column 0: the even products sum to 2^24 + 1, the odd ones to -2^24 + 1. The SDM sums
+  // each half in its own float (2^24 + 1 rounds to 2^24 at the tie, -2^24 + 1 is exact), then
+  // adds the halves: 1. Sums of the pairs in order (as vdpbf16ps) or exact sums give 2.
+  const float big = 16777216.0f;
+  a[0][0] = bits(big);
+  a[0][1] = bits(big);
+  a[0][2] = bits(1.0f);
+  a[0][3] = bits(1.0f);
+  b[0][0] = bits(1.0f);
+  b[0][1] = bits(-1.0f);
+  b[1][0] = bits(1.0f);
+  b[1][1] = bits(1.0f);
+  // Row 1, column 1: a denormal bfloat16 (bits 0x0001) times 2^100 is taken as 0 (DAZ); the
+  // same product of normal values would be about 9e-41 * 1.3e30.
+  a[1][0] = 0x0001;
+  b[0][2] = bits(std::ldexp(1.0f, 100));
+  // Row 2, column 2: 2^-70 2^-70 = 2^-140 is a float denormal, flushed to 0 (FTZ).
+  a[2][0] = bits(std::ldexp(1.0f, -70));
+  b[0][4] = bits(std::ldexp(1.0f, -70));
+  CHECK(std::ldexp(1.0f, -70) * std::ldexp(1.0f, -70) > 0.0f);
+  // Row 3, column 3: small integers, exact: 3 + (2 * 5 + 4 * 7) = 41 onto a loaded C of 3.
+  a[3][0] = bits(2.0f);
+  a[3][1] = bits(4.0f);
+  b[0][6] = bits(5.0f);
+  b[0][7] = bits(7.0f);
+  c[3][3] = 3.0f;
+  const long long before = Tiles::products().load();
+  Tiles::configure(poslsh::detail::amx_tile_config());
+  Tiles::load(0, c, 64);
+  Tiles::load(4, a, 64);
+  Tiles::load(5, b, 64);
+  Tiles::dot(0, 5);
+  float out[16][16];
+  Tiles::store(0, out, 64);
+  Tiles::release();
+  CHECK(Tiles::products().load() == before + 1);
+  CHECK(out[0][0] == 1.0f);
+  CHECK(out[1][1] == 0.0f);
+  CHECK(out[2][2] == 0.0f);
+  CHECK(out[3][3] == 41.0f);
+  CHECK(out[0][1] == std::ldexp(1.0f, 124));  // 2^24 2^100, the other products 0
+  CHECK(out[5][5] == 0.0f);
+  // Shapes the instruction faults on, and tiles without a configuration.
+  CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
+  poslsh::detail::AmxTileConfig config = poslsh::detail::amx_tile_config();
+  config.rows[5] = 8;
+  Tiles::configure(config);
+  CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
+  Tiles::release();
+}
+#endif
+
+TEST_CASE("amx_bf16 (emulated tiles): within 2x a plain bfloat16 attention's error",
+          "[units][half][amx]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  accuracy_sweep(MatrixUnit::amx_bf16);
+  CHECK(watch.ran());
+}
+
+TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
+          "[units][half][amx]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  thread_and_chunk_checks(MatrixUnit::amx_bf16);
+  CHECK(watch.ran());
+  // One row at a time (a 16-row block of the tiles holding one computed row, the others
+  // stale or zero) against all rows at once: each row's bits depend on its row alone.
+  const Index n = 150, d = 40;
+  const RowMatrix<bf16> q = make_input(Inputs::heavy_tailed, n, d, 31),
+                        k = make_input(Inputs::heavy_tailed, n, d, 32),
+                        v = make_input(Inputs::heavy_tailed, n, d + 1, 33);
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    INFO((masking == Masking::causal ? "causal" : "bidirectional"));
+    const AttentionOptions options = unit_options(masking);
+    RowMatrix<float> whole(n, d + 1), row(1, d + 1);
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 8.0, whole, options);
+    for (const Index i : {Index{0}, Index{1}, Index{15}, Index{16}, Index{63}, Index{64}, Index{77},
+                          Index{128}, Index{149}}) {
+      INFO("row " << i);
+      AttentionOptions at = options;
+      at.query_offset = i;
+      const Index keys = masking == Masking::causal ? i + 1 : n;
+      poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(i, 1), k.topRows(keys),
+                                                       v.topRows(keys), 8.0, row, at);
+      CHECK(row == whole.row(i));
+    }
+  }
+}
+
+TEST_CASE("amx_bf16 (emulated tiles): every kernel on the tile engine uses the unit",
+          "[units][half][amx]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  every_kernel_checks(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
+}
+
+TEST_CASE("amx_bf16 (emulated tiles) against avx512_bf16: within the rounding bound",
+          "[units][half][amx]") {
+  {
+    const AmxModeScope no_amx(AmxTestMode::disabled);
+    if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  }
+  // Both units multiply the same bfloat16 operands exactly and sum in float, but in another
+  // order: vdpbf16ps adds each pair's two products to its lane in turn, tdpbf16ps sums the
+  // even and the odd products of 16 pairs apart and adds the two sums. The scores then differ
+  // in their last bits, so can the probabilities' rounding to bfloat16 and the value sums: the
+  // outputs agree to the bfloat16 rounding error, not bitwise. Bound: the error of the plain
+  // bfloat16 attention against double (each unit is within 2x of it, checked above).
+  std::uint64_t seed = 500;
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}, {130, 81}}) {
+      const Index n = size.first, d = size.second;
+      INFO("n " << n << ", d " << d << (masking == Masking::causal ? ", causal" : ", bidir."));
+      const RowMatrix<bf16> q = make_input(Inputs::random, n, d, ++seed),
+                            k = make_input(Inputs::random, n, d, ++seed),
+                            v = make_input(Inputs::random, n, d + 3, ++seed);
+      const double tau = 1.0 / std::sqrt(static_cast<double>(d)), sigma = 16.0;
+      const bool causal = masking == Masking::causal;
+      RowMatrix<double> exact;
+      RowMatrix<float> plain, amx(n, d + 3), avx(n, d + 3);
+      references(
+          q, k, v, tau, [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -n, n); },
+          exact, plain);
+      {
+        const AmxModeScope emulated(AmxTestMode::emulated);
+        REQUIRE(emulated.active());
+        poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, amx,
+                                                         unit_options(masking));
+      }
+      {
+        const AmxModeScope no_amx(AmxTestMode::disabled);
+        poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, avx,
+                                                         unit_options(masking));
+      }
+      const double difference = (amx - avx).cwiseAbs().maxCoeff();
+      CHECK(difference <= max_error(plain, exact));
+    }
+  }
+}
+
+TEST_CASE("amx_bf16 (this CPU's tiles): the checks of the emulated tiles, and against them",
+          "[units][half][amx]") {
+  const AmxModeScope cpu(AmxTestMode::cpu);
+  if (!have_unit(MatrixUnit::amx_bf16)) return;
+  accuracy_sweep(MatrixUnit::amx_bf16);
+  thread_and_chunk_checks(MatrixUnit::amx_bf16);
+  every_kernel_checks(MatrixUnit::amx_bf16, [] { return true; });
+  // The CPU's tiles against their emulation: the SDM gives the order of the sums, the
+  // hardware may sum in another; within the plain bfloat16 attention's error.
+  const Index n = 200, d = 64;
+  const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 71),
+                        k = make_input(Inputs::random, n, d, 72),
+                        v = make_input(Inputs::random, n, d, 73);
+  RowMatrix<double> exact;
+  RowMatrix<float> plain, tiles(n, d), emulation(n, d);
+  references(
+      q, k, v, 0.125, [&](Index i) { return alibi_weights(i, n, 16.0, 0, n); }, exact, plain);
+  poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, tiles,
+                                                   unit_options(Masking::causal));
+  {
+    const AmxModeScope emulated(AmxTestMode::emulated);
+    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, emulation,
+                                                     unit_options(Masking::causal));
+  }
+  CHECK((tiles - emulation).cwiseAbs().maxCoeff() <= max_error(plain, exact));
 }

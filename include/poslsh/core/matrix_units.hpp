@@ -8,8 +8,17 @@
 //                   instruction (AVX512-BF16: Intel Cooper Lake, Sapphire Rapids and later;
 //                   AMD Zen 4 and later). Needs AVX-512 F and BW, and the OS saving the
 //                   AVX-512 state (XCR0).
+//   amx_bf16        tdpbf16ps: a 16 x 16 float tile += a 16 x 32 bfloat16 tile times a 32 x 16
+//                   one (AMX-BF16: Intel Sapphire Rapids and later). Needs AMX-TILE and
+//                   AMX-BF16, the OS saving the tile state (XCR0 bits 17 and 18) and, on
+//                   Linux, the process's permission to use it (arch_prctl
+//                   ARCH_REQ_XCOMP_PERM, asked once); the code around the tiles also needs
+//                   avx512_bf16. Where the permission is refused the unit is not available.
+// With Q, K and V all in Eigen::bfloat16 and Precision::matrix_units, a call uses amx_bf16,
+// else avx512_bf16, else float_widening, the first the CPU has.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -18,6 +27,10 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define POSLSH_X86_UNITS 1
 #else
 #define POSLSH_X86_UNITS 0
@@ -26,10 +39,10 @@
 namespace poslsh {
 
 /// The units that multiply half-precision tiles (see the file comment).
-enum class MatrixUnit { float_widening, avx512_bf16 };
+enum class MatrixUnit { float_widening, avx512_bf16, amx_bf16 };
 
-/// The names "float_widening" and "avx512_bf16" (enum_name, enum_from_name).
-POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16);
+/// The names "float_widening", "avx512_bf16" and "amx_bf16" (enum_name, enum_from_name).
+POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16, amx_bf16);
 
 namespace detail {
 
@@ -62,11 +75,47 @@ inline bool detect_avx512_bf16() {
   if (!f || !bw || leaf7.eax < 1) return false;
   return (cpuid(7, 1).eax & (1u << 5)) != 0;
 }
+
+/// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7 EDX bits 24 and 22), the OS saves
+/// the tile configuration and data (XCR0 bits 17 and 18) and grants this process the tile data
+/// (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); other systems: no), and the
+/// CPU has avx512_bf16 (detect_avx512_bf16); in 64-bit code. Asks for the permission when the
+/// rest holds; a refusal means false. Call once (matrix_unit_available keeps the answer).
+inline bool detect_amx_bf16() {
+#if !defined(__x86_64__)
+  return false;  // the tiles exist in 64-bit mode only
 #endif
+  constexpr std::uint64_t tile_state = (std::uint64_t{1} << 17) | (std::uint64_t{1} << 18);
+  const CpuidRegisters leaf7 = cpuid(7, 0);
+  const bool tile = (leaf7.edx & (1u << 24)) != 0, bf16 = (leaf7.edx & (1u << 22)) != 0;
+  if (!tile || !bf16 || (os_saved_state() & tile_state) != tile_state) return false;
+  if (!detect_avx512_bf16()) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long request_permission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long tile_data = 18;               // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, request_permission, tile_data) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
+/// Test hook, not part of the interface: where the amx_bf16 kernels run. cpu: on the CPU's
+/// tiles, where it has them; emulated: on a software emulation of the tile instructions
+/// (detail/tile/amx_kernels.hpp), on any CPU with avx512_bf16; disabled: nowhere (calls use
+/// the next unit, as on a CPU without AMX).
+enum class AmxTestMode { cpu, emulated, disabled };
+
+/// The current AmxTestMode (cpu unless a test sets another with set_amx_mode_for_tests).
+inline std::atomic<AmxTestMode>& amx_test_mode() {
+  static std::atomic<AmxTestMode> mode{AmxTestMode::cpu};
+  return mode;
+}
 
 }  // namespace detail
 
-/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once.
+/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once (for
+/// amx_bf16, the first call asks Linux for the tile permission).
 inline bool matrix_unit_available(MatrixUnit unit) {
   switch (unit) {
     case MatrixUnit::float_widening:
@@ -79,20 +128,57 @@ inline bool matrix_unit_available(MatrixUnit unit) {
       return false;
 #endif
     }
+    case MatrixUnit::amx_bf16: {
+#if POSLSH_X86_UNITS
+      static const bool available = detail::detect_amx_bf16();
+      switch (detail::amx_test_mode().load(std::memory_order_relaxed)) {
+        case detail::AmxTestMode::emulated:
+          return true;
+        case detail::AmxTestMode::disabled:
+          return false;
+        case detail::AmxTestMode::cpu:
+          break;
+      }
+      return available;
+#else
+      return false;
+#endif
+    }
   }
   return false;
 }
 
+namespace detail {
+
+/// Test hook, not part of the interface: sets the AmxTestMode. With emulated,
+/// matrix_unit_available(MatrixUnit::amx_bf16) is true and the amx_bf16 kernels run on the
+/// emulation of the tile instructions, so the AMX path is tested on CPUs without AMX; with
+/// disabled it is false, so avx512_bf16 is tested on CPUs with AMX. The emulation needs
+/// avx512_bf16 (the code around the tiles uses it): on a CPU without it, emulated leaves the
+/// mode as it is and returns false; otherwise returns true. Not for use while attention calls
+/// run on other threads.
+inline bool set_amx_mode_for_tests(AmxTestMode mode) {
+  if (mode == AmxTestMode::emulated && !matrix_unit_available(MatrixUnit::avx512_bf16))
+    return false;
+  amx_test_mode().store(mode, std::memory_order_relaxed);
+  return true;
+}
+
+}  // namespace detail
+
 /// The unit that multiplies the tiles of a call with Q stored as QScalar and K, V as KVScalar
-/// under `precision`: avx512_bf16 when all three are Eigen::bfloat16, the precision is
-/// Precision::matrix_units and the CPU has the unit; float_widening otherwise (float and
-/// double inputs are multiplied in their own type, Eigen::half and mixed inputs widened).
+/// under `precision`: when all three are Eigen::bfloat16 and the precision is
+/// Precision::matrix_units, amx_bf16 if the CPU has it, else avx512_bf16 if it has that;
+/// float_widening otherwise (float and double inputs are multiplied in their own type,
+/// Eigen::half and mixed inputs widened).
 template <typename QScalar, typename KVScalar>
 MatrixUnit matrix_unit_for(Precision precision) {
   if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
                 std::is_same_v<KVScalar, Eigen::bfloat16>) {
-    if (precision == Precision::matrix_units && matrix_unit_available(MatrixUnit::avx512_bf16))
-      return MatrixUnit::avx512_bf16;
+    if (precision == Precision::matrix_units) {
+      if (matrix_unit_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
+      if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
+    }
   }
   static_cast<void>(precision);
   return MatrixUnit::float_widening;

@@ -28,7 +28,8 @@
 // training accumulates in float (over the heads of a group, over samples, into an optimizer's
 // float master gradients); rounding them to the input type is one step for the caller.
 // Except on a CPU matrix unit: with bfloat16 inputs, options.precision = Precision::matrix_units
-// (the default) and matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16> = avx512_bf16, the five
+// (the default) on a CPU with a bfloat16 unit (avx512_bf16, or amx_bf16, whose CPUs also have
+// avx512_bf16: the backward multiplies on AVX512-BF16 dot products on both), the five
 // products of every tile pair take bfloat16 operands with float sums (S = Q K^T and dP = dO V^T
 // from the inputs; P and dS rounded to bfloat16 before P^T dO, dS K and dS^T Q), as
 // FlashAttention's bfloat16 backward does; still bitwise the same for any thread count, within
@@ -165,13 +166,22 @@ void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar
       });
 }
 
+/// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
+/// when the forward would use a bfloat16 unit (matrix_unit_for<Input, Input>(precision) is not
+/// float_widening). A CPU with amx_bf16 also has avx512_bf16, on which its backward runs.
+template <typename Input>
+bool backward_on_bf16_unit(Precision precision) {
+  return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
+         matrix_unit_available(MatrixUnit::avx512_bf16);
+}
+
 /// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
 /// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
 /// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
 /// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
 /// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
-/// the products on the AVX512-BF16 unit where matrix_unit_for<Input, Input>(precision) is it
+/// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
 /// (BackwardInputs::paired).
 template <typename Scalar, typename Input, typename Rule>
 void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
@@ -185,14 +195,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar, Input> in{
-      q,
-      k,
-      v,
-      dout,
-      lse_copy.data(),
-      delta.data(),
-      tau,
-      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
+      q, k, v, dout, lse_copy.data(), delta.data(), tau, backward_on_bf16_unit<Input>(precision)};
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
@@ -269,14 +272,7 @@ void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<In
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar, Input> in{
-      q,
-      k,
-      v,
-      dout,
-      lse_copy.data(),
-      delta.data(),
-      tau,
-      matrix_unit_for<Input, Input>(precision) == MatrixUnit::avx512_bf16};
+      q, k, v, dout, lse_copy.data(), delta.data(), tau, backward_on_bf16_unit<Input>(precision)};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
   backward_hash_blocks(in, hashes, causal, grads, origin);
 }

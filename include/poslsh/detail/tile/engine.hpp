@@ -29,7 +29,11 @@
 // bfloat16 products), p_ij rounded to bfloat16 before acc_i += p_ij v_j (bfloat16 products
 // summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, and l_i sums
 // the unrounded p_ij. A row's result still depends only on its position, the keys and the
-// policy.
+// policy. Where the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedBf16KV<true>
+// makes the same two products run on AMX tiles (detail/tile/amx_kernels.hpp): the same
+// operands, d summed in blocks of 32 columns and the keys in blocks of 32 from the key tile's
+// first, each block one tdpbf16ps; the probabilities are rounded to bfloat16 row by row as the
+// value products read them.
 // The bias policy concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
@@ -43,6 +47,7 @@
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
+#include "poslsh/detail/tile/amx_kernels.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
@@ -145,13 +150,18 @@ struct PairTileRows {
   Index v_stride;
 };
 
-/// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit:
-/// pair_tile(j0, keys) packs the tile's values into pairs along keys (buffer pair_v, rows of
-/// ceil(d_v / 16) 16 words) and copies its key rows into pair_k, d + (d mod 2) apart (a zero
-/// appended when d is odd), so that the score products read them from one contiguous block
-/// whatever the row stride of K. One packing per key tile visited.
+/// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit (AmxTiles
+/// false) or the AMX-BF16 unit (AmxTiles true): pair_tile(j0, keys) packs the tile's values
+/// into pairs along keys (buffer pair_v, rows of ceil(d_v / 16) 16 words) and copies its key
+/// rows into pair_k, d + (d mod 2) apart (a zero appended when d is odd), so that the score
+/// products read them from one contiguous block whatever the row stride of K. For the AMX
+/// tiles the key rows are ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from
+/// `keys` to the next multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2)
+/// to tile_key_cols / 2. One packing per key tile visited.
+template <bool AmxTiles = false>
 class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
  public:
+  static constexpr bool amx_tiles = AmxTiles;
   PairedBf16KV(const ConstMatrixRef<Eigen::bfloat16>& k, const ConstMatrixRef<Eigen::bfloat16>& v,
                TileBuffers<float>& buffers)
       : StridedKV<Eigen::bfloat16>(k, v),
@@ -159,18 +169,27 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
         pair_v_(buffers.pair_v),
         cols_((v.cols() + 15) / 16 * 16) {
     if (pair_v_.size() < tile_key_cols / 2 * cols_) pair_v_.resize(tile_key_cols / 2 * cols_);
-    const Index stride = k.cols() + k.cols() % 2;
+    const Index stride = key_stride(k.cols());
     if (pair_k_.size() < tile_key_cols * stride) pair_k_.resize(tile_key_cols * stride);
   }
+  /// The distance of the packed key rows for d columns.
+  static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : d + d % 2; }
   PairTileRows pair_tile(Index j0, Index keys) {
     const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
     const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
     pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
                      pair_v_.data());
-    const Index d = k.cols(), stride = d + d % 2;
+    const Index d = k.cols(), stride = key_stride(d);
     for (Index b = 0; b < keys; ++b) {
       std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k_.data() + b * stride);
-      if (d % 2 != 0) pair_k_(b * stride + d) = 0;
+      std::fill(pair_k_.data() + b * stride + d, pair_k_.data() + (b + 1) * stride,
+                std::uint16_t{0});
+    }
+    if constexpr (AmxTiles) {
+      std::fill(pair_k_.data() + keys * stride, pair_k_.data() + (keys + 15) / 16 * 16 * stride,
+                std::uint16_t{0});
+      std::fill(pair_v_.data() + (keys + 1) / 2 * cols_, pair_v_.data() + tile_key_cols / 2 * cols_,
+                std::uint32_t{0});
     }
     return {pair_k_.data(), stride, pair_v_.data(), cols_};
   }
@@ -185,13 +204,20 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
 };
 #endif
 
-/// Whether the key source KV multiplies on the AVX512-BF16 unit (provides pair_tile(j0, keys),
-/// a PairTileRows, instead of tile()).
+/// Whether the key source KV multiplies on the AVX512-BF16 or the AMX-BF16 unit (provides
+/// pair_tile(j0, keys), a PairTileRows, instead of tile()).
 template <typename KV, typename = void>
 struct MultipliesPairs : std::false_type {};
 template <typename KV>
 struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
     : std::true_type {};
+
+/// Whether the key source KV multiplies on the AMX-BF16 unit (KV::amx_tiles is true).
+template <typename KV, typename = void>
+struct MultipliesAmxTiles : std::false_type {};
+template <typename KV>
+struct MultipliesAmxTiles<KV, std::void_t<decltype(KV::amx_tiles)>>
+    : std::bool_constant<KV::amx_tiles> {};
 
 /// Whether the key source KV reads its rows in runs (a paged cache): it then provides
 /// key_row(j) and value_row(j) (pointers to the K and V rows of key j; rows of one run are
@@ -223,6 +249,7 @@ class TileEngine {
   static constexpr int value_packets = 4;
   static constexpr bool in_runs = ReadsInRuns<KV>::value;
   static constexpr bool pairs = MultipliesPairs<KV>::value;
+  static constexpr bool amx = MultipliesAmxTiles<KV>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
   static_assert(!pairs || (std::is_same_v<Scalar, float> &&
@@ -249,7 +276,7 @@ class TileEngine {
         p0_(positions.query),
         d_(q.cols()),
         dv_(kv_.value_cols()),
-        dvp_((dv_ + P - 1) / P * P),
+        dvp_(amx ? (dv_ + 15) / 16 * 16 : (dv_ + P - 1) / P * P),
         tau_(static_cast<Scalar>(tau)),
         pack_values_(dv_ % P != 0),
         bias_(bias),
@@ -257,7 +284,7 @@ class TileEngine {
     std::fill_n(ones_, value_rows, Scalar(1));
     b_.prepare(d_, dvp_, pack_values_ || in_runs);
     if constexpr (pairs) {
-      if (b_.pair_q.size() < Bq * (d_ + 1) / 2) b_.pair_q.resize(Bq * ((d_ + 1) / 2));
+      if (b_.pair_q.size() < Bq * query_pairs()) b_.pair_q.resize(Bq * query_pairs());
       if (b_.pair_p.size() < Bq * Bk / 2) b_.pair_p.resize(Bq * Bk / 2);
     } else if constexpr (!std::is_same_v<QScalar, Scalar>) {
       if (b_.wide_q.size() < Bq * d_) b_.wide_q.resize(Bq * d_);
@@ -336,9 +363,12 @@ class TileEngine {
   // 0, or from the rows of external_ when set).
   void query_tile(Index i0, Index r0, Index r1) {
 #if POSLSH_X86_UNITS
-    if constexpr (pairs)
+    if constexpr (pairs) {
       pair_pack_queries(q_, i0 - p0_, r0 - i0, r1 - i0, b_.pair_q.data(), Bq);
-    else
+      // The AMX tiles sum whole blocks of 16 pairs: zero pairs up to the last block.
+      std::fill(b_.pair_q.data() + (d_ + 1) / 2 * Bq, b_.pair_q.data() + query_pairs() * Bq,
+                std::uint32_t{0});
+    } else
 #endif
         if constexpr (std::is_same_v<QScalar, Scalar>)
       tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
@@ -372,10 +402,16 @@ class TileEngine {
     kv_.prefetch(key_hi + 1 - k0_, std::min(n_, key_hi + 1 + Bq) - k0_, d_, dv_);
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
+#if POSLSH_X86_UNITS
+    if constexpr (amx) amx_configure();  // the tiles' configuration, once per query tile
+#endif
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
+#if POSLSH_X86_UNITS
+    if constexpr (amx) amx_release();
+#endif
   }
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {
@@ -401,6 +437,10 @@ class TileEngine {
       exp_tile<false>(keys);
     value_tile(j0, keys);
   }
+
+  // The query pairs packed for the products: ceil(d / 2), rounded up to whole blocks of 16 for
+  // the AMX tiles.
+  Index query_pairs() const { return amx ? (d_ + 31) / 32 * 16 : (d_ + 1) / 2; }
 
   // Packets of rows (within packets_) whose windows reach keys [b0, b1) of the tile.
   KeyRange packets_reaching(Index b0, Index b1) const {
@@ -522,8 +562,12 @@ class TileEngine {
   template <bool Masked>
   void score_pairs(Index packets, Index b, Index end, Index a0) {
     namespace ei = Eigen::internal;
-    pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
-                    a0, a0 + packets * P, tau_, b_.scores.data());
+    if constexpr (amx)
+      amx_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
+                     a0 + packets * P, tau_, b_.scores.data());
+    else
+      pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
+                      a0, a0 + packets * P, tau_, b_.scores.data());
     const auto scorer = bias_.scorer();
     for (Index a = a0; a < a0 + packets * P; a += P) {
       Packet best = ei::pload<Packet>(b_.tile_max.data() + a);
@@ -575,7 +619,7 @@ class TileEngine {
       const Packet old_sum = ei::pload<Packet>(b_.running_sum.data() + a);
       ei::pstore(b_.running_sum.data() + a,
                  ei::pmadd(old_sum, ei::pload<Packet>(b_.alpha.data() + a), sum));
-      if constexpr (pairs) {
+      if constexpr (pairs && !amx) {
         // The value products read whole pairs of keys: the other key of a pair at either end
         // of the packet's keys gets probability 0.
         const Packet zero = ei::pset1<Packet>(Scalar(0));
@@ -584,7 +628,7 @@ class TileEngine {
       }
     }
 #if POSLSH_X86_UNITS
-    if constexpr (pairs)
+    if constexpr (pairs && !amx)
       pair_pack_probs(b_.scores.data(), Bq, (keys + 1) / 2, packets_.first, packets_.last,
                       b_.pair_p.data());
 #endif
@@ -595,6 +639,22 @@ class TileEngine {
   // and a block that reaches none has alpha = 1 (its maximum did not move), so nothing to do.
   void value_tile(Index, Index keys) {
 #if POSLSH_X86_UNITS
+    if constexpr (amx) {
+      // Blocks of 16 rows, each over the blocks of 16 key pairs its rows reach (the
+      // probabilities of the other keys in those blocks are 0).
+      constexpr Index rows = amx_rows, pairs_per_row = Bk / 2;
+      for (Index a = rows_.first / rows * rows; a < rows_.last; a += rows) {
+        const KeyRange reach = keys_reached(a, a + rows, keys);
+        if (reach.first >= reach.last) continue;
+        const Index first = reach.first / (2 * amx_pairs),
+                    last = (reach.last - 1) / (2 * amx_pairs);
+        amx_pack_probs(a, first * amx_pairs, (last + 1) * amx_pairs, keys);
+        amx_value_rows(b_.pair_p.data() + a * pairs_per_row, pairs_per_row, pair_tile_.v,
+                       pair_tile_.v_stride, first, last, b_.alpha.data() + a,
+                       b_.acc.data() + a * dvp_, dvp_);
+      }
+      return;
+    }
     if constexpr (pairs) {
       // Whole pairs of keys from the pair holding the block's first key (pair_p is 0 for the
       // keys the block's rows do not reach).
@@ -643,6 +703,35 @@ class TileEngine {
       }
     }
   }
+
+#if POSLSH_X86_UNITS
+  // For the AMX tiles: pair_p[a * Bk / 2 + b2] = (p_a,2b2, p_a,2b2+1) rounded to bfloat16 for
+  // the 16 rows a from a0 and pairs b2 in [pair_first, pair_last); 0 for the keys outside the
+  // row's packet's reach (its probabilities are only written there) and for rows outside the
+  // packets computed.
+  void amx_pack_probs(Index a0, Index pair_first, Index pair_last, Index keys) {
+    constexpr Index pairs_per_row = Bk / 2;
+    KeyRange reach{0, 0};
+    for (Index a = a0; a < a0 + amx_rows; ++a) {
+      if (a % P == 0 || a == a0) {
+        const Index packet = a / P * P;
+        reach = packet >= packets_.first && packet < packets_.last
+                    ? keys_reached(packet, packet + P, keys)
+                    : KeyRange{0, 0};
+      }
+      std::uint32_t* row = b_.pair_p.data() + a * pairs_per_row;
+      for (Index b2 = pair_first; b2 < pair_last; ++b2) {
+        std::uint32_t word = 0;
+        for (Index h = 0; h < 2; ++h) {
+          const Index b = 2 * b2 + h;
+          if (b >= reach.first && b < reach.last)
+            word |= static_cast<std::uint32_t>(amx_round_bf16(b_.scores(b * Bq + a))) << (16 * h);
+        }
+        row[b2] = word;
+      }
+    }
+  }
+#endif
 
   // value_block over the keys `reach` read in place run by run: acc <- alpha acc + (run 1),
   // then acc <- 1 acc + (run 2), ...: the multiply-adds of one stretch of rows, in the same
@@ -726,9 +815,9 @@ class TileEngine {
 };
 
 /// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
-/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV
-/// when matrix_unit_for<QScalar, KVScalar>(precision) is MatrixUnit::avx512_bf16, WideningKV
-/// otherwise.
+/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV<true>
+/// when matrix_unit_for<QScalar, KVScalar>(precision) is MatrixUnit::amx_bf16,
+/// PairedBf16KV<false> when it is MatrixUnit::avx512_bf16, WideningKV otherwise.
 template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
@@ -743,9 +832,16 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
 #if POSLSH_X86_UNITS
     if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, Eigen::bfloat16> &&
                   std::is_same_v<KVScalar, Eigen::bfloat16>) {
-      if (matrix_unit_for<QScalar, KVScalar>(precision) == MatrixUnit::avx512_bf16) {
-        TileEngine<Scalar, Bias, PairedBf16KV, QScalar> engine(q, PairedBf16KV(k, v, buffers), tau,
-                                                               bias, buffers, positions);
+      const MatrixUnit unit = matrix_unit_for<QScalar, KVScalar>(precision);
+      if (unit == MatrixUnit::amx_bf16) {
+        TileEngine<Scalar, Bias, PairedBf16KV<true>, QScalar> engine(
+            q, PairedBf16KV<true>(k, v, buffers), tau, bias, buffers, positions);
+        job(engine);
+        return;
+      }
+      if (unit == MatrixUnit::avx512_bf16) {
+        TileEngine<Scalar, Bias, PairedBf16KV<false>, QScalar> engine(
+            q, PairedBf16KV<false>(k, v, buffers), tau, bias, buffers, positions);
         job(engine);
         return;
       }

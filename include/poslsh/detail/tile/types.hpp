@@ -58,7 +58,10 @@ enum class KeyTileCut { skip, full, masked };
 /// an output row before it is rounded to a half-precision output. On the AVX512-BF16 unit
 /// (PairedBf16KV, detail/tile/pair_kernels.hpp), `pair_q`, `pair_p` and `pair_v` hold the query
 /// tile, the probabilities and the key tile's values as pairs of bfloat16 values, `pair_k` the
-/// key tile's rows padded to an even length when d is odd.
+/// key tile's rows padded to an even length when d is odd. On the AMX-BF16 unit
+/// (PairedBf16KV<true>, detail/tile/amx_kernels.hpp) the same buffers hold the operands of the
+/// tiles: `pair_q` and `pair_k` padded with zeros to multiples of 32 columns of d, `pair_p` the
+/// probabilities of each query row as pairs along the keys (tile_key_cols / 2 words a row).
 template <typename Scalar>
 struct TileBuffers {
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;

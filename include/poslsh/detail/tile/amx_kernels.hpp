@@ -1,0 +1,459 @@
+// poslsh internals: the tile engine's products on AMX-BF16 (MatrixUnit::amx_bf16,
+// core/matrix_units.hpp), for Q, K and V stored in Eigen::bfloat16. tdpbf16ps adds to a float
+// tile C (16 rows, 16 columns) the product of a tile A (16 rows of 16 bfloat16 pairs) and a
+// tile B (16 rows of 16 bfloat16 pairs, row k holding pair k of each column), the pairs along
+// the summed index. Every tile here is 16 rows of 64 bytes (one configuration, palette 1):
+// C in tiles 0-3, A in tile 4, B in tiles 5 and 6. The operands:
+//   scores  C[key][query] over blocks of 16 keys: A = the key rows (K's rows copied, d padded
+//           with zeros to a multiple of 32), B = the query pairs pair_q[c2 * tile + a]
+//           (pair_pack_queries, padded with zero rows to a multiple of 16 pairs); C is the
+//           transposed score tile, stored as the engine keeps it (scores[key * tile + query]);
+//   values  C = acc (rows of 16 queries, 16 value columns), A = the probabilities of a query
+//           row as pairs along keys (amx_pack_probs, rounded to bfloat16), B = the value pairs
+//           pair_v[b2 * cols + c] (pair_pack_values, padded with zero pairs to 32 a tile).
+// The summed index runs in fixed blocks (32 columns of d from column 0; 32 keys from the key
+// tile's first), each block one tdpbf16ps, so an entry of C depends only on its A row, its B
+// column and the blocks summed: a query's result depends only on its own row and the keys,
+// never on the other rows of its tile. Blocks of zeros add exactly 0.
+// The tile operations (configure, zero, load, dot, store, release) come from a layer `Tiles`:
+// AmxNativeTiles issues the instructions (inline assembly rather than the _tile_* intrinsics,
+// whose GCC forms tell the compiler of no memory read by tileloadd and of only 8 bytes read by
+// ldtilecfg); AmxEmulatedTiles computes them in software as the Intel SDM's pseudo-code for
+// TDPBF16PS gives (stated at AmxEmulatedTiles), for tests on CPUs without AMX
+// (detail::set_amx_mode_for_tests, core/matrix_units.hpp).
+// Every function carrying AMX or AVX-512 instructions is compiled for that target by a
+// function attribute, so the code exists in any x86-64 build (with or without -march=native)
+// and runs only where matrix_unit_available(MatrixUnit::amx_bf16) says it can.
+#pragma once
+
+#include "poslsh/core/matrix_units.hpp"
+
+#if POSLSH_X86_UNITS
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/pair_kernels.hpp"
+
+#define POSLSH_AMX_BF16_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define POSLSH_AMX_BF16_INLINE POSLSH_AMX_BF16_TARGET inline __attribute__((always_inline))
+
+#include "poslsh/detail/disable_intrinsic_warnings.hpp"
+
+namespace poslsh::detail {
+
+/// Rows, bytes a row, and the summed pairs of every tile (16 x 64 bytes: 16 bfloat16 pairs or
+/// 16 floats a row).
+inline constexpr Index amx_rows = 16;
+inline constexpr Index amx_row_bytes = 64;
+inline constexpr Index amx_pairs = 16;
+
+/// The tile configuration ldtilecfg reads (64 bytes): palette, start row, the bytes a row and
+/// the rows of each of the 16 tile registers.
+struct alignas(64) AmxTileConfig {
+  std::uint8_t palette = 0;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+static_assert(sizeof(AmxTileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+/// Palette 1, tiles 0-6 of 16 rows of 64 bytes, the others unused.
+inline AmxTileConfig amx_tile_config() {
+  AmxTileConfig config;
+  config.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    config.colsb[t] = static_cast<std::uint16_t>(amx_row_bytes);
+    config.rows[t] = static_cast<std::uint8_t>(amx_rows);
+  }
+  return config;
+}
+
+// The tile instructions as inline assembly (both assembler syntaxes): loads and stores name
+// the memory they read or write (a "memory" clobber, so stores before a load are done and
+// reads after a store see it), ldtilecfg its whole 64-byte operand. Only x86-64 has the tiles.
+#if defined(__x86_64__)
+#define POSLSH_AMX_LOAD(t)                                                             \
+  __asm__ volatile("{tileloadd (%0,%1,1), %%tmm" #t "|tileloadd tmm" #t ", [%0+%1*1]}" \
+                   :                                                                   \
+                   : "r"(base), "r"(s)                                                 \
+                   : "memory")
+#define POSLSH_AMX_STORE(t)                                                              \
+  __asm__ volatile("{tilestored %%tmm" #t ", (%0,%1,1)|tilestored [%0+%1*1], tmm" #t "}" \
+                   :                                                                     \
+                   : "r"(base), "r"(s)                                                   \
+                   : "memory")
+#define POSLSH_AMX_DOT(c, b)                                                                       \
+  __asm__ volatile("{tdpbf16ps %%tmm" #b ", %%tmm4, %%tmm" #c "|tdpbf16ps tmm" #c ", tmm4, tmm" #b \
+                   "}" ::)
+#define POSLSH_AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#else
+#define POSLSH_AMX_LOAD(t) static_cast<void>(s)
+#define POSLSH_AMX_STORE(t) static_cast<void>(s)
+#define POSLSH_AMX_DOT(c, b) static_cast<void>(0)
+#define POSLSH_AMX_ZERO(t) static_cast<void>(0)
+#endif
+
+/// The tile instructions (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored, tilerelease).
+/// Tiles: C in 0-3, A in 4, B in 5 and 6 (dot(c, b): C_c += A_4 B_b).
+struct AmxNativeTiles {
+  POSLSH_AMX_BF16_INLINE static void configure(const AmxTileConfig& config) {
+#if defined(__x86_64__)
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
+#else
+    static_cast<void>(config);
+#endif
+  }
+  POSLSH_AMX_BF16_INLINE static void zero(int t) {
+    switch (t) {
+      case 0:
+        POSLSH_AMX_ZERO(0);
+        break;
+      case 1:
+        POSLSH_AMX_ZERO(1);
+        break;
+      case 2:
+        POSLSH_AMX_ZERO(2);
+        break;
+      default:
+        POSLSH_AMX_ZERO(3);
+        break;
+    }
+  }
+  POSLSH_AMX_BF16_INLINE static void load(int t, const void* base, Index stride) {
+    const auto s = static_cast<long>(stride);
+    static_cast<void>(base);
+    switch (t) {
+      case 0:
+        POSLSH_AMX_LOAD(0);
+        break;
+      case 1:
+        POSLSH_AMX_LOAD(1);
+        break;
+      case 2:
+        POSLSH_AMX_LOAD(2);
+        break;
+      case 3:
+        POSLSH_AMX_LOAD(3);
+        break;
+      case 4:
+        POSLSH_AMX_LOAD(4);
+        break;
+      case 5:
+        POSLSH_AMX_LOAD(5);
+        break;
+      default:
+        POSLSH_AMX_LOAD(6);
+        break;
+    }
+  }
+  POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
+    switch (2 * c + (b == 5 ? 0 : 1)) {
+      case 0:
+        POSLSH_AMX_DOT(0, 5);
+        break;
+      case 1:
+        POSLSH_AMX_DOT(0, 6);
+        break;
+      case 2:
+        POSLSH_AMX_DOT(1, 5);
+        break;
+      case 3:
+        POSLSH_AMX_DOT(1, 6);
+        break;
+      case 4:
+        POSLSH_AMX_DOT(2, 5);
+        break;
+      case 5:
+        POSLSH_AMX_DOT(2, 6);
+        break;
+      case 6:
+        POSLSH_AMX_DOT(3, 5);
+        break;
+      default:
+        POSLSH_AMX_DOT(3, 6);
+        break;
+    }
+  }
+  POSLSH_AMX_BF16_INLINE static void store(int t, void* base, Index stride) {
+    const auto s = static_cast<long>(stride);
+    static_cast<void>(base);
+    switch (t) {
+      case 0:
+        POSLSH_AMX_STORE(0);
+        break;
+      case 1:
+        POSLSH_AMX_STORE(1);
+        break;
+      case 2:
+        POSLSH_AMX_STORE(2);
+        break;
+      default:
+        POSLSH_AMX_STORE(3);
+        break;
+    }
+  }
+  POSLSH_AMX_BF16_INLINE static void release() {
+#if defined(__x86_64__)
+    __asm__ volatile("tilerelease" ::);
+#endif
+  }
+};
+
+#undef POSLSH_AMX_LOAD
+#undef POSLSH_AMX_STORE
+#undef POSLSH_AMX_DOT
+#undef POSLSH_AMX_ZERO
+
+/// The tile instructions computed in software, one set of 8 tiles and a configuration per
+/// thread, with the register assignment of AmxNativeTiles. dot(c, b) follows the pseudo-code of
+/// TDPBF16PS in the Intel SDM, Vol. 2B (C = tile c, A = tile 4, B = tile b): for each row m of
+/// C, float sums t[0 .. 2 N) start at 0; for each pair k of A's row and each column n < N,
+///   t[2n]     <- fma(A[m].bf16[2k],     B[k].bf16[2n],     t[2n]),
+///   t[2n + 1] <- fma(A[m].bf16[2k + 1], B[k].bf16[2n + 1], t[2n + 1]),
+/// then C[m][n] <- C[m][n] + (t[2n] + t[2n + 1]); every operation in float, round to nearest
+/// even, input denormals taken as 0 and output denormals flushed to 0 (DAZ = FTZ = 1). A
+/// configuration or shapes the instruction would fault on (no configuration, A's pairs not
+/// B's rows, C's rows or columns not A's rows or B's columns) throw std::logic_error.
+/// products() counts the dot() calls of all threads.
+struct AmxEmulatedTiles {
+  struct State {
+    AmxTileConfig config;
+    unsigned char data[8][16][64];
+  };
+  static State& state() {
+    thread_local State tiles{};
+    return tiles;
+  }
+  static std::atomic<long long>& products() {
+    static std::atomic<long long> count{0};
+    return count;
+  }
+  static void configure(const AmxTileConfig& config) {
+    State& s = state();
+    s.config = config;
+    std::memset(s.data, 0, sizeof(s.data));
+  }
+  static void zero(int t) {
+    check(t);
+    std::memset(state().data[t], 0, sizeof(state().data[t]));
+  }
+  static void load(int t, const void* base, Index stride) {
+    check(t);
+    State& s = state();
+    std::memset(s.data[t], 0, sizeof(s.data[t]));
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(s.data[t][r], static_cast<const unsigned char*>(base) + r * stride,
+                  s.config.colsb[t]);
+  }
+  static void store(int t, void* base, Index stride) {
+    check(t);
+    const State& s = state();
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(static_cast<unsigned char*>(base) + r * stride, s.data[t][r], s.config.colsb[t]);
+  }
+  static void dot(int c, int b) {
+    constexpr int a = 4;
+    check(c);
+    check(a);
+    check(b);
+    State& s = state();
+    const AmxTileConfig& f = s.config;
+    const int m_rows = f.rows[c], n_cols = f.colsb[c] / 4, k_pairs = f.colsb[a] / 4;
+    if (f.rows[a] != m_rows || f.rows[b] != k_pairs || f.colsb[b] != f.colsb[c])
+      throw std::logic_error("tdpbf16ps: tile shapes do not match");
+    for (int m = 0; m < m_rows; ++m) {
+      float t[32] = {};
+      for (int k = 0; k < k_pairs; ++k) {
+        for (int n = 0; n < n_cols; ++n) {
+          for (int h = 0; h < 2; ++h) {
+            const float x = bf16_at(s.data[a][m], 2 * k + h);
+            const float y = bf16_at(s.data[b][k], 2 * n + h);
+            t[2 * n + h] = flush(std::fma(x, y, t[2 * n + h]));
+          }
+        }
+      }
+      for (int n = 0; n < n_cols; ++n) {
+        float acc;
+        std::memcpy(&acc, s.data[c][m] + 4 * n, sizeof(acc));
+        acc = flush(flush(acc) + flush(t[2 * n] + t[2 * n + 1]));
+        std::memcpy(s.data[c][m] + 4 * n, &acc, sizeof(acc));
+      }
+    }
+    products().fetch_add(1, std::memory_order_relaxed);
+  }
+  static void release() { state().config = AmxTileConfig{}; }
+
+ private:
+  static void check(int t) {
+    const AmxTileConfig& f = state().config;
+    if (f.palette != 1 || t < 0 || t >= 8 || f.rows[t] == 0 || f.colsb[t] == 0)
+      throw std::logic_error("AMX tile used without a configuration");
+  }
+  // Bfloat16 value `i` of a row (its bits the high half of a float), denormals taken as 0.
+  static float bf16_at(const unsigned char* row, int i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, row + 2 * i, sizeof(bits));
+    return flush(Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
+  }
+  // A denormal float as a zero of its sign.
+  static float flush(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+  }
+};
+
+/// The bits of x rounded to bfloat16 as vcvtneps2bf16 rounds (nearest even; zeros and values
+/// below the float normal range give a zero of their sign; NaN a quiet NaN).
+inline std::uint16_t amx_round_bf16(float x) {
+  const auto u = Eigen::numext::bit_cast<std::uint32_t>(x);
+  if ((u & 0x7f800000u) == 0) return static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// scores[key * tile + a] = tau C[key][a], C = the key rows times the query pairs, for keys in
+/// [b, end) of the tile and queries a in [lo, hi) (hi - lo <= 64, within one 64-row tile); the
+/// other entries are not written. keys: the key rows (bfloat16 bits, key_stride a multiple of
+/// 32, zero past column d - 1, at least up to the multiple of 16 past `end`); pair_q: the query
+/// pairs (pair_q[c2 * tile + a], key_stride / 2 rows, zero past d). Keys in blocks of 16 from
+/// b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. The tiles
+/// configured (amx_tile_config).
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
+    const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride, Index b,
+    Index end, Index lo, Index hi, float tau, float* scores) {
+  const Index start = lo / amx_rows * amx_rows;
+  const int blocks = static_cast<int>((hi - start + amx_rows - 1) / amx_rows);
+  const Index d_blocks = key_stride / (2 * amx_pairs);
+  alignas(64) float c_tile[amx_rows * amx_rows];
+  for (Index k0 = b / amx_rows * amx_rows; k0 < end; k0 += amx_rows) {
+    for (int q = 0; q < blocks; ++q) Tiles::zero(q);
+    for (Index c = 0; c < d_blocks; ++c) {
+      Tiles::load(4, keys + k0 * key_stride + c * 2 * amx_pairs,
+                  key_stride * static_cast<Index>(sizeof(std::uint16_t)));
+      for (int q = 0; q < blocks; ++q) {
+        const int t = 5 + q % 2;
+        Tiles::load(t, pair_q + c * amx_pairs * tile + start + q * amx_rows,
+                    tile * static_cast<Index>(sizeof(std::uint32_t)));
+        Tiles::dot(q, t);
+      }
+    }
+    const Index key_first = std::max(b, k0), key_last = std::min(end, k0 + amx_rows);
+    const __m512 scale = _mm512_set1_ps(tau);
+    for (int q = 0; q < blocks; ++q) {
+      Tiles::store(q, c_tile, amx_row_bytes);
+      const Index q0 = start + q * amx_rows;
+      const __mmask16 mask = pair_row_mask(q0, lo, hi);
+      for (Index key = key_first; key < key_last; ++key)
+        _mm512_mask_storeu_ps(scores + key * tile + q0, mask,
+                              _mm512_mul_ps(_mm512_load_ps(c_tile + (key - k0) * amx_rows), scale));
+    }
+  }
+}
+
+/// acc[r][c] <- alpha[r] acc[r][c] + sum over the key pairs of blocks [first, last] (16 pairs a
+/// block) of probs[r] . pair_v, for the 16 rows r of a block of queries and the `cols` columns
+/// (a multiple of 16; acc's rows acc_stride floats apart, at least cols). probs: row r's pairs
+/// at probs + r * probs_stride (words, amx_pack_probs); pair_v: pair b2 at pair_v + b2 * cols
+/// (zero past the tile's keys up to the last block). Columns in groups of up to 64. The tiles
+/// configured (amx_tile_config).
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
+    const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v, Index cols,
+    Index first, Index last, const float* alpha, float* acc, Index acc_stride) {
+  for (Index r = 0; r < amx_rows; ++r) {
+    const __m512 scale = _mm512_set1_ps(alpha[r]);
+    for (Index c = 0; c < cols; c += amx_rows) {
+      float* entry = acc + r * acc_stride + c;
+      _mm512_storeu_ps(entry, _mm512_mul_ps(_mm512_loadu_ps(entry), scale));
+    }
+  }
+  const Index acc_bytes = acc_stride * static_cast<Index>(sizeof(float));
+  for (Index c0 = 0; c0 < cols; c0 += 4 * amx_rows) {
+    const int blocks = static_cast<int>(std::min<Index>(4, (cols - c0) / amx_rows));
+    for (int t = 0; t < blocks; ++t) Tiles::load(t, acc + c0 + t * amx_rows, acc_bytes);
+    for (Index block = first; block <= last; ++block) {
+      Tiles::load(4, probs + block * amx_pairs,
+                  probs_stride * static_cast<Index>(sizeof(std::uint32_t)));
+      for (int t = 0; t < blocks; ++t) {
+        const int b = 5 + t % 2;
+        Tiles::load(b, pair_v + block * amx_pairs * cols + c0 + t * amx_rows,
+                    cols * static_cast<Index>(sizeof(std::uint32_t)));
+        Tiles::dot(t, b);
+      }
+    }
+    for (int t = 0; t < blocks; ++t) Tiles::store(t, acc + c0 + t * amx_rows, acc_bytes);
+  }
+}
+
+/// Whether the tile layer is the emulation (the test hook) rather than the CPU's tiles.
+inline bool amx_emulated() {
+  return amx_test_mode().load(std::memory_order_relaxed) == AmxTestMode::emulated;
+}
+
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_configure_tiles() {
+  const AmxTileConfig config = amx_tile_config();
+  Tiles::configure(config);
+}
+
+template <typename Tiles>
+POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_release_tiles() {
+  Tiles::release();
+}
+
+/// Loads the tile configuration of the kernels below (amx_tile_config) on this thread's tiles;
+/// amx_score_span and amx_value_rows run between it and amx_release on the same thread.
+inline void amx_configure() {
+  if (amx_emulated())
+    amx_configure_tiles<AmxEmulatedTiles>();
+  else
+    amx_configure_tiles<AmxNativeTiles>();
+}
+
+/// Releases this thread's tiles (tilerelease), after amx_configure and the kernels.
+inline void amx_release() {
+  if (amx_emulated())
+    amx_release_tiles<AmxEmulatedTiles>();
+  else
+    amx_release_tiles<AmxNativeTiles>();
+}
+
+/// amx_score_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
+/// tiles configured by amx_configure).
+inline void amx_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
+                           Index key_stride, Index b, Index end, Index lo, Index hi, float tau,
+                           float* scores) {
+  if (amx_emulated())
+    amx_score_tiles<AmxEmulatedTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
+  else
+    amx_score_tiles<AmxNativeTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
+}
+
+/// amx_value_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
+/// tiles configured by amx_configure).
+inline void amx_value_rows(const std::uint32_t* probs, Index probs_stride,
+                           const std::uint32_t* pair_v, Index cols, Index first, Index last,
+                           const float* alpha, float* acc, Index acc_stride) {
+  if (amx_emulated())
+    amx_value_tiles<AmxEmulatedTiles>(probs, probs_stride, pair_v, cols, first, last, alpha, acc,
+                                      acc_stride);
+  else
+    amx_value_tiles<AmxNativeTiles>(probs, probs_stride, pair_v, cols, first, last, alpha, acc,
+                                    acc_stride);
+}
+
+}  // namespace poslsh::detail
+
+#include "poslsh/detail/restore_warnings.hpp"
+
+#endif  // POSLSH_X86_UNITS
