@@ -146,7 +146,7 @@ def cpu_flags():
 
 def test_unit_names_and_availability():
     names = poslsh.matrix_unit_names()
-    assert names == ["float_widening", "avx512_bf16"]
+    assert names == ["float_widening", "avx512_bf16", "amx_bf16"]
     assert poslsh.precision_names() == ["matrix_units", FLOAT_PRODUCTS]
     available = poslsh.matrix_units()
     assert available[0] == "float_widening"
@@ -155,13 +155,17 @@ def test_unit_names_and_availability():
     flags = cpu_flags()
     if flags:  # Linux: the kernel's view of the CPU agrees (it lists avx512_bf16 only if the OS saves the state)
         assert poslsh.matrix_unit_available("avx512_bf16") == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
-    with pytest.raises(ValueError, match="argument 'name' = amx: must be float_widening or avx512_bf16"):
+        # AMX also needs the process's tile permission, which Linux may refuse.
+        if poslsh.matrix_unit_available("amx_bf16"):
+            assert {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    with pytest.raises(ValueError, match="argument 'name' = amx: must be float_widening, avx512_bf16 or amx_bf16"):
         poslsh.matrix_unit_available("amx")
 
 
 def test_unit_of_a_call():
     torch = pytest.importorskip("torch")
-    bf16_unit = "avx512_bf16" if poslsh.matrix_unit_available("avx512_bf16") else "float_widening"
+    bf16_unit = next(unit for unit in ("amx_bf16", "avx512_bf16", "float_widening")
+                     if poslsh.matrix_unit_available(unit))
     assert poslsh.matrix_unit("bfloat16") == bf16_unit
     assert poslsh.matrix_unit("bfloat16", "bfloat16", precision="matrix_units") == bf16_unit
     assert poslsh.matrix_unit(torch.bfloat16, torch.bfloat16) == bf16_unit
