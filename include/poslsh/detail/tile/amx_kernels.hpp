@@ -103,6 +103,29 @@ inline AmxTileConfig amx_tile_config() {
 #define POSLSH_AMX_ZERO(t) static_cast<void>(0)
 #endif
 
+// One switch case per tile register (register numbers are part of the instruction).
+#define POSLSH_AMX_ACCUMULATORS(X) X(0) X(1) X(2) X(3)
+#define POSLSH_AMX_TILES(X) POSLSH_AMX_ACCUMULATORS(X) X(4) X(5) X(6)
+#define POSLSH_AMX_ZERO_CASE(t) \
+  case t:                       \
+    POSLSH_AMX_ZERO(t);         \
+    break;
+#define POSLSH_AMX_LOAD_CASE(t) \
+  case t:                       \
+    POSLSH_AMX_LOAD(t);         \
+    break;
+#define POSLSH_AMX_STORE_CASE(t) \
+  case t:                        \
+    POSLSH_AMX_STORE(t);         \
+    break;
+#define POSLSH_AMX_DOT_CASES(c) \
+  case 2 * c:                   \
+    POSLSH_AMX_DOT(c, 5);       \
+    break;                      \
+  case 2 * c + 1:               \
+    POSLSH_AMX_DOT(c, 6);       \
+    break;
+
 /// The tile instructions (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored, tilerelease).
 /// Tiles: C in 0-3, A in 4, B in 5 and 6 (dot(c, b): C_c += A_4 B_b).
 struct AmxNativeTiles {
@@ -114,93 +137,21 @@ struct AmxNativeTiles {
 #endif
   }
   POSLSH_AMX_BF16_INLINE static void zero(int t) {
-    switch (t) {
-      case 0:
-        POSLSH_AMX_ZERO(0);
-        break;
-      case 1:
-        POSLSH_AMX_ZERO(1);
-        break;
-      case 2:
-        POSLSH_AMX_ZERO(2);
-        break;
-      default:
-        POSLSH_AMX_ZERO(3);
-        break;
-    }
+    switch (t) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_ZERO_CASE) }
   }
   POSLSH_AMX_BF16_INLINE static void load(int t, const void* base, Index stride) {
     const auto s = static_cast<long>(stride);
     static_cast<void>(base);
-    switch (t) {
-      case 0:
-        POSLSH_AMX_LOAD(0);
-        break;
-      case 1:
-        POSLSH_AMX_LOAD(1);
-        break;
-      case 2:
-        POSLSH_AMX_LOAD(2);
-        break;
-      case 3:
-        POSLSH_AMX_LOAD(3);
-        break;
-      case 4:
-        POSLSH_AMX_LOAD(4);
-        break;
-      case 5:
-        POSLSH_AMX_LOAD(5);
-        break;
-      default:
-        POSLSH_AMX_LOAD(6);
-        break;
-    }
+    switch (t) { POSLSH_AMX_TILES(POSLSH_AMX_LOAD_CASE) }
   }
+  /// C_c += A_4 B_b for c in 0-3, b in 5-6.
   POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
-    switch (2 * c + (b == 5 ? 0 : 1)) {
-      case 0:
-        POSLSH_AMX_DOT(0, 5);
-        break;
-      case 1:
-        POSLSH_AMX_DOT(0, 6);
-        break;
-      case 2:
-        POSLSH_AMX_DOT(1, 5);
-        break;
-      case 3:
-        POSLSH_AMX_DOT(1, 6);
-        break;
-      case 4:
-        POSLSH_AMX_DOT(2, 5);
-        break;
-      case 5:
-        POSLSH_AMX_DOT(2, 6);
-        break;
-      case 6:
-        POSLSH_AMX_DOT(3, 5);
-        break;
-      default:
-        POSLSH_AMX_DOT(3, 6);
-        break;
-    }
+    switch (2 * c + (b == 5 ? 0 : 1)) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_DOT_CASES) }
   }
   POSLSH_AMX_BF16_INLINE static void store(int t, void* base, Index stride) {
     const auto s = static_cast<long>(stride);
     static_cast<void>(base);
-    switch (t) {
-      case 0:
-        POSLSH_AMX_STORE(0);
-        break;
-      case 1:
-        POSLSH_AMX_STORE(1);
-        break;
-      case 2:
-        POSLSH_AMX_STORE(2);
-        break;
-      default:
-        POSLSH_AMX_STORE(3);
-        break;
-    }
+    switch (t) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_STORE_CASE) }
   }
   POSLSH_AMX_BF16_INLINE static void release() {
 #if defined(__x86_64__)
@@ -209,6 +160,12 @@ struct AmxNativeTiles {
   }
 };
 
+#undef POSLSH_AMX_ACCUMULATORS
+#undef POSLSH_AMX_TILES
+#undef POSLSH_AMX_ZERO_CASE
+#undef POSLSH_AMX_LOAD_CASE
+#undef POSLSH_AMX_STORE_CASE
+#undef POSLSH_AMX_DOT_CASES
 #undef POSLSH_AMX_LOAD
 #undef POSLSH_AMX_STORE
 #undef POSLSH_AMX_DOT
