@@ -11,7 +11,10 @@ Every function takes numpy arrays (float32 or float64, never converted), ``[n, d
 with a contiguous last axis and any row stride, and returns numpy arrays (or writes ``out=``).
 The prefill kernels (except alibi_attention_reference), the decoders, multihead_attention and
 multihead_attention_varlen also take float16 arrays and bfloat16 bit patterns
-(``BFloat16Bits``), computed in float32.
+(``BFloat16Bits``), with float32 accumulation and softmax. Their ``precision=`` keyword
+("matrix_units", the default, or "float_products") decides whether bfloat16 tiles go to the
+CPU's matrix unit (AVX512-BF16 where present); ``matrix_units()`` lists this CPU's units and
+``matrix_unit(q_dtype, kv_dtype, precision=...)`` names the one a call uses.
 See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch installed)
 has autograd Functions.
 """
@@ -56,6 +59,10 @@ from ._core import (  # noqa: F401
     lsh_attention_per_sample_backward,
     lsh_attention_per_sample_with_lse,
     lsh_fused_pair_count,
+    matrix_unit,
+    matrix_unit_available,
+    matrix_unit_names,
+    matrix_units,
     max_threads,
     multihead_attention,
     multihead_attention_backward,
@@ -64,6 +71,7 @@ from ._core import (  # noqa: F401
     plan_heads,
     plan_seconds,
     plan_single_method,
+    precision_names,
     rbf_hashes,
     sample_hashes,
     sampler_names,

@@ -53,12 +53,22 @@ Autograd (flash_attn_func, flash_attn_varlen_func): dq, dk, dv for every method,
 d alibi_slopes (dL/dm_h = -sum_ij dS_ij |P_i - j|, summed over the batch for (nheads,)
 slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slopes require
 grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
-computed in their dtype; bfloat16 and float16 are widened to float32, the output and the
-gradients rounded once back. Calls that need gradients with seqlen_q < seqlen_k run the
-self-attention kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming
-gradient: they change no output row and add exactly zero to dk, dv), at the cost of seqlen_k
-query rows; calls without gradients (softmax_lse included) run only the seqlen_q rows (at their
-key positions, poslsh's query_offset) and skip the autograd Function.
+computed in their dtype. Half precision (keyword-only ``precision``, the last extra):
+with precision="matrix_units" (the default), bfloat16 q, k, v on a CPU with a matrix unit
+(poslsh.matrix_unit("bfloat16", "bfloat16") is not "float_widening") give the output of the
+bfloat16 kernels read in place: bfloat16 products on the unit, float32 accumulation and
+softmax, probabilities rounded to bfloat16 before P V (FlashAttention's bfloat16 arithmetic).
+Otherwise (precision="float_products", float16, a float32 query over a half-precision cache,
+method "mean_of_outputs", or no unit) half-precision values are widened to float32 and the
+output is the float32 result rounded once. softmax_lse and the gradients always come from the
+widened float32 computation (its out and lse feed the backward; with the unit this forward
+runs in addition to the bfloat16 one), the gradients rounded once back.
+
+Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernels with q
+padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
+output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; calls without
+gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
+query_offset) and skip the autograd Function.
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
 cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
@@ -244,10 +254,20 @@ def _cu_seqlens(function, cu, name, total):
 class _Config:
     """The options of one call, as the kernels take them."""
 
-    def __init__(self, method, scale, causal, left, right, samples, seed, band_error):
+    def __init__(self, method, scale, causal, left, right, samples, seed, band_error, precision):
         self.method, self.scale, self.causal = method, scale, causal
         self.left, self.right = left, right
         self.samples, self.seed, self.band_error = samples, seed, band_error
+        self.precision = precision
+
+    def uses_unit(self, q_dtype, kv_dtype):
+        """Whether a call on q of q_dtype over k, v of kv_dtype runs the bfloat16 kernels on a
+        matrix unit: bfloat16 throughout, a method with bfloat16 kernels, and a unit under
+        `precision` (the unit differs from that of precision "float_products")."""
+        if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16 or self.method == "mean_of_outputs":
+            return False
+        return _core.matrix_unit("bfloat16", "bfloat16", precision=self.precision) != _core.matrix_unit(
+            "bfloat16", "bfloat16", precision="float_products")
 
     def keywords(self, sigmas):
         keywords = dict(layout="nhd", method=self.method, masking="causal" if self.causal else "bidirectional",
@@ -320,11 +340,13 @@ class _Rows:
 
 
 def _kernel_view(x):
-    """x as the kernels read it (last axis contiguous, positive strides), a numpy view."""
-    if x.is_contiguous():
-        return x.detach().numpy()
-    if x.shape[-1] > 1 and x.stride(-1) != 1 or any(x.shape[a] > 1 and x.stride(a) <= 0 for a in range(x.dim())):
+    """x as the kernels read it (last axis contiguous, positive strides), a numpy view; a
+    bfloat16 tensor as poslsh.BFloat16Bits over its int16 view."""
+    if not x.is_contiguous() and (x.shape[-1] > 1 and x.stride(-1) != 1
+                                  or any(x.shape[a] > 1 and x.stride(a) <= 0 for a in range(x.dim()))):
         x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        return _core.BFloat16Bits(x.detach().view(torch.int16).numpy())
     return x.detach().numpy()
 
 
@@ -392,7 +414,8 @@ def _mean_of_outputs(q, k, v, rows, sigmas, config, dout=None):
 
 def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
     """out (total_q, H, d_v), lse (H, total_q) or None, and what the backward needs, for the
-    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors."""
+    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors, or
+    bfloat16 without train and want_lse (the bfloat16 kernels under config.precision)."""
     heads = q.shape[1]
     if rows.total_k == 0 or rows.total_q == 0:
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
@@ -413,7 +436,8 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
                                                cu_seqlens_k=rows.cu_k, **keywords)
         else:
             _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
-                                             rows.cu_k, out=out.numpy(), **keywords)
+                                             rows.cu_k, out=_kernel_view(out), precision=config.precision,
+                                             **keywords)
         if not rows.all_valid:
             full = q.new_zeros((rows.total_q, heads, v.shape[2]))
             full.index_copy_(0, _index(rows.src), out)
@@ -465,8 +489,9 @@ def _groups(batch, config, heads):
 
 
 def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
-    """The packed computation of every group. q, k, v float32/float64; returns out, lse (float32
-    (H, total_q) or None) and the state of the backward."""
+    """The packed computation of every group. q, k, v float32/float64 (bfloat16 without train
+    and want_lse); returns out, lse (float32 (H, total_q) or None) and the state of the
+    backward."""
     heads = q.shape[1]
     groups = _groups(len(cu_q) - 1, config, heads)
     outs, lses, states = [], [], []
@@ -518,6 +543,8 @@ class _FlashPacked(torch.autograd.Function):
         train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
         out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, config, train, want_lse)
+        if config.uses_unit(q.dtype, k.dtype):
+            out = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, False, False)[0]
         ctx.config, ctx.states, ctx.dtype = config, states, dtype
         ctx.slopes = None if slopes is None else slopes.detach()
         ctx.save_for_backward(qw, kw, vw)
@@ -540,8 +567,16 @@ class _FlashPacked(torch.autograd.Function):
 # The operators. ----------------------------------------------------------------------------
 
 
+def _precision(function, precision):
+    """`precision` checked against the library's names (poslsh.precision_names())."""
+    names = _core.precision_names()
+    if not isinstance(precision, str) or precision not in names:
+        _fail(function, "precision", f"= {precision!r}: must be " + " or ".join(repr(name) for name in names))
+    return precision
+
+
 def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, window_left, window_right, method,
-             samples, seed, band_error, batch, same_dtypes=True):
+             samples, seed, band_error, precision, batch, same_dtypes=True):
     """Checks shared by the three calls (m, lengths: the query and key counts of the sequences,
     numpy arrays); returns the config."""
     heads, _ = _check_heads(function, q, k, v)
@@ -553,7 +588,7 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
     left, right = _window(function, (window_left, window_right))
     config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,
-                     band_error)
+                     band_error, _precision(function, precision))
     config.slope_values = slope_values
     config.slopes_per_row = slopes is not None and slopes.dim() == 2
     if not causal:
@@ -572,8 +607,13 @@ def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse):
     gradient is recorded, else the forward alone."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, slopes)):
         return _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
-    out, lse, _ = _compute(_widen(q.detach()), _widen(k.detach()), _widen(v.detach()), cu_q, cu_k, config, False,
-                           want_lse)
+    unit = config.uses_unit(q.dtype, k.dtype)
+    out = lse = None
+    if want_lse or not unit:
+        out, lse, _ = _compute(_widen(q.detach()), _widen(k.detach()), _widen(v.detach()), cu_q, cu_k, config, False,
+                               want_lse)
+    if unit:
+        out = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, False, False)[0]
     if lse is None:
         lse = out.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype), lse
@@ -584,7 +624,7 @@ def _dense_cu(batch, seqlen):
 
 
 def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, method, samples, seed,
-                     band_error, return_lse):
+                     band_error, return_lse, precision="matrix_units"):
     function = "flash_attn_func"
     _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     _tensor(function, k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -597,7 +637,7 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     seqlen_k = k.shape[1]
     cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
-                      causal, window_left, window_right, method, samples, seed, band_error, batch)
+                      causal, window_left, window_right, method, samples, seed, band_error, precision, batch)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
     if q.device.type == "meta":
@@ -617,7 +657,7 @@ def _meta_out(q, v, out_shape, lse_shape, return_lse):
 
 
 def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, window_left,
-                            window_right, method, samples, seed, band_error, return_lse):
+                            window_right, method, samples, seed, band_error, return_lse, precision="matrix_units"):
     function = "flash_attn_varlen_func"
     _tensor(function, q, "q", 3, "(total_q, nheads, headdim)")
     _tensor(function, k, "k", 3, "(total_k, nheads_k, headdim)")
@@ -630,7 +670,8 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     if len(cu_q) != len(cu_k):
         _fail(function, "cu_seqlens_k", f"has {len(cu_k)} entries: must have as many as cu_seqlens_q ({len(cu_q)})")
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
-                      causal, window_left, window_right, method, samples, seed, band_error, len(cu_q) - 1)
+                      causal, window_left, window_right, method, samples, seed, band_error, precision,
+                      len(cu_q) - 1)
     if return_lse and config.method == "mean_of_outputs":
         _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
     return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
@@ -667,7 +708,7 @@ def _cache_positions(function, cache_seqlens, batch, capacity, new):
 
 def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
                                   softmax_scale, causal, window_left, window_right, method, samples, seed, band_error,
-                                  return_lse):
+                                  return_lse, precision="matrix_units"):
     function = "flash_attn_with_kvcache"
     _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
@@ -736,7 +777,8 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
                   f"[0, num_blocks = {k_cache.shape[0]})")
         flat_rows = blocks * block_size + position % block_size
     config = _prepare(function, q, k_cache, v_cache, alibi_slopes, np.full(batch, seqlen_q), total, softmax_scale,
-                      causal, window_left, window_right, method, samples, seed, band_error, batch, same_dtypes=False)
+                      causal, window_left, window_right, method, samples, seed, band_error, precision, batch,
+                      same_dtypes=False)
     if config.method == "mean_of_outputs":
         _fail(function, "method", "is 'mean_of_outputs': it runs on whole sequences only (flash_attn_func)")
     if q.device.type == "meta":
@@ -756,12 +798,19 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
             v_flat.index_copy_(0, target, v.detach().reshape((-1,) + tuple(v.shape[2:])))
     rows = _index(flat_rows)
     keys, values = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
-    qw = q.detach()
-    if qw.dtype in _HALF or keys.dtype in _HALF:
-        qw, keys, values = qw.float(), keys.float(), values.float()
-    flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
+    cu_q = _dense_cu(batch, seqlen_q)
+    unit = config.uses_unit(q.dtype, keys.dtype)
+    out = lse = None
     with torch.no_grad():
-        out, lse, _ = _compute(flat_q, keys, values, _dense_cu(batch, seqlen_q), cu_k, config, False, return_lse)
+        if return_lse or not unit:
+            qw, kw, vw = q.detach(), keys, values
+            if qw.dtype in _HALF or keys.dtype in _HALF:
+                qw, kw, vw = qw.float(), keys.float(), values.float()
+            flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
+            out, lse, _ = _compute(flat_q, kw, vw, cu_q, cu_k, config, False, return_lse)
+        if unit:  # the bfloat16 kernels on q and the gathered cache as they are
+            flat_q = q.detach().reshape(batch * seqlen_q, heads, q.shape[3])
+            out = _compute(flat_q, keys, values, cu_q, cu_k, config, False, False)[0]
     out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -786,8 +835,10 @@ def _cache_reader(cache, widen):
 def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths, new, config, want_lse):
     """flash_attn_with_kvcache on a contiguous cache (batch_cache, seqlen_cache, nheads_k, d): k, v
     appended at `lengths`, then one kernel call per batch row over its cache row's first tokens,
-    read in place. Half-precision caches are read as they are (computed in float32), except
-    for softmax_lse, whose kernel takes float32 or float64 only: there the row is widened."""
+    read in place. Half-precision caches are read as they are (float32 sums; bfloat16 q over a
+    bfloat16 cache on the matrix unit when config.uses_unit), except for softmax_lse, whose
+    kernel takes float32 or float64 only: there the row is widened for the lse (and the output
+    when no unit is used)."""
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
     if new:
         with torch.no_grad():
@@ -800,6 +851,7 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
                     row, start = int(rows_of[b]), int(lengths[b])
                     k_cache[row].narrow(0, start, new).copy_(k[b].detach())
                     v_cache[row].narrow(0, start, new).copy_(v[b].detach())
+    unit = config.uses_unit(q.dtype, k_cache.dtype)
     qw = q.detach()
     if qw.dtype in _HALF:
         qw = qw.float()
@@ -811,6 +863,11 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
     if want_lse:
         lse = torch.empty((batch, heads, seqlen_q), dtype=qw.dtype)
         lse_rows = lse.numpy()
+    if unit:  # the bfloat16 kernels on q and the cache as they are, into a bfloat16 output
+        unit_keys_of, unit_values_of = _cache_reader(k_cache, False), _cache_reader(v_cache, False)
+        unit_out = torch.zeros((batch, seqlen_q, heads, v_cache.shape[3]), dtype=torch.bfloat16)
+        unit_queries = _kernel_view(q).bits
+        unit_rows = unit_out.view(torch.int16).numpy()
     total = (lengths + new).tolist()
     rows_of = rows_of.tolist()
     for (first, last), sigmas in _groups(batch, config, heads):
@@ -825,6 +882,13 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
                     lse[b, :, :skip] = math.inf
             if valid == 0:
                 continue
+            if unit:
+                _core.multihead_attention(_core.BFloat16Bits(unit_queries[b, skip:]),
+                                          unit_keys_of(rows_of[b], length), unit_values_of(rows_of[b], length),
+                                          query_offset=length - valid, out=_core.BFloat16Bits(unit_rows[b, skip:]),
+                                          precision=config.precision, **keywords)
+                if not want_lse:
+                    continue
             keys, values = keys_of(rows_of[b], length), values_of(rows_of[b], length)
             if want_lse:
                 _core.multihead_attention_with_lse(queries[b, skip:], keys, values, out=out_rows[b, skip:],
@@ -833,8 +897,8 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
                                                    cu_seqlens_k=np.array([0, length], dtype=np.int32), **keywords)
             else:
                 _core.multihead_attention(queries[b, skip:], keys, values, query_offset=length - valid,
-                                          out=out_rows[b, skip:], **keywords)
-    out = out.to(q.dtype)
+                                          out=out_rows[b, skip:], precision=config.precision, **keywords)
+    out = unit_out if unit else out.to(q.dtype)
     lse = lse.float() if want_lse else out.new_empty((0,), dtype=torch.float32)
     return out, lse
 
@@ -842,7 +906,8 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
 # Registration. ------------------------------------------------------------------------------
 
 _EXTRAS_SCHEMA = ("Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, int window_right, "
-                  "str method, int samples, int seed, float band_error, bool return_lse")
+                  "str method, int samples, int seed, float band_error, bool return_lse, "
+                  "str precision=\"matrix_units\"")
 _LIBRARY = torch.library.Library("poslsh", "DEF")
 _LIBRARY.define(f"flash_attn(Tensor q, Tensor k, Tensor v, {_EXTRAS_SCHEMA}) -> (Tensor, Tensor)")
 _LIBRARY.define(f"flash_attn_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -888,7 +953,7 @@ _LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
 # The public calls. ----------------------------------------------------------------------------
 
 
-def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale):
+def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale, precision):
     """The argument types the operator schema would otherwise reject with a RuntimeError."""
     for name, x in tensors:
         if not isinstance(x, torch.Tensor):
@@ -899,11 +964,12 @@ def _check_call(function, tensors, optional, method, samples, seed, band_error, 
     _extras(function, method, samples, seed, band_error)
     if softmax_scale is not None:
         _scale(function, softmax_scale, 1)
+    _precision(function, precision)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, method="exact", samples=16,
-                    seed=0, band_error=1e-3):
+                    seed=0, band_error=1e-3, precision="matrix_units"):
     """FlashAttention-2's flash_attn_func on CPU tensors (torch.ops.poslsh.flash_attn).
 
     q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), nheads_k
@@ -914,23 +980,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), -1
     unbounded; causal: j <= P_i). Returns out (batch, seqlen_q, nheads, headdim_v), or with
     return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32, None). method,
-    samples, seed, band_error: poslsh's estimator (module docstring). deterministic is accepted
-    and has no effect: every method is deterministic. Differentiable in q, k, v and (exact,
-    banded) alibi_slopes."""
+    samples, seed, band_error: poslsh's estimator (module docstring). precision:
+    "matrix_units" (default) or "float_products", how bfloat16 tensors are multiplied (module
+    docstring); float32 and float64 ignore it. deterministic is accepted and has no effect:
+    every method is deterministic. Differentiable in q, k, v and (exact, banded)
+    alibi_slopes."""
     function = "flash_attn_func"
     _unsupported(function, dropout_p, softcap)
     left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
-                band_error, softmax_scale)
+                band_error, softmax_scale, precision)
     out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method,
-                                           samples, seed, band_error, bool(return_attn_probs))
+                                           samples, seed, band_error, bool(return_attn_probs), precision)
     return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, method="exact",
-                           samples=16, seed=0, band_error=1e-3):
+                           samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
     """FlashAttention-2's flash_attn_varlen_func on CPU tensors
     (torch.ops.poslsh.flash_attn_varlen).
 
@@ -941,7 +1009,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q, max_seqlen_k: at least the longest sequence (checked). alibi_slopes (nheads,)
     or (batch, nheads). Returns out (total_q, nheads, headdim_v), or with return_attn_probs
     (out, softmax_lse (nheads, total_q) float32, None). block_table (paged keys) is not
-    supported here (flash_attn_with_kvcache takes a paged cache)."""
+    supported here (flash_attn_with_kvcache takes a paged cache). precision as
+    flash_attn_func."""
     function = "flash_attn_varlen_func"
     _unsupported(function, dropout_p, softcap)
     if block_table is not None:
@@ -949,7 +1018,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right = _window(function, window_size)
     _check_call(function,
                 (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
-                (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale)
+                (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale, precision)
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
@@ -961,7 +1030,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
     out, lse = torch.ops.poslsh.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
                                                   bool(causal), left, right, method, samples, seed, band_error,
-                                                  bool(return_attn_probs))
+                                                  bool(return_attn_probs), precision)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -969,7 +1038,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, method="exact", samples=16,
-                            seed=0, band_error=1e-3):
+                            seed=0, band_error=1e-3, precision="matrix_units"):
     """FlashAttention-2's flash_attn_with_kvcache on CPU tensors
     (torch.ops.poslsh.flash_attn_with_kvcache); inference only (no gradients).
 
@@ -984,13 +1053,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
     contiguous cache, nothing appended). A contiguous cache is read in place: one all-heads kernel
     call per batch row over the first cache_seqlens[b] + seqlen_new tokens of its cache row
-    (bfloat16/float16 caches as they are, computed in float32; with return_softmax_lse, whose
-    kernel takes float32 or float64 only, that row is widened to a float32 copy). A paged cache's
-    used blocks are gathered (index_select) into one packed batch, a copy of the keys the step
-    reads (widened to float32 when half precision).
+    (bfloat16/float16 caches as they are, float32 sums; with return_softmax_lse, whose kernel
+    takes float32 or float64 only, that row is widened to a float32 copy for softmax_lse). A
+    paged cache's used blocks are gathered (index_select) into one packed batch, a copy of the
+    keys the step reads (widened to float32 when half precision, except for the output of
+    bfloat16 q over a bfloat16 cache on the matrix unit).
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
     seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
-    seed, samples, slopes): a decode step equals the rows of one longer prefill. rotary
+    seed, samples, slopes): a decode step equals the rows of one longer prefill. precision as
+    flash_attn_func: bfloat16 q over a bfloat16 cache reach the matrix unit under
+    "matrix_units" (the output; softmax_lse comes from the widened float32 computation). rotary
     embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""
     function = "flash_attn_with_kvcache"
     _unsupported(function, 0.0, softcap)
@@ -1002,12 +1074,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                 (("k", k), ("v", v), ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
-                 ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale)
+                 ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale, precision)
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else 1
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
     out, lse = torch.ops.poslsh.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                                         block_table, alibi_slopes, softmax_scale, bool(causal), left,
                                                         right, method, samples, seed, band_error,
-                                                        bool(return_softmax_lse))
+                                                        bool(return_softmax_lse), precision)
     return (out, lse) if return_softmax_lse else out

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
+from . import _core
 from .flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __all__ = ["AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
@@ -136,6 +137,9 @@ class AlibiSelfAttention(nn.Module):
         formula exactly; a window makes it banded).
       causal: True (decoder) or False (bidirectional encoder, the bias -slope_h |i - j| on both
         sides). softmax_scale: default 1/sqrt(head_dim).
+      precision: "matrix_units" (default) or "float_products", as flash_attn_func: a bfloat16
+        module uses the CPU's matrix unit (AVX512-BF16 where present) for its attention
+        products under "matrix_units"; other dtypes ignore it.
 
     forward(x, cache=None): x is (batch, seqlen, hidden_size) (float32, float64, bfloat16 or
     float16, like the weights); returns (batch, seqlen, hidden_size). Without a cache the
@@ -148,7 +152,7 @@ class AlibiSelfAttention(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, head_dim=None, fused_qkv=False, bias=False,
                  slopes=None, max_bias=8.0, trainable_slopes=False, method="exact", samples=16, seed=0,
-                 window_size=(-1, -1), causal=True, softmax_scale=None, dtype=None):
+                 window_size=(-1, -1), causal=True, softmax_scale=None, dtype=None, precision="matrix_units"):
         super().__init__()
         _positive_int(hidden_size, "hidden_size")
         _positive_int(num_heads, "num_heads")
@@ -166,6 +170,10 @@ class AlibiSelfAttention(nn.Module):
             raise TypeError(f"poslsh.torch: argument 'causal' must be a bool, got {type(causal).__name__}")
         if not isinstance(method, str):
             raise TypeError(f"poslsh.torch: argument 'method' must be a str, got {type(method).__name__}")
+        if precision not in _core.precision_names():
+            raise ValueError(f"poslsh.torch: argument 'precision' = {precision!r}: must be "
+                             + " or ".join(repr(name) for name in _core.precision_names()))
+        self.precision = precision
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, \
             head_dim
         self.fused_qkv = bool(fused_qkv)
@@ -231,6 +239,7 @@ class AlibiSelfAttention(nn.Module):
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, method={self.method!r}, causal={self.causal}, "
+                f"precision={self.precision!r}, "
                 f"trainable_slopes={isinstance(self.alibi_slopes, nn.Parameter)}")
 
     def _projections(self, x):
@@ -253,7 +262,8 @@ class AlibiSelfAttention(nn.Module):
         batch, length, _ = x.shape
         q, k, v = self._projections(x)
         keywords = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
-                        alibi_slopes=self.alibi_slopes, method=self.method, samples=self.samples, seed=self.seed)
+                        alibi_slopes=self.alibi_slopes, method=self.method, samples=self.samples, seed=self.seed,
+                        precision=self.precision)
         if cache is None:
             out = flash_attn_func(q, k, v, **keywords)
         else:
@@ -408,7 +418,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     Causality: a 4-D attention_mask decides; otherwise ``kwargs["is_causal"]``, else the
     module's ``is_causal`` attribute, else True.
     Method: ``kwargs`` or module attributes ``poslsh_method`` (default "exact"),
-    ``poslsh_samples`` (16) and ``poslsh_seed`` (0), as flash_attn_func's method, samples, seed.
+    ``poslsh_samples`` (16), ``poslsh_seed`` (0) and ``poslsh_precision`` ("matrix_units"), as
+    flash_attn_func's method, samples, seed and precision (bfloat16 models use the CPU's matrix
+    unit under "matrix_units").
 
     attention_mask accepted (poslsh never reads a mask; it checks that the mask asks for what
     the kernels compute):
@@ -464,7 +476,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     keywords = dict(softmax_scale=scaling, causal=bool(causal), alibi_slopes=slopes,
                     method=setting("poslsh_method", "exact"), samples=setting("poslsh_samples", 16),
-                    seed=setting("poslsh_seed", 0))
+                    seed=setting("poslsh_seed", 0), precision=setting("poslsh_precision", "matrix_units"))
     if packed is None:
         return flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **keywords), None
     cu_q, cu_k = packed

@@ -15,10 +15,15 @@ of shape ``[n, d]`` (one head) whose last dimension has stride 1; any row stride
 
 Gradients (dQ, dK, dV; not sigma, scale or the hashes) come from the library's backward
 passes, which recompute the probabilities from the forward's log-sum-exp tile by tile (no
-n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype): they
-are widened to float32 copies (kept for the backward), the float32 kernels run, and the output
-and the gradients are rounded once to the inputs' dtype, so they are bitwise the float32 call
-on the widened tensors, rounded.
+n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype). The
+gradients are those of the float32 kernels on widened float32 copies of the inputs (kept for
+the backward), rounded once to the inputs' dtype. The output: with ``precision="matrix_units"``
+(the default) and bfloat16 inputs on a CPU with a matrix unit (``poslsh.matrix_unit``), the
+bfloat16 kernel's output on the inputs as they are (bfloat16 products on the unit, float32
+accumulation and softmax, probabilities rounded to bfloat16 before P V; when gradients are
+needed the widened float32 forward runs as well, for the backward's out and log-sum-exp);
+otherwise (``precision="float_products"``, float16, or no unit) the float32 call on the widened
+tensors rounded once. float32 and float64 inputs ignore ``precision``.
 
 Forward-only kernels for inference on half-precision tensors (no autograd):
 
@@ -27,9 +32,11 @@ Forward-only kernels for inference on half-precision tensors (no autograd):
     out = poslsh.torch.multihead_attention_forward(q, k, v, layout="nhd", method="lsh_fused", ...)
 
 take torch.bfloat16 and torch.float16 tensors (also float32 queries over a bfloat16 or float16
-KV cache, and plain float32/float64), computed in float32, output in q's dtype (the float32
-result rounded once) or float32 with out_dtype=torch.float32. bfloat16 tensors go to the
-kernels as poslsh.BFloat16Bits over ``tensor.view(torch.int16).numpy()``: the same memory.
+KV cache, and plain float32/float64), with float32 accumulation and softmax, output in q's dtype
+(the float32 result rounded once) or float32 with out_dtype=torch.float32. bfloat16 tensors go
+to the kernels as poslsh.BFloat16Bits over ``tensor.view(torch.int16).numpy()``: the same
+memory. ``precision=`` ("matrix_units", default, or "float_products") is the kernels' keyword:
+bfloat16 q, k, v use the CPU's matrix unit under "matrix_units" where it has one.
 
 This module is imported only on request (``import poslsh.torch``) and needs PyTorch.
 """
@@ -100,14 +107,41 @@ def _widen_inputs(ctx, q, k, v):
     return tuple(x.detach().float() for x in (q, k, v))
 
 
+def _precision(function, precision):
+    """`precision` checked against the library's names (poslsh.precision_names())."""
+    names = _core.precision_names()
+    if not isinstance(precision, str) or precision not in names:
+        raise ValueError(f"poslsh.torch.{function}: argument 'precision' = {precision!r}: must be "
+                         + " or ".join(repr(name) for name in names))
+    return precision
+
+
+def _uses_unit(dtypes, precision):
+    """Whether bfloat16 q, k, v (`dtypes`) reach a matrix unit under `precision` on this CPU:
+    the unit of the call differs from the one of precision "float_products"."""
+    if any(dtype != torch.bfloat16 for dtype in dtypes):
+        return False
+    return _core.matrix_unit("bfloat16", "bfloat16", precision=precision) != _core.matrix_unit(
+        "bfloat16", "bfloat16", precision="float_products")
+
+
 def _narrow(tensor, dtype):
     """A float32 result rounded once to a half-precision dtype; otherwise as it is."""
     return tensor.to(dtype) if dtype in _WIDENED else tensor
 
 
-def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
+def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale, precision):
     """Forward of the single-head kernel `kernel` of the core module (its argument after v is
-    `parameter`: sigma or a HashSet) on [n, d] tensors; saves what its backward needs."""
+    `parameter`: sigma or a HashSet) on [n, d] tensors; saves what its backward needs. bfloat16
+    inputs that reach a matrix unit (_uses_unit) return the bfloat16 kernel's output; the
+    widened float32 forward then runs only when a gradient is needed."""
+    unit_out = None
+    if _uses_unit(tuple(getattr(x, "dtype", None) for x in (q, k, v)), precision):
+        unit_out = torch.empty((q.shape[0], v.shape[1]), dtype=torch.bfloat16)
+        getattr(_core, kernel)(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), parameter, causal=causal,
+                               scale=scale, out=_storage(unit_out, "out"), precision=precision)
+        if not any(ctx.needs_input_grad[:3]):
+            return unit_out
     q, k, v = _widen_inputs(ctx, q, k, v)
     n, d_v = q.shape[0], v.shape[1]
     out = torch.empty((n, d_v), dtype=q.dtype)
@@ -116,7 +150,7 @@ def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale):
                                          scale=scale, out=out.numpy(), lse=lse.numpy())
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.kernel, ctx.parameter, ctx.causal, ctx.scale = kernel, parameter, causal, scale
-    return _narrow(out, ctx.dtypes[0])
+    return _narrow(out, ctx.dtypes[0]) if unit_out is None else unit_out
 
 
 def _single_head_backward(ctx, dout):
@@ -136,41 +170,48 @@ class _SingleHeadAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return *_single_head_backward(ctx, dout), None, None, None
+        return *_single_head_backward(ctx, dout), None, None, None, None
 
 
 class AlibiAttention(_SingleHeadAttention):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V on [n, d] CPU tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sigma, causal=True, scale=None):
-        return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, causal, scale)
+    def forward(ctx, q, k, v, sigma, causal=True, scale=None, precision="matrix_units"):
+        return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, causal, scale, precision)
 
 
 class LshAttention(_SingleHeadAttention):
     """LSH ALiBi attention D~^-1 (A o M~) V (the fused kernel) on [n, d] CPU tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, hashes, causal=True, scale=None):
-        return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, causal, scale)
+    def forward(ctx, q, k, v, hashes, causal=True, scale=None, precision="matrix_units"):
+        return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, causal, scale, precision)
 
 
-def alibi_attention(q, k, v, sigma, *, causal=True, scale=None):
-    """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v)."""
-    return AlibiAttention.apply(q, k, v, sigma, causal, scale)
+def alibi_attention(q, k, v, sigma, *, causal=True, scale=None, precision="matrix_units"):
+    """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v).
+    precision: "matrix_units" (default) or "float_products", for bfloat16 inputs (module
+    docstring); float32 and float64 inputs ignore it."""
+    return AlibiAttention.apply(q, k, v, sigma, causal, scale, _precision("alibi_attention", precision))
 
 
-def lsh_attention(q, k, v, hashes, *, causal=True, scale=None):
+def lsh_attention(q, k, v, hashes, *, causal=True, scale=None, precision="matrix_units"):
     """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
-    in q, k, v)."""
-    return LshAttention.apply(q, k, v, hashes, causal, scale)
+    in q, k, v). precision as alibi_attention."""
+    return LshAttention.apply(q, k, v, hashes, causal, scale, _precision("lsh_attention", precision))
 
 
 class MultiheadAttention(torch.autograd.Function):
     """poslsh.multihead_attention (self-attention) on [n, H, d] or [H, n, d] CPU tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keywords):
+    def forward(ctx, q, k, v, keywords, precision="matrix_units"):
+        unit_out = None
+        if _uses_unit(tuple(getattr(x, "dtype", None) for x in (q, k, v)), precision):
+            unit_out = _multihead_unit_forward(q, k, v, keywords, precision)
+            if not any(ctx.needs_input_grad[:3]):
+                return unit_out
         q, k, v = _widen_inputs(ctx, q, k, v)
         tokens, heads = (q.shape[0], q.shape[1]) if keywords["layout"] == "nhd" else (q.shape[1], q.shape[0])
         shape = (tokens, heads, v.shape[2]) if keywords["layout"] == "nhd" else (heads, tokens, v.shape[2])
@@ -180,7 +221,7 @@ class MultiheadAttention(torch.autograd.Function):
                                            lse=lse.numpy())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.keywords = keywords
-        return _narrow(out, ctx.dtypes[0])
+        return _narrow(out, ctx.dtypes[0]) if unit_out is None else unit_out
 
     @staticmethod
     def backward(ctx, dout):
@@ -191,23 +232,42 @@ class MultiheadAttention(torch.autograd.Function):
             _array(_heads_gradient(dout.to(out.dtype)), "dout"), **ctx.keywords,
             dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
         )
-        return (*(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes)), None)
+        return (*(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes)), None, None)
+
+
+def _multihead_unit_forward(q, k, v, keywords, precision):
+    """The bfloat16 output of poslsh.multihead_attention (multihead_attention_varlen with
+    cu_seqlens) on bfloat16 q, k, v read in place, under `precision`."""
+    keywords = dict(keywords)
+    cu = keywords.pop("cu_seqlens", None)
+    nhd = keywords["layout"] == "nhd"
+    tokens, heads = (q.shape[0], q.shape[1]) if nhd else (q.shape[1], q.shape[0])
+    out = torch.empty((tokens, heads, v.shape[2]) if nhd else (heads, tokens, v.shape[2]), dtype=torch.bfloat16)
+    arrays = (_storage(q, "q"), _storage(k, "k"), _storage(v, "v"))
+    if cu is None:
+        _core.multihead_attention(*arrays, **keywords, out=_storage(out, "out"), precision=precision)
+    else:
+        _core.multihead_attention_varlen(*arrays, cu, cu, **keywords, out=_storage(out, "out"), precision=precision)
+    return out
 
 
 def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,
-                        samples=16, seed=0, band_error=1e-3, window=(-1, -1), cu_seqlens=None):
+                        samples=16, seed=0, band_error=1e-3, window=(-1, -1), cu_seqlens=None,
+                        precision="matrix_units"):
     """poslsh.multihead_attention (self-attention, grouped-query when k, v have fewer heads),
     differentiable in q, k, v: for query head h (K/V head h // G)
     out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h), dK and dV summed over each group.
     window=(left, right): a local window (exact methods; -1 leaves a side unbounded).
     cu_seqlens (int32 tensor or array of B + 1 token offsets): a packed batch of B sequences,
-    each attending only to itself at positions 0 .. m_b - 1 (multihead_attention_varlen)."""
+    each attending only to itself at positions 0 .. m_b - 1 (multihead_attention_varlen).
+    precision: "matrix_units" (default) or "float_products", for bfloat16 inputs (module
+    docstring); float32 and float64 inputs ignore it."""
     keywords = dict(layout=layout, method=method, masking=masking, scale=scale,
                     sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
                     band_error=band_error, window=tuple(window))
     if cu_seqlens is not None:
         keywords["cu_seqlens"] = cu_seqlens.numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    return MultiheadAttention.apply(q, k, v, keywords)
+    return MultiheadAttention.apply(q, k, v, keywords, _precision("multihead_attention", precision))
 
 
 # Forward-only kernels on half-precision tensors (inference). -------------------------------
@@ -242,40 +302,45 @@ def _forward_out(out, shape, q, out_dtype):
 
 
 def alibi_attention_forward(q, k, v, sigma, *, causal=True, scale=None, query_offset=None, out_dtype=None,
-                            out=None):
+                            out=None, precision="matrix_units"):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (poslsh.alibi_attention_tiled),
     forward only, on CPU tensors of shape [m, d] (q), [L, d] (k), [L, d_v] (v), read in place.
 
     dtypes: q, k, v all bfloat16, all float16, all float32 or all float64; or float32 q over
-    bfloat16 or float16 k, v. Half precision is computed in float32; the output is q's dtype
+    bfloat16 or float16 k, v. Half precision accumulates in float32; the output is q's dtype
     (bfloat16 and float16: the float32 result rounded once) unless out_dtype=torch.float32
     (half-precision q only). out: a tensor written in place (any row stride) and returned.
+    precision: "matrix_units" (default: bfloat16 q, k, v on the CPU's matrix unit where it has
+    one) or "float_products" (every value widened to float32: the float32 call on the widened
+    tensors); float32 and float64 inputs ignore it.
     Not differentiable (RuntimeError if an input requires grad while grad mode is on)."""
     _forward_only("alibi_attention_forward", (q, k, v))
     result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
     _core.alibi_attention_tiled(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), sigma, causal=causal,
-                                scale=scale, query_offset=query_offset, out=_storage(result, "out"))
+                                scale=scale, query_offset=query_offset, out=_storage(result, "out"),
+                                precision=precision)
     return result
 
 
 def lsh_attention_forward(q, k, v, hashes, *, causal=True, scale=None, query_offset=None, out_dtype=None,
-                          out=None):
+                          out=None, precision="matrix_units"):
     """LSH ALiBi attention D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block
-    masks of `hashes` (poslsh.lsh_attention_fused), forward only; dtypes, out_dtype and out as
-    alibi_attention_forward."""
+    masks of `hashes` (poslsh.lsh_attention_fused), forward only; dtypes, out_dtype, out and
+    precision as alibi_attention_forward."""
     _forward_only("lsh_attention_forward", (q, k, v))
     result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
     _core.lsh_attention_fused(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), hashes, causal=causal,
-                              scale=scale, query_offset=query_offset, out=_storage(result, "out"))
+                              scale=scale, query_offset=query_offset, out=_storage(result, "out"),
+                              precision=precision)
     return result
 
 
 def multihead_attention_forward(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None,
                                 sigmas=None, samples=16, seed=0, band_error=1e-3, query_offset=None,
-                                out_dtype=None, out=None):
+                                out_dtype=None, out=None, precision="matrix_units"):
     """poslsh.multihead_attention, forward only, on [m, H_q, d] / [L, H_kv, d] tensors (layout
     "nhd") or [H, n, d] ("hnd"): for query head h (K/V head h // G)
-    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h). dtypes, out_dtype and out as
+    out_h = method(Q_h, K_{h//G}, V_{h//G}; sigma_h). dtypes, out_dtype, out and precision as
     alibi_attention_forward."""
     _forward_only("multihead_attention_forward", (q, k, v))
     shape = (q.shape[0], q.shape[1], v.shape[-1]) if q.dim() == 3 else (0, 0, 0)  # [m, H, d_v] or [H, m, d_v]
@@ -283,5 +348,5 @@ def multihead_attention_forward(q, k, v, *, layout="nhd", method="lsh_fused", ma
     _core.multihead_attention(
         _storage(q, "q"), _storage(k, "k"), _storage(v, "v"), layout=layout, method=method, masking=masking,
         scale=scale, sigmas=None if sigmas is None else [float(x) for x in sigmas], samples=samples, seed=seed,
-        band_error=band_error, query_offset=query_offset, out=_storage(result, "out"))
+        band_error=band_error, query_offset=query_offset, out=_storage(result, "out"), precision=precision)
     return result

@@ -26,16 +26,22 @@ out: optional [m, d_v] array of the same dtype written in place (any row stride)
 a new array otherwise. num_threads: OpenMP threads for this call (None: the OpenMP default).
 The GIL is released while the kernel runs. Bad arguments raise ValueError (the library's
 message) or TypeError (dtype, non-array).
-Half precision (computed in float32, read in place): q, k, v all float16 -> float16 output,
-or float32 when out= is a float32 array; q, k, v all poslsh.BFloat16Bits (bfloat16 bit
-patterns) -> BFloat16Bits output, or float32 with a float32 out=; float32 q over float16 or
-BFloat16Bits k, v -> float32. A half-precision output is the float32 result rounded once (to
-nearest even). float64 never mixes with half precision (TypeError).)doc";
+Half precision (read in place, float32 accumulation and softmax): q, k, v all float16 ->
+float16 output, or float32 when out= is a float32 array; q, k, v all poslsh.BFloat16Bits
+(bfloat16 bit patterns) -> BFloat16Bits output, or float32 with a float32 out=; float32 q over
+float16 or BFloat16Bits k, v -> float32. A half-precision output is the float32 result rounded
+once (to nearest even). float64 never mixes with half precision (TypeError).
+precision: 'matrix_units' (default) or 'float_products' (ValueError otherwise). Under
+'matrix_units', q, k, v all bfloat16 use the CPU's matrix unit where it has one
+(matrix_unit('bfloat16', 'bfloat16') names it: 'avx512_bf16' multiplies bfloat16 pairs into
+float sums, with the probabilities rounded to bfloat16 before P V); every other call, and every
+call under 'float_products', widens each value to float32: the result is then bitwise the
+float32 kernel on the widened inputs, rounded once. float32 and float64 inputs ignore it.)doc";
 
 /// Binds function(q, k, v, parameters..., *, causal=True, scale=None, query_offset=None,
-/// out=None, num_threads=None), every dtype of dtypes.hpp, to the forward of method M on
-/// (q, k, v, parameter values..., out, options); `head` is the docstring's first part,
-/// `parameter_args` the py::arg of each parameter.
+/// out=None, num_threads=None, precision="matrix_units"), every dtype of dtypes.hpp, to the forward
+/// of method M on (q, k, v, parameter values..., out, options); `head` is the docstring's first
+/// part, `parameter_args` the py::arg of each parameter.
 template <poslsh::Method M, typename... Parameters, typename... Args>
 void def_prefill(py::module_& module, const char* function, const char* head,
                  const Args&... parameter_args) {
@@ -43,8 +49,9 @@ void def_prefill(py::module_& module, const char* function, const char* head,
       function,
       [function](py::handle q, py::handle k, py::handle v, Parameters... parameters, bool causal,
                  std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
-                 std::optional<int> threads) {
-        const auto options = attention_options(causal, scale, query_offset);
+                 std::optional<int> threads, const std::string& precision) {
+        const auto options =
+            attention_options(causal, scale, query_offset, precision_of(precision, function));
         const auto call = [&](const auto&... values) {
           return qkv_call<Precision::half>(
               function, q, k, v, out, threads,
@@ -59,7 +66,7 @@ void def_prefill(py::module_& module, const char* function, const char* head,
       py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
       py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
       py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      (std::string(head) + qkv_doc).c_str());
+      py::arg("precision") = default_precision(), (std::string(head) + qkv_doc).c_str());
 }
 
 /// Binds a decoder function(query, keys, values, parameters..., *, scale=None, out=None):

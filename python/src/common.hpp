@@ -103,14 +103,25 @@ inline poslsh::Masking masking_of(bool causal) {
   return causal ? poslsh::Masking::causal : poslsh::Masking::bidirectional;
 }
 
-/// AttentionOptions from the keywords of the single-head kernels. The Python kernels keep float
-/// products (poslsh::Precision::float_products): their half-precision results are the float32
-/// kernel's on the widened inputs, rounded once, on every CPU.
+/// The Precision named by a `precision` keyword (EnumNames<Precision>: "matrix_units",
+/// "float_products"); ValueError naming the argument 'precision' of `function` otherwise.
+inline poslsh::Precision precision_of(const std::string& name, const char* function) {
+  return poslsh::enum_from_name<poslsh::Precision>(name, function, "precision");
+}
+
+/// The default of the `precision` keyword: the name of AttentionOptions' default precision.
+inline const char* default_precision() {
+  return poslsh::enum_name(poslsh::AttentionOptions{}.precision);
+}
+
+/// AttentionOptions from the keywords of the single-head kernels. `precision` selects how
+/// bfloat16 tiles are multiplied (matrix_unit_for); float32 and float64 inputs ignore it.
 inline poslsh::AttentionOptions attention_options(bool causal, std::optional<double> scale,
-                                                  std::optional<Index> query_offset = {}) {
+                                                  std::optional<Index> query_offset,
+                                                  poslsh::Precision precision) {
   poslsh::AttentionOptions options{masking_of(causal), scale};
   options.query_offset = query_offset;
-  options.precision = poslsh::Precision::float_products;
+  options.precision = precision;
   return options;
 }
 

@@ -9,7 +9,9 @@
 // a TypeError naming the argument.
 //
 // Every binding takes float32 or float64 arrays, all of q's dtype. The bindings of kernels with
-// half-precision forms (dispatch<Precision::half>) also take, each computed in float:
+// half-precision forms (dispatch<Precision::half>) also take, with float sums and softmax (the
+// products of bfloat16 q, k, v on the CPU's matrix unit under the `precision` keyword's
+// "matrix_units", widened to float otherwise):
 //   float16  q, k, v -> float16 out (default) or float32 out (an `out=` float32 array);
 //   bfloat16 q, k, v -> bfloat16 out (default) or float32 out;
 //   float32 q over float16 or bfloat16 k, v -> float32 out.

@@ -81,10 +81,16 @@ each head bitwise its single-head kernel; method, sigmas, samples, seed and band
 keep their defaults (ValueError otherwise); float32 or float64 arrays.
 out: optional output written in place and returned. num_threads: OpenMP threads for this call.
 float32 or float64 (all arrays alike); the GIL is released during the computation.
-Half precision (computed in float32, read in place): q, k, v all float16 -> float16 out (or a
-float32 out= array), all poslsh.BFloat16Bits -> BFloat16Bits out (or float32 out=), float32 q
-over float16 or BFloat16Bits k, v -> float32; a half-precision output is the float32 result
-rounded once. float64 never mixes with half precision (TypeError).
+Half precision (read in place, float32 accumulation and softmax): q, k, v all float16 ->
+float16 out (or a float32 out= array), all poslsh.BFloat16Bits -> BFloat16Bits out (or float32
+out=), float32 q over float16 or BFloat16Bits k, v -> float32; a half-precision output is the
+float32 result rounded once. float64 never mixes with half precision (TypeError).
+precision: 'matrix_units' (default) or 'float_products' (ValueError otherwise). Under
+'matrix_units', q, k, v all bfloat16 use the CPU's matrix unit where it has one
+(matrix_unit('bfloat16', 'bfloat16') names it; 'avx512_bf16': bfloat16 products summed in
+float, the probabilities rounded to bfloat16 before P V); every other call, and every call
+under 'float_products', widens each value to float32 (bitwise the float32 call on the widened
+inputs, rounded once). float32 and float64 inputs (and plans=) ignore it.
 )doc";
 
 const char* const varlen_doc = R"doc(
@@ -114,13 +120,14 @@ void register_multihead(py::module_& module) {
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
          double band_error, std::pair<Index, Index> window, std::optional<Index> query_offset,
          std::optional<std::vector<poslsh::HeadPlan>> plans, py::handle out,
-         std::optional<int> threads) -> py::object {
+         std::optional<int> threads, const std::string& precision) -> py::object {
         constexpr const char* function = "multihead_attention";
         HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                 sigmas, samples, seed, band_error, window);
         const Layout layout = keywords.layout;
         poslsh::MultiHeadOptions& options = keywords.options;
         options.query_offset = query_offset;
+        options.precision = precision_of(precision, function);
         if (plans) {
           require_plan_keywords(function, options);
           return heads_call<Precision::full>(
@@ -140,7 +147,8 @@ void register_multihead(py::module_& module) {
       },
       std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v")),
       std::make_tuple(py::arg("query_offset") = py::none(), py::arg("plans") = py::none(),
-                      py::arg("out") = py::none(), py::arg("num_threads") = py::none()),
+                      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+                      py::arg("precision") = default_precision()),
       multihead_doc);
 
   def_multihead(
@@ -150,10 +158,11 @@ void register_multihead(py::module_& module) {
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window,
          std::optional<std::vector<Index>> query_offsets, py::handle out,
-         std::optional<int> threads) {
+         std::optional<int> threads, const std::string& precision) {
         constexpr const char* function = "multihead_attention_varlen";
-        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error, window);
+        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                sigmas, samples, seed, band_error, window);
+        keywords.options.precision = precision_of(precision, function);
         const std::vector<std::int32_t> cu_q = int32_vector(cu_seqlens_q, function, "cu_seqlens_q");
         const std::vector<std::int32_t> cu_k = int32_vector(cu_seqlens_k, function, "cu_seqlens_k");
         const std::vector<Index> offsets = query_offsets.value_or(std::vector<Index>{});
@@ -169,7 +178,8 @@ void register_multihead(py::module_& module) {
       std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"),
                       py::arg("cu_seqlens_k")),
       std::make_tuple(py::arg("query_offsets") = py::none(), py::arg("out") = py::none(),
-                      py::arg("num_threads") = py::none()),
+                      py::arg("num_threads") = py::none(),
+                      py::arg("precision") = default_precision()),
       varlen_doc);
 }
 

@@ -16,6 +16,7 @@ namespace poslsh_python {
 
 /// The keywords every all-heads function takes: the layout, and MultiHeadOptions with method
 /// and masking by their names in the library's tables (ValueError listing the names otherwise).
+/// options.precision keeps its default; the functions with a `precision` keyword set it.
 struct HeadsKeywords {
   Layout layout;
   poslsh::MultiHeadOptions options;
@@ -47,8 +48,6 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
                           method + "')");
   options.window_left = window.first;
   options.window_right = window.second;
-  // Float products, as the single-head kernels (attention_options).
-  options.precision = poslsh::Precision::float_products;
   return {layout_of(layout, function), options};
 }
 

@@ -1,12 +1,16 @@
-"""Ranks of a torch.distributed world spawned on this machine for the tests: every rank runs
-worker(rank, world_size, port, results) in its own process (start method 'spawn', one OpenMP
-thread each) and puts (rank, report) on `results`; the parent collects the reports within a
-deadline and kills what is left, so a broken world fails its tests instead of hanging."""
+"""Ranks of a torch.distributed world spawned on this machine for the tests: every rank runs in
+its own process (start method 'spawn', one OpenMP and torch thread each), joins a gloo process
+group on 127.0.0.1, fills a report dict with checks(rank, world_size, report) and puts
+(rank, report) on a queue; the parent collects the reports within a deadline and kills what is
+left, so a broken world fails its tests instead of hanging."""
 
+import datetime
+import functools
 import os
 import queue
 import socket
 import time
+import traceback
 
 
 def free_port():
@@ -16,10 +20,33 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(worker, world_size, deadline_seconds):
-    """{rank: report} of one world; a rank that reports nothing within the deadline gets
-    {"world": message}."""
+def _gloo_rank(checks, gloo_timeout, rank, world_size, port, results):
+    """One rank: the gloo group (every wait bounded by gloo_timeout seconds), checks(rank,
+    world_size, report), a barrier and the group's end; an exception outside the checks is
+    reported as report["world"]."""
+    import torch
+    import torch.distributed as dist
+
+    report = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=gloo_timeout))
+        checks(rank, world_size, report)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the parent
+        report["world"] = traceback.format_exc()
+    results.put((rank, report))
+
+
+def run_world(checks, world_size, deadline_seconds, gloo_timeout):
+    """{rank: report} of one world whose ranks run checks(rank, world_size, report) (a function
+    at module level, so that the spawned processes can import it); a rank that reports nothing
+    within the deadline gets {"world": message}."""
     import torch.multiprocessing as mp
+
+    worker = functools.partial(_gloo_rank, checks, gloo_timeout)
 
     context = mp.get_context("spawn")
     results = context.Queue()

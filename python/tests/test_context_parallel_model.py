@@ -5,7 +5,6 @@ and the model's bytes and messages against poslsh.distributed's stats in spawned
 (R = 2, 3, 4)."""
 
 import dataclasses
-import datetime
 import json
 import math
 import sys
@@ -559,25 +558,12 @@ def spawn_stats(case, index, rank, world_size):
     return dict(stats)
 
 
-def spawn_worker(rank, world_size, port, results):
-    import torch.distributed as dist
-
-    report = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=SPAWN_GLOO_TIMEOUT))
-        for index, case in enumerate(SPAWN_CASES):
-            try:
-                report[case.name] = spawn_stats(case, index, rank, world_size)
-            except Exception:  # noqa: BLE001 -- reported to the parent
-                report[case.name] = traceback.format_exc()
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        report["world"] = traceback.format_exc()
-    results.put((rank, report))
+def spawn_checks(rank, world_size, report):
+    for index, case in enumerate(SPAWN_CASES):
+        try:
+            report[case.name] = spawn_stats(case, index, rank, world_size)
+        except Exception:  # noqa: BLE001 -- reported to the parent
+            report[case.name] = traceback.format_exc()
 
 
 _SPAWNED = {}
@@ -586,7 +572,7 @@ _SPAWNED = {}
 def spawned_world(world_size):
     """{rank: {case: stats dict or traceback}} of one spawned world (run once per R)."""
     if world_size not in _SPAWNED:
-        _SPAWNED[world_size] = run_world(spawn_worker, world_size, SPAWN_DEADLINE)
+        _SPAWNED[world_size] = run_world(spawn_checks, world_size, SPAWN_DEADLINE, SPAWN_GLOO_TIMEOUT)
     return _SPAWNED[world_size]
 
 

@@ -11,7 +11,6 @@ case fails, it never hangs.
 """
 
 import dataclasses
-import datetime
 import math
 import time
 import traceback
@@ -278,30 +277,20 @@ def run_error_check(check, rank, world_size):
     return "did not raise"
 
 
-def worker(rank, world_size, port, results):
-    report = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))
-        for index, case in enumerate(CASES):
-            if case.lengths == "empty_first" and world_size == 1:
-                continue
+def checks(rank, world_size, report):
+    for index, case in enumerate(CASES):
+        if case.lengths == "empty_first" and world_size == 1:
+            continue
+        try:
+            report[case.name] = run_case(case, index, rank, world_size)
+        except Exception:  # noqa: BLE001 -- reported to the parent
+            report[case.name] = traceback.format_exc()
+    if world_size > 1:
+        for check in ERROR_CHECKS:
             try:
-                report[case.name] = run_case(case, index, rank, world_size)
+                report["error:" + check] = run_error_check(check, rank, world_size)
             except Exception:  # noqa: BLE001
-                report[case.name] = traceback.format_exc()
-        if world_size > 1:
-            for check in ERROR_CHECKS:
-                try:
-                    report["error:" + check] = run_error_check(check, rank, world_size)
-                except Exception:  # noqa: BLE001
-                    report["error:" + check] = traceback.format_exc()
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        report["world"] = traceback.format_exc()
-    results.put((rank, report))
+                report["error:" + check] = traceback.format_exc()
 
 
 # Parent side. ----------------------------------------------------------------------------------
@@ -312,7 +301,7 @@ _WORLDS = {}
 def world(world_size):
     """{rank: {case: None or message}} of one spawned world (run once per world size)."""
     if world_size not in _WORLDS:
-        _WORLDS[world_size] = run_world(worker, world_size, WORLD_DEADLINE)
+        _WORLDS[world_size] = run_world(checks, world_size, WORLD_DEADLINE, GLOO_TIMEOUT)
     return _WORLDS[world_size]
 
 

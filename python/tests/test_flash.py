@@ -405,11 +405,13 @@ def test_gradcheck_varlen():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("method", ["exact", "lsh"])
 def test_half_precision_is_the_float32_call_rounded(dtype, method):
+    """precision="float_products": the output and gradients of the float32 call on the widened
+    tensors, rounded once."""
     q, k, v = qkv(2, 6, 6, 2, 1, 8, dtype, seed=70, requires_grad=True)
     wide = [x.detach().float().requires_grad_() for x in (q, k, v)]
     slopes = torch.tensor([0.3, 0.1])
     dout = rand((2, 6, 2, 8), dtype, 71)
-    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, method=method)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, method=method, precision="float_products")
     out_wide = flash_attn_func(*wide, causal=True, alibi_slopes=slopes, method=method)
     assert out.dtype == dtype and torch.equal(out, out_wide.to(dtype))
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -599,7 +601,8 @@ def test_strided_qkv_of_a_packed_buffer():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_queries_and_cache(dtype):
-    """q and cache in half precision: the float32 call on the widened tensors, rounded once."""
+    """q and cache in half precision with precision="float_products": the float32 call on the
+    widened tensors, rounded once."""
     q = rand((2, 2, 4, 8), dtype, 110)
     k_cache, v_cache = rand((2, 7, 2, 8), dtype, 111), rand((2, 7, 2, 8), dtype, 112)
     k_new, v_new = rand((2, 2, 2, 8), dtype, 113), rand((2, 2, 2, 8), dtype, 114)
@@ -607,7 +610,7 @@ def test_half_precision_queries_and_cache(dtype):
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     wide_k, wide_v = k_cache.float(), v_cache.float()
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True,
-                                  alibi_slopes=slopes)
+                                  alibi_slopes=slopes, precision="float_products")
     wide = flash_attn_with_kvcache(q.float(), wide_k, wide_v, k_new.float(), v_new.float(), cache_seqlens=lengths,
                                    causal=True, alibi_slopes=slopes)
     assert out.dtype == dtype and torch.equal(out, wide.to(dtype))
@@ -688,14 +691,15 @@ def test_contiguous_cache_step_is_bitwise_the_gathered_keys_call(method, causal,
 @pytest.mark.parametrize("half_queries", [False, True])
 def test_half_precision_cache_is_the_float32_kernels_on_the_widened_cache(dtype, method, half_queries):
     """A bfloat16 or float16 cache (read as it is) gives bitwise the float32 computation on the
-    widened cache, under float32 or half-precision queries (rounded once), with softmax_lse
-    too; every cache row in order, equal lengths, appended in one copy."""
+    widened cache, under float32 or half-precision queries (rounded once; precision
+    "float_products"), with softmax_lse too; every cache row in order, equal lengths, appended
+    in one copy."""
     batch, capacity, heads, heads_k, d, sq = 2, 9, 4, 2, 8, 2
     k_cache, v_cache = rand((batch, capacity, heads_k, d), dtype, 150), rand((batch, capacity, heads_k, d), dtype, 151)
     q = rand((batch, sq, heads, d), dtype if half_queries else torch.float32, 152)
     k_new, v_new = rand((batch, sq, heads_k, d), dtype, 153), rand((batch, sq, heads_k, d), dtype, 154)
     slopes = torch.tensor([0.5, 0.25, 0.0, 0.0625])
-    extras = dict(causal=True, alibi_slopes=slopes, method=method, samples=4, seed=1)
+    extras = dict(causal=True, alibi_slopes=slopes, method=method, samples=4, seed=1, precision="float_products")
     before_k, before_v = k_cache.clone(), v_cache.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=5, return_softmax_lse=True,
                                        **extras)

@@ -5,7 +5,8 @@ The rules checked for every kernel and layout: on inputs rounded to the half typ
 half-precision kernel with a float32 output is at most 2x as far from the dense float64 formula
 as the float32 kernel on the same (widened) inputs (it is in fact bitwise that kernel's output);
 its half-precision output is the float32 output rounded once; float32 queries over a
-half-precision K, V (ggml's layout) follow the same 2x rule.
+half-precision K, V (ggml's layout) follow the same 2x rule. bfloat16 q, k, v are checked here
+under precision="float_products"; test_matrix_units.py checks the default, "matrix_units".
 """
 
 import numpy as np
@@ -80,29 +81,30 @@ def with_out(call, shape):
     return kernel
 
 
-def single_head(function, sigma, causal, scale=None, query_offset=None):
-    """The kernel as kernel(q, k, v, out_dtype=None), and its dense formula."""
+def single_head(function, sigma, causal, scale=None, query_offset=None, **extra):
+    """The kernel as kernel(q, k, v, out_dtype=None), and its dense formula; `extra`: further
+    keywords of the kernel (precision)."""
     shape = lambda q, v: (q.shape[0], v.shape[1])  # noqa: E731
     if function == "alibi_attention_tiled":
         return (with_out(lambda q, k, v, out: poslsh.alibi_attention_tiled(
-            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.alibi_attention(q, k, v, sigma, causal, scale))
     if function == "alibi_attention_banded":
         band = poslsh.band_for_bias_error(sigma, 1e-2)
         return (with_out(lambda q, k, v, out: poslsh.alibi_attention_banded(
-            q, k, v, sigma, band, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            q, k, v, sigma, band, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.alibi_attention(q, k, v, sigma, causal, scale, band=band))
     if function == "fixed_blocks_attention":
         return (with_out(lambda q, k, v, out: poslsh.fixed_blocks_attention(
-            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.lsh_attention(q, k, v, [2 * sigma], [0.0], causal, scale))
     hashes = poslsh.rbf_hashes(sigma, 12, seed=3, stream=1)
     if function == "lsh_attention_per_sample":
         return (with_out(lambda q, k, v, out: poslsh.lsh_attention_per_sample(
-            q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+            q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
     return (with_out(lambda q, k, v, out: poslsh.lsh_attention_fused(
-        q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out), shape),
+        q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
         lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
 
 
@@ -129,13 +131,14 @@ def test_single_head_float16_query_offset(rng, function):
 
 @pytest.mark.parametrize("function", SINGLE_HEAD)
 def test_single_head_bfloat16_bits(rng, function):
-    """bfloat16 as BFloat16Bits: the same rules, the output a BFloat16Bits over a new uint16
-    array (or written into an out= BFloat16Bits / float32 array)."""
+    """bfloat16 as BFloat16Bits with precision="float_products": the same rules, the output a
+    BFloat16Bits over a new uint16 array (or written into an out= BFloat16Bits / float32
+    array). test_matrix_units.py has the default precision's rules."""
     n, d, sigma = 180, 32, 8.0
     bits = [bf16_round(rng.uniform(-1, 1, (n, d))) for _ in range(3)]
     q32, k32, v32 = (bf16_values(b) for b in bits)
     q, k, v = (poslsh.BFloat16Bits(b) for b in bits)
-    kernel, dense = single_head(function, sigma, True)
+    kernel, dense = single_head(function, sigma, True, precision="float_products")
     expected = dense(q32, k32, v32)
     out32 = kernel(q32, k32, v32)
     float_error = max_error(out32, expected)
@@ -152,7 +155,7 @@ def test_single_head_bfloat16_bits(rng, function):
     target = poslsh.BFloat16Bits(np.zeros((n, d), np.int16))
     argument = poslsh.rbf_hashes(sigma, 12, seed=3, stream=1) if function.startswith("lsh") else sigma
     band = [poslsh.band_for_bias_error(sigma, 1e-2)] if "banded" in function else []
-    assert getattr(poslsh, function)(q, k, v, argument, *band, out=target) is target
+    assert getattr(poslsh, function)(q, k, v, argument, *band, out=target, precision="float_products") is target
     np.testing.assert_array_equal(target.bits.view(np.uint16), out.bits)
 
 
@@ -244,6 +247,7 @@ def test_multihead_float16(rng, method, layout):
 
 
 def test_multihead_bfloat16_bits_gqa(rng):
+    """precision="float_products": bitwise the float32 call on the widened inputs."""
     n, heads, kv_heads, d = 70, 6, 3, 8
     q_bits = bf16_round(rng.uniform(-1, 1, (n, heads, d)))
     k_bits, v_bits = (bf16_round(rng.uniform(-1, 1, (n, kv_heads, d))) for _ in range(2))
@@ -252,10 +256,11 @@ def test_multihead_bfloat16_bits_gqa(rng):
     expected = expected_heads(q32, k32, v32, "exact_tiled", True, 1 / reference.alibi_slopes(heads))
     float_error = max_error(out32, expected)
     q, k, v = (poslsh.BFloat16Bits(b) for b in (q_bits, k_bits, v_bits))
-    wide = poslsh.multihead_attention(q, k, v, method="exact_tiled", out=np.empty((n, heads, d), np.float32))
+    wide = poslsh.multihead_attention(q, k, v, method="exact_tiled", out=np.empty((n, heads, d), np.float32),
+                                      precision="float_products")
     assert max_error(wide, expected) <= 2 * float_error
     np.testing.assert_array_equal(wide, out32)
-    out = poslsh.multihead_attention(q, k, v, method="exact_tiled")
+    out = poslsh.multihead_attention(q, k, v, method="exact_tiled", precision="float_products")
     assert isinstance(out, poslsh.BFloat16Bits) and out.shape == (n, heads, d)
     np.testing.assert_array_equal(out.bits, poslsh.BFloat16Bits.from_float32(out32).bits)
     np.testing.assert_array_equal(poslsh.multihead_attention(q32, k, v, method="exact_tiled"), out32)

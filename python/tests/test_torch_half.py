@@ -1,5 +1,7 @@
 """poslsh.torch forward-only kernels on bfloat16 and float16 CPU tensors, without copies, against
-dense float64 formulas on the rounded inputs (rounded by torch)."""
+dense float64 formulas on the rounded inputs (rounded by torch). The bitwise rules (the float32
+call on the widened tensors, rounded once) are those of precision="float_products";
+test_matrix_units.py checks bfloat16 under the default, "matrix_units"."""
 
 import numpy as np
 import pytest
@@ -36,10 +38,12 @@ def test_single_head_forward(dtype, function, causal):
     q, k, v = (rounded((n, d), dtype, seed) for seed in (1, 2, 3))
     hashes = poslsh.rbf_hashes(sigma, 10, seed=2)
     if function == "alibi":
-        kernel = lambda *args, **kw: ptorch.alibi_attention_forward(*args, sigma, causal=causal, **kw)  # noqa: E731
+        kernel = lambda *args, **kw: ptorch.alibi_attention_forward(*args, sigma, causal=causal,  # noqa: E731
+                                                                    precision="float_products", **kw)
         expected = reference.alibi_attention(as64(q), as64(k), as64(v), sigma, causal)
     else:
-        kernel = lambda *args, **kw: ptorch.lsh_attention_forward(*args, hashes, causal=causal, **kw)  # noqa: E731
+        kernel = lambda *args, **kw: ptorch.lsh_attention_forward(*args, hashes, causal=causal,  # noqa: E731
+                                                                  precision="float_products", **kw)
         expected = reference.lsh_attention(as64(q), as64(k), as64(v), hashes.widths, hashes.offsets, causal)
     q32, k32, v32 = (x.float() for x in (q, k, v))
     out32 = kernel(q32, k32, v32)
@@ -65,7 +69,7 @@ def test_multihead_forward(dtype, layout, method):
     q_shape, kv_shape = ((n, heads, d), (n, kv_heads, d)) if layout == "nhd" else ((heads, n, d), (kv_heads, n, d))
     q = rounded(q_shape, dtype, 4)
     k, v = rounded(kv_shape, dtype, 5), rounded(kv_shape, dtype, 6)
-    keywords = dict(layout=layout, method=method, samples=6, seed=1, band_error=1e-2)
+    keywords = dict(layout=layout, method=method, samples=6, seed=1, band_error=1e-2, precision="float_products")
     nhd = (lambda x: x) if layout == "nhd" else (lambda x: x.transpose(1, 0, 2))
     expected = expected_heads(nhd(as64(q)), nhd(as64(k)), nhd(as64(v)), method, True,
                               1 / reference.alibi_slopes(heads), samples=6, seed=1, band_error=1e-2)
@@ -135,22 +139,25 @@ def test_errors():
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("function", ["alibi", "lsh", "multihead", "packed"])
 def test_half_precision_autograd_is_the_widened_float32_call_rounded(dtype, function):
-    """bfloat16 and float16 tensors through the differentiable functions: the output and the
-    gradients are bitwise those of the float32 call on the widened tensors, rounded once; the
-    output is also bitwise the forward-only half-precision kernel's."""
+    """bfloat16 and float16 tensors through the differentiable functions with
+    precision="float_products": the output and the gradients are bitwise those of the float32
+    call on the widened tensors, rounded once; the output is also bitwise the forward-only
+    half-precision kernel's."""
     n, d = 40, 8
     shape = (n, d) if function in ("alibi", "lsh") else (n, 2, d)
     q, k, v, dout = (rounded(shape, dtype, seed) for seed in (11, 12, 13, 14))
     hashes = poslsh.rbf_hashes(5.0, 6, seed=3)
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    fp = dict(precision="float_products")
     calls = {
-        "alibi": (lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0),
-                  lambda a, b, c: ptorch.alibi_attention_forward(a, b, c, 5.0)),
-        "lsh": (lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes),
-                lambda a, b, c: ptorch.lsh_attention_forward(a, b, c, hashes)),
-        "multihead": (lambda a, b, c: ptorch.multihead_attention(a, b, c, samples=6, seed=2),
-                      lambda a, b, c: ptorch.multihead_attention_forward(a, b, c, samples=6, seed=2)),
-        "packed": (lambda a, b, c: ptorch.multihead_attention(a, b, c, method="exact_tiled", cu_seqlens=cu), None),
+        "alibi": (lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0, **fp),
+                  lambda a, b, c: ptorch.alibi_attention_forward(a, b, c, 5.0, **fp)),
+        "lsh": (lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes, **fp),
+                lambda a, b, c: ptorch.lsh_attention_forward(a, b, c, hashes, **fp)),
+        "multihead": (lambda a, b, c: ptorch.multihead_attention(a, b, c, samples=6, seed=2, **fp),
+                      lambda a, b, c: ptorch.multihead_attention_forward(a, b, c, samples=6, seed=2, **fp)),
+        "packed": (lambda a, b, c: ptorch.multihead_attention(a, b, c, method="exact_tiled", cu_seqlens=cu, **fp),
+                   None),
     }
     differentiable, forward_only = calls[function]
     half = [x.clone().requires_grad_(True) for x in (q, k, v)]

@@ -81,13 +81,7 @@ enum class MaskRepresentation {
 };
 
 /// The names "automatic", "block_sums" and "band_counts" (enum_name, enum_from_name).
-template <>
-struct EnumNames<MaskRepresentation> {
-  static constexpr EnumName<MaskRepresentation> table[] = {
-      {MaskRepresentation::automatic, "automatic"},
-      {MaskRepresentation::block_sums, "block_sums"},
-      {MaskRepresentation::band_counts, "band_counts"}};
-};
+POSLSH_ENUM_NAMES(MaskRepresentation, automatic, block_sums, band_counts);
 
 /// Predicted cost (memory words touched) of one product with M~ in each representation, and the
 /// band-count table's size.

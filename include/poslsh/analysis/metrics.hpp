@@ -77,11 +77,7 @@ inline double good_sample_count(Index n, double sigma, double epsilon) {
 enum class EpsilonDefinition { absolute, relative };
 
 /// The names "absolute" and "relative" (enum_name, enum_from_name).
-template <>
-struct EnumNames<EpsilonDefinition> {
-  static constexpr EnumName<EpsilonDefinition> table[] = {
-      {EpsilonDefinition::absolute, "absolute"}, {EpsilonDefinition::relative, "relative"}};
-};
+POSLSH_ENUM_NAMES(EpsilonDefinition, absolute, relative);
 
 /// Options of the metric functions.
 struct MetricOptions {

@@ -27,12 +27,7 @@ enum class SpectralMethod {
 };
 
 /// The names "automatic", "dense" and "lanczos" (enum_name, enum_from_name).
-template <>
-struct EnumNames<SpectralMethod> {
-  static constexpr EnumName<SpectralMethod> table[] = {{SpectralMethod::automatic, "automatic"},
-                                                       {SpectralMethod::dense, "dense"},
-                                                       {SpectralMethod::lanczos, "lanczos"}};
-};
+POSLSH_ENUM_NAMES(SpectralMethod, automatic, dense, lanczos);
 
 /// Options of the spectral norm computations.
 struct SpectralOptions {

@@ -29,11 +29,7 @@ namespace poslsh {
 enum class MatrixUnit { float_widening, avx512_bf16 };
 
 /// The names "float_widening" and "avx512_bf16" (enum_name, enum_from_name).
-template <>
-struct EnumNames<MatrixUnit> {
-  static constexpr EnumName<MatrixUnit> table[] = {{MatrixUnit::float_widening, "float_widening"},
-                                                   {MatrixUnit::avx512_bf16, "avx512_bf16"}};
-};
+POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16);
 
 namespace detail {
 

@@ -3,10 +3,9 @@
 /// table `EnumNames<E>::table` that the header declaring E specializes, so every enum's names
 /// (in C++ messages, in plan printouts and in the Python bindings) come from one place.
 ///
-/// Adding an enum: specialize EnumNames next to its declaration,
-///   template <> struct EnumNames<MyEnum> {
-///     static constexpr EnumName<MyEnum> table[] = {{MyEnum::a, "a"}, {MyEnum::b, "b"}};
-///   };
+/// Adding an enum: name its enumerators next to its declaration, in declaration order,
+///   enum class MyEnum { a, b };
+///   POSLSH_ENUM_NAMES(MyEnum, a, b);
 #pragma once
 
 #include <array>
@@ -29,6 +28,38 @@ struct EnumName {
 /// of EnumName<Enum>, every enumerator once, in declaration order.
 template <typename Enum>
 struct EnumNames;
+
+/// POSLSH_ENUM_NAMES(Enum, a, b, ...) at namespace poslsh scope, for 1 to 10 enumerators:
+/// specializes EnumNames<Enum> with the table {{Enum::a, "a"}, {Enum::b, "b"}, ...}, each
+/// enumerator named as it is spelled (a name cannot drift from its enumerator, and a misspelt
+/// enumerator does not compile).
+#define POSLSH_ENUM_NAMES(Enum, ...)                                                    \
+  template <>                                                                           \
+  struct EnumNames<Enum> {                                                              \
+    static constexpr EnumName<Enum> table[] = {POSLSH_ENUM_ENTRIES(Enum, __VA_ARGS__)}; \
+  }
+
+// POSLSH_ENUM_ENTRIES(E, a, b, ...): {E::a, "a"}, {E::b, "b"}, ... for 1 to 10 names, by the
+// count of names picking the expansion POSLSH_NAMES_<count>, which peels one name off.
+// clang-format off
+#define POSLSH_NAME_OF(E, name) EnumName<E>{E::name, #name}
+#define POSLSH_NAMES_1(E, a) POSLSH_NAME_OF(E, a)
+#define POSLSH_NAMES_2(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_1(E, __VA_ARGS__)
+#define POSLSH_NAMES_3(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_2(E, __VA_ARGS__)
+#define POSLSH_NAMES_4(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_3(E, __VA_ARGS__)
+#define POSLSH_NAMES_5(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_4(E, __VA_ARGS__)
+#define POSLSH_NAMES_6(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_5(E, __VA_ARGS__)
+#define POSLSH_NAMES_7(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_6(E, __VA_ARGS__)
+#define POSLSH_NAMES_8(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_7(E, __VA_ARGS__)
+#define POSLSH_NAMES_9(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_8(E, __VA_ARGS__)
+#define POSLSH_NAMES_10(E, a, ...) POSLSH_NAME_OF(E, a), POSLSH_NAMES_9(E, __VA_ARGS__)
+#define POSLSH_ENUM_COUNT(...) POSLSH_ENUM_COUNT_(__VA_ARGS__, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define POSLSH_ENUM_COUNT_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, count, ...) count
+#define POSLSH_ENUM_CONCAT(a, b) POSLSH_ENUM_CONCAT_(a, b)
+#define POSLSH_ENUM_CONCAT_(a, b) a##b
+#define POSLSH_ENUM_ENTRIES(E, ...) \
+  POSLSH_ENUM_CONCAT(POSLSH_NAMES_, POSLSH_ENUM_COUNT(__VA_ARGS__))(E, __VA_ARGS__)
+// clang-format on
 
 /// The name of `value` in its enum's table ("unknown" for a value outside the enumerators).
 template <typename Enum>

@@ -95,11 +95,7 @@ using MatrixRef = Eigen::Ref<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
 enum class Masking { causal, bidirectional };
 
 /// The names "causal" and "bidirectional" (enum_name, enum_from_name).
-template <>
-struct EnumNames<Masking> {
-  static constexpr EnumName<Masking> table[] = {{Masking::causal, "causal"},
-                                                {Masking::bidirectional, "bidirectional"}};
-};
+POSLSH_ENUM_NAMES(Masking, causal, bidirectional);
 
 /// How the kernels multiply half-precision inputs (scores tau q.k and the probability-weighted
 /// sums of values). `matrix_units`: when Q, K and V are all Eigen::bfloat16 and the CPU has a
@@ -112,11 +108,7 @@ struct EnumNames<Masking> {
 enum class Precision { matrix_units, float_products };
 
 /// The names "matrix_units" and "float_products" (enum_name, enum_from_name).
-template <>
-struct EnumNames<Precision> {
-  static constexpr EnumName<Precision> table[] = {{Precision::matrix_units, "matrix_units"},
-                                                  {Precision::float_products, "float_products"}};
-};
+POSLSH_ENUM_NAMES(Precision, matrix_units, float_products);
 
 /// Options common to the attention kernels.
 struct AttentionOptions {

@@ -41,17 +41,8 @@ enum class Sampler {
 };
 
 /// The samplers' names: "independent", "antithetic", ... (enum_name, enum_from_name).
-template <>
-struct EnumNames<Sampler> {
-  static constexpr EnumName<Sampler> table[] = {{Sampler::independent, "independent"},
-                                                {Sampler::antithetic, "antithetic"},
-                                                {Sampler::stratified, "stratified"},
-                                                {Sampler::lattice_offsets, "lattice_offsets"},
-                                                {Sampler::coupled_offsets, "coupled_offsets"},
-                                                {Sampler::rqmc, "rqmc"},
-                                                {Sampler::stratified_lattice, "stratified_lattice"},
-                                                {Sampler::poisson, "poisson"}};
-};
+POSLSH_ENUM_NAMES(Sampler, independent, antithetic, stratified, lattice_offsets, coupled_offsets,
+                  rqmc, stratified_lattice, poisson);
 
 /// All samplers, in declaration order (for sweeps): the enumerators of the name table.
 inline constexpr auto all_samplers = enum_values<Sampler>();

@@ -38,14 +38,7 @@ enum class Method {
 };
 
 /// The methods' names, as the enumerators (enum_name, enum_from_name).
-template <>
-struct EnumNames<Method> {
-  static constexpr EnumName<Method> table[] = {{Method::lsh_fused, "lsh_fused"},
-                                               {Method::lsh_per_sample, "lsh_per_sample"},
-                                               {Method::fixed_blocks, "fixed_blocks"},
-                                               {Method::exact_tiled, "exact_tiled"},
-                                               {Method::exact_banded, "exact_banded"}};
-};
+POSLSH_ENUM_NAMES(Method, lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded);
 
 /// Options of the all-heads calls: the attention options of every head (masking, scale, query
 /// offset) and how the heads are computed.

@@ -38,11 +38,7 @@ namespace poslsh {
 enum class ShardLayout { contiguous, zigzag };
 
 /// The names "contiguous" and "zigzag" (enum_name, enum_from_name).
-template <>
-struct EnumNames<ShardLayout> {
-  static constexpr EnumName<ShardLayout> table[] = {{ShardLayout::contiguous, "contiguous"},
-                                                    {ShardLayout::zigzag, "zigzag"}};
-};
+POSLSH_ENUM_NAMES(ShardLayout, contiguous, zigzag);
 
 /// The positions [begin, end) of a sequence.
 struct PositionRange {
