@@ -171,14 +171,16 @@ void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const HashSet
 }
 
 /// The per-sample kernel's rows for self-attention at positions 0 .. n - 1 (per_sample_rows):
-/// out and, if not null, lse. q, k, v and out stored as Input, computed (and lse written) in C,
-/// the products on the unit `precision` selects.
-template <typename Input, typename C = compute_scalar_t<Input>>
+/// out and, if not null, lse. q, k, v and out stored as Input, computed (and lse written) in
+/// compute_scalar_t<Input>, the products on the unit `precision` selects.
+template <typename Input>
 void per_sample_forward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
-                        const ConstMatrixRef<Input>& v, const HashSet& hashes, C tau, bool causal,
-                        MatrixRef<Input> out, C* lse,
+                        const ConstMatrixRef<Input>& v, const HashSet& hashes,
+                        compute_scalar_t<Input> tau, bool causal, MatrixRef<Input> out,
+                        compute_scalar_t<Input>* lse,
                         Precision precision = Precision::float_products) {
-  per_sample_rows<Input, Input, Input, C>(q, k, v, hashes, tau, causal, 0, precision, out, lse);
+  per_sample_rows<Input, Input, Input, compute_scalar_t<Input>>(q, k, v, hashes, tau, causal, 0,
+                                                                precision, out, lse);
 }
 
 }  // namespace poslsh::detail
