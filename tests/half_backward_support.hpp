@@ -163,4 +163,20 @@ inline Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q,
   return {tau * (ds16 * k), tau * (ds16.transpose() * q), p16.transpose() * dout};
 }
 
+/// The accuracy rule of the AVX512-BF16 unit's gradients `unit`: each within twice the error of
+/// the plain bfloat16 backward's `plain` against the double gradients `exact` (relative max
+/// error).
+inline void check_unit_accuracy(const Grads& unit, const Grads& plain,
+                                const BackwardGradients<double>& exact) {
+  const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
+    return relative_max_error(a.cast<double>(), b);
+  };
+  INFO("dq error " << error(unit.dq, exact.dq) << ", plain " << error(plain.dq, exact.dq));
+  INFO("dk error " << error(unit.dk, exact.dk) << ", plain " << error(plain.dk, exact.dk));
+  INFO("dv error " << error(unit.dv, exact.dv) << ", plain " << error(plain.dv, exact.dv));
+  CHECK(error(unit.dq, exact.dq) <= 2.0 * error(plain.dq, exact.dq));
+  CHECK(error(unit.dk, exact.dk) <= 2.0 * error(plain.dk, exact.dk));
+  CHECK(error(unit.dv, exact.dv) <= 2.0 * error(plain.dv, exact.dv));
+}
+
 }  // namespace poslsh_test

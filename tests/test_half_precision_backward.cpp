@@ -319,15 +319,7 @@ TEST_CASE(
         }();
         // The unit is used: its roundings of P and dS change the bits.
         CHECK_FALSE(same_bits(unit, widening));
-        const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
-          return poslsh_test::relative_max_error(a.cast<double>(), b);
-        };
-        INFO("dq error " << error(unit.dq, exact.dq) << ", plain " << error(plain.dq, exact.dq));
-        INFO("dk error " << error(unit.dk, exact.dk) << ", plain " << error(plain.dk, exact.dk));
-        INFO("dv error " << error(unit.dv, exact.dv) << ", plain " << error(plain.dv, exact.dv));
-        CHECK(error(unit.dq, exact.dq) <= 2.0 * error(plain.dq, exact.dq));
-        CHECK(error(unit.dk, exact.dk) <= 2.0 * error(plain.dk, exact.dk));
-        CHECK(error(unit.dv, exact.dv) <= 2.0 * error(plain.dv, exact.dv));
+        poslsh_test::check_unit_accuracy(unit, plain, exact);
         check_threads(threads, unit, first);
       }
     }

@@ -45,6 +45,17 @@ bool same_bytes(const A& a, const B& b) {
                      sizeof(typename A::Scalar) * static_cast<std::size_t>(x.size())) == 0;
 }
 
+/// The run with `threads` threads: the first run's result is kept in `first`, the second's must
+/// have its bytes.
+template <typename M>
+void check_lse_threads(int threads, const M& result, M& first) {
+  if (threads == 1) {
+    first = result;
+  } else {
+    CHECK(same_bytes(result, first));
+  }
+}
+
 /// The forward without lse of configuration c (out in Half): what the forward with lse must
 /// reproduce bit for bit.
 template <typename Half>
@@ -217,13 +228,8 @@ TEMPLATE_TEST_CASE(
           const LseGrads wide = poslsh_test::setup_backward<float>(
               c, qf, kf, vf, widened(out_rounded), lse_float, doutf);
           poslsh_test::check_bitwise(half, wide);
-          if (threads == 1) {
-            first_out = out;
-            first_lse = lse;
-          } else {
-            CHECK(same_bytes(out, first_out));
-            CHECK(same_bytes(lse, first_lse));
-          }
+          check_lse_threads(threads, out, first_out);
+          check_lse_threads(threads, lse, first_lse);
         }
       }
     }
@@ -272,22 +278,9 @@ TEST_CASE(
         const LseGrads unit = poslsh_test::setup_backward<bf16>(c, q, k, v, out, lse, dout);
         const LseGrads plain =
             poslsh_test::plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
-        const auto error = [](const RowMatrix<float>& a, const RowMatrix<double>& b) {
-          return poslsh_test::relative_max_error(a.cast<double>(), b);
-        };
-        INFO("dq error " << error(unit.dq, exact.dq) << ", plain " << error(plain.dq, exact.dq));
-        INFO("dk error " << error(unit.dk, exact.dk) << ", plain " << error(plain.dk, exact.dk));
-        INFO("dv error " << error(unit.dv, exact.dv) << ", plain " << error(plain.dv, exact.dv));
-        CHECK(error(unit.dq, exact.dq) <= 2.0 * error(plain.dq, exact.dq));
-        CHECK(error(unit.dk, exact.dk) <= 2.0 * error(plain.dk, exact.dk));
-        CHECK(error(unit.dv, exact.dv) <= 2.0 * error(plain.dv, exact.dv));
-        if (threads == 1) {
-          first_out = out;
-          first_lse = lse;
-        } else {
-          CHECK(same_bytes(out, first_out));
-          CHECK(same_bytes(lse, first_lse));
-        }
+        poslsh_test::check_unit_accuracy(unit, plain, exact);
+        check_lse_threads(threads, out, first_out);
+        check_lse_threads(threads, lse, first_lse);
       }
     }
   }
@@ -339,13 +332,8 @@ TEMPLATE_TEST_CASE(
               CHECK(same_bytes(lse, lse_float));
               CHECK(same_bytes(out, RowMatrix<Half>(out_float.template cast<Half>())));
             }
-            if (threads == 1) {
-              first_out = out;
-              first_lse = lse;
-            } else {
-              CHECK(same_bytes(out, first_out));
-              CHECK(same_bytes(lse, first_lse));
-            }
+            check_lse_threads(threads, out, first_out);
+            check_lse_threads(threads, lse, first_lse);
           }
         }
       }
