@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <cstring>
 #include <poslsh/core/matrix_units.hpp>
+#include <poslsh/multihead/training.hpp>
 #include <poslsh/reference/masks.hpp>
 #include <vector>
 
 #include "backward_kernels.hpp"
+#include "half_support.hpp"
 #include "test_support.hpp"
 
 #ifdef _OPENMP
@@ -161,6 +163,64 @@ inline Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q,
   }
   const RowMatrix<float> p16 = rounded(p), ds16 = rounded(ds);
   return {tau * (ds16 * k), tau * (ds16.transpose() * q), p16.transpose() * dout};
+}
+
+/// Views [n, H, d] of a buffer's rows (interleaved heads).
+template <typename Element>
+poslsh::HeadsView<Element> heads_of(Element* data, Index tokens, Index heads, Index dim) {
+  return poslsh::interleaved_heads<Element>(data, tokens, heads, dim);
+}
+
+/// The tensors of an all-heads test: Q (H_q heads of d), K (H_kv heads of d), V (H_kv of d_v),
+/// dO (H_q of d_v) stored as Half, their float copies, and out (H_q of d_v) and lse (H_q x n)
+/// of the float forward with lse on the copies, out also rounded to Half.
+template <typename Half>
+struct HeadsProblem {
+  Index n, heads, kv_heads, d, dv;
+  RowMatrix<Half> q, k, v, dout, out;
+  RowMatrix<float> qf, kf, vf, doutf, outf, lse;
+
+  HeadsProblem(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
+               std::uint64_t seed)
+      : n(tokens),
+        heads(query_heads),
+        kv_heads(key_heads),
+        d(dim),
+        dv(value_dim),
+        q(random_half<Half>(tokens, query_heads * dim, seed)),
+        k(random_half<Half>(tokens, key_heads * dim, seed + 1)),
+        v(random_half<Half>(tokens, key_heads * value_dim, seed + 2)),
+        dout(random_half<Half>(tokens, query_heads * value_dim, seed + 3)),
+        qf(widened(q)),
+        kf(widened(k)),
+        vf(widened(v)),
+        doutf(widened(dout)) {}
+
+  /// out, lse of multihead_attention_varlen with lse (one sequence: multihead_attention's).
+  void forward(const poslsh::MultiHeadOptions& options, const std::vector<std::int32_t>& cu) {
+    outf.resize(n, heads * dv);
+    lse.resize(heads, n);
+    poslsh::multihead_attention_varlen<float>(heads_of<const float>(qf.data(), n, heads, d),
+                                              heads_of<const float>(kf.data(), n, kv_heads, d),
+                                              heads_of<const float>(vf.data(), n, kv_heads, dv),
+                                              heads_of<float>(outf.data(), n, heads, dv), lse, cu,
+                                              options);
+    out = outf.template cast<Half>();
+  }
+};
+
+/// The options of the all-heads tests: `method`, `masking` and `precision`, 3 samples of seed
+/// 5, band error 1e-2.
+inline poslsh::MultiHeadOptions heads_options(poslsh::Method method, Masking masking,
+                                              poslsh::Precision precision) {
+  poslsh::MultiHeadOptions options;
+  options.method = method;
+  options.masking = masking;
+  options.samples = 3;
+  options.seed = 5;
+  options.band_error = 1e-2;
+  options.precision = precision;
+  return options;
 }
 
 /// The accuracy rule of the AVX512-BF16 unit's gradients `unit`: each within twice the error of

@@ -42,6 +42,9 @@ using poslsh_test::check_bitwise;
 using poslsh_test::check_threads;
 using poslsh_test::configs;
 using poslsh_test::has_bf16_unit;
+using poslsh_test::heads_of;
+using poslsh_test::heads_options;
+using poslsh_test::HeadsProblem;
 using poslsh_test::plain_bf16_backward;
 using poslsh_test::same_bits;
 using poslsh_test::setup_backward;
@@ -63,50 +66,6 @@ struct StridedInput {
     storage.leftCols(values.cols()) = values;
   }
   ConstMatrixRef<Half> view() const { return storage.leftCols(wide.cols()); }
-};
-
-/// Views [n, H, d] of a buffer's rows (interleaved heads).
-template <typename Element>
-poslsh::HeadsView<Element> heads_of(Element* data, Index tokens, Index heads, Index dim) {
-  return poslsh::interleaved_heads<Element>(data, tokens, heads, dim);
-}
-
-/// The tensors of an all-heads test: Q (H_q heads of d), K (H_kv heads of d), V (H_kv of d_v),
-/// dO (H_q of d_v) stored as Half, their float copies, and out (H_q of d_v) and lse (H_q x n)
-/// of the float forward with lse on the copies, out also rounded to Half.
-template <typename Half>
-struct HeadsProblem {
-  Index n, heads, kv_heads, d, dv;
-  RowMatrix<Half> q, k, v, dout, out;
-  RowMatrix<float> qf, kf, vf, doutf, outf, lse;
-
-  HeadsProblem(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
-               std::uint64_t seed)
-      : n(tokens),
-        heads(query_heads),
-        kv_heads(key_heads),
-        d(dim),
-        dv(value_dim),
-        q(random_half<Half>(tokens, query_heads * dim, seed)),
-        k(random_half<Half>(tokens, key_heads * dim, seed + 1)),
-        v(random_half<Half>(tokens, key_heads * value_dim, seed + 2)),
-        dout(random_half<Half>(tokens, query_heads * value_dim, seed + 3)),
-        qf(widened(q)),
-        kf(widened(k)),
-        vf(widened(v)),
-        doutf(widened(dout)) {}
-
-  /// out, lse of multihead_attention_varlen with lse (one sequence: multihead_attention's).
-  void forward(const poslsh::MultiHeadOptions& options, const std::vector<std::int32_t>& cu) {
-    outf.resize(n, heads * dv);
-    lse.resize(heads, n);
-    poslsh::multihead_attention_varlen<float>(heads_of<const float>(qf.data(), n, heads, d),
-                                              heads_of<const float>(kf.data(), n, kv_heads, d),
-                                              heads_of<const float>(vf.data(), n, kv_heads, dv),
-                                              heads_of<float>(outf.data(), n, heads, dv), lse, cu,
-                                              options);
-    out = outf.template cast<Half>();
-  }
 };
 
 /// Gradients of an all-heads call (float buffers [n, H, d]) that start as NaN.
@@ -234,13 +193,8 @@ TEMPLATE_TEST_CASE(
        {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
         poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-      poslsh::MultiHeadOptions options;
-      options.method = method;
-      options.masking = masking;
-      options.samples = 3;
-      options.seed = 5;
-      options.band_error = 1e-2;
-      options.precision = poslsh::Precision::float_products;
+      const poslsh::MultiHeadOptions options =
+          heads_options(method, masking, poslsh::Precision::float_products);
       const bool exact =
           method == poslsh::Method::exact_tiled || method == poslsh::Method::exact_banded;
       for (const HeadsCall call :

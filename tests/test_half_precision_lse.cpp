@@ -102,29 +102,6 @@ LseVector dense_lse(const LseConfig& c, const RowMatrix<float>& q, const RowMatr
   return lse;
 }
 
-/// The all-heads tensors: Q (H_q heads of d), K (H_kv heads), V (H_kv heads of d_v) as Half
-/// and widened.
-template <typename Half>
-struct LseHeads {
-  Index n, heads, kv_heads, d, dv;
-  RowMatrix<Half> q, k, v;
-  RowMatrix<float> qf, kf, vf;
-
-  LseHeads(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
-           std::uint64_t seed)
-      : n(tokens),
-        heads(query_heads),
-        kv_heads(key_heads),
-        d(dim),
-        dv(value_dim),
-        q(random_half<Half>(tokens, query_heads * dim, seed)),
-        k(random_half<Half>(tokens, key_heads * dim, seed + 1)),
-        v(random_half<Half>(tokens, key_heads * value_dim, seed + 2)),
-        qf(widened(q)),
-        kf(widened(k)),
-        vf(widened(v)) {}
-};
-
 /// What an all-heads forward with lse is.
 enum class LseCall { whole, varlen, varlen_with_lse };
 
@@ -144,8 +121,8 @@ const char* lse_call_name(LseCall call) {
 /// q, k, v stored as Scalar with the shapes of p (packed batch cu; varlen_with_lse: the same
 /// sequences with cu as both cu_seqlens).
 template <typename Scalar, typename Half>
-void heads_forward_of(LseCall call, const LseHeads<Half>& p, const Scalar* q, const Scalar* k,
-                      const Scalar* v, const std::vector<std::int32_t>& cu,
+void heads_forward_of(LseCall call, const poslsh_test::HeadsProblem<Half>& p, const Scalar* q,
+                      const Scalar* k, const Scalar* v, const std::vector<std::int32_t>& cu,
                       const poslsh::MultiHeadOptions& options, RowMatrix<Scalar>& out,
                       RowMatrix<poslsh::backward_scalar_t<Scalar>>& lse) {
   out.resize(p.n, p.heads * p.dv);
@@ -169,7 +146,7 @@ void heads_forward_of(LseCall call, const LseHeads<Half>& p, const Scalar* q, co
 
 /// out of the all-heads forward without lse (Half output) on p's Half inputs.
 template <typename Half>
-RowMatrix<Half> heads_without_lse(LseCall call, const LseHeads<Half>& p,
+RowMatrix<Half> heads_without_lse(LseCall call, const poslsh_test::HeadsProblem<Half>& p,
                                   const std::vector<std::int32_t>& cu,
                                   const poslsh::MultiHeadOptions& options) {
   RowMatrix<Half> out(p.n, p.heads * p.dv);
@@ -295,19 +272,14 @@ TEMPLATE_TEST_CASE(
   const Index n = 300, heads = 4, kv_heads = 2, d = 24, dv = 16;
   const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
   const std::vector<std::int32_t> packed = {0, 130, static_cast<std::int32_t>(n)};
-  const LseHeads<Half> p(n, heads, kv_heads, d, dv, 600);
+  const poslsh_test::HeadsProblem<Half> p(n, heads, kv_heads, d, dv, 600);
   for (const Precision precision : {Precision::float_products, Precision::matrix_units}) {
     for (const poslsh::Method method :
          {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
           poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
       for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-        poslsh::MultiHeadOptions options;
-        options.method = method;
-        options.masking = masking;
-        options.samples = 3;
-        options.seed = 5;
-        options.band_error = 1e-2;
-        options.precision = precision;
+        const poslsh::MultiHeadOptions options =
+            poslsh_test::heads_options(method, masking, precision);
         for (const LseCall call : {LseCall::whole, LseCall::varlen, LseCall::varlen_with_lse}) {
           INFO(poslsh::enum_name(precision)
                << ", " << poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking)
