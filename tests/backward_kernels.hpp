@@ -50,27 +50,27 @@ struct BackwardGradients {
   RowMatrix<Scalar> dq, dk, dv;
 };
 
-/// out and lse of the forward with lse of `s` (resized to n x d_v and n unless `resize` is
-/// false).
-template <typename Scalar>
-void setup_forward(const BackwardSetup& s, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-                   const RowMatrix<Scalar>& v, RowMatrix<Scalar>& out, ColumnVector<Scalar>& lse,
-                   bool resize = true) {
+/// out and lse of the forward with lse of `s` on q, k, v stored as Input (out in Input, lse in
+/// backward_scalar_t<Input>; resized to n x d_v and n unless `resize` is false).
+template <typename Input, typename Scalar = poslsh::backward_scalar_t<Input>>
+void setup_forward(const BackwardSetup& s, const poslsh::ConstMatrixRef<Input>& q,
+                   const poslsh::ConstMatrixRef<Input>& k, const poslsh::ConstMatrixRef<Input>& v,
+                   RowMatrix<Input>& out, ColumnVector<Scalar>& lse, bool resize = true) {
   if (resize) {
     out.resize(q.rows(), v.cols());
     lse.resize(q.rows());
   }
   switch (s.kind) {
     case BackwardKind::tiled:
-      return poslsh::alibi_attention_tiled<Scalar>(q, k, v, s.sigma, out, lse, s.options);
+      return poslsh::alibi_attention_tiled<Input>(q, k, v, s.sigma, out, lse, s.options);
     case BackwardKind::banded:
-      return poslsh::alibi_attention_banded<Scalar>(q, k, v, s.sigma, s.band, out, lse, s.options);
+      return poslsh::alibi_attention_banded<Input>(q, k, v, s.sigma, s.band, out, lse, s.options);
     case BackwardKind::fused:
-      return poslsh::lsh_attention_fused<Scalar>(q, k, v, s.hashes, out, lse, s.options);
+      return poslsh::lsh_attention_fused<Input>(q, k, v, s.hashes, out, lse, s.options);
     case BackwardKind::per_sample:
-      return poslsh::lsh_attention_per_sample<Scalar>(q, k, v, s.hashes, out, lse, s.options);
+      return poslsh::lsh_attention_per_sample<Input>(q, k, v, s.hashes, out, lse, s.options);
     case BackwardKind::fixed_blocks:
-      return poslsh::fixed_blocks_attention<Scalar>(q, k, v, s.sigma, out, lse, s.options);
+      return poslsh::fixed_blocks_attention<Input>(q, k, v, s.sigma, out, lse, s.options);
   }
 }
 

@@ -60,9 +60,13 @@ bfloat16 kernels read in place: bfloat16 products on the unit, float32 accumulat
 softmax, probabilities rounded to bfloat16 before P V (FlashAttention's bfloat16 arithmetic).
 Otherwise (precision="float_products", float16, a float32 query over a half-precision cache,
 method "mean_of_outputs", or no unit) half-precision values are widened to float32 and the
-output is the float32 result rounded once. softmax_lse and the gradients always come from the
-widened float32 computation (its out and lse feed the backward; with the unit this forward
-runs in addition to the bfloat16 one), the gradients rounded once back.
+output is the float32 result rounded once. With gradients, bfloat16 and float16 q, k, v (one
+dtype) are read in place by the half-precision forward with lse and backward under the same
+precision (one forward, no float32 copies; with the unit, the backward's products take
+bfloat16 operands too, P and dS rounded to bfloat16): softmax_lse and the gradients are
+float32, the gradients cast once to the inputs' dtype. Without the unit the gradients are
+bitwise the float32 backward's on the widened inputs and the rounded output. Method
+"mean_of_outputs" widens half-precision inputs to float32 copies for its gradients.
 
 Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernels with q
 padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
@@ -412,14 +416,22 @@ def _mean_of_outputs(q, k, v, rows, sigmas, config, dout=None):
     return out if dout is None else (dq, dk, dv)
 
 
+def _lse_dtype(x):
+    """The dtype of the lse and the gradients of a call on tensors of x's dtype: float32 for the
+    half-precision dtypes, else x's."""
+    return torch.float32 if x.dtype in _HALF else x.dtype
+
+
 def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
     """out (total_q, H, d_v), lse (H, total_q) or None, and what the backward needs, for the
-    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors, or
-    bfloat16 without train and want_lse (the bfloat16 kernels under config.precision)."""
+    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors; bfloat16
+    or float16 ones (one dtype) with train (the half-precision forward with lse, out in their
+    dtype, lse float32) or without train and want_lse (the half-precision kernels), all under
+    config.precision."""
     heads = q.shape[1]
     if rows.total_k == 0 or rows.total_q == 0:
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
-        lse = torch.full((heads, rows.total_q), math.inf, dtype=q.dtype)
+        lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
         return out, lse, None
     if config.method == "mean_of_outputs":
         padded = _pad_rows(q, rows)
@@ -430,10 +442,10 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
         out = torch.empty((queries.shape[0], heads, v.shape[2]), dtype=q.dtype)
         lse = None
         if want_lse:
-            lse = torch.empty((heads, queries.shape[0]), dtype=q.dtype)
+            lse = torch.empty((heads, queries.shape[0]), dtype=_lse_dtype(q))
             _core.multihead_attention_with_lse(_kernel_view(queries), _kernel_view(k), _kernel_view(v),
-                                               out=out.numpy(), lse=lse.numpy(), cu_seqlens=rows.cu_valid,
-                                               cu_seqlens_k=rows.cu_k, **keywords)
+                                               out=_kernel_view(out), lse=lse.numpy(), cu_seqlens=rows.cu_valid,
+                                               cu_seqlens_k=rows.cu_k, precision=config.precision, **keywords)
         else:
             _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
                                              rows.cu_k, out=_kernel_view(out), precision=config.precision,
@@ -443,39 +455,40 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
             full.index_copy_(0, _index(rows.src), out)
             out = full
             if lse is not None:
-                full_lse = torch.full((heads, rows.total_q), math.inf, dtype=q.dtype)
+                full_lse = torch.full((heads, rows.total_q), math.inf, dtype=lse.dtype)
                 full_lse[:, _index(rows.src)] = lse
                 lse = full_lse
         return out, lse, None
     padded = _pad_rows(q, rows)
     out = torch.empty((rows.total_k, heads, v.shape[2]), dtype=q.dtype)
-    lse = torch.empty((heads, rows.total_k), dtype=q.dtype)
-    _core.multihead_attention_with_lse(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out=out.numpy(),
-                                       lse=lse.numpy(), cu_seqlens=rows.cu_k, **keywords)
+    lse = torch.empty((heads, rows.total_k), dtype=_lse_dtype(q))
+    _core.multihead_attention_with_lse(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out=_kernel_view(out),
+                                       lse=lse.numpy(), cu_seqlens=rows.cu_k, precision=config.precision, **keywords)
     return _unpad_rows(out, rows), _unpad_lse(lse, rows), (padded, out, lse)
 
 
 def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
-    """(dq, dk, dv, dslopes or None) of one group from its forward's saved tensors."""
+    """(dq, dk, dv, dslopes or None) of one group from its forward's saved tensors (gradients
+    in _lse_dtype(q): float32 for half-precision q, k, v, out and dout)."""
     heads = q.shape[1]
     if saved is None:  # no keys or no queries
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), (
-            np.zeros(heads) if slopes_grad else None)
+        return tuple(torch.zeros(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v)) + (
+            np.zeros(heads) if slopes_grad else None,)
     padded, out, lse = saved
     dout_padded = _pad_rows(dout, rows)
     if config.method == "mean_of_outputs":
         dq, dk, dv = _mean_of_outputs(padded, k, v, rows, sigmas, config, dout_padded)
         return _unpad_rows(dq, rows), dk, dv, None
-    dq = torch.empty_like(padded)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (padded, k, v))
     extra = {}
     dslopes = None
     if slopes_grad:
         dslopes = np.zeros(heads)
         extra["dslopes"] = dslopes
-    _core.multihead_attention_backward(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out.numpy(),
+    _core.multihead_attention_backward(_kernel_view(padded), _kernel_view(k), _kernel_view(v), _kernel_view(out),
                                        lse.numpy(), _kernel_view(dout_padded), dq=dq.numpy(), dk=dk.numpy(),
-                                       dv=dv.numpy(), cu_seqlens=rows.cu_k, **config.keywords(sigmas), **extra)
+                                       dv=dv.numpy(), cu_seqlens=rows.cu_k, precision=config.precision,
+                                       **config.keywords(sigmas), **extra)
     return _unpad_rows(dq, rows), dk, dv, dslopes
 
 
@@ -489,9 +502,9 @@ def _groups(batch, config, heads):
 
 
 def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
-    """The packed computation of every group. q, k, v float32/float64 (bfloat16 without train
-    and want_lse); returns out, lse (float32 (H, total_q) or None) and the state of the
-    backward."""
+    """The packed computation of every group. q, k, v float32/float64, or half precision as
+    _forward_group takes them; returns out, lse (float32 (H, total_q) or None) and the state of
+    the backward."""
     heads = q.shape[1]
     groups = _groups(len(cu_q) - 1, config, heads)
     outs, lses, states = [], [], []
@@ -515,7 +528,7 @@ def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
 
 
 def _gradients(q, k, v, states, config, dout, slopes, slopes_grad):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v))
     dslopes = np.zeros(tuple(slopes.shape)) if slopes_grad else None
     for index, (rows, sigmas, saved, (qs, qe), (ks, ke)) in enumerate(states):
         gq, gk, gv, gs = _backward_group(q[qs:qe], k[ks:ke], v[ks:ke], rows, sigmas, config, saved, dout[qs:qe],
@@ -534,17 +547,20 @@ def _widen(x):
 
 
 class _FlashPacked(torch.autograd.Function):
-    """Differentiable attention of packed sequences (the varlen form): out, lse."""
+    """Differentiable attention of packed sequences (the varlen form): out, lse. Half-precision
+    q, k, v (one dtype) are read in place by the half-precision forward with lse and backward
+    (float32 lse and gradients, cast once to their dtype), except for method
+    "mean_of_outputs" (float32 and float64 only), whose inputs are widened to float32 copies."""
 
     @staticmethod
     def forward(ctx, q, k, v, slopes, cu_q, cu_k, config, want_lse):
         dtype = q.dtype
-        qw, kw, vw = _widen(q.detach()), _widen(k.detach()), _widen(v.detach())
+        q, k, v = q.detach(), k.detach(), v.detach()
+        in_place = dtype in _FLOATS or config.method != "mean_of_outputs"
+        qw, kw, vw = (q, k, v) if in_place else (_widen(q), _widen(k), _widen(v))
         train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
         out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, config, train, want_lse)
-        if config.uses_unit(q.dtype, k.dtype):
-            out = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, False, False)[0]
         ctx.config, ctx.states, ctx.dtype = config, states, dtype
         ctx.slopes = None if slopes is None else slopes.detach()
         ctx.save_for_backward(qw, kw, vw)

@@ -15,15 +15,17 @@ of shape ``[n, d]`` (one head) whose last dimension has stride 1; any row stride
 
 Gradients (dQ, dK, dV; not sigma, scale or the hashes) come from the library's backward
 passes, which recompute the probabilities from the forward's log-sum-exp tile by tile (no
-n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype). The
-gradients are those of the float32 kernels on widened float32 copies of the inputs (kept for
-the backward), rounded once to the inputs' dtype. The output: with ``precision="matrix_units"``
-(the default) and bfloat16 inputs on a CPU with a matrix unit (``poslsh.matrix_unit``), the
-bfloat16 kernel's output on the inputs as they are (bfloat16 products on the unit, float32
-accumulation and softmax, probabilities rounded to bfloat16 before P V; when gradients are
-needed the widened float32 forward runs as well, for the backward's out and log-sum-exp);
-otherwise (``precision="float_products"``, float16, or no unit) the float32 call on the widened
-tensors rounded once. float32 and float64 inputs ignore ``precision``.
+n x n buffer). These three also take bfloat16 or float16 tensors (q, k, v of one dtype), read
+in place: the library's half-precision forward with lse and backward run on them directly (no
+float32 copy, one forward). The output is in the inputs' dtype, the gradients are the
+backward's float32 gradients cast once to it (as FlashAttention returns them). With
+``precision="matrix_units"`` (the default) and bfloat16 inputs on a CPU with a matrix unit
+(``poslsh.matrix_unit``) the products take bfloat16 operands on the unit (float32 accumulation
+and softmax; the probabilities rounded to bfloat16 before P V, and P and dS before the
+backward's products); otherwise (``precision="float_products"``, float16, or no unit) every
+value is widened to float32 as it is read: the output is the float32 call's on the widened
+tensors rounded once, and the float32 gradients are bitwise those of the float32 backward on
+the widened inputs and that rounded output. float32 and float64 inputs ignore ``precision``.
 
 Forward-only kernels for inference on half-precision tensors (no autograd):
 
@@ -93,18 +95,23 @@ def _heads_gradient(tensor):
 _WIDENED = (torch.bfloat16, torch.float16)
 
 
-def _widen_inputs(ctx, q, k, v):
-    """q, k, v for the float kernels: bfloat16 and float16 tensors (all three of one dtype)
-    widened to float32 copies, other tensors as they are. Records the dtypes in ctx for
-    _narrow (the output and the gradients go back to them)."""
-    ctx.dtypes = tuple(getattr(x, "dtype", None) for x in (q, k, v))
-    if not any(dtype in _WIDENED for dtype in ctx.dtypes):
-        return q, k, v
-    for name, dtype in zip("kv", ctx.dtypes[1:]):
-        if dtype != ctx.dtypes[0]:
-            raise TypeError(f"poslsh.torch: argument '{name}' has dtype {dtype}: must be {ctx.dtypes[0]} like "
-                            "'q' (half-precision inputs are widened to float32 together)")
-    return tuple(x.detach().float() for x in (q, k, v))
+def _half_inputs(q, k, v):
+    """Whether q, k, v are half-precision tensors (bfloat16 or float16, all three of one dtype:
+    TypeError otherwise), which the kernels read in place with float32 lse and gradients."""
+    dtypes = tuple(getattr(x, "dtype", None) for x in (q, k, v))
+    if not any(dtype in _WIDENED for dtype in dtypes):
+        return False
+    for name, dtype in zip("kv", dtypes[1:]):
+        if dtype != dtypes[0]:
+            raise TypeError(f"poslsh.torch: argument '{name}' has dtype {dtype}: must be {dtypes[0]} like "
+                            "'q' (half-precision q, k, v share one dtype)")
+    return True
+
+
+def _kernel_array(tensor, name, half):
+    """The argument of a training kernel: the numpy view of a float32/float64 tensor, or the
+    shared storage (_storage) of a half-precision one."""
+    return _storage(tensor, name) if half else _array(tensor, name)
 
 
 def _precision(function, precision):
@@ -116,53 +123,34 @@ def _precision(function, precision):
     return precision
 
 
-def _uses_unit(dtypes, precision):
-    """Whether bfloat16 q, k, v (`dtypes`) reach a matrix unit under `precision` on this CPU:
-    the unit of the call differs from the one of precision "float_products"."""
-    if any(dtype != torch.bfloat16 for dtype in dtypes):
-        return False
-    return _core.matrix_unit("bfloat16", "bfloat16", precision=precision) != _core.matrix_unit(
-        "bfloat16", "bfloat16", precision="float_products")
-
-
-def _narrow(tensor, dtype):
-    """A float32 result rounded once to a half-precision dtype; otherwise as it is."""
-    return tensor.to(dtype) if dtype in _WIDENED else tensor
-
-
 def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale, precision):
-    """Forward of the single-head kernel `kernel` of the core module (its argument after v is
-    `parameter`: sigma or a HashSet) on [n, d] tensors; saves what its backward needs. bfloat16
-    inputs that reach a matrix unit (_uses_unit) return the bfloat16 kernel's output; the
-    widened float32 forward then runs only when a gradient is needed."""
-    unit_out = None
-    if _uses_unit(tuple(getattr(x, "dtype", None) for x in (q, k, v)), precision):
-        unit_out = torch.empty((q.shape[0], v.shape[1]), dtype=torch.bfloat16)
-        getattr(_core, kernel)(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), parameter, causal=causal,
-                               scale=scale, out=_storage(unit_out, "out"), precision=precision)
-        if not any(ctx.needs_input_grad[:3]):
-            return unit_out
-    q, k, v = _widen_inputs(ctx, q, k, v)
-    n, d_v = q.shape[0], v.shape[1]
-    out = torch.empty((n, d_v), dtype=q.dtype)
-    lse = torch.empty((n,), dtype=q.dtype)
-    getattr(_core, kernel + "_with_lse")(_array(q, "q"), _array(k, "k"), _array(v, "v"), parameter, causal=causal,
-                                         scale=scale, out=out.numpy(), lse=lse.numpy())
+    """Forward with lse of the single-head kernel `kernel` of the core module (its argument
+    after v is `parameter`: sigma or a HashSet) on [n, d] tensors, read in place (half precision
+    too: out in q's dtype, lse float32); saves q, k, v, out and lse for the backward."""
+    ctx.half = _half_inputs(q, k, v)
+    q, k, v = (x.detach() for x in (q, k, v))
+    out = torch.empty((q.shape[0], v.shape[1]), dtype=q.dtype)
+    lse = torch.empty((q.shape[0],), dtype=torch.float32 if ctx.half else q.dtype)
+    getattr(_core, kernel + "_with_lse")(
+        _kernel_array(q, "q", ctx.half), _kernel_array(k, "k", ctx.half), _kernel_array(v, "v", ctx.half), parameter,
+        causal=causal, scale=scale, out=_kernel_array(out, "out", ctx.half), lse=lse.numpy(), precision=precision)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.kernel, ctx.parameter, ctx.causal, ctx.scale = kernel, parameter, causal, scale
-    return _narrow(out, ctx.dtypes[0]) if unit_out is None else unit_out
+    ctx.kernel, ctx.parameter, ctx.causal, ctx.scale, ctx.precision = kernel, parameter, causal, scale, precision
+    return out
 
 
 def _single_head_backward(ctx, dout):
-    """(dq, dk, dv) of the forward saved by _single_head_forward, from its out and lse."""
+    """(dq, dk, dv) of the forward saved by _single_head_forward, from its out and lse (float32
+    gradients of half-precision inputs cast once to their dtype)."""
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (q, k, v))
+    half = ctx.half
     getattr(_core, ctx.kernel + "_backward")(
-        _array(q, "q"), _array(k, "k"), _array(v, "v"), ctx.parameter, out.numpy(), lse.numpy(),
-        _array(_gradient(dout.to(out.dtype)), "dout"), causal=ctx.causal, scale=ctx.scale,
-        dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+        _kernel_array(q, "q", half), _kernel_array(k, "k", half), _kernel_array(v, "v", half), ctx.parameter,
+        _kernel_array(out, "out", half), lse.numpy(), _kernel_array(_gradient(dout.to(out.dtype)), "dout", half),
+        causal=ctx.causal, scale=ctx.scale, dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), precision=ctx.precision,
     )
-    return tuple(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
+    return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
 
 class _SingleHeadAttention(torch.autograd.Function):
@@ -207,48 +195,31 @@ class MultiheadAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keywords, precision="matrix_units"):
-        unit_out = None
-        if _uses_unit(tuple(getattr(x, "dtype", None) for x in (q, k, v)), precision):
-            unit_out = _multihead_unit_forward(q, k, v, keywords, precision)
-            if not any(ctx.needs_input_grad[:3]):
-                return unit_out
-        q, k, v = _widen_inputs(ctx, q, k, v)
+        half = _half_inputs(q, k, v)
+        q, k, v = (x.detach() for x in (q, k, v))
         tokens, heads = (q.shape[0], q.shape[1]) if keywords["layout"] == "nhd" else (q.shape[1], q.shape[0])
         shape = (tokens, heads, v.shape[2]) if keywords["layout"] == "nhd" else (heads, tokens, v.shape[2])
         out = torch.empty(shape, dtype=q.dtype)
-        lse = torch.empty((heads, tokens), dtype=q.dtype)
-        _core.multihead_attention_with_lse(_array(q, "q"), _array(k, "k"), _array(v, "v"), **keywords, out=out.numpy(),
-                                           lse=lse.numpy())
+        lse = torch.empty((heads, tokens), dtype=torch.float32 if half else q.dtype)
+        _core.multihead_attention_with_lse(
+            _kernel_array(q, "q", half), _kernel_array(k, "k", half), _kernel_array(v, "v", half), **keywords,
+            out=_kernel_array(out, "out", half), lse=lse.numpy(), precision=precision)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.keywords = keywords
-        return _narrow(out, ctx.dtypes[0]) if unit_out is None else unit_out
+        ctx.keywords, ctx.half, ctx.precision = keywords, half, precision
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        half = ctx.half
+        dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (q, k, v))
         _core.multihead_attention_backward(
-            _array(q, "q"), _array(k, "k"), _array(v, "v"), out.numpy(), lse.numpy(),
-            _array(_heads_gradient(dout.to(out.dtype)), "dout"), **ctx.keywords,
-            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(),
+            _kernel_array(q, "q", half), _kernel_array(k, "k", half), _kernel_array(v, "v", half),
+            _kernel_array(out, "out", half), lse.numpy(),
+            _kernel_array(_heads_gradient(dout.to(out.dtype)), "dout", half), **ctx.keywords,
+            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), precision=ctx.precision,
         )
-        return (*(_narrow(g, dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes)), None, None)
-
-
-def _multihead_unit_forward(q, k, v, keywords, precision):
-    """The bfloat16 output of poslsh.multihead_attention (multihead_attention_varlen with
-    cu_seqlens) on bfloat16 q, k, v read in place, under `precision`."""
-    keywords = dict(keywords)
-    cu = keywords.pop("cu_seqlens", None)
-    nhd = keywords["layout"] == "nhd"
-    tokens, heads = (q.shape[0], q.shape[1]) if nhd else (q.shape[1], q.shape[0])
-    out = torch.empty((tokens, heads, v.shape[2]) if nhd else (heads, tokens, v.shape[2]), dtype=torch.bfloat16)
-    arrays = (_storage(q, "q"), _storage(k, "k"), _storage(v, "v"))
-    if cu is None:
-        _core.multihead_attention(*arrays, **keywords, out=_storage(out, "out"), precision=precision)
-    else:
-        _core.multihead_attention_varlen(*arrays, cu, cu, **keywords, out=_storage(out, "out"), precision=precision)
-    return out
+        return (*(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v))), None, None)
 
 
 def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None, sigmas=None,

@@ -1,7 +1,10 @@
 // poslsh Python bindings: training support. The forwards with their log-sum-exp and the
 // gradients dQ, dK, dV, for the single-head kernels and for all heads (one sequence or a
 // packed batch), and the mean-of-outputs estimator; poslsh.torch builds autograd Functions on
-// them. float32 or float64 only, self-attention only.
+// them. Self-attention only. The forwards with lse and the backward passes take float32,
+// float64, float16 or bfloat16 (poslsh.BFloat16Bits) q, k, v, out and dout of one dtype, with
+// lse and the gradients float32 for the half-precision dtypes (poslsh::backward_scalar_t) and a
+// `precision` keyword; the mean-of-outputs estimator float32 or float64 only.
 #include "poslsh/multihead/training.hpp"
 
 #include "arrays.hpp"
@@ -40,16 +43,38 @@ struct Gradients {
   MatrixOutput<T> dq, dk, dv;
 };
 
+/// The argument whose dtype the lse and gradient arrays of a call on q of storage T must have,
+/// in messages: q for float32 and float64; for the half-precision dtypes they are float32
+/// (poslsh::backward_scalar_t), the dtype of the lse.
 template <typename T>
-Gradients<T> gradient_outputs(const char* function, const QkvMaps<Types<T>>& maps, py::handle dq,
+const char* lse_like() {
+  return std::is_same_v<T, poslsh::backward_scalar_t<T>> ? "q" : "lse";
+}
+
+/// The gradient outputs (storage G) of a call on q, k, v of storage T.
+template <typename T, typename G = poslsh::backward_scalar_t<T>>
+Gradients<G> gradient_outputs(const char* function, const QkvMaps<Types<T>>& maps, py::handle dq,
                               py::handle dk, py::handle dv, Inputs inputs) {
-  auto dq_out = output_matrix<T>(dq, maps.q.rows(), maps.q.cols(), function, "dq", "q", inputs);
+  const char* const like = lse_like<T>();
+  auto dq_out = output_matrix<G>(dq, maps.q.rows(), maps.q.cols(), function, "dq", like, inputs);
   inputs.emplace_back(dq_out.result, "dq");
-  auto dk_out = output_matrix<T>(dk, maps.k.rows(), maps.k.cols(), function, "dk", "q", inputs);
+  auto dk_out = output_matrix<G>(dk, maps.k.rows(), maps.k.cols(), function, "dk", like, inputs);
   inputs.emplace_back(dk_out.result, "dk");
   return {dq_out, dk_out,
-          output_matrix<T>(dv, maps.v.rows(), maps.v.cols(), function, "dv", "q", inputs)};
+          output_matrix<G>(dv, maps.v.rows(), maps.v.cols(), function, "dv", like, inputs)};
 }
+
+/// The dtypes of the training calls: q, k, v, out, dout of one storage T (float32, float64,
+/// float16 or bfloat16), lse and gradients of poslsh::backward_scalar_t<T>.
+const char* const training_dtypes_doc = R"doc(
+dtypes: q, k, v, out and dout all float32, float64, float16 or poslsh.BFloat16Bits (one dtype;
+out, like the inputs, in it); lse and the gradients float64 for float64 inputs, float32
+otherwise. precision: 'matrix_units' (default) or 'float_products', as the forward kernels:
+under 'matrix_units' bfloat16 inputs are multiplied on the CPU's matrix unit where it has one
+(the forward's out bitwise that of the kernel without lse; the backward's five products take
+bfloat16 operands with float32 sums, P and dS rounded to bfloat16); otherwise every value is
+widened to float32 and the results are bitwise the float32 call's on the widened inputs (out
+rounded once to the input dtype). float32 and float64 inputs ignore it.)doc";
 
 const char* const backward_doc = R"doc(
 With P the attention probabilities recomputed from lse (P_ij = w_ij e^{x_ij - lse_i}),
@@ -58,65 +83,75 @@ dO = dout and D_i = dO_i . out_i:
     dv = P^T dO,  dS_ij = P_ij (dO_i . v_j - D_i),  dq = tau dS K,  dk = tau dS^T Q
 
 out and lse come from the forward *_with_lse of the same inputs. Returns (dq, dk, dv), new
-arrays or the given dq=, dk=, dv= written in place. No n x n buffer. float32 or float64, the
-array rules of the forward kernels; the GIL is released.)doc";
+arrays or the given dq=, dk=, dv= written in place. No n x n buffer. The array rules of the
+forward kernels; the GIL is released.)doc";
 
 /// Binds the training functions of method M's single-head kernel `function`:
 ///   <function>_with_lse(q, k, v, parameters..., *, causal=True, scale=None, out=None,
-///                       lse=None, num_threads=None) -> (out, lse)
+///                       lse=None, num_threads=None, precision="matrix_units") -> (out, lse)
 /// (its messages name `function`, the library's forward with lse), and
 ///   <function>_backward(q, k, v, parameters..., out, lse, dout, *, causal=True, scale=None,
-///                       dq=None, dk=None, dv=None, num_threads=None) -> (dq, dk, dv).
+///                       dq=None, dk=None, dv=None, num_threads=None,
+///                       precision="matrix_units") -> (dq, dk, dv),
+/// on the dtypes of training_dtypes_doc.
 template <poslsh::Method M, typename... Parameters, typename... Args>
 void def_training(py::module_& module, const char* function, const char* lse_doc,
                   const char* backward_head, const Args&... parameter_args) {
-  module.def(
-      (std::string(function) + "_with_lse").c_str(),
-      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters, bool causal,
-                 std::optional<double> scale, py::handle out, py::handle lse,
-                 std::optional<int> threads) {
-        const poslsh::AttentionOptions options{masking_of(causal), scale};
-        threads = thread_count(threads, function);
-        const auto call = [&](const auto&... values) {
-          return dispatch(function, {q}, [&](auto types) {
-            using T = typename decltype(types)::q;
-            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
-            const Index n = maps.q.rows();
-            const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
-            auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
-            const Output lse_out = output_of<T>(lse, {n}, function, "lse", "q", inputs, false);
-            VectorMap<T> lse_map(vector_data<T>(lse_out.array, n, function), n);
-            run_kernel(threads, [&] {
-              single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
-                                               lse_map, options);
-            });
-            return py::make_tuple(output.result, lse_out.result);
-          });
-        };
-        return call(parameter_value(parameters, function)...);
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("lse") = py::none(), py::arg("num_threads") = py::none(), lse_doc);
+  module.def((std::string(function) + "_with_lse").c_str(),
+             [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
+                        bool causal, std::optional<double> scale, py::handle out, py::handle lse,
+                        std::optional<int> threads, const std::string& precision) {
+               const poslsh::AttentionOptions options = attention_options(
+                   causal, scale, std::nullopt, precision_of(precision, function));
+               threads = thread_count(threads, function);
+               const auto call = [&](const auto&... values) {
+                 return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+                   using T = typename decltype(types)::q;
+                   using L = poslsh::backward_scalar_t<T>;
+                   const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+                   const Index n = maps.q.rows();
+                   const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+                   auto output =
+                       output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
+                   const Output lse_out =
+                       output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
+                   VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
+                   run_kernel(threads, [&] {
+                     single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
+                                                      lse_map, options);
+                   });
+                   return py::make_tuple(output.result, lse_out.result);
+                 });
+               };
+               return call(parameter_value(parameters, function)...);
+             },
+             py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
+             py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
+             py::arg("lse") = py::none(), py::arg("num_threads") = py::none(),
+             py::arg("precision") = default_precision(),
+             (std::string(lse_doc) + training_dtypes_doc).c_str());
 
   const std::string backward = std::string(function) + "_backward";
   module.def(
       backward.c_str(),
       [backward](py::handle q, py::handle k, py::handle v, Parameters... parameters, py::handle out,
                  py::handle lse, py::handle dout, bool causal, std::optional<double> scale,
-                 py::handle dq, py::handle dk, py::handle dv, std::optional<int> threads) {
+                 py::handle dq, py::handle dk, py::handle dv, std::optional<int> threads,
+                 const std::string& precision) {
         const char* const name = backward.c_str();
-        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        const poslsh::AttentionOptions options =
+            attention_options(causal, scale, std::nullopt, precision_of(precision, name));
         threads = thread_count(threads, name);
         const auto call = [&](const auto&... values) {
-          return dispatch(name, {q}, [&](auto types) {
+          return dispatch<Precision::half>(name, {q}, [&](auto types) -> py::object {
             using T = typename decltype(types)::q;
+            using L = poslsh::backward_scalar_t<T>;
             const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
             const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
             const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
             const Index n = maps.q.rows();
-            const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> lse_map(
-                vector_data<T>(storage_array<T>(lse, name, "lse", "q"), n, name), n);
+            const Eigen::Map<const Eigen::Matrix<L, Eigen::Dynamic, 1>> lse_map(
+                vector_data<L>(storage_array<L>(lse, name, "lse", lse_like<T>()), n, name), n);
             auto grads = gradient_outputs<T>(
                 name, maps, dq, dk, dv,
                 {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
@@ -133,19 +168,21 @@ void def_training(py::module_& module, const char* function, const char* lse_doc
       py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::arg("out"), py::arg("lse"),
       py::arg("dout"), py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
       py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
-      py::arg("num_threads") = py::none(), (std::string(backward_head) + backward_doc).c_str());
+      py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
+      (std::string(backward_head) + backward_doc + training_dtypes_doc).c_str());
 }
 
-/// The lse of all heads (H_q x n, last axis contiguous, any row stride): a new array, or
-/// `object` checked (dtype, shape; writable and sharing no memory with `inputs` when
-/// `output`), and its map.
-template <typename T>
+/// The lse of all heads of a call on q of storage Q (H_q x n of storage backward_scalar_t<Q>,
+/// last axis contiguous, any row stride): a new array, or `object` checked (dtype, shape;
+/// writable and sharing no memory with `inputs` when `output`), and its map.
+template <typename Q, typename T = poslsh::backward_scalar_t<Q>>
 std::pair<py::object, OutputMap<T>> lse_matrix(py::handle object, Index heads, Index n,
                                                const char* function, bool output,
                                                const Inputs& inputs) {
-  const Output lse = output ? output_of<T>(object, {heads, n}, function, "lse", "q", inputs, false)
+  const char* const like = lse_like<Q>();
+  const Output lse = output ? output_of<T>(object, {heads, n}, function, "lse", like, inputs, false)
                             : Output{py::reinterpret_borrow<py::object>(object),
-                                     storage_array<T>(object, function, "lse", "q")};
+                                     storage_array<T>(object, function, "lse", like)};
   if (lse.array.ndim() != 2 || lse.array.shape(0) != heads || lse.array.shape(1) != n) {
     throw py::value_error(argument(function, "lse") + " must be a 2-D array of shape (" +
                           std::to_string(heads) + ", " + std::to_string(n) +
@@ -178,7 +215,7 @@ multihead_attention and the log-sum-exp of every query head, (out, lse):
 lse is [H_q, n] (FlashAttention's softmax_lse of one sequence), a new array or the given lse=
 ([H_q, n], last axis contiguous) written in place; out is bitwise that of multihead_attention.
 Self-attention (k, v have the n tokens of q) unless cu_seqlens_k is given. Keywords as multihead_attention (no
-query_offset, no plans); float32 or float64. The GIL is released.
+query_offset, no plans). The GIL is released.
 
 cu_seqlens= (int32, B + 1 entries, 0 = cu_seqlens[0] <= ... <= cu_seqlens[B] = n): a packed
 batch of B self-attention sequences, tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 (positions 0 ..
@@ -211,7 +248,7 @@ q, dq [n, H_q, d]; k, dk [n, H_kv, d]; v, dv [n, H_kv, d_v]; out, dout [n, H_q, 
 layout 'nhd' ([H, n, d] in 'hnd'); lse [H_q, n]. dq=, dk=, dv=: optional outputs written in
 place (any strides on the first two axes); new arrays otherwise. No n x n buffer. Bitwise the
 single-head backward of each head (summed over a group in head order), for any thread count.
-Self-attention only; float32 or float64; the GIL is released. cu_seqlens=: a packed batch, as
+Self-attention only; the GIL is released. cu_seqlens=: a packed batch, as
 in multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are
 those of its own call, none crosses sequences. dslopes= (float64 array of H_q entries,
 contiguous, written in place; methods exact_tiled and exact_banded only): the gradients in the
@@ -357,7 +394,8 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
          std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
          double band_error, std::pair<Index, Index> window, py::handle out, py::handle lse,
          py::handle cu_seqlens, py::handle cu_seqlens_k, std::optional<Index> query_offset,
-         std::optional<Index> key_offset, std::optional<int> threads) {
+         std::optional<Index> key_offset, std::optional<int> threads,
+         const std::string& precision) {
         const bool slice = query_offset || key_offset;
         const Batch batch =
             batch_of(cu_seqlens, slice ? "multihead_attention_slice" : "multihead_attention",
@@ -373,10 +411,11 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           cu_k = int32_vector(cu_seqlens_k, batch.function, "cu_seqlens_k");
         }
         const char* const function = batch.function;
-        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error, window);
+        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                sigmas, samples, seed, band_error, window);
+        keywords.options.precision = precision_of(precision, function);
         threads = thread_count(threads, function);
-        return dispatch(function, {q}, [&](auto types) {
+        return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
           using T = typename decltype(types)::q;
           const HeadsInputs<Types<T>> in =
               heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
@@ -415,8 +454,9 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       std::make_tuple(py::arg("out") = py::none(), py::arg("lse") = py::none(),
                       py::arg("cu_seqlens") = py::none(), py::arg("cu_seqlens_k") = py::none(),
                       py::arg("query_offset") = py::none(), py::arg("key_offset") = py::none(),
-                      py::arg("num_threads") = py::none()),
-      with_lse_doc);
+                      py::arg("num_threads") = py::none(),
+                      py::arg("precision") = default_precision()),
+      (std::string(with_lse_doc) + training_dtypes_doc).c_str());
 
   def_multihead(
       module, "multihead_attention_backward",
@@ -425,7 +465,7 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
          py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
-         std::optional<Index> position, std::optional<int> threads) {
+         std::optional<Index> position, std::optional<int> threads, const std::string& precision) {
         const Batch batch = batch_of(
             cu_seqlens,
             position ? "multihead_attention_window_backward" : "multihead_attention_backward",
@@ -435,10 +475,12 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           throw py::value_error(argument(function, "position") +
                                 " (a window of one sequence) takes no cu_seqlens and no dslopes");
         threads = thread_count(threads, function);
-        const HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                      sigmas, samples, seed, band_error, window);
-        return dispatch(function, {q}, [&](auto types) {
+        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
+                                                sigmas, samples, seed, band_error, window);
+        keywords.options.precision = precision_of(precision, function);
+        return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
           using T = typename decltype(types)::q;
+          using L = poslsh::backward_scalar_t<T>;
           const HeadsInputs<Types<T>> in =
               heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
           const auto out_view = heads_input<T>(out, keywords.layout, function, "out", "q");
@@ -447,15 +489,16 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
               lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, false, {}).second;
           Inputs inputs = {{q, "q"},     {k, "k"},     {v, "v"},
                            {out, "out"}, {lse, "lse"}, {dout, "dout"}};
-          auto dq_out = heads_output<T>(dq, keywords.layout, in.q.tokens, in.q.heads, in.q.dim,
-                                        function, "dq", "q", inputs);
+          const char* const like = lse_like<T>();
+          auto dq_out = heads_output<L>(dq, keywords.layout, in.q.tokens, in.q.heads, in.q.dim,
+                                        function, "dq", like, inputs);
           inputs.emplace_back(dq_out.result, "dq");
-          auto dk_out = heads_output<T>(dk, keywords.layout, in.k.tokens, in.k.heads, in.k.dim,
-                                        function, "dk", "q", inputs);
+          auto dk_out = heads_output<L>(dk, keywords.layout, in.k.tokens, in.k.heads, in.k.dim,
+                                        function, "dk", like, inputs);
           inputs.emplace_back(dk_out.result, "dk");
-          auto dv_out = heads_output<T>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
-                                        function, "dv", "q", inputs);
-          const poslsh::ConstMatrixRef<T> lse_ref(lse_map);
+          auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
+                                        function, "dv", like, inputs);
+          const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
           const std::optional<Eigen::Map<Eigen::VectorXd>> dslopes_map =
               slope_gradients(dslopes, in.q.heads, function);
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
@@ -486,8 +529,9 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
                       py::arg("dslopes") = py::none(), py::arg("position") = py::none(),
-                      py::arg("num_threads") = py::none()),
-      multihead_backward_doc);
+                      py::arg("num_threads") = py::none(),
+                      py::arg("precision") = default_precision()),
+      (std::string(multihead_backward_doc) + training_dtypes_doc).c_str());
 }
 
 }  // namespace poslsh_python

@@ -405,8 +405,9 @@ def test_gradcheck_varlen():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("method", ["exact", "lsh"])
 def test_half_precision_is_the_float32_call_rounded(dtype, method):
-    """precision="float_products": the output and gradients of the float32 call on the widened
-    tensors, rounded once."""
+    """precision="float_products": the output of the float32 call on the widened tensors,
+    rounded once; the gradients of each batch row those of the float32 backward on the widened
+    tensors and that rounded output, cast once (poslsh.multihead_attention_backward)."""
     q, k, v = qkv(2, 6, 6, 2, 1, 8, dtype, seed=70, requires_grad=True)
     wide = [x.detach().float().requires_grad_() for x in (q, k, v)]
     slopes = torch.tensor([0.3, 0.1])
@@ -415,9 +416,14 @@ def test_half_precision_is_the_float32_call_rounded(dtype, method):
     out_wide = flash_attn_func(*wide, causal=True, alibi_slopes=slopes, method=method)
     assert out.dtype == dtype and torch.equal(out, out_wide.to(dtype))
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    grads_wide = torch.autograd.grad(out_wide, wide, dout.float())
-    for got, want in zip(grads, grads_wide):
-        assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    keywords = dict(method="exact_tiled" if method == "exact" else "lsh_fused", sigmas=[1.0 / float(s) for s in slopes],
+                    samples=16, seed=0)
+    for b in range(2):
+        qf, kf, vf, outf, doutf = (x[b].detach().float().numpy() for x in (q, k, v, out, dout))
+        _, lse = poslsh.multihead_attention_with_lse(qf, kf, vf, **keywords)
+        want = poslsh.multihead_attention_backward(qf, kf, vf, outf, lse, doutf, **keywords)
+        for got, expected in zip(grads, want):
+            assert got.dtype == dtype and torch.equal(got[b], torch.from_numpy(expected).to(dtype))
 
 
 def test_lsh_rejects_slopes_that_require_grad():

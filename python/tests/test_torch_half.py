@@ -12,6 +12,7 @@ from test_multihead import expected_heads
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import poslsh.torch as ptorch  # noqa: E402
+from test_half_training import float32_gradients  # noqa: E402
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -140,9 +141,9 @@ def test_errors():
 @pytest.mark.parametrize("function", ["alibi", "lsh", "multihead", "packed"])
 def test_half_precision_autograd_is_the_widened_float32_call_rounded(dtype, function):
     """bfloat16 and float16 tensors through the differentiable functions with
-    precision="float_products": the output and the gradients are bitwise those of the float32
-    call on the widened tensors, rounded once; the output is also bitwise the forward-only
-    half-precision kernel's."""
+    precision="float_products": the output is bitwise that of the float32 call on the widened
+    tensors, rounded once, and the forward-only half-precision kernel's; the gradients are
+    bitwise the float32 backward's on the widened tensors and that rounded output, cast once."""
     n, d = 40, 8
     shape = (n, d) if function in ("alibi", "lsh") else (n, 2, d)
     q, k, v, dout = (rounded(shape, dtype, seed) for seed in (11, 12, 13, 14))
@@ -170,7 +171,9 @@ def test_half_precision_autograd_is_the_widened_float32_call_rounded(dtype, func
         with torch.no_grad():
             assert torch.equal(out, forward_only(q, k, v))
     out.backward(dout)
-    out_float.backward(dout.float())
-    for got, want in zip(half, widened):
+    # The gradients: the float32 backward's on the widened inputs and the rounded out, cast once.
+    _, want = float32_gradients(function, q, k, v, out, dout, 5.0, hashes, dict(samples=6, seed=2) if function ==
+                                "multihead" else dict(method="exact_tiled"), cu)
+    for got, expected in zip(half, want):
         assert got.grad.dtype == dtype
-        assert torch.equal(got.grad, want.grad.to(dtype))
+        assert torch.equal(got.grad, torch.from_numpy(expected).to(dtype))

@@ -1,7 +1,8 @@
 """The `precision` keyword through poslsh.torch, poslsh.flash and poslsh.modules on bfloat16 CPU
 tensors: under "matrix_units" (the default) the forward is the compiled bfloat16 kernels' (on the
 CPU's matrix unit where it has one), under "float_products" the float32 call on the widened
-tensors rounded once; the gradients are those of the widened float32 call either way."""
+tensors rounded once; the gradients come from the compiled bfloat16 forward with lse and backward
+under the same precision (test_half_training.py checks their rules)."""
 
 import math
 
@@ -14,6 +15,7 @@ from test_matrix_units import (FLOAT_PRODUCTS, HAS_UNIT, alibi_additive, bf16_va
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import poslsh.torch as ptorch  # noqa: E402
+from test_half_training import float32_gradients  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -60,7 +62,7 @@ def test_forward_only_kernels_are_the_compiled_kernels():
 @pytest.mark.parametrize("function", ["alibi", "lsh", "multihead", "packed"])
 def test_differentiable_functions_forward_on_the_unit(function):
     """The output is the forward-only kernels' (the unit under the default precision) with or
-    without gradients; the gradients are the widened float32 call's, rounded once."""
+    without gradients; the gradients are the compiled bfloat16 backward's, cast once."""
     n, d = 100, 16
     shape = (n, d) if function in ("alibi", "lsh") else (n, 2, d)
     q, k, v, dout = (rand(shape, seed) for seed in (21, 22, 23, 24))
@@ -86,10 +88,12 @@ def test_differentiable_functions_forward_on_the_unit(function):
     out = differentiable(*leaves)
     assert out.dtype == BF16 and out.requires_grad and torch.equal(out.detach(), expected)
     out.backward(dout)
-    widened = [x.float().requires_grad_(True) for x in (q, k, v)]
-    differentiable(*widened).backward(dout.float())
-    for got, want in zip(leaves, widened):
-        assert got.grad.dtype == BF16 and torch.equal(got.grad, want.grad.to(BF16))
+    # The gradients: the compiled bfloat16 backward's on the tensors and the output (the unit
+    # under the default precision), from the compiled forward's lse, cast once.
+    keywords = dict(method="exact_tiled") if function == "packed" else dict(samples=6, seed=2)
+    _, want = float32_gradients(function, q, k, v, out, dout, 6.0, hashes, keywords, cu, argument=bits)
+    for got, gradient in zip(leaves, want):
+        assert got.grad.dtype == BF16 and torch.equal(got.grad, torch.from_numpy(gradient).to(BF16))
     fp_out = differentiable(q, k, v, precision=FLOAT_PRODUCTS)
     with torch.no_grad():
         assert torch.equal(fp_out, differentiable(*(x.float() for x in (q, k, v))).to(BF16))
@@ -134,17 +138,26 @@ def test_flash_attn_func_on_the_unit(causal):
     assert torch.equal(fp, flash_reference(q, k, v, slopes, causal, FLOAT_PRODUCTS).to(BF16))
     if HAS_UNIT:
         assert not torch.equal(out, fp)
-    # Gradients: the output is unchanged, the gradients are the widened float32 call's.
+    # Gradients: the output is unchanged; each batch row's gradients and lse are those of
+    # poslsh.torch.multihead_attention on its tensors (the compiled bfloat16 forward with lse and
+    # backward under the same precision).
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     graded, lse, _ = ptorch.flash_attn_func(*leaves, return_attn_probs=True, **extras)
     assert torch.equal(graded.detach(), out)
     dout = rand(out.shape, 34)
     grads = torch.autograd.grad(graded, leaves, dout)
-    widened = [x.float().requires_grad_(True) for x in (q, k, v)]
-    wide_out, wide_lse, _ = ptorch.flash_attn_func(*widened, return_attn_probs=True, **extras)
-    for got, want in zip(grads, torch.autograd.grad(wide_out, widened, dout.float())):
-        assert got.dtype == BF16 and torch.equal(got, want.to(BF16))
-    assert torch.equal(lse, wide_lse)
+    sigmas = [1.0 / float(s) for s in slopes]
+    masking = "causal" if causal else "bidirectional"
+    for b in range(batch):
+        row = [x[b].clone().requires_grad_(True) for x in (q, k, v)]
+        row_out = ptorch.multihead_attention(*row, method="exact_tiled", masking=masking, sigmas=sigmas)
+        for got, want in zip(grads, torch.autograd.grad(row_out, row, dout[b])):
+            assert got.dtype == BF16 and torch.equal(got[b], want)
+        _, row_lse = poslsh.multihead_attention_with_lse(*(bits(x[b].contiguous()) for x in (q, k, v)),
+                                                         method="exact_tiled", masking=masking, sigmas=sigmas)
+        assert torch.equal(lse[b], torch.from_numpy(row_lse))
+    widened = [x.float() for x in (q, k, v)]
+    _, wide_lse, _ = ptorch.flash_attn_func(*widened, return_attn_probs=True, **extras)
     with torch.no_grad():
         plain_out, plain_lse, _ = ptorch.flash_attn_func(q, k, v, return_attn_probs=True, **extras)
     assert torch.equal(plain_out, out) and torch.equal(plain_lse, wide_lse)

@@ -21,7 +21,8 @@ namespace detail {
 /// written to out.middleRows(i0 - query_offset, rows); row r of q (and of out) is the query at
 /// position query_offset + r. Computed in Scalar; Q (QScalar) and K, V (KVScalar) may be
 /// stored in a half-precision type, out in any scalar type, their products on the unit
-/// `precision` selects (engine_rows). The counts come from
+/// `precision` selects (engine_rows); with lse (not null), lse[r] for out row
+/// i0 - query_offset + r (TileEngine::run). The counts come from
 /// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
           typename OutType>
@@ -29,11 +30,11 @@ void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
                 const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
                 bool causal, Index i0, Index rows, OutType& out, TileWorkspace<Scalar>& work,
-                Index query_offset, Precision precision) {
+                Index query_offset, Precision precision, Scalar* lse = nullptr) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
   engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
                                          query_offset, precision, i0, i0 + rows,
-                                         out.middleRows(i0 - query_offset, rows));
+                                         out.middleRows(i0 - query_offset, rows), lse);
 }
 
 /// The body of lsh_attention_fused after its checks: the q.rows() queries at positions p0 ..,

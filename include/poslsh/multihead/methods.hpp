@@ -231,8 +231,7 @@ template <Method M>
 struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
 
-  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null
-  /// (one scalar type only: the forwards with lse).
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null.
   template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
             typename OutType>
   static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
@@ -246,10 +245,9 @@ struct PerSampleMethodKernels : WholeHeadMethod {
     if (lse == nullptr && f.k0 == 0) {
       lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
                                                              options);
-    } else if constexpr (std::is_same_v<QScalar, Compute> && std::is_same_v<KVScalar, Compute> &&
-                         std::is_same_v<OutScalar, Compute>) {
-      MatrixRef<Compute> out = f.out;
-      per_sample_rows<Compute, Compute, Compute, Compute>(
+    } else {
+      MatrixRef<OutScalar> out = f.out;
+      per_sample_rows<QScalar, KVScalar, OutScalar, Compute>(
           f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
           TilePositions(f.p0, f.k0), f.precision, out, lse);
     }

@@ -61,22 +61,24 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   return call;
 }
 
-/// The forward with lse of a training call: run_heads_forward into out and lse; a sequence
+/// The forward with lse of a training call: run_heads_forward into out and lse (q, k, v and
+/// out stored as Input, computed and lse written in backward_scalar_t<Input>); a sequence
 /// whose values have no columns gets its lse from a column of zeros (the probabilities do not
 /// depend on V).
-template <typename Scalar>
-void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Scalar>& q,
-                            const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                            const HeadsView<Scalar>& out, MatrixRef<Scalar>& lse) {
+template <typename Input>
+void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Input>& q,
+                            const HeadsView<const Input>& k, const HeadsView<const Input>& v,
+                            const HeadsView<Input>& out, MatrixRef<backward_scalar_t<Input>>& lse) {
+  using Compute = backward_scalar_t<Input>;
   if (v.dim == 0 && q.tokens > 0) {
-    const std::vector<Scalar> zeros(static_cast<std::size_t>(k.tokens * k.heads), Scalar(0));
-    std::vector<Scalar> sink(static_cast<std::size_t>(q.tokens * q.heads));
-    run_heads_forward<Scalar>(call, q, k, interleaved_heads(zeros.data(), k.tokens, k.heads, 1),
-                              interleaved_heads(sink.data(), q.tokens, q.heads, 1), lse.data(),
-                              lse.outerStride());
+    const std::vector<Input> zeros(static_cast<std::size_t>(k.tokens * k.heads), Input(0));
+    std::vector<Input> sink(static_cast<std::size_t>(q.tokens * q.heads));
+    run_heads_forward<Compute>(call, q, k, interleaved_heads(zeros.data(), k.tokens, k.heads, 1),
+                               interleaved_heads(sink.data(), q.tokens, q.heads, 1), lse.data(),
+                               lse.outerStride());
     return;
   }
-  run_heads_forward<Scalar>(call, q, k, v, out, lse.data(), lse.outerStride());
+  run_heads_forward<Compute>(call, q, k, v, out, lse.data(), lse.outerStride());
 }
 
 /// The backward of a training call. Without grouping (H_q = H_kv) and for methods whose passes
@@ -234,10 +236,15 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
 /// h, FlashAttention's softmax_lse layout of one sequence) as in the single-head kernels with
 /// lse; out bitwise that of multihead_attention. Self-attention (options.query_offset unset or
 /// 0). One parallel loop over (query tile, head) jobs: bitwise the same for any thread count.
+/// q, k, v and out are views of Scalar (float, double, Eigen::bfloat16 or Eigen::half, deduced
+/// from them), lse of backward_scalar_t<Scalar> (float for the half-precision types: the
+/// forwards with lse of poslsh/training/backward.hpp; out bitwise multihead_attention's with
+/// OutScalar = Scalar under the same options.precision).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                         HeadsView<const Scalar> v, HeadsView<Scalar> out, MatrixRef<Scalar> lse,
+                         HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                         MatrixRef<backward_scalar_t<Scalar>> lse,
                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention";
   const detail::HeadsCall call = detail::training_call(
@@ -303,7 +310,8 @@ void multihead_attention_backward(
 template <typename Scalar>
 void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                 HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                MatrixRef<Scalar> lse, const std::vector<std::int32_t>& cu_seqlens,
+                                MatrixRef<backward_scalar_t<Scalar>> lse,
+                                const std::vector<std::int32_t>& cu_seqlens,
                                 const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_varlen";
   const detail::HeadsCall call =
@@ -321,7 +329,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 template <typename Scalar>
 void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                          HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                         MatrixRef<Scalar> lse,
+                                         MatrixRef<backward_scalar_t<Scalar>> lse,
                                          const std::vector<std::int32_t>& cu_seqlens_q,
                                          const std::vector<std::int32_t>& cu_seqlens_k,
                                          const MultiHeadOptions& options = {},

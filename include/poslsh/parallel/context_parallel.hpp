@@ -308,13 +308,14 @@ inline std::vector<HeadMethod> resolve_head_methods(Index query_heads,
 /// key slices merge exactly by their lse (LseMerger); a slice holding every key that the
 /// rows reach (head_key_range) gives bitwise the rows of the call on the whole sequence. One
 /// parallel loop over (query tile, head) jobs: bitwise the same for any thread count.
-/// options.query_offset must be unset (the offsets are arguments).
+/// options.query_offset must be unset (the offsets are arguments). Scalar types as
+/// multihead_attention with lse (q, k, v, out in Scalar, lse in backward_scalar_t<Scalar>).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                               MatrixRef<Scalar> lse, Index query_offset, Index key_offset,
-                               const MultiHeadOptions& options = {}) {
+                               MatrixRef<backward_scalar_t<Scalar>> lse, Index query_offset,
+                               Index key_offset, const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice";
   detail::require(!options.query_offset, function, "options.query_offset",
                   options.query_offset.value_or(0),

@@ -125,45 +125,43 @@ void require_backward_arguments(const char* function, const ConstMatrixRef<Input
 
 /// run(v, out) when V has columns; otherwise run(zero, sink) with a column of zeros for V and
 /// a scratch output: the probabilities, and so the lse, do not depend on V.
-template <typename Scalar, typename Run>
-void with_value_columns(const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar>& out, Run&& run) {
+template <typename Input, typename Run>
+void with_value_columns(const ConstMatrixRef<Input>& v, MatrixRef<Input>& out, Run&& run) {
   if (v.cols() > 0) {
     run(v, out);
     return;
   }
-  const RowMatrix<Scalar> zero = RowMatrix<Scalar>::Zero(v.rows(), 1);
-  RowMatrix<Scalar> sink(out.rows(), 1);
-  run(ConstMatrixRef<Scalar>(zero), MatrixRef<Scalar>(sink));
+  const RowMatrix<Input> zero = RowMatrix<Input>::Zero(v.rows(), 1);
+  RowMatrix<Input> sink(out.rows(), 1);
+  run(ConstMatrixRef<Input>(zero), MatrixRef<Input>(sink));
 }
 
-/// Exact ALiBi attention over `window` with lse, query tiles in parallel (exact_alibi_rows).
-template <typename Scalar>
-void exact_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                    const ConstMatrixRef<Scalar>& v, double sigma, double tau, ExactWindow window,
-                    MatrixRef<Scalar> out, Scalar* lse) {
-  with_value_columns<Scalar>(
-      v, out, [&](const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> o) {
-        exact_alibi_rows<Scalar>(q, k, values, sigma, tau, window, 0, q.rows(), o, 0,
-                                 Precision::float_products, lse);
-      });
+/// Exact ALiBi attention over `window` with lse, query tiles in parallel (exact_alibi_rows):
+/// q, k, v and out stored as Input, computed (and lse written) in backward_scalar_t<Input>,
+/// the products on the unit `precision` selects, as the forward without lse.
+template <typename Input>
+void exact_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                    const ConstMatrixRef<Input>& v, double sigma, double tau, ExactWindow window,
+                    MatrixRef<Input> out, backward_scalar_t<Input>* lse, Precision precision) {
+  with_value_columns<Input>(v, out, [&](const ConstMatrixRef<Input>& values, MatrixRef<Input> o) {
+    exact_alibi_rows<backward_scalar_t<Input>, Input, Input>(q, k, values, sigma, tau, window, 0,
+                                                             q.rows(), o, 0, precision, lse);
+  });
 }
 
-/// The fused estimator with lse, query tiles in parallel as lsh_attention_fused.
-template <typename Scalar>
-void fused_with_lse(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                    const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau, bool causal,
-                    MatrixRef<Scalar> out, Scalar* lse) {
-  const Index n = q.rows();
-  with_value_columns<Scalar>(
-      v, out, [&](const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> o) {
-        parallel_query_tiles<Scalar>(
-            1, 0, n, [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
-              CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
-              engine_rows<Scalar, Scalar, Scalar>(q, k, values, static_cast<double>(tau), bias,
-                                                  work.buffers, 0, Precision::float_products, i0,
-                                                  i0 + rows, o.middleRows(i0, rows), lse + i0);
-            });
-      });
+/// The fused estimator with lse, query tiles in parallel as lsh_attention_fused (types and
+/// products as exact_with_lse).
+template <typename Input, typename Scalar = backward_scalar_t<Input>>
+void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                    const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau, bool causal,
+                    MatrixRef<Input> out, Scalar* lse, Precision precision) {
+  with_value_columns<Input>(v, out, [&](const ConstMatrixRef<Input>& values, MatrixRef<Input> o) {
+    parallel_query_tiles<Scalar>(
+        1, 0, q.rows(), [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
+          fused_tile<Scalar, Input, Input>(q, k, values, hashes, tau, causal, i0, rows, o, work, 0,
+                                           precision, lse + i0);
+        });
+  });
 }
 
 /// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
@@ -323,18 +321,18 @@ void lsh_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 /// The body of the exact forwards with lse (tiled, banded): the checks (self-attention from
 /// position 0, the views, sigma, lse of size n), then exact_with_lse over window(n) when there
 /// are rows.
-template <typename Scalar, typename Window>
-void exact_lse_call(const char* function, const ConstMatrixRef<Scalar>& q,
-                    const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v, double sigma,
-                    MatrixRef<Scalar> out, VectorRef<Scalar>& lse, const AttentionOptions& options,
-                    Window window) {
+template <typename Input, typename Window>
+void exact_lse_call(const char* function, const ConstMatrixRef<Input>& q,
+                    const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v, double sigma,
+                    MatrixRef<Input> out, VectorRef<backward_scalar_t<Input>>& lse,
+                    const AttentionOptions& options, Window window) {
   require_self_positions(function, options);
-  require_exact_arguments<Scalar>(function, q, k, v, sigma, 0, q.rows(), out);
+  require_exact_arguments<Input>(function, q, k, v, sigma, 0, q.rows(), out);
   require_lse_size(function, lse, q.rows());
   const double tau = resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return;
-  exact_with_lse<Scalar>(q, k, v, sigma, tau, window(n), out, lse.data());
+  exact_with_lse<Input>(q, k, v, sigma, tau, window(n), out, lse.data(), options.precision);
 }
 
 /// The body of the exact backward passes (tiled, banded): the checks (sigma and
@@ -359,6 +357,15 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 
 // ---------------------------------------------------------------------------------------------
 // Forward with log-sum-exp.
+//
+// Scalar types of the forwards with lse: q, k, v and out stored in one type Scalar (float,
+// double, Eigen::bfloat16 or Eigen::half, as the backward passes read them), lse in
+// backward_scalar_t<Scalar> (float for the half-precision types). Computed as the forward
+// without lse with OutScalar = Scalar, on the unit options.precision selects: out bitwise that
+// forward's (half-precision inputs: the float result rounded once, or from bfloat16 products on
+// the CPU's matrix unit), lse the log-sum-exp of the same scores and weights in float (under
+// Precision::float_products out and lse are bitwise the float call's on the widened inputs,
+// out rounded once to Scalar).
 
 /// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
 ///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
@@ -369,7 +376,8 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 template <typename Scalar>
 void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                           VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+                           VectorRef<backward_scalar_t<Scalar>> lse,
+                           const AttentionOptions& options = {}) {
   detail::exact_lse_call<Scalar>(
       "alibi_attention_tiled", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
@@ -381,7 +389,7 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, Index band,
-                            MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                            MatrixRef<Scalar> out, VectorRef<backward_scalar_t<Scalar>> lse,
                             const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded", "band");
   detail::exact_lse_call<Scalar>(
@@ -396,16 +404,18 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                          ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
-                         VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+                         VectorRef<backward_scalar_t<Scalar>> lse,
+                         const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
   const Index n = q.rows();
   if (n == 0) return;
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau =
+      static_cast<backward_scalar_t<Scalar>>(detail::resolve_scale(function, options, q.cols()));
   detail::fused_with_lse<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
-                                 lse.data());
+                                 lse.data(), options.precision);
 }
 
 /// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
@@ -414,16 +424,17 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                               ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                              MatrixRef<Scalar> out, VectorRef<Scalar> lse,
+                              MatrixRef<Scalar> out, VectorRef<backward_scalar_t<Scalar>> lse,
                               const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
-  const auto tau = static_cast<Scalar>(detail::resolve_scale(function, options, q.cols()));
+  const auto tau =
+      static_cast<backward_scalar_t<Scalar>>(detail::resolve_scale(function, options, q.cols()));
   if (q.rows() == 0) return;
   detail::per_sample_forward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
-                                     lse.data());
+                                     lse.data(), options.precision);
 }
 
 /// fixed_blocks_attention with lse: lsh_attention_per_sample with lse for the single hash
@@ -431,7 +442,8 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
 template <typename Scalar>
 void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                            VectorRef<Scalar> lse, const AttentionOptions& options = {}) {
+                            VectorRef<backward_scalar_t<Scalar>> lse,
+                            const AttentionOptions& options = {}) {
   lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
 }
 

@@ -171,13 +171,16 @@ void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const HashSet
 }
 
 /// The per-sample kernel's rows for self-attention at positions 0 .. n - 1 (per_sample_rows):
-/// out and, if not null, lse.
-template <typename Scalar>
-void per_sample_forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
-                        const ConstMatrixRef<Scalar>& v, const HashSet& hashes, Scalar tau,
-                        bool causal, MatrixRef<Scalar> out, Scalar* lse) {
-  per_sample_rows<Scalar, Scalar, Scalar, Scalar>(q, k, v, hashes, tau, causal, 0,
-                                                  Precision::float_products, out, lse);
+/// out and, if not null, lse. q, k, v and out stored as Input, computed (and lse written) in
+/// compute_scalar_t<Input>, the products on the unit `precision` selects.
+template <typename Input>
+void per_sample_forward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                        const ConstMatrixRef<Input>& v, const HashSet& hashes,
+                        compute_scalar_t<Input> tau, bool causal, MatrixRef<Input> out,
+                        compute_scalar_t<Input>* lse,
+                        Precision precision = Precision::float_products) {
+  per_sample_rows<Input, Input, Input, compute_scalar_t<Input>>(q, k, v, hashes, tau, causal, 0,
+                                                                precision, out, lse);
 }
 
 }  // namespace poslsh::detail
