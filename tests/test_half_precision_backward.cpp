@@ -238,7 +238,7 @@ TEST_CASE(
   using namespace half_backward;
   using bf16 = Eigen::bfloat16;
   if (!has_bf16_unit()) return;
-  const Index n = 300, d = 39, dv = 21;
+  const Index n = 300, d = 40, dv = 22;
   const RowMatrix<bf16> q = random_half<bf16>(n, d, 71), k = random_half<bf16>(n, d, 72),
                         v = random_half<bf16>(n, dv, 73), dout = random_half<bf16>(n, dv, 74);
   const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);

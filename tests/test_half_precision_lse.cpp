@@ -221,7 +221,7 @@ TEST_CASE(
   using namespace half_lse;
   using bf16 = Eigen::bfloat16;
   if (!poslsh_test::has_bf16_unit()) return;
-  const Index n = 300, d = 39, dv = 21;
+  const Index n = 300, d = 40, dv = 22;
   const RowMatrix<bf16> q = random_half<bf16>(n, d, 171), k = random_half<bf16>(n, d, 172),
                         v = random_half<bf16>(n, dv, 173), dout = random_half<bf16>(n, dv, 174);
   const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);

@@ -167,9 +167,12 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
 /// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
 /// when the forward would use a bfloat16 unit (matrix_unit_for<Input, Input>(precision) is not
 /// float_widening). A CPU with amx_bf16 also has avx512_bf16, on which its backward runs.
+/// Odd head widths (d or d_v) take float products: the pair kernels read the input rows in
+/// pairs of columns.
 template <typename Input>
-bool backward_on_bf16_unit(Precision precision) {
-  return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
+bool backward_on_bf16_unit(Precision precision, Index d = 0, Index dv = 0) {
+  return d % 2 == 0 && dv % 2 == 0 &&
+         matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
          matrix_unit_available(MatrixUnit::avx512_bf16);
 }
 
@@ -193,7 +196,14 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar, Input> in{
-      q, k, v, dout, lse_copy.data(), delta.data(), tau, backward_on_bf16_unit<Input>(precision)};
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())};
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
@@ -270,7 +280,14 @@ void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<In
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
   const BackwardInputs<Scalar, Input> in{
-      q, k, v, dout, lse_copy.data(), delta.data(), tau, backward_on_bf16_unit<Input>(precision)};
+      q,
+      k,
+      v,
+      dout,
+      lse_copy.data(),
+      delta.data(),
+      tau,
+      backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())};
   BackwardOutputs<Scalar> grads{dq, dk, dv};
   backward_hash_blocks(in, hashes, causal, grads, origin);
 }
