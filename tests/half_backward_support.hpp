@@ -139,9 +139,12 @@ inline RowMatrix<float> rounded(const RowMatrix<float>& x) {
   return x.cast<Eigen::bfloat16>().cast<float>();
 }
 
-/// A plain bfloat16 backward, dense: Q K^T and dO V^T from the bfloat16 inputs with float
-/// sums, P and D = rowsum(dO o out) in float, dS = P o (dP - D), P and dS rounded to bfloat16
-/// before dV = P^T dO, dQ = tau dS K and dK = tau dS^T Q (float sums).
+/// A plain bfloat16 backward, dense, as FlashAttention's Triton backward rounds: Q K^T and
+/// dO V^T from the bfloat16 inputs with float sums, P and D = rowsum(dO o out) in float,
+/// dS = tau P o (dP - D) (the softmax scale folded in), P and dS rounded to bfloat16 before
+/// dV = P^T dO, dQ = dS K and dK = dS^T Q (float sums). The per-sample pass is the sum of one
+/// such backward per sample (P_s = [same bin in sample s] e^{x - lse}, each rounded), as a
+/// plain per-sample implementation rounds.
 inline Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q,
                                  const RowMatrix<float>& k, const RowMatrix<float>& v,
                                  const RowMatrix<float>& out, const FloatVector& lse,
@@ -149,20 +152,33 @@ inline Grads plain_bf16_backward(const Config& c, const RowMatrix<float>& q,
   const Index n = q.rows();
   const auto tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.cols())));
   float slope = 0.0f;
-  const RowMatrix<float> w = dense_weights(c, n, slope);
+  std::vector<RowMatrix<float>> weights;
+  if (c.kind == BackwardKind::per_sample) {
+    for (const poslsh::BinHash& hash : c.hashes)
+      weights.push_back(poslsh::bin_mask_dense<float>(hash, n, c.options.masking));
+  } else {
+    weights.push_back(dense_weights(c, n, slope));
+  }
   const RowMatrix<float> scores = q * k.transpose(), dp = dout * v.transpose();
   const FloatVector delta = (dout.array() * out.array()).rowwise().sum();
-  RowMatrix<float> p = RowMatrix<float>::Zero(n, n), ds = RowMatrix<float>::Zero(n, n);
-  for (Index i = 0; i < n; ++i) {
-    for (Index j = 0; j < n; ++j) {
-      if (w(i, j) == 0.0f) continue;
-      const float x = tau * scores(i, j) - slope * static_cast<float>(std::abs(i - j));
-      p(i, j) = w(i, j) * std::exp(x - lse(i));
-      ds(i, j) = p(i, j) * (dp(i, j) - delta(i));
+  Grads sum{RowMatrix<float>::Zero(n, q.cols()), RowMatrix<float>::Zero(n, k.cols()),
+            RowMatrix<float>::Zero(n, v.cols())};
+  for (const RowMatrix<float>& w : weights) {
+    RowMatrix<float> p = RowMatrix<float>::Zero(n, n), ds = RowMatrix<float>::Zero(n, n);
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < n; ++j) {
+        if (w(i, j) == 0.0f) continue;
+        const float x = tau * scores(i, j) - slope * static_cast<float>(std::abs(i - j));
+        p(i, j) = w(i, j) * std::exp(x - lse(i));
+        ds(i, j) = tau * p(i, j) * (dp(i, j) - delta(i));
+      }
     }
+    const RowMatrix<float> p16 = rounded(p), ds16 = rounded(ds);
+    sum.dq += ds16 * k;
+    sum.dk += ds16.transpose() * q;
+    sum.dv += p16.transpose() * dout;
   }
-  const RowMatrix<float> p16 = rounded(p), ds16 = rounded(ds);
-  return {tau * (ds16 * k), tau * (ds16.transpose() * q), p16.transpose() * dout};
+  return sum;
 }
 
 /// Views [n, H, d] of a buffer's rows (interleaved heads).
