@@ -173,8 +173,9 @@ def plain_bf16_gradients(q, k, v, dout, tau, additive, weights=None):
     """The gradients (dq, dk, dv) as a plain bfloat16 attention backward computes them, dense:
     q, k, v, dout hold bfloat16 values; the forward of plain_bf16_attention (its out rounded to
     bfloat16, its lse in float32); S = Q K^T and dP = dO V^T with float32 sums, P from the lse,
-    D = rowsum(dO o out), dS = P o (dP - D), P and dS rounded to bfloat16 before dV = P^T dO,
-    dq = tau dS K and dk = tau dS^T Q (float32 sums). additive and weights as in
+    D = rowsum(dO o out), dS = tau P o (dP - D) (the softmax scale folded in, as FlashAttention's
+    Triton backward does), P and dS rounded to bfloat16 before dV = P^T dO, dq = dS K and
+    dk = dS^T Q (float32 sums). additive and weights as in
     plain_bf16_attention."""
     f32 = np.float32
     scores = q @ k.T
@@ -193,8 +194,8 @@ def plain_bf16_gradients(q, k, v, dout, tau, additive, weights=None):
     out = bf16((bf16(p) @ v))
     dp = dout @ v.T
     delta = (dout * out).sum(axis=1, keepdims=True, dtype=f32)
-    ds = p * (dp - delta)
-    return f32(tau) * (bf16(ds) @ k), f32(tau) * (bf16(ds).T @ q), bf16(p).T @ dout
+    ds = f32(tau) * p * (dp - delta)
+    return bf16(ds) @ k, bf16(ds).T @ q, bf16(p).T @ dout
 
 
 def float64_gradients(q, k, v, dout, tau, additive):

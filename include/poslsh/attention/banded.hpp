@@ -41,11 +41,9 @@ inline ExactWindow banded_window(Index keys, Index band, Masking masking) {
 /// (OpenMP). Throws std::invalid_argument naming a bad argument. Half-precision Q, K, V or output
 /// (KVScalar, OutScalar, computed in float): as alibi_attention_tiled (attention/tiled.hpp).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
-                                 ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                 ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
-                                 Index band, Index row_begin, Index row_end,
-                                 MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
+void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                 KeyValueRef<KVScalar> v, double sigma, Index band, Index row_begin,
+                                 Index row_end, OutputRef<OutScalar> out_rows,
                                  const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded_rows", "band");
   detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
@@ -68,11 +66,9 @@ void alibi_attention_banded_rows(ConstMatrixRef<Scalar> q,
 /// Half-precision Q, K, V or output (KVScalar, OutScalar, computed in float): as
 /// alibi_attention_tiled (attention/tiled.hpp).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void alibi_attention_banded(ConstMatrixRef<Scalar> q,
-                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
-                            Index band, MatrixRef<detail::nondeduced_t<OutScalar>> out,
-                            const AttentionOptions& options = {}) {
+void alibi_attention_banded(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                            KeyValueRef<KVScalar> v, double sigma, Index band,
+                            OutputRef<OutScalar> out, const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded", "band");
   detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
       "alibi_attention_banded", q, k, v, sigma, 0, q.rows(), out, options,
@@ -81,10 +77,8 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q,
 
 /// Returning form of alibi_attention_banded (the output in Q's scalar type).
 template <typename Scalar, typename KVScalar = Scalar>
-RowMatrix<Scalar> alibi_attention_banded(ConstMatrixRef<Scalar> q,
-                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                         double sigma, Index band,
+RowMatrix<Scalar> alibi_attention_banded(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                         KeyValueRef<KVScalar> v, double sigma, Index band,
                                          const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
   alibi_attention_banded<Scalar, KVScalar, Scalar>(q, k, v, sigma, band, out, options);

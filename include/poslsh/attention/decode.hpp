@@ -245,11 +245,9 @@ inline Index lsh_decode_first_key(const HashSet& hashes, Index t) {
 /// results are those of the one-pass path). Throws std::invalid_argument naming a bad argument
 /// (shapes, t, hashes, masking).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void lsh_attention_decode(ConstMatrixRef<Scalar> query,
-                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> keys,
-                          ConstMatrixRef<detail::nondeduced_t<KVScalar>> values, Index t,
-                          const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
-                          const AttentionOptions& options = {}) {
+void lsh_attention_decode(ConstMatrixRef<Scalar> query, KeyValueRef<KVScalar> keys,
+                          KeyValueRef<KVScalar> values, Index t, const HashSet& hashes,
+                          OutputRef<OutScalar> out, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_decode";
   detail::require_decode_arguments(function, query, keys, values, t, out, options);
   validate_hashes(hashes, function);
@@ -263,11 +261,9 @@ void lsh_attention_decode(ConstMatrixRef<Scalar> query,
 /// p = t - m + 1 + r (keys 0 .. p). Scalars as lsh_attention_decode. Throws
 /// std::invalid_argument as above.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query,
-                                  ConstMatrixRef<detail::nondeduced_t<KVScalar>> keys,
-                                  ConstMatrixRef<detail::nondeduced_t<KVScalar>> values, Index t,
-                                  double sigma, MatrixRef<detail::nondeduced_t<OutScalar>> out,
-                                  const AttentionOptions& options = {}) {
+void alibi_attention_decode_exact(ConstMatrixRef<Scalar> query, KeyValueRef<KVScalar> keys,
+                                  KeyValueRef<KVScalar> values, Index t, double sigma,
+                                  OutputRef<OutScalar> out, const AttentionOptions& options = {}) {
   using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "alibi_attention_decode_exact";
   detail::require_decode_arguments(function, query, keys, values, t, out, options);

@@ -26,11 +26,10 @@ namespace detail {
 /// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
           typename OutType>
-void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
-                const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
-                const ConstMatrixRef<nondeduced_t<KVScalar>>& v, const Counts& hashes, Scalar tau,
-                bool causal, Index i0, Index rows, OutType& out, TileWorkspace<Scalar>& work,
-                Index query_offset, Precision precision, Scalar* lse = nullptr) {
+void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q, const KeyValueRef<KVScalar>& k,
+                const KeyValueRef<KVScalar>& v, const Counts& hashes, Scalar tau, bool causal,
+                Index i0, Index rows, OutType& out, TileWorkspace<Scalar>& work, Index query_offset,
+                Precision precision, Scalar* lse = nullptr) {
   CountBias<Scalar> bias(hashes, k.rows(), causal, work.counts, work.count_tile);
   engine_rows<Scalar, QScalar, KVScalar>(q, k, v, static_cast<double>(tau), bias, work.buffers,
                                          query_offset, precision, i0, i0 + rows,
@@ -103,9 +102,8 @@ long long fused_pair_count(const Counts& counts_source, Index n, Masking masking
 /// the products are bfloat16 and the probabilities rounded to bfloat16 before they weight V.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar,
           typename Samples = HashSet, typename = detail::lsh_samples_t<Samples>>
-void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, const Samples& samples,
-                         MatrixRef<detail::nondeduced_t<OutScalar>> out,
+void lsh_attention_fused(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k, KeyValueRef<KVScalar> v,
+                         const Samples& samples, OutputRef<OutScalar> out,
                          const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
   const Index p0 = detail::require_lsh_arguments(function, q, k, v, samples, out, options);
@@ -116,10 +114,8 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<detail::nonded
 /// Returning form of lsh_attention_fused (the output in Q's scalar type).
 template <typename Scalar, typename KVScalar = Scalar, typename Samples = HashSet,
           typename = detail::lsh_samples_t<Samples>>
-RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q,
-                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                      ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                      const Samples& samples,
+RowMatrix<Scalar> lsh_attention_fused(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                      KeyValueRef<KVScalar> v, const Samples& samples,
                                       const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
   lsh_attention_fused<Scalar, KVScalar, Scalar>(q, k, v, samples, out, options);

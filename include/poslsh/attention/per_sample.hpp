@@ -209,11 +209,12 @@ inline std::size_t lowest_level(std::size_t samples) {
 /// function, not in the callers' loops.
 template <typename Scalar, typename KVScalar = Scalar,
           typename C = compute_scalar_t<Scalar, KVScalar>>
-EIGEN_DONT_INLINE void fold_block(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<nondeduced_t<KVScalar>> k,
-    ConstMatrixRef<nondeduced_t<KVScalar>> v, C tau, bool causal, Index begin, Index end,
-    const EngineState<C>& state, TileBuffers<C>& buffers, Precision precision, Index rows_first = 0,
-    Index rows_last = std::numeric_limits<Index>::max(), Index key_offset = 0) {
+EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                  KeyValueRef<KVScalar> v, C tau, bool causal, Index begin,
+                                  Index end, const EngineState<C>& state, TileBuffers<C>& buffers,
+                                  Precision precision, Index rows_first = 0,
+                                  Index rows_last = std::numeric_limits<Index>::max(),
+                                  Index key_offset = 0) {
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
@@ -325,11 +326,9 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
 /// std::invalid_argument naming a bad argument (shapes, empty or invalid hashes, non-finite scale,
 /// offset).
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
-                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                              ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                              const HashSet& hashes, MatrixRef<detail::nondeduced_t<OutScalar>> out,
-                              const AttentionOptions& options = {}) {
+void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                              KeyValueRef<KVScalar> v, const HashSet& hashes,
+                              OutputRef<OutScalar> out, const AttentionOptions& options = {}) {
   using C = compute_scalar_t<Scalar, KVScalar, OutScalar>;
   constexpr const char* function = "lsh_attention_per_sample";
   const Index p0 = detail::require_lsh_arguments(function, q, k, v, hashes, out, options);
@@ -342,10 +341,8 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
 
 /// Returning form of lsh_attention_per_sample (output in Scalar, the type of Q).
 template <typename Scalar, typename KVScalar = Scalar>
-RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
-                                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                           const HashSet& hashes,
+RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                           KeyValueRef<KVScalar> v, const HashSet& hashes,
                                            const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
   lsh_attention_per_sample<Scalar, KVScalar, Scalar>(q, k, v, hashes, out, options);
@@ -357,10 +354,8 @@ RowMatrix<Scalar> lsh_attention_per_sample(ConstMatrixRef<Scalar> q,
 /// inside consecutive blocks of 2 sigma tokens: out_i = sum_{j in B(i)} e^{tau q_i.k_j} v_j /
 /// sum_{j in B(i)} e^{tau q_i.k_j} (causal: j <= i). Scalars as lsh_attention_per_sample.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void fixed_blocks_attention(ConstMatrixRef<Scalar> q,
-                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                            ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
-                            MatrixRef<detail::nondeduced_t<OutScalar>> out,
+void fixed_blocks_attention(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                            KeyValueRef<KVScalar> v, double sigma, OutputRef<OutScalar> out,
                             const AttentionOptions& options = {}) {
   lsh_attention_per_sample<Scalar, KVScalar, OutScalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)},
                                                         out, options);
@@ -368,10 +363,9 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q,
 
 /// Returning form of fixed_blocks_attention (output in Scalar, the type of Q).
 template <typename Scalar, typename KVScalar = Scalar>
-RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q,
-                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                         ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                         double sigma, const AttentionOptions& options = {}) {
+RowMatrix<Scalar> fixed_blocks_attention(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                         KeyValueRef<KVScalar> v, double sigma,
+                                         const AttentionOptions& options = {}) {
   return lsh_attention_per_sample<Scalar, KVScalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)},
                                                     options);
 }

@@ -63,11 +63,9 @@ inline ExactWindow full_window(Index keys, Masking masking) {
 /// thread count give bitwise the output of alibi_attention_tiled.
 /// Throws std::invalid_argument naming a bad argument. Scalar types: see the file comment.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
-                                ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
-                                Index row_begin, Index row_end,
-                                MatrixRef<detail::nondeduced_t<OutScalar>> out_rows,
+void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                KeyValueRef<KVScalar> v, double sigma, Index row_begin,
+                                Index row_end, OutputRef<OutScalar> out_rows,
                                 const AttentionOptions& options = {}) {
   detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
       "alibi_attention_tiled_rows", q, k, v, sigma, row_begin, row_end, out_rows, options,
@@ -88,10 +86,8 @@ void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q,
 /// alibi_attention_reference to rounding. Throws std::invalid_argument naming a bad argument.
 /// Half-precision Q, K, V or output: see the file comment.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
-void alibi_attention_tiled(ConstMatrixRef<Scalar> q,
-                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                           ConstMatrixRef<detail::nondeduced_t<KVScalar>> v, double sigma,
-                           MatrixRef<detail::nondeduced_t<OutScalar>> out,
+void alibi_attention_tiled(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                           KeyValueRef<KVScalar> v, double sigma, OutputRef<OutScalar> out,
                            const AttentionOptions& options = {}) {
   detail::exact_attention_call<Scalar, KVScalar, OutScalar>(
       "alibi_attention_tiled", q, k, v, sigma, 0, q.rows(), out, options,
@@ -100,10 +96,9 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q,
 
 /// Returning form of alibi_attention_tiled (the output in Q's scalar type).
 template <typename Scalar, typename KVScalar = Scalar>
-RowMatrix<Scalar> alibi_attention_tiled(ConstMatrixRef<Scalar> q,
-                                        ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                                        ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                                        double sigma, const AttentionOptions& options = {}) {
+RowMatrix<Scalar> alibi_attention_tiled(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                                        KeyValueRef<KVScalar> v, double sigma,
+                                        const AttentionOptions& options = {}) {
   RowMatrix<Scalar> out(q.rows(), v.cols());
   alibi_attention_tiled<Scalar, KVScalar, Scalar>(q, k, v, sigma, out, options);
   return out;

@@ -67,7 +67,7 @@ using compute_scalar_t = typename compute_scalar<Storage...>::type;
 namespace detail {
 
 /// T itself, in a context where a function template argument is not deduced: a kernel's
-/// parameter ConstMatrixRef<nondeduced_t<KVScalar>> takes any argument convertible to the view
+/// parameter KeyValueRef<KVScalar> takes any argument convertible to the view
 /// of the given (or defaulted) KVScalar, as a non-template parameter would.
 template <typename T>
 struct nondeduced {
@@ -90,6 +90,17 @@ using ConstMatrixRef = Eigen::Ref<const RowMatrix<Scalar>, 0, Eigen::OuterStride
 /// Writable (n x d) view with unit inner stride and any row stride.
 template <typename Scalar>
 using MatrixRef = Eigen::Ref<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+
+/// A kernel's K or V view of storage type KVScalar (ConstMatrixRef): the call does not deduce
+/// KVScalar from the argument but takes it from its template arguments (by default Q's scalar
+/// type), so any argument convertible to this view is accepted, as by a non-template parameter.
+template <typename KVScalar>
+using KeyValueRef = ConstMatrixRef<detail::nondeduced_t<KVScalar>>;
+
+/// A kernel's output view of storage type OutScalar (MatrixRef), not deduced from the argument
+/// (as KeyValueRef).
+template <typename OutScalar>
+using OutputRef = MatrixRef<detail::nondeduced_t<OutScalar>>;
 
 /// Which keys a query sees: `causal` keeps j <= i, `bidirectional` keeps every j.
 enum class Masking { causal, bidirectional };

@@ -145,11 +145,9 @@ template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scal
           typename BlockKernel = PlainBlockAttention<Scalar, KVScalar>,
           typename = detail::storage_scalars_t<KVScalar, OutScalar>, typename Samples = HashSet,
           typename = detail::lsh_samples_t<Samples>>
-void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q,
-                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> k,
-                             ConstMatrixRef<detail::nondeduced_t<KVScalar>> v,
-                             const Samples& samples, MatrixRef<detail::nondeduced_t<OutScalar>> out,
-                             const AttentionOptions& options = {},
+void lsh_attention_by_blocks(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
+                             KeyValueRef<KVScalar> v, const Samples& samples,
+                             OutputRef<OutScalar> out, const AttentionOptions& options = {},
                              BlockKernel&& block_kernel = BlockKernel{}) {
   constexpr const char* function = "lsh_attention_by_blocks";
   detail::require_lsh_arguments(function, q, k, v, samples, out);

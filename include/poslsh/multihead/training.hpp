@@ -243,8 +243,7 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
 void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                         HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                         MatrixRef<backward_scalar_t<Scalar>> lse,
+                         HeadsView<const Scalar> v, HeadsView<Scalar> out, HeadsLseRef<Scalar> lse,
                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention";
   const detail::HeadsCall call = detail::training_call(
@@ -268,11 +267,9 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
 template <typename Scalar>
 void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                   HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                  ConstMatrixRef<backward_scalar_t<Scalar>> lse,
-                                  HeadsView<const Scalar> dout,
-                                  HeadsView<backward_scalar_t<Scalar>> dq,
-                                  HeadsView<backward_scalar_t<Scalar>> dk,
-                                  HeadsView<backward_scalar_t<Scalar>> dv,
+                                  ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                  GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                  GradientHeadsView<Scalar> dv,
                                   const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
                                     {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options);
@@ -287,12 +284,12 @@ void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Sca
 /// exact_banded only: the bins of the LSH methods are not differentiable in the slope.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_backward(
-    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
-    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
-    HeadsView<const Scalar> dout, HeadsView<backward_scalar_t<Scalar>> dq,
-    HeadsView<backward_scalar_t<Scalar>> dk, HeadsView<backward_scalar_t<Scalar>> dv,
-    Eigen::Ref<Eigen::VectorXd> dslopes, const MultiHeadOptions& options = {}) {
+void multihead_attention_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                  HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                  ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                  GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                  GradientHeadsView<Scalar> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
+                                  const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_backward", q, k, v, out, lse, dout,
                                     {0, static_cast<std::int32_t>(q.tokens)}, dq, dk, dv, options,
                                     &dslopes);
@@ -310,7 +307,7 @@ void multihead_attention_backward(
 template <typename Scalar>
 void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                 HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                MatrixRef<backward_scalar_t<Scalar>> lse,
+                                HeadsLseRef<Scalar> lse,
                                 const std::vector<std::int32_t>& cu_seqlens,
                                 const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_varlen";
@@ -329,7 +326,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 template <typename Scalar>
 void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                          HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                                         MatrixRef<backward_scalar_t<Scalar>> lse,
+                                         HeadsLseRef<Scalar> lse,
                                          const std::vector<std::int32_t>& cu_seqlens_q,
                                          const std::vector<std::int32_t>& cu_seqlens_k,
                                          const MultiHeadOptions& options = {},
@@ -348,12 +345,13 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
 /// calls.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_varlen_backward(
-    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
-    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
-    HeadsView<const Scalar> dout, const std::vector<std::int32_t>& cu_seqlens,
-    HeadsView<backward_scalar_t<Scalar>> dq, HeadsView<backward_scalar_t<Scalar>> dk,
-    HeadsView<backward_scalar_t<Scalar>> dv, const MultiHeadOptions& options = {}) {
+void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                         ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         const std::vector<std::int32_t>& cu_seqlens,
+                                         GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                         GradientHeadsView<Scalar> dv,
+                                         const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
                                     cu_seqlens, dq, dk, dv, options);
 }
@@ -363,13 +361,14 @@ void multihead_attention_varlen_backward(
 /// with dslopes. Methods exact_tiled and exact_banded only.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention_varlen_backward(
-    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
-    HeadsView<const Scalar> out, ConstMatrixRef<backward_scalar_t<Scalar>> lse,
-    HeadsView<const Scalar> dout, const std::vector<std::int32_t>& cu_seqlens,
-    HeadsView<backward_scalar_t<Scalar>> dq, HeadsView<backward_scalar_t<Scalar>> dk,
-    HeadsView<backward_scalar_t<Scalar>> dv, Eigen::Ref<Eigen::VectorXd> dslopes,
-    const MultiHeadOptions& options = {}) {
+void multihead_attention_varlen_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                         ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         const std::vector<std::int32_t>& cu_seqlens,
+                                         GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                         GradientHeadsView<Scalar> dv,
+                                         Eigen::Ref<Eigen::VectorXd> dslopes,
+                                         const MultiHeadOptions& options = {}) {
   detail::training_backward<Scalar>("multihead_attention_varlen_backward", q, k, v, out, lse, dout,
                                     cu_seqlens, dq, dk, dv, options, &dslopes);
 }

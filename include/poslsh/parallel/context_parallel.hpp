@@ -314,8 +314,8 @@ inline std::vector<HeadMethod> resolve_head_methods(Index query_heads,
 template <typename Scalar>
 void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                HeadsView<const Scalar> v, HeadsView<Scalar> out,
-                               MatrixRef<backward_scalar_t<Scalar>> lse, Index query_offset,
-                               Index key_offset, const MultiHeadOptions& options = {}) {
+                               HeadsLseRef<Scalar> lse, Index query_offset, Index key_offset,
+                               const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice";
   detail::require(!options.query_offset, function, "options.query_offset",
                   options.query_offset.value_or(0),
@@ -348,11 +348,9 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 template <typename Scalar>
 void multihead_attention_window_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                          HeadsView<const Scalar> v, HeadsView<const Scalar> out,
-                                         ConstMatrixRef<backward_scalar_t<Scalar>> lse,
-                                         HeadsView<const Scalar> dout,
-                                         HeadsView<backward_scalar_t<Scalar>> dq,
-                                         HeadsView<backward_scalar_t<Scalar>> dk,
-                                         HeadsView<backward_scalar_t<Scalar>> dv, Index position,
+                                         ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                         GradientHeadsView<Scalar> dv, Index position,
                                          const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_window_backward";
   detail::require(position >= 0, function, "position", position, "must be >= 0");

@@ -47,6 +47,7 @@
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/slopes.hpp"
 #include "poslsh/core/types.hpp"
@@ -77,6 +78,24 @@ using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>
 /// Eigen::bfloat16 and Eigen::half (compute_scalar_t).
 template <typename Scalar>
 using backward_scalar_t = compute_scalar_t<Scalar>;
+
+/// The views of backward_scalar_t<Scalar> that a forward with lse or a backward pass on q, k,
+/// v, out and dout stored as Scalar takes: its lse output (LseRef) or input (ConstLseRef), one
+/// entry per query row, and its gradient outputs dq, dk, dv (GradientRef); for the all-heads
+/// calls the lse as H_q x n (FlashAttention's softmax_lse layout: HeadsLseRef, ConstHeadsLseRef)
+/// and the gradients as [n, H, d] views (GradientHeadsView).
+template <typename Scalar>
+using LseRef = VectorRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using ConstLseRef = ConstVectorRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using GradientRef = MatrixRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using HeadsLseRef = MatrixRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using ConstHeadsLseRef = ConstMatrixRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using GradientHeadsView = HeadsView<backward_scalar_t<Scalar>>;
 
 namespace detail {
 
@@ -393,8 +412,7 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 template <typename Scalar>
 void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                           VectorRef<backward_scalar_t<Scalar>> lse,
-                           const AttentionOptions& options = {}) {
+                           LseRef<Scalar> lse, const AttentionOptions& options = {}) {
   detail::exact_lse_call<Scalar>(
       "alibi_attention_tiled", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
@@ -406,7 +424,7 @@ void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, Index band,
-                            MatrixRef<Scalar> out, VectorRef<backward_scalar_t<Scalar>> lse,
+                            MatrixRef<Scalar> out, LseRef<Scalar> lse,
                             const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded", "band");
   detail::exact_lse_call<Scalar>(
@@ -421,8 +439,7 @@ void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                          ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
-                         VectorRef<backward_scalar_t<Scalar>> lse,
-                         const AttentionOptions& options = {}) {
+                         LseRef<Scalar> lse, const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_fused";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
@@ -441,7 +458,7 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 template <typename Scalar>
 void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                               ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                              MatrixRef<Scalar> out, VectorRef<backward_scalar_t<Scalar>> lse,
+                              MatrixRef<Scalar> out, LseRef<Scalar> lse,
                               const AttentionOptions& options = {}) {
   constexpr const char* function = "lsh_attention_per_sample";
   detail::require_self_positions(function, options);
@@ -459,8 +476,7 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
 template <typename Scalar>
 void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                             ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                            VectorRef<backward_scalar_t<Scalar>> lse,
-                            const AttentionOptions& options = {}) {
+                            LseRef<Scalar> lse, const AttentionOptions& options = {}) {
   lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
 }
 
@@ -483,12 +499,12 @@ void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
 /// inputs, or bfloat16 products on the CPU's matrix unit under options.precision; file
 /// comment). Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void alibi_attention_tiled_backward(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
-    ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
-    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
-    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
-    const AttentionOptions& options = {}) {
+void alibi_attention_tiled_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                    ConstMatrixRef<Scalar> v, double sigma,
+                                    ConstMatrixRef<Scalar> out, ConstLseRef<Scalar> lse,
+                                    ConstMatrixRef<Scalar> dout, GradientRef<Scalar> dq,
+                                    GradientRef<Scalar> dk, GradientRef<Scalar> dv,
+                                    const AttentionOptions& options = {}) {
   detail::exact_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "alibi_attention_tiled_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
@@ -499,12 +515,12 @@ void alibi_attention_tiled_backward(
 /// band are visited (cost O(n (band + tile) d)). Same passes, ordering and scalar types, bitwise
 /// the same for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void alibi_attention_banded_backward(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
-    Index band, ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
-    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
-    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
-    const AttentionOptions& options = {}) {
+void alibi_attention_banded_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                     ConstMatrixRef<Scalar> out, ConstLseRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, GradientRef<Scalar> dq,
+                                     GradientRef<Scalar> dk, GradientRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
   detail::require_size(band, "alibi_attention_banded_backward", "band");
   detail::exact_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "alibi_attention_banded_backward", q, k, v, sigma, out, lse, dout, dq, dk, dv, options,
@@ -522,12 +538,12 @@ void alibi_attention_banded_backward(
 /// reduction order and with the scalar types of alibi_attention_tiled_backward. Bitwise the same
 /// for any thread count. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void lsh_attention_fused_backward(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-    const HashSet& hashes, ConstMatrixRef<Scalar> out,
-    ConstVectorRef<backward_scalar_t<Scalar>> lse, ConstMatrixRef<Scalar> dout,
-    MatrixRef<backward_scalar_t<Scalar>> dq, MatrixRef<backward_scalar_t<Scalar>> dk,
-    MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
+void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                  ConstMatrixRef<Scalar> out, ConstLseRef<Scalar> lse,
+                                  ConstMatrixRef<Scalar> dout, GradientRef<Scalar> dq,
+                                  GradientRef<Scalar> dk, GradientRef<Scalar> dv,
+                                  const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
       detail::LshBackwardPass::counts);
@@ -543,12 +559,12 @@ void lsh_attention_fused_backward(
 /// not grow with s: bitwise the same for any thread count. Scalar types as
 /// alibi_attention_tiled_backward's. Throws std::invalid_argument naming a bad argument.
 template <typename Scalar>
-void lsh_attention_per_sample_backward(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v,
-    const HashSet& hashes, ConstMatrixRef<Scalar> out,
-    ConstVectorRef<backward_scalar_t<Scalar>> lse, ConstMatrixRef<Scalar> dout,
-    MatrixRef<backward_scalar_t<Scalar>> dq, MatrixRef<backward_scalar_t<Scalar>> dk,
-    MatrixRef<backward_scalar_t<Scalar>> dv, const AttentionOptions& options = {}) {
+void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                       ConstMatrixRef<Scalar> out, ConstLseRef<Scalar> lse,
+                                       ConstMatrixRef<Scalar> dout, GradientRef<Scalar> dq,
+                                       GradientRef<Scalar> dk, GradientRef<Scalar> dv,
+                                       const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_per_sample_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
       detail::LshBackwardPass::per_sample);
@@ -558,12 +574,12 @@ void lsh_attention_per_sample_backward(
 /// fixed_blocks_hash(sigma), i.e. plain-attention gradients inside consecutive blocks of
 /// 2 sigma tokens.
 template <typename Scalar>
-void fixed_blocks_attention_backward(
-    ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, double sigma,
-    ConstMatrixRef<Scalar> out, ConstVectorRef<backward_scalar_t<Scalar>> lse,
-    ConstMatrixRef<Scalar> dout, MatrixRef<backward_scalar_t<Scalar>> dq,
-    MatrixRef<backward_scalar_t<Scalar>> dk, MatrixRef<backward_scalar_t<Scalar>> dv,
-    const AttentionOptions& options = {}) {
+void fixed_blocks_attention_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma,
+                                     ConstMatrixRef<Scalar> out, ConstLseRef<Scalar> lse,
+                                     ConstMatrixRef<Scalar> dout, GradientRef<Scalar> dq,
+                                     GradientRef<Scalar> dk, GradientRef<Scalar> dv,
+                                     const AttentionOptions& options = {}) {
   lsh_attention_per_sample_backward<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
                                             dout, dq, dk, dv, options);
 }

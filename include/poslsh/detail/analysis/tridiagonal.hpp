@@ -13,9 +13,7 @@ namespace poslsh::detail {
 /// off-diagonal entry equal to `off` (n >= 2; n = 1 is the 1 x 1 matrix (first)).
 struct AnalysisTridiagonal {
   Index n = 1;
-  double first = 1.0;
-  double middle = 1.0;
-  double last = 1.0;
+  double first = 1.0, middle = 1.0, last = 1.0;  // the diagonal
   double off = 0.0;
 
   /// Number of eigenvalues < x: the negative pivots of the LDL^T factorisation of T - x I.

@@ -113,9 +113,8 @@ class AlibiBias {
 /// count and any split of the rows.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename OutType>
 void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
-                      const ConstMatrixRef<nondeduced_t<KVScalar>>& k,
-                      const ConstMatrixRef<nondeduced_t<KVScalar>>& v, double sigma, double tau,
-                      ExactWindow window, Index row_begin, Index row_end, OutType&& out,
+                      const KeyValueRef<KVScalar>& k, const KeyValueRef<KVScalar>& v, double sigma,
+                      double tau, ExactWindow window, Index row_begin, Index row_end, OutType&& out,
                       Index query_offset, Precision precision, Scalar* lse = nullptr) {
   parallel_query_tiles<Scalar>(
       1, row_begin, row_end, [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
