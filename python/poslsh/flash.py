@@ -60,7 +60,9 @@ bfloat16 kernels read in place: bfloat16 products on the unit, float32 accumulat
 softmax, probabilities rounded to bfloat16 before P V (FlashAttention's bfloat16 arithmetic).
 Otherwise (precision="float_products", float16, a float32 query over a half-precision cache,
 method "mean_of_outputs", or no unit) half-precision values are widened to float32 and the
-output is the float32 result rounded once. With gradients, bfloat16 and float16 q, k, v (one
+output is the float32 result rounded once (bitwise; q, k, v of one half-precision dtype are
+read in place by the kernels that compute it). softmax_lse without gradients comes from the
+same forward with lse as the output. With gradients, bfloat16 and float16 q, k, v (one
 dtype) are read in place by the half-precision forward with lse and backward under the same
 precision (one forward, no float32 copies; with the unit, the backward's products take
 bfloat16 operands too, P and dS rounded to bfloat16): softmax_lse and the gradients are
@@ -623,13 +625,12 @@ def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse):
     gradient is recorded, else the forward alone."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, slopes)):
         return _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
-    unit = config.uses_unit(q.dtype, k.dtype)
-    out = lse = None
-    if want_lse or not unit:
-        out, lse, _ = _compute(_widen(q.detach()), _widen(k.detach()), _widen(v.detach()), cu_q, cu_k, config, False,
-                               want_lse)
-    if unit:
-        out = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, False, False)[0]
+    # Tensors of one dtype are read in place (half precision: the half-precision forward, with lse
+    # when want_lse); a float32 query over a half-precision cache, and mean_of_outputs, take
+    # float32 copies.
+    in_place = config.method != "mean_of_outputs" and q.dtype == k.dtype == v.dtype
+    read = (lambda x: x.detach()) if in_place else (lambda x: _widen(x.detach()))
+    out, lse, _ = _compute(read(q), read(k), read(v), cu_q, cu_k, config, False, want_lse)
     if lse is None:
         lse = out.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype), lse
