@@ -634,7 +634,7 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
 #endif
 
 TEST_CASE("amx_bf16 (emulated tiles): within 2x a plain bfloat16 attention's error",
-          "[units][half][amx]") {
+          "[units][half][amx][slow]") {
   const AmxModeScope emulated(AmxTestMode::emulated);
   if (!emulated.active()) {
     WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");

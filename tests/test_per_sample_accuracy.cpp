@@ -195,7 +195,7 @@ void check_accuracy(Index length) {
 }  // namespace per_sample_accuracy
 
 TEST_CASE("per-sample float error stays within the fused kernel's at s = 200, L <= 256",
-          "[per_sample][accuracy]") {
+          "[per_sample][accuracy][slow]") {
   for (Index length : {Index{64}, Index{256}}) per_sample_accuracy::check_accuracy(length);
 }
 
