@@ -248,7 +248,7 @@ TEST_CASE(
     for (const Config& c : configs(masking, n, poslsh::Precision::matrix_units)) {
       INFO(poslsh_test::backward_kind_name(c.kind)
            << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
-      REQUIRE(poslsh::detail::backward_on_bf16_unit<bf16>(c.options.precision));
+      REQUIRE(poslsh::detail::backward_on_bf16_unit<bf16>(c.options.precision, d, dv));
       RowMatrix<float> out_float;
       FloatVector lse;
       setup_forward<float>(c, qf, kf, vf, out_float, lse);

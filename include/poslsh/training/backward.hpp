@@ -189,11 +189,34 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
 /// Odd head widths (d or d_v) take float products: the pair kernels read the input rows in
 /// pairs of columns.
 template <typename Input>
-bool backward_on_bf16_unit(Precision precision, Index d = 0, Index dv = 0) {
+bool backward_on_bf16_unit(Precision precision, Index d, Index dv) {
   return d % 2 == 0 && dv % 2 == 0 &&
          matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
          matrix_unit_available(MatrixUnit::avx512_bf16);
 }
+
+/// The inputs of one backward pass and what it derives from them: D = rowsum(dO o out) and a
+/// contiguous copy of lse, owned here (`in` points into them, so a PassInputs stays where it
+/// is built), and whether the products run on the AVX512-BF16 unit (backward_on_bf16_unit for
+/// the head widths of q and v).
+template <typename Scalar, typename Input>
+struct PassInputs {
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta, lse;
+  BackwardInputs<Scalar, Input> in;
+
+  PassInputs(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+             const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
+             const ConstVectorRef<Scalar>& lse_in, const ConstMatrixRef<Input>& dout, Scalar tau,
+             Precision precision)
+      : delta(backward_delta<Scalar, Input>(out, dout)),
+        lse(lse_in),
+        in{q,          k,
+           v,          dout,
+           lse.data(), delta.data(),
+           tau,        backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())} {}
+  PassInputs(const PassInputs&) = delete;
+  PassInputs& operator=(const PassInputs&) = delete;
+};
 
 /// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
 /// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
@@ -212,17 +235,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
                        BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
   const FlushSubnormals flush;
   backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar, Input> in{
-      q,
-      k,
-      v,
-      dout,
-      lse_copy.data(),
-      delta.data(),
-      tau,
-      backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())};
+  const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
   BackwardOutputs<Scalar> grads{dq, dk, dv, true};
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
@@ -232,10 +245,10 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
     grads.distance_sums = tile_sums.data();
   }
   if (parallel) {
-    backward_parallel(in, rule, grads);
+    backward_parallel(pass.in, rule, grads);
   } else {
     BackwardWork<Scalar> own;
-    backward_serial(in, rule, grads, work != nullptr ? *work : own);
+    backward_serial(pass.in, rule, grads, work != nullptr ? *work : own);
   }
   if (distance_sum != nullptr) {
     *distance_sum = 0.0;
@@ -296,19 +309,9 @@ void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<In
   dq.setZero();
   dk.setZero();
   dv.setZero();
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta = backward_delta<Scalar, Input>(out, dout);
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse_copy = lse;
-  const BackwardInputs<Scalar, Input> in{
-      q,
-      k,
-      v,
-      dout,
-      lse_copy.data(),
-      delta.data(),
-      tau,
-      backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())};
+  const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
   BackwardOutputs<Scalar> grads{dq, dk, dv};
-  backward_hash_blocks(in, hashes, causal, grads, origin);
+  backward_hash_blocks(pass.in, hashes, causal, grads, origin);
 }
 
 /// The checks every backward entry point makes (self-attention from position 0, the shapes of
