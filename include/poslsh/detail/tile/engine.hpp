@@ -152,45 +152,60 @@ struct PairTileRows {
 
 /// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit (AmxTiles
 /// false) or the AMX-BF16 unit (AmxTiles true): pair_tile(j0, keys) packs the tile's values
-/// into pairs along keys (buffer pair_v, rows of ceil(d_v / 16) 16 words) and copies its key
-/// rows into pair_k, d + (d mod 2) apart (a zero appended when d is odd), so that the score
-/// products read them from one contiguous block whatever the row stride of K. For the AMX
-/// tiles the key rows are ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from
-/// `keys` to the next multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2)
-/// to tile_key_cols / 2. One packing per key tile visited.
+/// into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d + (d mod
+/// 2) apart (a zero appended when d is odd), so that the score products read them from one
+/// contiguous block whatever the row stride of K. For the AMX tiles the key rows are
+/// ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from `keys` to the next
+/// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
+/// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
+/// source holds) is packed once into the thread's KeyTileStore when buffers.keep_key_tiles is
+/// set, and read from there by the later query tiles; any other request (a tile cut by a
+/// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
+/// of the same keys, so where a tile comes from never changes a result.
 template <bool AmxTiles = false>
 class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
  public:
   static constexpr bool amx_tiles = AmxTiles;
+  /// K row 0 is the key at position key_position (the engine's positions.key).
   PairedBf16KV(const ConstMatrixRef<Eigen::bfloat16>& k, const ConstMatrixRef<Eigen::bfloat16>& v,
-               TileBuffers<float>& buffers)
+               TileBuffers<float>& buffers, Index key_position)
       : StridedKV<Eigen::bfloat16>(k, v),
         pair_k_(buffers.pair_k),
         pair_v_(buffers.pair_v),
+        store_(buffers.keep_key_tiles ? &buffers.key_tiles : nullptr),
+        key_position_(key_position),
         cols_((v.cols() + 15) / 16 * 16) {
-    if (pair_v_.size() < tile_key_cols / 2 * cols_) pair_v_.resize(tile_key_cols / 2 * cols_);
-    const Index stride = key_stride(k.cols());
-    if (pair_k_.size() < tile_key_cols * stride) pair_k_.resize(tile_key_cols * stride);
+    if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
+    if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
+    if (store_ != nullptr && k.rows() > 0) {
+      const Index first = key_position / tile_key_cols;
+      const Index tiles = (key_position + k.rows() - 1) / tile_key_cols - first + 1;
+      store_->hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(), k.cols(),
+                    v.cols(), key_position, AmxTiles},
+                   first, tiles, k_words(), v_words());
+    }
   }
   /// The distance of the packed key rows for d columns.
   static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : d + d % 2; }
   PairTileRows pair_tile(Index j0, Index keys) {
-    const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
-    const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
-    pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
-                     pair_v_.data());
-    const Index d = k.cols(), stride = key_stride(d);
-    for (Index b = 0; b < keys; ++b) {
-      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k_.data() + b * stride);
-      std::fill(pair_k_.data() + b * stride + d, pair_k_.data() + (b + 1) * stride,
-                std::uint16_t{0});
+    const Index stride = key_stride(this->k_.cols());
+    if (store_ != nullptr) {
+      const Index tile = (key_position_ + j0) / tile_key_cols;
+      const Index begin = std::max(tile * tile_key_cols, key_position_) - key_position_;
+      const Index end =
+          std::min((tile + 1) * tile_key_cols - key_position_, this->k_.rows());
+      if (j0 == begin && j0 + keys == end) {
+        const auto slot = static_cast<std::size_t>(tile - store_->first_tile);
+        std::uint16_t* k = store_->k.get() + static_cast<Index>(slot) * store_->k_words;
+        std::uint32_t* v = store_->v.get() + static_cast<Index>(slot) * store_->v_words;
+        if (store_->packed[slot] != store_->epoch) {
+          pack(j0, keys, k, v);
+          store_->packed[slot] = store_->epoch;
+        }
+        return {k, stride, v, cols_};
+      }
     }
-    if constexpr (AmxTiles) {
-      std::fill(pair_k_.data() + keys * stride, pair_k_.data() + (keys + 15) / 16 * 16 * stride,
-                std::uint16_t{0});
-      std::fill(pair_v_.data() + (keys + 1) / 2 * cols_, pair_v_.data() + tile_key_cols / 2 * cols_,
-                std::uint32_t{0});
-    }
+    pack(j0, keys, pair_k_.data(), pair_v_.data());
     return {pair_k_.data(), stride, pair_v_.data(), cols_};
   }
 
@@ -198,8 +213,30 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
   static const std::uint16_t* bits(const Eigen::bfloat16* values) {
     return reinterpret_cast<const std::uint16_t*>(values);
   }
+  // Words of one packed key tile: its key rows and its value pairs.
+  Index k_words() const { return tile_key_cols * key_stride(this->k_.cols()); }
+  Index v_words() const { return tile_key_cols / 2 * cols_; }
+  // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words).
+  void pack(Index j0, Index keys, std::uint16_t* pair_k, std::uint32_t* pair_v) const {
+    const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
+    const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
+    pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
+                     pair_v);
+    const Index d = k.cols(), stride = key_stride(d);
+    for (Index b = 0; b < keys; ++b) {
+      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k + b * stride);
+      std::fill(pair_k + b * stride + d, pair_k + (b + 1) * stride, std::uint16_t{0});
+    }
+    if constexpr (AmxTiles) {
+      std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride,
+                std::uint16_t{0});
+      std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});
+    }
+  }
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1>& pair_k_;
   Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>& pair_v_;
+  KeyTileStore* store_;
+  Index key_position_;
   Index cols_;
 };
 #endif
@@ -835,13 +872,13 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
       const MatrixUnit unit = matrix_unit_for<QScalar, KVScalar>(precision);
       if (unit == MatrixUnit::amx_bf16) {
         TileEngine<Scalar, Bias, PairedBf16KV<true>, QScalar> engine(
-            q, PairedBf16KV<true>(k, v, buffers), tau, bias, buffers, positions);
+            q, PairedBf16KV<true>(k, v, buffers, positions.key), tau, bias, buffers, positions);
         job(engine);
         return;
       }
       if (unit == MatrixUnit::avx512_bf16) {
         TileEngine<Scalar, Bias, PairedBf16KV<false>, QScalar> engine(
-            q, PairedBf16KV<false>(k, v, buffers), tau, bias, buffers, positions);
+            q, PairedBf16KV<false>(k, v, buffers, positions.key), tau, bias, buffers, positions);
         job(engine);
         return;
       }

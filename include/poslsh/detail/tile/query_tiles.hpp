@@ -98,6 +98,8 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
   const auto jobs = count * static_cast<long>(heads);
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
     const bool inner = order == JobOrder::heads_inner;
+    // A thread's jobs come one head's tiles in a row: key tiles packed once are kept.
+    workspace.buffers.keep_key_tiles = heads == 1 || !inner;
     const long tile = inner ? j / heads : j % count;
     const long head = inner ? j % heads : j / count;
     tile_job(tiles[static_cast<std::size_t>(tile)], static_cast<Index>(head), workspace);

@@ -21,7 +21,10 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "poslsh/core/types.hpp"
 
@@ -52,6 +55,61 @@ struct TilePositions {
 /// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
 enum class KeyTileCut { skip, full, masked };
 
+/// Key tiles packed for the matrix units and kept for the rest of a parallel loop, so that a
+/// thread whose jobs read the same keys (one head's query tiles, one after the other) packs
+/// each key tile once instead of once per query tile (PairedBf16KV, detail/tile/engine.hpp).
+/// Tile t of the source holds the keys at positions [t Bk, (t + 1) Bk) present in it; slot s
+/// (tile first_tile + s) spans k_words 16-bit words at k + s k_words and v_words 32-bit words at
+/// v + s v_words, and is packed when packed[s] == epoch. A new source (another K and V, or
+/// another packing) starts a new epoch: nothing is cleared, and memory is only touched where
+/// tiles are packed.
+struct KeyTileStore {
+  /// What the packed tiles were read from: equal sources give equal packings.
+  struct Source {
+    const void* k = nullptr;
+    const void* v = nullptr;
+    Index rows = 0, k_stride = 0, v_stride = 0, d = 0, dv = 0, key_position = 0;
+    bool amx = false;
+    bool operator==(const Source& o) const {
+      return k == o.k && v == o.v && rows == o.rows && k_stride == o.k_stride &&
+             v_stride == o.v_stride && d == o.d && dv == o.dv && key_position == o.key_position &&
+             amx == o.amx;
+    }
+  };
+  Source source;
+  Index first_tile = 0, k_words = 0, v_words = 0;
+  std::unique_ptr<std::uint16_t[]> k;
+  std::unique_ptr<std::uint32_t[]> v;
+  Index capacity_k = 0, capacity_v = 0;
+  std::vector<std::uint32_t> packed;
+  std::uint32_t epoch = 0;
+
+  /// Makes the store hold `tiles` slots of k_tile and v_tile words for `from`, starting at tile
+  /// `first`; keeps the packed tiles when `from` is the current source.
+  void hold(const Source& from, Index first, Index tiles, Index k_tile, Index v_tile) {
+    if (from == source && first == first_tile && k_tile == k_words && v_tile == v_words &&
+        static_cast<Index>(packed.size()) >= tiles)
+      return;
+    source = from;
+    first_tile = first;
+    k_words = k_tile;
+    v_words = v_tile;
+    if (capacity_k < tiles * k_tile) {
+      k.reset(new std::uint16_t[static_cast<std::size_t>(tiles * k_tile)]);
+      capacity_k = tiles * k_tile;
+    }
+    if (capacity_v < tiles * v_tile) {
+      v.reset(new std::uint32_t[static_cast<std::size_t>(tiles * v_tile)]);
+      capacity_v = tiles * v_tile;
+    }
+    if (++epoch == 0) {  // after 2^32 sources: every slot unpacked again
+      std::fill(packed.begin(), packed.end(), std::uint32_t{0});
+      epoch = 1;
+    }
+    if (static_cast<Index>(packed.size()) < tiles) packed.resize(static_cast<std::size_t>(tiles));
+  }
+};
+
 /// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
@@ -70,6 +128,11 @@ struct TileBuffers {
   Buffer wide_q, wide_k, wide_v, wide_out;
   Words pair_q, pair_p, pair_v;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1> pair_k;
+  /// Whether the loop running this thread's jobs gives it one head's query tiles in a row
+  /// (parallel_query_tiles), so that key tiles packed for the matrix units are kept in
+  /// `key_tiles` for the next job.
+  bool keep_key_tiles = false;
+  KeyTileStore key_tiles;
 
   void prepare(Index d, Index dv_padded, bool pack_values) {
     constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
