@@ -192,8 +192,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
     if (store_ != nullptr) {
       const Index tile = (key_position_ + j0) / tile_key_cols;
       const Index begin = std::max(tile * tile_key_cols, key_position_) - key_position_;
-      const Index end =
-          std::min((tile + 1) * tile_key_cols - key_position_, this->k_.rows());
+      const Index end = std::min((tile + 1) * tile_key_cols - key_position_, this->k_.rows());
       if (j0 == begin && j0 + keys == end) {
         const auto slot = static_cast<std::size_t>(tile - store_->first_tile);
         std::uint16_t* k = store_->k.get() + static_cast<Index>(slot) * store_->k_words;
@@ -228,8 +227,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
       std::fill(pair_k + b * stride + d, pair_k + (b + 1) * stride, std::uint16_t{0});
     }
     if constexpr (AmxTiles) {
-      std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride,
-                std::uint16_t{0});
+      std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride, std::uint16_t{0});
       std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});
     }
   }
