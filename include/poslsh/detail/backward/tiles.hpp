@@ -50,6 +50,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__SSE__) || defined(_M_X64)
@@ -106,6 +107,9 @@ struct BackwardWork {
   /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
   /// row at b * backward_query_rows), dS as pairs along the keys (pair_pack_probs), and ones.
   std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
+  /// Each key tile's K and V rows copied as they are (a slot of tile * pair_d and tile *
+  /// pair_dv words per key tile, rows d and d_v apart).
+  std::vector<std::uint16_t> k_bits, v_bits;
   std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
   Buffer ones;
   Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
@@ -170,6 +174,8 @@ struct BackwardWork {
     if (tiles > pair_key_tiles) {
       pair_key_tiles = tiles;
       pair_k.assign(static_cast<std::size_t>(std::max<Index>(tiles * Bk / 2 * pair_d, 1)), 0);
+      k_bits.assign(static_cast<std::size_t>(std::max<Index>(tiles * Bk * pair_d, 1)), 0);
+      v_bits.assign(static_cast<std::size_t>(std::max<Index>(tiles * Bk * pair_dv, 1)), 0);
     }
   }
 
@@ -194,6 +200,10 @@ struct BackwardKeyTile {
   Scalar* dk_sum;
   Scalar* dv_sum;
   const std::uint32_t* pair_k = nullptr;  ///< K as pairs along the keys (paired passes)
+  /// The tile's K and V rows as they are stored (bfloat16 bits), d and d_v apart (paired
+  /// passes): S^T and dP^T read them from one contiguous block.
+  const std::uint16_t* k_bits = nullptr;
+  const std::uint16_t* v_bits = nullptr;
 };
 
 /// Subnormal numbers flushed to zero on the calling thread while in scope (x86: the MXCSR
@@ -684,48 +694,84 @@ void pack_step(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout
   }
 }
 
-/// Packs the query step at i0 (`rows` rows) into work's buffers (pack_step; after
-/// work.prepare) and, for the AVX512-BF16 products (in.paired; after work.prepare_pairs), Q and
-/// dO as pairs along their columns and along the rows.
+#if POSLSH_X86_UNITS
+/// For the AVX512-BF16 products (in.paired; after work.prepare_pairs): the step at i0 (`rows`
+/// rows of q and dout) as pairs along their columns (pair_qt, pair_ot) and along the rows
+/// (pair_q_rows, pair_o_rows), the only operands of the step the paired products read.
+inline void pack_pair_step(const BackwardInputs<float, Eigen::bfloat16>& in, Index i0, Index rows,
+                           BackwardWork<float>& work) {
+  constexpr Index Bq = backward_query_rows;
+  pair_pack_queries(in.q, i0, 0, rows, work.pair_qt.data(), Bq);
+  pair_pack_queries(in.dout, i0, 0, rows, work.pair_ot.data(), Bq);
+  pair_pack_values(bf16_words(in.q.data() + i0 * in.q.outerStride()), in.q.outerStride(), rows,
+                   in.q.cols(), work.pair_d, work.pair_q_rows.data());
+  pair_pack_values(bf16_words(in.dout.data() + i0 * in.dout.outerStride()), in.dout.outerStride(),
+                   rows, in.dout.cols(), work.pair_dv, work.pair_o_rows.data());
+}
+#endif
+
+/// Packs the query step at i0 (`rows` rows) into work's buffers: pack_step (after
+/// work.prepare), or for the AVX512-BF16 products (in.paired; after work.prepare_pairs)
+/// pack_pair_step.
 template <typename Scalar, typename Input>
 void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index rows,
                         BackwardWork<Scalar>& work) {
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (in.paired) {
+      pack_pair_step(in, i0, rows, work);
+      return;
+    }
+  }
+#endif
   pack_step<Scalar>(in.q, in.dout, i0, rows, work.dp, work.dvp, work.qt.data(), work.ot.data(),
                     work.q_rows.data(), work.o_rows.data());
-#if POSLSH_X86_UNITS
-  if constexpr (backward_pairs_v<Scalar, Input>) {
-    if (!in.paired) return;
-    constexpr Index Bq = backward_query_rows;
-    pair_pack_queries(in.q, i0, 0, rows, work.pair_qt.data(), Bq);
-    pair_pack_queries(in.dout, i0, 0, rows, work.pair_ot.data(), Bq);
-    pair_pack_values(bf16_words(in.q.data() + i0 * in.q.outerStride()), in.q.outerStride(), rows,
-                     in.q.cols(), work.pair_d, work.pair_q_rows.data());
-    pair_pack_values(bf16_words(in.dout.data() + i0 * in.dout.outerStride()), in.dout.outerStride(),
-                     rows, in.dout.cols(), work.pair_dv, work.pair_o_rows.data());
-  }
-#endif
 }
 
-/// For the AVX512-BF16 products (in.paired; after work.prepare_pairs): K's rows [j0, j0 + keys)
-/// as pairs along the keys into slot `slot` of work.pair_k; returns the slot (null otherwise).
+/// Key tile [j0, j0 + keys) into slot `slot` of work (after work.prepare and reserve_key_tiles):
+/// its K and V rows widened to Scalar (k_rows, v_rows: backward_rows), or for the AVX512-BF16
+/// products (in.paired; after work.prepare_pairs) K as pairs along the keys (pair_k) and the K
+/// and V rows copied as they are (k_bits, v_bits), the only operands of the tile the paired
+/// products read.
 template <typename Scalar, typename Input>
-const std::uint32_t* backward_pack_key_pairs(const BackwardInputs<Scalar, Input>& in, Index j0,
-                                             Index keys, Index slot, BackwardWork<Scalar>& work) {
+void backward_load_key_tile(const BackwardInputs<Scalar, Input>& in, Index j0, Index keys,
+                            Index slot, BackwardWork<Scalar>& work) {
+  constexpr Index Bk = backward_tile;
 #if POSLSH_X86_UNITS
   if constexpr (backward_pairs_v<Scalar, Input>) {
-    if (!in.paired) return nullptr;
-    std::uint32_t* pairs = work.pair_k.data() + slot * (backward_tile / 2) * work.pair_d;
-    pair_pack_values(bf16_words(in.k.data() + j0 * in.k.outerStride()), in.k.outerStride(), keys,
-                     in.k.cols(), work.pair_d, pairs);
-    return pairs;
+    if (in.paired) {
+      pair_pack_values(bf16_words(in.k.data() + j0 * in.k.outerStride()), in.k.outerStride(), keys,
+                       in.k.cols(), work.pair_d,
+                       work.pair_k.data() + slot * (Bk / 2) * work.pair_d);
+      for (const auto& [m, bits, stride] :
+           {std::tuple{&in.k, work.k_bits.data() + slot * Bk * work.pair_d, work.d},
+            std::tuple{&in.v, work.v_bits.data() + slot * Bk * work.pair_dv, work.dv}}) {
+        for (Index b = 0; b < keys; ++b)
+          std::copy_n(bf16_words(m->data() + (j0 + b) * m->outerStride()), stride,
+                      bits + b * stride);
+      }
+      return;
+    }
   }
 #endif
-  static_cast<void>(in);
-  static_cast<void>(j0);
-  static_cast<void>(keys);
-  static_cast<void>(slot);
-  static_cast<void>(work);
-  return nullptr;
+  backward_rows<Scalar>(in.k, j0, keys, work.dp, work.k_rows.data() + slot * Bk * work.dp);
+  backward_rows<Scalar>(in.v, j0, keys, work.dvp, work.v_rows.data() + slot * Bk * work.dvp);
+}
+
+/// The rows and the dK, dV sums of the key tile in slot `slot` of work (backward_load_key_tile).
+template <typename Scalar, typename Input>
+BackwardKeyTile<Scalar> backward_key_tile(const BackwardInputs<Scalar, Input>& in, Index slot,
+                                          BackwardWork<Scalar>& work) {
+  constexpr Index Bk = backward_tile;
+  BackwardKeyTile<Scalar> tile{
+      work.k_rows.data() + slot * Bk * work.dp, work.v_rows.data() + slot * Bk * work.dvp,
+      work.dk_sum.data() + slot * Bk * work.dp, work.dv_sum.data() + slot * Bk * work.dvp};
+  if (in.paired) {
+    tile.pair_k = work.pair_k.data() + slot * (Bk / 2) * work.pair_d;
+    tile.k_bits = work.k_bits.data() + slot * Bk * work.pair_d;
+    tile.v_bits = work.v_bits.data() + slot * Bk * work.pair_dv;
+  }
+  return tile;
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
@@ -827,9 +873,8 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
 #if POSLSH_X86_UNITS
       if constexpr (backward_pairs_v<Scalar, Input>) {
         if (in.paired) {
-          const ConstMatrixRef<Input>& y = values ? in.v : in.k;
           pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
-                          bf16_words(y.data() + j0 * y.outerStride()), y.outerStride(),
+                          values ? tile_rows.v_bits : tile_rows.k_bits, values ? dv : d,
                           ((values ? dv : d) + 1) / 2, first, last, a, a + count * P, 1.0f, target);
           return;
         }
@@ -939,15 +984,11 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
   for (Index g = 0; g < tiles; ++g) {
     const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
     reaching[g] = rule.rows_reaching(j0, j0 + keys);
-    Scalar* k_rows = work.k_rows.data() + g * Bk * dp;
-    Scalar* v_rows = work.v_rows.data() + g * Bk * dvp;
-    rows[g] = {k_rows, v_rows, work.dk_sum.data() + g * Bk * dp, work.dv_sum.data() + g * Bk * dvp};
+    rows[g] = backward_key_tile(in, g, work);
     if (reaching[g].first >= reaching[g].last) continue;
     first_row = std::min(first_row, reaching[g].first);
     last_row = std::max(last_row, reaching[g].last);
-    backward_rows<Scalar>(in.k, j0, keys, dp, k_rows);
-    backward_rows<Scalar>(in.v, j0, keys, dvp, v_rows);
-    rows[g].pair_k = backward_pack_key_pairs(in, j0, keys, g, work);
+    backward_load_key_tile(in, j0, keys, g, work);
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dk_sum, keys * dp).setZero();
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dv_sum, keys * dvp).setZero();
   }
@@ -1077,13 +1118,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   const Index tiles = (end - base + Bk - 1) / Bk;
   std::vector<Index> owner(static_cast<std::size_t>(span), -1);  // the tile in each slot
   std::vector<char> touched(static_cast<std::size_t>(span), 0);  // a pair has run on it
-  const auto slot_rows = [&](Index tile) {
-    const Index slot = tile % span;
-    return BackwardKeyTile<Scalar>{
-        work.k_rows.data() + slot * Bk * dp, work.v_rows.data() + slot * Bk * dvp,
-        work.dk_sum.data() + slot * Bk * dp, work.dv_sum.data() + slot * Bk * dvp,
-        in.paired ? work.pair_k.data() + slot * (Bk / 2) * work.pair_d : nullptr};
-  };
+  const auto slot_rows = [&](Index tile) { return backward_key_tile(in, tile % span, work); };
   // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
   const auto finish = [&](Index tile) {
     const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
@@ -1111,9 +1146,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     const Index slot = tile % span;
     owner[static_cast<std::size_t>(slot)] = tile;
     touched[static_cast<std::size_t>(slot)] = 0;
-    backward_rows<Scalar>(in.k, j0, keys, dp, work.k_rows.data() + slot * Bk * dp);
-    backward_rows<Scalar>(in.v, j0, keys, dvp, work.v_rows.data() + slot * Bk * dvp);
-    backward_pack_key_pairs(in, j0, keys, slot, work);
+    backward_load_key_tile(in, j0, keys, slot, work);
     work.dk_sum.segment(slot * Bk * dp, keys * dp).setZero();
     work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
   };
