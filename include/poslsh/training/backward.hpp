@@ -186,19 +186,16 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
 /// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
 /// when the forward would use a bfloat16 unit (matrix_unit_for<Input, Input>(precision) is not
 /// float_widening). A CPU with amx_bf16 also has avx512_bf16, on which its backward runs.
-/// Odd head widths (d or d_v) take float products: the pair kernels read the input rows in
-/// pairs of columns.
+/// Any head widths: the pair kernels read rows padded to an even length.
 template <typename Input>
-bool backward_on_bf16_unit(Precision precision, Index d, Index dv) {
-  return d % 2 == 0 && dv % 2 == 0 &&
-         matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
+bool backward_on_bf16_unit(Precision precision) {
+  return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
          matrix_unit_available(MatrixUnit::avx512_bf16);
 }
 
 /// The inputs of one backward pass and what it derives from them: D = rowsum(dO o out) and a
 /// contiguous copy of lse, owned here (`in` points into them, so a PassInputs stays where it
-/// is built), and whether the products run on the AVX512-BF16 unit (backward_on_bf16_unit for
-/// the head widths of q and v).
+/// is built), and whether the products run on the AVX512-BF16 unit (backward_on_bf16_unit).
 template <typename Scalar, typename Input>
 struct PassInputs {
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> delta, lse;
@@ -210,10 +207,7 @@ struct PassInputs {
              Precision precision)
       : delta(backward_delta<Scalar, Input>(out, dout)),
         lse(lse_in),
-        in{q,          k,
-           v,          dout,
-           lse.data(), delta.data(),
-           tau,        backward_on_bf16_unit<Input>(precision, q.cols(), v.cols())} {}
+        in{q, k, v, dout, lse.data(), delta.data(), tau, backward_on_bf16_unit<Input>(precision)} {}
   PassInputs(const PassInputs&) = delete;
   PassInputs& operator=(const PassInputs&) = delete;
 };
