@@ -1,8 +1,8 @@
 // poslsh_bench: the benchmark suite (Google Benchmark). Rows, in the order they run:
 //   sgemm                       Eigen SGEMM 2048^3, the machine's practical GFLOP/s
 //   <method>/<n>                multi-head prefill, n = 1024 .. 65536 (exact_naive n <= 4096,
-//                               exact_tiled n <= 32768); with --long also lsh_fused/262144
-//                               and lsh_fused/1048576
+//                               exact_tiled n <= 32768); with --long also exact_tiled/65536,
+//                               lsh_fused/262144 and lsh_fused/1048576
 //   sigma16_<kernel>/<s>        n = 16384, every head sigma = 16, s = 1, 4, 16, 64, 100
 //   decode_<kernel>/<t>         one token (8 heads) over a KV cache of t = 4096 .. 1048576
 // Default problem: float, H = 8, d = 64, causal, ALiBi slopes, s = 16, all threads.
@@ -60,7 +60,8 @@ namespace {
 void print_help() {
   std::printf(
       "poslsh_bench [--long] [benchmark flags]\n"
-      "  --long  also run lsh_fused/262144 and lsh_fused/1048576 (8 GiB of inputs);\n"
+      "  --long  also run exact_tiled/65536, lsh_fused/262144 and lsh_fused/1048576 (8 GiB\n"
+      "          of inputs);\n"
       "          the same as POSLSH_BENCH_LONG=1\n"
       "  Rows are named <method>/<n>; --benchmark_filter matches the full names, which end in\n"
       "  /min_time:...|/iterations:... and /real_time.\n\n");

@@ -211,6 +211,10 @@ void register_prefill(bool long_runs) {
     MultiHeadOptions options;
     options.samples = default_samples;
     options.seed = seed;
+    // The exact kernel at 65536 (about 16 times its 16384 row), for its ratio to sgemm there.
+    MultiHeadOptions exact = options;
+    exact.method = Method::exact_tiled;
+    register_row("exact_tiled/65536", 65536, exact);
     for (Index n : {Index{262144}, Index{1048576}}) {
       register_row("lsh_fused/" + std::to_string(n), n, options);
     }
