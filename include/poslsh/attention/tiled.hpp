@@ -1,5 +1,7 @@
 // poslsh: exact ALiBi attention, tiled and streaming (FlashAttention-style): the honest exact
-// competitor of the LSH kernels, O(n^2 d) time and O(tile (d + d_v)) extra memory.
+// competitor of the LSH kernels, O(n^2 d) time and O(tile (d + d_v)) extra memory (on a
+// bfloat16 matrix unit, also one head's keys and values packed for the unit, at most 64 MiB a
+// thread, each key tile packed once instead of once per query tile).
 //
 // Scalar types (every kernel here and in attention/banded.hpp, attention/fused.hpp): Q is
 // ConstMatrixRef<Scalar>, K and V ConstMatrixRef<KVScalar>, the output MatrixRef<OutScalar>,

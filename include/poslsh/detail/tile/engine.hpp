@@ -159,7 +159,8 @@ struct PairTileRows {
 /// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
 /// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
 /// source holds) is packed once into the thread's KeyTileStore when buffers.keep_key_tiles is
-/// set, and read from there by the later query tiles; any other request (a tile cut by a
+/// set and the source's packed tiles fit in KeyTileStore::max_bytes, and read from there by the
+/// later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
 template <bool AmxTiles = false>
@@ -177,9 +178,12 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
         cols_((v.cols() + 15) / 16 * 16) {
     if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
-    if (store_ != nullptr && k.rows() > 0) {
-      const Index first = key_position / tile_key_cols;
-      const Index tiles = (key_position + k.rows() - 1) / tile_key_cols - first + 1;
+    const Index first = key_position / tile_key_cols;
+    const Index tiles =
+        k.rows() > 0 ? (key_position + k.rows() - 1) / tile_key_cols - first + 1 : 0;
+    if (tiles == 0 || tiles * (2 * k_words() + 4 * v_words()) > KeyTileStore::max_bytes)
+      store_ = nullptr;
+    if (store_ != nullptr) {
       store_->hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(), k.cols(),
                     v.cols(), key_position, AmxTiles},
                    first, tiles, k_words(), v_words());

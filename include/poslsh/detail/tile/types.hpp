@@ -64,6 +64,9 @@ enum class KeyTileCut { skip, full, masked };
 /// another packing) starts a new epoch: nothing is cleared, and memory is only touched where
 /// tiles are packed.
 struct KeyTileStore {
+  /// The most memory a store takes (its packed tiles, per thread): longer sources are packed
+  /// at each visit instead.
+  static constexpr Index max_bytes = Index{64} << 20;
   /// What the packed tiles were read from: equal sources give equal packings.
   struct Source {
     const void* k = nullptr;
@@ -110,7 +113,8 @@ struct KeyTileStore {
   }
 };
 
-/// The buffers of a TileEngine (O(tile (d + d_v)) scalars), reusable across heads and calls:
+/// The buffers of a TileEngine (O(tile (d + d_v)) scalars, and on the bfloat16 units up to
+/// KeyTileStore::max_bytes of packed key tiles), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
 /// an output row before it is rounded to a half-precision output. On the AVX512-BF16 unit
