@@ -311,6 +311,7 @@ void accuracy_sweep(MatrixUnit unit) {
 }
 
 /// 1 and 2 threads bitwise the same, chunked prefill bitwise one prefill, on `unit`.
+template <typename Scalar>
 void kept_key_tile_checks();
 
 void thread_and_chunk_checks(MatrixUnit unit) {
@@ -364,42 +365,45 @@ void thread_and_chunk_checks(MatrixUnit unit) {
       first += rows;
     }
   }
-  kept_key_tile_checks();
+  kept_key_tile_checks<bf16>();
 }
 
-/// Key tiles kept for the next query tiles (TileBuffers::keep_key_tiles: one packing per key
-/// tile, read from the thread's store) against key tiles packed at each visit: bitwise the
-/// same, for whole windows and bands (tiles cut by the window), keys at an odd position,
-/// and odd and even widths. The store of one call serves both heads' sources in turn.
+/// Key tiles kept for the next query tiles (TileBuffers::keep_key_tiles: each key tile copied
+/// or packed once, read from the thread's store) against key tiles read in place or packed at
+/// each visit: bitwise the same, for whole windows and bands (tiles cut by the window), keys at
+/// an odd position, and odd and even widths. The store of one call serves both heads' sources
+/// in turn. Scalar: bfloat16 inputs (on the chosen unit), or float and double (read in place).
+template <typename Scalar>
 void kept_key_tile_checks() {
   using poslsh::detail::AlibiBias;
   using poslsh::detail::ExactWindow;
   using poslsh::detail::TileBuffers;
   const Index n = 333;
   for (const Index d : {Index{64}, Index{33}}) {
-    const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 41),
-                          k = make_input(Inputs::heavy_tailed, 2 * n, d, 42),
-                          v = make_input(Inputs::random, 2 * n, d + 3, 43);
+    using Compute = poslsh::compute_scalar_t<Scalar, Scalar, Scalar>;
+    const RowMatrix<Scalar> q = make_input(Inputs::random, n, d, 41).cast<Scalar>(),
+                            k = make_input(Inputs::heavy_tailed, 2 * n, d, 42).cast<Scalar>(),
+                            v = make_input(Inputs::random, 2 * n, d + 3, 43).cast<Scalar>();
     for (const ExactWindow window : {ExactWindow{0, 2 * n}, ExactWindow{-2 * n, 2 * n},
                                      ExactWindow{-50, 70}, ExactWindow{0, 90}}) {
       for (const Index key_position : {Index{0}, Index{37}}) {
         INFO("d " << d << ", window [" << window.lo << ", " << window.hi << "], keys from "
                   << key_position);
-        RowMatrix<float> kept(2 * n, d + 3), visited(2 * n, d + 3);
+        RowMatrix<Compute> kept(2 * n, d + 3), visited(2 * n, d + 3);
         for (const bool keep : {true, false}) {
-          TileBuffers<float> buffers;
+          TileBuffers<Compute> buffers;
           buffers.keep_key_tiles = keep;
-          RowMatrix<float>& out = keep ? kept : visited;
+          RowMatrix<Compute>& out = keep ? kept : visited;
           // Two heads' sources (the two halves of K and V) alternating query tile by query
           // tile, as two calls sharing one thread's buffers would meet them.
           for (Index r0 = 0; r0 < n; r0 += 64) {
             for (Index half = 0; half < 2; ++half) {
-              const poslsh::ConstMatrixRef<bf16> k_half = k.middleRows(half * n, n),
-                                                 v_half = v.middleRows(half * n, n);
-              AlibiBias<float> bias(key_position + n, 12.0, window);
+              const poslsh::ConstMatrixRef<Scalar> k_half = k.middleRows(half * n, n),
+                                                   v_half = v.middleRows(half * n, n);
+              AlibiBias<Compute> bias(key_position + n, 12.0, window);
               const Index rows = std::min<Index>(64, n - r0), p0 = key_position + 5;
-              poslsh::detail::engine_rows<float, bf16, bf16>(
-                  poslsh::ConstMatrixRef<bf16>(q), k_half, v_half, 0.125, bias, buffers,
+              poslsh::detail::engine_rows<Compute, Scalar, Scalar>(
+                  poslsh::ConstMatrixRef<Scalar>(q), k_half, v_half, 0.125, bias, buffers,
                   {p0, key_position}, Precision::matrix_units, p0 + r0, p0 + r0 + rows,
                   out.middleRows(half * n + r0, rows));
             }
@@ -595,6 +599,12 @@ TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units]
   const AmxModeScope no_amx(AmxTestMode::disabled);
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
   every_kernel_checks(MatrixUnit::avx512_bf16, [] { return true; });
+}
+
+TEST_CASE("float and double: key tiles kept for the next query tiles, bitwise read in place",
+          "[units]") {
+  kept_key_tile_checks<float>();
+  kept_key_tile_checks<double>();
 }
 
 TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[units][half]") {

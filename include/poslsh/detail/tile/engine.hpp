@@ -98,16 +98,47 @@ class StridedKV {
   const ConstMatrixRef<Storage>& v_;
 };
 
-/// The engine's default key source: K and V in the compute type, read in place (tile(j0, keys)
-/// points into them).
+/// The engine's default key source: K and V in the compute type. tile(j0, keys) points into
+/// them, or, when buffers.keep_key_tiles is set, to a copy of a whole key tile's K and V rows
+/// (d and d_v apart) in the thread's KeyTileStore, made at the first visit: the later query
+/// tiles read the tile from one contiguous block instead of rows a whole token apart. The
+/// values are the same either way, so the copy never changes a result.
 template <typename Scalar>
 class ContiguousKV : public StridedKV<Scalar> {
  public:
+  /// Reads K and V in place.
   using StridedKV<Scalar>::StridedKV;
-  KeyTileRows<Scalar> tile(Index j0, Index) const {
-    return {this->k_.data() + j0 * this->k_.outerStride(), this->k_.outerStride(),
-            this->v_.data() + j0 * this->v_.outerStride(), this->v_.outerStride()};
+  /// K row 0 is the key at position key_position (the engine's positions.key).
+  ContiguousKV(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
+               TileBuffers<Scalar>& buffers, Index key_position)
+      : StridedKV<Scalar>(k, v) {
+    if (buffers.keep_key_tiles &&
+        buffers.key_rows.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
+                               k.cols(), v.cols(), key_position},
+                              tile_key_cols * k.cols(), tile_key_cols * v.cols()))
+      store_ = &buffers.key_rows;
   }
+  KeyTileRows<Scalar> tile(Index j0, Index keys) const {
+    const ConstMatrixRef<Scalar>& k = this->k_;
+    const ConstMatrixRef<Scalar>& v = this->v_;
+    if (store_ != nullptr) {
+      if (const auto slot = store_->whole_tile(j0, keys)) {
+        const Index d = k.cols(), dv = v.cols();
+        if (!slot->ready) {
+          for (Index b = 0; b < keys; ++b) {
+            std::copy_n(k.data() + (j0 + b) * k.outerStride(), d, slot->k + b * d);
+            std::copy_n(v.data() + (j0 + b) * v.outerStride(), dv, slot->v + b * dv);
+          }
+        }
+        return {slot->k, d, slot->v, dv};
+      }
+    }
+    return {k.data() + j0 * k.outerStride(), k.outerStride(), v.data() + j0 * v.outerStride(),
+            v.outerStride()};
+  }
+
+ private:
+  KeyTileStore<Scalar, Scalar>* store_ = nullptr;
 };
 
 /// The key source of K and V stored in a half-precision type `Storage` (row-strided matrices):
@@ -159,8 +190,8 @@ struct PairTileRows {
 /// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
 /// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
 /// source holds) is packed once into the thread's KeyTileStore when buffers.keep_key_tiles is
-/// set and the source's packed tiles fit in KeyTileStore::max_bytes, and read from there by the
-/// later query tiles; any other request (a tile cut by a
+/// set (and the source's packed tiles fit in KeyTileStore::max_bytes), and read from there by
+/// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
 template <bool AmxTiles = false>
@@ -173,39 +204,23 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
       : StridedKV<Eigen::bfloat16>(k, v),
         pair_k_(buffers.pair_k),
         pair_v_(buffers.pair_v),
-        store_(buffers.keep_key_tiles ? &buffers.key_tiles : nullptr),
-        key_position_(key_position),
         cols_((v.cols() + 15) / 16 * 16) {
     if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
-    const Index first = key_position / tile_key_cols;
-    const Index tiles =
-        k.rows() > 0 ? (key_position + k.rows() - 1) / tile_key_cols - first + 1 : 0;
-    if (tiles == 0 || tiles * (2 * k_words() + 4 * v_words()) > KeyTileStore::max_bytes)
-      store_ = nullptr;
-    if (store_ != nullptr) {
-      store_->hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(), k.cols(),
-                    v.cols(), key_position, AmxTiles},
-                   first, tiles, k_words(), v_words());
-    }
+    if (buffers.keep_key_tiles &&
+        buffers.key_pairs.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
+                                k.cols(), v.cols(), key_position, AmxTiles ? 2 : 1},
+                               k_words(), v_words()))
+      store_ = &buffers.key_pairs;
   }
   /// The distance of the packed key rows for d columns.
   static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : d + d % 2; }
   PairTileRows pair_tile(Index j0, Index keys) {
     const Index stride = key_stride(this->k_.cols());
     if (store_ != nullptr) {
-      const Index tile = (key_position_ + j0) / tile_key_cols;
-      const Index begin = std::max(tile * tile_key_cols, key_position_) - key_position_;
-      const Index end = std::min((tile + 1) * tile_key_cols - key_position_, this->k_.rows());
-      if (j0 == begin && j0 + keys == end) {
-        const auto slot = static_cast<std::size_t>(tile - store_->first_tile);
-        std::uint16_t* k = store_->k.get() + static_cast<Index>(slot) * store_->k_words;
-        std::uint32_t* v = store_->v.get() + static_cast<Index>(slot) * store_->v_words;
-        if (store_->packed[slot] != store_->epoch) {
-          pack(j0, keys, k, v);
-          store_->packed[slot] = store_->epoch;
-        }
-        return {k, stride, v, cols_};
+      if (const auto slot = store_->whole_tile(j0, keys)) {
+        if (!slot->ready) pack(j0, keys, slot->k, slot->v);
+        return {slot->k, stride, slot->v, cols_};
       }
     }
     pack(j0, keys, pair_k_.data(), pair_v_.data());
@@ -237,8 +252,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
   }
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1>& pair_k_;
   Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>& pair_v_;
-  KeyTileStore* store_;
-  Index key_position_;
+  KeyTileStore<std::uint16_t, std::uint32_t>* store_ = nullptr;
   Index cols_;
 };
 #endif
@@ -864,8 +878,8 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
                       Job&& job) {
   if constexpr (std::is_same_v<KVScalar, Scalar>) {
     static_cast<void>(precision);
-    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(q, ContiguousKV<Scalar>(k, v),
-                                                                   tau, bias, buffers, positions);
+    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
+        q, ContiguousKV<Scalar>(k, v, buffers, positions.key), tau, bias, buffers, positions);
     job(engine);
   } else {
 #if POSLSH_X86_UNITS

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "poslsh/core/types.hpp"
@@ -55,66 +56,93 @@ struct TilePositions {
 /// How a key tile meets the windows of the rows computed: not at all, every entry kept, or cut.
 enum class KeyTileCut { skip, full, masked };
 
-/// Key tiles packed for the matrix units and kept for the rest of a parallel loop, so that a
-/// thread whose jobs read the same keys (one head's query tiles, one after the other) packs
-/// each key tile once instead of once per query tile (PairedBf16KV, detail/tile/engine.hpp).
-/// Tile t of the source holds the keys at positions [t Bk, (t + 1) Bk) present in it; slot s
-/// (tile first_tile + s) spans k_words 16-bit words at k + s k_words and v_words 32-bit words at
-/// v + s v_words, and is packed when packed[s] == epoch. A new source (another K and V, or
-/// another packing) starts a new epoch: nothing is cleared, and memory is only touched where
-/// tiles are packed.
-struct KeyTileStore {
-  /// The most memory a store takes (its packed tiles, per thread): longer sources are packed
-  /// at each visit instead.
+/// Key tiles copied or packed once and kept for the rest of a parallel loop, so that a thread
+/// whose jobs read the same keys (one head's query tiles, one after the other) reads each key
+/// tile from one contiguous block, prepared once instead of once per query tile (ContiguousKV
+/// and PairedBf16KV, detail/tile/engine.hpp). Tile t of the source holds the keys at positions
+/// [t Bk, (t + 1) Bk) present in it; its slot spans k_words KWords and v_words VWords. A new
+/// source (other K and V, or another layout) starts a new epoch: nothing is cleared, and
+/// memory is only touched where tiles are prepared.
+template <typename KWord, typename VWord>
+class KeyTileStore {
+ public:
+  /// The most memory a store takes (its tiles, per thread): longer sources are not held.
   static constexpr Index max_bytes = Index{64} << 20;
-  /// What the packed tiles were read from: equal sources give equal packings.
+  /// What the tiles are read from (K row 0 is the key at position key_position) and how they
+  /// are laid out (`layout`: 0, or which packing): equal sources give equal tiles.
   struct Source {
     const void* k = nullptr;
     const void* v = nullptr;
-    Index rows = 0, k_stride = 0, v_stride = 0, d = 0, dv = 0, key_position = 0;
-    bool amx = false;
+    Index rows = 0, k_stride = 0, v_stride = 0, d = 0, dv = 0, key_position = 0, layout = 0;
     bool operator==(const Source& o) const {
       return k == o.k && v == o.v && rows == o.rows && k_stride == o.k_stride &&
              v_stride == o.v_stride && d == o.d && dv == o.dv && key_position == o.key_position &&
-             amx == o.amx;
+             layout == o.layout;
     }
   };
-  Source source;
-  Index first_tile = 0, k_words = 0, v_words = 0;
-  std::unique_ptr<std::uint16_t[]> k;
-  std::unique_ptr<std::uint32_t[]> v;
-  Index capacity_k = 0, capacity_v = 0;
-  std::vector<std::uint32_t> packed;
-  std::uint32_t epoch = 0;
+  /// Where a whole tile's K and V words go, and whether they are there already.
+  struct Slot {
+    KWord* k;
+    VWord* v;
+    bool ready;
+  };
 
-  /// Makes the store hold `tiles` slots of k_tile and v_tile words for `from`, starting at tile
-  /// `first`; keeps the packed tiles when `from` is the current source.
-  void hold(const Source& from, Index first, Index tiles, Index k_tile, Index v_tile) {
-    if (from == source && first == first_tile && k_tile == k_words && v_tile == v_words &&
-        static_cast<Index>(packed.size()) >= tiles)
-      return;
-    source = from;
-    first_tile = first;
-    k_words = k_tile;
-    v_words = v_tile;
-    if (capacity_k < tiles * k_tile) {
-      k.reset(new std::uint16_t[static_cast<std::size_t>(tiles * k_tile)]);
-      capacity_k = tiles * k_tile;
+  /// Holds the tiles of `from`, k_tile and v_tile words each (keeping those already prepared
+  /// when `from` is the source held); false, holding nothing, when they would take more than
+  /// max_bytes.
+  bool hold(const Source& from, Index k_tile, Index v_tile) {
+    const Index first = from.key_position / tile_key_cols;
+    const Index tiles =
+        from.rows > 0 ? (from.key_position + from.rows - 1) / tile_key_cols - first + 1 : 0;
+    const Index bytes = tiles * (k_tile * Index{sizeof(KWord)} + v_tile * Index{sizeof(VWord)});
+    if (tiles == 0 || bytes > max_bytes) return false;
+    if (from == source_ && k_tile == k_words_ && v_tile == v_words_) return true;
+    source_ = from;
+    first_tile_ = first;
+    k_words_ = k_tile;
+    v_words_ = v_tile;
+    if (capacity_k_ < tiles * k_tile) {
+      k_.reset(new KWord[static_cast<std::size_t>(tiles * k_tile)]);
+      capacity_k_ = tiles * k_tile;
     }
-    if (capacity_v < tiles * v_tile) {
-      v.reset(new std::uint32_t[static_cast<std::size_t>(tiles * v_tile)]);
-      capacity_v = tiles * v_tile;
+    if (capacity_v_ < tiles * v_tile) {
+      v_.reset(new VWord[static_cast<std::size_t>(tiles * v_tile)]);
+      capacity_v_ = tiles * v_tile;
     }
-    if (++epoch == 0) {  // after 2^32 sources: every slot unpacked again
-      std::fill(packed.begin(), packed.end(), std::uint32_t{0});
-      epoch = 1;
+    if (++epoch_ == 0) {  // after 2^32 sources: every slot unprepared again
+      std::fill(ready_.begin(), ready_.end(), std::uint32_t{0});
+      epoch_ = 1;
     }
-    if (static_cast<Index>(packed.size()) < tiles) packed.resize(static_cast<std::size_t>(tiles));
+    if (static_cast<Index>(ready_.size()) < tiles) ready_.resize(static_cast<std::size_t>(tiles));
+    return true;
   }
+
+  /// The slot of the source's rows [j0, j0 + keys) when they are a whole tile (all the keys of
+  /// its tile the source holds), counted as ready from now on (the caller prepares a slot that
+  /// is not); none otherwise.
+  std::optional<Slot> whole_tile(Index j0, Index keys) {
+    const Index p0 = source_.key_position, tile = (p0 + j0) / tile_key_cols;
+    const Index begin = std::max(tile * tile_key_cols, p0) - p0;
+    const Index end = std::min((tile + 1) * tile_key_cols - p0, source_.rows);
+    if (j0 != begin || j0 + keys != end) return std::nullopt;
+    const Index slot = tile - first_tile_;
+    std::uint32_t& mark = ready_[static_cast<std::size_t>(slot)];
+    const bool ready = mark == epoch_;
+    mark = epoch_;
+    return Slot{k_.get() + slot * k_words_, v_.get() + slot * v_words_, ready};
+  }
+
+ private:
+  Source source_;
+  Index first_tile_ = 0, k_words_ = 0, v_words_ = 0, capacity_k_ = 0, capacity_v_ = 0;
+  std::unique_ptr<KWord[]> k_;
+  std::unique_ptr<VWord[]> v_;
+  std::vector<std::uint32_t> ready_;
+  std::uint32_t epoch_ = 0;
 };
 
-/// The buffers of a TileEngine (O(tile (d + d_v)) scalars, and on the bfloat16 units up to
-/// KeyTileStore::max_bytes of packed key tiles), reusable across heads and calls:
+/// The buffers of a TileEngine (O(tile (d + d_v)) scalars, and up to KeyTileStore::max_bytes
+/// of key tiles kept for the next query tiles), reusable across heads and calls:
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
 /// an output row before it is rounded to a half-precision output. On the AVX512-BF16 unit
@@ -133,10 +161,11 @@ struct TileBuffers {
   Words pair_q, pair_p, pair_v;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1> pair_k;
   /// Whether the loop running this thread's jobs gives it one head's query tiles in a row
-  /// (parallel_query_tiles), so that key tiles packed for the matrix units are kept in
-  /// `key_tiles` for the next job.
+  /// (parallel_query_tiles), so that key tiles are kept for the next job: K and V rows in
+  /// `key_rows` (ContiguousKV), packed for the bfloat16 units in `key_pairs` (PairedBf16KV).
   bool keep_key_tiles = false;
-  KeyTileStore key_tiles;
+  KeyTileStore<Scalar, Scalar> key_rows;
+  KeyTileStore<std::uint16_t, std::uint32_t> key_pairs;
 
   void prepare(Index d, Index dv_padded, bool pack_values) {
     constexpr Index Bq = tile_query_rows, Bk = tile_key_cols;
