@@ -163,6 +163,8 @@ struct TileBuffers {
   /// Whether the loop running this thread's jobs gives it one head's query tiles in a row
   /// (parallel_query_tiles), so that key tiles are kept for the next job: K and V rows in
   /// `key_rows` (ContiguousKV), packed for the bfloat16 units in `key_pairs` (PairedBf16KV).
+  /// A kept tile is known by the address and shape of its K and V, not by their values: set
+  /// only for buffers that live within one call (whose inputs do not change).
   bool keep_key_tiles = false;
   KeyTileStore<Scalar, Scalar> key_rows;
   KeyTileStore<std::uint16_t, std::uint32_t> key_pairs;
