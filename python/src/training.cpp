@@ -422,8 +422,11 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
           auto output = heads_output<T>(out, keywords.layout, in.q.tokens, in.q.heads, in.v.dim,
                                         function, "out", "q", inputs);
-          auto [lse_result, lse_map] = lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, true,
-                                                     {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+          // A pair, not a structured binding: the lambda below captures the map (C++17).
+          auto lse_pair = lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, true,
+                                        {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+          py::object& lse_result = lse_pair.first;
+          auto& lse_map = lse_pair.second;
           Index p0 = 0;
           if (slice) {
             // Unset query_offset: the last m positions of the keys (bottom-right).
