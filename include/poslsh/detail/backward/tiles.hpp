@@ -107,7 +107,7 @@ struct BackwardWork {
   /// row at b * backward_query_rows), dS as pairs along the keys (pair_pack_probs), and ones.
   std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
   /// Each key tile's K and V rows copied as they are (a slot of tile * pair_d and tile *
-  /// pair_dv words per key tile, rows backward_bits_stride(d) and (d_v) apart).
+  /// pair_dv words per key tile, rows pair_row_stride(d) and (d_v) apart).
   std::vector<std::uint16_t> k_bits, v_bits;
   std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
   Buffer ones;
@@ -199,7 +199,7 @@ struct BackwardKeyTile {
   Scalar* dk_sum;
   Scalar* dv_sum;
   const std::uint32_t* pair_k = nullptr;  ///< K as pairs along the keys (paired passes)
-  /// The tile's K and V rows as they are stored (bfloat16 bits, backward_bits_stride(d) and
+  /// The tile's K and V rows as they are stored (bfloat16 bits, pair_row_stride(d) and
   /// (d_v) apart; paired passes): S^T and dP^T read them from one contiguous block.
   const std::uint16_t* k_bits = nullptr;
   const std::uint16_t* v_bits = nullptr;
@@ -727,11 +727,6 @@ void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index
                     work.q_rows.data(), work.o_rows.data());
 }
 
-/// The distance of the key tile's K or V rows copied as they are (BackwardWork::k_bits,
-/// v_bits) for `cols` columns: an even number of bfloat16 values (a zero appended to an odd
-/// row), as the pair kernels read a row's values two by two.
-inline Index backward_bits_stride(Index cols) { return cols + cols % 2; }
-
 /// Key tile [j0, j0 + keys) into slot `slot` of work (after work.prepare and reserve_key_tiles):
 /// its K and V rows widened to Scalar (k_rows, v_rows: backward_rows), or for the AVX512-BF16
 /// products (in.paired; after work.prepare_pairs) K as pairs along the keys (pair_k) and the K
@@ -750,11 +745,8 @@ void backward_load_key_tile(const BackwardInputs<Scalar, Input>& in, Index j0, I
       for (const auto& [m, bits] :
            {std::pair{&in.k, work.k_bits.data() + slot * Bk * work.pair_d},
             std::pair{&in.v, work.v_bits.data() + slot * Bk * work.pair_dv}}) {
-        const Index cols = m->cols(), stride = backward_bits_stride(cols);
-        for (Index b = 0; b < keys; ++b) {
-          std::copy_n(bf16_words(m->data() + (j0 + b) * m->outerStride()), cols, bits + b * stride);
-          if (stride > cols) bits[b * stride + cols] = 0;
-        }
+        pair_copy_rows(bf16_words(m->data() + j0 * m->outerStride()), m->outerStride(), keys,
+                       m->cols(), bits, pair_row_stride(m->cols()));
       }
       return;
     }
@@ -881,7 +873,7 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
         if (in.paired) {
           pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
                           values ? tile_rows.v_bits : tile_rows.k_bits,
-                          backward_bits_stride(values ? dv : d), ((values ? dv : d) + 1) / 2, first,
+                          pair_row_stride(values ? dv : d), ((values ? dv : d) + 1) / 2, first,
                           last, a, a + count * P, 1.0f, target);
           return;
         }

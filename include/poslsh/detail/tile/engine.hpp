@@ -214,7 +214,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
       store_ = &buffers.key_pairs;
   }
   /// The distance of the packed key rows for d columns.
-  static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : d + d % 2; }
+  static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
   PairTileRows pair_tile(Index j0, Index keys) {
     const Index stride = key_stride(this->k_.cols());
     if (store_ != nullptr) {
@@ -241,10 +241,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
     pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
                      pair_v);
     const Index d = k.cols(), stride = key_stride(d);
-    for (Index b = 0; b < keys; ++b) {
-      std::copy_n(bits(k.data() + (j0 + b) * k.outerStride()), d, pair_k + b * stride);
-      std::fill(pair_k + b * stride + d, pair_k + (b + 1) * stride, std::uint16_t{0});
-    }
+    pair_copy_rows(bits(k.data() + j0 * k.outerStride()), k.outerStride(), keys, d, pair_k, stride);
     if constexpr (AmxTiles) {
       std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride, std::uint16_t{0});
       std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});

@@ -47,6 +47,20 @@ inline const std::uint16_t* bf16_words(const Eigen::bfloat16* values) {
   return reinterpret_cast<const std::uint16_t*>(values);
 }
 
+/// The distance of rows of `cols` bfloat16 values copied for the score products, which read
+/// a row's values two by two: an even count (a zero appended to an odd row).
+inline Index pair_row_stride(Index cols) { return cols + cols % 2; }
+
+/// Rows [0, count) of `rows` (bfloat16 bits, `stride` apart) copied to `out`, out_stride
+/// (>= cols) apart, with zeros from column `cols` to out_stride - 1.
+inline void pair_copy_rows(const std::uint16_t* rows, Index stride, Index count, Index cols,
+                           std::uint16_t* out, Index out_stride) {
+  for (Index b = 0; b < count; ++b) {
+    std::copy_n(rows + b * stride, cols, out + b * out_stride);
+    std::fill(out + b * out_stride + cols, out + (b + 1) * out_stride, std::uint16_t{0});
+  }
+}
+
 /// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
 /// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile.
 inline void pair_pack_queries(const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0,
