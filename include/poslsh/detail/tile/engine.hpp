@@ -607,11 +607,18 @@ class TileEngine {
   }
 
 #if POSLSH_X86_UNITS
-  // score_keys on the AVX512-BF16 unit: the products of the span into the scores, then the
-  // policy's scores and the tile maximum packet by packet.
+  // score_keys on the AVX512-BF16 unit: the products of the span, then the policy's scores
+  // and the tile maximum packet by packet; with 16-float packets in the products' registers
+  // (ScoreMax), else from the stored products.
   template <bool Masked>
   void score_pairs(Index packets, Index b, Index end, Index a0) {
     namespace ei = Eigen::internal;
+    if constexpr (!amx && P == 16) {
+      pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
+                      a0, a0 + packets * P,
+                      ScoreMax<Masked>{bias_.scorer(), tau_, b_.scores.data(), b_.tile_max.data()});
+      return;
+    }
     if constexpr (amx)
       amx_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
                      a0 + packets * P, tau_, b_.scores.data());
@@ -630,6 +637,30 @@ class TileEngine {
       ei::pstore(b_.tile_max.data() + a, best);
     }
   }
+
+  // The finish of pair_score_span (whole packets of 16 floats) that does score_block's work on
+  // the products in registers: x = scorer.score(tau acc) stored, tile_max <- max(tile_max, x).
+  template <bool Masked>
+  struct ScoreMax {
+    typename Bias::Scorer scorer;
+    Scalar tau;
+    Scalar* scores;
+    Scalar* tile_max;
+    template <int Keys>
+    EIGEN_ALWAYS_INLINE void operator()(const Packet (&acc)[Keys], Index b0, Index a,
+                                        std::uint16_t) const {
+      namespace ei = Eigen::internal;
+      const Packet scale = ei::pset1<Packet>(tau);
+      Packet best = ei::pload<Packet>(tile_max + a);
+      POSLSH_TILE_UNROLL
+      for (int kk = 0; kk < Keys; ++kk) {
+        const Packet x = scorer.template score<Masked>(ei::pmul(acc[kk], scale), b0 + kk, a);
+        best = ei::pmax(best, x);
+        ei::pstore(scores + (b0 + kk) * Bq + a, x);
+      }
+      ei::pstore(tile_max + a, best);
+    }
+  };
 #endif
 
   // M <- max(M, tile max); alpha = e^{M_old - M} (1 while a row has seen no kept key); the
@@ -655,6 +686,16 @@ class TileEngine {
   void exp_tile(Index keys) {
     namespace ei = Eigen::internal;
     const auto scorer = bias_.scorer();
+#if POSLSH_X86_UNITS
+    if constexpr (pairs && !amx && P == 16) {
+      // The same steps, each probability rounded into pair_p as it is computed.
+      const auto reach = [&](Index a) { return keys_reached(a, a + P, keys); };
+      pair_exp_pack<Masked, Packet>(scorer, reach, b_.scores.data(), Bq, packets_.first,
+                                    packets_.last, b_.shift.data(), b_.alpha.data(),
+                                    b_.running_sum.data(), b_.pair_p.data());
+      return;
+    }
+#endif
     for (Index a = packets_.first; a < packets_.last; a += P) {
       const KeyRange reach = keys_reached(a, a + P, keys);
       const Packet shift = ei::pload<Packet>(b_.shift.data() + a);

@@ -29,6 +29,7 @@
 
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
+#include "poslsh/detail/tile/types.hpp"
 
 #define POSLSH_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define POSLSH_AVX512_BF16_INLINE POSLSH_AVX512_BF16_TARGET inline __attribute__((always_inline))
@@ -52,27 +53,29 @@ inline const std::uint16_t* bf16_words(const Eigen::bfloat16* values) {
 inline Index pair_row_stride(Index cols) { return cols + cols % 2; }
 
 /// Rows [0, count) of `rows` (bfloat16 bits, `stride` apart) copied to `out`, out_stride
-/// (>= cols) apart, with zeros from column `cols` to out_stride - 1.
+/// (>= cols) apart, with zeros from column `cols` to out_stride - 1. Plain loops: rows of a
+/// head (tens of values) are too short for a library call per row.
 inline void pair_copy_rows(const std::uint16_t* rows, Index stride, Index count, Index cols,
                            std::uint16_t* out, Index out_stride) {
   for (Index b = 0; b < count; ++b) {
-    std::copy_n(rows + b * stride, cols, out + b * out_stride);
-    std::fill(out + b * out_stride + cols, out + (b + 1) * out_stride, std::uint16_t{0});
+    const std::uint16_t* row = rows + b * stride;
+    std::uint16_t* copy = out + b * out_stride;
+    for (Index c = 0; c < cols; ++c) copy[c] = row[c];
+    for (Index c = cols; c < out_stride; ++c) copy[c] = 0;
   }
 }
 
 /// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
-/// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile.
+/// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile. A pair of
+/// adjacent bfloat16 values is one word as stored (the first in the low 16 bits on x86).
 inline void pair_pack_queries(const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0,
                               Index a1, std::uint32_t* pair_q, Index tile) {
   const Index d = q.cols(), half_d = (d + 1) / 2;
   if (a0 > 0 || a1 < tile) std::fill_n(pair_q, half_d * tile, std::uint32_t{0});
   for (Index a = a0; a < a1; ++a) {
-    const Eigen::bfloat16* row = q.data() + (i0 + a) * q.outerStride();
-    for (Index c2 = 0; c2 < d / 2; ++c2)
-      pair_q[c2 * tile + a] =
-          bf16_bits(row[2 * c2]) | static_cast<std::uint32_t>(bf16_bits(row[2 * c2 + 1])) << 16;
-    if (d % 2 != 0) pair_q[(half_d - 1) * tile + a] = bf16_bits(row[d - 1]);
+    const std::uint16_t* row = bf16_words(q.data() + (i0 + a) * q.outerStride());
+    for (Index c2 = 0; c2 < d / 2; ++c2) std::memcpy(pair_q + c2 * tile + a, row + 2 * c2, 4);
+    if (d % 2 != 0) pair_q[(half_d - 1) * tile + a] = row[d - 1];
   }
 }
 
@@ -92,14 +95,30 @@ POSLSH_AVX512_BF16_INLINE void pair_keep_in_register(Vector& vector) {
   __asm__("" : "+v"(vector));
 }
 
-/// scores[(b0 + kk) * tile + a] = tau sum_c2 pair_q[c2][a] . key (b0 + kk)'s pair c2, for
-/// kk < Keys and the rows a of the Vectors vectors of 16 from `start` inside [lo, hi) (the
-/// other lanes are not written).
-template <int Keys, int Vectors>
+/// The finish of pair_score_span that stores the scores: scores[b * tile + a] = tau acc for
+/// the lanes of `mask`.
+struct PairScoreStore {
+  float tau;
+  float* scores;
+  Index tile;
+  template <int Keys>
+  POSLSH_AVX512_BF16_INLINE void operator()(const __m512 (&acc)[Keys], Index b0, Index a,
+                                            __mmask16 mask) const {
+    const __m512 scale = _mm512_set1_ps(tau);
+    POSLSH_TILE_UNROLL
+    for (int kk = 0; kk < Keys; ++kk)
+      _mm512_mask_storeu_ps(scores + (b0 + kk) * tile + a, mask, _mm512_mul_ps(acc[kk], scale));
+  }
+};
+
+/// finish(acc, b0, a, mask) with acc[kk] = sum_c2 pair_q[c2][a'] . key (b0 + kk)'s pair c2 for
+/// kk < Keys and the 16 rows a' from a (a = start, start + 16, ... for the Vectors vectors of
+/// 16 from `start`; mask: those of its rows inside [lo, hi)).
+template <int Keys, int Vectors, typename Finish>
 POSLSH_AVX512_BF16_INLINE void pair_score_block(const std::uint32_t* pair_q, Index tile,
                                                 const std::uint16_t* keys, Index key_stride,
                                                 Index half_d, Index b0, Index start, Index lo,
-                                                Index hi, float tau, float* scores) {
+                                                Index hi, const Finish& finish) {
   __m512 acc[Keys][Vectors];
   POSLSH_TILE_UNROLL
   for (int kk = 0; kk < Keys; ++kk) {
@@ -124,50 +143,104 @@ POSLSH_AVX512_BF16_INLINE void pair_score_block(const std::uint32_t* pair_q, Ind
       for (int w = 0; w < Vectors; ++w) acc[kk][w] = _mm512_dpbf16_ps(acc[kk][w], queries[w], key);
     }
   }
-  const __m512 scale = _mm512_set1_ps(tau);
   POSLSH_TILE_UNROLL
   for (int w = 0; w < Vectors; ++w) {
-    const __mmask16 mask = pair_row_mask(start + 16 * w, lo, hi);
+    __m512 column[Keys];
     POSLSH_TILE_UNROLL
-    for (int kk = 0; kk < Keys; ++kk)
-      _mm512_mask_storeu_ps(scores + (b0 + kk) * tile + start + 16 * w, mask,
-                            _mm512_mul_ps(acc[kk][w], scale));
+    for (int kk = 0; kk < Keys; ++kk) column[kk] = acc[kk][w];
+    finish(column, b0, start + 16 * w, pair_row_mask(start + 16 * w, lo, hi));
   }
 }
 
-template <int Keys, int Vectors>
+template <int Keys, int Vectors, typename Finish>
 POSLSH_AVX512_BF16_INLINE void pair_score_keys(const std::uint32_t* pair_q, Index tile,
                                                const std::uint16_t* keys, Index key_stride,
                                                Index half_d, Index b, Index end, Index start,
-                                               Index lo, Index hi, float tau, float* scores) {
+                                               Index lo, Index hi, const Finish& finish) {
   for (; b + Keys <= end; b += Keys)
-    pair_score_block<Keys, Vectors>(pair_q, tile, keys, key_stride, half_d, b, start, lo, hi, tau,
-                                    scores);
+    pair_score_block<Keys, Vectors>(pair_q, tile, keys, key_stride, half_d, b, start, lo, hi,
+                                    finish);
   if constexpr (Keys > 1)
     pair_score_keys<Keys / 2, Vectors>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo,
-                                       hi, tau, scores);
+                                       hi, finish);
 }
 
-/// scores[b * tile + a] = tau q_a.k_b (bfloat16 products summed in float) for keys b in
-/// [b, end) of the tile (key b's row at keys + b key_stride, bfloat16 bits) and query rows a in
-/// [lo, hi) (hi - lo <= 64), from the query pairs pair_q (pair_pack_queries).
-POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_score_span(
+/// finish(acc, b0, a, mask) (a functor as PairScoreStore; inlined, so it may be any code the
+/// AVX512-BF16 target runs) for blocks of keys [b0, b0 + Keys) covering [b, end) of the tile
+/// (key b's row at keys + b key_stride, bfloat16 bits) and the vectors of 16 query rows a
+/// covering [lo, hi) (hi - lo <= 64; mask: the rows inside): acc[kk] = q_a'.k_(b0 + kk)
+/// (bfloat16 products summed in float) for the 16 rows a' from a, from the query pairs pair_q
+/// (pair_pack_queries).
+template <typename Finish>
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_score_span(
     const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride,
-    Index half_d, Index b, Index end, Index lo, Index hi, float tau, float* scores) {
+    Index half_d, Index b, Index end, Index lo, Index hi, const Finish& finish) {
   const Index start = lo / 16 * 16;
   switch ((hi - start + 15) / 16) {
     case 1:
       return pair_score_keys<16, 1>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                    tau, scores);
+                                    finish);
     case 2:
       return pair_score_keys<8, 2>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   tau, scores);
+                                   finish);
     case 3:
       return pair_score_keys<5, 3>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   tau, scores);
+                                   finish);
     default:
       return pair_score_keys<4, 4>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   tau, scores);
+                                   finish);
+  }
+}
+
+/// scores[b * tile + a] = tau q_a.k_b (bfloat16 products summed in float) for keys b in
+/// [b, end) of the tile and query rows a in [lo, hi) (pair_score_span with PairScoreStore).
+inline void pair_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
+                            Index key_stride, Index half_d, Index b, Index end, Index lo, Index hi,
+                            float tau, float* scores) {
+  pair_score_span(pair_q, tile, keys, key_stride, half_d, b, end, lo, hi,
+                  PairScoreStore{tau, scores, tile});
+}
+
+/// The pair of 16 probabilities (even[a], odd[a]) rounded to bfloat16, as pair_pack_probs
+/// stores them: out[a] = bits(even[a]) | bits(odd[a]) << 16.
+POSLSH_AVX512_BF16_INLINE void pair_store_probs(__m512 even, __m512 odd, std::uint32_t* out) {
+  const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+  const __m512i high =
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd)), 16);
+  _mm512_storeu_si512(out, _mm512_or_si512(low, high));
+}
+
+/// The online-softmax step of the tile engine on the AVX512-BF16 unit for the packets of 16
+/// rows a in [first, last), fused with the packing of the probabilities: with [b_lo, b_hi) =
+/// reach(a) the keys the packet reaches and the packet's shift and alpha,
+///   p_b = weight(e^{x_b - shift}) (scorer.weight<Masked>, x_b at scores + b tile + a),
+///   sums[a] <- alpha sums[a] + sum_{b in [b_lo, b_hi)} p_b (in order of b),
+///   pair_p[b2 * tile + a] = (p_2b2, p_2b2+1) rounded to bfloat16, for the pairs that meet
+///                           [b_lo, b_hi) (p = 0 for the other key of a pair at either end).
+/// Packet is the engine's packet of 16 floats (__m512); pairs outside the reach are not written.
+template <bool Masked, typename Packet, typename Scorer, typename Reach>
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_exp_pack(
+    const Scorer& scorer, const Reach& reach, const float* scores, Index tile, Index first,
+    Index last, const float* shift, const float* alpha, float* sums, std::uint32_t* pair_p) {
+  namespace ei = Eigen::internal;
+  const Packet zero = ei::pset1<Packet>(0.0f);
+  for (Index a = first; a < last; a += 16) {
+    const KeyRange keys = reach(a);
+    const Packet minus = ei::pload<Packet>(shift + a);
+    Packet sum = zero;
+    for (Index b2 = keys.first / 2; 2 * b2 < keys.last; ++b2) {
+      Packet prob[2] = {zero, zero};
+      POSLSH_TILE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const Index b = 2 * b2 + h;
+        if (b < keys.first || b >= keys.last) continue;
+        const Packet x = ei::pload<Packet>(scores + b * tile + a);
+        prob[h] = scorer.template weight<Masked>(ei::pexp(ei::psub(x, minus)), x, b, a);
+        sum = ei::padd(sum, prob[h]);
+      }
+      pair_store_probs(prob[0], prob[1], pair_p + b2 * tile + a);
+    }
+    ei::pstore(sums + a, ei::pmadd(ei::pload<Packet>(sums + a), ei::pload<Packet>(alpha + a), sum));
   }
 }
 
