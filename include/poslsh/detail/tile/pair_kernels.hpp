@@ -65,17 +65,59 @@ inline void pair_copy_rows(const std::uint16_t* rows, Index stride, Index count,
   }
 }
 
+/// The 16 x 16 words of r transposed in place: word j of r[i] becomes word i of r[j].
+POSLSH_AVX512_BF16_INLINE void pair_transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 /// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
-/// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile. A pair of
-/// adjacent bfloat16 values is one word as stored (the first in the low 16 bits on x86).
-inline void pair_pack_queries(const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0,
-                              Index a1, std::uint32_t* pair_q, Index tile) {
+/// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile (a multiple
+/// of 16). A pair of adjacent bfloat16 values is one word as stored (the first in the low 16
+/// bits): blocks of 16 rows x 16 words are loaded and transposed in registers.
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_queries(
+    const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0, Index a1, std::uint32_t* pair_q,
+    Index tile) {
   const Index d = q.cols(), half_d = (d + 1) / 2;
-  if (a0 > 0 || a1 < tile) std::fill_n(pair_q, half_d * tile, std::uint32_t{0});
-  for (Index a = a0; a < a1; ++a) {
-    const std::uint16_t* row = bf16_words(q.data() + (i0 + a) * q.outerStride());
-    for (Index c2 = 0; c2 < d / 2; ++c2) std::memcpy(pair_q + c2 * tile + a, row + 2 * c2, 4);
-    if (d % 2 != 0) pair_q[(half_d - 1) * tile + a] = row[d - 1];
+  for (Index a = 0; a < tile; a += 16) {
+    if (a + 16 <= a0 || a >= a1) {
+      for (Index c2 = 0; c2 < half_d; ++c2)
+        _mm512_storeu_si512(pair_q + c2 * tile + a, _mm512_setzero_si512());
+      continue;
+    }
+    for (Index c2 = 0; c2 < half_d; c2 += 16) {
+      const Index left = std::min<Index>(32, d - 2 * c2);
+      const __mmask32 mask = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+      __m512i block[16];
+      for (Index r = 0; r < 16; ++r) {
+        block[r] =
+            a + r >= a0 && a + r < a1
+                ? _mm512_maskz_loadu_epi16(mask, q.data() + (i0 + a + r) * q.outerStride() + 2 * c2)
+                : _mm512_setzero_si512();
+      }
+      pair_transpose16(block);
+      for (Index w = 0; w < std::min<Index>(16, half_d - c2); ++w)
+        _mm512_storeu_si512(pair_q + (c2 + w) * tile + a, block[w]);
+    }
   }
 }
 
