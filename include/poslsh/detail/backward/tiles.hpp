@@ -602,10 +602,41 @@ inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Inde
                        acc + r * acc_stride, acc_stride, count, row_step);
 }
 
+/// dS^T = tau P^T o (dP^T - D) written over dP^T (work.gradients; P^T in work.probabilities,
+/// D in work.delta) for keys [b0, b1) and the packets of 16 rows holding [a0, a1), as
+/// backward_pair computes it, with P and dS rounded to bfloat16 (vcvtneps2bf16: round to
+/// nearest even; the pass flushes subnormals, so none reach it) into work.p_rounded and
+/// work.ds_rounded, 0 at the packets' rows outside [a0, a1).
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void backward_pair_gradients(
+    Index a0, Index a1, Index b0, Index b1, float tau, BackwardWork<float>& work) {
+  constexpr Index Bq = backward_query_rows;
+  const float* p = work.probabilities.data();
+  float* ds = work.gradients.data();
+  auto* p_rounded = reinterpret_cast<__m256i*>(work.p_rounded.data());
+  auto* ds_rounded = reinterpret_cast<__m256i*>(work.ds_rounded.data());
+  const __m512 scale = _mm512_set1_ps(tau);
+  for (Index b = b0; b < b1; ++b) {
+    for (Index a = a0 / 16 * 16; a < a1; a += 16) {
+      const __mmask16 inside = pair_row_mask(a, a0, a1);
+      const Index at = b * Bq + a;
+      const __m512 prob = _mm512_loadu_ps(p + at);
+      const __m512 grad = _mm512_mul_ps(
+          _mm512_mul_ps(scale, prob),
+          _mm512_sub_ps(_mm512_loadu_ps(ds + at), _mm512_loadu_ps(work.delta.data() + a)));
+      _mm512_storeu_ps(ds + at, grad);
+      _mm256_storeu_si256(p_rounded + at / 16,
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, prob)));
+      _mm256_storeu_si256(ds_rounded + at / 16,
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, grad)));
+    }
+  }
+}
+
 /// The three products of backward_pair on the AVX512-BF16 unit, from P^T and dS^T (float, in
-/// work.probabilities and work.gradients, rows [a0, a1) and keys [b0, b1) of the pair) and the
-/// pairs of the step and the key tile: P and dS rounded to bfloat16 (0 at the rows and keys
-/// outside the pair that whole pairs take in), then
+/// work.probabilities and work.gradients, rows [a0, a1) and keys [b0, b1) of the pair; rounded
+/// to bfloat16 in work.p_rounded and work.ds_rounded by backward_pair_gradients) and the pairs
+/// of the step and the key tile (0 at the rows and keys outside the pair that whole pairs take
+/// in):
 ///   dV_J += P^T dO and dK_J += dS^T Q  (each key over the step's rows, pairs along the rows),
 ///   work.dq_part = dS K_J              (each row over the tile's keys, pairs along the keys),
 /// each sum formed on the running sum (dk_sum, dv_sum) or from zero (dq_part), pairs in order.
@@ -613,19 +644,8 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
                                    const BackwardKeyTile<float>& tile_rows,
                                    BackwardWork<float>& work) {
   constexpr Index Bq = backward_query_rows;
-  float* p = work.probabilities.data();
   float* ds = work.gradients.data();
   const Index a_lo = a0 / 2 * 2, a_hi = (a1 + 1) / 2 * 2;
-  for (Index b = b0; b < b1; ++b) {
-    for (float* row : {p + b * Bq, ds + b * Bq}) {
-      std::fill(row + a_lo, row + a0, 0.0f);
-      std::fill(row + a1, row + a_hi, 0.0f);
-    }
-    tile_narrow<Eigen::bfloat16>(p + b * Bq + a_lo, work.p_rounded.data() + b * Bq + a_lo,
-                                 a_hi - a_lo);
-    tile_narrow<Eigen::bfloat16>(ds + b * Bq + a_lo, work.ds_rounded.data() + b * Bq + a_lo,
-                                 a_hi - a_lo);
-  }
   const float* ones = work.ones.data();
   const auto words = [](const std::vector<Eigen::bfloat16>& rounded, Index b, Index a) {
     return reinterpret_cast<const std::uint32_t*>(rounded.data() + b * Bq + a);
@@ -921,6 +941,15 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
     }
     *distance_sum += sum;
   }
+#if POSLSH_X86_UNITS
+  if constexpr (backward_pairs_v<Scalar, Input>) {
+    if (in.paired) {
+      backward_pair_gradients(a0, a1, b0, b1, in.tau, work);
+      backward_pair_products(a0, a1, b0, b1, tile_rows, work);
+      return;
+    }
+  }
+#endif
   const Packet tau = ei::pset1<Packet>(in.tau);
   for (Index b = b0; b < b1; ++b) {
     for (Index a = first_packet * P; a < a1; a += P) {
@@ -931,14 +960,6 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
           ei::pmul(ei::pmul(tau, prob), ei::psub(dprob, ei::pload<Packet>(work.delta.data() + a))));
     }
   }
-#if POSLSH_X86_UNITS
-  if constexpr (backward_pairs_v<Scalar, Input>) {
-    if (in.paired) {
-      backward_pair_products(a0, a1, b0, b1, tile_rows, work);
-      return;
-    }
-  }
-#endif
   // dV_J += P^T dO and dK_J += dS^T Q: keys [c0, c1) over the step's rows reaching them.
   const auto rows_of = [&](Index c0, Index c1) {
     const KeyRange reaching = rule.rows_reaching(k0 + c0, k0 + c1, r0, r1);
