@@ -238,6 +238,8 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
   void pack(Index j0, Index keys, std::uint16_t* pair_k, std::uint32_t* pair_v) const {
     const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
     const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
+    // The key rows are fetched while the values are packed.
+    tile_prefetch_rows(k.data(), k.outerStride(), j0, j0 + keys, k.cols());
     pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
                      pair_v);
     const Index d = k.cols(), stride = key_stride(d);
