@@ -633,6 +633,86 @@ TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[un
 }
 
 #if POSLSH_X86_UNITS
+namespace {
+
+/// pair_exp of each value (16 at a time), on the unit's target.
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) std::vector<float> unit_exp(
+    const std::vector<float>& x) {
+  std::vector<float> y(x.size());
+  for (std::size_t i = 0; i + 16 <= x.size(); i += 16)
+    _mm512_storeu_ps(y.data() + i, poslsh::detail::pair_exp(_mm512_loadu_ps(x.data() + i)));
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("avx512_bf16: the probabilities' exponential within its stated ulp of exp",
+          "[units][half]") {
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  // Every 37th float of [-87.3, 0] (about 3 million values), against exp in double; ulp: the
+  // distance between float(e^x) and the next float up.
+  std::vector<float> x;
+  for (float value = -87.3f; value <= 0.0f;) {
+    x.push_back(value);
+    for (int step = 0; step < 37; ++step) value = std::nextafter(value, 1.0f);
+  }
+  x.resize(x.size() / 16 * 16);
+  const std::vector<float> y = unit_exp(x);
+  double near_zero = 0.0, far = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double exact = std::exp(static_cast<double>(x[i]));
+    const float rounded = static_cast<float>(exact);
+    const double ulp = static_cast<double>(std::nextafter(rounded, 2.0f) - rounded);
+    const double error = std::abs(static_cast<double>(y[i]) - exact) / ulp;
+    (x[i] >= -20.0f ? near_zero : far) = std::max(x[i] >= -20.0f ? near_zero : far, error);
+  }
+  CHECK(near_zero <= 1.5);
+  CHECK(far <= 4.5);
+  // 0 gives 1 exactly; below -87.3 (and -inf) the value at -87.3; NaN stays NaN.
+  std::vector<float> special(16, 0.0f);
+  special[1] = -87.3f;
+  special[2] = -1000.0f;
+  special[3] = -std::numeric_limits<float>::infinity();
+  special[4] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> z = unit_exp(special);
+  CHECK(z[0] == 1.0f);
+  CHECK(z[1] > 0.0f);
+  CHECK(z[2] == z[1]);
+  CHECK(z[3] == z[1]);
+  CHECK(std::isnan(z[4]));
+}
+
+TEST_CASE("avx512_bf16: query pairs packed as their definition, word for word", "[units][half]") {
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
+  std::mt19937 gen(7);
+  for (const Index d : {1, 2, 3, 15, 16, 31, 32, 33, 64, 65, 96, 130}) {
+    for (int trial = 0; trial < 8; ++trial) {
+      const Index rows = 160, stride = d + (trial % 3) * 7;
+      std::vector<bf16> data(static_cast<std::size_t>(rows * stride));
+      for (bf16& value : data) value = bf16(std::uniform_real_distribution<float>(-3, 3)(gen));
+      const Eigen::Map<const RowMatrix<bf16>, 0, Eigen::OuterStride<>> map(
+          data.data(), rows, d, Eigen::OuterStride<>(stride));
+      const poslsh::ConstMatrixRef<bf16> q(map);
+      const Index tile = 64, half_d = (d + 1) / 2, i0 = trial * 11;
+      const Index a0 = trial % 2 == 0 ? 0 : 5 * trial, a1 = trial % 4 < 2 ? tile : a0 + 17;
+      // The definition: word (c2, a) holds q[i0 + a][2 c2] in its low 16 bits and q[i0 + a][2 c2
+      // + 1] (0 past column d - 1) in its high ones, for rows a in [a0, a1); 0 elsewhere.
+      std::vector<std::uint32_t> expected(static_cast<std::size_t>(half_d * tile), 0);
+      for (Index a = a0; a < a1; ++a) {
+        for (Index c = 0; c < d; ++c) {
+          const auto bits = Eigen::numext::bit_cast<std::uint16_t>(q(i0 + a, c));
+          expected[static_cast<std::size_t>(c / 2 * tile + a)] |= std::uint32_t{bits}
+                                                                  << (16 * (c % 2));
+        }
+      }
+      std::vector<std::uint32_t> packed(expected.size(), 0xdeadbeefu);
+      poslsh::detail::pair_pack_queries(q, i0, a0, a1, packed.data(), tile);
+      INFO("d = " << d << ", rows [" << a0 << ", " << a1 << ")");
+      CHECK(packed == expected);
+    }
+  }
+}
+
 TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
   using Tiles = poslsh::detail::AmxEmulatedTiles;
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(bf16(x)); };
