@@ -27,14 +27,14 @@
 // chosen at run time by Precision::matrix_units), the key source PairedBf16KV makes the engine
 // multiply on that unit (detail/tile/pair_kernels.hpp): x_ij = tau (q_i.k_j in float from
 // bfloat16 products), p_ij rounded to bfloat16 before acc_i += p_ij v_j (bfloat16 products
-// summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, and l_i sums
-// the unrounded p_ij. A row's result still depends only on its position, the keys and the
-// policy. Where the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedBf16KV<true>
-// makes the same two products run on AMX tiles (detail/tile/amx_kernels.hpp): the same
-// operands, d summed in blocks of 32 columns and the keys in blocks of 32 from the key tile's
-// first, each block one tdpbf16ps; the probabilities are rounded to bfloat16 row by row as the
-// value products read them.
-// The bias policy concept and the engine's buffers: detail/tile/types.hpp.
+// summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, l_i sums
+// the unrounded p_ij, and the exponentials are pair_exp's (within 1.5 ulp of e^x on
+// [-20, 0]). A row's result still depends only on its position, the keys and the policy. Where the
+// CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedBf16KV<true> makes the same two
+// products run on AMX tiles (detail/tile/amx_kernels.hpp): the same operands, d summed in blocks of
+// 32 columns and the keys in blocks of 32 from the key tile's first, each block one tdpbf16ps; the
+// probabilities are rounded to bfloat16 row by row as the value products read them. The bias policy
+// concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
 #include <Eigen/Core>
