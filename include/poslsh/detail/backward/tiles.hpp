@@ -602,41 +602,48 @@ inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Inde
                        acc + r * acc_stride, acc_stride, count, row_step);
 }
 
-/// dS^T = tau P^T o (dP^T - D) written over dP^T (work.gradients; P^T in work.probabilities,
-/// D in work.delta) for keys [b0, b1) and the packets of 16 rows holding [a0, a1), as
-/// backward_pair computes it, with P and dS rounded to bfloat16 (vcvtneps2bf16: round to
-/// nearest even; the pass flushes subnormals, so none reach it) into work.p_rounded and
-/// work.ds_rounded, 0 at the packets' rows outside [a0, a1).
+/// dS^T = tau P^T o (dP^T - D) (P^T in work.probabilities, dP^T in work.gradients, D in
+/// work.delta) for keys [b0, b1) and the packets of 16 rows holding [a0, a1), as
+/// backward_pair computes it, rounded to bfloat16 (vcvtneps2bf16: round to nearest even; the
+/// pass flushes subnormals, so none reach it) with P for the products: P and dS into
+/// work.p_rounded and work.ds_rounded (key b's rows at b * backward_query_rows, 0 at the
+/// packets' rows outside [a0, a1)), and dS as pairs along the keys from b0 / 2 into
+/// work.pair_ds (pair_pack_probs' layout, 0 for the key of a pair outside [b0, b1)).
 POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void backward_pair_gradients(
     Index a0, Index a1, Index b0, Index b1, float tau, BackwardWork<float>& work) {
   constexpr Index Bq = backward_query_rows;
   const float* p = work.probabilities.data();
-  float* ds = work.gradients.data();
+  const float* dp = work.gradients.data();
   auto* p_rounded = reinterpret_cast<__m256i*>(work.p_rounded.data());
   auto* ds_rounded = reinterpret_cast<__m256i*>(work.ds_rounded.data());
   const __m512 scale = _mm512_set1_ps(tau);
-  for (Index b = b0; b < b1; ++b) {
+  for (Index b2 = b0 / 2; 2 * b2 < b1; ++b2) {
+    std::uint32_t* pairs = work.pair_ds.data() + (b2 - b0 / 2) * Bq;
     for (Index a = a0 / 16 * 16; a < a1; a += 16) {
       const __mmask16 inside = pair_row_mask(a, a0, a1);
-      const Index at = b * Bq + a;
-      const __m512 prob = _mm512_loadu_ps(p + at);
-      const __m512 grad = _mm512_mul_ps(
-          _mm512_mul_ps(scale, prob),
-          _mm512_sub_ps(_mm512_loadu_ps(ds + at), _mm512_loadu_ps(work.delta.data() + a)));
-      _mm512_storeu_ps(ds + at, grad);
-      _mm256_storeu_si256(p_rounded + at / 16,
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, prob)));
-      _mm256_storeu_si256(ds_rounded + at / 16,
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, grad)));
+      __m512 grad[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (Index h = 0; h < 2; ++h) {
+        const Index b = 2 * b2 + h;
+        if (b < b0 || b >= b1) continue;
+        const Index at = b * Bq + a;
+        const __m512 prob = _mm512_loadu_ps(p + at);
+        grad[h] = _mm512_mul_ps(
+            _mm512_mul_ps(scale, prob),
+            _mm512_sub_ps(_mm512_loadu_ps(dp + at), _mm512_loadu_ps(work.delta.data() + a)));
+        _mm256_storeu_si256(p_rounded + at / 16,
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, prob)));
+        _mm256_storeu_si256(ds_rounded + at / 16,
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, grad[h])));
+      }
+      pair_store_probs(grad[0], grad[1], pairs + a);
     }
   }
 }
 
-/// The three products of backward_pair on the AVX512-BF16 unit, from P^T and dS^T (float, in
-/// work.probabilities and work.gradients, rows [a0, a1) and keys [b0, b1) of the pair; rounded
-/// to bfloat16 in work.p_rounded and work.ds_rounded by backward_pair_gradients) and the pairs
-/// of the step and the key tile (0 at the rows and keys outside the pair that whole pairs take
-/// in):
+/// The three products of backward_pair on the AVX512-BF16 unit, from P and dS rounded to
+/// bfloat16 (rows [a0, a1) and keys [b0, b1) of the pair, by backward_pair_gradients) and the
+/// pairs of the step and the key tile (0 at the rows and keys outside the pair that whole pairs
+/// take in):
 ///   dV_J += P^T dO and dK_J += dS^T Q  (each key over the step's rows, pairs along the rows),
 ///   work.dq_part = dS K_J              (each row over the tile's keys, pairs along the keys),
 /// each sum formed on the running sum (dk_sum, dv_sum) or from zero (dq_part), pairs in order.
@@ -644,7 +651,6 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
                                    const BackwardKeyTile<float>& tile_rows,
                                    BackwardWork<float>& work) {
   constexpr Index Bq = backward_query_rows;
-  float* ds = work.gradients.data();
   const Index a_lo = a0 / 2 * 2, a_hi = (a1 + 1) / 2 * 2;
   const float* ones = work.ones.data();
   const auto words = [](const std::vector<Eigen::bfloat16>& rounded, Index b, Index a) {
@@ -659,10 +665,7 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
                      b1 - b0, work.d, ones, tile_rows.dk_sum + b0 * work.dp, work.dp);
   // dS K: keys in whole pairs from b0 / 2 (the key outside [b0, b1) of a pair gets dS = 0).
   const Index b_lo = b0 / 2 * 2, b_hi = (b1 + 1) / 2 * 2;
-  if (b_lo < b0) std::fill(ds + b_lo * Bq + a0, ds + b_lo * Bq + a1, 0.0f);
-  if (b_hi > b1) std::fill(ds + b1 * Bq + a0, ds + b1 * Bq + a1, 0.0f);
   const Index key_pairs = (b_hi - b_lo) / 2;
-  pair_pack_probs(ds + b_lo * Bq, Bq, key_pairs, a0, a1, work.pair_ds.data());
   work.dq_part.head((a1 - a0) * work.dp).setZero();
   backward_pair_rows(work.pair_ds.data() + a0, 1, Bq, tile_rows.pair_k + b_lo / 2 * work.pair_d,
                      work.pair_d, key_pairs, a1 - a0, work.d, ones, work.dq_part.data(), work.dp);
