@@ -104,7 +104,8 @@ struct BackwardWork {
   /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
   /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
   /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
-  /// row at b * backward_query_rows), dS as pairs along the keys (pair_pack_probs), and ones.
+  /// row at b * backward_query_rows), dS as pairs along the keys (backward_pair_gradients), and
+  /// ones.
   std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
   /// Each key tile's K and V rows copied as they are (a slot of tile * pair_d and tile *
   /// pair_dv words per key tile, rows pair_row_stride(d) and (d_v) apart).

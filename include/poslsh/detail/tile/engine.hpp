@@ -650,7 +650,7 @@ class TileEngine {
     Scalar* tile_max;
     template <int Keys>
     EIGEN_ALWAYS_INLINE void operator()(const Packet (&acc)[Keys], Index b0, Index a,
-                                        std::uint16_t) const {
+                                        std::uint16_t /* lanes: all, whole packets */) const {
       namespace ei = Eigen::internal;
       const Packet scale = ei::pset1<Packet>(tau);
       Packet best = ei::pload<Packet>(tile_max + a);

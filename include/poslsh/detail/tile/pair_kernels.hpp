@@ -313,13 +313,9 @@ POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_exp_pack(
 POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_probs(
     const float* probs, Index tile, Index pairs, Index lo, Index hi, std::uint32_t* pair_p) {
   for (Index b2 = 0; b2 < pairs; ++b2) {
-    for (Index a = lo / 16 * 16; a < hi; a += 16) {
-      const __m256bh even = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + 2 * b2 * tile + a));
-      const __m256bh odd = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + (2 * b2 + 1) * tile + a));
-      const __m512i low = _mm512_cvtepu16_epi32((__m256i)even);
-      const __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)odd), 16);
-      _mm512_storeu_si512(pair_p + b2 * tile + a, _mm512_or_si512(low, high));
-    }
+    for (Index a = lo / 16 * 16; a < hi; a += 16)
+      pair_store_probs(_mm512_loadu_ps(probs + 2 * b2 * tile + a),
+                       _mm512_loadu_ps(probs + (2 * b2 + 1) * tile + a), pair_p + b2 * tile + a);
   }
 }
 
