@@ -21,9 +21,11 @@
 //               each step's sum to a running sum that starts at zero; the output row gets
 //               output + running sum at the end (the output is zero, or a previous block's
 //               sum in the per-sample pass);
-//   dQ_i        each key tile's terms (keys j in increasing order, in registers from zero)
-//               make one partial sum, added to the output row in increasing key tile order
-//               (a per-step counter makes a thread wait for the key tiles before its own).
+//   dQ_i        each key tile's terms (keys j in increasing order, in registers) are added
+//               to a partial sum of its key group (backward_group_tiles tiles aligned from
+//               the domain's first row) that starts at zero; each group's partial sum is
+//               added to the output row in increasing group order (a per-step counter makes
+//               a thread wait for the groups before its own).
 // Partial sums per step of 64 rows also make the rounding error of dK and dV grow with the
 // number of steps plus 64 rather than with the number of rows.
 // Inputs stored in a half-precision type are widened as they are packed (backward_rows), so
@@ -104,7 +106,7 @@ struct BackwardWork {
   /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
   /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
   /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
-  /// row at b * backward_query_rows), dS as pairs along the keys (backward_pair_gradients), and
+  /// row at b * backward_query_rows), dS as pairs along the keys (PairGradients), and
   /// ones.
   std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
   /// Each key tile's K and V rows copied as they are (a slot of tile * pair_d and tile *
@@ -366,6 +368,10 @@ class WindowRule {
   KeyRange keys_reached(Index i0, Index i1) const {
     return {std::max(begin_, i0 - hi_), std::min(end_, i1 - lo_)};
   }
+  /// The window's bounds on i - j and the ALiBi slope.
+  Index lo() const { return lo_; }
+  Index hi() const { return hi_; }
+  Scalar slope() const { return slope_; }
 
   void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar* lse,
                      BackwardWork<Scalar>&) const {
@@ -530,7 +536,12 @@ class CountRule {
   bool causal_;
 };
 
-/// No ordering of the dQ additions: the caller visits the key tiles in increasing order on one
+/// Key groups: backward_group_tiles consecutive key tiles, aligned from the rule's first row.
+/// The dQ terms of a query step and a key group make one partial sum (work.dq_part), which is
+/// added to the step's dQ rows in increasing group order.
+inline constexpr Index backward_group_keys = backward_group_tiles * backward_tile;
+
+/// No ordering of the dQ additions: the caller visits the key groups in increasing order on one
 /// thread.
 struct InOrder {
   template <typename Add>
@@ -539,35 +550,35 @@ struct InOrder {
   }
 };
 
-/// The dQ additions of one query step in increasing key tile order across threads: the key
-/// tiles that reach step I are the consecutive tiles first(I) .. last(I) (windows are
-/// intervals with non-decreasing ends), so next[I] counts them off. The thread holding key tile
-/// J waits until next[I] = J, adds, and sets next[I] = J + 1. Key tiles are handed out in
-/// increasing order and the thread holding the smallest unfinished one never waits, so every
-/// thread makes progress.
-class KeyTileOrder {
+/// The dQ additions of one query step in increasing key group order across threads: the key
+/// groups that step I reaches are the consecutive groups first(I) .. last(I) (windows are
+/// intervals with non-decreasing ends), so next[I] counts them off. The thread holding key
+/// group G waits until next[I] = G, adds, and sets next[I] = G + 1. Key groups are handed out
+/// in increasing order and the thread holding the smallest unfinished one never waits, so
+/// every thread makes progress.
+class KeyGroupOrder {
  public:
   template <typename Rule>
-  KeyTileOrder(const Rule& rule, Index tiles)
+  KeyGroupOrder(const Rule& rule, Index tiles)
       : next_(new std::atomic<Index>[static_cast<std::size_t>(std::max<Index>(tiles, 1))]) {
     const Index begin = rule.begin(), end = rule.end();
     for (Index t = 0; t < tiles; ++t) {
       const Index i0 = begin + t * backward_query_rows;
       const KeyRange reached = rule.keys_reached(i0, std::min(end, i0 + backward_query_rows));
       next_[static_cast<std::size_t>(t)].store(
-          reached.first < reached.last ? (reached.first - begin) / backward_tile : 0,
+          reached.first < reached.last ? (reached.first - begin) / backward_group_keys : 0,
           std::memory_order_relaxed);
     }
   }
 
   template <typename Add>
-  void add(Index query_tile, Index key_tile, Add&& add_to_dq) const {
+  void add(Index query_tile, Index key_group, Add&& add_to_dq) const {
     std::atomic<Index>& next = next_[static_cast<std::size_t>(query_tile)];
-    for (int spin = 0; next.load(std::memory_order_acquire) != key_tile; ++spin) {
+    for (int spin = 0; next.load(std::memory_order_acquire) != key_group; ++spin) {
       if (spin >= 64) std::this_thread::yield();
     }
     add_to_dq();
-    next.store(key_tile + 1, std::memory_order_release);
+    next.store(key_group + 1, std::memory_order_release);
   }
 
  private:
@@ -603,51 +614,127 @@ inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Inde
                        acc + r * acc_stride, acc_stride, count, row_step);
 }
 
-/// dS^T = tau P^T o (dP^T - D) (P^T in work.probabilities, dP^T in work.gradients, D in
-/// work.delta) for keys [b0, b1) and the packets of 16 rows holding [a0, a1), as
-/// backward_pair computes it, rounded to bfloat16 (vcvtneps2bf16: round to nearest even; the
-/// pass flushes subnormals, so none reach it) with P for the products: P and dS into
-/// work.p_rounded and work.ds_rounded (key b's rows at b * backward_query_rows, 0 at the
-/// packets' rows outside [a0, a1)), and dS as pairs along the keys from b0 / 2 into
-/// work.pair_ds (pair_pack_probs' layout, 0 for the key of a pair outside [b0, b1)).
-POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void backward_pair_gradients(
-    Index a0, Index a1, Index b0, Index b1, float tau, BackwardWork<float>& work) {
-  constexpr Index Bq = backward_query_rows;
-  const float* p = work.probabilities.data();
-  const float* dp = work.gradients.data();
-  auto* p_rounded = reinterpret_cast<__m256i*>(work.p_rounded.data());
-  auto* ds_rounded = reinterpret_cast<__m256i*>(work.ds_rounded.data());
-  const __m512 scale = _mm512_set1_ps(tau);
-  for (Index b2 = b0 / 2; 2 * b2 < b1; ++b2) {
-    std::uint32_t* pairs = work.pair_ds.data() + (b2 - b0 / 2) * Bq;
-    for (Index a = a0 / 16 * 16; a < a1; a += 16) {
-      const __mmask16 inside = pair_row_mask(a, a0, a1);
-      __m512 grad[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (Index h = 0; h < 2; ++h) {
-        const Index b = 2 * b2 + h;
-        if (b < b0 || b >= b1) continue;
-        const Index at = b * Bq + a;
-        const __m512 prob = _mm512_loadu_ps(p + at);
-        grad[h] = _mm512_mul_ps(
-            _mm512_mul_ps(scale, prob),
-            _mm512_sub_ps(_mm512_loadu_ps(dp + at), _mm512_loadu_ps(work.delta.data() + a)));
-        _mm256_storeu_si256(p_rounded + at / 16,
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, prob)));
-        _mm256_storeu_si256(ds_rounded + at / 16,
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(inside, grad[h])));
-      }
-      pair_store_probs(grad[0], grad[1], pairs + a);
+/// The finish of pair_score_span that turns S^T into P^T for a WindowRule on the AVX512-BF16
+/// unit: for key b of the tile and the 16 rows a' from a of the step (row i = i0 + a', key
+/// j = j0 + b, i - j = row_minus_key + a' - b),
+///   P^T[b][a'] = e^{tau s_ij - lse_i - slope |i - j|}  where lo <= i - j <= hi, a0 <= a' < a1,
+///                0                                     elsewhere,
+/// at probs + b * backward_query_rows + a' for the rows a' of the finish's mask (the
+/// exponential of pair_exp; tau s - lse in one rounding, lse_i at lse + a': the step's). The
+/// distances are int: |i - j| < 2^30.
+struct PairWindowProbabilities {
+  float tau, slope;
+  const float* lse;
+  float* probs;
+  int row_minus_key, lo, hi;
+  Index a0, a1;
+
+  template <int Keys>
+  POSLSH_AVX512_BF16_INLINE void operator()(const __m512 (&acc)[Keys], Index b0, Index a,
+                                            __mmask16 mask) const {
+    constexpr Index Bq = backward_query_rows;
+    const __mmask16 rows = mask & pair_row_mask(a, a0, a1);
+    const __m512 row_lse = _mm512_loadu_ps(lse + a);
+    const __m512 scale = _mm512_set1_ps(tau), minus_slope = _mm512_set1_ps(-slope);
+    const __m512i first =
+        _mm512_add_epi32(_mm512_set1_epi32(row_minus_key + static_cast<int>(a - b0)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    POSLSH_TILE_UNROLL
+    for (int kk = 0; kk < Keys; ++kk) {
+      const __m512i distance = _mm512_sub_epi32(first, _mm512_set1_epi32(kk));
+      const __mmask16 inside = _mm512_mask_cmple_epi32_mask(
+          _mm512_mask_cmpge_epi32_mask(rows, distance, _mm512_set1_epi32(lo)), distance,
+          _mm512_set1_epi32(hi));
+      const __m512 x = _mm512_fmadd_ps(minus_slope, _mm512_abs_ps(_mm512_cvtepi32_ps(distance)),
+                                       _mm512_fmsub_ps(scale, acc[kk], row_lse));
+      _mm512_mask_storeu_ps(probs + (b0 + kk) * Bq + a, mask,
+                            _mm512_maskz_mov_ps(inside, pair_exp(x)));
     }
   }
-}
+};
+
+/// The finish of pair_score_span that turns dP^T into dS^T on the AVX512-BF16 unit: for key b
+/// of the tile and the rows a' of the finish's mask (of the 16 from a) of the step, with P^T at
+/// probs + b * backward_query_rows + a' and D of the step at delta + a',
+///   dS^T[b][a'] = tau P (dP - D)  (P = dS = 0 at the rows outside [a0, a1)),
+/// P and dS rounded to bfloat16 (vcvtneps2bf16: round to nearest even; subnormals are flushed
+/// before it) into p_rounded and ds_rounded (bfloat16 bits, key b's row at b *
+/// backward_query_rows), and dS into its half of the pair along the keys in pair_ds
+/// (pair_pack_probs' layout from pair first_pair: the low half of word (b / 2 - first_pair) *
+/// backward_query_rows + a' for even b, the high half for odd b). With `dp` not null, dP^T is
+/// also stored there (key b's row at b * backward_query_rows).
+struct PairGradients {
+  float tau;
+  const float* probs;
+  const float* delta;
+  Eigen::bfloat16* p_rounded;
+  Eigen::bfloat16* ds_rounded;
+  std::uint32_t* pair_ds;
+  Index first_pair;
+  float* dp;
+  Index a0, a1;
+
+  template <int Keys>
+  POSLSH_AVX512_BF16_INLINE void operator()(const __m512 (&acc)[Keys], Index b0, Index a,
+                                            __mmask16 mask) const {
+    const __m512 scale = _mm512_set1_ps(tau), row_delta = _mm512_loadu_ps(delta + a);
+    const __mmask16 rows = mask & pair_row_mask(a, a0, a1);
+    constexpr Index Bq = backward_query_rows;
+    // The low halves of the words of the mask's rows (bit 2 r for row r).
+    std::uint32_t low_halves = mask;
+    low_halves = (low_halves | low_halves << 8) & 0x00FF00FFu;
+    low_halves = (low_halves | low_halves << 4) & 0x0F0F0F0Fu;
+    low_halves = (low_halves | low_halves << 2) & 0x33333333u;
+    low_halves = (low_halves | low_halves << 1) & 0x55555555u;
+    POSLSH_TILE_UNROLL
+    for (int kk = 0; kk < Keys; ++kk) {
+      const Index b = b0 + kk, at = b * Bq + a;
+      const __m512 prob = _mm512_maskz_loadu_ps(rows, probs + at);
+      const __m512 grad =
+          _mm512_maskz_mul_ps(rows, _mm512_mul_ps(scale, prob), _mm512_sub_ps(acc[kk], row_delta));
+      const auto grad_bits = (__m256i)_mm512_cvtneps_pbh(grad);
+      _mm256_mask_storeu_epi16(p_rounded + at, mask, (__m256i)_mm512_cvtneps_pbh(prob));
+      _mm256_mask_storeu_epi16(ds_rounded + at, mask, grad_bits);
+      const __m512i word = _mm512_cvtepu16_epi32(grad_bits);
+      std::uint32_t* pair = pair_ds + (b / 2 - first_pair) * Bq + a;
+      if (b % 2 == 0) {
+        _mm512_mask_storeu_epi16(pair, low_halves, word);
+      } else {
+        _mm512_mask_storeu_epi16(pair, low_halves << 1, _mm512_slli_epi32(word, 16));
+      }
+      if (dp != nullptr) _mm512_mask_storeu_ps(dp + at, mask, acc[kk]);
+    }
+  }
+
+  /// What the finish stores for key b and the `rows` rows from a where none of them reaches b
+  /// (P = dS = 0).
+  void unreached(Index b, Index a, Index rows) const {
+    constexpr Index Bq = backward_query_rows;
+    const Index at = b * Bq + a;
+    std::fill_n(p_rounded + at, rows, Eigen::bfloat16(0.0f));
+    std::fill_n(ds_rounded + at, rows, Eigen::bfloat16(0.0f));
+    clear_half(b, a, a + rows);
+    if (dp != nullptr) std::fill_n(dp + at, rows, 0.0f);
+  }
+
+  /// Key b's half of the pairs of rows [first, last) set to 0 (the key of a pair outside the
+  /// tile's keys).
+  void clear_half(Index b, Index first, Index last) const {
+    constexpr Index Bq = backward_query_rows;
+    std::uint32_t* words = pair_ds + (b / 2 - first_pair) * Bq;
+    const std::uint32_t keep = b % 2 == 0 ? 0xFFFF0000u : 0x0000FFFFu;
+    for (Index r = first; r < last; ++r) words[r] &= keep;
+  }
+};
 
 /// The three products of backward_pair on the AVX512-BF16 unit, from P and dS rounded to
-/// bfloat16 (rows [a0, a1) and keys [b0, b1) of the pair, by backward_pair_gradients) and the
+/// bfloat16 (rows [a0, a1) and keys [b0, b1) of the pair, by PairGradients) and the
 /// pairs of the step and the key tile (0 at the rows and keys outside the pair that whole pairs
 /// take in):
 ///   dV_J += P^T dO and dK_J += dS^T Q  (each key over the step's rows, pairs along the rows),
-///   work.dq_part = dS K_J              (each row over the tile's keys, pairs along the keys),
-/// each sum formed on the running sum (dk_sum, dv_sum) or from zero (dq_part), pairs in order.
+///   work.dq_part += dS K_J             (each row over the tile's keys, pairs along the keys;
+///                                       row a at a d_p),
+/// each sum formed on the running sum (dk_sum, dv_sum, dq_part), pairs in order.
 inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
                                    const BackwardKeyTile<float>& tile_rows,
                                    BackwardWork<float>& work) {
@@ -667,9 +754,78 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
   // dS K: keys in whole pairs from b0 / 2 (the key outside [b0, b1) of a pair gets dS = 0).
   const Index b_lo = b0 / 2 * 2, b_hi = (b1 + 1) / 2 * 2;
   const Index key_pairs = (b_hi - b_lo) / 2;
-  work.dq_part.head((a1 - a0) * work.dp).setZero();
   backward_pair_rows(work.pair_ds.data() + a0, 1, Bq, tile_rows.pair_k + b_lo / 2 * work.pair_d,
-                     work.pair_d, key_pairs, a1 - a0, work.d, ones, work.dq_part.data(), work.dp);
+                     work.pair_d, key_pairs, a1 - a0, work.d, ones,
+                     work.dq_part.data() + a0 * work.dp, work.dp);
+}
+
+/// backward_pair on the AVX512-BF16 unit (in.paired) for rows [a0, a1) of the step at i0 and
+/// keys [b0, b1) of the tile at j0, `visit` the pair's walk (backward_pair: visit(block,
+/// unreached) calls block(first, last, a, count) for keys [first, last) and `count` packets
+/// of rows from a, unreached(b, a, rows) for each key b of [b0, b1) that the packet of `rows`
+/// rows from a does not reach; a packet is 16 rows or, in builds without AVX-512, fewer):
+/// S^T by pair_score_span, turned into P^T as it leaves the registers for a WindowRule
+/// (PairWindowProbabilities), or stored and turned by rule.probabilities; dP^T by
+/// pair_score_span, turned into dS^T with P and dS rounded as it leaves the registers
+/// (PairGradients, which also stores dP^T at `dp` when it is not null); then the three
+/// products (backward_pair_products). P^T stays in work.probabilities.
+template <typename Rule, typename Visit>
+void backward_pair_units(const BackwardInputs<float, Eigen::bfloat16>& in, const Rule& rule,
+                         Index j0, Index i0, Index a0, Index a1, Index b0, Index b1,
+                         const Visit& visit, const BackwardKeyTile<float>& tile_rows,
+                         BackwardWork<float>& work, float* dp) {
+  constexpr Index Bq = backward_query_rows;
+  const Index d = work.d, dv = work.dv;
+  float* p = work.probabilities.data();
+  // pair_score_span of the step's query (or dO) pairs against the tile's K (or V) rows.
+  constexpr Index P = tile_packet_size<float>;
+  const auto span = [&](bool values, const auto& finish) {
+    return [&, values](Index first, Index last, Index a, Index count) {
+      pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
+                      values ? tile_rows.v_bits : tile_rows.k_bits,
+                      pair_row_stride(values ? dv : d), ((values ? dv : d) + 1) / 2, first, last, a,
+                      a + count * P, finish);
+    };
+  };
+  const auto zero_probabilities = [&](Index b, Index a, Index rows) {
+    std::fill_n(p + b * Bq + a, rows, 0.0f);
+  };
+  constexpr Index int_range = Index{1} << 30;
+  bool scored = false;
+  if constexpr (std::is_same_v<Rule, WindowRule<float>>) {
+    if (rule.end() - rule.begin() < int_range) {
+      const auto bound = [&](Index x) {
+        return static_cast<int>(std::clamp<Index>(x, -int_range, int_range));
+      };
+      visit(span(false, PairWindowProbabilities{in.tau, rule.slope(), work.lse.data(), p,
+                                                static_cast<int>(i0 - j0), bound(rule.lo()),
+                                                bound(rule.hi()), a0, a1}),
+            zero_probabilities);
+      scored = true;
+    }
+  }
+  if (!scored) {
+    visit(span(false, PairScoreStore{1.0f, p, Bq}), zero_probabilities);
+    Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> tile(p + b0 * Bq + a0, a1 - a0, b1 - b0,
+                                                              Eigen::OuterStride<>(Bq));
+    rule.probabilities(i0 + a0, j0 + b0, tile, in.tau, in.lse, work);
+  }
+  const PairGradients gradients{in.tau,
+                                p,
+                                work.delta.data(),
+                                work.p_rounded.data(),
+                                work.ds_rounded.data(),
+                                work.pair_ds.data(),
+                                b0 / 2,
+                                dp,
+                                a0,
+                                a1};
+  visit(span(true, gradients),
+        [&](Index b, Index a, Index rows) { gradients.unreached(b, a, rows); });
+  // The key outside [b0, b1) of the pairs at either end.
+  if (b0 % 2 == 1) gradients.clear_half(b0 - 1, a0, a1);
+  if (b1 % 2 == 1) gradients.clear_half(b1, a0, a1);
+  backward_pair_products(a0, a1, b0, b1, tile_rows, work);
 }
 
 #endif  // POSLSH_X86_UNITS
@@ -856,7 +1012,8 @@ struct PackedSteps {
 /// step in work.delta (indexed from i0),
 ///   S^T = K Q^T, P^T (rule), dP^T = V dO^T, dS^T = tau P^T o (dP^T - D),
 ///   dV_J += P^T dO,  dK_J += dS^T Q  (tile.dv_sum, tile.dk_sum: each key j over the rows that
-///   reach it),  work.dq_part = dS K_J  (each row over the keys it reaches, from zero).
+///   reach it),  work.dq_part += dS K_J  (each row over the keys it reaches; row a of the step
+///   at a d_p: the key group's partial sum, backward_key_group).
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
 /// With `distance_sum` not null, also *distance_sum += sum over the pair's entries of
 /// G_ij |i - j| (G = dS / tau, summed in double key by key: BackwardOutputs::distance_sums).
@@ -888,50 +1045,25 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
     packet_keys[k] = {c0, std::clamp<Index>(reached.last - j0, c0, b1)};
     whole = whole && packet_keys[k].first == b0 && packet_keys[k].last == b1;
   }
-  // S^T or dP^T (`values`): block(first, last, a, count) for the keys [first, last) and the
-  // `count` packets of rows from a, 0 at the keys of [b0, b1) a packet does not reach.
-  const auto scores = [&](bool values, Scalar* target) {
-    const auto block = [&](Index first, Index last, Index a, Index count) {
-#if POSLSH_X86_UNITS
-      if constexpr (backward_pairs_v<Scalar, Input>) {
-        if (in.paired) {
-          pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
-                          values ? tile_rows.v_bits : tile_rows.k_bits,
-                          pair_row_stride(values ? dv : d), ((values ? dv : d) + 1) / 2, first,
-                          last, a, a + count * P, 1.0f, target);
-          return;
-        }
-      }
-#endif
-      if (values) {
-        backward_scores<Scalar>(step.ot + a, tile_rows.v_rows, dvp, dv, first, last, count,
-                                target + a);
-      } else {
-        backward_scores<Scalar>(step.qt + a, tile_rows.k_rows, dp, d, first, last, count,
-                                target + a);
-      }
-    };
+  // visit(block, unreached): block(first, last, a, count) for the keys [first, last) and the
+  // `count` packets of rows from a that reach them, unreached(b, a, P) for each key b of
+  // [b0, b1) that the packet of P rows from a does not reach.
+  const auto visit = [&](const auto& block, const auto& unreached) {
     if (whole) {
       block(b0, b1, first_packet * P, packets);
       return;
     }
-    const Packet zero = ei::pset1<Packet>(Scalar(0));
     for (Index k = 0; k < packets; ++k) {
       const Index a = (first_packet + k) * P;
       const KeyRange keys = packet_keys[k];
       block(keys.first, keys.last, a, 1);
-      for (Index b = b0; b < keys.first; ++b) ei::pstore(target + b * Bq + a, zero);
-      for (Index b = keys.last; b < b1; ++b) ei::pstore(target + b * Bq + a, zero);
+      for (Index b = b0; b < keys.first; ++b) unreached(b, a, P);
+      for (Index b = keys.last; b < b1; ++b) unreached(b, a, P);
     }
   };
-  // P^T from S^T (rows of the packets holding [a0, a1)).
-  scores(false, p);
-  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
-      p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
-  rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
-  // dS^T = tau P^T o (dP^T - D).
-  scores(true, ds);
-  if (distance_sum != nullptr) {
+  // With `distance_sum`: *distance_sum += sum over the pair of P (dP - D) |i - j| (P^T in p,
+  // dP^T in ds).
+  const auto add_distance_sum = [&] {
     using Column = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
     const Index rows = a1 - a0;
     const auto row_offsets = Column::LinSpaced(rows, Scalar(0), static_cast<Scalar>(rows - 1));
@@ -944,16 +1076,40 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
           (prob * (dprob - delta) * (row_offsets + first_distance).abs()).sum());
     }
     *distance_sum += sum;
-  }
+  };
 #if POSLSH_X86_UNITS
   if constexpr (backward_pairs_v<Scalar, Input>) {
     if (in.paired) {
-      backward_pair_gradients(a0, a1, b0, b1, in.tau, work);
-      backward_pair_products(a0, a1, b0, b1, tile_rows, work);
+      backward_pair_units(in, rule, j0, i0, a0, a1, b0, b1, visit, tile_rows, work,
+                          distance_sum != nullptr ? ds : nullptr);
+      if (distance_sum != nullptr) add_distance_sum();
       return;
     }
   }
 #endif
+  // S^T or dP^T (`values`) into target, 0 at the keys of [b0, b1) a packet does not reach.
+  const auto scores = [&](bool values, Scalar* target) {
+    const Packet zero = ei::pset1<Packet>(Scalar(0));
+    visit(
+        [&](Index first, Index last, Index a, Index count) {
+          if (values) {
+            backward_scores<Scalar>(step.ot + a, tile_rows.v_rows, dvp, dv, first, last, count,
+                                    target + a);
+          } else {
+            backward_scores<Scalar>(step.qt + a, tile_rows.k_rows, dp, d, first, last, count,
+                                    target + a);
+          }
+        },
+        [&](Index b, Index a, Index) { ei::pstore(target + b * Bq + a, zero); });
+  };
+  // P^T from S^T (rows of the packets holding [a0, a1)).
+  scores(false, p);
+  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>> tile(
+      p + b0 * Bq + a0, a1 - a0, b1 - b0, Eigen::OuterStride<>(Bq));
+  rule.probabilities(r0, k0, tile, in.tau, in.lse, work);
+  // dS^T = tau P^T o (dP^T - D).
+  scores(true, ds);
+  if (distance_sum != nullptr) add_distance_sum();
   const Packet tau = ei::pset1<Packet>(in.tau);
   for (Index b = b0; b < b1; ++b) {
     for (Index a = first_packet * P; a < a1; a += P) {
@@ -979,9 +1135,8 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
     const Index first = std::clamp<Index>(reached.first - j0, b0, b1);
     return KeyRange{first, std::clamp<Index>(reached.last - j0, first, b1)};
   };
-  work.dq_part.head((a1 - a0) * dp).setZero();
   backward_products<Scalar>(ds + a0, 1, Bq, tile_rows.k_rows, dp, a1 - a0, dp / P,
-                            work.dq_part.data(), dp, keys_of);
+                            work.dq_part.data() + a0 * dp, dp, keys_of);
 }
 
 /// Key tiles [j_begin, j_end) (up to backward_group_tiles tiles of backward_tile keys, aligned
@@ -989,9 +1144,9 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
 /// for each step the tiles it reaches in increasing order, the pair's gradients
 /// (backward_pair). Each key tile's dK, dV rows are summed in its own buffers of `work` over
 /// its steps in increasing order and added to the outputs at the end (this thread owns the key
-/// tiles), and dQ_I += (dS K_J) in increasing key tile order, as `order` enforces: the same
-/// sums in the same order as one key tile at a time. Q^T and dO^T of the steps from `packed`,
-/// or packed here per step when it is null.
+/// tiles), and dQ_I += sum_J (dS K_J) (the group's partial sum: the tiles in increasing
+/// order from zero, in work.dq_part) in increasing key group order, as `order` enforces. Q^T
+/// and dO^T of the steps from `packed`, or packed here per step when it is null.
 template <typename Scalar, typename Input, typename Rule, typename Order>
 void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j_begin,
                         Index j_end, BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
@@ -1017,8 +1172,10 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(rows[g].dv_sum, keys * dvp).setZero();
   }
   if (first_row >= last_row) return;
+  const Index group = (j_begin - base) / backward_group_keys;
   for (Index i0 = base + (first_row - base) / Bq * Bq; i0 < last_row; i0 += Bq) {
     bool prepared = false;
+    Index part_first = i0 + Bq, part_last = i0;  // the rows of work.dq_part with terms
     StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
                               work.o_rows.data()};
     for (Index g = 0; g < tiles; ++g) {
@@ -1038,19 +1195,24 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
           backward_pack_step(in, i0, step_rows, work);
           work.packed_step = i0;
         }
+        work.dq_part.setZero();
         prepared = true;
       }
       backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work,
                     out.distance_sums == nullptr ? nullptr : out.distance_sums + (j0 - base) / Bk);
-      order.add((i0 - base) / Bq, (j0 - base) / Bk, [&] {
-        // The step's first key tile (the first that any of its rows reaches) comes first.
-        if (out.fresh &&
-            j0 - base == (rule.keys_reached(i0, std::min(end, i0 + Bq)).first - base) / Bk * Bk)
-          out.dq.middleRows(i0, std::min(end, i0 + Bq) - i0).setZero();
-        backward_add_rows<Scalar, false>(out.dq.data() + r0 * out.dq.outerStride(),
-                                         out.dq.outerStride(), work.dq_part.data(), dp, r1 - r0, d);
-      });
+      part_first = std::min(part_first, r0);
+      part_last = std::max(part_last, r1);
     }
+    if (part_first >= part_last) continue;
+    order.add((i0 - base) / Bq, group, [&] {
+      // The step's first key group (the first that any of its rows reaches) comes first.
+      const Index first_key = rule.keys_reached(i0, std::min(end, i0 + Bq)).first;
+      if (out.fresh && group == (first_key - base) / backward_group_keys)
+        out.dq.middleRows(i0, std::min(end, i0 + Bq) - i0).setZero();
+      backward_add_rows<Scalar, false>(
+          out.dq.data() + part_first * out.dq.outerStride(), out.dq.outerStride(),
+          work.dq_part.data() + (part_first - i0) * dp, dp, part_last - part_first, d);
+    });
   }
   for (Index g = 0; g < tiles; ++g) {
     const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
@@ -1077,14 +1239,14 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
 /// One pass over the key tiles of the rule's domain, in parallel (OpenMP; call it outside a
 /// parallel region) by groups of backward_group_tiles key tiles: dK, dV of a key tile by its
 /// thread summing over query steps in increasing order, dQ of a query step summed over key
-/// tiles in increasing order (KeyTileOrder). Q^T and dO^T of every step are packed first
+/// groups in increasing order (KeyGroupOrder). Q^T and dO^T of every step are packed first
 /// (O(n (d + d_v)) memory). Outputs are accumulated into.
 template <typename Scalar, typename Input, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
-  constexpr Index group = backward_group_tiles * backward_tile;
+  constexpr Index group = backward_group_keys;
   const Index begin = rule.begin(), end = rule.end();
-  const KeyTileOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  const KeyGroupOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
   // The paired products pack their steps per group (backward_pack_step).
   PackedSteps<Scalar> packed;
   if (!in.paired) packed.pack(in.q, in.dout, begin, end, true);
@@ -1128,8 +1290,8 @@ inline constexpr std::size_t backward_step_window_bytes = std::size_t{4} << 20;
 /// intervals with non-decreasing ends), so the step's dQ rows are summed in work.dq_step and
 /// written once. Every sum has the terms and the order of backward_key_group's (dK_j, dV_j:
 /// a running sum from zero over the steps in increasing order, output + sum at the end;
-/// dQ_i: output (or 0 with fresh outputs) + each key tile's partial sum in increasing key
-/// tile order), so the gradients are bitwise the same. span >= backward_step_span(rule).
+/// dQ_i: output (or 0 with fresh outputs) + each key group's partial sum in increasing group
+/// order), so the gradients are bitwise the same. span >= backward_step_span(rule).
 template <typename Scalar, typename Input, typename Rule>
 void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index span,
                        BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work) {
@@ -1207,6 +1369,14 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
       dq_step.topRows(step_rows).setZero();
     else
       dq_step.topLeftCorner(step_rows, d) = out.dq.middleRows(i0, step_rows);
+    // The key group of work.dq_part and its rows with terms, added to dq_step when it ends.
+    Index group = -1, part_first = i1, part_last = i0;
+    const auto add_part = [&] {
+      if (part_first < part_last)
+        backward_add_rows<Scalar, false>(work.dq_step.data() + (part_first - i0) * dp, dp,
+                                         work.dq_part.data() + (part_first - i0) * dp, dp,
+                                         part_last - part_first, d);
+    };
     for (Index tile = first; tile < last; ++tile) {
       const Index j0 = base + tile * Bk, j1 = std::min(end, j0 + Bk);
       const KeyRange rows = rule.rows_reaching(j0, j1, i0, i1);
@@ -1214,12 +1384,20 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
       const KeyRange keys = rule.keys_reached(rows.first, rows.last);
       const Index k0 = std::max(j0, keys.first), k1 = std::min(j1, keys.last);
       if (k0 >= k1) continue;
+      if (tile / backward_group_tiles != group) {
+        add_part();
+        group = tile / backward_group_tiles;
+        part_first = i1;
+        part_last = i0;
+        work.dq_part.setZero();
+      }
       touched[static_cast<std::size_t>(tile % span)] = 1;
       backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work,
                     out.distance_sums == nullptr ? nullptr : out.distance_sums + tile);
-      backward_add_rows<Scalar, false>(work.dq_step.data() + (rows.first - i0) * dp, dp,
-                                       work.dq_part.data(), dp, rows.last - rows.first, d);
+      part_first = std::min(part_first, rows.first);
+      part_last = std::max(part_last, rows.last);
     }
+    add_part();
     out.dq.middleRows(i0, step_rows) = dq_step.topLeftCorner(step_rows, d);
   }
   for (; finished < tiles; ++finished) finish(finished);
@@ -1235,7 +1413,7 @@ void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                      const PackedSteps<Scalar>* packed = nullptr,
                      std::size_t window_bytes = backward_step_window_bytes) {
-  constexpr Index group = backward_group_tiles * backward_tile;
+  constexpr Index group = backward_group_keys;
   constexpr Index P = tile_packet_size<Scalar>;
   const Index span = backward_step_span(rule);
   const Index dp = (in.q.cols() + P - 1) / P * P, dvp = (in.v.cols() + P - 1) / P * P;
