@@ -130,11 +130,14 @@ inline __mmask16 pair_row_mask(Index start, Index lo, Index hi) {
   return static_cast<__mmask16>(below_last & ~below_first);
 }
 
-/// Stops the compiler from folding a vector's load or broadcast into each instruction that
-/// uses it: loaded once into a register. No code is emitted.
+/// `vector`, held in a register: stops the compiler from folding its load or broadcast into
+/// each instruction that uses it (loaded once). No code is emitted. It takes and returns a
+/// value: applied in place to an element of an array, the same barrier makes the compiler
+/// also store the array to the stack on every iteration.
 template <typename Vector>
-POSLSH_AVX512_BF16_INLINE void pair_keep_in_register(Vector& vector) {
+POSLSH_AVX512_BF16_INLINE Vector pair_in_register(Vector vector) {
   __asm__("" : "+v"(vector));
+  return vector;
 }
 
 /// The finish of pair_score_span that stores the scores: scores[b * tile + a] = tau acc for
@@ -172,15 +175,14 @@ POSLSH_AVX512_BF16_INLINE void pair_score_block(const std::uint32_t* pair_q, Ind
     __m512bh queries[Vectors];
     POSLSH_TILE_UNROLL
     for (int w = 0; w < Vectors; ++w) {
-      queries[w] = (__m512bh)_mm512_loadu_si512(pair_q + c2 * tile + start + 16 * w);
-      pair_keep_in_register(queries[w]);
+      queries[w] =
+          pair_in_register((__m512bh)_mm512_loadu_si512(pair_q + c2 * tile + start + 16 * w));
     }
     POSLSH_TILE_UNROLL
     for (int kk = 0; kk < Keys; ++kk) {
       std::uint32_t word;
       std::memcpy(&word, key_rows + kk * key_stride + 2 * c2, sizeof(word));
-      __m512bh key = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
-      pair_keep_in_register(key);
+      const __m512bh key = pair_in_register((__m512bh)_mm512_set1_epi32(static_cast<int>(word)));
       POSLSH_TILE_UNROLL
       for (int w = 0; w < Vectors; ++w) acc[kk][w] = _mm512_dpbf16_ps(acc[kk][w], queries[w], key);
     }
@@ -371,14 +373,12 @@ POSLSH_AVX512_BF16_INLINE void pair_value_block(const std::uint32_t* pair_p, Ind
     __m512bh row[Vectors];
     POSLSH_TILE_UNROLL
     for (int w = 0; w < Vectors; ++w) {
-      row[w] = (__m512bh)_mm512_loadu_si512(pair_v + b2 * cols + 16 * w);
-      pair_keep_in_register(row[w]);
+      row[w] = pair_in_register((__m512bh)_mm512_loadu_si512(pair_v + b2 * cols + 16 * w));
     }
     POSLSH_TILE_UNROLL
     for (int r = 0; r < Rows; ++r) {
-      __m512bh prob =
-          (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_p[b2 * tile + r * row_step]));
-      pair_keep_in_register(prob);
+      const __m512bh prob = pair_in_register(
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_p[b2 * tile + r * row_step])));
       POSLSH_TILE_UNROLL
       for (int w = 0; w < Vectors; ++w) sum[r][w] = _mm512_dpbf16_ps(sum[r][w], prob, row[w]);
     }
