@@ -657,10 +657,10 @@ namespace {
 // row; the unreached dQ rows are zeroed first), in the given loop order.
 enum class PassOrder { parallel, serial_by_steps, serial_by_key_groups };
 
-template <typename Rule>
-std::array<RowMatrix<float>, 3> pass_gradients(const poslsh::detail::BackwardInputs<float>& in,
-                                               const Rule& rule, PassOrder order, bool fresh,
-                                               const std::array<RowMatrix<float>, 3>& initial) {
+template <typename Input, typename Rule>
+std::array<RowMatrix<float>, 3> pass_gradients(
+    const poslsh::detail::BackwardInputs<float, Input>& in, const Rule& rule, PassOrder order,
+    bool fresh, const std::array<RowMatrix<float>, 3>& initial) {
   namespace pd = poslsh::detail;
   std::array<RowMatrix<float>, 3> grads = initial;
   poslsh::MatrixRef<float> dq(grads[0]), dk(grads[1]), dv(grads[2]);
@@ -683,29 +683,31 @@ std::array<RowMatrix<float>, 3> pass_gradients(const poslsh::detail::BackwardInp
   return grads;
 }
 
-}  // namespace
-
-TEST_CASE("the serial pass in either loop order has the parallel pass's bits",
-          "[backward][determinism]") {
+/// The three loop orders of the backward pass compared bit for bit on n rows (n > 512: dQ
+/// summed over several key groups) for window, block and count rules, with Q, K, V, O and dO
+/// stored as Input (bfloat16 with `paired`: the five products on the AVX512-BF16 unit).
+template <typename Input>
+void loop_order_checks(Index n, bool paired) {
   namespace pd = poslsh::detail;
-  const Index n = 300, d = 16, dv = 8;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 91);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 92);
-  const RowMatrix<float> v = random_matrix<float>(n, dv, 93);
-  const RowMatrix<float> out = random_matrix<float>(n, dv, 94);
-  const RowMatrix<float> dout = random_matrix<float>(n, dv, 95);
+  const Index d = 16, dv = 8;
+  const RowMatrix<Input> q = random_matrix<float>(n, d, 91).cast<Input>();
+  const RowMatrix<Input> k = random_matrix<float>(n, d, 92).cast<Input>();
+  const RowMatrix<Input> v = random_matrix<float>(n, dv, 93).cast<Input>();
+  const RowMatrix<Input> out = random_matrix<float>(n, dv, 94).cast<Input>();
+  const RowMatrix<Input> dout = random_matrix<float>(n, dv, 95).cast<Input>();
   // Any finite lse gives finite P = w e^{x - lse} here (|tau q.k| < 4): the passes are compared
   // with each other, bit for bit.
   const ColumnVector<float> lse = random_matrix<float>(n, 1, 96).col(0).array() + 3.0f;
-  const poslsh::ConstMatrixRef<float> qr(q), kr(k), vr(v), outr(out), doutr(dout);
-  const ColumnVector<float> delta = pd::backward_delta<float>(outr, doutr);
-  const pd::BackwardInputs<float> in{qr, kr, vr, doutr, lse.data(), delta.data(), 0.25f};
+  const poslsh::ConstMatrixRef<Input> qr(q), kr(k), vr(v), outr(out), doutr(dout);
+  const ColumnVector<float> delta = pd::backward_delta<float, Input>(outr, doutr);
+  pd::BackwardInputs<float, Input> in{qr, kr, vr, doutr, lse.data(), delta.data(), 0.25f};
+  in.paired = paired;
   const std::array<RowMatrix<float>, 3> initial = {random_matrix<float>(n, d, 97),
                                                    random_matrix<float>(n, d, 98),
                                                    random_matrix<float>(n, dv, 99)};
   const auto compare = [&](const auto& rule, const char* name) {
     for (bool fresh : {true, false}) {
-      INFO(name << ", fresh " << fresh);
+      INFO(name << ", n " << n << ", paired " << paired << ", fresh " << fresh);
       const auto parallel = pass_gradients(in, rule, PassOrder::parallel, fresh, initial);
       const auto by_steps = pass_gradients(in, rule, PassOrder::serial_by_steps, fresh, initial);
       const auto by_groups =
@@ -732,5 +734,18 @@ TEST_CASE("the serial pass in either loop order has the parallel pass's bits",
     pd::CountWindows windows;
     windows.build(poslsh::rbf_hashes(30.0, 5, 7, 0), n, causal);
     compare(pd::CountRule<float>(windows, n, causal), causal ? "counts causal" : "counts both");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the serial pass in either loop order has the parallel pass's bits",
+          "[backward][determinism]") {
+  for (const Index n : {300, 1300}) loop_order_checks<float>(n, false);
+  // bfloat16 inputs: widened to float, and on the AVX512-BF16 unit where the CPU has it.
+  for (const Index n : {300, 1300}) {
+    loop_order_checks<Eigen::bfloat16>(n, false);
+    if (poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16))
+      loop_order_checks<Eigen::bfloat16>(n, true);
   }
 }
