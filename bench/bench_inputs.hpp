@@ -38,45 +38,51 @@ inline float input_value(Which which, std::uint64_t index) {
   return static_cast<float>(z >> 40) * 0x1.0p-23f - 1.0f;
 }
 
-/// One [n, H, d] float tensor (token-major, as a KV cache), filled in parallel when created:
-/// input_value for q, k, v; zeros for the output (touched, so that its page faults are not
-/// timed with a kernel). On 2 MiB-aligned memory advised for transparent huge pages:
-/// first-touch page faults are most of the cost of filling GiBs.
-class Tensor {
+/// One [n, H, d] tensor of Element (float, or a half-precision type holding the float values
+/// rounded once), token-major as a KV cache, filled in parallel when created: input_value for
+/// q, k, v; zeros for the output (touched, so that its page faults are not timed with a
+/// kernel). Every tensor lives on 2 MiB-aligned memory advised for transparent huge pages, so
+/// rows that compare two storage types compare kernels, not page sizes; first-touch page
+/// faults are also most of the cost of filling GiBs.
+template <typename Element>
+class TypedTensor {
  public:
-  Tensor(Which which, Index tokens) : tokens_(tokens) {
+  TypedTensor(Which which, Index tokens) : tokens_(tokens) {
     constexpr std::size_t huge_page = std::size_t{2} << 20;
     const auto size = static_cast<long>(tokens * heads * dim);
     const std::size_t bytes =
-        (static_cast<std::size_t>(size) * sizeof(float) + huge_page - 1) / huge_page * huge_page;
-    data_.reset(static_cast<float*>(std::aligned_alloc(huge_page, std::max(bytes, huge_page))));
+        (static_cast<std::size_t>(size) * sizeof(Element) + huge_page - 1) / huge_page * huge_page;
+    data_.reset(static_cast<Element*>(std::aligned_alloc(huge_page, std::max(bytes, huge_page))));
     if (!data_) throw std::bad_alloc();
     madvise(data_.get(), bytes, MADV_HUGEPAGE);  // advice only: failure changes nothing
-    float* values = data_.get();
+    Element* values = data_.get();
 #pragma omp parallel for schedule(static)
     for (long index = 0; index < size; ++index) {
-      values[index] =
-          which == Which::out ? 0.0f : input_value(which, static_cast<std::uint64_t>(index));
+      values[index] = static_cast<Element>(
+          which == Which::out ? 0.0f : input_value(which, static_cast<std::uint64_t>(index)));
     }
   }
 
-  float* data() { return data_.get(); }
-  const float* data() const { return data_.get(); }
+  Element* data() { return data_.get(); }
+  const Element* data() const { return data_.get(); }
   Index tokens() const { return tokens_; }
 
   /// The tensor as H heads of (n x d) rows ([n, H, d], interleaved heads).
-  HeadsView<const float> view() const {
-    return interleaved_heads<const float>(data(), tokens_, heads, dim);
+  HeadsView<const Element> view() const {
+    return interleaved_heads<const Element>(data(), tokens_, heads, dim);
   }
-  HeadsView<float> view() { return interleaved_heads<float>(data(), tokens_, heads, dim); }
+  HeadsView<Element> view() { return interleaved_heads<Element>(data(), tokens_, heads, dim); }
 
  private:
   struct Free {
-    void operator()(float* pointer) const { std::free(pointer); }
+    void operator()(Element* pointer) const { std::free(pointer); }
   };
-  std::unique_ptr<float, Free> data_;
+  std::unique_ptr<Element, Free> data_;
   Index tokens_;
 };
+
+/// The float tensors of the suite.
+using Tensor = TypedTensor<float>;
 
 /// Pairs with c_ij > 0 summed over heads, for the hash sets of multihead_attention (the pairs
 /// the LSH estimator weights; the same count for the per-sample and the fused kernel).

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <poslsh/poslsh.hpp>
 #include <utility>
 #include <vector>
@@ -29,28 +30,22 @@ inline HeadsView<float> output_view(Index n) { return output(n).view(); }
 /// Tensor `which` of n tokens rounded to Half ([n, H, d]), made once outside the timed loops
 /// (the tensors of one n at a time).
 template <typename Half>
-std::vector<Half>& half_tensor(Which which, Index n) {
-  static std::map<std::pair<int, Index>, std::vector<Half>> cache;
+TypedTensor<Half>& half_tensor(Which which, Index n) {
+  static std::map<std::pair<int, Index>, std::unique_ptr<TypedTensor<Half>>> cache;
   const std::pair<int, Index> key{static_cast<int>(which), n};
   auto found = cache.find(key);
   if (found == cache.end()) {
     for (auto it = cache.begin(); it != cache.end();)
       it = it->first.second != n ? cache.erase(it) : ++it;
-    const auto size = static_cast<long>(n * heads * dim);
-    std::vector<Half> values(static_cast<std::size_t>(size));
-    const float* source = which == Which::out ? nullptr : tensor(which, n).data();
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < size; ++i)
-      values[static_cast<std::size_t>(i)] = static_cast<Half>(source == nullptr ? 0.0f : source[i]);
-    found = cache.emplace(key, std::move(values)).first;
+    found = cache.emplace(key, std::make_unique<TypedTensor<Half>>(which, n)).first;
   }
-  return found->second;
+  return *found->second;
 }
 
 /// half_tensor as H heads of (n x d) rows ([n, H, d], interleaved heads).
 template <typename Half>
 HeadsView<const Half> half_view(Which which, Index n) {
-  return interleaved_heads<const Half>(half_tensor<Half>(which, n).data(), n, heads, dim);
+  return std::as_const(half_tensor<Half>(which, n)).view();
 }
 /// Causal exact pairs of one head: n (n + 1) / 2.
 inline long long causal_pairs(Index n) { return static_cast<long long>(n) * (n + 1) / 2; }

@@ -4,7 +4,6 @@
 // the output in Eigen::bfloat16 (the float inputs rounded; computed in float, the output
 // rounded once): half the bytes, and a tighter budget (1.05x the bytes, no allowance).
 //   long_context [--n N] [--samples S] [--type float|bf16]
-#include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -12,10 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <new>
 #include <poslsh/poslsh.hpp>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,47 +55,6 @@ bool read_flag(int argc, char** argv, int& a, const char* name, long long& value
   return true;
 }
 
-/// An [n, H, d] tensor of the default problem in bfloat16: the float input values rounded
-/// (zeros for the output), on 2 MiB-aligned memory advised for huge pages as pb::Tensor, filled
-/// in parallel without a float copy.
-class Bf16Tensor {
- public:
-  using bf16 = Eigen::bfloat16;
-  Bf16Tensor(pb::Which which, poslsh::Index tokens) : tokens_(tokens) {
-    constexpr std::size_t huge_page = std::size_t{2} << 20;
-    const auto size = static_cast<long>(tokens * pb::heads * pb::dim);
-    const std::size_t bytes =
-        (static_cast<std::size_t>(size) * sizeof(bf16) + huge_page - 1) / huge_page * huge_page;
-    data_.reset(static_cast<bf16*>(std::aligned_alloc(huge_page, std::max(bytes, huge_page))));
-    if (!data_) throw std::bad_alloc();
-    madvise(data_.get(), bytes, MADV_HUGEPAGE);  // advice only
-    bf16* values = data_.get();
-#pragma omp parallel for schedule(static)
-    for (long index = 0; index < size; ++index) {
-      values[index] = which == pb::Which::out
-                          ? bf16(0.0f)
-                          : bf16(pb::input_value(which, static_cast<std::uint64_t>(index)));
-    }
-  }
-  poslsh::HeadsView<const bf16> view() const {
-    return poslsh::interleaved_heads<const bf16>(data_.get(), tokens_, pb::heads, pb::dim);
-  }
-  poslsh::HeadsView<bf16> view() {
-    return poslsh::interleaved_heads<bf16>(data_.get(), tokens_, pb::heads, pb::dim);
-  }
-
- private:
-  struct Free {
-    void operator()(bf16* pointer) const { std::free(pointer); }
-  };
-  std::unique_ptr<bf16, Free> data_;
-  poslsh::Index tokens_;
-};
-
-/// Tensor type of each storage scalar.
-template <typename Storage>
-using TensorOf = std::conditional_t<std::is_same_v<Storage, float>, pb::Tensor, Bf16Tensor>;
-
 /// Runs the problem with Q, K, V and the output in Storage; returns the exit code.
 template <typename Storage>
 int run(poslsh::Index n, poslsh::Index samples, const char* type_name, double budget_factor,
@@ -117,10 +72,10 @@ int run(poslsh::Index n, poslsh::Index samples, const char* type_name, double bu
       static_cast<long long>(samples), type_name, threads);
 
   auto start = std::chrono::steady_clock::now();
-  const TensorOf<Storage> q(pb::Which::q, n);
-  const TensorOf<Storage> k(pb::Which::k, n);
-  const TensorOf<Storage> v(pb::Which::v, n);
-  TensorOf<Storage> out(pb::Which::out, n);
+  const pb::TypedTensor<Storage> q(pb::Which::q, n);
+  const pb::TypedTensor<Storage> k(pb::Which::k, n);
+  const pb::TypedTensor<Storage> v(pb::Which::v, n);
+  pb::TypedTensor<Storage> out(pb::Which::out, n);
   std::printf("Q, K, V filled and the output zeroed in %.2f s\n", seconds_since(start));
 
   poslsh::MultiHeadOptions options;
