@@ -10,7 +10,7 @@
 #include <poslsh/training/backward.hpp>
 #include <string>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
 #include "bench_support.hpp"
 
@@ -34,23 +34,21 @@ void run_backward(benchmark::State& state, Index n, Method method) {
   options.method = method;
   options.samples = default_samples;
   options.seed = seed;
-  const std::size_t size = static_cast<std::size_t>(n * heads * dim);
-  std::vector<float> out(size), dq(size), dk(size), dv(size);
+  // The output and the gradients on the suite's memory (TypedTensor, zeros when made).
+  Tensor out(Which::out, n), dq(Which::out, n), dk(Which::out, n), dv(Which::out, n);
   RowMatrix<float> lse(heads, n);
   multihead_attention<float>(input_view(Which::q, n), input_view(Which::k, n),
-                             input_view(Which::v, n),
-                             interleaved_heads<float>(out.data(), n, heads, dim), lse, options);
-  std::vector<Input> stored_out(out.begin(), out.end());
+                             input_view(Which::v, n), out.view(), lse, options);
+  TypedTensor<Input> stored_out(Which::out, n);
+  const long size = static_cast<long>(n * heads * dim);
+  for (long i = 0; i < size; ++i) stored_out.data()[i] = static_cast<Input>(out.data()[i]);
   const auto q = stored_view<Input>(Which::q, n);
   const auto k = stored_view<Input>(Which::k, n);
   const auto v = stored_view<Input>(Which::v, n);
-  const auto out_view = interleaved_heads<const Input>(stored_out.data(), n, heads, dim);
+  const auto out_view = std::as_const(stored_out).view();
   for (auto _ : state) {
-    multihead_attention_backward<Input>(q, k, v, out_view, lse, v, /*dq=*/
-                                        interleaved_heads<float>(dq.data(), n, heads, dim),
-                                        interleaved_heads<float>(dk.data(), n, heads, dim),
-                                        interleaved_heads<float>(dv.data(), n, heads, dim),
-                                        options);
+    multihead_attention_backward<Input>(q, k, v, out_view, lse, v, /*dq=*/dq.view(), dk.view(),
+                                        dv.view(), options);
     benchmark::DoNotOptimize(dq.data());
     benchmark::ClobberMemory();
   }
