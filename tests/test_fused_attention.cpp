@@ -134,3 +134,80 @@ TEST_CASE("lsh_attention_fused rejects bad arguments", "[fused][invalid]") {
                            "out");
   require_invalid_argument([&] { poslsh::lsh_fused_pair_count(hashes, -1, Masking::causal); }, "n");
 }
+
+TEST_CASE(
+    "the count structure of a query tile: windows by brute force, rectangles as the partitions "
+    "give them",
+    "[fused][counts]") {
+  // TileCounts::build from hashes against (1) each row's window [lo, hi) found by testing
+  // every key with BinHash::bin (causal: cut at the query), (2) the build from the stored
+  // partitions of the same hashes (the same rectangles in the same order), and (3) the
+  // counts c_ij summed from the rectangles against #{k : bin_k(i) = bin_k(j)}.
+  const Index n = 300;
+  for (const double sigma : {0.4, 2.0, 7.0, 50.0, 1e4}) {
+    const HashSet hashes = poslsh::rbf_hashes(sigma, 6, 11, 3);
+    const auto partitions = poslsh::detail::analysis_partitions(hashes, n, "test");
+    for (const bool causal : {true, false}) {
+      for (const Index i0 : {Index{0}, Index{64}, Index{256}}) {
+        const Index rows = std::min<Index>(64, n - i0);
+        poslsh::detail::TileCounts from_hashes, from_partitions;
+        from_hashes.build(hashes, i0, rows, n, causal);
+        from_partitions.build(partitions, i0, rows, n, causal);
+        REQUIRE(from_hashes.rectangles.size() == from_partitions.rectangles.size());
+        for (std::size_t k = 0; k < from_hashes.rectangles.size(); ++k) {
+          const auto& a = from_hashes.rectangles[k];
+          const auto& b = from_partitions.rectangles[k];
+          CHECK(a.row_begin == b.row_begin);
+          CHECK(a.row_end == b.row_end);
+          CHECK(a.key_begin == b.key_begin);
+          CHECK(a.key_end == b.key_end);
+        }
+        for (Index r = 0; r < rows; ++r) {
+          const Index i = i0 + r;
+          Index lo = n, hi = 0;
+          for (Index j = 0; j < n; ++j) {
+            Index count = 0;
+            for (const auto& hash : hashes) count += hash.bin(i) == hash.bin(j) ? 1 : 0;
+            Index summed = 0;
+            for (const auto& rect : from_hashes.rectangles) {
+              summed +=
+                  r >= rect.row_begin && r < rect.row_end && j >= rect.key_begin && j < rect.key_end
+                      ? 1
+                      : 0;
+            }
+            CHECK(summed == count);
+            if (count > 0 && (!causal || j <= i)) {
+              lo = std::min(lo, j);
+              hi = j + 1;
+            }
+          }
+          const auto index = static_cast<std::size_t>(r);
+          CHECK(from_hashes.lo[index] == lo);
+          CHECK(from_hashes.hi[index] == hi);
+          CHECK(from_partitions.lo[index] == lo);
+          CHECK(from_partitions.hi[index] == hi);
+        }
+        // Rows at an offset in a longer sequence (origin): the bins of the absolute positions,
+        // the windows cut to the n positions held.
+        const Index origin = 37;
+        poslsh::detail::TileCounts shifted;
+        shifted.build(hashes, i0, rows, n, causal, origin);
+        for (Index r = 0; r < rows; ++r) {
+          const Index i = i0 + r;
+          Index lo = n, hi = 0;
+          for (Index j = 0; j < n; ++j) {
+            bool shared = false;
+            for (const auto& hash : hashes)
+              shared = shared || hash.bin(origin + i) == hash.bin(origin + j);
+            if (shared && (!causal || j <= i)) {
+              lo = std::min(lo, j);
+              hi = j + 1;
+            }
+          }
+          CHECK(shifted.lo[static_cast<std::size_t>(r)] == lo);
+          CHECK(shifted.hi[static_cast<std::size_t>(r)] == hi);
+        }
+      }
+    }
+  }
+}

@@ -41,43 +41,36 @@ struct TileCounts {
     const Index i1 = i0 + rows;
     positions_.resize(rows);
     for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(origin + i0 + r);
-    begins_.resize(static_cast<std::size_t>(rows));
-    ends_.resize(static_cast<std::size_t>(rows));
-    starts_.resize(static_cast<std::size_t>(rows) + 1);
-    changed_.resize(rows);
+    block_ends_.resize(static_cast<std::size_t>(rows) + 1);
     for (const BinHash& hash : hashes) {
       // The bins of the tile's rows, all at once (the same rounding as BinHash::bin); a block
-      // starts inside the tile where the bin changes. The first and the last block reach
-      // beyond the tile: block_containing finds their outer ends. Branch-free scans give each
-      // row its block's ends.
+      // starts inside the tile where the bin changes (a branch-free scan lists those rows).
+      // The first and the last block reach beyond the tile: block_containing finds their
+      // outer ends.
       bins_ = ((positions_ - hash.offset) / hash.width).floor();
-      changed_(0) = 0;
-      changed_.tail(rows - 1) = (bins_.tail(rows - 1) != bins_.head(rows - 1)).cast<Index>();
-      Index begin =
+      const double* bins = bins_.data();
+      Index* block_ends = block_ends_.data();
+      Index cuts = 0;
+      for (Index r = 1; r < rows; ++r) {
+        block_ends[cuts] = r;
+        cuts += static_cast<Index>(bins[r] != bins[r - 1]);
+      }
+      block_ends[cuts] = rows;
+      const Index first_begin =
           std::max(origin, block_containing(hash, origin + i0, origin + n).begin) - origin;
-      Index end = block_containing(hash, origin + i1 - 1, origin + n).end - origin;
-      const Index* changed = changed_.data();
-      std::size_t blocks = 1;
-      starts_[0] = 0;
-      for (Index r = 0; r < rows; ++r) {
-        starts_[blocks] = r;
-        blocks += static_cast<std::size_t>(changed[r]);
-        begin = changed[r] != 0 ? i0 + r : begin;
-        begins_[static_cast<std::size_t>(r)] = begin;
-      }
-      starts_[blocks] = rows;
-      for (Index r = rows - 1; r >= 0; --r) {
-        ends_[static_cast<std::size_t>(r)] = end;
-        end = changed[r] != 0 ? i0 + r : end;
-      }
-      for (std::size_t block = 0; block < blocks; ++block) {
-        const Index row_begin = starts_[block], row_end = starts_[block + 1];
-        rectangles.push_back({row_begin, row_end, begins_[static_cast<std::size_t>(row_begin)],
-                              ends_[static_cast<std::size_t>(row_begin)]});
-      }
-      for (std::size_t r = 0; r < begins_.size(); ++r) {
-        lo[r] = std::min(lo[r], begins_[r]);
-        hi[r] = std::max(hi[r], ends_[r]);
+      const Index last_end = block_containing(hash, origin + i1 - 1, origin + n).end - origin;
+      Index row_begin = 0;
+      for (Index block = 0; block <= cuts; ++block) {
+        const Index row_end = block_ends[block];
+        const Index key_begin = block == 0 ? first_begin : i0 + row_begin;
+        const Index key_end = block == cuts ? last_end : i0 + row_end;
+        rectangles.push_back({row_begin, row_end, key_begin, key_end});
+        for (Index r = row_begin; r < row_end; ++r) {
+          const auto index = static_cast<std::size_t>(r);
+          lo[index] = std::min(lo[index], key_begin);
+          hi[index] = std::max(hi[index], key_end);
+        }
+        row_begin = row_end;
       }
     }
     if (causal) {
@@ -127,8 +120,7 @@ struct TileCounts {
 
  private:
   Eigen::ArrayXd positions_, bins_;
-  Eigen::Array<Index, Eigen::Dynamic, 1> changed_;
-  std::vector<Index> begins_, ends_, starts_;
+  std::vector<Index> block_ends_;
 };
 
 }  // namespace poslsh::detail
