@@ -51,6 +51,7 @@
 #include <atomic>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -653,6 +654,38 @@ struct PairWindowProbabilities {
   }
 };
 
+/// The finish of the S^T products that forms a rule's P^T in registers, where the rule has one
+/// (PairWindowProbabilities for the query rows [a0, a1) of the step at i0 and the key tile at
+/// j0, lse and P^T as there); none for the other rules, whose P^T is formed from the stored
+/// scores by Rule::probabilities (the fused LSH counts: a running sum along the keys).
+template <typename Rule>
+std::optional<PairWindowProbabilities> pair_probabilities(const Rule&, float, const float*, float*,
+                                                          Index, Index, Index, Index) {
+  return std::nullopt;
+}
+
+/// The window rule's (exact and banded ALiBi, plain attention on a block): in registers when
+/// its distances fit the finish's int (a domain shorter than 2^30).
+inline std::optional<PairWindowProbabilities> pair_probabilities(const WindowRule<float>& rule,
+                                                                 float tau, const float* lse,
+                                                                 float* probs, Index i0, Index j0,
+                                                                 Index a0, Index a1) {
+  constexpr Index int_range = Index{1} << 30;
+  if (rule.end() - rule.begin() >= int_range) return std::nullopt;
+  const auto bound = [&](Index x) {
+    return static_cast<int>(std::clamp<Index>(x, -int_range, int_range));
+  };
+  return PairWindowProbabilities{tau,
+                                 rule.slope(),
+                                 lse,
+                                 probs,
+                                 static_cast<int>(i0 - j0),
+                                 bound(rule.lo()),
+                                 bound(rule.hi()),
+                                 a0,
+                                 a1};
+}
+
 /// The finish of pair_score_span that turns dP^T into dS^T on the AVX512-BF16 unit: for key b
 /// of the tile and the rows a' of the finish's mask (of the 16 from a) of the step, with P^T at
 /// probs + b * backward_query_rows + a' and D of the step at delta + a',
@@ -790,21 +823,10 @@ void backward_pair_units(const BackwardInputs<float, Eigen::bfloat16>& in, const
   const auto zero_probabilities = [&](Index b, Index a, Index rows) {
     std::fill_n(p + b * Bq + a, rows, 0.0f);
   };
-  constexpr Index int_range = Index{1} << 30;
-  bool scored = false;
-  if constexpr (std::is_same_v<Rule, WindowRule<float>>) {
-    if (rule.end() - rule.begin() < int_range) {
-      const auto bound = [&](Index x) {
-        return static_cast<int>(std::clamp<Index>(x, -int_range, int_range));
-      };
-      visit(span(false, PairWindowProbabilities{in.tau, rule.slope(), work.lse.data(), p,
-                                                static_cast<int>(i0 - j0), bound(rule.lo()),
-                                                bound(rule.hi()), a0, a1}),
-            zero_probabilities);
-      scored = true;
-    }
-  }
-  if (!scored) {
+  if (const auto in_registers =
+          pair_probabilities(rule, in.tau, work.lse.data(), p, i0, j0, a0, a1)) {
+    visit(span(false, *in_registers), zero_probabilities);
+  } else {
     visit(span(false, PairScoreStore{1.0f, p, Bq}), zero_probabilities);
     Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> tile(p + b0 * Bq + a0, a1 - a0, b1 - b0,
                                                               Eigen::OuterStride<>(Bq));
