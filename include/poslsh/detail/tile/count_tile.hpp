@@ -35,9 +35,7 @@ struct TileCounts {
   /// origin + n - 1 of a longer sequence numbered from 0 here: the bins are those of the
   /// absolute positions, the blocks cut to the window.
   void build(const HashSet& hashes, Index i0, Index rows, Index n, bool causal, Index origin = 0) {
-    rectangles.clear();
-    lo.assign(static_cast<std::size_t>(rows), n);
-    hi.assign(static_cast<std::size_t>(rows), 0);
+    clear(rows, n);
     const Index i1 = i0 + rows;
     positions_.resize(rows);
     for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(origin + i0 + r);
@@ -64,21 +62,11 @@ struct TileCounts {
         const Index row_end = block_ends[block];
         const Index key_begin = block == 0 ? first_begin : i0 + row_begin;
         const Index key_end = block == cuts ? last_end : i0 + row_end;
-        rectangles.push_back({row_begin, row_end, key_begin, key_end});
-        for (Index r = row_begin; r < row_end; ++r) {
-          const auto index = static_cast<std::size_t>(r);
-          lo[index] = std::min(lo[index], key_begin);
-          hi[index] = std::max(hi[index], key_end);
-        }
+        add({row_begin, row_end, key_begin, key_end});
         row_begin = row_end;
       }
     }
-    if (causal) {
-      for (Index r = 0; r < rows; ++r) {
-        const auto index = static_cast<std::size_t>(r);
-        hi[index] = std::min(hi[index], i0 + r + 1);
-      }
-    }
+    if (causal) cut_at_queries(i0);
   }
 
   /// The same structure for stored partitions on [0, n) (AnalysisPartitions, n == set.n): for
@@ -86,9 +74,7 @@ struct TileCounts {
   /// partitions of a hash set (block_boundaries of each hash) it equals build(hashes, ...):
   /// the same rectangles in the same order and the same lo, hi.
   void build(const AnalysisPartitions& set, Index i0, Index rows, Index n, bool causal) {
-    rectangles.clear();
-    lo.assign(static_cast<std::size_t>(rows), n);
-    hi.assign(static_cast<std::size_t>(rows), 0);
+    clear(rows, n);
     const Index i1 = i0 + rows;
     for (Index k = 0; k < set.samples(); ++k) {
       const Index* first = set.begin(k);
@@ -97,21 +83,10 @@ struct TileCounts {
       const Index* edge = std::upper_bound(first, last, i0) - 1;
       for (; edge + 1 < last && *edge < i1; ++edge) {
         const Index begin = edge[0], end = edge[1];
-        const Index row_begin = std::max(begin, i0) - i0, row_end = std::min(end, i1) - i0;
-        rectangles.push_back({row_begin, row_end, begin, end});
-        for (Index r = row_begin; r < row_end; ++r) {
-          const auto index = static_cast<std::size_t>(r);
-          lo[index] = std::min(lo[index], begin);
-          hi[index] = std::max(hi[index], end);
-        }
+        add({std::max(begin, i0) - i0, std::min(end, i1) - i0, begin, end});
       }
     }
-    if (causal) {
-      for (Index r = 0; r < rows; ++r) {
-        const auto index = static_cast<std::size_t>(r);
-        hi[index] = std::min(hi[index], i0 + r + 1);
-      }
-    }
+    if (causal) cut_at_queries(i0);
   }
 
   /// Keys of the tile's band: [min lo, max hi).
@@ -119,6 +94,27 @@ struct TileCounts {
   Index band_end() const { return *std::max_element(hi.begin(), hi.end()); }
 
  private:
+  // No rectangles yet; each of the rows' windows empty (lo = n, hi = 0).
+  void clear(Index rows, Index n) {
+    rectangles.clear();
+    lo.assign(static_cast<std::size_t>(rows), n);
+    hi.assign(static_cast<std::size_t>(rows), 0);
+  }
+  // One more block: its rectangle, and the windows of its rows widened to its keys.
+  void add(const CountRectangle& rect) {
+    rectangles.push_back(rect);
+    for (Index r = rect.row_begin; r < rect.row_end; ++r) {
+      const auto index = static_cast<std::size_t>(r);
+      lo[index] = std::min(lo[index], rect.key_begin);
+      hi[index] = std::max(hi[index], rect.key_end);
+    }
+  }
+  // Causal: row r (position i0 + r) sees no key past its own position.
+  void cut_at_queries(Index i0) {
+    for (std::size_t r = 0; r < hi.size(); ++r)
+      hi[r] = std::min(hi[r], i0 + static_cast<Index>(r) + 1);
+  }
+
   Eigen::ArrayXd positions_, bins_;
   std::vector<Index> block_ends_;
 };
