@@ -1,6 +1,7 @@
 // Backward passes: finite differences in double for every kernel, float against double, the
 // fused gradients against the per-sample ones, lse against a dense log-sum-exp, determinism
-// across thread counts, multi-head and grouped-query sums, and the named shape checks.
+// across thread counts and loop orders (with and without non-temporal stores), multi-head and
+// grouped-query sums, and the named shape checks.
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/reference/masks.hpp>
 #include <poslsh/training/backward.hpp>
@@ -660,13 +661,13 @@ enum class PassOrder { parallel, serial_by_steps, serial_by_key_groups };
 template <typename Input, typename Rule>
 std::array<RowMatrix<float>, 3> pass_gradients(
     const poslsh::detail::BackwardInputs<float, Input>& in, const Rule& rule, PassOrder order,
-    bool fresh, const std::array<RowMatrix<float>, 3>& initial) {
+    bool fresh, const std::array<RowMatrix<float>, 3>& initial, bool stream = false) {
   namespace pd = poslsh::detail;
   std::array<RowMatrix<float>, 3> grads = initial;
   poslsh::MatrixRef<float> dq(grads[0]), dk(grads[1]), dv(grads[2]);
   const pd::FlushSubnormals flush;
   if (fresh) pd::backward_zero_unreached<float>(rule, dq);
-  pd::BackwardOutputs<float> out{dq, dk, dv, fresh};
+  pd::BackwardOutputs<float> out{dq, dk, dv, fresh, stream};
   pd::BackwardWork<float> work;
   switch (order) {
     case PassOrder::parallel:
@@ -716,6 +717,15 @@ void loop_order_checks(Index n, bool paired) {
         CHECK(parallel[g] == by_steps[g]);
         CHECK(parallel[g] == by_groups[g]);
         CHECK(parallel[g].allFinite());
+      }
+      // Fresh outputs assigned with non-temporal stores (rows of 16 and 8 floats: in AVX-512
+      // builds every other dV row is off the packet alignment and takes the plain stores).
+      if (fresh) {
+        for (const PassOrder order :
+             {PassOrder::parallel, PassOrder::serial_by_steps, PassOrder::serial_by_key_groups}) {
+          const auto streamed = pass_gradients(in, rule, order, fresh, initial, true);
+          for (std::size_t g = 0; g < 3; ++g) CHECK(parallel[g] == streamed[g]);
+        }
       }
       // The passes did run: the fresh dK rows of the rule's domain all differ from the
       // initial values.

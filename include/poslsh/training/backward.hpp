@@ -230,7 +230,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   const FlushSubnormals flush;
   backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
   const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
-  BackwardOutputs<Scalar> grads{dq, dk, dv, true};
+  BackwardOutputs<Scalar> grads = fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
     tile_sums.assign(

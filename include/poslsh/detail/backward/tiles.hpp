@@ -49,14 +49,20 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
+#endif
+#if defined(__SSE2__)
+#include <immintrin.h>
 #endif
 
 #include "poslsh/core/matrix_units.hpp"
@@ -276,12 +282,31 @@ struct BackwardOutputs {
   /// caller zeroes the steps that reach no key: backward_zero_unreached). The pass must then
   /// cover every row and key.
   bool fresh = false;
+  /// Rows the pass assigns (fresh outputs) are written with non-temporal stores
+  /// (backward_store_rows): set by fresh_backward_outputs for outputs too large to stay cached.
+  bool stream = false;
   /// When not null, one entry per key tile of the domain (backward_tile keys from the rule's
   /// first row), to which each query step reaching the tile adds, in increasing step order,
   /// the tile's sum over its pairs (i, j) of G_ij |i - j|, G_ij = P_ij (dP_ij - D_i) = dL/dx_ij:
   /// the terms of the gradient in an ALiBi slope, dL/dslope = -sum_ij G_ij |i - j|.
   double* distance_sums = nullptr;
 };
+
+/// Outputs whose rows span at least this many bytes (from the first row to the end of the last,
+/// strides included; an [n, H, d] gradient of n = 4096, H = 8, d = 64 floats spans 8 MiB) are
+/// assigned with non-temporal stores: they outgrow the caches before anyone reads them, and a
+/// non-temporal store writes a whole line without first reading it from memory.
+inline constexpr std::size_t backward_stream_bytes = std::size_t{8} << 20;
+
+/// Fresh outputs (BackwardOutputs::fresh), assigned with non-temporal stores when dQ spans at
+/// least backward_stream_bytes.
+template <typename Scalar>
+BackwardOutputs<Scalar> fresh_backward_outputs(MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                                               MatrixRef<Scalar>& dv) {
+  const auto span =
+      static_cast<std::size_t>(dq.rows() == 0 ? 0 : (dq.rows() - 1) * dq.outerStride() + dq.cols());
+  return {dq, dk, dv, true, span * sizeof(Scalar) >= backward_stream_bytes};
+}
 
 /// With fresh outputs (BackwardOutputs::fresh): the dQ rows of the query steps whose rows reach
 /// no key, which no key tile visits, set to zero.
@@ -323,27 +348,75 @@ void prefetch_rows(const Matrix& m, Index first, Index count) {
     prefetch_row<Write>(m.data() + r * m.outerStride(), m.cols());
 }
 
-/// dst[r * dst_stride + c] = dst[...] + src[r * src_stride + c] (or, `Assign`, 0 + src[...])
-/// for r < rows, c < cols: src aligned (rows of whole packets), dst any row stride.
-template <typename Scalar, bool Assign>
-void backward_add_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index src_stride,
-                       Index rows, Index cols) {
+#if defined(__SSE2__)
+/// Stores packet x at p with a non-temporal store (p aligned to the packet).
+inline void stream_packet(float* p, __m128 x) { _mm_stream_ps(p, x); }
+inline void stream_packet(double* p, __m128d x) { _mm_stream_pd(p, x); }
+#endif
+#if defined(__AVX__)
+inline void stream_packet(float* p, __m256 x) { _mm256_stream_ps(p, x); }
+inline void stream_packet(double* p, __m256d x) { _mm256_stream_pd(p, x); }
+#endif
+#if defined(__AVX512F__)
+inline void stream_packet(float* p, __m512 x) { _mm512_stream_ps(p, x); }
+inline void stream_packet(double* p, __m512d x) { _mm512_stream_pd(p, x); }
+#endif
+
+/// Whether stream_packet takes Scalar's packets in this build.
+template <typename Scalar, typename = void>
+struct has_stream_packet : std::false_type {};
+template <typename Scalar>
+struct has_stream_packet<Scalar, std::void_t<decltype(stream_packet(
+                                     std::declval<Scalar*>(), std::declval<TilePacket<Scalar>>()))>>
+    : std::true_type {};
+
+/// How backward_store_rows writes a row: dst + src, 0 + src (the bits of adding src to zeroed
+/// rows), or src as it is.
+enum class RowStore { add, assign_sum, copy };
+
+/// dst[r * dst_stride + c] = dst[...] + src[r * src_stride + c] (RowStore::add), 0 + src[...]
+/// (assign_sum) or src[...] (copy) for r < rows, c < cols: src aligned (rows of whole packets),
+/// dst any row stride. With `stream` (not for add) and packets the build can stream, the rows
+/// of dst aligned to a packet are written with non-temporal stores (a store fence at the end),
+/// the others as usual.
+template <typename Scalar, RowStore Store>
+void backward_store_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index src_stride,
+                         Index rows, Index cols, bool stream = false) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
   constexpr Index P = tile_packet_size<Scalar>;
   const Packet zero = ei::pset1<Packet>(Scalar(0));
+  const auto value = [&](const Scalar* target, const Scalar* term) {
+    const Packet x = ei::pload<Packet>(term);
+    if constexpr (Store == RowStore::add) return ei::padd(ei::ploadu<Packet>(target), x);
+    if constexpr (Store == RowStore::assign_sum) return ei::padd(zero, x);
+    if constexpr (Store == RowStore::copy) return x;
+  };
+  bool streamed = false;
   for (Index r = 0; r < rows; ++r) {
     Scalar* target = dst + r * dst_stride;
     const Scalar* term = src + r * src_stride;
-    if (r + backward_prefetch_rows < rows)
-      prefetch_row<true>(target + backward_prefetch_rows * dst_stride, cols);
     Index c = 0;
-    for (; c + P <= cols; c += P) {
-      const Packet x = ei::pload<Packet>(term + c);
-      ei::pstoreu(target + c, ei::padd(Assign ? zero : ei::ploadu<Packet>(target + c), x));
+    if constexpr (Store != RowStore::add && has_stream_packet<Scalar>::value && P > 1) {
+      if (stream && reinterpret_cast<std::uintptr_t>(target) % sizeof(Packet) == 0) {
+        for (; c + P <= cols; c += P) stream_packet(target + c, value(target + c, term + c));
+        streamed = true;
+      }
     }
-    for (; c < cols; ++c) target[c] = (Assign ? Scalar(0) : target[c]) + term[c];
+    if (c == 0 && r + backward_prefetch_rows < rows)
+      prefetch_row<true>(target + backward_prefetch_rows * dst_stride, cols);
+    for (; c + P <= cols; c += P) ei::pstoreu(target + c, value(target + c, term + c));
+    for (; c < cols; ++c) {
+      if constexpr (Store == RowStore::add) target[c] += term[c];
+      if constexpr (Store == RowStore::assign_sum) target[c] = Scalar(0) + term[c];
+      if constexpr (Store == RowStore::copy) target[c] = term[c];
+    }
   }
+#if defined(__SSE2__)
+  if (streamed) _mm_sfence();  // the stores visible to every thread after the pass
+#else
+  static_cast<void>(streamed);
+#endif
 }
 
 /// Keys j of row i with lo <= i - j <= hi inside the domain [begin, end) (rows and keys), and
@@ -536,6 +609,32 @@ class CountRule {
   Index n_;
   bool causal_;
 };
+
+/// Writes the dK, dV sums of the key tile [j0, j0 + keys) (`rows`; null when no query row
+/// reached it) to the outputs: added to them, or with fresh outputs assigned 0 + sum (0 where
+/// no row reached the tile), with non-temporal stores when out.stream.
+template <typename Scalar>
+void backward_write_key_tile(BackwardOutputs<Scalar>& out, Index j0, Index keys,
+                             const BackwardKeyTile<Scalar>* rows, Index dp, Index dvp) {
+  if (rows == nullptr) {
+    if (out.fresh) {
+      out.dk.middleRows(j0, keys).setZero();
+      out.dv.middleRows(j0, keys).setZero();
+    }
+    return;
+  }
+  for (const auto& [m, sum, stride] :
+       {std::tuple{&out.dk, rows->dk_sum, dp}, std::tuple{&out.dv, rows->dv_sum, dvp}}) {
+    Scalar* target = m->data() + j0 * m->outerStride();
+    if (out.fresh) {
+      backward_store_rows<Scalar, RowStore::assign_sum>(target, m->outerStride(), sum, stride, keys,
+                                                        m->cols(), out.stream);
+    } else {
+      backward_store_rows<Scalar, RowStore::add>(target, m->outerStride(), sum, stride, keys,
+                                                 m->cols());
+    }
+  }
+}
 
 /// Key groups: backward_group_tiles consecutive key tiles, aligned from the rule's first row.
 /// The dQ terms of a query step and a key group make one partial sum (work.dq_part), which is
@@ -1176,7 +1275,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
   if (in.paired) work.prepare_pairs(backward_group_tiles);
-  const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
+  const Index d = work.d, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (j_end - j_begin + Bk - 1) / Bk;
   KeyRange reaching[backward_group_tiles];
@@ -1231,30 +1330,15 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
       const Index first_key = rule.keys_reached(i0, std::min(end, i0 + Bq)).first;
       if (out.fresh && group == (first_key - base) / backward_group_keys)
         out.dq.middleRows(i0, std::min(end, i0 + Bq) - i0).setZero();
-      backward_add_rows<Scalar, false>(
+      backward_store_rows<Scalar, RowStore::add>(
           out.dq.data() + part_first * out.dq.outerStride(), out.dq.outerStride(),
           work.dq_part.data() + (part_first - i0) * dp, dp, part_last - part_first, d);
     });
   }
   for (Index g = 0; g < tiles; ++g) {
     const Index j0 = j_begin + g * Bk, keys = std::min(j_end, j0 + Bk) - j0;
-    if (reaching[g].first >= reaching[g].last) {
-      if (out.fresh) {
-        out.dk.middleRows(j0, keys).setZero();
-        out.dv.middleRows(j0, keys).setZero();
-      }
-      continue;
-    }
-    Scalar* dk = out.dk.data() + j0 * out.dk.outerStride();
-    Scalar* dv_rows = out.dv.data() + j0 * out.dv.outerStride();
-    if (out.fresh) {
-      backward_add_rows<Scalar, true>(dk, out.dk.outerStride(), rows[g].dk_sum, dp, keys, d);
-      backward_add_rows<Scalar, true>(dv_rows, out.dv.outerStride(), rows[g].dv_sum, dvp, keys, dv);
-    } else {
-      backward_add_rows<Scalar, false>(dk, out.dk.outerStride(), rows[g].dk_sum, dp, keys, d);
-      backward_add_rows<Scalar, false>(dv_rows, out.dv.outerStride(), rows[g].dv_sum, dvp, keys,
-                                       dv);
-    }
+    backward_write_key_tile(out, j0, keys,
+                            reaching[g].first < reaching[g].last ? &rows[g] : nullptr, dp, dvp);
   }
 }
 
@@ -1321,7 +1405,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   work.prepare(in.q.cols(), in.v.cols());
   work.reserve_key_tiles(span);
   if (in.paired) work.prepare_pairs(span);
-  const Index d = work.d, dv = work.dv, dp = work.dp, dvp = work.dvp;
+  const Index d = work.d, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end();
   const Index tiles = (end - base + Bk - 1) / Bk;
   std::vector<Index> owner(static_cast<std::size_t>(span), -1);  // the tile in each slot
@@ -1331,23 +1415,9 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   const auto finish = [&](Index tile) {
     const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
     const auto slot = static_cast<std::size_t>(tile % span);
-    if (owner[slot] != tile || touched[slot] == 0) {
-      if (out.fresh) {
-        out.dk.middleRows(j0, keys).setZero();
-        out.dv.middleRows(j0, keys).setZero();
-      }
-      return;
-    }
     const BackwardKeyTile<Scalar> rows = slot_rows(tile);
-    Scalar* dk = out.dk.data() + j0 * out.dk.outerStride();
-    Scalar* dv_rows = out.dv.data() + j0 * out.dv.outerStride();
-    if (out.fresh) {
-      backward_add_rows<Scalar, true>(dk, out.dk.outerStride(), rows.dk_sum, dp, keys, d);
-      backward_add_rows<Scalar, true>(dv_rows, out.dv.outerStride(), rows.dv_sum, dvp, keys, dv);
-    } else {
-      backward_add_rows<Scalar, false>(dk, out.dk.outerStride(), rows.dk_sum, dp, keys, d);
-      backward_add_rows<Scalar, false>(dv_rows, out.dv.outerStride(), rows.dv_sum, dvp, keys, dv);
-    }
+    backward_write_key_tile(out, j0, keys,
+                            owner[slot] == tile && touched[slot] != 0 ? &rows : nullptr, dp, dvp);
   };
   const auto load = [&](Index tile) {
     const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
@@ -1373,15 +1443,17 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
       const Index next_rows = std::min(end, i1 + Bq) - i1;
       prefetch_rows<false>(in.q, i1, next_rows);
       prefetch_rows<false>(in.dout, i1, next_rows);
-      prefetch_rows<true>(out.dq, i1, next_rows);
+      if (!out.stream) prefetch_rows<true>(out.dq, i1, next_rows);
       if (last < tiles) {
         const Index j0 = base + last * Bk, keys = std::min(end, j0 + Bk) - j0;
         prefetch_rows<false>(in.k, j0, keys);
         prefetch_rows<false>(in.v, j0, keys);
       }
       const Index j0 = base + first * Bk, keys = std::min(end, j0 + Bk) - j0;
-      prefetch_rows<true>(out.dk, j0, keys);
-      prefetch_rows<true>(out.dv, j0, keys);
+      if (!out.stream) {
+        prefetch_rows<true>(out.dk, j0, keys);
+        prefetch_rows<true>(out.dv, j0, keys);
+      }
     }
     for (; finished < first; ++finished) finish(finished);
     for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
@@ -1395,9 +1467,9 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     Index group = -1, part_first = i1, part_last = i0;
     const auto add_part = [&] {
       if (part_first < part_last)
-        backward_add_rows<Scalar, false>(work.dq_step.data() + (part_first - i0) * dp, dp,
-                                         work.dq_part.data() + (part_first - i0) * dp, dp,
-                                         part_last - part_first, d);
+        backward_store_rows<Scalar, RowStore::add>(work.dq_step.data() + (part_first - i0) * dp, dp,
+                                                   work.dq_part.data() + (part_first - i0) * dp, dp,
+                                                   part_last - part_first, d);
     };
     for (Index tile = first; tile < last; ++tile) {
       const Index j0 = base + tile * Bk, j1 = std::min(end, j0 + Bk);
@@ -1420,7 +1492,9 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
       part_last = std::max(part_last, rows.last);
     }
     add_part();
-    out.dq.middleRows(i0, step_rows) = dq_step.topLeftCorner(step_rows, d);
+    backward_store_rows<Scalar, RowStore::copy>(out.dq.data() + i0 * out.dq.outerStride(),
+                                                out.dq.outerStride(), work.dq_step.data(), dp,
+                                                step_rows, d, out.stream);
   }
   for (; finished < tiles; ++finished) finish(finished);
 }
