@@ -48,6 +48,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -96,6 +97,31 @@ using BackwardTileRef =
 /// key tile at a time).
 inline constexpr Index backward_group_tiles = 8;
 
+/// Words of a pair of rows of d columns packed by pair_pack_values: d rounded up to 16.
+inline constexpr Index pair_row_words(Index d) { return (d + 15) / 16 * 16; }
+
+/// The operands of one query step (64 rows from i0, zero past the domain's end): Q^T and dO^T
+/// (d x 64, d_v x 64) and the rows of Q and dO (64 x d_p, 64 x d_vp: padded to whole packets
+/// with zeros), contiguous and aligned, so that the kernels' loads neither split nor conflict in
+/// the L1 cache as rows of a large stride (e.g. [n, H, d] buffers) do. For the AVX512-BF16
+/// products (BackwardInputs::paired) the step's operands are instead Q and dO as pairs along
+/// their columns (pair_qt, pair_ot: pair_pack_queries) and along the rows (pair_q_rows,
+/// pair_o_rows: pair_pack_values, pair_row_words(d) and (d_v) words a pair of rows).
+template <typename Scalar>
+struct StepOperands {
+  const Scalar* qt = nullptr;
+  const Scalar* ot = nullptr;
+  const Scalar* q_rows = nullptr;
+  const Scalar* o_rows = nullptr;
+  const std::uint32_t* pair_qt = nullptr;
+  const std::uint32_t* pair_ot = nullptr;
+  const std::uint32_t* pair_q_rows = nullptr;
+  const std::uint32_t* pair_o_rows = nullptr;
+};
+
+template <typename Scalar>
+class PackedSteps;
+
 /// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars per key tile of a group,
 /// aligned; they only grow): P^T and dS^T of a step (key b, row a at b * backward_query_rows +
 /// a), a count tile, and the packed operands: Q^T and dO^T of the step (d x 64, d_v x 64), its
@@ -107,8 +133,7 @@ struct BackwardWork {
   Buffer probabilities, gradients, counts;
   Buffer qt, ot, q_rows, o_rows, k_rows, v_rows, dk_sum, dv_sum, dq_part, dq_step, delta, lse;
   Index d = -1, dv = -1, dp = 0, dvp = 0;
-  Index key_tiles = 0;     ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
-  Index packed_step = -1;  ///< the step whose Q^T, dO^T are in qt, ot (-1: none)
+  Index key_tiles = 0;  ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
   /// Operands of the AVX512-BF16 products (BackwardInputs::paired; sized by prepare_pairs):
   /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
   /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
@@ -122,6 +147,9 @@ struct BackwardWork {
   std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
   Buffer ones;
   Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
+  /// Every query step of a pass packed once (backward_serial by key groups: O(n (d + d_v))
+  /// scalars, made on first use and reused by the thread's later passes).
+  std::unique_ptr<PackedSteps<Scalar>> steps;
 
   BackwardWork()
       : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
@@ -129,6 +157,19 @@ struct BackwardWork {
         counts(tile_query_rows * (backward_tile + 1)),
         delta(Buffer::Zero(backward_query_rows)),
         lse(Buffer::Zero(backward_query_rows)) {}
+
+  /// The operands of the step packed here (backward_pack_step): the float ones after
+  /// prepare, the paired ones too after prepare_pairs.
+  StepOperands<Scalar> step_operands() const {
+    StepOperands<Scalar> step{qt.data(), ot.data(), q_rows.data(), o_rows.data()};
+    if (pair_d > 0) {
+      step.pair_qt = pair_qt.data();
+      step.pair_ot = pair_ot.data();
+      step.pair_q_rows = pair_q_rows.data();
+      step.pair_o_rows = pair_o_rows.data();
+    }
+    return step;
+  }
 
   /// D and lse of the step's rows [i0, i0 + rows) in delta and lse (0 past them).
   void load_step(const Scalar* all_delta, const Scalar* all_lse, Index i0, Index rows) {
@@ -156,14 +197,13 @@ struct BackwardWork {
     reserve_key_tiles(G);
     dq_part.setZero(std::max<Index>(Bq * dp, 1));
     dq_step.setZero(std::max<Index>(Bq * dp, 1));
-    packed_step = -1;
   }
 
   /// Sizes the operands of the AVX512-BF16 products for d, d_v (after prepare) and `tiles`
   /// key tiles (they only grow; the packing writes every word the products read).
   void prepare_pairs(Index tiles) {
     constexpr Index Bq = backward_query_rows, Bk = backward_tile;
-    const Index cols_d = (d + 15) / 16 * 16, cols_dv = (dv + 15) / 16 * 16;
+    const Index cols_d = pair_row_words(d), cols_dv = pair_row_words(dv);
     if (cols_d != pair_d || cols_dv != pair_dv) {
       pair_d = cols_d;
       pair_dv = cols_dv;
@@ -685,18 +725,6 @@ class KeyGroupOrder {
   std::unique_ptr<std::atomic<Index>[]> next_;
 };
 
-/// The operands of one query step (64 rows from i0, zero past the domain's end): Q^T and dO^T
-/// (d x 64, d_v x 64) and the rows of Q and dO (64 x d_p, 64 x d_vp: padded to whole packets
-/// with zeros), contiguous and aligned, so that the kernels' loads neither split nor conflict in
-/// the L1 cache as rows of a large stride (e.g. [n, H, d] buffers) do.
-template <typename Scalar>
-struct StepOperands {
-  const Scalar* qt;
-  const Scalar* ot;
-  const Scalar* q_rows;
-  const Scalar* o_rows;
-};
-
 #if POSLSH_X86_UNITS
 
 /// acc[r * acc_stride + c] += sum_{t < pairs} pair_p[r row_step + t pair_step] . pair_v[t cols +
@@ -868,6 +896,7 @@ struct PairGradients {
 ///                                       row a at a d_p),
 /// each sum formed on the running sum (dk_sum, dv_sum, dq_part), pairs in order.
 inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
+                                   const StepOperands<float>& step,
                                    const BackwardKeyTile<float>& tile_rows,
                                    BackwardWork<float>& work) {
   constexpr Index Bq = backward_query_rows;
@@ -878,11 +907,11 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
   };
   const Index row_pairs = (a_hi - a_lo) / 2;
   backward_pair_rows(words(work.p_rounded, b0, a_lo), Bq / 2, 1,
-                     work.pair_o_rows.data() + a_lo / 2 * work.pair_dv, work.pair_dv, row_pairs,
-                     b1 - b0, work.dv, ones, tile_rows.dv_sum + b0 * work.dvp, work.dvp);
+                     step.pair_o_rows + a_lo / 2 * work.pair_dv, work.pair_dv, row_pairs, b1 - b0,
+                     work.dv, ones, tile_rows.dv_sum + b0 * work.dvp, work.dvp);
   backward_pair_rows(words(work.ds_rounded, b0, a_lo), Bq / 2, 1,
-                     work.pair_q_rows.data() + a_lo / 2 * work.pair_d, work.pair_d, row_pairs,
-                     b1 - b0, work.d, ones, tile_rows.dk_sum + b0 * work.dp, work.dp);
+                     step.pair_q_rows + a_lo / 2 * work.pair_d, work.pair_d, row_pairs, b1 - b0,
+                     work.d, ones, tile_rows.dk_sum + b0 * work.dp, work.dp);
   // dS K: keys in whole pairs from b0 / 2 (the key outside [b0, b1) of a pair gets dS = 0).
   const Index b_lo = b0 / 2 * 2, b_hi = (b1 + 1) / 2 * 2;
   const Index key_pairs = (b_hi - b_lo) / 2;
@@ -904,8 +933,9 @@ inline void backward_pair_products(Index a0, Index a1, Index b0, Index b1,
 template <typename Rule, typename Visit>
 void backward_pair_units(const BackwardInputs<float, Eigen::bfloat16>& in, const Rule& rule,
                          Index j0, Index i0, Index a0, Index a1, Index b0, Index b1,
-                         const Visit& visit, const BackwardKeyTile<float>& tile_rows,
-                         BackwardWork<float>& work, float* dp) {
+                         const Visit& visit, const StepOperands<float>& step,
+                         const BackwardKeyTile<float>& tile_rows, BackwardWork<float>& work,
+                         float* dp) {
   constexpr Index Bq = backward_query_rows;
   const Index d = work.d, dv = work.dv;
   float* p = work.probabilities.data();
@@ -913,7 +943,7 @@ void backward_pair_units(const BackwardInputs<float, Eigen::bfloat16>& in, const
   constexpr Index P = tile_packet_size<float>;
   const auto span = [&](bool values, const auto& finish) {
     return [&, values](Index first, Index last, Index a, Index count) {
-      pair_score_span(values ? work.pair_ot.data() : work.pair_qt.data(), Bq,
+      pair_score_span(values ? step.pair_ot : step.pair_qt, Bq,
                       values ? tile_rows.v_bits : tile_rows.k_bits,
                       pair_row_stride(values ? dv : d), ((values ? dv : d) + 1) / 2, first, last, a,
                       a + count * P, finish);
@@ -946,7 +976,7 @@ void backward_pair_units(const BackwardInputs<float, Eigen::bfloat16>& in, const
   // The key outside [b0, b1) of the pairs at either end.
   if (b0 % 2 == 1) gradients.clear_half(b0 - 1, a0, a1);
   if (b1 % 2 == 1) gradients.clear_half(b1, a0, a1);
-  backward_pair_products(a0, a1, b0, b1, tile_rows, work);
+  backward_pair_products(a0, a1, b0, b1, step, tile_rows, work);
 }
 
 #endif  // POSLSH_X86_UNITS
@@ -995,18 +1025,20 @@ void pack_step(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout
 }
 
 #if POSLSH_X86_UNITS
-/// For the AVX512-BF16 products (in.paired; after work.prepare_pairs): the step at i0 (`rows`
-/// rows of q and dout) as pairs along their columns (pair_qt, pair_ot) and along the rows
-/// (pair_q_rows, pair_o_rows), the only operands of the step the paired products read.
+/// For the AVX512-BF16 products (in.paired): the step at i0 (`rows` rows of q and dout) as
+/// pairs along their columns into pair_qt, pair_ot ((d + 1) / 2 and (d_v + 1) / 2 rows of 64
+/// words) and along the rows into pair_q_rows, pair_o_rows (32 pairs of pair_row_words(d) and
+/// (d_v) words), the only operands of the step the paired products read (StepOperands).
 inline void pack_pair_step(const BackwardInputs<float, Eigen::bfloat16>& in, Index i0, Index rows,
-                           BackwardWork<float>& work) {
+                           std::uint32_t* pair_qt, std::uint32_t* pair_ot,
+                           std::uint32_t* pair_q_rows, std::uint32_t* pair_o_rows) {
   constexpr Index Bq = backward_query_rows;
-  pair_pack_queries(in.q, i0, 0, rows, work.pair_qt.data(), Bq);
-  pair_pack_queries(in.dout, i0, 0, rows, work.pair_ot.data(), Bq);
+  pair_pack_queries(in.q, i0, 0, rows, pair_qt, Bq);
+  pair_pack_queries(in.dout, i0, 0, rows, pair_ot, Bq);
   pair_pack_values(bf16_words(in.q.data() + i0 * in.q.outerStride()), in.q.outerStride(), rows,
-                   in.q.cols(), work.pair_d, work.pair_q_rows.data());
+                   in.q.cols(), pair_row_words(in.q.cols()), pair_q_rows);
   pair_pack_values(bf16_words(in.dout.data() + i0 * in.dout.outerStride()), in.dout.outerStride(),
-                   rows, in.dout.cols(), work.pair_dv, work.pair_o_rows.data());
+                   rows, in.dout.cols(), pair_row_words(in.dout.cols()), pair_o_rows);
 }
 #endif
 
@@ -1019,7 +1051,8 @@ void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index
 #if POSLSH_X86_UNITS
   if constexpr (backward_pairs_v<Scalar, Input>) {
     if (in.paired) {
-      pack_pair_step(in, i0, rows, work);
+      pack_pair_step(in, i0, rows, work.pair_qt.data(), work.pair_ot.data(),
+                     work.pair_q_rows.data(), work.pair_o_rows.data());
       return;
     }
   }
@@ -1074,42 +1107,85 @@ BackwardKeyTile<Scalar> backward_key_tile(const BackwardInputs<Scalar, Input>& i
 }
 
 /// The operands (StepOperands) of every query step of a domain (rows [begin, end) in steps of
-/// backward_query_rows from begin), packed once per pass: O(n (d + d_v)) scalars, reusable.
+/// backward_query_rows from begin), packed once per pass: O(n (d + d_v)) scalars (or words of
+/// bfloat16 pairs for the AVX512-BF16 products), reusable.
 template <typename Scalar>
-struct PackedSteps {
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> qt, ot, q_rows, o_rows;
-  Index begin = 0, d = 0, dv = 0, dp = 0, dvp = 0;
-
-  /// Packs every step of [begin, end), in parallel (OpenMP) when `parallel` (rows of Input
-  /// widened to Scalar: pack_step).
+class PackedSteps {
+ public:
+  /// Packs every step of the rows [begin_row, end_row) of in.q and in.dout, in parallel
+  /// (OpenMP) when `parallel`: for the float products (pack_step: rows of Input widened to
+  /// Scalar) or, with in.paired, for the AVX512-BF16 ones (pack_pair_step).
   template <typename Input>
-  void pack(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& dout, Index begin_row,
-            Index end_row, bool parallel) {
+  void pack(const BackwardInputs<Scalar, Input>& in, Index begin_row, Index end_row,
+            bool parallel) {
     constexpr Index Bq = backward_query_rows;
     constexpr Index P = tile_packet_size<Scalar>;
-    begin = begin_row;
-    d = q.cols();
-    dv = dout.cols();
-    dp = (d + P - 1) / P * P;
-    dvp = (dv + P - 1) / P * P;
-    const Index steps = (end_row - begin + Bq - 1) / Bq;
-    grow(qt, steps * d * Bq);
-    grow(ot, steps * dv * Bq);
-    grow(q_rows, steps * dp * Bq);
-    grow(o_rows, steps * dvp * Bq);
+    begin_ = begin_row;
+    paired_ = in.paired;
+    const Index d = in.q.cols(), dv = in.dout.cols();
+    dp_ = (d + P - 1) / P * P;
+    dvp_ = (dv + P - 1) / P * P;
+    // Per step: Q^T, dO^T, the Q rows and the dO rows.
+    step_size_ = paired_
+                     ? std::array<Index, 4>{(d + 1) / 2 * Bq, (dv + 1) / 2 * Bq,
+                                            Bq / 2 * pair_row_words(d), Bq / 2 * pair_row_words(dv)}
+                     : std::array<Index, 4>{d * Bq, dv * Bq, dp_ * Bq, dvp_ * Bq};
+    const Index steps = (end_row - begin_ + Bq - 1) / Bq;
+    for (std::size_t k = 0; k < 4; ++k) {
+      if (paired_) {
+        grow(pairs_[k], steps * step_size_[k]);
+      } else {
+        grow(values_[k], steps * step_size_[k]);
+      }
+    }
     const auto count = static_cast<long>(steps);
 #pragma omp parallel if (parallel)
     {
       const FlushSubnormals flush;  // the packing multiplies by 1: rounded as the passes round
 #pragma omp for schedule(static)
       for (long t = 0; t < count; ++t) {
-        const Index step = static_cast<Index>(t);
-        const Index i0 = begin + step * Bq;
-        pack_step<Scalar>(q, dout, i0, std::min(Bq, end_row - i0), dp, dvp,
-                          qt.data() + step * d * Bq, ot.data() + step * dv * Bq,
-                          q_rows.data() + step * dp * Bq, o_rows.data() + step * dvp * Bq);
+        const Index i0 = begin_ + static_cast<Index>(t) * Bq;
+        pack_one(in, static_cast<Index>(t), i0, std::min(Bq, end_row - i0));
       }
     }
+  }
+
+  /// The operands of the step at i0.
+  StepOperands<Scalar> step(Index i0) const {
+    const Index t = (i0 - begin_) / backward_query_rows;
+    StepOperands<Scalar> operands;
+    if (paired_) {
+      operands.pair_qt = pairs_[0].data() + t * step_size_[0];
+      operands.pair_ot = pairs_[1].data() + t * step_size_[1];
+      operands.pair_q_rows = pairs_[2].data() + t * step_size_[2];
+      operands.pair_o_rows = pairs_[3].data() + t * step_size_[3];
+    } else {
+      operands.qt = values_[0].data() + t * step_size_[0];
+      operands.ot = values_[1].data() + t * step_size_[1];
+      operands.q_rows = values_[2].data() + t * step_size_[2];
+      operands.o_rows = values_[3].data() + t * step_size_[3];
+    }
+    return operands;
+  }
+
+ private:
+  /// Packs step t (rows [i0, i0 + rows)) into its place.
+  template <typename Input>
+  void pack_one(const BackwardInputs<Scalar, Input>& in, Index t, Index i0, Index rows) {
+    const auto place = [&](auto& buffers, std::size_t k) {
+      return buffers[k].data() + t * step_size_[k];
+    };
+#if POSLSH_X86_UNITS
+    if constexpr (backward_pairs_v<Scalar, Input>) {
+      if (paired_) {
+        pack_pair_step(in, i0, rows, place(pairs_, 0), place(pairs_, 1), place(pairs_, 2),
+                       place(pairs_, 3));
+        return;
+      }
+    }
+#endif
+    pack_step<Scalar>(in.q, in.dout, i0, rows, dp_, dvp_, place(values_, 0), place(values_, 1),
+                      place(values_, 2), place(values_, 3));
   }
 
   /// Every entry of the buffers in use is written by pack(): they only grow, so that one
@@ -1117,14 +1193,16 @@ struct PackedSteps {
   static void grow(Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& buffer, Index size) {
     if (buffer.size() < std::max<Index>(size, 1)) buffer.resize(std::max<Index>(size, 1));
   }
-
-  /// The operands of the step at i0.
-  StepOperands<Scalar> step(Index i0) const {
-    constexpr Index Bq = backward_query_rows;
-    const Index t = (i0 - begin) / Bq;
-    return {qt.data() + t * d * Bq, ot.data() + t * dv * Bq, q_rows.data() + t * dp * Bq,
-            o_rows.data() + t * dvp * Bq};
+  static void grow(std::vector<std::uint32_t>& buffer, Index size) {
+    const auto words = static_cast<std::size_t>(std::max<Index>(size, 1));
+    if (buffer.size() < words) buffer.resize(words);
   }
+
+  std::array<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>, 4> values_;  // float products
+  std::array<std::vector<std::uint32_t>, 4> pairs_;                 // AVX512-BF16 products
+  std::array<Index, 4> step_size_{};
+  Index begin_ = 0, dp_ = 0, dvp_ = 0;
+  bool paired_ = false;
 };
 
 /// The key tile [j0, j1) against rows [r0, r1) of the query step at i0 (r1 - i0 <= 64), keys
@@ -1201,7 +1279,7 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
 #if POSLSH_X86_UNITS
   if constexpr (backward_pairs_v<Scalar, Input>) {
     if (in.paired) {
-      backward_pair_units(in, rule, j0, i0, a0, a1, b0, b1, visit, tile_rows, work,
+      backward_pair_units(in, rule, j0, i0, a0, a1, b0, b1, visit, step, tile_rows, work,
                           distance_sum != nullptr ? ds : nullptr);
       if (distance_sum != nullptr) add_distance_sum();
       return;
@@ -1266,12 +1344,12 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
 /// (backward_pair). Each key tile's dK, dV rows are summed in its own buffers of `work` over
 /// its steps in increasing order and added to the outputs at the end (this thread owns the key
 /// tiles), and dQ_I += sum_J (dS K_J) (the group's partial sum: the tiles in increasing
-/// order from zero, in work.dq_part) in increasing key group order, as `order` enforces. Q^T
-/// and dO^T of the steps from `packed`, or packed here per step when it is null.
+/// order from zero, in work.dq_part) in increasing key group order, as `order` enforces. The
+/// operands of the steps from `packed` (every step of the rule's domain).
 template <typename Scalar, typename Input, typename Rule, typename Order>
 void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j_begin,
                         Index j_end, BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
-                        const Order& order, const PackedSteps<Scalar>* packed) {
+                        const Order& order, const PackedSteps<Scalar>& packed) {
   constexpr Index Bq = backward_query_rows, Bk = backward_tile;
   work.prepare(in.q.cols(), in.v.cols());
   if (in.paired) work.prepare_pairs(backward_group_tiles);
@@ -1297,8 +1375,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
   for (Index i0 = base + (first_row - base) / Bq * Bq; i0 < last_row; i0 += Bq) {
     bool prepared = false;
     Index part_first = i0 + Bq, part_last = i0;  // the rows of work.dq_part with terms
-    StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
-                              work.o_rows.data()};
+    const StepOperands<Scalar> step = packed.step(i0);
     for (Index g = 0; g < tiles; ++g) {
       const Index j0 = j_begin + g * Bk, j1 = std::min(j_end, j0 + Bk);
       const Index r0 = std::max(i0, reaching[g].first);
@@ -1308,14 +1385,7 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
       const Index k0 = std::max(j0, reached.first), k1 = std::min(j1, reached.last);
       if (k0 >= k1) continue;
       if (!prepared) {
-        const Index step_rows = std::min(Bq, end - i0);
-        work.load_step(in.delta, in.lse, i0, step_rows);
-        if (packed != nullptr) {
-          step = packed->step(i0);
-        } else if (work.packed_step != i0) {
-          backward_pack_step(in, i0, step_rows, work);
-          work.packed_step = i0;
-        }
+        work.load_step(in.delta, in.lse, i0, std::min(Bq, end - i0));
         work.dq_part.setZero();
         prepared = true;
       }
@@ -1353,9 +1423,8 @@ void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   constexpr Index group = backward_group_keys;
   const Index begin = rule.begin(), end = rule.end();
   const KeyGroupOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
-  // The paired products pack their steps per group (backward_pack_step).
   PackedSteps<Scalar> packed;
-  if (!in.paired) packed.pack(in.q, in.dout, begin, end, true);
+  packed.pack(in, begin, end, true);
   const auto group_count = static_cast<long>((end - begin + group - 1) / group);
 #pragma omp parallel
   {
@@ -1364,8 +1433,7 @@ void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule
 #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < group_count; ++t) {
       const Index j0 = begin + static_cast<Index>(t) * group;
-      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order,
-                         in.paired ? nullptr : &packed);
+      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, packed);
     }
   }
 }
@@ -1429,8 +1497,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
   };
   Index loaded = 0, finished = 0;  // tiles [0, loaded) loaded or passed, [0, finished) written
-  const StepOperands<Scalar> step{work.qt.data(), work.ot.data(), work.q_rows.data(),
-                                  work.o_rows.data()};
+  const StepOperands<Scalar> step = work.step_operands();
   Eigen::Map<RowMatrix<Scalar>> dq_step(work.dq_step.data(), Bq, dp);
   for (Index i0 = base; i0 < end; i0 += Bq) {
     const Index i1 = std::min(end, i0 + Bq), step_rows = i1 - i0;
@@ -1501,9 +1568,9 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
 
 /// The same pass on the calling thread (a block of a per-sample hash, or one head of a
 /// parallel loop over heads), bitwise the same: backward_by_steps when the key tiles of one
-/// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, Q^T and dO^T
-/// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed as
-/// they come.
+/// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, the operands
+/// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed
+/// first into work.steps.
 template <typename Scalar, typename Input, typename Rule>
 void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
@@ -1519,10 +1586,15 @@ void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
     backward_by_steps(in, rule, span, out, work);
     return;
   }
-  work.packed_step = -1;
+  // Each step is met by every key group that reaches it: packed once, not once per group.
+  if (packed == nullptr) {
+    if (!work.steps) work.steps = std::make_unique<PackedSteps<Scalar>>();
+    work.steps->pack(in, rule.begin(), rule.end(), false);
+    packed = work.steps.get();
+  }
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += group)
     backward_key_group(in, rule, j0, std::min(rule.end(), j0 + group), out, work, InOrder{},
-                       packed);
+                       *packed);
 }
 
 /// D_i = dO_i . O_i for every row, accumulated exactly as the score kernel accumulates
