@@ -124,31 +124,28 @@ class PackedSteps;
 
 /// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars per key tile of a group,
 /// aligned; they only grow): P^T and dS^T of a step (key b, row a at b * backward_query_rows +
-/// a), a count tile, and the packed operands: Q^T and dO^T of the step (d x 64, d_v x 64), its
-/// Q, dO rows, the K and V rows of each key tile of the group and their dK, dV sums, the step's
-/// dQ contribution (rows padded to whole packets with zeros), and D of the step.
+/// a), a count tile, the K and V rows of each key tile of the group and their dK, dV sums, the
+/// step's dQ contribution (rows padded to whole packets with zeros), D of the step, and the
+/// packed query steps (packed_steps).
 template <typename Scalar>
 struct BackwardWork {
   using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
   Buffer probabilities, gradients, counts;
-  Buffer qt, ot, q_rows, o_rows, k_rows, v_rows, dk_sum, dv_sum, dq_part, dq_step, delta, lse;
+  Buffer k_rows, v_rows, dk_sum, dv_sum, dq_part, dq_step, delta, lse;
   Index d = -1, dv = -1, dp = 0, dvp = 0;
   Index key_tiles = 0;  ///< key tiles that k_rows, v_rows, dk_sum, dv_sum hold
   /// Operands of the AVX512-BF16 products (BackwardInputs::paired; sized by prepare_pairs):
-  /// the step's Q and dO as pairs along their columns (pair_pack_queries) and along its rows
-  /// (pair_pack_values, pair_d and pair_dv words a pair), each key tile's K as pairs along its
-  /// keys (pair_k, a slot per key tile), P^T and dS^T of a pair rounded to bfloat16 (key b's
-  /// row at b * backward_query_rows), dS as pairs along the keys (PairGradients), and
-  /// ones.
-  std::vector<std::uint32_t> pair_qt, pair_ot, pair_q_rows, pair_o_rows, pair_k, pair_ds;
+  /// each key tile's K as pairs along its keys (pair_k, a slot per key tile, pair_d words a
+  /// pair), P^T and dS^T of a pair rounded to bfloat16 (key b's row at b *
+  /// backward_query_rows), dS as pairs along the keys (PairGradients), and ones.
+  std::vector<std::uint32_t> pair_k, pair_ds;
   /// Each key tile's K and V rows copied as they are (a slot of tile * pair_d and tile *
   /// pair_dv words per key tile, rows pair_row_stride(d) and (d_v) apart).
   std::vector<std::uint16_t> k_bits, v_bits;
   std::vector<Eigen::bfloat16> p_rounded, ds_rounded;
   Buffer ones;
   Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
-  /// Every query step of a pass packed once (backward_serial by key groups: O(n (d + d_v))
-  /// scalars, made on first use and reused by the thread's later passes).
+  /// The thread's packed query steps (packed_steps).
   std::unique_ptr<PackedSteps<Scalar>> steps;
 
   BackwardWork()
@@ -158,17 +155,12 @@ struct BackwardWork {
         delta(Buffer::Zero(backward_query_rows)),
         lse(Buffer::Zero(backward_query_rows)) {}
 
-  /// The operands of the step packed here (backward_pack_step): the float ones after
-  /// prepare, the paired ones too after prepare_pairs.
-  StepOperands<Scalar> step_operands() const {
-    StepOperands<Scalar> step{qt.data(), ot.data(), q_rows.data(), o_rows.data()};
-    if (pair_d > 0) {
-      step.pair_qt = pair_qt.data();
-      step.pair_ot = pair_ot.data();
-      step.pair_q_rows = pair_q_rows.data();
-      step.pair_o_rows = pair_o_rows.data();
-    }
-    return step;
+  /// The thread's packed query steps: every step of a pass (backward_serial by key groups,
+  /// O(n (d + d_v)) scalars) or the current one (backward_by_steps); made on first use, reused
+  /// by the thread's later passes.
+  PackedSteps<Scalar>& packed_steps() {
+    if (!steps) steps = std::make_unique<PackedSteps<Scalar>>();
+    return *steps;
   }
 
   /// D and lse of the step's rows [i0, i0 + rows) in delta and lse (0 past them).
@@ -189,10 +181,6 @@ struct BackwardWork {
     dp = (d + P - 1) / P * P;
     dvp = (dv + P - 1) / P * P;
     constexpr Index Bq = backward_query_rows, G = backward_group_tiles;
-    qt.setZero(std::max<Index>(d, 1) * Bq);
-    ot.setZero(std::max<Index>(dv, 1) * Bq);
-    q_rows.setZero(std::max<Index>(Bq * dp, 1));
-    o_rows.setZero(std::max<Index>(Bq * dvp, 1));
     key_tiles = 0;
     reserve_key_tiles(G);
     dq_part.setZero(std::max<Index>(Bq * dp, 1));
@@ -211,10 +199,6 @@ struct BackwardWork {
       const auto size = [](Index count) {
         return static_cast<std::size_t>(std::max<Index>(count, 1));
       };
-      pair_qt.assign(size((d + 1) / 2 * Bq), 0);
-      pair_ot.assign(size((dv + 1) / 2 * Bq), 0);
-      pair_q_rows.assign(size(Bq / 2 * pair_d), 0);
-      pair_o_rows.assign(size(Bq / 2 * pair_dv), 0);
       pair_ds.assign(size(Bk / 2 * Bq), 0);
       p_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
       ds_rounded.assign(size(Bk * Bq), Eigen::bfloat16(0.0f));
@@ -1042,25 +1026,6 @@ inline void pack_pair_step(const BackwardInputs<float, Eigen::bfloat16>& in, Ind
 }
 #endif
 
-/// Packs the query step at i0 (`rows` rows) into work's buffers: pack_step (after
-/// work.prepare), or for the AVX512-BF16 products (in.paired; after work.prepare_pairs)
-/// pack_pair_step.
-template <typename Scalar, typename Input>
-void backward_pack_step(const BackwardInputs<Scalar, Input>& in, Index i0, Index rows,
-                        BackwardWork<Scalar>& work) {
-#if POSLSH_X86_UNITS
-  if constexpr (backward_pairs_v<Scalar, Input>) {
-    if (in.paired) {
-      pack_pair_step(in, i0, rows, work.pair_qt.data(), work.pair_ot.data(),
-                     work.pair_q_rows.data(), work.pair_o_rows.data());
-      return;
-    }
-  }
-#endif
-  pack_step<Scalar>(in.q, in.dout, i0, rows, work.dp, work.dvp, work.qt.data(), work.ot.data(),
-                    work.q_rows.data(), work.o_rows.data());
-}
-
 /// Key tile [j0, j0 + keys) into slot `slot` of work (after work.prepare and reserve_key_tiles):
 /// its K and V rows widened to Scalar (k_rows, v_rows: backward_rows), or for the AVX512-BF16
 /// products (in.paired; after work.prepare_pairs) K as pairs along the keys (pair_k) and the K
@@ -1119,26 +1084,7 @@ class PackedSteps {
   void pack(const BackwardInputs<Scalar, Input>& in, Index begin_row, Index end_row,
             bool parallel) {
     constexpr Index Bq = backward_query_rows;
-    constexpr Index P = tile_packet_size<Scalar>;
-    begin_ = begin_row;
-    paired_ = in.paired;
-    const Index d = in.q.cols(), dv = in.dout.cols();
-    dp_ = (d + P - 1) / P * P;
-    dvp_ = (dv + P - 1) / P * P;
-    // Per step: Q^T, dO^T, the Q rows and the dO rows.
-    step_size_ = paired_
-                     ? std::array<Index, 4>{(d + 1) / 2 * Bq, (dv + 1) / 2 * Bq,
-                                            Bq / 2 * pair_row_words(d), Bq / 2 * pair_row_words(dv)}
-                     : std::array<Index, 4>{d * Bq, dv * Bq, dp_ * Bq, dvp_ * Bq};
-    const Index steps = (end_row - begin_ + Bq - 1) / Bq;
-    for (std::size_t k = 0; k < 4; ++k) {
-      if (paired_) {
-        grow(pairs_[k], steps * step_size_[k]);
-      } else {
-        grow(values_[k], steps * step_size_[k]);
-      }
-    }
-    const auto count = static_cast<long>(steps);
+    const auto count = static_cast<long>(layout(in, begin_row, end_row));
 #pragma omp parallel if (parallel)
     {
       const FlushSubnormals flush;  // the packing multiplies by 1: rounded as the passes round
@@ -1148,6 +1094,15 @@ class PackedSteps {
         pack_one(in, static_cast<Index>(t), i0, std::min(Bq, end_row - i0));
       }
     }
+  }
+
+  /// Packs the one step of the rows [i0, i0 + rows) (rows <= backward_query_rows) in place of
+  /// what was packed, on the calling thread (which flushes subnormals, as the passes' threads
+  /// do).
+  template <typename Input>
+  void pack_single(const BackwardInputs<Scalar, Input>& in, Index i0, Index rows) {
+    layout(in, i0, i0 + rows);
+    pack_one(in, 0, i0, rows);
   }
 
   /// The operands of the step at i0.
@@ -1169,6 +1124,33 @@ class PackedSteps {
   }
 
  private:
+  /// Sets the layout for the steps of the rows [begin_row, end_row) and grows the buffers to
+  /// hold them; returns the number of steps.
+  template <typename Input>
+  Index layout(const BackwardInputs<Scalar, Input>& in, Index begin_row, Index end_row) {
+    constexpr Index Bq = backward_query_rows;
+    constexpr Index P = tile_packet_size<Scalar>;
+    begin_ = begin_row;
+    paired_ = in.paired;
+    const Index d = in.q.cols(), dv = in.dout.cols();
+    dp_ = (d + P - 1) / P * P;
+    dvp_ = (dv + P - 1) / P * P;
+    // Per step: Q^T, dO^T, the Q rows and the dO rows.
+    step_size_ = paired_
+                     ? std::array<Index, 4>{(d + 1) / 2 * Bq, (dv + 1) / 2 * Bq,
+                                            Bq / 2 * pair_row_words(d), Bq / 2 * pair_row_words(dv)}
+                     : std::array<Index, 4>{d * Bq, dv * Bq, dp_ * Bq, dvp_ * Bq};
+    const Index steps = (end_row - begin_ + Bq - 1) / Bq;
+    for (std::size_t k = 0; k < 4; ++k) {
+      if (paired_) {
+        grow(pairs_[k], steps * step_size_[k]);
+      } else {
+        grow(values_[k], steps * step_size_[k]);
+      }
+    }
+    return steps;
+  }
+
   /// Packs step t (rows [i0, i0 + rows)) into its place.
   template <typename Input>
   void pack_one(const BackwardInputs<Scalar, Input>& in, Index t, Index i0, Index rows) {
@@ -1497,7 +1479,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     work.dv_sum.segment(slot * Bk * dvp, keys * dvp).setZero();
   };
   Index loaded = 0, finished = 0;  // tiles [0, loaded) loaded or passed, [0, finished) written
-  const StepOperands<Scalar> step = work.step_operands();
+  PackedSteps<Scalar>& packed = work.packed_steps();
   Eigen::Map<RowMatrix<Scalar>> dq_step(work.dq_step.data(), Bq, dp);
   for (Index i0 = base; i0 < end; i0 += Bq) {
     const Index i1 = std::min(end, i0 + Bq), step_rows = i1 - i0;
@@ -1525,7 +1507,8 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
     for (; finished < first; ++finished) finish(finished);
     for (loaded = std::max(loaded, first); loaded < last; ++loaded) load(loaded);
     work.load_step(in.delta, in.lse, i0, step_rows);
-    backward_pack_step(in, i0, step_rows, work);
+    packed.pack_single(in, i0, step_rows);
+    const StepOperands<Scalar> step = packed.step(i0);
     if (out.fresh)
       dq_step.topRows(step_rows).setZero();
     else
@@ -1570,7 +1553,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
 /// parallel loop over heads), bitwise the same: backward_by_steps when the key tiles of one
 /// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, the operands
 /// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed
-/// first into work.steps.
+/// first into work.packed_steps().
 template <typename Scalar, typename Input, typename Rule>
 void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
@@ -1588,9 +1571,8 @@ void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
   }
   // Each step is met by every key group that reaches it: packed once, not once per group.
   if (packed == nullptr) {
-    if (!work.steps) work.steps = std::make_unique<PackedSteps<Scalar>>();
-    work.steps->pack(in, rule.begin(), rule.end(), false);
-    packed = work.steps.get();
+    work.packed_steps().pack(in, rule.begin(), rule.end(), false);
+    packed = &work.packed_steps();
   }
   for (Index j0 = rule.begin(); j0 < rule.end(); j0 += group)
     backward_key_group(in, rule, j0, std::min(rule.end(), j0 + group), out, work, InOrder{},
