@@ -9,6 +9,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -94,6 +95,91 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
       CHECK(Eigen::Map<RowMatrix<TestType>>(out_planar.data() + h * n * d, n, d) == expected);
     }
   }
+}
+
+namespace {
+
+// The bits of rows [row0, row0 + rows) of an [n, H, d] output whose rows lie row_stride
+// elements apart, as one row-major [rows, H d] bit pattern per element.
+template <typename Element>
+std::vector<Element> gather_rows(const Element* data, Index row0, Index rows, Index width,
+                                 Index row_stride) {
+  std::vector<Element> bits(static_cast<std::size_t>(rows * width));
+  for (Index r = 0; r < rows; ++r)
+    std::memcpy(bits.data() + r * width, data + (row0 + r) * row_stride,
+                static_cast<std::size_t>(width) * sizeof(Element));
+  return bits;
+}
+
+template <typename Element>
+bool same_bits(const std::vector<Element>& a, const std::vector<Element>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(Element)) == 0;
+}
+
+// A call whose output is too large to stay cached stores it non-temporally; the same rows
+// computed in chunks small enough to be stored as usual must have the same bits. Row strides
+// of H d, H d + 8 (every other row off a 64-byte line for float, a 32-byte one for bfloat16)
+// and a buffer one element off alignment cover the aligned and the fallback stores.
+template <typename Element>
+void check_streamed_output(Index n) {
+  const Index heads = 8, d = 64, width = heads * d, chunk = 512;
+  const auto q = random_matrix<float>(n, width, 91).cast<Element>().eval();
+  const auto k = random_matrix<float>(n, width, 92).cast<Element>().eval();
+  const auto v = random_matrix<float>(n, width, 93).cast<Element>().eval();
+  const auto bytes = [&](Index rows) {
+    return static_cast<std::size_t>(rows * width) * sizeof(Element);
+  };
+  // The whole call streams; a chunk does not.
+  REQUIRE(poslsh::detail::streams_output(bytes(n)));
+  REQUIRE_FALSE(poslsh::detail::streams_output(bytes(chunk)));
+  const auto view = [&](const RowMatrix<Element>& m, Index row0, Index rows) {
+    return poslsh::interleaved_heads<const Element>(m.data() + row0 * width, rows, heads, d);
+  };
+  for (Method method : {Method::lsh_fused, Method::exact_banded}) {
+    MultiHeadOptions options;
+    options.method = method;
+    options.samples = 4;
+    options.seed = 5;
+    std::vector<Element> chunked;
+    for (Index row_stride : {width, width + 8}) {
+      for (Index shift : {Index{0}, Index{1}}) {
+        INFO("method " << static_cast<int>(method) << ", row stride " << row_stride << ", shift "
+                       << shift);
+        // Aligned to the largest packet the build vectorizes with (the streamed stores' unit).
+        std::vector<Element, Eigen::aligned_allocator<Element>> buffer(
+            static_cast<std::size_t>(n * row_stride + shift));
+        Element* const out = buffer.data() + shift;
+        const auto out_view = [&](Index row0, Index rows) {
+          poslsh::HeadsView<Element> o =
+              poslsh::interleaved_heads<Element>(out + row0 * row_stride, rows, heads, d);
+          o.row_stride = row_stride;
+          return o;
+        };
+        poslsh::multihead_attention<Element, Element, Element>(
+            view(q, 0, n), view(k, 0, n), view(v, 0, n), out_view(0, n), options);
+        const std::vector<Element> whole = gather_rows(out, 0, n, width, row_stride);
+        if (chunked.empty()) {
+          for (Index row0 = 0; row0 < n; row0 += chunk) {
+            MultiHeadOptions part = options;
+            part.query_offset = row0;
+            poslsh::multihead_attention<Element, Element, Element>(
+                view(q, row0, chunk), view(k, 0, row0 + chunk), view(v, 0, row0 + chunk),
+                out_view(row0, chunk), part);
+          }
+          chunked = gather_rows(out, 0, n, width, row_stride);
+        }
+        CHECK(same_bits(whole, chunked));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("outputs too large to stay cached are stored non-temporally, with the same bits",
+          "[multihead]") {
+  SECTION("float") { check_streamed_output<float>(4096); }
+  SECTION("bfloat16") { check_streamed_output<Eigen::bfloat16>(8192); }
 }
 
 TEST_CASE("one and two threads give identical bits", "[multihead]") {

@@ -47,11 +47,12 @@ void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrix
   if (m == 0) return;
   const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  parallel_query_tiles<Compute>(
-      1, p0, p0 + m, [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
-        fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau, causal, i0, rows, out, work, p0,
-                                              options.precision);
-      });
+  parallel_query_tiles<Compute>(1, p0, p0 + m, output_bytes(out),
+                                [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
+                                  fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau,
+                                                                        causal, i0, rows, out, work,
+                                                                        p0, options.precision);
+                                });
 }
 
 /// sum_i |[lo_i, hi_i)| over positions 0 .. n - 1, the key intervals of `counts` (a HashSet or

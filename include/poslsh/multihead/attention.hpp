@@ -210,9 +210,11 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
   bool reads_every_key = false;
   for (const HeadMethod& head : call.heads)
     reads_every_key = reads_every_key || method_reads_every_key(head.method);
+  const auto written_bytes = static_cast<std::size_t>(out.tokens) *
+                             static_cast<std::size_t>(out.heads * out.dim) * sizeof(OutScalar);
   parallel_query_tiles<Compute>(
       tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::heads_inner,
-      [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
+      written_bytes, [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
         const HeadsSequence& s = call.sequences[tile.range];
         const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
         const auto q_h = token_range(q, s.q_begin, s.q_end).head(h);

@@ -72,6 +72,7 @@
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
+#include "poslsh/detail/tile/stream_stores.hpp"
 #include "poslsh/detail/tile/types.hpp"
 
 namespace poslsh::detail {
@@ -316,20 +317,15 @@ struct BackwardOutputs {
   double* distance_sums = nullptr;
 };
 
-/// Outputs whose rows span at least this many bytes (from the first row to the end of the last,
-/// strides included; an [n, H, d] gradient of n = 4096, H = 8, d = 64 floats spans 8 MiB) are
-/// assigned with non-temporal stores: they outgrow the caches before anyone reads them, and a
-/// non-temporal store writes a whole line without first reading it from memory.
-inline constexpr std::size_t backward_stream_bytes = std::size_t{8} << 20;
-
-/// Fresh outputs (BackwardOutputs::fresh), assigned with non-temporal stores when dQ spans at
-/// least backward_stream_bytes.
+/// Fresh outputs (BackwardOutputs::fresh), assigned with non-temporal stores when dQ's rows
+/// span at least stream_store_bytes (from the first row to the end of the last, strides
+/// included).
 template <typename Scalar>
 BackwardOutputs<Scalar> fresh_backward_outputs(MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                                                MatrixRef<Scalar>& dv) {
   const auto span =
       static_cast<std::size_t>(dq.rows() == 0 ? 0 : (dq.rows() - 1) * dq.outerStride() + dq.cols());
-  return {dq, dk, dv, true, span * sizeof(Scalar) >= backward_stream_bytes};
+  return {dq, dk, dv, true, streams_output(span * sizeof(Scalar))};
 }
 
 /// With fresh outputs (BackwardOutputs::fresh): the dQ rows of the query steps whose rows reach
@@ -371,28 +367,6 @@ void prefetch_rows(const Matrix& m, Index first, Index count) {
   for (Index r = first; r < first + count; ++r)
     prefetch_row<Write>(m.data() + r * m.outerStride(), m.cols());
 }
-
-#if defined(__SSE2__)
-/// Stores packet x at p with a non-temporal store (p aligned to the packet).
-inline void stream_packet(float* p, __m128 x) { _mm_stream_ps(p, x); }
-inline void stream_packet(double* p, __m128d x) { _mm_stream_pd(p, x); }
-#endif
-#if defined(__AVX__)
-inline void stream_packet(float* p, __m256 x) { _mm256_stream_ps(p, x); }
-inline void stream_packet(double* p, __m256d x) { _mm256_stream_pd(p, x); }
-#endif
-#if defined(__AVX512F__)
-inline void stream_packet(float* p, __m512 x) { _mm512_stream_ps(p, x); }
-inline void stream_packet(double* p, __m512d x) { _mm512_stream_pd(p, x); }
-#endif
-
-/// Whether stream_packet takes Scalar's packets in this build.
-template <typename Scalar, typename = void>
-struct has_stream_packet : std::false_type {};
-template <typename Scalar>
-struct has_stream_packet<Scalar, std::void_t<decltype(stream_packet(
-                                     std::declval<Scalar*>(), std::declval<TilePacket<Scalar>>()))>>
-    : std::true_type {};
 
 /// How backward_store_rows writes a row: dst + src, 0 + src (the bits of adding src to zeroed
 /// rows), or src as it is.
@@ -436,11 +410,7 @@ void backward_store_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index
       if constexpr (Store == RowStore::copy) target[c] = term[c];
     }
   }
-#if defined(__SSE2__)
-  if (streamed) _mm_sfence();  // the stores visible to every thread after the pass
-#else
-  static_cast<void>(streamed);
-#endif
+  if (streamed) stream_store_fence();
 }
 
 /// Keys j of row i with lo <= i - j <= hi inside the domain [begin, end) (rows and keys), and

@@ -116,14 +116,14 @@ void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                       const KeyValueRef<KVScalar>& k, const KeyValueRef<KVScalar>& v, double sigma,
                       double tau, ExactWindow window, Index row_begin, Index row_end, OutType&& out,
                       Index query_offset, Precision precision, Scalar* lse = nullptr) {
-  parallel_query_tiles<Scalar>(
-      1, row_begin, row_end, [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
-        AlibiBias<Scalar> bias(k.rows(), sigma, window);
-        engine_rows<Scalar, QScalar, KVScalar>(q, k, v, tau, bias, work.buffers, query_offset,
-                                               precision, r0, r0 + rows,
-                                               out.middleRows(r0 - row_begin, rows),
-                                               lse == nullptr ? nullptr : lse + (r0 - row_begin));
-      });
+  parallel_query_tiles<Scalar>(1, row_begin, row_end, output_bytes(out),
+                               [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
+                                 AlibiBias<Scalar> bias(k.rows(), sigma, window);
+                                 engine_rows<Scalar, QScalar, KVScalar>(
+                                     q, k, v, tau, bias, work.buffers, query_offset, precision, r0,
+                                     r0 + rows, out.middleRows(r0 - row_begin, rows),
+                                     lse == nullptr ? nullptr : lse + (r0 - row_begin));
+                               });
 }
 
 }  // namespace poslsh::detail

@@ -346,19 +346,23 @@ class TileEngine {
   /// Rows at positions [row_begin, row_end) (within [p0, p0 + q.rows())), written to out rows
   /// 0 .. row_end - row_begin;
   /// with `lse`, also lse[i - row_begin] = M_i + log l_i (-inf for a row without keys).
-  /// An output of another scalar type gets each row rounded once from Scalar.
+  /// An output of another scalar type gets each row rounded once from Scalar. With the
+  /// buffers' stream_output, rows are stored non-temporally where aligned (same bits).
   template <typename OutType>
   void run(Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
     using OutScalar = typename std::decay_t<OutType>::Scalar;
     if (row_begin >= row_end || dv_ == 0) return;
+    const bool stream = b_.stream_output && out.innerStride() == 1;
     if constexpr (!std::is_same_v<OutScalar, Scalar>) {
       if (b_.wide_out.size() < dv_) b_.wide_out.resize(dv_);
     }
     for (Index i0 = row_begin / Bq * Bq; i0 < row_end; i0 += Bq) {
       const Index r0 = std::max(i0, row_begin);
       const Index r1 = std::min(i0 + Bq, row_end);
-      tile_prefetch_rows<true>(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin,
-                               r1 - row_begin, dv_);
+      if (!stream) {
+        tile_prefetch_rows<true>(&out.coeffRef(0, 0), out.outerStride(), r0 - row_begin,
+                                 r1 - row_begin, dv_);
+      }
       query_tile(i0, r0, r1);
       for (Index i = r0; i < r1; ++i) {
         const Index a = i - i0;
@@ -367,23 +371,23 @@ class TileEngine {
           if (lse != nullptr) lse[i - row_begin] = minus_infinity;
           continue;
         }
-        if constexpr (std::is_same_v<OutScalar, Scalar>) {
-          out.row(i - row_begin) =
-              b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a);
-        } else if (out.innerStride() == 1) {
-          // Divided in Scalar, rounded once as it is stored.
-          Scalar* divided = b_.wide_out.data();
-          Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(divided, dv_) =
-              b_.acc.segment(a * dvp_, dv_) / b_.running_sum(a);
-          tile_narrow<OutScalar>(divided, &out.coeffRef(i - row_begin, 0), dv_);
-        } else {
+        const Scalar* sums = b_.acc.data() + a * dvp_;
+        if (out.innerStride() != 1) {
           out.row(i - row_begin) =
               (b_.acc.segment(a * dvp_, dv_).matrix().transpose() / b_.running_sum(a))
                   .template cast<OutScalar>();
+        } else if constexpr (std::is_same_v<OutScalar, Scalar>) {
+          tile_divide_row(sums, b_.running_sum(a), &out.coeffRef(i - row_begin, 0), dv_, stream);
+        } else {
+          // Divided in Scalar, rounded once as it is stored.
+          Scalar* divided = b_.wide_out.data();
+          tile_divide_row(sums, b_.running_sum(a), divided, dv_, false);
+          tile_narrow<OutScalar>(divided, &out.coeffRef(i - row_begin, 0), dv_, stream);
         }
         if (lse != nullptr) lse[i - row_begin] = b_.running_max(a) + std::log(b_.running_sum(a));
       }
     }
+    if (stream) stream_store_fence();
   }
 
   /// Rows at positions [row_begin, row_end) (within [p0, p0 + q.rows())) folded into `state`

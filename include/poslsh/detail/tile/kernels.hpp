@@ -18,6 +18,7 @@
 #endif
 
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/stream_stores.hpp"
 
 // Loops over a register block (small compile-time trip counts) must be unrolled completely,
 // or the block's accumulator array is kept in memory; GCC does not always do it unasked.
@@ -155,17 +156,50 @@ inline void tile_widen(const Storage* src, Scalar* dst, Index count) {
   for (; c < count; ++c) dst[c] = static_cast<Scalar>(src[c]);
 }
 
+/// dst[c] = src[c] / divisor for c < count (src and dst of any alignment). A
+/// division is correctly rounded, so these are the bits of any other way of dividing. With
+/// `stream` and dst aligned to a packet the packets are stored non-temporally
+/// (stream_stores.hpp; the caller fences).
+template <typename Scalar>
+inline void tile_divide_row(const Scalar* src, Scalar divisor, Scalar* dst, Index count,
+                            bool stream) {
+  namespace ei = Eigen::internal;
+  using Packet = TilePacket<Scalar>;
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Packet d = ei::pset1<Packet>(divisor);
+  Index c = 0;
+  if constexpr (has_stream_packet<Scalar>::value && P > 1) {
+    if (stream && reinterpret_cast<std::uintptr_t>(dst) % sizeof(Packet) == 0)
+      for (; c + P <= count; c += P)
+        stream_packet(dst + c, ei::pdiv(ei::ploadu<Packet>(src + c), d));
+  }
+  static_cast<void>(stream);
+  for (; c + P <= count; c += P) ei::pstoreu(dst + c, ei::pdiv(ei::ploadu<Packet>(src + c), d));
+  for (; c < count; ++c) dst[c] = src[c] / divisor;
+}
+
 /// dst[c] = src[c] rounded to the half-precision type Storage (round to nearest even, as
 /// Eigen's conversions: a NaN becomes Eigen's quiet NaN of its sign for bfloat16) for
-/// c < count; with AVX-512 (and F16C for Eigen::half) 16 values at a time.
+/// c < count; with AVX-512 (and F16C for Eigen::half) 16 values at a time, and with `stream`
+/// those 16 stored non-temporally where dst + c is 32-byte aligned (stream_stores.hpp; the
+/// caller fences).
 template <typename Storage, typename Scalar>
-inline void tile_narrow(const Scalar* src, Storage* dst, Index count) {
+inline void tile_narrow(const Scalar* src, Storage* dst, Index count, bool stream = false) {
   Index c = 0;
   if constexpr (std::is_same_v<Scalar, float>) {
     static_assert(sizeof(Storage) == 2, "a half-precision storage type");
     auto* bits = reinterpret_cast<std::uint16_t*>(dst);
     static_cast<void>(bits);
+    static_cast<void>(stream);
 #if defined(__AVX512F__)
+    const auto store = [&](Index at, __m256i packed) {
+      auto* target = bits + at;
+      if (stream && reinterpret_cast<std::uintptr_t>(target) % 32 == 0) {
+        stream_packet(target, packed);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), packed);
+      }
+    };
     if constexpr (std::is_same_v<Storage, Eigen::bfloat16>) {
       const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
       const __m512i positive_nan = _mm512_set1_epi32(0x7fc0),
@@ -179,12 +213,11 @@ inline void tile_narrow(const Scalar* src, Storage* dst, Index count) {
         const __mmask16 negative = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
         rounded = _mm512_mask_mov_epi32(rounded, nan, positive_nan);
         rounded = _mm512_mask_mov_epi32(rounded, nan & negative, negative_nan);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + c), _mm512_cvtepi32_epi16(rounded));
+        store(c, _mm512_cvtepi32_epi16(rounded));
       }
     } else {
       for (; c + 16 <= count; c += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + c),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
+        store(c, _mm512_cvtps_ph(_mm512_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
     }
 #endif
   }

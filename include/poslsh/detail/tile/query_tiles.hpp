@@ -21,6 +21,7 @@
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/detail/tile/stream_stores.hpp"
 
 namespace poslsh::detail {
 
@@ -89,15 +90,25 @@ enum class JobOrder {
   heads_outer
 };
 
+/// The bytes of an output matrix (rows x cols of its scalar type), for parallel_query_tiles.
+template <typename Matrix>
+std::size_t output_bytes(const Matrix& out) {
+  return static_cast<std::size_t>(out.rows()) * static_cast<std::size_t>(out.cols()) *
+         sizeof(typename Matrix::Scalar);
+}
+
 /// Runs tile_job(tile, head, workspace) for every (query tile, head) pair in one parallel loop,
-/// in the order `order`.
+/// in the order `order`. `written_bytes` is the size of all the loop's outputs: from
+/// stream_store_bytes on, the engines store their rows non-temporally (stream_stores.hpp).
 template <typename Scalar, typename TileJob>
 void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobOrder order,
-                          TileJob&& tile_job) {
+                          std::size_t written_bytes, TileJob&& tile_job) {
   const auto count = static_cast<long>(tiles.size());
   const auto jobs = count * static_cast<long>(heads);
+  const bool stream = streams_output(written_bytes);
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
     const bool inner = order == JobOrder::heads_inner;
+    workspace.buffers.stream_output = stream;
     // A thread's jobs come one head's tiles in a row: key tiles packed once are kept.
     workspace.buffers.keep_key_tiles = heads == 1 || !inner;
     const long tile = inner ? j / heads : j % count;
@@ -107,12 +118,14 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
 }
 
 /// Rows at positions [row_begin, row_end) of `heads` heads of one sequence:
-/// tile_job(head, r0, rows, workspace) computes rows [r0, r0 + rows) of one head.
+/// tile_job(head, r0, rows, workspace) computes rows [r0, r0 + rows) of one head; outputs of
+/// `written_bytes` in all.
 template <typename Scalar, typename HeadTile>
-void parallel_query_tiles(Index heads, Index row_begin, Index row_end, HeadTile&& head_tile) {
+void parallel_query_tiles(Index heads, Index row_begin, Index row_end, std::size_t written_bytes,
+                          HeadTile&& head_tile) {
   std::vector<QueryTile> tiles;
   append_query_tiles(tiles, 0, row_begin, row_end);
-  parallel_query_tiles<Scalar>(tiles, heads, JobOrder::heads_inner,
+  parallel_query_tiles<Scalar>(tiles, heads, JobOrder::heads_inner, written_bytes,
                                [&](const QueryTile& tile, Index h, TileWorkspace<Scalar>& work) {
                                  head_tile(h, tile.row_begin, tile.rows, work);
                                });

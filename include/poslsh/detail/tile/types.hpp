@@ -166,6 +166,9 @@ struct TileBuffers {
   /// A kept tile is known by the address and shape of its K and V, not by their values: set
   /// only for buffers that live within one call (whose inputs do not change).
   bool keep_key_tiles = false;
+  /// Whether TileEngine::run stores output rows non-temporally: set by parallel_query_tiles
+  /// for a loop whose outputs are too large to stay cached (streams_output).
+  bool stream_output = false;
   KeyTileStore<Scalar, Scalar> key_rows;
   KeyTileStore<std::uint16_t, std::uint32_t> key_pairs;
 

@@ -1,0 +1,70 @@
+// poslsh internals: non-temporal stores for outputs that outgrow the caches. A forward writes
+// each output row once and a backward pass each gradient row once; when the whole output is
+// larger than the caches, each of those cache lines would first be read from memory only to be
+// overwritten, and pushed out again before anyone reads it. A non-temporal store writes the
+// whole line without reading it. Stores change no value: the streamed and the cached outputs
+// are bitwise the same.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "poslsh/core/types.hpp"
+
+namespace poslsh::detail {
+
+/// Outputs of at least this many bytes are written with non-temporal stores (an [n, H, d]
+/// tensor of n = 4096, H = 8, d = 64 floats holds 8 MiB): larger than the caches a core can
+/// keep them in until the caller reads them.
+inline constexpr std::size_t stream_store_bytes = std::size_t{8} << 20;
+
+/// Whether an output of `bytes` bytes is written with non-temporal stores.
+inline bool streams_output(std::size_t bytes) { return bytes >= stream_store_bytes; }
+
+#if defined(__SSE2__)
+/// Stores packet x at p with a non-temporal store (p aligned to the packet).
+inline void stream_packet(float* p, __m128 x) { _mm_stream_ps(p, x); }
+inline void stream_packet(double* p, __m128d x) { _mm_stream_pd(p, x); }
+#endif
+#if defined(__AVX__)
+inline void stream_packet(float* p, __m256 x) { _mm256_stream_ps(p, x); }
+inline void stream_packet(double* p, __m256d x) { _mm256_stream_pd(p, x); }
+/// 16 half-precision values (bfloat16 or float16 bits).
+inline void stream_packet(std::uint16_t* p, __m256i x) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+}
+#endif
+#if defined(__AVX512F__)
+inline void stream_packet(float* p, __m512 x) { _mm512_stream_ps(p, x); }
+inline void stream_packet(double* p, __m512d x) { _mm512_stream_pd(p, x); }
+#endif
+
+/// Whether stream_packet takes Scalar's packets (Eigen's, as the tile kernels use) in this
+/// build.
+template <typename Scalar, typename = void>
+struct has_stream_packet : std::false_type {};
+template <typename Scalar>
+struct has_stream_packet<
+    Scalar, std::void_t<decltype(stream_packet(
+                std::declval<Scalar*>(),
+                std::declval<typename Eigen::internal::packet_traits<Scalar>::type>()))>>
+    : std::true_type {};
+
+/// Orders the non-temporal stores before the thread's later stores, so every thread sees them
+/// once the parallel loop ends. Call after a run of stream_packet.
+inline void stream_store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace poslsh::detail
