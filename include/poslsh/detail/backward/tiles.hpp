@@ -382,33 +382,28 @@ void backward_store_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index
                          Index rows, Index cols, bool stream = false) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
-  constexpr Index P = tile_packet_size<Scalar>;
   const Packet zero = ei::pset1<Packet>(Scalar(0));
-  const auto value = [&](const Scalar* target, const Scalar* term) {
-    const Packet x = ei::pload<Packet>(term);
-    if constexpr (Store == RowStore::add) return ei::padd(ei::ploadu<Packet>(target), x);
-    if constexpr (Store == RowStore::assign_sum) return ei::padd(zero, x);
-    if constexpr (Store == RowStore::copy) return x;
-  };
   bool streamed = false;
   for (Index r = 0; r < rows; ++r) {
     Scalar* target = dst + r * dst_stride;
     const Scalar* term = src + r * src_stride;
-    Index c = 0;
-    if constexpr (Store != RowStore::add && has_stream_packet<Scalar>::value && P > 1) {
-      if (stream && reinterpret_cast<std::uintptr_t>(target) % sizeof(Packet) == 0) {
-        for (; c + P <= cols; c += P) stream_packet(target + c, value(target + c, term + c));
-        streamed = true;
-      }
-    }
-    if (c == 0 && r + backward_prefetch_rows < rows)
+    const bool row_streams = Store != RowStore::add && streams_row(target, stream);
+    if (!row_streams && r + backward_prefetch_rows < rows)
       prefetch_row<true>(target + backward_prefetch_rows * dst_stride, cols);
-    for (; c + P <= cols; c += P) ei::pstoreu(target + c, value(target + c, term + c));
-    for (; c < cols; ++c) {
-      if constexpr (Store == RowStore::add) target[c] += term[c];
-      if constexpr (Store == RowStore::assign_sum) target[c] = Scalar(0) + term[c];
-      if constexpr (Store == RowStore::copy) target[c] = term[c];
-    }
+    store_row(
+        target, cols, row_streams,
+        [&](Index c) {
+          const Packet x = ei::pload<Packet>(term + c);
+          if constexpr (Store == RowStore::add) return ei::padd(ei::ploadu<Packet>(target + c), x);
+          if constexpr (Store == RowStore::assign_sum) return ei::padd(zero, x);
+          if constexpr (Store == RowStore::copy) return x;
+        },
+        [&](Index c) {
+          if constexpr (Store == RowStore::add) return target[c] + term[c];
+          if constexpr (Store == RowStore::assign_sum) return Scalar(0) + term[c];
+          if constexpr (Store == RowStore::copy) return term[c];
+        });
+    streamed = streamed || row_streams;
   }
   if (streamed) stream_store_fence();
 }

@@ -165,17 +165,11 @@ inline void tile_divide_row(const Scalar* src, Scalar divisor, Scalar* dst, Inde
                             bool stream) {
   namespace ei = Eigen::internal;
   using Packet = TilePacket<Scalar>;
-  constexpr Index P = tile_packet_size<Scalar>;
   const Packet d = ei::pset1<Packet>(divisor);
-  Index c = 0;
-  if constexpr (has_stream_packet<Scalar>::value && P > 1) {
-    if (stream && reinterpret_cast<std::uintptr_t>(dst) % sizeof(Packet) == 0)
-      for (; c + P <= count; c += P)
-        stream_packet(dst + c, ei::pdiv(ei::ploadu<Packet>(src + c), d));
-  }
-  static_cast<void>(stream);
-  for (; c + P <= count; c += P) ei::pstoreu(dst + c, ei::pdiv(ei::ploadu<Packet>(src + c), d));
-  for (; c < count; ++c) dst[c] = src[c] / divisor;
+  store_row(
+      dst, count, streams_row(dst, stream),
+      [&](Index c) { return ei::pdiv(ei::ploadu<Packet>(src + c), d); },
+      [&](Index c) { return src[c] / divisor; });
 }
 
 /// dst[c] = src[c] rounded to the half-precision type Storage (round to nearest even, as

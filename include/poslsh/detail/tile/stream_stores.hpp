@@ -59,6 +59,41 @@ struct has_stream_packet<
                 std::declval<typename Eigen::internal::packet_traits<Scalar>::type>()))>>
     : std::true_type {};
 
+/// Whether a row at dst of an output written with non-temporal stores (`stream`) takes them:
+/// when this build streams Scalar's packets and dst is aligned to one (other rows are stored
+/// as usual).
+template <typename Scalar>
+inline bool streams_row(const Scalar* dst, bool stream) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  if constexpr (has_stream_packet<Scalar>::value &&
+                Eigen::internal::unpacket_traits<Packet>::size > 1) {
+    return stream && reinterpret_cast<std::uintptr_t>(dst) % sizeof(Packet) == 0;
+  } else {
+    static_cast<void>(dst);
+    static_cast<void>(stream);
+    return false;
+  }
+}
+
+/// dst[c .. c + P) = packet(c) for the whole packets of a row of `count` scalars (Eigen's
+/// packets of P scalars), then dst[c] = scalar(c) for the rest; with `streamed` (streams_row
+/// of dst) the packets are stored non-temporally (the caller fences: stream_store_fence).
+template <typename Scalar, typename PacketValue, typename ScalarValue>
+inline void store_row(Scalar* dst, Index count, bool streamed, const PacketValue& packet,
+                      const ScalarValue& scalar) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<Scalar>::type;
+  constexpr Index P = ei::unpacket_traits<Packet>::size;
+  Index c = 0;
+  if constexpr (has_stream_packet<Scalar>::value && P > 1) {
+    if (streamed)
+      for (; c + P <= count; c += P) stream_packet(dst + c, packet(c));
+  }
+  static_cast<void>(streamed);
+  for (; c + P <= count; c += P) ei::pstoreu(dst + c, packet(c));
+  for (; c < count; ++c) dst[c] = scalar(c);
+}
+
 /// Orders the non-temporal stores before the thread's later stores, so every thread sees them
 /// once the parallel loop ends. Call after a run of stream_packet.
 inline void stream_store_fence() {
