@@ -20,7 +20,8 @@ Cases (batch 1, seqlen_q 1, 8 query heads, 8 K/V heads, head dim 64, causal, the
 slopes, method "exact"):
 - one decode step of flash_attn_with_kvcache: the new token's k, v appended at cache_seqlens =
   L - 1 of a contiguous (1, L, 8, 64) cache, then attention over its L keys; float32 q and cache,
-  and bfloat16 q and cache; also float32 with return_softmax_lse; and (float32) the direct
+  and bfloat16 q and cache; also both with return_softmax_lse (a bfloat16 cache: the outputs compared,
+  not the lse); and (float32) the direct
   poslsh._core.multihead_attention call on the cache row for the kernel's own time;
 - flash_attn_func at seqlen 16 (q, k, v (1, 16, 8, 64) float32), and the direct
   poslsh._core.multihead_attention call on the same tensors for the kernel's own time.
@@ -161,10 +162,14 @@ def main():
     rows = []
     with torch.no_grad():
         for length in args.lengths:
-            for dtype, with_lse in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+            for dtype, with_lse in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                    (torch.bfloat16, True)):
                 call, direct = decode_case(length, dtype, with_lse)
                 old_call, new_call = call(old), call(ptorch)
-                equal = same(old_call(), new_call())
+                # A bfloat16 cache's softmax_lse may be an earlier revision's float32 computation
+                # beside the matrix unit's output: only the outputs are compared there.
+                equal = same(old_call()[0], new_call()[0]) if dtype != torch.float32 and with_lse else \
+                    same(old_call(), new_call())
                 plain = dtype == torch.float32 and not with_lse
                 if plain:
                     equal = equal and torch.equal(new_call(), direct())

@@ -816,18 +816,13 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
     rows = _index(flat_rows)
     keys, values = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
     cu_q = _dense_cu(batch, seqlen_q)
-    unit = config.uses_unit(q.dtype, keys.dtype)
-    out = lse = None
     with torch.no_grad():
-        if return_lse or not unit:
-            qw, kw, vw = q.detach(), keys, values
-            if qw.dtype in _HALF or keys.dtype in _HALF:
-                qw, kw, vw = qw.float(), keys.float(), values.float()
-            flat_q = qw.reshape(batch * seqlen_q, heads, q.shape[3])
-            out, lse, _ = _compute(flat_q, kw, vw, cu_q, cu_k, config, False, return_lse)
-        if unit:  # the bfloat16 kernels on q and the gathered cache as they are
-            flat_q = q.detach().reshape(batch * seqlen_q, heads, q.shape[3])
-            out = _compute(flat_q, keys, values, cu_q, cu_k, config, False, False)[0]
+        # q and the gathered keys of one dtype as they are (out and lse of one computation);
+        # float32 queries over a half-precision cache: float32 copies of the gathered keys.
+        if keys.dtype != q.dtype:
+            keys, values = keys.float(), values.float()
+        flat_q = q.detach().reshape(batch * seqlen_q, heads, q.shape[3])
+        out, lse, _ = _compute(flat_q, keys, values, cu_q, cu_k, config, False, return_lse)
     out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -852,10 +847,11 @@ def _cache_reader(cache, widen):
 def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths, new, config, want_lse):
     """flash_attn_with_kvcache on a contiguous cache (batch_cache, seqlen_cache, nheads_k, d): k, v
     appended at `lengths`, then one kernel call per batch row over its cache row's first tokens,
-    read in place. Half-precision caches are read as they are (float32 sums; bfloat16 q over a
-    bfloat16 cache on the matrix unit when config.uses_unit), except for softmax_lse, whose
-    kernel takes float32 or float64 only: there the row is widened for the lse (and the output
-    when no unit is used)."""
+    read in place, with the lse when want_lse. q and a cache of one dtype are read as they are
+    (half precision: float32 sums, bfloat16 on the matrix unit when config selects it; out and lse
+    of one computation); float32 queries over a half-precision cache are computed in float32, the
+    cache row read in place, or widened to a float32 copy for the lse (the kernel with lse takes
+    one dtype)."""
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
     if new:
         with torch.no_grad():
@@ -868,23 +864,11 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
                     row, start = int(rows_of[b]), int(lengths[b])
                     k_cache[row].narrow(0, start, new).copy_(k[b].detach())
                     v_cache[row].narrow(0, start, new).copy_(v[b].detach())
-    unit = config.uses_unit(q.dtype, k_cache.dtype)
-    qw = q.detach()
-    if qw.dtype in _HALF:
-        qw = qw.float()
-    widen = want_lse and k_cache.dtype in _HALF
+    widen = want_lse and q.dtype != k_cache.dtype
     keys_of, values_of = _cache_reader(k_cache, widen), _cache_reader(v_cache, widen)
-    out = torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=qw.dtype)
-    queries, out_rows = _kernel_view(qw), out.numpy()
-    lse = lse_rows = None
-    if want_lse:
-        lse = torch.empty((batch, heads, seqlen_q), dtype=qw.dtype)
-        lse_rows = lse.numpy()
-    if unit:  # the bfloat16 kernels on q and the cache as they are, into a bfloat16 output
-        unit_keys_of, unit_values_of = _cache_reader(k_cache, False), _cache_reader(v_cache, False)
-        unit_out = torch.zeros((batch, seqlen_q, heads, v_cache.shape[3]), dtype=torch.bfloat16)
-        unit_queries = _kernel_view(q).bits
-        unit_rows = unit_out.view(torch.int16).numpy()
+    queries = q.detach()
+    out = torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=q.dtype)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(q)) if want_lse else None
     total = (lengths + new).tolist()
     rows_of = rows_of.tolist()
     for (first, last), sigmas in _groups(batch, config, heads):
@@ -899,23 +883,16 @@ def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths,
                     lse[b, :, :skip] = math.inf
             if valid == 0:
                 continue
-            if unit:
-                _core.multihead_attention(_core.BFloat16Bits(unit_queries[b, skip:]),
-                                          unit_keys_of(rows_of[b], length), unit_values_of(rows_of[b], length),
-                                          query_offset=length - valid, out=_core.BFloat16Bits(unit_rows[b, skip:]),
-                                          precision=config.precision, **keywords)
-                if not want_lse:
-                    continue
             keys, values = keys_of(rows_of[b], length), values_of(rows_of[b], length)
+            rows, out_rows = _kernel_view(queries[b, skip:]), _kernel_view(out[b, skip:])
             if want_lse:
-                _core.multihead_attention_with_lse(queries[b, skip:], keys, values, out=out_rows[b, skip:],
-                                                   lse=lse_rows[b, :, skip:],
+                _core.multihead_attention_with_lse(rows, keys, values, out=out_rows, lse=lse[b, :, skip:].numpy(),
                                                    cu_seqlens=np.array([0, valid], dtype=np.int32),
-                                                   cu_seqlens_k=np.array([0, length], dtype=np.int32), **keywords)
+                                                   cu_seqlens_k=np.array([0, length], dtype=np.int32),
+                                                   precision=config.precision, **keywords)
             else:
-                _core.multihead_attention(queries[b, skip:], keys, values, query_offset=length - valid,
-                                          out=out_rows[b, skip:], precision=config.precision, **keywords)
-    out = unit_out if unit else out.to(q.dtype)
+                _core.multihead_attention(rows, keys, values, query_offset=length - valid, out=out_rows,
+                                          precision=config.precision, **keywords)
     lse = lse.float() if want_lse else out.new_empty((0,), dtype=torch.float32)
     return out, lse
 
@@ -1070,16 +1047,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
     contiguous cache, nothing appended). A contiguous cache is read in place: one all-heads kernel
     call per batch row over the first cache_seqlens[b] + seqlen_new tokens of its cache row
-    (bfloat16/float16 caches as they are, float32 sums; with return_softmax_lse, whose kernel
-    takes float32 or float64 only, that row is widened to a float32 copy for softmax_lse). A
-    paged cache's used blocks are gathered (index_select) into one packed batch, a copy of the
-    keys the step reads (widened to float32 when half precision, except for the output of
-    bfloat16 q over a bfloat16 cache on the matrix unit).
+    (bfloat16/float16 caches as they are, float32 sums; under float32 q with
+    return_softmax_lse that row is widened to a float32 copy, as the kernel with lse takes one
+    dtype). A paged cache's used blocks are gathered (index_select) into one packed batch, a copy
+    of the keys the step reads in the cache's dtype (widened to float32 under float32 q).
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
     seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
     seed, samples, slopes): a decode step equals the rows of one longer prefill. precision as
     flash_attn_func: bfloat16 q over a bfloat16 cache reach the matrix unit under
-    "matrix_units" (the output; softmax_lse comes from the widened float32 computation). rotary
+    "matrix_units", and out and softmax_lse come from that one computation. rotary
     embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""
     function = "flash_attn_with_kvcache"
     _unsupported(function, 0.0, softcap)
