@@ -82,6 +82,7 @@ inline benchmark::internal::Benchmark* with_min_statistic(benchmark::internal::B
 void register_sgemm();
 void register_prefill(bool long_runs);
 void register_sigma16();
+void register_by_sigma();
 void register_decode();
 
 }  // namespace poslsh::bench

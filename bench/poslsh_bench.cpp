@@ -4,6 +4,8 @@
 //                               exact_tiled n <= 32768); with --long also exact_tiled/65536,
 //                               lsh_fused/262144 and lsh_fused/1048576
 //   sigma16_<kernel>/<s>        n = 16384, every head sigma = 16, s = 1, 4, 16, 64, 100
+//   lsh_fused_sigma/<sigma>     n = 16384, every head at sigma = 2, 4, .., 256 (one head of the
+//                               default problem each: 1/8 of a row's time is that head's share)
 //   decode_<kernel>/<t>         one token (8 heads) over a KV cache of t = 4096 .. 1048576
 // Default problem: float, H = 8, d = 64, causal, ALiBi slopes, s = 16, all threads.
 //   poslsh_bench [--long] [--benchmark_...]   (or POSLSH_BENCH_LONG=1 for --long)
@@ -114,6 +116,7 @@ int main(int argc, char** argv) {
   pb::register_sgemm();
   pb::register_prefill(long_runs);
   pb::register_sigma16();
+  pb::register_by_sigma();
   pb::register_decode();
 
   pb::ShortNameReporter display(benchmark::CreateDefaultDisplayReporter());

@@ -1,4 +1,5 @@
-// poslsh benchmarks: multi-head prefill, <method>/<n> and sigma16_<kernel>/<s>; the tile
+// poslsh benchmarks: multi-head prefill, <method>/<n>, sigma16_<kernel>/<s> and
+// lsh_fused_sigma/<sigma> (n = 16384, every head at one sigma of the default problem); the tile
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
@@ -7,6 +8,7 @@
 // Precision::float_products, and where it is amx_bf16, <method>_bf16_avx512_bf16/<n> runs it
 // with the AMX unit turned off (the detail-level switch of the tests), so one run compares the
 // units side by side.
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -234,6 +236,20 @@ void register_sigma16() {
       options.seed = seed;
       register_row(prefix + std::to_string(s), n, options);
     }
+  }
+}
+
+void register_by_sigma() {
+  const Index n = 16384;
+  // One head of the default problem at a time: every head at the sigma of head h, 2^(h + 1).
+  for (int h = 0; h < 8; ++h) {
+    const double sigma = std::ldexp(1.0, h + 1);
+    MultiHeadOptions options;
+    options.method = Method::lsh_fused;
+    options.sigmas.assign(static_cast<std::size_t>(heads), sigma);
+    options.samples = default_samples;
+    options.seed = seed;
+    register_row("lsh_fused_sigma/" + std::to_string(static_cast<int>(sigma)), n, options);
   }
 }
 

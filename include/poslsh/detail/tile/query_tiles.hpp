@@ -78,15 +78,18 @@ inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range,
   }
 }
 
-/// The order of the (query tile, head) jobs of parallel_query_tiles.
+/// The order of the (query tile, head) jobs of parallel_query_tiles, and whether the engines
+/// keep the key tiles they read (TileBuffers::keep_key_tiles).
 enum class JobOrder {
   /// Job j is head j % heads of tile j / heads: the jobs in flight read the same token rows of
   /// every head (with [n, H, d] inputs each row is one stretch of memory, fetched once for all
-  /// heads). For kernels whose tiles read a short key range near their rows (LSH, banded).
+  /// heads). For kernels whose tiles read a short key range near their rows (LSH, banded, a
+  /// local window): each key tile is read by a few query tiles, so it is read in place.
   heads_inner,
   /// Job j is tile j % tiles of head j / tiles: the jobs in flight read one head's keys, which
   /// stay in cache from one tile to the next. For kernels whose tiles read every key before
-  /// them (exact tiled), where the keys of all heads would not fit in cache.
+  /// them (exact tiled), where the keys of all heads would not fit in cache; each key tile,
+  /// read by every later query tile, is copied once into the thread's KeyTileStore.
   heads_outer
 };
 
@@ -109,8 +112,9 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
     const bool inner = order == JobOrder::heads_inner;
     workspace.buffers.stream_output = stream;
-    // A thread's jobs come one head's tiles in a row: key tiles packed once are kept.
-    workspace.buffers.keep_key_tiles = heads == 1 || !inner;
+    // A thread's jobs come one head's tiles in a row, each reading every key before it: key
+    // tiles packed once are kept.
+    workspace.buffers.keep_key_tiles = !inner;
     const long tile = inner ? j / heads : j % count;
     const long head = inner ? j % heads : j / count;
     tile_job(tiles[static_cast<std::size_t>(tile)], static_cast<Index>(head), workspace);
@@ -118,14 +122,14 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
 }
 
 /// Rows at positions [row_begin, row_end) of `heads` heads of one sequence:
-/// tile_job(head, r0, rows, workspace) computes rows [r0, r0 + rows) of one head; outputs of
-/// `written_bytes` in all.
+/// tile_job(head, r0, rows, workspace) computes rows [r0, r0 + rows) of one head, the jobs in
+/// the order `order`; outputs of `written_bytes` in all.
 template <typename Scalar, typename HeadTile>
-void parallel_query_tiles(Index heads, Index row_begin, Index row_end, std::size_t written_bytes,
-                          HeadTile&& head_tile) {
+void parallel_query_tiles(Index heads, Index row_begin, Index row_end, JobOrder order,
+                          std::size_t written_bytes, HeadTile&& head_tile) {
   std::vector<QueryTile> tiles;
   append_query_tiles(tiles, 0, row_begin, row_end);
-  parallel_query_tiles<Scalar>(tiles, heads, JobOrder::heads_inner, written_bytes,
+  parallel_query_tiles<Scalar>(tiles, heads, order, written_bytes,
                                [&](const QueryTile& tile, Index h, TileWorkspace<Scalar>& work) {
                                  head_tile(h, tile.row_begin, tile.rows, work);
                                });

@@ -160,8 +160,9 @@ struct TileBuffers {
   Buffer wide_q, wide_k, wide_v, wide_out;
   Words pair_q, pair_p, pair_v;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1> pair_k;
-  /// Whether the loop running this thread's jobs gives it one head's query tiles in a row
-  /// (parallel_query_tiles), so that key tiles are kept for the next job: K and V rows in
+  /// Whether the loop running this thread's jobs gives it one head's query tiles in a row, each
+  /// reading every key before it (parallel_query_tiles, JobOrder::heads_outer), so that key
+  /// tiles are kept for the next job: K and V rows in
   /// `key_rows` (ContiguousKV), packed for the bfloat16 units in `key_pairs` (PairedBf16KV).
   /// A kept tile is known by the address and shape of its K and V, not by their values: set
   /// only for buffers that live within one call (whose inputs do not change).
