@@ -295,6 +295,48 @@ def test_paged_cache_with_shuffled_blocks_equals_contiguous():
                 np.testing.assert_allclose(paged[b].numpy(), expected[0].numpy(), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, query_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("precision", ["matrix_units", "float_products"])
+def test_paged_and_contiguous_half_caches_give_one_out_and_lse(dtype, query_dtype, precision):
+    """A half-precision cache, paged (shuffled blocks) or contiguous, with return_softmax_lse: out
+    and lse bitwise equal between the two layouts and equal to the rows of flash_attn_func with
+    return_attn_probs=True on the same tokens (q of the cache's dtype: one computation, on the
+    matrix unit when precision selects it; float32 q: the widened cache)."""
+    batch, block_size, blocks_per_row, heads, heads_k, d, sq = 2, 16, 3, 4, 2, 64, 6
+    contiguous_k = rand((batch, block_size * blocks_per_row, heads_k, d), dtype, 61)
+    contiguous_v = rand((batch, block_size * blocks_per_row, heads_k, d), dtype, 62)
+    order = torch.randperm(batch * blocks_per_row + 1, generator=torch.Generator().manual_seed(4))
+    block_table = order[:batch * blocks_per_row].reshape(batch, blocks_per_row).to(torch.int32)
+    k_pages = torch.zeros((batch * blocks_per_row + 1, block_size, heads_k, d), dtype=dtype)
+    v_pages = torch.zeros_like(k_pages)
+    for b in range(batch):
+        for j in range(blocks_per_row):
+            page = int(block_table[b, j])
+            k_pages[page] = contiguous_k[b, j * block_size:(j + 1) * block_size]
+            v_pages[page] = contiguous_v[b, j * block_size:(j + 1) * block_size]
+    lengths = [29, 48]
+    q = rand((batch, sq, heads, d), query_dtype, 63)
+    slopes = torch.tensor([0.5, 0.2, 0.05, 0.01])
+    for method in ("exact", "lsh"):
+        extras = dict(causal=True, alibi_slopes=slopes, method=method, samples=4, seed=2, precision=precision,
+                      return_softmax_lse=True)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        paged, paged_lse = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                                   block_table=block_table, **extras)
+        flat, flat_lse = flash_attn_with_kvcache(q, contiguous_k, contiguous_v, cache_seqlens=seqlens, **extras)
+        assert paged.dtype == flat.dtype == query_dtype and paged_lse.dtype == flat_lse.dtype == torch.float32
+        assert torch.equal(paged, flat) and torch.equal(paged_lse, flat_lse), (method, precision)
+        del extras["return_softmax_lse"]
+        for b, length in enumerate(lengths):
+            keys, values = contiguous_k[b:b + 1, :length], contiguous_v[b:b + 1, :length]
+            if query_dtype != dtype:
+                keys, values = keys.to(query_dtype), values.to(query_dtype)
+            queries = torch.cat([torch.zeros((1, length - sq, heads, d), dtype=query_dtype), q[b:b + 1]], 1)
+            out, lse, _ = flash_attn_func(queries, keys, values, return_attn_probs=True, **extras)
+            assert torch.equal(flat[b], out[0, -sq:]) and torch.equal(flat_lse[b], lse[0, :, -sq:]), (method, b)
+
+
 @pytest.mark.parametrize("method", ["exact", "banded", "lsh", "lsh_per_sample", "fixed_blocks"])
 def test_decode_rows_equal_one_longer_prefill(method):
     """Prefill of 5 tokens, then decode steps of 1 and 2 tokens through the cache: each step's
