@@ -3,11 +3,11 @@
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
-// in their label (unit=amx_bf16, unit=avx512_bf16, unit=float_widening); where that is a
-// matrix unit, <method>_bf16_float_widening/<n> runs the same call with
-// Precision::float_products, and where it is amx_bf16, <method>_bf16_avx512_bf16/<n> runs it
-// with the AMX unit turned off (the detail-level switch of the tests), so one run compares the
-// units side by side.
+// in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_widening); where
+// that is a matrix unit, <method>_bf16_float_widening/<n> (<method>_f16_float_widening/<n>)
+// runs the same call with Precision::float_products, and where it is amx_bf16,
+// <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (the detail-level switch of
+// the tests), so one run compares the units side by side.
 #include <cmath>
 #include <map>
 #include <string>
@@ -205,6 +205,12 @@ void register_prefill(bool long_runs) {
       if (row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_f16" + suffix, n, options,
                      run_multihead_half<Eigen::half>);
+        if (matrix_unit_for<Eigen::half, Eigen::half>(options) != MatrixUnit::float_widening) {
+          MultiHeadOptions widening = options;
+          widening.precision = Precision::float_products;
+          register_row(std::string(row.name) + "_f16_float_widening" + suffix, n, widening,
+                       run_multihead_half<Eigen::half>);
+        }
         register_row(std::string(row.name) + "_bf16kv" + suffix, n, options, run_multihead_bf16_kv);
       }
     }

@@ -10,10 +10,11 @@
 //    on the engine (banded, fused, partitions, per-sample, fixed blocks, multi-head, packed
 //    batches, the block kernel with lse) on the chosen unit;
 //  - Precision::float_products bitwise the float kernel on the widened inputs.
-// amx_bf16 runs these checks twice: on the software emulation of the tile instructions
+// amx_fp16 runs the same checks on float16 Q, K and V against a plain float16 attention.
+// amx_bf16 and amx_fp16 run these checks twice: on the software emulation of the tile instructions
 // (detail::set_amx_mode_for_tests, on any CPU with avx512_bf16) and on the CPU's tiles where
-// it has them; the emulation itself is checked against the SDM's TDPBF16PS on values where
-// the order of its sums shows, and the emulated path against avx512_bf16 within the error
+// it has them; the emulation itself is checked against Intel's TDPBF16PS and TDPFP16PS on values
+// where the order of its sums shows, and the emulated path against avx512_bf16 within the error
 // bound (they sum the same products in another order). The avx512_bf16 checks run with AMX
 // disabled, so they test that unit on CPUs with AMX too.
 #include <algorithm>
@@ -69,10 +70,11 @@ const char* inputs_name(Inputs inputs) {
   return "?";
 }
 
-/// An n x d matrix of the given kind rounded to bfloat16: standard normal entries; smooth rows
-/// (sines of the position, a slowly turning direction); or Student-t entries with 2 degrees of
-/// freedom (normal / sqrt(chi^2_2 / 2), a few entries in the tens).
-RowMatrix<bf16> make_input(Inputs inputs, Index n, Index d, std::uint64_t seed) {
+/// An n x d matrix of the given kind rounded to Half (bfloat16 or float16): standard normal
+/// entries; smooth rows (sines of the position, a slowly turning direction); or Student-t entries
+/// with 2 degrees of freedom (normal / sqrt(chi^2_2 / 2), a few entries in the tens).
+template <typename Half = bf16>
+RowMatrix<Half> make_input(Inputs inputs, Index n, Index d, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal;
   std::exponential_distribution<double> exponential;
@@ -95,7 +97,7 @@ RowMatrix<bf16> make_input(Inputs inputs, Index n, Index d, std::uint64_t seed) 
       }
     }
   }
-  return m.cast<float>().cast<bf16>();
+  return m.cast<float>().cast<Half>();
 }
 
 /// The key weights of row i (position i): 1 (or the LSH count c_ij) where the row keeps key j,
@@ -135,8 +137,8 @@ RowWeights count_weights(Index i, Index n, const HashSet& hashes, Masking maskin
 /// tau (float) times it plus the bias (float), the softmax in float, each w_ij e^{x_ij - M_i}
 /// rounded to bfloat16 before it weights v_j, the weighted values summed in float and divided
 /// by the float sum of the unrounded probabilities.
-template <typename Weights>
-void references(const RowMatrix<bf16>& qh, const RowMatrix<bf16>& kh, const RowMatrix<bf16>& vh,
+template <typename Half, typename Weights>
+void references(const RowMatrix<Half>& qh, const RowMatrix<Half>& kh, const RowMatrix<Half>& vh,
                 double tau, Weights&& weights, RowMatrix<double>& exact, RowMatrix<float>& plain) {
   const Index n = qh.rows(), d = qh.cols(), dv = vh.cols();
   const RowMatrix<double> q = poslsh_test::to_double(qh), k = poslsh_test::to_double(kh),
@@ -174,7 +176,7 @@ void references(const RowMatrix<bf16>& qh, const RowMatrix<bf16>& kh, const RowM
       num64 += p64 * v.row(j);
       const float p32 = static_cast<float>(w.weight[u]) * std::exp(x32[u] - max32);
       sum32 += p32;
-      num32 += static_cast<float>(bf16(p32)) * vf.row(j);
+      num32 += static_cast<float>(Half(p32)) * vf.row(j);
     }
     exact.row(i) = num64 / sum64;
     plain.row(i) = num32 / sum32;
@@ -230,9 +232,9 @@ class AmxModeScope {
 };
 
 #if POSLSH_X86_UNITS
-/// The emulated tdpbf16ps instructions run so far (all threads).
+/// The emulated tdpbf16ps and tdpfp16ps instructions run so far (all threads).
 long long emulated_products() {
-  return poslsh::detail::AmxEmulatedTiles::products().load(std::memory_order_relaxed);
+  return poslsh::detail::AmxEmulatedTileOps::products().load(std::memory_order_relaxed);
 }
 #else
 long long emulated_products() { return 0; }
@@ -254,8 +256,9 @@ class EmulationWatch {
 };
 
 /// The accuracy sweep on `unit` (the unit bfloat16 calls use here, checked first).
+template <typename Half = bf16>
 void accuracy_sweep(MatrixUnit unit) {
-  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == unit);
+  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == unit);
   std::uint64_t seed = 100;
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
@@ -266,9 +269,9 @@ void accuracy_sweep(MatrixUnit unit) {
           const Index n = size.first, d = size.second;
           INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
                                    << (masking == Masking::causal ? ", causal" : ", bidir."));
-          const RowMatrix<bf16> q = make_input(inputs, n, d, ++seed),
-                                k = make_input(inputs, n, d, ++seed),
-                                v = make_input(inputs, n, d + 3, ++seed);
+          const RowMatrix<Half> q = make_input<Half>(inputs, n, d, ++seed),
+                                k = make_input<Half>(inputs, n, d, ++seed),
+                                v = make_input<Half>(inputs, n, d + 3, ++seed);
           const double tau = 1.0 / std::sqrt(static_cast<double>(d));
           const AttentionOptions options = unit_options(masking);
           const bool causal = masking == Masking::causal;
@@ -280,7 +283,7 @@ void accuracy_sweep(MatrixUnit unit) {
                 q, k, v, tau,
                 [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -n, n); }, exact,
                 plain);
-            poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, out, options);
+            poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, sigma, out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
           {
@@ -290,7 +293,7 @@ void accuracy_sweep(MatrixUnit unit) {
                 q, k, v, tau,
                 [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -band, band); },
                 exact, plain);
-            poslsh::alibi_attention_banded<bf16, bf16, float>(q, k, v, sigma, band, out, options);
+            poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, sigma, band, out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
           {
@@ -299,9 +302,9 @@ void accuracy_sweep(MatrixUnit unit) {
             references(
                 q, k, v, tau, [&](Index i) { return count_weights(i, n, hashes, masking); }, exact,
                 plain);
-            poslsh::lsh_attention_fused<bf16, bf16, float>(q, k, v, hashes, out, options);
+            poslsh::lsh_attention_fused<Half, Half, float>(q, k, v, hashes, out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
-            poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, out, options);
+            poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, hashes, out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
         }
@@ -314,24 +317,25 @@ void accuracy_sweep(MatrixUnit unit) {
 template <typename Scalar>
 void kept_key_tile_checks();
 
+template <typename Half = bf16>
 void thread_and_chunk_checks(MatrixUnit unit) {
-  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == unit);
+  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == unit);
   const Index n = 333, d = 64;
-  const RowMatrix<bf16> q = make_input(Inputs::random, n, d, 1),
-                        k = make_input(Inputs::random, n, d, 2),
-                        v = make_input(Inputs::random, n, d, 3);
+  const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, d, 1),
+                        k = make_input<Half>(Inputs::random, n, d, 2),
+                        v = make_input<Half>(Inputs::random, n, d, 3);
   const HashSet hashes = poslsh::rbf_hashes(32.0, 16, 5, 0);
   for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
     INFO((masking == Masking::causal ? "causal" : "bidirectional"));
     const AttentionOptions options = unit_options(masking);
     const auto tiled = [&](RowMatrix<float>& out) {
-      poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, out, options);
+      poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, 16.0, out, options);
     };
     const auto fused = [&](RowMatrix<float>& out) {
-      poslsh::lsh_attention_fused<bf16, bf16, float>(q, k, v, hashes, out, options);
+      poslsh::lsh_attention_fused<Half, Half, float>(q, k, v, hashes, out, options);
     };
     const auto per_sample = [&](RowMatrix<float>& out) {
-      poslsh::lsh_attention_per_sample<bf16, bf16, float>(q, k, v, hashes, out, options);
+      poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, hashes, out, options);
     };
     for (const auto& named :
          {std::pair<const char*, std::function<void(RowMatrix<float>&)>>{"tiled", tiled},
@@ -354,18 +358,18 @@ void thread_and_chunk_checks(MatrixUnit unit) {
       AttentionOptions at = options;
       at.query_offset = first;
       RowMatrix<float> part(rows, d);
-      poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(first, rows), k.topRows(keys),
+      poslsh::alibi_attention_tiled<Half, Half, float>(q.middleRows(first, rows), k.topRows(keys),
                                                        v.topRows(keys), 16.0, part, at);
       CHECK(part == whole_tiled.middleRows(first, rows));
       if (masking == Masking::bidirectional) {
-        poslsh::lsh_attention_fused<bf16, bf16, float>(q.middleRows(first, rows), k, v, hashes,
+        poslsh::lsh_attention_fused<Half, Half, float>(q.middleRows(first, rows), k, v, hashes,
                                                        part, at);
         CHECK(part == whole_fused.middleRows(first, rows));
       }
       first += rows;
     }
   }
-  kept_key_tile_checks<bf16>();
+  kept_key_tile_checks<Half>();
 }
 
 /// Key tiles kept for the next query tiles (TileBuffers::keep_key_tiles: each key tile copied
@@ -419,15 +423,15 @@ void kept_key_tile_checks() {
 /// Every kernel on the tile engine runs on `unit`: each one against the single-head call on
 /// the unit and not bitwise the float products; ran() says whether the unit ran since it was
 /// last asked (checked after each call on the unit).
-template <typename Ran>
+template <typename Half = bf16, typename Ran>
 void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
-  REQUIRE(poslsh::matrix_unit_for<bf16, bf16>(unit_options(Masking::causal)) == expected);
+  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == expected);
   const Index n = 150, heads = 2, d = 32;
-  const RowMatrix<bf16> q = make_input(Inputs::random, n, heads * d, 11),
-                        k = make_input(Inputs::random, n, heads * d, 12),
-                        v = make_input(Inputs::random, n, heads * d, 13);
-  const auto head = [&](const RowMatrix<bf16>& m, Index h) {
-    return poslsh::ConstMatrixRef<bf16>(m.middleCols(h * d, d));
+  const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, heads * d, 11),
+                        k = make_input<Half>(Inputs::random, n, heads * d, 12),
+                        v = make_input<Half>(Inputs::random, n, heads * d, 13);
+  const auto head = [&](const RowMatrix<Half>& m, Index h) {
+    return poslsh::ConstMatrixRef<Half>(m.middleCols(h * d, d));
   };
   AttentionOptions unit = unit_options(Masking::causal), widening = unit;
   widening.precision = Precision::float_products;
@@ -442,10 +446,10 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
     options.samples = 4;
     options.sigmas = {8.0, 40.0};
     RowMatrix<float> out(n, heads * d);
-    const auto view = [&](const RowMatrix<bf16>& m) {
-      return poslsh::HeadsView<const bf16>{m.data(), n, heads, d, heads * d, d};
+    const auto view = [&](const RowMatrix<Half>& m) {
+      return poslsh::HeadsView<const Half>{m.data(), n, heads, d, heads * d, d};
     };
-    poslsh::multihead_attention<bf16, bf16, float>(
+    poslsh::multihead_attention<Half, Half, float>(
         view(q), view(k), view(v), poslsh::HeadsView<float>{out.data(), n, heads, d, heads * d, d},
         options);
     CHECK(ran());
@@ -456,30 +460,30 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
       for (const auto& [opts, target] : {std::pair{unit, &single}, std::pair{widening, &floats}}) {
         switch (method) {
           case poslsh::Method::exact_tiled:
-            poslsh::alibi_attention_tiled<bf16, bf16, float>(head(q, h), head(k, h), head(v, h),
+            poslsh::alibi_attention_tiled<Half, Half, float>(head(q, h), head(k, h), head(v, h),
                                                              sigma, *target, opts);
             break;
           case poslsh::Method::exact_banded:
-            poslsh::alibi_attention_banded<bf16, bf16, float>(
+            poslsh::alibi_attention_banded<Half, Half, float>(
                 head(q, h), head(k, h), head(v, h), sigma,
                 poslsh::band_for_bias_error(sigma, options.band_error), *target, opts);
             break;
           case poslsh::Method::lsh_fused:
-            poslsh::lsh_attention_fused<bf16, bf16, float>(
+            poslsh::lsh_attention_fused<Half, Half, float>(
                 head(q, h), head(k, h), head(v, h),
                 poslsh::rbf_hashes(sigma, options.samples, options.seed,
                                    static_cast<std::uint64_t>(h)),
                 *target, opts);
             break;
           case poslsh::Method::lsh_per_sample:
-            poslsh::lsh_attention_per_sample<bf16, bf16, float>(
+            poslsh::lsh_attention_per_sample<Half, Half, float>(
                 head(q, h), head(k, h), head(v, h),
                 poslsh::rbf_hashes(sigma, options.samples, options.seed,
                                    static_cast<std::uint64_t>(h)),
                 *target, opts);
             break;
           case poslsh::Method::fixed_blocks:
-            poslsh::lsh_attention_per_sample<bf16, bf16, float>(
+            poslsh::lsh_attention_per_sample<Half, Half, float>(
                 head(q, h), head(k, h), head(v, h), HashSet{poslsh::fixed_blocks_hash(sigma)},
                 *target, opts);
             break;
@@ -496,19 +500,19 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
     const HashSet hashes = poslsh::rbf_hashes(20.0, 4, 3, 0);
     const poslsh::PartitionSet partitions = poslsh::partition_set(hashes, n);
     RowMatrix<float> from_partitions(n, d), from_hashes(n, d), floats(n, d);
-    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
+    poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
                                                    from_partitions, unit);
     CHECK(ran());
-    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), hashes,
+    poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), hashes,
                                                    from_hashes, unit);
-    poslsh::lsh_attention_fused<bf16, bf16, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
+    poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
                                                    floats, widening);
     CHECK(from_partitions == from_hashes);
     CHECK(from_partitions != floats);
   }
   // The block kernel with lse: the unit's block outputs against the plain bfloat16 formula.
   {
-    poslsh::PlainBlockAttention<bf16, bf16> block;
+    poslsh::PlainBlockAttention<Half, Half> block;
     RowMatrix<float> out(n, d);
     Eigen::VectorXf lse(n);
     block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
@@ -516,7 +520,7 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
     RowMatrix<double> exact;
     RowMatrix<float> plain;
     references(
-        RowMatrix<bf16>(head(q, 0)), RowMatrix<bf16>(head(k, 0)), RowMatrix<bf16>(head(v, 0)), 0.2,
+        RowMatrix<Half>(head(q, 0)), RowMatrix<Half>(head(k, 0)), RowMatrix<Half>(head(v, 0)), 0.2,
         [&](Index i) { return alibi_weights(i, n, std::numeric_limits<double>::infinity(), 0, n); },
         exact, plain);
     CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
@@ -536,13 +540,22 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
   CHECK(poslsh::enum_from_name<MatrixUnit>("avx512_bf16") == MatrixUnit::avx512_bf16);
   CHECK(std::string(poslsh::enum_name(MatrixUnit::amx_bf16)) == "amx_bf16");
   CHECK(poslsh::enum_from_name<MatrixUnit>("amx_bf16") == MatrixUnit::amx_bf16);
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::amx_fp16)) == "amx_fp16");
+  CHECK(poslsh::enum_from_name<MatrixUnit>("amx_fp16") == MatrixUnit::amx_fp16);
   CHECK(poslsh::enum_from_name<Precision>("float_products") == Precision::float_products);
   CHECK(std::string(poslsh::enum_name(Precision::matrix_units)) == "matrix_units");
   CHECK(poslsh::matrix_unit_available(MatrixUnit::float_widening));
   const bool bf16_unit = poslsh::matrix_unit_available(MatrixUnit::avx512_bf16);
   const bool amx_unit = poslsh::matrix_unit_available(MatrixUnit::amx_bf16);
+  const bool amx_fp16_unit = poslsh::matrix_unit_available(MatrixUnit::amx_fp16);
   WARN("units on this CPU: float_widening" << (bf16_unit ? ", avx512_bf16" : "")
-                                           << (amx_unit ? ", amx_bf16" : ""));
+                                           << (amx_unit ? ", amx_bf16" : "")
+                                           << (amx_fp16_unit ? ", amx_fp16" : ""));
+  // Float16 inputs: amx_fp16 where the CPU has it (and avx512_bf16, the code around the
+  // tiles), else widened (no AVX-512 float16 product sums in float).
+  CHECK((!amx_fp16_unit || bf16_unit));
+  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(AttentionOptions{}) ==
+        (amx_fp16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_widening));
   // The first the CPU has of amx_bf16, avx512_bf16, float_widening (and AMX only with
   // avx512_bf16, the code around its tiles).
   CHECK((!amx_unit || bf16_unit));
@@ -554,22 +567,31 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
   {
     const AmxModeScope no_amx(AmxTestMode::disabled);
     CHECK_FALSE(poslsh::matrix_unit_available(MatrixUnit::amx_bf16));
+    CHECK_FALSE(poslsh::matrix_unit_available(MatrixUnit::amx_fp16));
     CHECK(matrix_unit_for<bf16, bf16>(options) ==
           (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
+    CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
   }
   {
     const AmxModeScope emulated(AmxTestMode::emulated);
     CHECK(emulated.active() == bf16_unit);
     CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == (bf16_unit || amx_unit));
-    if (emulated.active()) CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::amx_bf16);
+    CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_fp16) == (bf16_unit || amx_fp16_unit));
+    if (emulated.active()) {
+      CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::amx_bf16);
+      CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::amx_fp16);
+    }
     CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
+    CHECK(matrix_unit_for<Eigen::half, bf16>(options) == MatrixUnit::float_widening);
+    CHECK(matrix_unit_for<float, Eigen::half>(options) == MatrixUnit::float_widening);
   }
   CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == amx_unit);
+  CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_fp16) == amx_fp16_unit);
   CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
   CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_widening);
-  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
   options.precision = Precision::float_products;
   CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
   // A precision outside the enumerators is named.
   options.precision = static_cast<Precision>(7);
   const RowMatrix<bf16> x = poslsh_test::random_half<bf16>(8, 4, 1);
@@ -714,7 +736,7 @@ TEST_CASE("avx512_bf16: query pairs packed as their definition, word for word", 
 }
 
 TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
-  using Tiles = poslsh::detail::AmxEmulatedTiles;
+  using Tiles = poslsh::detail::AmxEmulatedTiles<bf16>;
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(bf16(x)); };
   // A (tile 4): row m's pairs along k; B (tile 5): row k's pairs along columns n; C (tile 0).
   std::uint16_t a[16][32] = {}, b[16][32] = {};
@@ -768,6 +790,73 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
   Tiles::configure(config);
   CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
   Tiles::release();
+}
+
+TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units][amx]") {
+  using Tiles = poslsh::detail::AmxEmulatedTiles<Eigen::half>;
+  const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(x)); };
+  std::uint16_t a[16][32] = {}, b[16][32] = {};
+  float c[16][16] = {};
+  // Row 0, column 0: even products 2^13 2^11 + 1 = 2^24 + 1 (rounds to 2^24 at the tie), odd
+  // ones -2^24 + 1 (exact), each half summed in its own float, then added: 1 (in-order pair
+  // sums or exact sums give 2).
+  a[0][0] = bits(8192.0f);
+  a[0][1] = bits(8192.0f);
+  a[0][2] = bits(1.0f);
+  a[0][3] = bits(1.0f);
+  b[0][0] = bits(2048.0f);
+  b[0][1] = bits(-2048.0f);
+  b[1][0] = bits(1.0f);
+  b[1][1] = bits(1.0f);
+  // Row 1, column 1: a denormal float16 (bits 0x0001, 2^-24) is a value, not 0: times 2^10 it
+  // gives 2^-14.
+  a[1][0] = 0x0001;
+  b[0][2] = bits(1024.0f);
+  // Row 2, column 2: a float denormal loaded into C is flushed (FTZ/DAZ on the accumulation).
+  c[2][2] = std::numeric_limits<float>::denorm_min() * 1000.0f;
+  CHECK(c[2][2] > 0.0f);
+  // Row 3, column 3: small integers, exact: 3 + (2 * 5 + 4 * 7) = 41 onto a loaded C of 3.
+  a[3][0] = bits(2.0f);
+  a[3][1] = bits(4.0f);
+  b[0][6] = bits(5.0f);
+  b[0][7] = bits(7.0f);
+  c[3][3] = 3.0f;
+  const long long before = Tiles::products().load();
+  Tiles::configure(poslsh::detail::amx_tile_config());
+  Tiles::load(0, c, 64);
+  Tiles::load(4, a, 64);
+  Tiles::load(5, b, 64);
+  Tiles::dot(0, 5);
+  float out[16][16];
+  Tiles::store(0, out, 64);
+  Tiles::release();
+  CHECK(Tiles::products().load() == before + 1);
+  CHECK(out[0][0] == 1.0f);
+  CHECK(out[1][1] == std::ldexp(1.0f, -14));
+  CHECK(out[2][2] == 0.0f);
+  CHECK(out[3][3] == 41.0f);
+  CHECK(out[0][1] == 8192.0f * 1024.0f);  // row 0 times column 1's even value, the others 0
+  CHECK(out[5][5] == 0.0f);
+  // The same bits read as bfloat16 pairs give other numbers: the unit is the type's.
+  {
+    using Bf16Tiles = poslsh::detail::AmxEmulatedTiles<bf16>;
+    Bf16Tiles::configure(poslsh::detail::amx_tile_config());
+    Bf16Tiles::load(0, c, 64);
+    Bf16Tiles::load(4, a, 64);
+    Bf16Tiles::load(5, b, 64);
+    Bf16Tiles::dot(0, 5);
+    Bf16Tiles::store(0, out, 64);
+    Bf16Tiles::release();
+    CHECK(out[3][3] != 41.0f);
+  }
+  CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
+  // The probabilities' rounding: float16 to nearest even, its denormals kept.
+  CHECK(poslsh::detail::amx_round<Eigen::half>(1.0f + std::ldexp(1.0f, -11)) == bits(1.0f));
+  CHECK(poslsh::detail::amx_round<Eigen::half>(1.0f + 3 * std::ldexp(1.0f, -11)) ==
+        bits(1.0f + std::ldexp(1.0f, -9)));
+  CHECK(poslsh::detail::amx_round<Eigen::half>(std::ldexp(1.0f, -24)) == 0x0001);
+  CHECK(poslsh::detail::amx_round<bf16>(std::ldexp(1.0f, -24)) ==
+        Eigen::numext::bit_cast<std::uint16_t>(bf16(std::ldexp(1.0f, -24))));
 }
 #endif
 
@@ -826,6 +915,49 @@ TEST_CASE("amx_bf16 (emulated tiles): every kernel on the tile engine uses the u
   }
   EmulationWatch watch;
   every_kernel_checks(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
+}
+
+TEST_CASE("amx_fp16 (emulated tiles): within 2x a plain float16 attention's error",
+          "[units][half][amx][slow]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16);
+  CHECK(watch.ran());
+}
+
+TEST_CASE("amx_fp16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
+          "[units][half][amx]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16);
+  CHECK(watch.ran());
+}
+
+TEST_CASE("amx_fp16 (emulated tiles): every kernel on the tile engine uses the unit",
+          "[units][half][amx]") {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  EmulationWatch watch;
+  every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [&] { return watch.ran(); });
+}
+
+TEST_CASE("amx_fp16 (this CPU's tiles): the checks of the emulated tiles", "[units][half][amx]") {
+  const AmxModeScope cpu(AmxTestMode::cpu);
+  if (!have_unit(MatrixUnit::amx_fp16)) return;
+  accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16);
+  thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16);
+  every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [] { return true; });
 }
 
 TEST_CASE("amx_bf16 (emulated tiles) against avx512_bf16: within the rounding bound",

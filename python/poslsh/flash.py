@@ -266,15 +266,6 @@ class _Config:
         self.samples, self.seed, self.band_error = samples, seed, band_error
         self.precision = precision
 
-    def uses_unit(self, q_dtype, kv_dtype):
-        """Whether a call on q of q_dtype over k, v of kv_dtype runs the bfloat16 kernels on a
-        matrix unit: bfloat16 throughout, a method with bfloat16 kernels, and a unit under
-        `precision` (the unit differs from that of precision "float_products")."""
-        if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16 or self.method == "mean_of_outputs":
-            return False
-        return _core.matrix_unit("bfloat16", "bfloat16", precision=self.precision) != _core.matrix_unit(
-            "bfloat16", "bfloat16", precision="float_products")
-
     def keywords(self, sigmas):
         keywords = dict(layout="nhd", method=self.method, masking="causal" if self.causal else "bidirectional",
                         scale=self.scale, sigmas=sigmas, samples=self.samples, seed=self.seed,

@@ -139,8 +139,9 @@ arrays are read as bfloat16 only through this wrapper.
   module.def(
       "matrix_unit_names", []() { return enum_names<poslsh::MatrixUnit>(); },
       R"doc(Names of the units that can multiply half-precision tiles, in declaration order:
-'float_widening' (every value widened to float32, any CPU) and 'avx512_bf16' (AVX512-BF16 dot
-products of bfloat16 pairs summed in float32).)doc");
+'float_widening' (every value widened to float32, any CPU), 'avx512_bf16' (AVX512-BF16 dot
+products of bfloat16 pairs summed in float32), 'amx_bf16' and 'amx_fp16' (AMX tiles of bfloat16
+or float16 pairs, summed in float32).)doc");
 
   module.def(
       "matrix_unit_available",

@@ -146,7 +146,7 @@ def cpu_flags():
 
 def test_unit_names_and_availability():
     names = poslsh.matrix_unit_names()
-    assert names == ["float_widening", "avx512_bf16", "amx_bf16"]
+    assert names == ["float_widening", "avx512_bf16", "amx_bf16", "amx_fp16"]
     assert poslsh.precision_names() == ["matrix_units", FLOAT_PRODUCTS]
     available = poslsh.matrix_units()
     assert available[0] == "float_widening"
@@ -158,7 +158,10 @@ def test_unit_names_and_availability():
         # AMX also needs the process's tile permission, which Linux may refuse.
         if poslsh.matrix_unit_available("amx_bf16"):
             assert {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
-    with pytest.raises(ValueError, match="argument 'name' = amx: must be float_widening, avx512_bf16 or amx_bf16"):
+        if poslsh.matrix_unit_available("amx_fp16"):
+            assert {"amx_tile", "amx_fp16", "avx512_bf16"} <= flags
+    with pytest.raises(ValueError,
+                       match="argument 'name' = amx: must be float_widening, avx512_bf16, amx_bf16 or amx_fp16"):
         poslsh.matrix_unit_available("amx")
 
 
@@ -170,8 +173,13 @@ def test_unit_of_a_call():
     assert poslsh.matrix_unit("bfloat16", "bfloat16", precision="matrix_units") == bf16_unit
     assert poslsh.matrix_unit(torch.bfloat16, torch.bfloat16) == bf16_unit
     assert poslsh.matrix_unit("bfloat16", precision=FLOAT_PRODUCTS) == "float_widening"
-    for q_dtype, kv_dtype in (("float32", None), ("float64", None), ("float16", None), ("float32", "bfloat16"),
-                              ("float32", "float16"), (np.float32, np.float16), (torch.float16, torch.float16)):
+    # float16 q, k, v: AMX-FP16 where the CPU has it, else widened (no AVX-512 float16 product sums in float).
+    f16_unit = "amx_fp16" if poslsh.matrix_unit_available("amx_fp16") else "float_widening"
+    for dtype in ("float16", np.float16, torch.float16):
+        assert poslsh.matrix_unit(dtype) == f16_unit
+        assert poslsh.matrix_unit(dtype, dtype, precision=FLOAT_PRODUCTS) == "float_widening"
+    for q_dtype, kv_dtype in (("float32", None), ("float64", None), ("float32", "bfloat16"),
+                              ("float32", "float16"), (np.float32, np.float16)):
         for precision in poslsh.precision_names():
             assert poslsh.matrix_unit(q_dtype, kv_dtype, precision=precision) == "float_widening"
     with pytest.raises(ValueError, match="argument 'precision' = fast: must be matrix_units or float_products"):

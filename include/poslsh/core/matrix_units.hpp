@@ -14,8 +14,13 @@
 //                   Linux, the process's permission to use it (arch_prctl
 //                   ARCH_REQ_XCOMP_PERM, asked once); the code around the tiles also needs
 //                   avx512_bf16. Where the permission is refused the unit is not available.
+//   amx_fp16        tdpfp16ps: the same tiles of float16 pairs (AMX-FP16: Intel Granite Rapids
+//                   and later), with the same needs as amx_bf16 (AMX-TILE, the OS state, the
+//                   permission, avx512_bf16 for the code around the tiles).
 // With Q, K and V all in Eigen::bfloat16 and Precision::matrix_units, a call uses amx_bf16,
-// else avx512_bf16, else float_widening, the first the CPU has.
+// else avx512_bf16, else float_widening, the first the CPU has; with all three in Eigen::half,
+// amx_fp16, else float_widening. AVX512-FP16 has no float16 product summed in float (its
+// multiply-adds round every sum to float16), so float16 inputs without AMX-FP16 are widened.
 #pragma once
 
 #include <atomic>
@@ -39,10 +44,11 @@
 namespace poslsh {
 
 /// The units that multiply half-precision tiles (see the file comment).
-enum class MatrixUnit { float_widening, avx512_bf16, amx_bf16 };
+enum class MatrixUnit { float_widening, avx512_bf16, amx_bf16, amx_fp16 };
 
-/// The names "float_widening", "avx512_bf16" and "amx_bf16" (enum_name, enum_from_name).
-POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16, amx_bf16);
+/// The names "float_widening", "avx512_bf16", "amx_bf16" and "amx_fp16" (enum_name,
+/// enum_from_name).
+POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16, amx_bf16, amx_fp16);
 
 namespace detail {
 
@@ -76,34 +82,49 @@ inline bool detect_avx512_bf16() {
   return (cpuid(7, 1).eax & (1u << 5)) != 0;
 }
 
-/// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7 EDX bits 24 and 22), the OS saves
-/// the tile configuration and data (XCR0 bits 17 and 18) and grants this process the tile data
-/// (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); other systems: no), and the
-/// CPU has avx512_bf16 (detect_avx512_bf16); in 64-bit code. Asks for the permission when the
-/// rest holds; a refusal means false. Call once (matrix_unit_available keeps the answer).
-inline bool detect_amx_bf16() {
-#if !defined(__x86_64__)
-  return false;  // the tiles exist in 64-bit mode only
-#endif
-  constexpr std::uint64_t tile_state = (std::uint64_t{1} << 17) | (std::uint64_t{1} << 18);
-  const CpuidRegisters leaf7 = cpuid(7, 0);
-  const bool tile = (leaf7.edx & (1u << 24)) != 0, bf16 = (leaf7.edx & (1u << 22)) != 0;
-  if (!tile || !bf16 || (os_saved_state() & tile_state) != tile_state) return false;
-  if (!detect_avx512_bf16()) return false;
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  constexpr long request_permission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long tile_data = 18;               // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, request_permission, tile_data) == 0;
+/// Whether Linux grants this process the AMX tile data (arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)), asked once; other systems: no.
+inline bool amx_permission_granted() {
+#if defined(__linux__) && defined(SYS_arch_prctl) && defined(__x86_64__)
+  static const bool granted = [] {
+    constexpr long request_permission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long tile_data = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, request_permission, tile_data) == 0;
+  }();
+  return granted;
 #else
   return false;
 #endif
 }
+
+/// Whether the CPU has AMX-TILE (CPUID leaf 7 EDX bit 24) and the tile products of `unit`
+/// (amx_bf16: leaf 7 EDX bit 22; amx_fp16: leaf 7 subleaf 1 EAX bit 21), the OS saves the tile
+/// configuration and data (XCR0 bits 17 and 18) and grants this process the tile data
+/// (amx_permission_granted), and the CPU has avx512_bf16 (detect_avx512_bf16); in 64-bit code.
+/// Asks for the permission when the rest holds; a refusal means false. Call once per unit
+/// (matrix_unit_available keeps the answers).
+inline bool detect_amx(MatrixUnit unit) {
+#if !defined(__x86_64__)
+  static_cast<void>(unit);
+  return false;  // the tiles exist in 64-bit mode only
+#else
+  constexpr std::uint64_t tile_state = (std::uint64_t{1} << 17) | (std::uint64_t{1} << 18);
+  const CpuidRegisters leaf7 = cpuid(7, 0);
+  const bool tile = (leaf7.edx & (1u << 24)) != 0;
+  const bool products = unit == MatrixUnit::amx_bf16
+                            ? (leaf7.edx & (1u << 22)) != 0
+                            : leaf7.eax >= 1 && (cpuid(7, 1).eax & (1u << 21)) != 0;
+  if (!tile || !products || (os_saved_state() & tile_state) != tile_state) return false;
+  if (!detect_avx512_bf16()) return false;
+  return amx_permission_granted();
+#endif
+}
 #endif
 
-/// Test hook, not part of the interface: where the amx_bf16 kernels run. cpu: on the CPU's
-/// tiles, where it has them; emulated: on a software emulation of the tile instructions
-/// (detail/tile/amx_kernels.hpp), on any CPU with avx512_bf16; disabled: nowhere (calls use
-/// the next unit, as on a CPU without AMX).
+/// Test hook, not part of the interface: where the AMX kernels (amx_bf16, amx_fp16) run. cpu:
+/// on the CPU's tiles, where it has them; emulated: on a software emulation of the tile
+/// instructions (detail/tile/amx_kernels.hpp), on any CPU with avx512_bf16; disabled: nowhere
+/// (calls use the next unit, as on a CPU without AMX).
 enum class AmxTestMode { cpu, emulated, disabled };
 
 /// The current AmxTestMode (cpu unless a test sets another with set_amx_mode_for_tests).
@@ -114,49 +135,53 @@ inline std::atomic<AmxTestMode>& amx_test_mode() {
 
 }  // namespace detail
 
-/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once (for
-/// amx_bf16, the first call asks Linux for the tile permission).
+/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once (for the
+/// AMX units, the first call asks Linux for the tile permission).
 inline bool matrix_unit_available(MatrixUnit unit) {
+#if POSLSH_X86_UNITS
+  // The AMX units as detected, unless the test hook says otherwise.
+  const auto amx = [](bool detected) {
+    switch (detail::amx_test_mode().load(std::memory_order_relaxed)) {
+      case detail::AmxTestMode::emulated:
+        return true;
+      case detail::AmxTestMode::disabled:
+        return false;
+      case detail::AmxTestMode::cpu:
+        break;
+    }
+    return detected;
+  };
   switch (unit) {
     case MatrixUnit::float_widening:
       return true;
     case MatrixUnit::avx512_bf16: {
-#if POSLSH_X86_UNITS
       static const bool available = detail::detect_avx512_bf16();
       return available;
-#else
-      return false;
-#endif
     }
     case MatrixUnit::amx_bf16: {
-#if POSLSH_X86_UNITS
-      static const bool available = detail::detect_amx_bf16();
-      switch (detail::amx_test_mode().load(std::memory_order_relaxed)) {
-        case detail::AmxTestMode::emulated:
-          return true;
-        case detail::AmxTestMode::disabled:
-          return false;
-        case detail::AmxTestMode::cpu:
-          break;
-      }
-      return available;
-#else
-      return false;
-#endif
+      static const bool available = detail::detect_amx(MatrixUnit::amx_bf16);
+      return amx(available);
+    }
+    case MatrixUnit::amx_fp16: {
+      static const bool available = detail::detect_amx(MatrixUnit::amx_fp16);
+      return amx(available);
     }
   }
   return false;
+#else
+  return unit == MatrixUnit::float_widening;
+#endif
 }
 
 namespace detail {
 
 /// Test hook, not part of the interface: sets the AmxTestMode. With emulated,
-/// matrix_unit_available(MatrixUnit::amx_bf16) is true and the amx_bf16 kernels run on the
-/// emulation of the tile instructions, so the AMX path is tested on CPUs without AMX; with
-/// disabled it is false, so avx512_bf16 is tested on CPUs with AMX. The emulation needs
-/// avx512_bf16 (the code around the tiles uses it): on a CPU without it, emulated leaves the
-/// mode as it is and returns false; otherwise returns true. Not for use while attention calls
-/// run on other threads.
+/// matrix_unit_available is true for amx_bf16 and amx_fp16 and their kernels run on the
+/// emulation of the tile instructions, so the AMX paths are tested on CPUs without AMX; with
+/// disabled it is false, so avx512_bf16 (and float16 widening) is tested on CPUs with AMX. The
+/// emulation needs avx512_bf16 (the code around the tiles uses it): on a CPU without it, emulated
+/// leaves the mode as it is and returns false; otherwise returns true. Not for use while attention
+/// calls run on other threads.
 inline bool set_amx_mode_for_tests(AmxTestMode mode) {
   if (mode == AmxTestMode::emulated && !matrix_unit_available(MatrixUnit::avx512_bf16))
     return false;
@@ -167,20 +192,22 @@ inline bool set_amx_mode_for_tests(AmxTestMode mode) {
 }  // namespace detail
 
 /// The unit that multiplies the tiles of a call with Q stored as QScalar and K, V as KVScalar
-/// under `precision`: when all three are Eigen::bfloat16 and the precision is
-/// Precision::matrix_units, amx_bf16 if the CPU has it, else avx512_bf16 if it has that;
-/// float_widening otherwise (float and double inputs are multiplied in their own type,
-/// Eigen::half and mixed inputs widened).
+/// under `precision`: under Precision::matrix_units, when all three are Eigen::bfloat16,
+/// amx_bf16 if the CPU has it, else avx512_bf16 if it has that; when all three are
+/// Eigen::half, amx_fp16 if the CPU has it; float_widening otherwise (float and double inputs
+/// are multiplied in their own type, other half-precision and mixed inputs widened).
 template <typename QScalar, typename KVScalar>
 MatrixUnit matrix_unit_for(Precision precision) {
-  if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
-                std::is_same_v<KVScalar, Eigen::bfloat16>) {
-    if (precision == Precision::matrix_units) {
+  if (precision == Precision::matrix_units) {
+    if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
+                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
       if (matrix_unit_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
       if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
     }
+    if constexpr (std::is_same_v<QScalar, Eigen::half> && std::is_same_v<KVScalar, Eigen::half>) {
+      if (matrix_unit_available(MatrixUnit::amx_fp16)) return MatrixUnit::amx_fp16;
+    }
   }
-  static_cast<void>(precision);
   return MatrixUnit::float_widening;
 }
 

@@ -1,29 +1,32 @@
-// poslsh internals: the tile engine's products on AMX-BF16 (MatrixUnit::amx_bf16,
-// core/matrix_units.hpp), for Q, K and V stored in Eigen::bfloat16. tdpbf16ps adds to a float
-// tile C (16 rows, 16 columns) the product of a tile A (16 rows of 16 bfloat16 pairs) and a
-// tile B (16 rows of 16 bfloat16 pairs, row k holding pair k of each column), the pairs along
-// the summed index. Every tile here is 16 rows of 64 bytes (one configuration, palette 1):
-// C in tiles 0-3, A in tile 4, B in tiles 5 and 6. The operands:
+// poslsh internals: the tile engine's products on AMX (core/matrix_units.hpp), for Q, K and V
+// stored in Eigen::bfloat16 (MatrixUnit::amx_bf16, tdpbf16ps) or in Eigen::half
+// (MatrixUnit::amx_fp16, tdpfp16ps). Each adds to a float tile C (16 rows, 16 columns) the
+// product of a tile A (16 rows of 16 pairs of 16-bit values) and a tile B (16 rows of 16
+// pairs, row k holding pair k of each column), the pairs along the summed index; the kernels
+// below are the same for both, parameterised by the type of the values (`Half`). Every tile here is
+// 16 rows of 64 bytes (one configuration, palette 1): C in tiles 0-3, A in tile 4, B in tiles 5
+// and 6. The operands:
 //   scores  C[key][query] over blocks of 16 keys: A = the key rows (K's rows copied, d padded
 //           with zeros to a multiple of 32), B = the query pairs pair_q[c2 * tile + a]
 //           (pair_pack_queries, padded with zero rows to a multiple of 16 pairs); C is the
 //           transposed score tile, stored as the engine keeps it (scores[key * tile + query]);
 //   values  C = acc (rows of 16 queries, 16 value columns), A = the probabilities of a query
-//           row as pairs along keys (amx_pack_probs, rounded to bfloat16), B = the value pairs
+//           row as pairs along keys (amx_pack_probs, rounded to Half), B = the value pairs
 //           pair_v[b2 * cols + c] (pair_pack_values, padded with zero pairs to 32 a tile).
 // The summed index runs in fixed blocks (32 columns of d from column 0; 32 keys from the key
-// tile's first), each block one tdpbf16ps, so an entry of C depends only on its A row, its B
-// column and the blocks summed: a query's result depends only on its own row and the keys,
+// tile's first), each block one tdpbf16ps (tdpfp16ps), so an entry of C depends only on its A row,
+// its B column and the blocks summed: a query's result depends only on its own row and the keys,
 // never on the other rows of its tile. Blocks of zeros add exactly 0.
 // The tile operations (configure, zero, load, dot, store, release) come from a layer `Tiles`:
 // AmxNativeTiles issues the instructions (inline assembly rather than the _tile_* intrinsics,
 // whose GCC forms tell the compiler of no memory read by tileloadd and of only 8 bytes read by
-// ldtilecfg); AmxEmulatedTiles computes them in software as the Intel SDM's pseudo-code for
-// TDPBF16PS gives (stated at AmxEmulatedTiles), for tests on CPUs without AMX
-// (detail::set_amx_mode_for_tests, core/matrix_units.hpp).
+// ldtilecfg, and whose tdpfp16ps GCC 12 does not know); AmxEmulatedTiles computes them in
+// software as Intel's pseudo-code for TDPBF16PS and TDPFP16PS gives (stated at
+// AmxEmulatedTiles), for tests on CPUs without AMX (detail::set_amx_mode_for_tests,
+// core/matrix_units.hpp).
 // Every function carrying AMX or AVX-512 instructions is compiled for that target by a
 // function attribute, so the code exists in any x86-64 build (with or without -march=native)
-// and runs only where matrix_unit_available(MatrixUnit::amx_bf16) says it can.
+// and runs only where matrix_unit_available(MatrixUnit::amx_bf16 or amx_fp16) says it can.
 #pragma once
 
 #include "poslsh/core/matrix_units.hpp"
@@ -38,6 +41,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
@@ -50,8 +54,8 @@
 
 namespace poslsh::detail {
 
-/// Rows, bytes a row, and the summed pairs of every tile (16 x 64 bytes: 16 bfloat16 pairs or
-/// 16 floats a row).
+/// Rows, bytes a row, and the summed pairs of every tile (16 x 64 bytes: 16 pairs of 16-bit values
+/// or 16 floats a row).
 inline constexpr Index amx_rows = 16;
 inline constexpr Index amx_row_bytes = 64;
 inline constexpr Index amx_pairs = 16;
@@ -92,14 +96,13 @@ inline AmxTileConfig amx_tile_config() {
                    :                                                                     \
                    : "r"(base), "r"(s)                                                   \
                    : "memory")
-#define POSLSH_AMX_DOT(c, b)                                                                       \
-  __asm__ volatile("{tdpbf16ps %%tmm" #b ", %%tmm4, %%tmm" #c "|tdpbf16ps tmm" #c ", tmm4, tmm" #b \
-                   "}" ::)
+#define POSLSH_AMX_DOT(op, c, b) \
+  __asm__ volatile("{" op " %%tmm" #b ", %%tmm4, %%tmm" #c "|" op " tmm" #c ", tmm4, tmm" #b "}" ::)
 #define POSLSH_AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #else
 #define POSLSH_AMX_LOAD(t) static_cast<void>(s)
 #define POSLSH_AMX_STORE(t) static_cast<void>(s)
-#define POSLSH_AMX_DOT(c, b) static_cast<void>(0)
+#define POSLSH_AMX_DOT(op, c, b) static_cast<void>(0)
 #define POSLSH_AMX_ZERO(t) static_cast<void>(0)
 #endif
 
@@ -118,17 +121,19 @@ inline AmxTileConfig amx_tile_config() {
   case t:                        \
     POSLSH_AMX_STORE(t);         \
     break;
-#define POSLSH_AMX_DOT_CASES(c) \
-  case 2 * c:                   \
-    POSLSH_AMX_DOT(c, 5);       \
-    break;                      \
-  case 2 * c + 1:               \
-    POSLSH_AMX_DOT(c, 6);       \
+#define POSLSH_AMX_DOT_CASES(op, c) \
+  case 2 * c:                       \
+    POSLSH_AMX_DOT(op, c, 5);       \
+    break;                          \
+  case 2 * c + 1:                   \
+    POSLSH_AMX_DOT(op, c, 6);       \
     break;
+#define POSLSH_AMX_BF16_DOT_CASES(c) POSLSH_AMX_DOT_CASES("tdpbf16ps", c)
+#define POSLSH_AMX_FP16_DOT_CASES(c) POSLSH_AMX_DOT_CASES("tdpfp16ps", c)
 
-/// The tile instructions (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored, tilerelease).
-/// Tiles: C in 0-3, A in 4, B in 5 and 6 (dot(c, b): C_c += A_4 B_b).
-struct AmxNativeTiles {
+/// The tile instructions of both units (ldtilecfg, tilezero, tileloadd, tilestored,
+/// tilerelease). Tiles: C in 0-3, A in 4, B in 5 and 6.
+struct AmxNativeTileOps {
   POSLSH_AMX_BF16_INLINE static void configure(const AmxTileConfig& config) {
 #if defined(__x86_64__)
     __asm__ volatile("ldtilecfg %0" : : "m"(config));
@@ -144,10 +149,6 @@ struct AmxNativeTiles {
     static_cast<void>(base);
     switch (t) { POSLSH_AMX_TILES(POSLSH_AMX_LOAD_CASE) }
   }
-  /// C_c += A_4 B_b for c in 0-3, b in 5-6.
-  POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
-    switch (2 * c + (b == 5 ? 0 : 1)) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_DOT_CASES) }
-  }
   POSLSH_AMX_BF16_INLINE static void store(int t, void* base, Index stride) {
     const auto s = static_cast<long>(stride);
     static_cast<void>(base);
@@ -160,29 +161,41 @@ struct AmxNativeTiles {
   }
 };
 
+/// The CPU's tiles for values of type Half: dot(c, b) is C_c += A_4 B_b (c in 0-3, b in 5-6)
+/// by tdpbf16ps (Eigen::bfloat16) or tdpfp16ps (Eigen::half).
+template <typename Half>
+struct AmxNativeTiles : AmxNativeTileOps {
+  static_assert(std::is_same_v<Half, Eigen::bfloat16> || std::is_same_v<Half, Eigen::half>,
+                "AMX tiles multiply bfloat16 or float16 pairs");
+  POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
+    const int pair = 2 * c + (b == 5 ? 0 : 1);
+    if constexpr (std::is_same_v<Half, Eigen::bfloat16>) {
+      switch (pair) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_BF16_DOT_CASES) }
+    } else {
+      switch (pair) { POSLSH_AMX_ACCUMULATORS(POSLSH_AMX_FP16_DOT_CASES) }
+    }
+  }
+};
+
 #undef POSLSH_AMX_ACCUMULATORS
 #undef POSLSH_AMX_TILES
 #undef POSLSH_AMX_ZERO_CASE
 #undef POSLSH_AMX_LOAD_CASE
 #undef POSLSH_AMX_STORE_CASE
 #undef POSLSH_AMX_DOT_CASES
+#undef POSLSH_AMX_BF16_DOT_CASES
+#undef POSLSH_AMX_FP16_DOT_CASES
 #undef POSLSH_AMX_LOAD
 #undef POSLSH_AMX_STORE
 #undef POSLSH_AMX_DOT
 #undef POSLSH_AMX_ZERO
 
 /// The tile instructions computed in software, one set of 8 tiles and a configuration per
-/// thread, with the register assignment of AmxNativeTiles. dot(c, b) follows the pseudo-code of
-/// TDPBF16PS in the Intel SDM, Vol. 2B (C = tile c, A = tile 4, B = tile b): for each row m of
-/// C, float sums t[0 .. 2 N) start at 0; for each pair k of A's row and each column n < N,
-///   t[2n]     <- fma(A[m].bf16[2k],     B[k].bf16[2n],     t[2n]),
-///   t[2n + 1] <- fma(A[m].bf16[2k + 1], B[k].bf16[2n + 1], t[2n + 1]),
-/// then C[m][n] <- C[m][n] + (t[2n] + t[2n + 1]); every operation in float, round to nearest
-/// even, input denormals taken as 0 and output denormals flushed to 0 (DAZ = FTZ = 1). A
-/// configuration or shapes the instruction would fault on (no configuration, A's pairs not
-/// B's rows, C's rows or columns not A's rows or B's columns) throw std::logic_error.
-/// products() counts the dot() calls of all threads.
-struct AmxEmulatedTiles {
+/// thread, with the register assignment of AmxNativeTiles (the parts common to both units;
+/// AmxEmulatedTiles adds the products). A configuration or tiles the instructions would fault
+/// on (no configuration, a tile not configured) throw std::logic_error. products() counts the
+/// dot() calls of all threads, of both units.
+struct AmxEmulatedTileOps {
   struct State {
     AmxTileConfig config;
     unsigned char data[8][16][64];
@@ -218,6 +231,37 @@ struct AmxEmulatedTiles {
     for (int r = 0; r < s.config.rows[t]; ++r)
       std::memcpy(static_cast<unsigned char*>(base) + r * stride, s.data[t][r], s.config.colsb[t]);
   }
+  static void release() { state().config = AmxTileConfig{}; }
+
+ protected:
+  static void check(int t) {
+    const AmxTileConfig& f = state().config;
+    if (f.palette != 1 || t < 0 || t >= 8 || f.rows[t] == 0 || f.colsb[t] == 0)
+      throw std::logic_error("AMX tile used without a configuration");
+  }
+  // A denormal float as a zero of its sign.
+  static float flush(float x) {
+    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+  }
+};
+
+/// The emulated tiles for values of type Half. dot(c, b) follows Intel's pseudo-code of
+/// TDPBF16PS (Eigen::bfloat16; Intel SDM, Vol. 2B) and TDPFP16PS (Eigen::half; the ISA
+/// extensions reference), which differ only in how a value becomes a float (C = tile c, A =
+/// tile 4, B = tile b): for each row m of C, float sums t[0 .. 2 N) start at 0; for each pair k
+/// of A's row and each column n < N,
+///   t[2n]     <- fma(A[m][2k],     B[k][2n],     t[2n]),
+///   t[2n + 1] <- fma(A[m][2k + 1], B[k][2n + 1], t[2n + 1]),
+/// then C[m][n] <- C[m][n] + (t[2n] + t[2n + 1]); every operation in float, round to nearest
+/// even, output denormals flushed to 0 (FTZ = 1) and float inputs denormal taken as 0 (DAZ =
+/// 1). A bfloat16 value is the float of its bits (a denormal one taken as 0); a float16 value
+/// is converted exactly, its denormals kept (every float16 is a normal float or 0). Shapes the
+/// instruction faults on (A's pairs not B's rows, C's rows or columns not A's rows or B's
+/// columns) throw std::logic_error.
+template <typename Half>
+struct AmxEmulatedTiles : AmxEmulatedTileOps {
+  static_assert(std::is_same_v<Half, Eigen::bfloat16> || std::is_same_v<Half, Eigen::half>,
+                "AMX tiles multiply bfloat16 or float16 pairs");
   static void dot(int c, int b) {
     constexpr int a = 4;
     check(c);
@@ -227,14 +271,14 @@ struct AmxEmulatedTiles {
     const AmxTileConfig& f = s.config;
     const int m_rows = f.rows[c], n_cols = f.colsb[c] / 4, k_pairs = f.colsb[a] / 4;
     if (f.rows[a] != m_rows || f.rows[b] != k_pairs || f.colsb[b] != f.colsb[c])
-      throw std::logic_error("tdpbf16ps: tile shapes do not match");
+      throw std::logic_error("AMX tile product: tile shapes do not match");
     for (int m = 0; m < m_rows; ++m) {
       float t[32] = {};
       for (int k = 0; k < k_pairs; ++k) {
         for (int n = 0; n < n_cols; ++n) {
           for (int h = 0; h < 2; ++h) {
-            const float x = bf16_at(s.data[a][m], 2 * k + h);
-            const float y = bf16_at(s.data[b][k], 2 * n + h);
+            const float x = value_at(s.data[a][m], 2 * k + h);
+            const float y = value_at(s.data[b][k], 2 * n + h);
             t[2 * n + h] = flush(std::fma(x, y, t[2 * n + h]));
           }
         }
@@ -248,23 +292,16 @@ struct AmxEmulatedTiles {
     }
     products().fetch_add(1, std::memory_order_relaxed);
   }
-  static void release() { state().config = AmxTileConfig{}; }
 
  private:
-  static void check(int t) {
-    const AmxTileConfig& f = state().config;
-    if (f.palette != 1 || t < 0 || t >= 8 || f.rows[t] == 0 || f.colsb[t] == 0)
-      throw std::logic_error("AMX tile used without a configuration");
-  }
-  // Bfloat16 value `i` of a row (its bits the high half of a float), denormals taken as 0.
-  static float bf16_at(const unsigned char* row, int i) {
+  // Value `i` of a row as a float.
+  static float value_at(const unsigned char* row, int i) {
     std::uint16_t bits;
     std::memcpy(&bits, row + 2 * i, sizeof(bits));
-    return flush(Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
-  }
-  // A denormal float as a zero of its sign.
-  static float flush(float x) {
-    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+    if constexpr (std::is_same_v<Half, Eigen::bfloat16>)
+      return flush(Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
+    else
+      return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
   }
 };
 
@@ -277,12 +314,22 @@ inline std::uint16_t amx_round_bf16(float x) {
   return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/// The bits of x rounded to Half for the AMX products: bfloat16 as amx_round_bf16; float16
+/// to nearest even, as vcvtps2ph rounds (IEEE conversion, float16 denormals kept).
+template <typename Half>
+std::uint16_t amx_round(float x) {
+  if constexpr (std::is_same_v<Half, Eigen::bfloat16>)
+    return amx_round_bf16(x);
+  else
+    return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(x));
+}
+
 /// scores[key * tile + a] = tau C[key][a], C = the key rows times the query pairs, for keys in
 /// [b, end) of the tile and queries a in [lo, hi) (hi - lo <= 64, within one 64-row tile); the
-/// other entries are not written. keys: the key rows (bfloat16 bits, key_stride a multiple of
-/// 32, zero past column d - 1, at least up to the multiple of 16 past `end`); pair_q: the query
-/// pairs (pair_q[c2 * tile + a], key_stride / 2 rows, zero past d). Keys in blocks of 16 from
-/// b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. The tiles
+/// other entries are not written. keys: the key rows (the bits of 16-bit values, key_stride a
+/// multiple of 32, zero past column d - 1, at least up to the multiple of 16 past `end`); pair_q:
+/// the query pairs (pair_q[c2 * tile + a], key_stride / 2 rows, zero past d). Keys in blocks of 16
+/// from b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. The tiles
 /// configured (amx_tile_config).
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
@@ -372,41 +419,45 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_release_tiles() {
 /// amx_score_span and amx_value_rows run between it and amx_release on the same thread.
 inline void amx_configure() {
   if (amx_emulated())
-    amx_configure_tiles<AmxEmulatedTiles>();
+    amx_configure_tiles<AmxEmulatedTileOps>();
   else
-    amx_configure_tiles<AmxNativeTiles>();
+    amx_configure_tiles<AmxNativeTileOps>();
 }
 
 /// Releases this thread's tiles (tilerelease), after amx_configure and the kernels.
 inline void amx_release() {
   if (amx_emulated())
-    amx_release_tiles<AmxEmulatedTiles>();
+    amx_release_tiles<AmxEmulatedTileOps>();
   else
-    amx_release_tiles<AmxNativeTiles>();
+    amx_release_tiles<AmxNativeTileOps>();
 }
 
-/// amx_score_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
-/// tiles configured by amx_configure).
-inline void amx_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
-                           Index key_stride, Index b, Index end, Index lo, Index hi, float tau,
-                           float* scores) {
+/// amx_score_tiles for values of type Half on the CPU's tiles, or on their emulation while the
+/// test hook is on (the tiles configured by amx_configure).
+template <typename Half>
+void amx_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
+                    Index key_stride, Index b, Index end, Index lo, Index hi, float tau,
+                    float* scores) {
   if (amx_emulated())
-    amx_score_tiles<AmxEmulatedTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
+    amx_score_tiles<AmxEmulatedTiles<Half>>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau,
+                                            scores);
   else
-    amx_score_tiles<AmxNativeTiles>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau, scores);
+    amx_score_tiles<AmxNativeTiles<Half>>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau,
+                                          scores);
 }
 
-/// amx_value_tiles on the CPU's tiles, or on their emulation while the test hook is on (the
-/// tiles configured by amx_configure).
-inline void amx_value_rows(const std::uint32_t* probs, Index probs_stride,
-                           const std::uint32_t* pair_v, Index cols, Index first, Index last,
-                           const float* alpha, float* acc, Index acc_stride) {
+/// amx_value_tiles for values of type Half on the CPU's tiles, or on their emulation while the
+/// test hook is on (the tiles configured by amx_configure).
+template <typename Half>
+void amx_value_rows(const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v,
+                    Index cols, Index first, Index last, const float* alpha, float* acc,
+                    Index acc_stride) {
   if (amx_emulated())
-    amx_value_tiles<AmxEmulatedTiles>(probs, probs_stride, pair_v, cols, first, last, alpha, acc,
-                                      acc_stride);
+    amx_value_tiles<AmxEmulatedTiles<Half>>(probs, probs_stride, pair_v, cols, first, last, alpha,
+                                            acc, acc_stride);
   else
-    amx_value_tiles<AmxNativeTiles>(probs, probs_stride, pair_v, cols, first, last, alpha, acc,
-                                    acc_stride);
+    amx_value_tiles<AmxNativeTiles<Half>>(probs, probs_stride, pair_v, cols, first, last, alpha,
+                                          acc, acc_stride);
 }
 
 }  // namespace poslsh::detail

@@ -24,16 +24,19 @@
 // output row is rounded to the output's type once, as it is written. A row's result is then
 // bitwise the engine's on Scalar matrices holding the widened values, rounded once.
 // With Q, K and V all in Eigen::bfloat16 on a CPU with AVX512-BF16 (MatrixUnit::avx512_bf16,
-// chosen at run time by Precision::matrix_units), the key source PairedBf16KV makes the engine
+// chosen at run time by Precision::matrix_units), the key source PairedHalfKV makes the engine
 // multiply on that unit (detail/tile/pair_kernels.hpp): x_ij = tau (q_i.k_j in float from
 // bfloat16 products), p_ij rounded to bfloat16 before acc_i += p_ij v_j (bfloat16 products
 // summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, l_i sums
 // the unrounded p_ij, and the exponentials are pair_exp's (within 1.5 ulp of e^x on
-// [-20, 0]). A row's result still depends only on its position, the keys and the policy. Where the
-// CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedBf16KV<true> makes the same two
-// products run on AMX tiles (detail/tile/amx_kernels.hpp): the same operands, d summed in blocks of
-// 32 columns and the keys in blocks of 32 from the key tile's first, each block one tdpbf16ps; the
-// probabilities are rounded to bfloat16 row by row as the value products read them. The bias policy
+// [-20, 0]). A row's result still depends only on its position, the keys and the policy. Where
+// the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedHalfKV<bfloat16, true> makes
+// the same two products run on AMX tiles (detail/tile/amx_kernels.hpp): the same operands, d
+// summed in blocks of 32 columns and the keys in blocks of 32 from the key tile's first, each
+// block one tdpbf16ps; the probabilities are rounded to bfloat16 row by row as the value
+// products read them. With Q, K and V all in Eigen::half on a CPU with AMX-FP16
+// (MatrixUnit::amx_fp16), PairedHalfKV<half, true> runs the same tiles on float16 pairs
+// (tdpfp16ps), the probabilities rounded to float16. The bias policy
 // concept and the engine's buffers: detail/tile/types.hpp.
 #pragma once
 
@@ -172,7 +175,7 @@ class WideningKV : public StridedKV<Storage> {
 };
 
 #if POSLSH_X86_UNITS
-/// The key tile of PairedBf16KV: key b's row (bfloat16 bits, an even count) at k + b k_stride,
+/// The key tile of PairedHalfKV: key b's row (the values' bits, an even count) at k + b k_stride,
 /// the values as pairs along keys, pair b2 at v + b2 v_stride (pair_pack_values).
 struct PairTileRows {
   const std::uint16_t* k;
@@ -181,10 +184,11 @@ struct PairTileRows {
   Index v_stride;
 };
 
-/// The key source of K and V stored in Eigen::bfloat16 for the AVX512-BF16 unit (AmxTiles
-/// false) or the AMX-BF16 unit (AmxTiles true): pair_tile(j0, keys) packs the tile's values
-/// into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d + (d mod
-/// 2) apart (a zero appended when d is odd), so that the score products read them from one
+/// The key source of K and V stored in Half for a unit multiplying pairs of Half values: the
+/// AVX512-BF16 unit (Half = Eigen::bfloat16, AmxTiles false) or the AMX tiles (AmxTiles true;
+/// Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the
+/// tile's values into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d
+/// + (d mod 2) apart (a zero appended when d is odd), so that the score products read them from one
 /// contiguous block whatever the row stride of K. For the AMX tiles the key rows are
 /// ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from `keys` to the next
 /// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
@@ -194,14 +198,19 @@ struct PairTileRows {
 /// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
-template <bool AmxTiles = false>
-class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
+template <typename Half, bool AmxTiles>
+class PairedHalfKV : public StridedKV<Half> {
+  static_assert(std::is_same_v<Half, Eigen::bfloat16> ||
+                    (AmxTiles && std::is_same_v<Half, Eigen::half>),
+                "pairs of bfloat16 values, or of float16 values on the AMX tiles");
+
  public:
+  using half_type = Half;
   static constexpr bool amx_tiles = AmxTiles;
   /// K row 0 is the key at position key_position (the engine's positions.key).
-  PairedBf16KV(const ConstMatrixRef<Eigen::bfloat16>& k, const ConstMatrixRef<Eigen::bfloat16>& v,
+  PairedHalfKV(const ConstMatrixRef<Half>& k, const ConstMatrixRef<Half>& v,
                TileBuffers<float>& buffers, Index key_position)
-      : StridedKV<Eigen::bfloat16>(k, v),
+      : StridedKV<Half>(k, v),
         pair_k_(buffers.pair_k),
         pair_v_(buffers.pair_v),
         cols_((v.cols() + 15) / 16 * 16) {
@@ -228,7 +237,7 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
   }
 
  private:
-  static const std::uint16_t* bits(const Eigen::bfloat16* values) {
+  static const std::uint16_t* bits(const Half* values) {
     return reinterpret_cast<const std::uint16_t*>(values);
   }
   // Words of one packed key tile: its key rows and its value pairs.
@@ -236,8 +245,8 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
   Index v_words() const { return tile_key_cols / 2 * cols_; }
   // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words).
   void pack(Index j0, Index keys, std::uint16_t* pair_k, std::uint32_t* pair_v) const {
-    const ConstMatrixRef<Eigen::bfloat16>& k = this->k_;
-    const ConstMatrixRef<Eigen::bfloat16>& v = this->v_;
+    const ConstMatrixRef<Half>& k = this->k_;
+    const ConstMatrixRef<Half>& v = this->v_;
     // The key rows are fetched while the values are packed.
     tile_prefetch_rows(k.data(), k.outerStride(), j0, j0 + keys, k.cols());
     pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
@@ -256,15 +265,15 @@ class PairedBf16KV : public StridedKV<Eigen::bfloat16> {
 };
 #endif
 
-/// Whether the key source KV multiplies on the AVX512-BF16 or the AMX-BF16 unit (provides
-/// pair_tile(j0, keys), a PairTileRows, instead of tile()).
+/// Whether the key source KV multiplies pairs of 16-bit values on a unit (AVX512-BF16, or the
+/// AMX tiles; provides pair_tile(j0, keys), a PairTileRows, instead of tile()).
 template <typename KV, typename = void>
 struct MultipliesPairs : std::false_type {};
 template <typename KV>
 struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
     : std::true_type {};
 
-/// Whether the key source KV multiplies on the AMX-BF16 unit (KV::amx_tiles is true).
+/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true).
 template <typename KV, typename = void>
 struct MultipliesAmxTiles : std::false_type {};
 template <typename KV>
@@ -304,9 +313,8 @@ class TileEngine {
   static constexpr bool amx = MultipliesAmxTiles<KV>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
-  static_assert(!pairs || (std::is_same_v<Scalar, float> &&
-                           std::is_same_v<QScalar, Eigen::bfloat16> && !in_runs),
-                "AVX512-BF16 products: float engine, bfloat16 queries, keys read by tiles");
+  static_assert(!pairs || (std::is_same_v<Scalar, float> && sizeof(QScalar) == 2 && !in_runs),
+                "products of pairs: float engine, half-precision queries, keys read by tiles");
 
  public:
   /// q (m x d, row r at position positions.query + r) is used unscaled; tau is applied here. K
@@ -626,8 +634,8 @@ class TileEngine {
       return;
     }
     if constexpr (amx)
-      amx_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
-                     a0 + packets * P, tau_, b_.scores.data());
+      amx_score_span<QScalar>(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
+                              a0 + packets * P, tau_, b_.scores.data());
     else
       pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
                       a0, a0 + packets * P, tau_, b_.scores.data());
@@ -746,9 +754,9 @@ class TileEngine {
         const Index first = reach.first / (2 * amx_pairs),
                     last = (reach.last - 1) / (2 * amx_pairs);
         amx_pack_probs(a, first * amx_pairs, (last + 1) * amx_pairs, keys);
-        amx_value_rows(b_.pair_p.data() + a * pairs_per_row, pairs_per_row, pair_tile_.v,
-                       pair_tile_.v_stride, first, last, b_.alpha.data() + a,
-                       b_.acc.data() + a * dvp_, dvp_);
+        amx_value_rows<QScalar>(b_.pair_p.data() + a * pairs_per_row, pairs_per_row, pair_tile_.v,
+                                pair_tile_.v_stride, first, last, b_.alpha.data() + a,
+                                b_.acc.data() + a * dvp_, dvp_);
       }
       return;
     }
@@ -802,7 +810,7 @@ class TileEngine {
   }
 
 #if POSLSH_X86_UNITS
-  // For the AMX tiles: pair_p[a * Bk / 2 + b2] = (p_a,2b2, p_a,2b2+1) rounded to bfloat16 for
+  // For the AMX tiles: pair_p[a * Bk / 2 + b2] = (p_a,2b2, p_a,2b2+1) rounded to QScalar for
   // the 16 rows a from a0 and pairs b2 in [pair_first, pair_last); 0 for the keys outside the
   // row's packet's reach (its probabilities are only written there) and for rows outside the
   // packets computed.
@@ -822,7 +830,8 @@ class TileEngine {
         for (Index h = 0; h < 2; ++h) {
           const Index b = 2 * b2 + h;
           if (b >= reach.first && b < reach.last)
-            word |= static_cast<std::uint32_t>(amx_round_bf16(b_.scores(b * Bq + a))) << (16 * h);
+            word |= static_cast<std::uint32_t>(amx_round<QScalar>(b_.scores(b * Bq + a)))
+                    << (16 * h);
         }
         row[b2] = word;
       }
@@ -911,10 +920,17 @@ class TileEngine {
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
+/// A key source type as a value (with_tile_engine).
+template <typename KV>
+struct KeySourceTag {
+  using type = KV;
+};
+
 /// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
-/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar, PairedBf16KV<true>
-/// when matrix_unit_for<QScalar, KVScalar>(precision) is MatrixUnit::amx_bf16,
-/// PairedBf16KV<false> when it is MatrixUnit::avx512_bf16, WideningKV otherwise.
+/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar; by the unit
+/// matrix_unit_for<QScalar, KVScalar>(precision) names, PairedHalfKV<bfloat16, true> on
+/// amx_bf16, PairedHalfKV<bfloat16, false> on avx512_bf16, PairedHalfKV<half, true> on
+/// amx_fp16; WideningKV otherwise.
 template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
@@ -927,20 +943,24 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
     job(engine);
   } else {
 #if POSLSH_X86_UNITS
-    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, Eigen::bfloat16> &&
-                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
+    // The engine on the paired key source KV.
+    const auto on_pairs = [&](auto tag) {
+      using KV = typename decltype(tag)::type;
+      TileEngine<Scalar, Bias, KV, QScalar> engine(q, KV(k, v, buffers, positions.key), tau, bias,
+                                                   buffers, positions);
+      job(engine);
+    };
+    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
       const MatrixUnit unit = matrix_unit_for<QScalar, KVScalar>(precision);
-      if (unit == MatrixUnit::amx_bf16) {
-        TileEngine<Scalar, Bias, PairedBf16KV<true>, QScalar> engine(
-            q, PairedBf16KV<true>(k, v, buffers, positions.key), tau, bias, buffers, positions);
-        job(engine);
-        return;
+      if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
+        if (unit == MatrixUnit::amx_bf16)
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
+        if (unit == MatrixUnit::avx512_bf16)
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, false>>{});
       }
-      if (unit == MatrixUnit::avx512_bf16) {
-        TileEngine<Scalar, Bias, PairedBf16KV<false>, QScalar> engine(
-            q, PairedBf16KV<false>(k, v, buffers, positions.key), tau, bias, buffers, positions);
-        job(engine);
-        return;
+      if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
+        if (unit == MatrixUnit::amx_fp16)
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
       }
     }
 #endif

@@ -92,11 +92,14 @@ POSLSH_AVX512_BF16_INLINE void pair_transpose16(__m512i (&r)[16]) {
 
 /// pair_q[c2 * tile + a] = (q[i0 + a][2 c2], q[i0 + a][2 c2 + 1]) for rows a in [a0, a1) and
 /// c2 < half_d = ceil(d / 2) (0 past column d - 1), 0 for the other rows a < tile (a multiple
-/// of 16). A pair of adjacent bfloat16 values is one word as stored (the first in the low 16
-/// bits): blocks of 16 rows x 16 words are loaded and transposed in registers.
-POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) inline void pair_pack_queries(
-    const ConstMatrixRef<Eigen::bfloat16>& q, Index i0, Index a0, Index a1, std::uint32_t* pair_q,
+/// of 16). A pair of adjacent 16-bit values (Half: Eigen::bfloat16, or Eigen::half for the AMX
+/// float16 tiles) is one word as stored (the first in the low 16 bits): blocks of 16 rows x 16
+/// words are loaded and transposed in registers.
+template <typename Half>
+POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_pack_queries(
+    const ConstMatrixRef<Half>& q, Index i0, Index a0, Index a1, std::uint32_t* pair_q,
     Index tile) {
+  static_assert(sizeof(Half) == 2, "pairs of 16-bit values");
   const Index d = q.cols(), half_d = (d + 1) / 2;
   for (Index a = 0; a < tile; a += 16) {
     if (a + 16 <= a0 || a >= a1) {

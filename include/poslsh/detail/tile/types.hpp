@@ -59,7 +59,7 @@ enum class KeyTileCut { skip, full, masked };
 /// Key tiles copied or packed once and kept for the rest of a parallel loop, so that a thread
 /// whose jobs read the same keys (one head's query tiles, one after the other) reads each key
 /// tile from one contiguous block, prepared once instead of once per query tile (ContiguousKV
-/// and PairedBf16KV, detail/tile/engine.hpp). Tile t of the source holds the keys at positions
+/// and PairedHalfKV, detail/tile/engine.hpp). Tile t of the source holds the keys at positions
 /// [t Bk, (t + 1) Bk) present in it; its slot spans k_words KWords and v_words VWords. A new
 /// source (other K and V, or another layout) starts a new epoch: nothing is cleared, and
 /// memory is only touched where tiles are prepared.
@@ -146,10 +146,10 @@ class KeyTileStore {
 /// they only grow. `wide_q`, `wide_k` and `wide_v` hold the query tile and the key tile
 /// widened to Scalar when Q or K, V are stored in a half-precision type (WideningKV), `wide_out`
 /// an output row before it is rounded to a half-precision output. On the AVX512-BF16 unit
-/// (PairedBf16KV, detail/tile/pair_kernels.hpp), `pair_q`, `pair_p` and `pair_v` hold the query
+/// (PairedHalfKV, detail/tile/pair_kernels.hpp), `pair_q`, `pair_p` and `pair_v` hold the query
 /// tile, the probabilities and the key tile's values as pairs of bfloat16 values, `pair_k` the
-/// key tile's rows padded to an even length when d is odd. On the AMX-BF16 unit
-/// (PairedBf16KV<true>, detail/tile/amx_kernels.hpp) the same buffers hold the operands of the
+/// key tile's rows padded to an even length when d is odd. On the AMX units (PairedHalfKV<Half,
+/// true>, detail/tile/amx_kernels.hpp) the same buffers hold the operands of the
 /// tiles: `pair_q` and `pair_k` padded with zeros to multiples of 32 columns of d, `pair_p` the
 /// probabilities of each query row as pairs along the keys (tile_key_cols / 2 words a row).
 template <typename Scalar>
@@ -163,7 +163,7 @@ struct TileBuffers {
   /// Whether the loop running this thread's jobs gives it one head's query tiles in a row, each
   /// reading every key before it (parallel_query_tiles, JobOrder::heads_outer), so that key
   /// tiles are kept for the next job: K and V rows in
-  /// `key_rows` (ContiguousKV), packed for the bfloat16 units in `key_pairs` (PairedBf16KV).
+  /// `key_rows` (ContiguousKV), packed for the units in `key_pairs` (PairedHalfKV).
   /// A kept tile is known by the address and shape of its K and V, not by their values: set
   /// only for buffers that live within one call (whose inputs do not change).
   bool keep_key_tiles = false;
