@@ -5,8 +5,9 @@ The rules checked for every kernel and layout: on inputs rounded to the half typ
 half-precision kernel with a float32 output is at most 2x as far from the dense float64 formula
 as the float32 kernel on the same (widened) inputs (it is in fact bitwise that kernel's output);
 its half-precision output is the float32 output rounded once; float32 queries over a
-half-precision K, V (ggml's layout) follow the same 2x rule. bfloat16 q, k, v are checked here
-under precision="float_products"; test_matrix_units.py checks the default, "matrix_units".
+half-precision K, V (ggml's layout) follow the same 2x rule. The prefill kernels are checked
+here under precision="float_products" (float16 and bfloat16 q, k, v may multiply on a matrix
+unit under the default, "matrix_units": test_matrix_units.py checks it).
 """
 
 import numpy as np
@@ -43,9 +44,7 @@ def check_rules(kernel, q16, k16, v16, expected, bitwise=True):
     """kernel(q, k, v, out_dtype=None) under the half-precision rules, against `expected`
     (float64). bitwise: the float32-output half kernel is bitwise the float32 kernel on the
     widened inputs (the prefill kernels; the decoders stream their key window in widened chunks,
-    so they sum in another order; on a CPU with AMX-FP16 the float16 calls multiply on the unit,
-    see test_matrix_units.py); the half output is then the float32 output rounded once."""
-    widened = poslsh.matrix_unit("float16") == "float_widening"
+    so they sum in another order); the half output is then the float32 output rounded once."""
     q32, k32, v32 = (x.astype(np.float32) for x in (q16, k16, v16))
     out32 = kernel(q32, k32, v32)
     float_error = max_error(out32, expected)
@@ -53,7 +52,7 @@ def check_rules(kernel, q16, k16, v16, expected, bitwise=True):
     wide = kernel(q16, k16, v16, out_dtype=np.float32)
     assert wide.dtype == np.float32
     assert max_error(wide, expected) <= 2 * float_error
-    if bitwise and widened:
+    if bitwise:
         np.testing.assert_array_equal(wide, out32)  # bitwise the float kernel on the widened inputs
     out16 = kernel(q16, k16, v16)
     assert out16.dtype == np.float16 and out16.shape == out32.shape
@@ -115,7 +114,7 @@ def single_head(function, sigma, causal, scale=None, query_offset=None, **extra)
 def test_single_head_float16(rng, function, causal):
     n, d, d_v, sigma = 230, 32, 24, 9.0
     q16, k16, v16 = half_qkv(rng, n, d, d_v)
-    kernel, dense = single_head(function, sigma, causal, scale=0.3)
+    kernel, dense = single_head(function, sigma, causal, scale=0.3, precision="float_products")
     check_rules(kernel, q16, k16, v16, dense(*(x.astype(np.float64) for x in (q16, k16, v16))))
 
 
@@ -124,9 +123,9 @@ def test_single_head_float16_query_offset(rng, function):
     """Queries at an offset: the rows of the full call, in float16 too."""
     n, d, sigma, p0, m = 200, 16, 7.0, 70, 50
     q16, k16, v16 = half_qkv(rng, n, d)
-    kernel, dense = single_head(function, sigma, True)
+    kernel, dense = single_head(function, sigma, True, precision="float_products")
     full = dense(*(x.astype(np.float64) for x in (q16, k16, v16)))
-    chunk_kernel, _ = single_head(function, sigma, True, query_offset=p0)
+    chunk_kernel, _ = single_head(function, sigma, True, query_offset=p0, precision="float_products")
     check_rules(chunk_kernel, q16[p0 : p0 + m], k16[: p0 + m], v16[: p0 + m], full[p0 : p0 + m])
     np.testing.assert_array_equal(chunk_kernel(q16[p0 : p0 + m], k16, v16), kernel(q16, k16, v16)[p0 : p0 + m])
 
@@ -233,7 +232,7 @@ def test_multihead_float16(rng, method, layout):
     kv_shape = (n, kv_heads, d) if layout == "nhd" else (kv_heads, n, d)
     q16 = rng.uniform(-1, 1, q_shape).astype(np.float16)
     k16, v16 = (rng.uniform(-1, 1, kv_shape).astype(np.float16) for _ in range(2))
-    keywords = dict(layout=layout, method=method, samples=8, seed=2, band_error=1e-2)
+    keywords = dict(layout=layout, method=method, samples=8, seed=2, band_error=1e-2, precision="float_products")
     sigmas = 1 / reference.alibi_slopes(heads)
     expected = expected_heads(*(heads_of(x.astype(np.float64), layout) for x in (q16, k16, v16)), method, True,
                               sigmas, samples=8, seed=2, band_error=1e-2)
@@ -274,21 +273,21 @@ def test_varlen_float16_is_the_per_sequence_calls(rng):
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     total = int(cu[-1])
     q, k, v = (rng.uniform(-1, 1, (total, heads, d)).astype(np.float16) for _ in range(3))
+    products = dict(samples=4, precision="float_products")
     for method in ("lsh_fused", "exact_banded"):
-        out = poslsh.multihead_attention_varlen(q, k, v, cu, cu, method=method, samples=4)
+        out = poslsh.multihead_attention_varlen(q, k, v, cu, cu, method=method, **products)
         assert out.dtype == np.float16
-        wide = poslsh.multihead_attention_varlen(q, k, v, cu, cu, method=method, samples=4,
+        wide = poslsh.multihead_attention_varlen(q, k, v, cu, cu, method=method, **products,
                                                  out=np.empty((total, heads, d), np.float32))
-        mixed = poslsh.multihead_attention_varlen(q.astype(np.float32), k, v, cu, cu, method=method, samples=4)
-        if poslsh.matrix_unit("float16") == "float_widening":  # else float16 q, k, v multiply on AMX-FP16
-            np.testing.assert_array_equal(mixed, wide)
+        mixed = poslsh.multihead_attention_varlen(q.astype(np.float32), k, v, cu, cu, method=method, **products)
+        np.testing.assert_array_equal(mixed, wide)
         assert np.array_equal(out, wide.astype(np.float16))
         for b in range(len(lengths)):
             rows = slice(cu[b], cu[b + 1])
-            single = poslsh.multihead_attention(q[rows], k[rows], v[rows], method=method, samples=4)
+            single = poslsh.multihead_attention(q[rows], k[rows], v[rows], method=method, **products)
             np.testing.assert_array_equal(out[rows], single)
             f32 = poslsh.multihead_attention(*(x[rows].astype(np.float32) for x in (q, k, v)), method=method,
-                                             samples=4)
+                                             **products)
             np.testing.assert_array_equal(wide[rows], f32)
 
 
@@ -307,7 +306,7 @@ def test_strided_float16_views_are_read_and_written_in_place(rng):
     np.testing.assert_array_equal(parent[:, 2], poslsh.lsh_attention_fused(*contiguous, hashes))
     assert np.isnan(parent[:, :2]).all()
     parent32 = np.full((n, heads, d), np.nan, np.float32)
-    poslsh.alibi_attention_tiled(q, k, v, sigma, out=parent32[:, 0])
+    poslsh.alibi_attention_tiled(q, k, v, sigma, out=parent32[:, 0], precision="float_products")
     np.testing.assert_array_equal(parent32[:, 0], poslsh.alibi_attention_tiled(
         *(x.astype(np.float32) for x in contiguous), sigma))
     assert np.isnan(parent32[:, 1:]).all()
