@@ -735,6 +735,26 @@ TEST_CASE("avx512_bf16: query pairs packed as their definition, word for word", 
   }
 }
 
+namespace {
+
+/// out = c + a b on the emulated tiles Tiles (C in tile 0, A in tile 4, B in tile 5, all
+/// 16 rows of 64 bytes): one product, counted.
+template <typename Tiles>
+void emulated_dot(const std::uint16_t (&a)[16][32], const std::uint16_t (&b)[16][32],
+                  const float (&c)[16][16], float (&out)[16][16]) {
+  const long long before = Tiles::products().load();
+  Tiles::configure(poslsh::detail::amx_tile_config());
+  Tiles::load(0, c, 64);
+  Tiles::load(4, a, 64);
+  Tiles::load(5, b, 64);
+  Tiles::dot(0, 5);
+  Tiles::store(0, out, 64);
+  Tiles::release();
+  CHECK(Tiles::products().load() == before + 1);
+}
+
+}  // namespace
+
 TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
   using Tiles = poslsh::detail::AmxEmulatedTiles<bf16>;
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(bf16(x)); };
@@ -767,16 +787,8 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
   b[0][6] = bits(5.0f);
   b[0][7] = bits(7.0f);
   c[3][3] = 3.0f;
-  const long long before = Tiles::products().load();
-  Tiles::configure(poslsh::detail::amx_tile_config());
-  Tiles::load(0, c, 64);
-  Tiles::load(4, a, 64);
-  Tiles::load(5, b, 64);
-  Tiles::dot(0, 5);
   float out[16][16];
-  Tiles::store(0, out, 64);
-  Tiles::release();
-  CHECK(Tiles::products().load() == before + 1);
+  emulated_dot<Tiles>(a, b, c, out);
   CHECK(out[0][0] == 1.0f);
   CHECK(out[1][1] == 0.0f);
   CHECK(out[2][2] == 0.0f);
@@ -821,16 +833,8 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
   b[0][6] = bits(5.0f);
   b[0][7] = bits(7.0f);
   c[3][3] = 3.0f;
-  const long long before = Tiles::products().load();
-  Tiles::configure(poslsh::detail::amx_tile_config());
-  Tiles::load(0, c, 64);
-  Tiles::load(4, a, 64);
-  Tiles::load(5, b, 64);
-  Tiles::dot(0, 5);
   float out[16][16];
-  Tiles::store(0, out, 64);
-  Tiles::release();
-  CHECK(Tiles::products().load() == before + 1);
+  emulated_dot<Tiles>(a, b, c, out);
   CHECK(out[0][0] == 1.0f);
   CHECK(out[1][1] == std::ldexp(1.0f, -14));
   CHECK(out[2][2] == 0.0f);
@@ -839,14 +843,7 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
   CHECK(out[5][5] == 0.0f);
   // The same bits read as bfloat16 pairs give other numbers: the unit is the type's.
   {
-    using Bf16Tiles = poslsh::detail::AmxEmulatedTiles<bf16>;
-    Bf16Tiles::configure(poslsh::detail::amx_tile_config());
-    Bf16Tiles::load(0, c, 64);
-    Bf16Tiles::load(4, a, 64);
-    Bf16Tiles::load(5, b, 64);
-    Bf16Tiles::dot(0, 5);
-    Bf16Tiles::store(0, out, 64);
-    Bf16Tiles::release();
+    emulated_dot<poslsh::detail::AmxEmulatedTiles<bf16>>(a, b, c, out);
     CHECK(out[3][3] != 41.0f);
   }
   CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
