@@ -255,6 +255,21 @@ class EmulationWatch {
   long long last_;
 };
 
+/// body(watch) with the AMX units on the emulated tiles (skipped, with a message, on a CPU
+/// without avx512_bf16, which the emulation needs); the emulation must have run in it.
+template <typename Body>
+void on_emulated_tiles(Body&& body) {
+  const AmxModeScope emulated(AmxTestMode::emulated);
+  if (!emulated.active()) {
+    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
+    return;
+  }
+  const long long before = emulated_products();
+  EmulationWatch watch;
+  body(watch);
+  CHECK(emulated_products() > before);
+}
+
 /// The accuracy sweep on `unit` (the unit bfloat16 calls use here, checked first).
 template <typename Half = bf16>
 void accuracy_sweep(MatrixUnit unit) {
@@ -859,94 +874,61 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
 
 TEST_CASE("amx_bf16 (emulated tiles): within 2x a plain bfloat16 attention's error",
           "[units][half][amx][slow]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  accuracy_sweep(MatrixUnit::amx_bf16);
-  CHECK(watch.ran());
+  on_emulated_tiles([&](EmulationWatch&) { accuracy_sweep(MatrixUnit::amx_bf16); });
 }
 
 TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
           "[units][half][amx]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  thread_and_chunk_checks(MatrixUnit::amx_bf16);
-  CHECK(watch.ran());
-  // One row at a time (a 16-row block of the tiles holding one computed row, the others
-  // stale or zero) against all rows at once: each row's bits depend on its row alone.
-  const Index n = 150, d = 40;
-  const RowMatrix<bf16> q = make_input(Inputs::heavy_tailed, n, d, 31),
-                        k = make_input(Inputs::heavy_tailed, n, d, 32),
-                        v = make_input(Inputs::heavy_tailed, n, d + 1, 33);
-  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-    INFO((masking == Masking::causal ? "causal" : "bidirectional"));
-    const AttentionOptions options = unit_options(masking);
-    RowMatrix<float> whole(n, d + 1), row(1, d + 1);
-    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 8.0, whole, options);
-    for (const Index i : {Index{0}, Index{1}, Index{15}, Index{16}, Index{63}, Index{64}, Index{77},
-                          Index{128}, Index{149}}) {
-      INFO("row " << i);
-      AttentionOptions at = options;
-      at.query_offset = i;
-      const Index keys = masking == Masking::causal ? i + 1 : n;
-      poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(i, 1), k.topRows(keys),
-                                                       v.topRows(keys), 8.0, row, at);
-      CHECK(row == whole.row(i));
+  on_emulated_tiles([&](EmulationWatch&) {
+    thread_and_chunk_checks(MatrixUnit::amx_bf16);
+    // One row at a time (a 16-row block of the tiles holding one computed row, the others
+    // stale or zero) against all rows at once: each row's bits depend on its row alone.
+    const Index n = 150, d = 40;
+    const RowMatrix<bf16> q = make_input(Inputs::heavy_tailed, n, d, 31),
+                          k = make_input(Inputs::heavy_tailed, n, d, 32),
+                          v = make_input(Inputs::heavy_tailed, n, d + 1, 33);
+    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+      INFO((masking == Masking::causal ? "causal" : "bidirectional"));
+      const AttentionOptions options = unit_options(masking);
+      RowMatrix<float> whole(n, d + 1), row(1, d + 1);
+      poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 8.0, whole, options);
+      for (const Index i : {Index{0}, Index{1}, Index{15}, Index{16}, Index{63}, Index{64},
+                            Index{77}, Index{128}, Index{149}}) {
+        INFO("row " << i);
+        AttentionOptions at = options;
+        at.query_offset = i;
+        const Index keys = masking == Masking::causal ? i + 1 : n;
+        poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(i, 1), k.topRows(keys),
+                                                         v.topRows(keys), 8.0, row, at);
+        CHECK(row == whole.row(i));
+      }
     }
-  }
+  });
 }
 
 TEST_CASE("amx_bf16 (emulated tiles): every kernel on the tile engine uses the unit",
           "[units][half][amx]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  every_kernel_checks(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
+  on_emulated_tiles([&](EmulationWatch& watch) {
+    every_kernel_checks(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
+  });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): within 2x a plain float16 attention's error",
           "[units][half][amx][slow]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16);
-  CHECK(watch.ran());
+  on_emulated_tiles([&](EmulationWatch&) { accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16); });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
           "[units][half][amx]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16);
-  CHECK(watch.ran());
+  on_emulated_tiles(
+      [&](EmulationWatch&) { thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16); });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): every kernel on the tile engine uses the unit",
           "[units][half][amx]") {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
-    WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
-    return;
-  }
-  EmulationWatch watch;
-  every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [&] { return watch.ran(); });
+  on_emulated_tiles([&](EmulationWatch& watch) {
+    every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [&] { return watch.ran(); });
+  });
 }
 
 TEST_CASE("amx_fp16 (this CPU's tiles): the checks of the emulated tiles", "[units][half][amx]") {
