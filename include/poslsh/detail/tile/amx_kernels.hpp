@@ -20,8 +20,8 @@
 // The tile operations (configure, zero, load, dot, store, release) come from a layer `Tiles`:
 // AmxNativeTiles issues the instructions (inline assembly rather than the _tile_* intrinsics,
 // whose GCC forms tell the compiler of no memory read by tileloadd and of only 8 bytes read by
-// ldtilecfg, and whose tdpfp16ps GCC 12 does not know); AmxEmulatedTiles computes them in
-// software as Intel's pseudo-code for TDPBF16PS and TDPFP16PS gives (stated at
+// ldtilecfg; tdpfp16ps as its bytes, which assemblers before 2023 do not know); AmxEmulatedTiles
+// computes them in software as Intel's pseudo-code for TDPBF16PS and TDPFP16PS gives (stated at
 // AmxEmulatedTiles), for tests on CPUs without AMX (detail::set_amx_mode_for_tests,
 // core/matrix_units.hpp).
 // Every function carrying AMX or AVX-512 instructions is compiled for that target by a
@@ -96,13 +96,26 @@ inline AmxTileConfig amx_tile_config() {
                    :                                                                     \
                    : "r"(base), "r"(s)                                                   \
                    : "memory")
-#define POSLSH_AMX_DOT(op, c, b) \
-  __asm__ volatile("{" op " %%tmm" #b ", %%tmm4, %%tmm" #c "|" op " tmm" #c ", tmm4, tmm" #b "}" ::)
+#define POSLSH_AMX_BF16_DOT(c, b)                                                                  \
+  __asm__ volatile("{tdpbf16ps %%tmm" #b ", %%tmm4, %%tmm" #c "|tdpbf16ps tmm" #c ", tmm4, tmm" #b \
+                   "}" ::)
+// tdpfp16ps as its bytes (assemblers before 2023 do not know it): VEX.128.F2.0F38.W0 5C with
+// vvvv = B's tile, ModRM reg = C's tile, rm = A's (tile 4).
+#define POSLSH_AMX_FP16_VVVV_5 "0x53"
+#define POSLSH_AMX_FP16_VVVV_6 "0x4b"
+#define POSLSH_AMX_FP16_MODRM_0 "0xc4"
+#define POSLSH_AMX_FP16_MODRM_1 "0xcc"
+#define POSLSH_AMX_FP16_MODRM_2 "0xd4"
+#define POSLSH_AMX_FP16_MODRM_3 "0xdc"
+#define POSLSH_AMX_FP16_DOT(c, b)                                \
+  __asm__ volatile(".byte 0xc4, 0xe2, " POSLSH_AMX_FP16_VVVV_##b \
+                   ", 0x5c, " POSLSH_AMX_FP16_MODRM_##c ::)
 #define POSLSH_AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #else
 #define POSLSH_AMX_LOAD(t) static_cast<void>(s)
 #define POSLSH_AMX_STORE(t) static_cast<void>(s)
-#define POSLSH_AMX_DOT(op, c, b) static_cast<void>(0)
+#define POSLSH_AMX_BF16_DOT(c, b) static_cast<void>(0)
+#define POSLSH_AMX_FP16_DOT(c, b) static_cast<void>(0)
 #define POSLSH_AMX_ZERO(t) static_cast<void>(0)
 #endif
 
@@ -121,15 +134,15 @@ inline AmxTileConfig amx_tile_config() {
   case t:                        \
     POSLSH_AMX_STORE(t);         \
     break;
-#define POSLSH_AMX_DOT_CASES(op, c) \
-  case 2 * c:                       \
-    POSLSH_AMX_DOT(op, c, 5);       \
-    break;                          \
-  case 2 * c + 1:                   \
-    POSLSH_AMX_DOT(op, c, 6);       \
+#define POSLSH_AMX_DOT_CASES(dot, c) \
+  case 2 * c:                        \
+    dot(c, 5);                       \
+    break;                           \
+  case 2 * c + 1:                    \
+    dot(c, 6);                       \
     break;
-#define POSLSH_AMX_BF16_DOT_CASES(c) POSLSH_AMX_DOT_CASES("tdpbf16ps", c)
-#define POSLSH_AMX_FP16_DOT_CASES(c) POSLSH_AMX_DOT_CASES("tdpfp16ps", c)
+#define POSLSH_AMX_BF16_DOT_CASES(c) POSLSH_AMX_DOT_CASES(POSLSH_AMX_BF16_DOT, c)
+#define POSLSH_AMX_FP16_DOT_CASES(c) POSLSH_AMX_DOT_CASES(POSLSH_AMX_FP16_DOT, c)
 
 /// The tile instructions of both units (ldtilecfg, tilezero, tileloadd, tilestored,
 /// tilerelease). Tiles: C in 0-3, A in 4, B in 5 and 6.
@@ -187,7 +200,14 @@ struct AmxNativeTiles : AmxNativeTileOps {
 #undef POSLSH_AMX_FP16_DOT_CASES
 #undef POSLSH_AMX_LOAD
 #undef POSLSH_AMX_STORE
-#undef POSLSH_AMX_DOT
+#undef POSLSH_AMX_BF16_DOT
+#undef POSLSH_AMX_FP16_DOT
+#undef POSLSH_AMX_FP16_VVVV_5
+#undef POSLSH_AMX_FP16_VVVV_6
+#undef POSLSH_AMX_FP16_MODRM_0
+#undef POSLSH_AMX_FP16_MODRM_1
+#undef POSLSH_AMX_FP16_MODRM_2
+#undef POSLSH_AMX_FP16_MODRM_3
 #undef POSLSH_AMX_ZERO
 
 /// The tile instructions computed in software, one set of 8 tiles and a configuration per
