@@ -768,6 +768,33 @@ void emulated_dot(const std::uint16_t (&a)[16][32], const std::uint16_t (&b)[16]
   CHECK(Tiles::products().load() == before + 1);
 }
 
+/// Entries of A, B and C (as emulated_dot takes them, values of type Half) that both tile
+/// products must give alike:
+///  - row 0, column 0: the even products sum to x y + 1 = 2^24 + 1, the odd ones to -2^24 + 1
+///    (x = a_big, y = b_big, x y = 2^24). Intel's pseudo-code sums each half in its own float
+///    (2^24 + 1 rounds to 2^24 at the tie, -2^24 + 1 is exact), then adds the halves: 1. Sums of
+///    the pairs in order (as vdpbf16ps) or exact sums give 2.
+///  - row 3, column 3: small integers, exact: 3 + (2 * 5 + 4 * 7) = 41 onto a loaded C of 3.
+template <typename Half>
+void sum_order_entries(float a_big, float b_big, std::uint16_t (&a)[16][32],
+                       std::uint16_t (&b)[16][32], float (&c)[16][16]) {
+  REQUIRE(a_big * b_big == 16777216.0f);
+  const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(Half(x)); };
+  a[0][0] = bits(a_big);
+  a[0][1] = bits(a_big);
+  a[0][2] = bits(1.0f);
+  a[0][3] = bits(1.0f);
+  b[0][0] = bits(b_big);
+  b[0][1] = bits(-b_big);
+  b[1][0] = bits(1.0f);
+  b[1][1] = bits(1.0f);
+  a[3][0] = bits(2.0f);
+  a[3][1] = bits(4.0f);
+  b[0][6] = bits(5.0f);
+  b[0][7] = bits(7.0f);
+  c[3][3] = 3.0f;
+}
+
 }  // namespace
 
 TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
@@ -776,18 +803,8 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
   // A (tile 4): row m's pairs along k; B (tile 5): row k's pairs along columns n; C (tile 0).
   std::uint16_t a[16][32] = {}, b[16][32] = {};
   float c[16][16] = {};
-  // Row 0, column 0: the even products sum to 2^24 + 1, the odd ones to -2^24 + 1. The SDM sums
-  // each half in its own float (2^24 + 1 rounds to 2^24 at the tie, -2^24 + 1 is exact), then
-  // adds the halves: 1. Sums of the pairs in order (as vdpbf16ps) or exact sums give 2.
-  const float big = 16777216.0f;
-  a[0][0] = bits(big);
-  a[0][1] = bits(big);
-  a[0][2] = bits(1.0f);
-  a[0][3] = bits(1.0f);
-  b[0][0] = bits(1.0f);
-  b[0][1] = bits(-1.0f);
-  b[1][0] = bits(1.0f);
-  b[1][1] = bits(1.0f);
+  // Rows 0 and 3 (sum_order_entries): 2^24 times 1.
+  sum_order_entries<bf16>(16777216.0f, 1.0f, a, b, c);
   // Row 1, column 1: a denormal bfloat16 (bits 0x0001) times 2^100 is taken as 0 (DAZ); the
   // same product of normal values would be about 9e-41 * 1.3e30.
   a[1][0] = 0x0001;
@@ -796,12 +813,6 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
   a[2][0] = bits(std::ldexp(1.0f, -70));
   b[0][4] = bits(std::ldexp(1.0f, -70));
   CHECK(std::ldexp(1.0f, -70) * std::ldexp(1.0f, -70) > 0.0f);
-  // Row 3, column 3: small integers, exact: 3 + (2 * 5 + 4 * 7) = 41 onto a loaded C of 3.
-  a[3][0] = bits(2.0f);
-  a[3][1] = bits(4.0f);
-  b[0][6] = bits(5.0f);
-  b[0][7] = bits(7.0f);
-  c[3][3] = 3.0f;
   float out[16][16];
   emulated_dot<Tiles>(a, b, c, out);
   CHECK(out[0][0] == 1.0f);
@@ -824,17 +835,8 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(x)); };
   std::uint16_t a[16][32] = {}, b[16][32] = {};
   float c[16][16] = {};
-  // Row 0, column 0: even products 2^13 2^11 + 1 = 2^24 + 1 (rounds to 2^24 at the tie), odd
-  // ones -2^24 + 1 (exact), each half summed in its own float, then added: 1 (in-order pair
-  // sums or exact sums give 2).
-  a[0][0] = bits(8192.0f);
-  a[0][1] = bits(8192.0f);
-  a[0][2] = bits(1.0f);
-  a[0][3] = bits(1.0f);
-  b[0][0] = bits(2048.0f);
-  b[0][1] = bits(-2048.0f);
-  b[1][0] = bits(1.0f);
-  b[1][1] = bits(1.0f);
+  // Rows 0 and 3 (sum_order_entries): 2^13 times 2^11 (2^24 is past float16's range).
+  sum_order_entries<Eigen::half>(8192.0f, 2048.0f, a, b, c);
   // Row 1, column 1: a denormal float16 (bits 0x0001, 2^-24) is a value, not 0: times 2^10 it
   // gives 2^-14.
   a[1][0] = 0x0001;
@@ -842,12 +844,6 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
   // Row 2, column 2: a float denormal loaded into C is flushed (FTZ/DAZ on the accumulation).
   c[2][2] = std::numeric_limits<float>::denorm_min() * 1000.0f;
   CHECK(c[2][2] > 0.0f);
-  // Row 3, column 3: small integers, exact: 3 + (2 * 5 + 4 * 7) = 41 onto a loaded C of 3.
-  a[3][0] = bits(2.0f);
-  a[3][1] = bits(4.0f);
-  b[0][6] = bits(5.0f);
-  b[0][7] = bits(7.0f);
-  c[3][3] = 3.0f;
   float out[16][16];
   emulated_dot<Tiles>(a, b, c, out);
   CHECK(out[0][0] == 1.0f);

@@ -13,8 +13,9 @@ The prefill kernels (except alibi_attention_reference), the decoders, multihead_
 multihead_attention_varlen also take float16 arrays and bfloat16 bit patterns
 (``BFloat16Bits``), with float32 accumulation and softmax. Their ``precision=`` keyword
 ("matrix_units", the default, or "float_products") decides whether bfloat16 tiles go to the
-CPU's matrix unit (AMX or AVX512-BF16 where present; float16 tiles to AMX-FP16); ``matrix_units()`` lists this CPU's units and
-``matrix_unit(q_dtype, kv_dtype, precision=...)`` names the one a call uses.
+CPU's matrix unit (AMX or AVX512-BF16 where present; float16 tiles to AMX-FP16);
+``matrix_units()`` lists this CPU's units and ``matrix_unit(q_dtype, kv_dtype, precision=...)``
+names the one a call uses.
 See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch installed)
 has autograd Functions.
 """

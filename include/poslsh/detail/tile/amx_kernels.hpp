@@ -54,6 +54,12 @@
 
 namespace poslsh::detail {
 
+/// Whether AMX tiles multiply pairs of Half values: Eigen::bfloat16 (tdpbf16ps) and Eigen::half
+/// (tdpfp16ps).
+template <typename Half>
+inline constexpr bool amx_half_v =
+    std::is_same_v<Half, Eigen::bfloat16> || std::is_same_v<Half, Eigen::half>;
+
 /// Rows, bytes a row, and the summed pairs of every tile (16 x 64 bytes: 16 pairs of 16-bit values
 /// or 16 floats a row).
 inline constexpr Index amx_rows = 16;
@@ -178,8 +184,7 @@ struct AmxNativeTileOps {
 /// by tdpbf16ps (Eigen::bfloat16) or tdpfp16ps (Eigen::half).
 template <typename Half>
 struct AmxNativeTiles : AmxNativeTileOps {
-  static_assert(std::is_same_v<Half, Eigen::bfloat16> || std::is_same_v<Half, Eigen::half>,
-                "AMX tiles multiply bfloat16 or float16 pairs");
+  static_assert(amx_half_v<Half>, "AMX tiles multiply bfloat16 or float16 pairs");
   POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
     const int pair = 2 * c + (b == 5 ? 0 : 1);
     if constexpr (std::is_same_v<Half, Eigen::bfloat16>) {
@@ -280,8 +285,7 @@ struct AmxEmulatedTileOps {
 /// columns) throw std::logic_error.
 template <typename Half>
 struct AmxEmulatedTiles : AmxEmulatedTileOps {
-  static_assert(std::is_same_v<Half, Eigen::bfloat16> || std::is_same_v<Half, Eigen::half>,
-                "AMX tiles multiply bfloat16 or float16 pairs");
+  static_assert(amx_half_v<Half>, "AMX tiles multiply bfloat16 or float16 pairs");
   static void dot(int c, int b) {
     constexpr int a = 4;
     check(c);

@@ -200,8 +200,7 @@ struct PairTileRows {
 /// of the same keys, so where a tile comes from never changes a result.
 template <typename Half, bool AmxTiles>
 class PairedHalfKV : public StridedKV<Half> {
-  static_assert(std::is_same_v<Half, Eigen::bfloat16> ||
-                    (AmxTiles && std::is_same_v<Half, Eigen::half>),
+  static_assert(AmxTiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
                 "pairs of bfloat16 values, or of float16 values on the AMX tiles");
 
  public:
