@@ -298,7 +298,10 @@ def write_data(rows, outdir, methods, decoders):
     lines = ["has_prefill = %d" % has_prefill, "has_decode = %d" % has_decode,
              "max_n = %d" % max_n, "max_ms = %.6g" % max_ms]
     date = str(rows.context.get("date", ""))[:16].replace("T", " ")
-    lines.append("run_info = %s" % quoted(date))
+    commit = rows.context.get("poslsh_run_commit", "").split(" ")[0]
+    lines.append("run_info = %s" % quoted(", ".join(filter(None, [
+        "%s threads" % rows.context.get("omp_threads", "?"),
+        "commit " + commit if commit else "", date]))))
     for index, (name, _) in enumerate(methods):
         colour, point, width = PALETTE[index % len(PALETTE)]
         lines.append('set style line %d lc rgb "%s" lw %d pt %d ps 1.3  # %s' %
