@@ -182,8 +182,9 @@ def _percent_of_sgemm(name):
 
 
 def _times_text(rows, *names):
-    """The rows' times, "a / b ms" (decode rows: "a / b us")."""
-    scale, unit = (1e3, "us") if all(name.startswith("decode") for name in names) else (1, "ms")
+    """The rows' times, "a / b ms" (decode rows under 10 ms: "a / b us")."""
+    scale, unit = (1e3, "us") if all(name.startswith("decode") and rows.ms[name] < 10
+                                     for name in names) else (1, "ms")
     return "%s %s" % (" / ".join(fmt(rows.ms[name] * scale) for name in names), unit)
 
 
@@ -744,26 +745,26 @@ def table_half(rows, stamp):
         base = "%s/%d" % (float_row, n)
         if base not in rows.ms:
             continue
-        cells.append(["`%s`" % base, "float", fmt(rows.ms[base]), ""])
+        cells.append(["`%s`" % base, "float", fmt(rows.ms[base]) + " ms", ""])
         for variant in variants:
             name = "%s/%d" % (variant, n)
             if name in rows.ms:
                 unit = rows.unit(name) or ("float_widening" if "float_widening" in variant
                                            else "float products, bfloat16 K, V"
                                            if variant.endswith("bf16kv") else "-")
-                cells.append(["`%s`" % name, unit, fmt(rows.ms[name]),
+                cells.append(["`%s`" % name, unit, fmt(rows.ms[name]) + " ms",
                               "%.2fx" % (rows.ms[base] / rows.ms[name])])
     for decoder in ("decode_lsh", "decode_exact"):
         for t in (65536, 1048576):
             base, name = "%s/%d" % (decoder, t), "%s_bf16/%d" % (decoder, t)
             if rows.has(base, name):
-                cells.append(["`%s` (us per token)" % name, "bfloat16 cache, float arithmetic",
-                              fmt(rows.ms[name] * 1e3),
-                              "%.2fx (float: %s us)" % (rows.ms[base] / rows.ms[name],
-                                                        fmt(rows.ms[base] * 1e3))])
+                cells.append(["`%s`" % name, "bfloat16 cache, float arithmetic",
+                              _times_text(rows, name) + " per token",
+                              "%.2fx (float: %s)" % (rows.ms[base] / rows.ms[name],
+                                                     _times_text(rows, base))])
     if not cells:
         raise MissingRow("the half-precision rows at n = 16384")
-    return _table(["row", "unit", "time (ms)", "float time / this"], cells)
+    return _table(["row", "unit", "time", "float time / this"], cells)
 
 
 def table_backward(rows, stamp):
