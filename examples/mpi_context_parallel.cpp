@@ -767,11 +767,11 @@ CheckOutcome check_rows(const Config& config, const Rank& me) {
   generate_rows(config, tensor_q, H * d, 0, n, q.data());
   generate_rows(config, tensor_k, G * d, 0, n, k.data());
   generate_rows(config, tensor_v, G * d, 0, n, v.data());
-  poslsh::multihead_attention<float>(poslsh::interleaved_heads<const float>(q.data(), n, H, d),
-                                     poslsh::interleaved_heads<const float>(k.data(), n, G, d),
-                                     poslsh::interleaved_heads<const float>(v.data(), n, G, d),
-                                     poslsh::interleaved_heads<float>(out.data(), n, H, d), lse,
-                                     head_options(config));
+  poslsh::multihead_attention_with_lse<float>(
+      poslsh::interleaved_heads<const float>(q.data(), n, H, d),
+      poslsh::interleaved_heads<const float>(k.data(), n, G, d),
+      poslsh::interleaved_heads<const float>(v.data(), n, G, d),
+      poslsh::interleaved_heads<float>(out.data(), n, H, d), lse, head_options(config));
   CheckOutcome outcome;
   const auto compare = [&outcome](const auto& got, const auto& want) {
     double scale = 1, diff = 0;

@@ -62,15 +62,17 @@ void setup_forward(const BackwardSetup& s, const poslsh::ConstMatrixRef<Input>& 
   }
   switch (s.kind) {
     case BackwardKind::tiled:
-      return poslsh::alibi_attention_tiled<Input>(q, k, v, s.sigma, out, lse, s.options);
+      return poslsh::alibi_attention_tiled_with_lse<Input>(q, k, v, s.sigma, out, lse, s.options);
     case BackwardKind::banded:
-      return poslsh::alibi_attention_banded<Input>(q, k, v, s.sigma, s.band, out, lse, s.options);
+      return poslsh::alibi_attention_banded_with_lse<Input>(q, k, v, s.sigma, s.band, out, lse,
+                                                            s.options);
     case BackwardKind::fused:
-      return poslsh::lsh_attention_fused<Input>(q, k, v, s.hashes, out, lse, s.options);
+      return poslsh::lsh_attention_fused_with_lse<Input>(q, k, v, s.hashes, out, lse, s.options);
     case BackwardKind::per_sample:
-      return poslsh::lsh_attention_per_sample<Input>(q, k, v, s.hashes, out, lse, s.options);
+      return poslsh::lsh_attention_per_sample_with_lse<Input>(q, k, v, s.hashes, out, lse,
+                                                              s.options);
     case BackwardKind::fixed_blocks:
-      return poslsh::fixed_blocks_attention<Input>(q, k, v, s.sigma, out, lse, s.options);
+      return poslsh::fixed_blocks_attention_with_lse<Input>(q, k, v, s.sigma, out, lse, s.options);
   }
 }
 

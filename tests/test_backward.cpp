@@ -339,7 +339,7 @@ TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[ba
     RowMatrix<float> outb(n, heads * dv), lse(heads, n), dqb(n, heads * d), dkb(n, kv_heads * d),
         dvb(n, kv_heads * dv);
     const auto out = poslsh::interleaved_heads<float>(outb.data(), n, heads, dv);
-    poslsh::multihead_attention<float>(q, k, v, out, lse, options);
+    poslsh::multihead_attention_with_lse<float>(q, k, v, out, lse, options);
     RowMatrix<float> plain(n, heads * dv);
     poslsh::multihead_attention<float>(
         q, k, v, poslsh::interleaved_heads<float>(plain.data(), n, heads, dv), options);
@@ -516,7 +516,7 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
   const HashSet hashes = poslsh::rbf_hashes(4.0, 2, 1);
   RowMatrix<float> out(n, dv);
   ColumnVector<float> lse(n);
-  poslsh::lsh_attention_fused<float>(q, k, v, hashes, out, lse);
+  poslsh::lsh_attention_fused_with_lse<float>(q, k, v, hashes, out, lse);
   RowMatrix<float> dq(n, d), dk(n, d), dvv(n, dv);
   RowMatrix<float> wrong_dq(n, d + 1), wrong_dk(n + 1, d), wrong_dv(n, dv + 1),
       wrong_dout(n - 1, dv), wrong_out(n, dv + 1);
@@ -573,7 +573,7 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
       },
       "options.query_offset");
   require_invalid_argument(
-      [&] { poslsh::alibi_attention_tiled<float>(q, k, v, 4.0, out, lse, offset); },
+      [&] { poslsh::alibi_attention_tiled_with_lse<float>(q, k, v, 4.0, out, lse, offset); },
       "options.query_offset");
   // Multi-head: lse must be heads x tokens, the gradient views the inputs' shapes.
   const auto qv = poslsh::interleaved_heads<const float>(q.data(), n, 1, d);
@@ -586,9 +586,9 @@ TEST_CASE("bad shapes of out, lse, dout and the gradients throw naming them", "[
   options.sigmas = {4.0};
   require_invalid_argument(
       [&] {
-        poslsh::multihead_attention<float>(qv, kv, vv,
-                                           poslsh::interleaved_heads<float>(out.data(), n, 1, dv),
-                                           bad_head_lse, options);
+        poslsh::multihead_attention_with_lse<float>(
+            qv, kv, vv, poslsh::interleaved_heads<float>(out.data(), n, 1, dv), bad_head_lse,
+            options);
       },
       "lse");
   const auto backward_call = [&](const RowMatrix<float>& l, const poslsh::HeadsView<const float>& o,
@@ -629,7 +629,7 @@ TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
       options.method = method;
       options.samples = 4;
       RowMatrix<float> outb(n, heads * d), lse(heads, n);
-      poslsh::multihead_attention<float>(
+      poslsh::multihead_attention_with_lse<float>(
           q, k, v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse, options);
       RowMatrix<float> grads[2][3];
       for (int t = 0; t < 2; ++t) {

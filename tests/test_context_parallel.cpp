@@ -101,7 +101,7 @@ SingleProcess<Scalar> single_process(Index n, const MultiHeadOptions& options) {
   const auto q = poslsh::interleaved_heads<const Scalar>(s.q.data(), n, cp_heads, cp_d);
   const auto k = poslsh::interleaved_heads<const Scalar>(s.k.data(), n, cp_kv_heads, cp_d);
   const auto v = poslsh::interleaved_heads<const Scalar>(s.v.data(), n, cp_kv_heads, cp_d);
-  poslsh::multihead_attention<Scalar>(
+  poslsh::multihead_attention_with_lse<Scalar>(
       q, k, v, poslsh::interleaved_heads<Scalar>(s.out.data(), n, cp_heads, cp_d), s.lse, options);
   poslsh::multihead_attention_backward<Scalar>(
       q, k, v, poslsh::interleaved_heads<const Scalar>(s.out.data(), n, cp_heads, cp_d), s.lse,

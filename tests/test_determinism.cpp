@@ -134,9 +134,9 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
     RowMatrix<float> out(q.rows(), v.cols());
     Eigen::VectorXf lse(q.rows());
     if (banded) {
-      poslsh::alibi_attention_banded<float>(q, k, v, sigma, 50, out, lse, options);
+      poslsh::alibi_attention_banded_with_lse<float>(q, k, v, sigma, 50, out, lse, options);
     } else {
-      poslsh::alibi_attention_tiled<float>(q, k, v, sigma, out, lse, options);
+      poslsh::alibi_attention_tiled_with_lse<float>(q, k, v, sigma, out, lse, options);
     }
     outputs.push_back(out);
     outputs.push_back(lse);

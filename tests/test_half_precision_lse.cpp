@@ -133,7 +133,7 @@ void heads_forward_of(LseCall call, const poslsh_test::HeadsProblem<Half>& p, co
   const auto ov = poslsh::interleaved_heads<Scalar>(out.data(), p.n, p.heads, p.dv);
   switch (call) {
     case LseCall::whole:
-      poslsh::multihead_attention<Scalar>(qv, kv, vv, ov, lse, options);
+      poslsh::multihead_attention_with_lse<Scalar>(qv, kv, vv, ov, lse, options);
       break;
     case LseCall::varlen:
       poslsh::multihead_attention_varlen<Scalar>(qv, kv, vv, ov, lse, cu, options);
@@ -325,17 +325,18 @@ TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[hal
   LseVector lse(n), lse_short(n - 1);
   const poslsh::HashSet hashes = poslsh::rbf_hashes(8.0, 2, 3, 0);
   require_invalid_argument(
-      [&] { poslsh::alibi_attention_tiled<Half>(q, k, v, 8.0, out, lse_short); }, "lse");
+      [&] { poslsh::alibi_attention_tiled_with_lse<Half>(q, k, v, 8.0, out, lse_short); }, "lse");
   require_invalid_argument(
-      [&] { poslsh::alibi_attention_tiled<Half>(q, k_wide, v, 8.0, out, lse); }, "k");
+      [&] { poslsh::alibi_attention_tiled_with_lse<Half>(q, k_wide, v, 8.0, out, lse); }, "k");
   require_invalid_argument(
-      [&] { poslsh::alibi_attention_banded<Half>(q, k, v, 8.0, -1, out, lse); }, "band");
+      [&] { poslsh::alibi_attention_banded_with_lse<Half>(q, k, v, 8.0, -1, out, lse); }, "band");
   require_invalid_argument(
-      [&] { poslsh::lsh_attention_fused<Half>(q, k, v, hashes, out_bad, lse); }, "out");
+      [&] { poslsh::lsh_attention_fused_with_lse<Half>(q, k, v, hashes, out_bad, lse); }, "out");
   require_invalid_argument(
-      [&] { poslsh::lsh_attention_per_sample<Half>(q, k, v, hashes, out, lse_short); }, "lse");
-  require_invalid_argument([&] { poslsh::fixed_blocks_attention<Half>(q, k, v, -1.0, out, lse); },
-                           "sigma");
+      [&] { poslsh::lsh_attention_per_sample_with_lse<Half>(q, k, v, hashes, out, lse_short); },
+      "lse");
+  require_invalid_argument(
+      [&] { poslsh::fixed_blocks_attention_with_lse<Half>(q, k, v, -1.0, out, lse); }, "sigma");
   // All heads (two query heads over one K/V head): an lse of the wrong shape, an out view of
   // the wrong width.
   const RowMatrix<Half> q2 = random_half<Half>(n, 2 * d, 9);
@@ -347,7 +348,7 @@ TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[hal
   const auto ov = poslsh::interleaved_heads<Half>(out2.data(), n, 2, dv);
   const std::vector<std::int32_t> cu = {0, static_cast<std::int32_t>(n)};
   require_invalid_argument(
-      [&] { poslsh::multihead_attention<Half>(qv, kv, vv, ov, heads_lse_bad); }, "lse");
+      [&] { poslsh::multihead_attention_with_lse<Half>(qv, kv, vv, ov, heads_lse_bad); }, "lse");
   require_invalid_argument(
       [&] {
         poslsh::multihead_attention_varlen<Half>(

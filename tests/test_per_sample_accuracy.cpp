@@ -172,7 +172,7 @@ void check_accuracy(Index length) {
     }
     RowMatrix<float> out(length, dv);
     Eigen::VectorXf lse(length);
-    poslsh::lsh_attention_per_sample<float>(q, k, v, hashes, out, lse, options);
+    poslsh::lsh_attention_per_sample_with_lse<float>(q, k, v, hashes, out, lse, options);
     const ExactGradients exact =
         dense_gradients(x, counts, static_cast<double>(tau), qd, kd, vd, out.cast<double>(),
                         lse.cast<double>(), dout.cast<double>());
@@ -237,7 +237,7 @@ TEST_CASE("two copies of one hash give twice the one-hash gradients", "[per_samp
       options.scale = static_cast<double>(tau);
       RowMatrix<float> out(n, dv);
       Eigen::VectorXf lse(n);
-      poslsh::lsh_attention_per_sample<float>(q, k, v, HashSet{hash}, out, lse, options);
+      poslsh::lsh_attention_per_sample_with_lse<float>(q, k, v, HashSet{hash}, out, lse, options);
       // Each block's pass on its own rows gives the sums of the pass on the whole sequence;
       // the compensated sum of two equal terms is exact.
       const per_sample_accuracy::Gradients one =
@@ -272,7 +272,7 @@ TEST_CASE("per-sample gradients summed over the samples are bitwise the same for
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
       const auto t = static_cast<std::size_t>(threads - 1);
-      poslsh::lsh_attention_per_sample<float>(q, k, v, hashes, out[t], lse[t], options);
+      poslsh::lsh_attention_per_sample_with_lse<float>(q, k, v, hashes, out[t], lse[t], options);
       grads[t] = per_sample_accuracy::per_sample_gradients(q, k, v, hashes, tau, masking, out[0],
                                                            lse[0], dout);
     }

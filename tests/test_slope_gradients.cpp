@@ -99,7 +99,7 @@ ExactCall<Scalar> exact_call(const RowMatrix<Scalar>& qb, const RowMatrix<Scalar
   ExactCall<Scalar> c{RowMatrix<Scalar>(n, heads * d),    RowMatrix<Scalar>(heads, n),
                       RowMatrix<Scalar>(n, heads * d),    RowMatrix<Scalar>(n, kv_heads * d),
                       RowMatrix<Scalar>(n, kv_heads * d), Eigen::VectorXd::Zero(heads)};
-  poslsh::multihead_attention<Scalar>(
+  poslsh::multihead_attention_with_lse<Scalar>(
       q, k, v, poslsh::interleaved_heads<Scalar>(c.out.data(), n, heads, d), c.lse, options);
   const auto o = poslsh::interleaved_heads<const Scalar>(c.out.data(), n, heads, d);
   const auto dq = poslsh::interleaved_heads<Scalar>(c.dq.data(), n, heads, d);
@@ -306,10 +306,10 @@ TEST_CASE("windows and slope gradients reject what they cannot do, by name", "[s
         poslsh::interleaved_heads<float>(dk.data(), n, 1, d),
         poslsh::interleaved_heads<float>(dv.data(), n, 1, d), target, options);
   };
-  poslsh::multihead_attention<float>(view, view, view, out_view, lse, options);
+  poslsh::multihead_attention_with_lse<float>(view, view, view, out_view, lse, options);
   poslsh_test::require_invalid_argument([&] { gradients(wrong); }, "dslopes");
   options.method = Method::lsh_fused;
-  poslsh::multihead_attention<float>(view, view, view, out_view, lse, options);
+  poslsh::multihead_attention_with_lse<float>(view, view, view, out_view, lse, options);
   poslsh_test::require_invalid_argument([&] { gradients(dslopes); }, "dslopes");
 }
 
@@ -349,7 +349,7 @@ TEST_CASE("the varlen forward with lse at query offsets equals the rows of self-
       const Index m = cu_q[b + 1] - cu_q[b], L = cu_k[b + 1] - cu_k[b];
       if (L == 0) continue;
       RowMatrix<float> self_out(L, heads * d), self_lse(heads, L);
-      poslsh::multihead_attention<float>(
+      poslsh::multihead_attention_with_lse<float>(
           poslsh::interleaved_heads<const float>(full_q.data() + cu_k[b] * heads * d, L, heads, d),
           poslsh::interleaved_heads<const float>(kb.data() + cu_k[b] * kv_heads * d, L, kv_heads,
                                                  d),

@@ -117,8 +117,8 @@ void def_training(py::module_& module, const char* function, const char* lse_doc
                        output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
                    VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
                    run_kernel(threads, [&] {
-                     single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
-                                                      lse_map, options);
+                     single_head<M, Pass::forward_with_lse, T>(maps.q, maps.k, maps.v, values...,
+                                                               output.map, lse_map, options);
                    });
                    return py::make_tuple(output.result, lse_out.result);
                  });
@@ -447,8 +447,8 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
               poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
                                                     *batch.cu_seqlens, keywords.options);
             else
-              poslsh::multihead_attention<T>(in.q, in.k, in.v, output.view, lse_map,
-                                             keywords.options);
+              poslsh::multihead_attention_with_lse<T>(in.q, in.k, in.v, output.view, lse_map,
+                                                      keywords.options);
           });
           return py::make_tuple(output.result, lse_result);
         });

@@ -602,11 +602,11 @@ void run(ByteReader& input) {
     RowMatrix<Scalar> out(n, dv);
     Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse(n);
     if (lsh) {
-      poslsh::lsh_attention_fused<Scalar>(q.view(), k.view(), v.view(), problem.hashes, out, lse,
-                                          options);
+      poslsh::lsh_attention_fused_with_lse<Scalar>(q.view(), k.view(), v.view(), problem.hashes,
+                                                   out, lse, options);
     } else {
-      poslsh::alibi_attention_tiled<Scalar>(q.view(), k.view(), v.view(), problem.sigma, out, lse,
-                                            options);
+      poslsh::alibi_attention_tiled_with_lse<Scalar>(q.view(), k.view(), v.view(), problem.sigma,
+                                                     out, lse, options);
     }
     if (!(out == (lsh ? fused_a : tiled_out))) fail("forward with lse != forward");
     RowMatrix<Scalar> first[3];

@@ -242,10 +242,10 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
 /// OutScalar = Scalar under the same options.precision).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                         HeadsView<const Scalar> v, HeadsView<Scalar> out, HeadsLseRef<Scalar> lse,
-                         const MultiHeadOptions& options = {}) {
-  constexpr const char* function = "multihead_attention";
+void multihead_attention_with_lse(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                  HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                                  HeadsLseRef<Scalar> lse, const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_with_lse";
   const detail::HeadsCall call = detail::training_call(
       function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);

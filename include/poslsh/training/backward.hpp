@@ -408,44 +408,47 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 // Precision::float_products out and lse are bitwise the float call's on the widened inputs,
 // out rounded once to Scalar).
 
-/// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
+/// alibi_attention_tiled_with_lse: alibi_attention_tiled with the log-sum-exp: out_i = sum_j
+/// e^{x_ij - lse_i} v_j and
 ///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
 /// (causal: j <= i), from the same tiles and online softmax (the running maximum M_i and sum);
 /// out is bitwise that of the overload without lse. Query tiles in parallel (OpenMP), bitwise
 /// the same for any thread count. Throws
 /// std::invalid_argument naming a bad argument (lse: size n).
 template <typename Scalar>
-void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                           ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                           LseRef<Scalar> lse, const AttentionOptions& options = {}) {
+void alibi_attention_tiled_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                    ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                                    LseRef<Scalar> lse, const AttentionOptions& options = {}) {
   detail::exact_lse_call<Scalar>(
-      "alibi_attention_tiled", q, k, v, sigma, out, lse, options,
+      "alibi_attention_tiled_with_lse", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
-/// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
-/// M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i); out
-/// bitwise that of the overload without lse. Query tiles in parallel (OpenMP).
+/// alibi_attention_banded_with_lse: alibi_attention_banded with the log-sum-exp: lse_i = log
+/// sum_{|i-j| <= band} e^{x_ij} (stably, as M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j -
+/// |i-j| / sigma (causal: j <= i); out bitwise that of the overload without lse. Query tiles in
+/// parallel (OpenMP).
 template <typename Scalar>
-void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, Index band,
-                            MatrixRef<Scalar> out, LseRef<Scalar> lse,
-                            const AttentionOptions& options = {}) {
-  detail::require_size(band, "alibi_attention_banded", "band");
+void alibi_attention_banded_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                     MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                     const AttentionOptions& options = {}) {
+  detail::require_size(band, "alibi_attention_banded_with_lse", "band");
   detail::exact_lse_call<Scalar>(
-      "alibi_attention_banded", q, k, v, sigma, out, lse, options,
+      "alibi_attention_banded_with_lse", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
-/// lsh_attention_fused with lse: lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i},
-/// c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same tiles; out bitwise that of
-/// the overload without lse. Query tiles in parallel (OpenMP), bitwise the same for any thread
-/// count.
+/// lsh_attention_fused_with_lse: lsh_attention_fused with the log-sum-exp: lse_i = M_i + log sum_j
+/// c_ij e^{tau q_i.k_j - M_i}, c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same
+/// tiles; out bitwise that of the overload without lse. Query tiles in parallel (OpenMP), bitwise
+/// the same for any thread count.
 template <typename Scalar>
-void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
-                         LseRef<Scalar> lse, const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_fused";
+void lsh_attention_fused_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                  MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                  const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused_with_lse";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
@@ -457,15 +460,16 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                  lse.data(), options.precision);
 }
 
-/// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
-/// e^{tau q_i.k_j - M_i} from the samples' partial results merged pairwise (equal to the fused
-/// kernel's lse to rounding); out bitwise that of the overload without lse.
+/// lsh_attention_per_sample_with_lse: lsh_attention_per_sample with the log-sum-exp: the same
+/// estimator, lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i} from the samples' partial results
+/// merged pairwise (equal to the fused kernel's lse to rounding); out bitwise that of the overload
+/// without lse.
 template <typename Scalar>
-void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                              MatrixRef<Scalar> out, LseRef<Scalar> lse,
-                              const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_per_sample";
+void lsh_attention_per_sample_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                       MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                       const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample_with_lse";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
@@ -476,13 +480,15 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
                                      lse.data(), options.precision);
 }
 
-/// fixed_blocks_attention with lse: lsh_attention_per_sample with lse for the single hash
-/// fixed_blocks_hash(sigma), so lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+/// fixed_blocks_attention_with_lse: fixed_blocks_attention with the log-sum-exp:
+/// lsh_attention_per_sample with lse for the single hash fixed_blocks_hash(sigma), so lse_i = log
+/// sum_{j in B(i)} e^{tau q_i.k_j}.
 template <typename Scalar>
-void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                            LseRef<Scalar> lse, const AttentionOptions& options = {}) {
-  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
+void fixed_blocks_attention_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                                     LseRef<Scalar> lse, const AttentionOptions& options = {}) {
+  lsh_attention_per_sample_with_lse<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
+                                            options);
 }
 
 // ---------------------------------------------------------------------------------------------
