@@ -29,24 +29,6 @@ def test_rbf_hashes_fields_are_valid_and_deterministic():
         hashes[64]
 
 
-def test_rbf_hashes_distribution():
-    sigma, s = 8.0, 20000
-    hashes = poslsh.rbf_hashes(sigma, s, seed=1)
-    widths = hashes.widths
-    # Gamma(2, sigma): mean 2 sigma, variance 2 sigma^2; 6 standard errors.
-    assert abs(widths.mean() - 2 * sigma) < 6 * math.sqrt(2) * sigma / math.sqrt(s)
-    assert abs(widths.var() / (2 * sigma**2) - 1) < 0.1
-    # Offsets uniform on [0, w): offset / width has mean 1/2, variance 1/12.
-    u = hashes.offsets / widths
-    assert abs(u.mean() - 0.5) < 6 * math.sqrt(1 / 12 / s)
-    # P[bin(i) = bin(j)] = exp(-|i-j| / sigma), from the bins computed here.
-    b = reference.bins(widths, hashes.offsets, 50)
-    for distance in (1, 4, 8, 16, 32):
-        collide = (b[:, 10] == b[:, 10 + distance]).mean()
-        p = math.exp(-distance / sigma)
-        assert abs(collide - p) < 6 * math.sqrt(p * (1 - p) / s) + 1e-3
-
-
 def test_hashset_from_values_and_views():
     hashes = poslsh.HashSet([4.0, 2.5], [1.0, 0.0])
     np.testing.assert_array_equal(hashes.widths, [4.0, 2.5])

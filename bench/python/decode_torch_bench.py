@@ -1,7 +1,7 @@
 """Decode-step cost of poslsh.torch.flash_attn_with_kvcache and the fixed cost of flash_attn_func:
 the current python/poslsh/flash.py against the one of an earlier commit, in one process.
 
-    PYTHONPATH=build-py/python python3 bench/decode_torch_bench.py [--old-rev REV] [--rounds 15]
+    PYTHONPATH=build-py/python python3 bench/python/decode_torch_bench.py [--old-rev REV] [--rounds 15]
         [--lengths 4096 16384] [--markdown FILE]
 
 The earlier flash.py is read with `git show REV:python/poslsh/flash.py` and loaded as a separate

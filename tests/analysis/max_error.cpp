@@ -7,7 +7,7 @@
 #include <poslsh/reference/masks.hpp>
 #include <vector>
 
-#include "../examples/log_log_fit.hpp"
+#include "../../examples/log_log_fit.hpp"
 #include "test_support.hpp"
 
 using poslsh::Index;

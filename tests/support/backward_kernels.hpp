@@ -1,4 +1,4 @@
-// Helpers of the backward tests (test_backward.cpp, test_half_precision_backward.cpp): one
+// Helpers of the backward tests (tests/training/backward.cpp, tests/training/half_precision_backward.cpp): one
 // single-head kernel configuration, its forward with lse, and its backward on inputs stored in
 // any scalar type.
 #pragma once

@@ -3,12 +3,12 @@
 The call: n = 4096 tokens, H = 8 heads, d = 64, float32 [n, H, d] buffers, ALiBi sigmas,
 s = 16 samples, seed 2024, causal (the benchmark suite's lsh_fused/4096 row). Python times the
 call with a preallocated out= (as the C++ program does) and with a new output array each call;
-the C++ program (python/bench/bench_cpp.cpp, target poslsh_bench_binding_cpp) times the same
+the C++ program (bench/python/bench_binding_cpp.cpp, target poslsh_bench_binding_cpp) times the same
 call in C++. Rounds alternate between the two so that both see the same machine load; each
 figure is the minimum over all calls.
 
     cmake --build build-py --target poslsh_bench_binding_cpp
-    PYTHONPATH=build-py/python /usr/bin/python3 python/bench/bench_binding.py \
+    PYTHONPATH=build-py/python python3 bench/python/bench_binding.py \
         --cpp build-py/python/bench/poslsh_bench_binding_cpp
 """
 

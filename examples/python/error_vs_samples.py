@@ -5,7 +5,7 @@ causal, float32. For each s, the relative Frobenius error of the fused LSH estim
 T~ = D~^-1 (A o M~) V against the exact T* = softmax(QK^T / sqrt(d) - |i-j| / sigma) V, and the
 (query, key) pairs the fused kernel evaluates per query.
 
-    PYTHONPATH=build-py/python /usr/bin/python3 python/examples/error_vs_samples.py
+    PYTHONPATH=build-py/python python3 examples/python/error_vs_samples.py
 """
 
 import argparse

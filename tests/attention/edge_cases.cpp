@@ -290,7 +290,7 @@ TEMPLATE_TEST_CASE(
   const HashSet hashes = poslsh::rbf_hashes(sigma, s, 54);
 #ifdef _OPENMP
   // One thread: the per-sample kernel opens one parallel region per sample, and 10000 of them
-  // take seconds on a loaded machine. Thread counts are covered in test_determinism.cpp.
+  // take seconds on a loaded machine. Thread counts are covered in tests/lsh/determinism.cpp.
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
 #endif

@@ -2,7 +2,7 @@
 """PyTorch-level benchmarks of poslsh.torch: the FlashAttention-style wrapper's overhead, and poslsh
 against PyTorch's own dense ALiBi attention (as Hugging Face's BLOOM computes it).
 
-    PYTHONPATH=build-py/python python3 bench/torch_attention_bench.py [--threads 2] [--markdown out.md]
+    PYTHONPATH=build-py/python python3 bench/python/torch_attention_bench.py [--threads 2] [--markdown out.md]
     ... --part overhead        # (a) only
     ... --part dense --lengths 4096 8192 16384
 

@@ -3,7 +3,7 @@
 // formulas on the rounded inputs (at most 2x the error of the float kernel on the same inputs),
 // bitwise against the float kernel on the widened inputs, a half-precision output bitwise the
 // float output rounded once, the bias exact at positions past 256 and 65536, and bad input
-// named as for float. The matrix units: test_matrix_units.cpp.
+// named as for float. The matrix units: tests/core/matrix_units.cpp.
 #include <algorithm>
 #include <cmath>
 #include <limits>

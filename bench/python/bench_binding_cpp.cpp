@@ -1,4 +1,4 @@
-// The C++ side of python/bench/bench_binding.py: the same multihead_attention call (fused LSH,
+// The C++ side of bench/python/bench_binding.py: the same multihead_attention call (fused LSH,
 // float, [n, H, d] buffers, ALiBi sigmas, s = 16, seed 2024, causal), timed as the minimum of
 // `repeats` calls on buffers allocated once. Prints "cpp_ms <min> <median>".
 // Usage: poslsh_bench_binding_cpp [n=4096] [heads=8] [d=64] [repeats=30]

@@ -9,7 +9,7 @@
 #include <poslsh/reference/masks.hpp>
 #include <vector>
 
-#include "../examples/log_log_fit.hpp"
+#include "../../examples/log_log_fit.hpp"
 #include "analysis_instantiations.hpp"
 #include "test_support.hpp"
 
