@@ -30,8 +30,7 @@
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
+#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 

@@ -28,7 +28,7 @@
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 

@@ -388,25 +388,10 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
   return hashes;
 }
 
-/// The block partitions of a set of s samples on [0, n): sample k's blocks are
-/// [edges[offsets[k] + r], edges[offsets[k] + r + 1]), from 0 to n. The analysis functions that
-/// take one (partition_error_metrics, BandCountOperator, ...) accept any partition, including
-/// the unequal blocks of Sampler::poisson that a BinHash cannot describe.
-using PartitionSet = detail::AnalysisPartitions;
-
 /// The partitions of a hash set on [0, n) (block_boundaries of each hash). Throws
 /// std::invalid_argument if the set is empty, a hash is invalid or n < 0.
 inline PartitionSet partition_set(const HashSet& hashes, Index n) {
   return detail::analysis_partitions(hashes, n, "partition_set");
-}
-
-/// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges
-/// 0 = t_0 < t_1 < ... < t_m = n (n = 0: the single edge 0) and offsets running from 0 to
-/// edges.size().
-/// Throws std::invalid_argument naming 'partitions.n', 'partitions.offsets' or
-/// 'partitions.edges'.
-inline void validate_partition_set(const PartitionSet& set, const char* function) {
-  detail::validate_analysis_partitions(set, function);
 }
 
 namespace detail {

@@ -66,38 +66,6 @@
 
 namespace poslsh {
 
-/// Writable view of a vector (one entry per query row), e.g. the lse output.
-template <typename Scalar>
-using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-
-/// Read-only view of a vector, e.g. the lse input of a backward pass.
-template <typename Scalar>
-using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-
-/// The scalar of the lse input and the gradient outputs of a backward pass whose q, k, v, out
-/// and dout are stored as Scalar: its compute scalar, double for double, float for float,
-/// Eigen::bfloat16 and Eigen::half (compute_scalar_t).
-template <typename Scalar>
-using backward_scalar_t = compute_scalar_t<Scalar>;
-
-/// The views of backward_scalar_t<Scalar> that a forward with lse or a backward pass on q, k,
-/// v, out and dout stored as Scalar takes: its lse output (LseRef) or input (ConstLseRef), one
-/// entry per query row, and its gradient outputs dq, dk, dv (GradientRef); for the all-heads
-/// calls the lse as H_q x n (FlashAttention's softmax_lse layout: HeadsLseRef, ConstHeadsLseRef)
-/// and the gradients as [n, H, d] views (GradientHeadsView).
-template <typename Scalar>
-using LseRef = VectorRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using ConstLseRef = ConstVectorRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using GradientRef = MatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using HeadsLseRef = MatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using ConstHeadsLseRef = ConstMatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using GradientHeadsView = HeadsView<backward_scalar_t<Scalar>>;
-
 namespace detail {
 
 /// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).

@@ -15,7 +15,7 @@
 #include "poslsh/detail/backward/blocks.hpp"
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
-#include "poslsh/lsh/hash.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/training/backward.hpp"
 
 namespace poslsh {
