@@ -385,7 +385,7 @@ def _mean_of_outputs(q, k, v, rows, sigmas, config, dout=None):
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     hashes = [_core.rbf_hashes(sigma, config.samples, config.seed, h) for h, sigma in enumerate(sigmas)]
     qn, kn, vn = _kernel_view(q), _kernel_view(k), _kernel_view(v)
-    options = dict(causal=config.causal, scale=config.scale)
+    options = dict(masking="causal" if config.causal else "bidirectional", scale=config.scale)
     if dout is None:
         out = torch.zeros((q.shape[0], heads, v.shape[2]), dtype=q.dtype)
     else:

@@ -111,7 +111,8 @@ sequence has L = seq_lens[b] tokens. Only the pages of those tokens are read; th
 checked against num_pages. sequence: b; kv_head: the KV head read.
 q: [m, d] (any row stride, last axis contiguous), the queries at positions p0 .. p0 + m - 1;
 query_offset: p0, None (default) means L - m (bottom-right: prefill chunks and decode append
-their queries at the cache's end). causal: keys j <= p0 + r (default) or all L keys. scale: tau,
+their queries at the cache's end). masking: 'causal' (default, keys j <= p0 + r) or
+'bidirectional' (all L keys). scale: tau,
 None means 1/sqrt(d). out: optional [m, d_v] array written in place and returned.
 num_threads: OpenMP threads for this call. The GIL is released while the kernel runs. Bad
 arguments raise ValueError (the library's message) or TypeError (dtype, non-array).)doc";
@@ -122,12 +123,12 @@ void register_paged(py::module_& module) {
   module.def(
       "lsh_attention_fused_paged",
       [](py::handle q, py::handle k_pages, py::handle v_pages, py::handle block_table,
-         py::handle seq_lens, Index sequence, Index kv_head, py::handle hashes, bool causal,
-         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
-         std::optional<int> threads) {
+         py::handle seq_lens, Index sequence, Index kv_head, py::handle hashes,
+         const std::string& masking, std::optional<double> scale, std::optional<Index> query_offset,
+         py::handle out, std::optional<int> threads) {
         constexpr const char* function = "lsh_attention_fused_paged";
         const poslsh::HashSet& set = hash_set(hashes, function);
-        poslsh::AttentionOptions options{masking_of(causal), scale};
+        poslsh::AttentionOptions options{masking_of(masking, "lsh_attention_fused_paged"), scale};
         options.query_offset = query_offset;
         return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
                           [&](auto types, const auto& qm, const auto& cache, auto& om) {
@@ -138,7 +139,7 @@ void register_paged(py::module_& module) {
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),
       py::arg("seq_lens"), py::arg("sequence"), py::arg("kv_head"), py::arg("hashes"),
-      py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
+      py::kw_only(), py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
       py::arg("query_offset") = py::none(), py::arg("out") = py::none(),
       py::arg("num_threads") = py::none(),
       (std::string(R"doc(Fused LSH ALiBi attention (lsh_attention_fused) over a paged KV cache:
@@ -155,11 +156,11 @@ size. Query tiles run in parallel.
   module.def(
       "alibi_attention_tiled_paged",
       [](py::handle q, py::handle k_pages, py::handle v_pages, py::handle block_table,
-         py::handle seq_lens, Index sequence, Index kv_head, double sigma, bool causal,
-         std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
-         std::optional<int> threads) {
+         py::handle seq_lens, Index sequence, Index kv_head, double sigma,
+         const std::string& masking, std::optional<double> scale, std::optional<Index> query_offset,
+         py::handle out, std::optional<int> threads) {
         constexpr const char* function = "alibi_attention_tiled_paged";
-        poslsh::AttentionOptions options{masking_of(causal), scale};
+        poslsh::AttentionOptions options{masking_of(masking, "alibi_attention_tiled_paged"), scale};
         options.query_offset = query_offset;
         return paged_call(function, q, k_pages, v_pages, block_table, seq_lens, out, threads,
                           [&](auto types, const auto& qm, const auto& cache, auto& om) {
@@ -170,8 +171,9 @@ size. Query tiles run in parallel.
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),
       py::arg("seq_lens"), py::arg("sequence"), py::arg("kv_head"), py::arg("sigma"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
-      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("query_offset") = py::none(), py::arg("out") = py::none(),
+      py::arg("num_threads") = py::none(),
       (std::string(R"doc(Exact ALiBi attention (alibi_attention_tiled) over a paged KV cache:
 
     out_r = softmax_j(tau q_r.k_j - |p0 + r - j| / sigma) V   (causal: j <= p0 + r)

@@ -276,7 +276,7 @@ def test_expected_lsh_pairs_match_lsh_fused_pair_count():
             problem = cpm.Problem(n=n, ranks=4, sigmas=(sigma,), masking=masking, samples=s)
             model = cpm.halo_compute(problem).own_all.sum()
             counts = [poslsh.lsh_fused_pair_count(poslsh.rbf_hashes(sigma, s, seed, 0), n,
-                                                  causal=masking == "causal")
+                                                  masking=masking)
                       for seed in range(40)]
             spread = np.std(counts) / math.sqrt(len(counts))
             assert abs(np.mean(counts) - model) < 5 * spread + 1e-3 * model

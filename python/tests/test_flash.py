@@ -178,7 +178,7 @@ def test_mean_of_outputs_equals_poslsh_per_head():
     for h in range(2):
         hashes = poslsh.rbf_hashes(1.0 / slopes[h].item(), 4, 3, h)
         expected = poslsh.lsh_attention_mean_of_outputs(q[0, :, h].numpy(), k[0, :, 0].numpy(), v[0, :, 0].numpy(),
-                                                        hashes, causal=True)
+                                                        hashes, masking="causal")
         np.testing.assert_array_equal(out[0, :, h].numpy(), expected)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import poslsh
 import reference
+from conftest import masking_of
 
 
 def test_rbf_hashes_fields_are_valid_and_deterministic():
@@ -61,7 +62,7 @@ def test_bad_sigma_is_value_error_with_the_library_message():
     with pytest.raises(ValueError) as error:
         poslsh.rbf_hashes(-1.0, 4, seed=0)
     assert str(error.value) == "poslsh: rbf_hashes: argument 'sigma' = -1: must be finite and > 0"
-    with pytest.raises(ValueError, match=r"^poslsh: rbf_hashes: argument 's' = 0: must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^poslsh: rbf_hashes: argument 'samples' = 0: must be >= 1$"):
         poslsh.rbf_hashes(4.0, 0, seed=0)
     with pytest.raises(ValueError, match="fixed_blocks_hash: argument 'sigma' = nan"):
         poslsh.fixed_blocks_hash(float("nan"))
@@ -100,8 +101,8 @@ def test_lsh_fused_pair_count(causal):
     for row in mask:
         nonzero = np.flatnonzero(row > 0)
         expected += nonzero[-1] - nonzero[0] + 1
-    assert poslsh.lsh_fused_pair_count(hashes, n, causal=causal) == expected
-    assert poslsh.lsh_fused_pair_count(hashes, n, causal=causal) >= np.count_nonzero(mask)
+    assert poslsh.lsh_fused_pair_count(hashes, n, masking=masking_of(causal)) == expected
+    assert poslsh.lsh_fused_pair_count(hashes, n, masking=masking_of(causal)) >= np.count_nonzero(mask)
 
 
 def test_non_hashset_argument_is_type_error():

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 import reference
 
 FLOAT_PRODUCTS = "float_products"
@@ -201,14 +202,14 @@ def single_head_case(function, sigma, causal, n):
     d = 64 (weights: the LSH counts, None for the ALiBi kernels)."""
     tau = 1.0 / 8.0
     if function == "alibi_attention_tiled":
-        return (lambda q, k, v, **kw: poslsh.alibi_attention_tiled(q, k, v, sigma, causal=causal, **kw), tau,
+        return (lambda q, k, v, **kw: poslsh.alibi_attention_tiled(q, k, v, sigma, masking=masking_of(causal), **kw), tau,
                 alibi_additive(n, n, sigma, causal), None)
     if function == "alibi_attention_banded":
         band = poslsh.band_for_bias_error(sigma, 1e-3)
-        return (lambda q, k, v, **kw: poslsh.alibi_attention_banded(q, k, v, sigma, band, causal=causal, **kw), tau,
+        return (lambda q, k, v, **kw: poslsh.alibi_attention_banded(q, k, v, sigma, band, masking=masking_of(causal), **kw), tau,
                 alibi_additive(n, n, sigma, causal, band=band), None)
     hashes = poslsh.rbf_hashes(sigma, 8, seed=5, stream=2)
-    return (lambda q, k, v, **kw: poslsh.lsh_attention_fused(q, k, v, hashes, causal=causal, **kw), tau,
+    return (lambda q, k, v, **kw: poslsh.lsh_attention_fused(q, k, v, hashes, masking=masking_of(causal), **kw), tau,
             lsh_additive(hashes, n, causal), lsh_counts(hashes, n, causal))
 
 
@@ -310,7 +311,7 @@ def test_multihead_on_the_unit(layout, masking):
     causal = masking == "causal"
     for h, sigma in enumerate(sigmas):
         head_bits = (q_bits[:, h], k_bits[:, h // 2], v_bits[:, h // 2])
-        single = poslsh.alibi_attention_tiled(*(wrap(b) for b in head_bits), sigma, causal=causal,
+        single = poslsh.alibi_attention_tiled(*(wrap(b) for b in head_bits), sigma, masking=masking_of(causal),
                                               out=np.empty((n, d), np.float32))
         np.testing.assert_array_equal(out[:, h], single)
         q, k, v = (bf16_values(b) for b in head_bits)

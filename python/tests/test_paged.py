@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 import reference
 
 
@@ -49,12 +50,12 @@ def test_paged_equals_contiguous_bitwise(rng, page_size, dtype, causal):
                 q = queries[p0 : p0 + m]
                 offset = None if p0 + m == L else p0
                 fused = poslsh.lsh_attention_fused_paged(q, k_pages, v_pages, table, seq_lens, b, h, hashes,
-                                                         causal=causal, query_offset=offset)
-                np.testing.assert_array_equal(fused, poslsh.lsh_attention_fused(q, k, v, hashes, causal=causal, query_offset=p0))
+                                                         masking=masking_of(causal), query_offset=offset)
+                np.testing.assert_array_equal(fused, poslsh.lsh_attention_fused(q, k, v, hashes, masking=masking_of(causal), query_offset=p0))
                 exact = poslsh.alibi_attention_tiled_paged(q, k_pages, v_pages, table, seq_lens, b, h, sigma,
-                                                           causal=causal, query_offset=offset)
+                                                           masking=masking_of(causal), query_offset=offset)
                 assert exact.shape == (m, d_v) and exact.dtype == dtype
-                np.testing.assert_array_equal(exact, poslsh.alibi_attention_tiled(q, k, v, sigma, causal=causal, query_offset=p0))
+                np.testing.assert_array_equal(exact, poslsh.alibi_attention_tiled(q, k, v, sigma, masking=masking_of(causal), query_offset=p0))
 
 
 def test_paged_against_the_dense_formula_and_out(rng):

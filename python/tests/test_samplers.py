@@ -238,7 +238,7 @@ def test_errors(rng):
         poslsh.sample_hashes(4.0, 8, 0, sampler="sobol")
     with pytest.raises(ValueError, match="sample_hashes: argument 'sampler'.*no BinHash form"):
         poslsh.sample_hashes(4.0, 8, 0, sampler="poisson")
-    with pytest.raises(ValueError, match="sample_hashes: argument 's' = 0"):
+    with pytest.raises(ValueError, match="sample_hashes: argument 'samples' = 0"):
         poslsh.sample_hashes(4.0, 0, 0, sampler="stratified")
     for sigma in [0.0, -2.0, math.nan, math.inf]:
         with pytest.raises(ValueError, match="sample_hashes: argument 'sigma'"):

@@ -331,7 +331,7 @@ TEST_CASE("metric functions reject mismatched sizes and bad values naming the ar
   require_invalid_argument([&] { poslsh::kernel_error_metrics(hashes, 0, 2.0, Masking::causal); },
                            "n");
   require_invalid_argument([] { poslsh::tail_bound(10, 2.0, 4, 0.0); }, "epsilon");
-  require_invalid_argument([] { poslsh::expectation_bound(10, 2.0, 0); }, "s");
+  require_invalid_argument([] { poslsh::expectation_bound(10, 2.0, 0); }, "samples");
   require_invalid_argument([] { poslsh::good_sample_count(0, 2.0, 0.1); }, "n");
   require_invalid_argument([] { poslsh::bound_constant(-1.0); }, "sigma");
 }

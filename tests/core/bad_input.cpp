@@ -55,8 +55,8 @@ TEST_CASE("hash functions reject a bad sigma, s or hash", "[bad_input]") {
   require_rejected([] { poslsh::rbf_hash(infinity, {}); }, "sigma", infinity);
   // Widths up to 73.5 sigma must stay finite (1e308 used to give width = infinity for some keys).
   require_rejected([] { poslsh::rbf_hash(1e308, {}); }, "sigma", 1e308);
-  require_rejected([] { poslsh::rbf_hashes(2.0, 0, 1); }, "s", 0);
-  require_rejected([] { poslsh::rbf_hashes(2.0, -3, 1); }, "s", -3);
+  require_rejected([] { poslsh::rbf_hashes(2.0, 0, 1); }, "samples", 0);
+  require_rejected([] { poslsh::rbf_hashes(2.0, -3, 1); }, "samples", -3);
   require_rejected([] { poslsh::rbf_hashes(-infinity, 4, 1); }, "sigma", -infinity);
   require_rejected([] { poslsh::fixed_blocks_hash(-1.0); }, "sigma", -1.0);
   require_rejected([] { poslsh::fixed_blocks_hash(1e308); }, "sigma", 1e308);

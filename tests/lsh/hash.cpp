@@ -97,7 +97,7 @@ TEST_CASE("hash functions reject bad sigma and s", "[hash][invalid]") {
   require_invalid_argument([] { poslsh::rbf_hash(-1.0, HashKey{}); }, "sigma");
   require_invalid_argument([] { poslsh::rbf_hash(std::nan(""), HashKey{}); }, "sigma");
   require_invalid_argument([] { poslsh::rbf_hash(INFINITY, HashKey{}); }, "sigma");
-  require_invalid_argument([] { poslsh::rbf_hashes(4.0, 0, 1); }, "s");
+  require_invalid_argument([] { poslsh::rbf_hashes(4.0, 0, 1); }, "samples");
   require_invalid_argument([] { poslsh::fixed_blocks_hash(0.0); }, "sigma");
   require_invalid_argument([] { poslsh::validate_hash(BinHash{0.0, 0.0}, "test"); }, "hash.width");
   require_invalid_argument([] { poslsh::validate_hash(BinHash{2.0, 2.0}, "test"); }, "hash.offset");

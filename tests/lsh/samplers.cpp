@@ -430,7 +430,7 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
   using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::sample_hashes(1.0, 4, 1, 0, Sampler::poisson); },
                            "sampler");
-  require_invalid_argument([] { poslsh::sample_hashes(1.0, 0, 1, 0, Sampler::rqmc); }, "s");
+  require_invalid_argument([] { poslsh::sample_hashes(1.0, 0, 1, 0, Sampler::rqmc); }, "samples");
   require_invalid_argument([] { poslsh::sample_hashes(-1.0, 4, 1, 0, Sampler::rqmc); }, "sigma");
   poslsh::SamplerOptions options;
   options.group = 0;
@@ -444,7 +444,7 @@ TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
       "options.lattice_group");
   require_invalid_argument([&] { poslsh::lattice_group_starts(4, options); },
                            "options.lattice_group");
-  require_invalid_argument([] { poslsh::lattice_group_starts(0); }, "s");
+  require_invalid_argument([] { poslsh::lattice_group_starts(0); }, "samples");
   CHECK(poslsh::enum_from_name<poslsh::Sampler>("stratified_lattice") ==
         Sampler::stratified_lattice);
   require_invalid_argument([] { poslsh::sample_partition_set(1.0, 4, -1, 1, 0, Sampler::poisson); },
@@ -619,7 +619,7 @@ TEST_CASE("nested Poisson partitions are deterministic and reject bad arguments"
         "sigmas");
   }
   require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({4.0}, 0, 10, 1, 0); },
-                           "s");
+                           "samples");
   require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({4.0}, 4, -1, 1, 0); },
                            "n");
 }

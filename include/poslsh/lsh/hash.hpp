@@ -61,11 +61,12 @@ inline BinHash rbf_hash(double sigma, const HashKey& key) {
 /// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
 /// Throws std::invalid_argument if s < 1 or sigma is not finite, > 0 and <= max_hash_sigma.
 /// O(s).
-inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
-  detail::require_positive(s, "rbf_hashes", "s");
+inline HashSet rbf_hashes(double sigma, Index samples, std::uint64_t seed,
+                          std::uint64_t stream = 0) {
+  detail::require_positive(samples, "rbf_hashes", "samples");
   detail::require_hash_sigma(sigma, "rbf_hashes");
-  HashSet hashes(static_cast<std::size_t>(s));
-  for (Index k = 0; k < s; ++k) {
+  HashSet hashes(static_cast<std::size_t>(samples));
+  for (Index k = 0; k < samples; ++k) {
     hashes[static_cast<std::size_t>(k)] =
         rbf_hash(sigma, HashKey{seed, stream, static_cast<std::uint64_t>(k)});
   }
