@@ -6,8 +6,8 @@
 // in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_widening); where
 // that is a matrix unit, <method>_bf16_float_widening/<n> (<method>_f16_float_widening/<n>)
 // runs the same call with Precision::float_products, and where it is amx_bf16,
-// <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (the detail-level switch of
-// the tests), so one run compares the units side by side.
+// <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (multihead_attention's body
+// on a tile layer that is never available), so one run compares the units side by side.
 #include <cmath>
 #include <map>
 #include <string>
@@ -101,13 +101,33 @@ void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions
   state.SetLabel(std::string("unit=") + enum_name(matrix_unit_for<Half, Half>(options)));
 }
 
+/// The CPU's AMX tiles turned off: the tile engine on this layer uses the next unit.
+template <typename Half>
+struct AmxTilesOff : detail::AmxNativeTiles<Half> {
+  static bool available() { return false; }
+};
+
 /// run_multihead_half<Eigen::bfloat16> with the AMX unit turned off: the next unit
-/// (avx512_bf16) on a CPU with both.
+/// (avx512_bf16) on a CPU with both (multihead_attention's body on the layer AmxTilesOff).
 void run_multihead_bf16_without_amx(benchmark::State& state, Index n,
                                     const MultiHeadOptions& options) {
-  detail::set_amx_mode_for_tests(detail::AmxTestMode::disabled);
-  run_multihead_half<Eigen::bfloat16>(state, n, options);
-  detail::set_amx_mode_for_tests(detail::AmxTestMode::cpu);
+  using bf16 = Eigen::bfloat16;
+  constexpr const char* function = "multihead_attention";
+  const auto q = half_view<bf16>(Which::q, n);
+  const auto k = half_view<bf16>(Which::k, n);
+  const auto v = half_view<bf16>(Which::v, n);
+  const auto out = half_tensor<bf16>(Which::out, n).view();
+  const long long pairs = method_pairs(options, n);
+  for (auto _ : state) {
+    detail::one_sequence_forward<float, AmxTilesOff>(function, q, k, v, out, options, [&] {
+      return detail::head_methods(function, q.heads, options);
+    });
+    benchmark::DoNotOptimize(out.data);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, pairs, n * heads);
+  state.SetLabel(std::string("unit=") +
+                 enum_name(detail::tile_engine_unit<bf16, bf16, AmxTilesOff>(options.precision)));
 }
 
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
