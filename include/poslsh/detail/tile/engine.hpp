@@ -176,7 +176,6 @@ class WideningKV : public StridedKV<Storage> {
   Buffer& wide_v_;
 };
 
-#if POSLSH_X86_UNITS
 /// The key tile of PairedHalfKV: key b's row (the values' bits, an even count) at k + b k_stride,
 /// the values as pairs along keys, pair b2 at v + b2 v_stride (pair_pack_values).
 struct PairTileRows {
@@ -185,6 +184,8 @@ struct PairTileRows {
   const std::uint32_t* v;
   Index v_stride;
 };
+
+#if POSLSH_X86_UNITS
 
 /// The key source of K and V stored in Half for a unit multiplying pairs of Half values: the
 /// AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void) or the AMX tiles of the tile layer Tiles
@@ -910,9 +911,7 @@ class TileEngine {
   Index j0_ = 0;
   const EngineState<Scalar>* external_ = nullptr;
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
-#if POSLSH_X86_UNITS
-  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};
-#endif
+  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};  // the key tile of a paired key source
   const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
   Index run_b_ = 0;
   // In runs: the current key tile's runs (find_runs), at most one per key.
