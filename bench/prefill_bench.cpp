@@ -11,6 +11,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -84,50 +85,37 @@ void run_naive(benchmark::State& state, Index n, const MultiHeadOptions& options
   set_kernel_counters(state, heads * causal_pairs(n), n * heads);
 }
 
-/// One multihead_attention call per iteration with Q, K, V and the output in Half.
-template <typename Half>
-void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions& options) {
-  const auto q = half_view<Half>(Which::q, n);
-  const auto k = half_view<Half>(Which::k, n);
-  const auto v = half_view<Half>(Which::v, n);
-  const auto out = half_tensor<Half>(Which::out, n).view();
-  const long long pairs = method_pairs(options, n);
-  for (auto _ : state) {
-    multihead_attention<Half, Half, Half>(q, k, v, out, options);
-    benchmark::DoNotOptimize(out.data);
-    benchmark::ClobberMemory();
-  }
-  set_kernel_counters(state, pairs, n * heads);
-  state.SetLabel(std::string("unit=") + enum_name(matrix_unit_for<Half, Half>(options)));
-}
-
 /// The CPU's AMX tiles turned off: the tile engine on this layer uses the next unit.
 template <typename Half>
 struct AmxTilesOff : detail::AmxNativeTiles<Half> {
   static bool available() { return false; }
 };
 
-/// run_multihead_half<Eigen::bfloat16> with the AMX unit turned off: the next unit
-/// (avx512_bf16) on a CPU with both (multihead_attention's body on the layer AmxTilesOff).
-void run_multihead_bf16_without_amx(benchmark::State& state, Index n,
-                                    const MultiHeadOptions& options) {
-  using bf16 = Eigen::bfloat16;
+/// One multihead_attention call per iteration with Q, K, V and the output in Half; on a tile
+/// layer AmxTiles other than the library's (AmxTilesOff: the AMX unit turned off, so the next
+/// unit, avx512_bf16, on a CPU with both), multihead_attention's body on that layer.
+template <typename Half, template <typename> class AmxTiles = detail::AmxNativeTiles>
+void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions& options) {
   constexpr const char* function = "multihead_attention";
-  const auto q = half_view<bf16>(Which::q, n);
-  const auto k = half_view<bf16>(Which::k, n);
-  const auto v = half_view<bf16>(Which::v, n);
-  const auto out = half_tensor<bf16>(Which::out, n).view();
+  const auto q = half_view<Half>(Which::q, n);
+  const auto k = half_view<Half>(Which::k, n);
+  const auto v = half_view<Half>(Which::v, n);
+  const auto out = half_tensor<Half>(Which::out, n).view();
   const long long pairs = method_pairs(options, n);
   for (auto _ : state) {
-    detail::one_sequence_forward<float, AmxTilesOff>(function, q, k, v, out, options, [&] {
-      return detail::head_methods(function, q.heads, options);
-    });
+    if constexpr (std::is_same_v<AmxTiles<Half>, detail::AmxNativeTiles<Half>>) {
+      multihead_attention<Half, Half, Half>(q, k, v, out, options);
+    } else {
+      detail::one_sequence_forward<float, AmxTiles>(function, q, k, v, out, options, [&] {
+        return detail::head_methods(function, q.heads, options);
+      });
+    }
     benchmark::DoNotOptimize(out.data);
     benchmark::ClobberMemory();
   }
   set_kernel_counters(state, pairs, n * heads);
   state.SetLabel(std::string("unit=") +
-                 enum_name(detail::tile_engine_unit<bf16, bf16, AmxTilesOff>(options.precision)));
+                 enum_name(detail::tile_engine_unit<Half, Half, AmxTiles>(options.precision)));
 }
 
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
@@ -213,7 +201,7 @@ void register_prefill(bool long_runs) {
         const MatrixUnit unit = matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(options);
         if (unit == MatrixUnit::amx_bf16 && matrix_unit_available(MatrixUnit::avx512_bf16)) {
           register_row(std::string(row.name) + "_bf16_avx512_bf16" + suffix, n, options,
-                       run_multihead_bf16_without_amx);
+                       run_multihead_half<Eigen::bfloat16, AmxTilesOff>);
         }
         if (unit != MatrixUnit::float_widening) {
           MultiHeadOptions widening = options;
