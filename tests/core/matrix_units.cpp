@@ -12,11 +12,15 @@
 //  - Precision::float_products bitwise the float kernel on the widened inputs.
 // amx_fp16 runs the same checks on float16 Q, K and V against a plain float16 attention.
 // amx_bf16 and amx_fp16 run these checks twice: on the software emulation of the tile instructions
-// (detail::set_amx_mode_for_tests, on any CPU with avx512_bf16) and on the CPU's tiles where
-// it has them; the emulation itself is checked against Intel's TDPBF16PS and TDPFP16PS on values
-// where the order of its sums shows, and the emulated path against avx512_bf16 within the error
-// bound (they sum the same products in another order). The avx512_bf16 checks run with AMX
-// disabled, so they test that unit on CPUs with AMX too.
+// (AmxEmulatedTiles, support/amx_emulation.hpp, on any CPU with avx512_bf16) and on the CPU's
+// tiles where it has them; the emulation itself is checked against Intel's TDPBF16PS and TDPFP16PS
+// on values where the order of its sums shows, and the emulated path against avx512_bf16 within the
+// error bound (they sum the same products in another order). The checks reach a tile layer other
+// than the library's through the engine's AmxTiles template argument: each single-head call is the
+// all-heads entry (detail::one_sequence_forward, the body of multihead_attention) on that head
+// alone, the block kernel its fold_block, the stored partitions the fused kernel's engine rows. On
+// a CPU with AMX the avx512_bf16 checks run with the AMX tiles turned off (AmxTilesOff), so they
+// test that unit there too.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -35,12 +39,14 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "half_support.hpp"
+#include "support/amx_emulation.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
@@ -50,7 +56,9 @@ using poslsh::Masking;
 using poslsh::MatrixUnit;
 using poslsh::Precision;
 using poslsh::RowMatrix;
-using poslsh::detail::AmxTestMode;
+using poslsh::detail::AmxNativeTiles;
+using poslsh_test::AmxEmulatedTiles;
+using poslsh_test::AmxTilesOff;
 using bf16 = Eigen::bfloat16;
 
 namespace {
@@ -217,35 +225,117 @@ void with_threads(int threads, Body&& body) {
 #endif
 }
 
-/// The AmxTestMode `mode` for a scope (AmxTestMode::cpu restored after); active() is false
-/// where the mode could not be set (the emulation on a CPU without avx512_bf16).
-class AmxModeScope {
- public:
-  explicit AmxModeScope(AmxTestMode mode) : active_(poslsh::detail::set_amx_mode_for_tests(mode)) {}
-  ~AmxModeScope() { poslsh::detail::set_amx_mode_for_tests(AmxTestMode::cpu); }
-  AmxModeScope(const AmxModeScope&) = delete;
-  AmxModeScope& operator=(const AmxModeScope&) = delete;
-  bool active() const { return active_; }
+/// Whether Tiles is the library's tile layer (the one the public calls use).
+template <template <typename> class Tiles>
+constexpr bool native_tiles = std::is_same_v<Tiles<bf16>, AmxNativeTiles<bf16>>;
 
- private:
-  bool active_;
-};
-
-#if POSLSH_X86_UNITS
-/// The emulated tdpbf16ps and tdpfp16ps instructions run so far (all threads).
-long long emulated_products() {
-  return poslsh::detail::AmxEmulatedTileOps::products().load(std::memory_order_relaxed);
+/// The unit calls on Half Q, K and V with `options` multiply on, AMX on the tile layer Tiles.
+template <template <typename> class Tiles, typename Half>
+MatrixUnit unit_on(const AttentionOptions& options) {
+  return poslsh::detail::tile_engine_unit<Half, Half, Tiles>(options.precision);
 }
-#else
-long long emulated_products() { return 0; }
-#endif
 
-/// Whether the emulated tile instructions ran since the last call (or since `reset`).
+/// A one-head view of a row-major matrix.
+template <typename Matrix>
+auto one_head_view(Matrix& m) {
+  using Element = std::remove_pointer_t<decltype(m.data())>;
+  return poslsh::HeadsView<Element>{m.data(), m.rows(), 1, m.cols(), m.outerStride(), m.cols()};
+}
+
+/// The all-heads forward (detail::one_sequence_forward, the body of multihead_attention) of
+/// `heads` on views of Half, AMX on the tile layer Tiles.
+template <template <typename> class Tiles, typename Half>
+void heads_on(const poslsh::HeadsView<const Half>& q, const poslsh::HeadsView<const Half>& k,
+              const poslsh::HeadsView<const Half>& v, const poslsh::HeadsView<float>& out,
+              const AttentionOptions& options, const std::vector<poslsh::HeadMethod>& heads) {
+  poslsh::detail::one_sequence_forward<float, Tiles>("multihead_attention", q, k, v, out, options,
+                                                     [&] { return heads; });
+}
+
+/// One head's attention by head.method (its sigma, band W or hashes) on Half Q, K, V into out:
+/// the method's single-head call on the library's tile layer; on another layer Tiles, the
+/// all-heads entry on that head alone (AMX on Tiles).
+template <template <typename> class Tiles, typename Half>
+void one_head(const poslsh::HeadMethod& head, const poslsh::ConstMatrixRef<Half>& q,
+              const poslsh::ConstMatrixRef<Half>& k, const poslsh::ConstMatrixRef<Half>& v,
+              RowMatrix<float>& out, const AttentionOptions& options) {
+  if constexpr (native_tiles<Tiles>) {
+    switch (head.method) {
+      case poslsh::Method::exact_tiled:
+        poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, head.sigma, out, options);
+        break;
+      case poslsh::Method::exact_banded:
+        poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, head.sigma, head.band, out,
+                                                          options);
+        break;
+      case poslsh::Method::lsh_fused:
+        poslsh::lsh_attention_fused<Half, Half, float>(q, k, v, head.hashes, out, options);
+        break;
+      case poslsh::Method::lsh_per_sample:
+      case poslsh::Method::fixed_blocks:
+        poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, head.hashes, out, options);
+        break;
+    }
+  } else {
+    heads_on<Tiles, Half>(one_head_view(q), one_head_view(k), one_head_view(v), one_head_view(out),
+                          options, {head});
+  }
+}
+
+/// The fused kernel's rows on the counts of `counts` (a HashSet or stored partitions) for Q, K, V
+/// at positions 0 .. n - 1, query tile by query tile as lsh_attention_fused runs them
+/// (detail::fused_tile: CountBias on the tile engine), AMX on the tile layer Tiles.
+template <template <typename> class Tiles, typename Half, typename Counts>
+void fused_rows_on(const poslsh::ConstMatrixRef<Half>& q, const poslsh::ConstMatrixRef<Half>& k,
+                   const poslsh::ConstMatrixRef<Half>& v, const Counts& counts,
+                   RowMatrix<float>& out, const AttentionOptions& options) {
+  const Index n = q.rows();
+  const auto tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.cols())));
+  poslsh::detail::TileWorkspace<float> work;
+  for (Index i0 = 0; i0 < n; i0 += poslsh::detail::tile_query_rows) {
+    const Index rows = std::min(poslsh::detail::tile_query_rows, n - i0);
+    poslsh::detail::CountBias<float> bias(counts, n, options.masking == Masking::causal,
+                                          work.counts, work.count_tile);
+    poslsh::detail::engine_rows<float, Half, Half, Tiles>(q, k, v, tau, bias, work.buffers, 0,
+                                                          options.precision, i0, i0 + rows,
+                                                          out.middleRows(i0, rows));
+  }
+}
+
+/// PlainBlockAttention's block (its body: detail::fold_block over the whole block), AMX on the
+/// tile layer Tiles, under Precision::matrix_units.
+template <template <typename> class Tiles, typename Half>
+void block_on(const poslsh::ConstMatrixRef<Half>& q, const poslsh::ConstMatrixRef<Half>& k,
+              const poslsh::ConstMatrixRef<Half>& v, bool causal, float tau, RowMatrix<float>& out,
+              Eigen::VectorXf& lse) {
+  const Index n = q.rows();
+  poslsh::detail::SoftmaxPartials<float> state;
+  poslsh::detail::TileBuffers<float> buffers;
+  state.resize(n, v.cols());
+  state.clear(0, n);
+  poslsh::detail::fold_block<Half, Half, float, Tiles>(
+      q, k, v, tau, causal, 0, n, state.engine_state(0), buffers, Precision::matrix_units);
+  for (Index r = 0; r < n; ++r) state.finish(r, out.row(r));
+  lse = (state.max + state.sum.log()).matrix();
+}
+
+/// The head of `method` with these parameters.
+poslsh::HeadMethod head_method(poslsh::Method method, double sigma, Index band = 0,
+                               HashSet hashes = {}) {
+  poslsh::HeadMethod head;
+  head.method = method;
+  head.sigma = sigma;
+  head.band = band;
+  head.hashes = std::move(hashes);
+  return head;
+}
+
+/// Whether the emulated tile instructions ran since the last call (or since construction).
 class EmulationWatch {
  public:
-  EmulationWatch() : last_(emulated_products()) {}
+  EmulationWatch() : last_(poslsh_test::emulated_products()) {}
   bool ran() {
-    const long long now = emulated_products();
+    const long long now = poslsh_test::emulated_products();
     const bool any = now > last_;
     last_ = now;
     return any;
@@ -259,21 +349,21 @@ class EmulationWatch {
 /// without avx512_bf16, which the emulation needs); the emulation must have run in it.
 template <typename Body>
 void on_emulated_tiles(Body&& body) {
-  const AmxModeScope emulated(AmxTestMode::emulated);
-  if (!emulated.active()) {
+  if (!poslsh::matrix_unit_available(MatrixUnit::avx512_bf16)) {
     WARN("skipped: the AMX emulation needs avx512_bf16, which this CPU does not have");
     return;
   }
-  const long long before = emulated_products();
+  const long long before = poslsh_test::emulated_products();
   EmulationWatch watch;
   body(watch);
-  CHECK(emulated_products() > before);
+  CHECK(poslsh_test::emulated_products() > before);
 }
 
-/// The accuracy sweep on `unit` (the unit bfloat16 calls use here, checked first).
-template <typename Half = bf16>
+/// The accuracy sweep on `unit` (the unit Half calls use here with AMX on the tile layer Tiles,
+/// checked first).
+template <template <typename> class Tiles, typename Half = bf16>
 void accuracy_sweep(MatrixUnit unit) {
-  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == unit);
+  REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == unit);
   std::uint64_t seed = 100;
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
@@ -298,7 +388,8 @@ void accuracy_sweep(MatrixUnit unit) {
                 q, k, v, tau,
                 [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -n, n); }, exact,
                 plain);
-            poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, sigma, out, options);
+            one_head<Tiles, Half>(head_method(poslsh::Method::exact_tiled, sigma), q, k, v, out,
+                                  options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
           {
@@ -308,7 +399,8 @@ void accuracy_sweep(MatrixUnit unit) {
                 q, k, v, tau,
                 [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -band, band); },
                 exact, plain);
-            poslsh::alibi_attention_banded<Half, Half, float>(q, k, v, sigma, band, out, options);
+            one_head<Tiles, Half>(head_method(poslsh::Method::exact_banded, sigma, band), q, k, v,
+                                  out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
           {
@@ -317,9 +409,11 @@ void accuracy_sweep(MatrixUnit unit) {
             references(
                 q, k, v, tau, [&](Index i) { return count_weights(i, n, hashes, masking); }, exact,
                 plain);
-            poslsh::lsh_attention_fused<Half, Half, float>(q, k, v, hashes, out, options);
+            one_head<Tiles, Half>(head_method(poslsh::Method::lsh_fused, sigma, 0, hashes), q, k, v,
+                                  out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
-            poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, hashes, out, options);
+            one_head<Tiles, Half>(head_method(poslsh::Method::lsh_per_sample, sigma, 0, hashes), q,
+                                  k, v, out, options);
             CHECK(max_error(out, exact) <= 2.0 * max_error(plain, exact));
           }
         }
@@ -328,13 +422,14 @@ void accuracy_sweep(MatrixUnit unit) {
   }
 }
 
-/// 1 and 2 threads bitwise the same, chunked prefill bitwise one prefill, on `unit`.
-template <typename Scalar>
+/// 1 and 2 threads bitwise the same, chunked prefill bitwise one prefill, on `unit` (AMX on the
+/// tile layer Tiles).
+template <typename Scalar, template <typename> class Tiles = AmxNativeTiles>
 void kept_key_tile_checks();
 
-template <typename Half = bf16>
+template <template <typename> class Tiles, typename Half = bf16>
 void thread_and_chunk_checks(MatrixUnit unit) {
-  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == unit);
+  REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == unit);
   const Index n = 333, d = 64;
   const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, d, 1),
                         k = make_input<Half>(Inputs::random, n, d, 2),
@@ -343,14 +438,17 @@ void thread_and_chunk_checks(MatrixUnit unit) {
   for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
     INFO((masking == Masking::causal ? "causal" : "bidirectional"));
     const AttentionOptions options = unit_options(masking);
+    const poslsh::HeadMethod tiled_head = head_method(poslsh::Method::exact_tiled, 16.0),
+                             fused_head = head_method(poslsh::Method::lsh_fused, 32.0, 0, hashes);
     const auto tiled = [&](RowMatrix<float>& out) {
-      poslsh::alibi_attention_tiled<Half, Half, float>(q, k, v, 16.0, out, options);
+      one_head<Tiles, Half>(tiled_head, q, k, v, out, options);
     };
     const auto fused = [&](RowMatrix<float>& out) {
-      poslsh::lsh_attention_fused<Half, Half, float>(q, k, v, hashes, out, options);
+      one_head<Tiles, Half>(fused_head, q, k, v, out, options);
     };
     const auto per_sample = [&](RowMatrix<float>& out) {
-      poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, hashes, out, options);
+      one_head<Tiles, Half>(head_method(poslsh::Method::lsh_per_sample, 32.0, 0, hashes), q, k, v,
+                            out, options);
     };
     for (const auto& named :
          {std::pair<const char*, std::function<void(RowMatrix<float>&)>>{"tiled", tiled},
@@ -373,26 +471,26 @@ void thread_and_chunk_checks(MatrixUnit unit) {
       AttentionOptions at = options;
       at.query_offset = first;
       RowMatrix<float> part(rows, d);
-      poslsh::alibi_attention_tiled<Half, Half, float>(q.middleRows(first, rows), k.topRows(keys),
-                                                       v.topRows(keys), 16.0, part, at);
+      one_head<Tiles, Half>(tiled_head, q.middleRows(first, rows), k.topRows(keys), v.topRows(keys),
+                            part, at);
       CHECK(part == whole_tiled.middleRows(first, rows));
       if (masking == Masking::bidirectional) {
-        poslsh::lsh_attention_fused<Half, Half, float>(q.middleRows(first, rows), k, v, hashes,
-                                                       part, at);
+        one_head<Tiles, Half>(fused_head, q.middleRows(first, rows), k, v, part, at);
         CHECK(part == whole_fused.middleRows(first, rows));
       }
       first += rows;
     }
   }
-  kept_key_tile_checks<Half>();
+  kept_key_tile_checks<Half, Tiles>();
 }
 
 /// Key tiles kept for the next query tiles (TileBuffers::keep_key_tiles: each key tile copied
 /// or packed once, read from the thread's store) against key tiles read in place or packed at
 /// each visit: bitwise the same, for whole windows and bands (tiles cut by the window), keys at
 /// an odd position, and odd and even widths. The store of one call serves both heads' sources
-/// in turn. Scalar: bfloat16 inputs (on the chosen unit), or float and double (read in place).
-template <typename Scalar>
+/// in turn. Scalar: bfloat16 or float16 inputs (on the chosen unit, AMX on the tile layer Tiles),
+/// or float and double (read in place).
+template <typename Scalar, template <typename> class Tiles>
 void kept_key_tile_checks() {
   using poslsh::detail::AlibiBias;
   using poslsh::detail::ExactWindow;
@@ -421,7 +519,7 @@ void kept_key_tile_checks() {
                                                    v_half = v.middleRows(half * n, n);
               AlibiBias<Compute> bias(key_position + n, 12.0, window);
               const Index rows = std::min<Index>(64, n - r0), p0 = key_position + 5;
-              poslsh::detail::engine_rows<Compute, Scalar, Scalar>(
+              poslsh::detail::engine_rows<Compute, Scalar, Scalar, Tiles>(
                   poslsh::ConstMatrixRef<Scalar>(q), k_half, v_half, 0.125, bias, buffers,
                   {p0, key_position}, Precision::matrix_units, p0 + r0, p0 + r0 + rows,
                   out.middleRows(half * n + r0, rows));
@@ -435,12 +533,12 @@ void kept_key_tile_checks() {
   }
 }
 
-/// Every kernel on the tile engine runs on `unit`: each one against the single-head call on
-/// the unit and not bitwise the float products; ran() says whether the unit ran since it was
-/// last asked (checked after each call on the unit).
-template <typename Half = bf16, typename Ran>
+/// Every kernel on the tile engine runs on `unit` (AMX on the tile layer Tiles): each one against
+/// the single-head call on the unit (one_head) and not bitwise the float products; ran() says
+/// whether the unit ran since it was last asked (checked after each call on the unit).
+template <template <typename> class Tiles, typename Half = bf16, typename Ran>
 void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
-  REQUIRE(poslsh::matrix_unit_for<Half, Half>(unit_options(Masking::causal)) == expected);
+  REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == expected);
   const Index n = 150, heads = 2, d = 32;
   const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, heads * d, 11),
                         k = make_input<Half>(Inputs::random, n, heads * d, 12),
@@ -464,62 +562,59 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
     const auto view = [&](const RowMatrix<Half>& m) {
       return poslsh::HeadsView<const Half>{m.data(), n, heads, d, heads * d, d};
     };
-    poslsh::multihead_attention<Half, Half, float>(
-        view(q), view(k), view(v), poslsh::HeadsView<float>{out.data(), n, heads, d, heads * d, d},
-        options);
+    const poslsh::HeadsView<float> out_view{out.data(), n, heads, d, heads * d, d};
+    if constexpr (native_tiles<Tiles>) {
+      poslsh::multihead_attention<Half, Half, float>(view(q), view(k), view(v), out_view, options);
+    } else {
+      heads_on<Tiles, Half>(view(q), view(k), view(v), out_view, options,
+                            poslsh::detail::head_methods("multihead_attention", heads, options));
+    }
     CHECK(ran());
     for (Index h = 0; h < heads; ++h) {
       INFO("head " << h);
       const double sigma = options.sigmas[static_cast<std::size_t>(h)];
-      RowMatrix<float> single(n, d), floats(n, d);
-      for (const auto& [opts, target] : {std::pair{unit, &single}, std::pair{widening, &floats}}) {
-        switch (method) {
-          case poslsh::Method::exact_tiled:
-            poslsh::alibi_attention_tiled<Half, Half, float>(head(q, h), head(k, h), head(v, h),
-                                                             sigma, *target, opts);
-            break;
-          case poslsh::Method::exact_banded:
-            poslsh::alibi_attention_banded<Half, Half, float>(
-                head(q, h), head(k, h), head(v, h), sigma,
-                poslsh::band_for_bias_error(sigma, options.band_error), *target, opts);
-            break;
-          case poslsh::Method::lsh_fused:
-            poslsh::lsh_attention_fused<Half, Half, float>(
-                head(q, h), head(k, h), head(v, h),
-                poslsh::rbf_hashes(sigma, options.samples, options.seed,
-                                   static_cast<std::uint64_t>(h)),
-                *target, opts);
-            break;
-          case poslsh::Method::lsh_per_sample:
-            poslsh::lsh_attention_per_sample<Half, Half, float>(
-                head(q, h), head(k, h), head(v, h),
-                poslsh::rbf_hashes(sigma, options.samples, options.seed,
-                                   static_cast<std::uint64_t>(h)),
-                *target, opts);
-            break;
-          case poslsh::Method::fixed_blocks:
-            poslsh::lsh_attention_per_sample<Half, Half, float>(
-                head(q, h), head(k, h), head(v, h), HashSet{poslsh::fixed_blocks_hash(sigma)},
-                *target, opts);
-            break;
-        }
+      // The head's parameters, as the options define them.
+      poslsh::HeadMethod one = head_method(method, sigma);
+      switch (method) {
+        case poslsh::Method::exact_tiled:
+          break;
+        case poslsh::Method::exact_banded:
+          one.band = poslsh::band_for_bias_error(sigma, options.band_error);
+          break;
+        case poslsh::Method::lsh_fused:
+        case poslsh::Method::lsh_per_sample:
+          one.hashes = poslsh::rbf_hashes(sigma, options.samples, options.seed,
+                                          static_cast<std::uint64_t>(h));
+          break;
+        case poslsh::Method::fixed_blocks:
+          one.hashes = HashSet{poslsh::fixed_blocks_hash(sigma)};
+          break;
       }
-      CHECK(ran());  // the call on the unit (the float products never use it)
+      RowMatrix<float> single(n, d), floats(n, d);
+      one_head<Tiles, Half>(one, head(q, h), head(k, h), head(v, h), single, unit);
+      CHECK(ran());  // the call on the unit
+      // The float products (never on a unit) by the single-head call.
+      one_head<AmxNativeTiles, Half>(one, head(q, h), head(k, h), head(v, h), floats, widening);
       const RowMatrix<float> got = out.middleCols(h * d, d);
       CHECK(got == single);
       CHECK(got != floats);
     }
   }
-  // Stored partitions through the fused kernel.
+  // Stored partitions through the fused kernel (on another tile layer: its engine rows).
   {
     const HashSet hashes = poslsh::rbf_hashes(20.0, 4, 3, 0);
     const poslsh::PartitionSet partitions = poslsh::partition_set(hashes, n);
     RowMatrix<float> from_partitions(n, d), from_hashes(n, d), floats(n, d);
-    poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
-                                                   from_partitions, unit);
+    if constexpr (native_tiles<Tiles>) {
+      poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
+                                                     from_partitions, unit);
+    } else {
+      fused_rows_on<Tiles, Half>(head(q, 0), head(k, 0), head(v, 0), partitions, from_partitions,
+                                 unit);
+    }
     CHECK(ran());
-    poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), hashes,
-                                                   from_hashes, unit);
+    one_head<Tiles, Half>(head_method(poslsh::Method::lsh_fused, 20.0, 0, hashes), head(q, 0),
+                          head(k, 0), head(v, 0), from_hashes, unit);
     poslsh::lsh_attention_fused<Half, Half, float>(head(q, 0), head(k, 0), head(v, 0), partitions,
                                                    floats, widening);
     CHECK(from_partitions == from_hashes);
@@ -530,7 +625,10 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
     poslsh::PlainBlockAttention<Half, Half> block;
     RowMatrix<float> out(n, d);
     Eigen::VectorXf lse(n);
-    block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
+    if constexpr (native_tiles<Tiles>)
+      block(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
+    else
+      block_on<Tiles, Half>(head(q, 0), head(k, 0), head(v, 0), true, 0.2f, out, lse);
     CHECK(ran());
     RowMatrix<double> exact;
     RowMatrix<float> plain;
@@ -579,26 +677,30 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
   CHECK(matrix_unit_for<bf16, bf16>(options) == (amx_unit    ? MatrixUnit::amx_bf16
                                                  : bf16_unit ? MatrixUnit::avx512_bf16
                                                              : MatrixUnit::float_widening));
+  // The tile engine's unit on a tile layer: the library's (matrix_unit_for), the CPU's tiles
+  // turned off (the next unit), the emulation (available with avx512_bf16, which it needs).
   {
-    const AmxModeScope no_amx(AmxTestMode::disabled);
-    CHECK_FALSE(poslsh::matrix_unit_available(MatrixUnit::amx_bf16));
-    CHECK_FALSE(poslsh::matrix_unit_available(MatrixUnit::amx_fp16));
-    CHECK(matrix_unit_for<bf16, bf16>(options) ==
+    using poslsh::detail::tile_engine_unit;
+    const Precision units = Precision::matrix_units;
+    CHECK(tile_engine_unit<bf16, bf16, AmxNativeTiles>(units) ==
+          matrix_unit_for<bf16, bf16>(options));
+    CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxNativeTiles>(units) ==
+          matrix_unit_for<Eigen::half, Eigen::half>(options));
+    CHECK(tile_engine_unit<bf16, bf16, AmxTilesOff>(units) ==
           (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
-    CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
-  }
-  {
-    const AmxModeScope emulated(AmxTestMode::emulated);
-    CHECK(emulated.active() == bf16_unit);
-    CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == (bf16_unit || amx_unit));
-    CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_fp16) == (bf16_unit || amx_fp16_unit));
-    if (emulated.active()) {
-      CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::amx_bf16);
-      CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::amx_fp16);
-    }
-    CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
-    CHECK(matrix_unit_for<Eigen::half, bf16>(options) == MatrixUnit::float_widening);
-    CHECK(matrix_unit_for<float, Eigen::half>(options) == MatrixUnit::float_widening);
+    CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxTilesOff>(units) ==
+          MatrixUnit::float_widening);
+    CHECK(tile_engine_unit<bf16, bf16, AmxEmulatedTiles>(units) ==
+          (bf16_unit ? MatrixUnit::amx_bf16 : MatrixUnit::float_widening));
+    CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxEmulatedTiles>(units) ==
+          (bf16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_widening));
+    CHECK(tile_engine_unit<float, bf16, AmxEmulatedTiles>(units) == MatrixUnit::float_widening);
+    CHECK(tile_engine_unit<Eigen::half, bf16, AmxEmulatedTiles>(units) ==
+          MatrixUnit::float_widening);
+    CHECK(tile_engine_unit<float, Eigen::half, AmxEmulatedTiles>(units) ==
+          MatrixUnit::float_widening);
+    CHECK(tile_engine_unit<bf16, bf16, AmxEmulatedTiles>(Precision::float_products) ==
+          MatrixUnit::float_widening);
   }
   CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == amx_unit);
   CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_fp16) == amx_fp16_unit);
@@ -620,22 +722,28 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
 
 TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against double",
           "[units][half]") {
-  const AmxModeScope no_amx(AmxTestMode::disabled);
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  accuracy_sweep(MatrixUnit::avx512_bf16);
+  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
+    accuracy_sweep<AmxTilesOff>(MatrixUnit::avx512_bf16);
+  else
+    accuracy_sweep<AmxNativeTiles>(MatrixUnit::avx512_bf16);
 }
 
 TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one prefill",
           "[units][half]") {
-  const AmxModeScope no_amx(AmxTestMode::disabled);
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  thread_and_chunk_checks(MatrixUnit::avx512_bf16);
+  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
+    thread_and_chunk_checks<AmxTilesOff>(MatrixUnit::avx512_bf16);
+  else
+    thread_and_chunk_checks<AmxNativeTiles>(MatrixUnit::avx512_bf16);
 }
 
 TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units][half]") {
-  const AmxModeScope no_amx(AmxTestMode::disabled);
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  every_kernel_checks(MatrixUnit::avx512_bf16, [] { return true; });
+  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
+    every_kernel_checks<AmxTilesOff>(MatrixUnit::avx512_bf16, [] { return true; });
+  else
+    every_kernel_checks<AmxNativeTiles>(MatrixUnit::avx512_bf16, [] { return true; });
 }
 
 TEST_CASE("float and double: key tiles kept for the next query tiles, bitwise read in place",
@@ -798,7 +906,7 @@ void sum_order_entries(float a_big, float b_big, std::uint16_t (&a)[16][32],
 }  // namespace
 
 TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[units][amx]") {
-  using Tiles = poslsh::detail::AmxEmulatedTiles<bf16>;
+  using Tiles = AmxEmulatedTiles<bf16>;
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(bf16(x)); };
   // A (tile 4): row m's pairs along k; B (tile 5): row k's pairs along columns n; C (tile 0).
   std::uint16_t a[16][32] = {}, b[16][32] = {};
@@ -831,7 +939,7 @@ TEST_CASE("amx_bf16 emulation: tdpbf16ps as the SDM's pseudo-code gives", "[unit
 }
 
 TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units][amx]") {
-  using Tiles = poslsh::detail::AmxEmulatedTiles<Eigen::half>;
+  using Tiles = AmxEmulatedTiles<Eigen::half>;
   const auto bits = [](float x) { return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(x)); };
   std::uint16_t a[16][32] = {}, b[16][32] = {};
   float c[16][16] = {};
@@ -854,7 +962,7 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
   CHECK(out[5][5] == 0.0f);
   // The same bits read as bfloat16 pairs give other numbers: the unit is the type's.
   {
-    emulated_dot<poslsh::detail::AmxEmulatedTiles<bf16>>(a, b, c, out);
+    emulated_dot<AmxEmulatedTiles<bf16>>(a, b, c, out);
     CHECK(out[3][3] != 41.0f);
   }
   CHECK_THROWS_AS(Tiles::dot(0, 5), std::logic_error);
@@ -870,13 +978,14 @@ TEST_CASE("amx_fp16 emulation: tdpfp16ps as Intel's pseudo-code gives", "[units]
 
 TEST_CASE("amx_bf16 (emulated tiles): within 2x a plain bfloat16 attention's error",
           "[units][half][amx][slow]") {
-  on_emulated_tiles([&](EmulationWatch&) { accuracy_sweep(MatrixUnit::amx_bf16); });
+  on_emulated_tiles(
+      [&](EmulationWatch&) { accuracy_sweep<AmxEmulatedTiles>(MatrixUnit::amx_bf16); });
 }
 
 TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
           "[units][half][amx]") {
   on_emulated_tiles([&](EmulationWatch&) {
-    thread_and_chunk_checks(MatrixUnit::amx_bf16);
+    thread_and_chunk_checks<AmxEmulatedTiles>(MatrixUnit::amx_bf16);
     // One row at a time (a 16-row block of the tiles holding one computed row, the others
     // stale or zero) against all rows at once: each row's bits depend on its row alone.
     const Index n = 150, d = 40;
@@ -887,15 +996,16 @@ TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefil
       INFO((masking == Masking::causal ? "causal" : "bidirectional"));
       const AttentionOptions options = unit_options(masking);
       RowMatrix<float> whole(n, d + 1), row(1, d + 1);
-      poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 8.0, whole, options);
+      const poslsh::HeadMethod tiled = head_method(poslsh::Method::exact_tiled, 8.0);
+      one_head<AmxEmulatedTiles, bf16>(tiled, q, k, v, whole, options);
       for (const Index i : {Index{0}, Index{1}, Index{15}, Index{16}, Index{63}, Index{64},
                             Index{77}, Index{128}, Index{149}}) {
         INFO("row " << i);
         AttentionOptions at = options;
         at.query_offset = i;
         const Index keys = masking == Masking::causal ? i + 1 : n;
-        poslsh::alibi_attention_tiled<bf16, bf16, float>(q.middleRows(i, 1), k.topRows(keys),
-                                                         v.topRows(keys), 8.0, row, at);
+        one_head<AmxEmulatedTiles, bf16>(tiled, q.middleRows(i, 1), k.topRows(keys),
+                                         v.topRows(keys), row, at);
         CHECK(row == whole.row(i));
       }
     }
@@ -905,42 +1015,42 @@ TEST_CASE("amx_bf16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefil
 TEST_CASE("amx_bf16 (emulated tiles): every kernel on the tile engine uses the unit",
           "[units][half][amx]") {
   on_emulated_tiles([&](EmulationWatch& watch) {
-    every_kernel_checks(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
+    every_kernel_checks<AmxEmulatedTiles>(MatrixUnit::amx_bf16, [&] { return watch.ran(); });
   });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): within 2x a plain float16 attention's error",
           "[units][half][amx][slow]") {
-  on_emulated_tiles([&](EmulationWatch&) { accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16); });
+  on_emulated_tiles([&](EmulationWatch&) {
+    accuracy_sweep<AmxEmulatedTiles, Eigen::half>(MatrixUnit::amx_fp16);
+  });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): bitwise on 1 and 2 threads, chunked prefill one prefill",
           "[units][half][amx]") {
-  on_emulated_tiles(
-      [&](EmulationWatch&) { thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16); });
+  on_emulated_tiles([&](EmulationWatch&) {
+    thread_and_chunk_checks<AmxEmulatedTiles, Eigen::half>(MatrixUnit::amx_fp16);
+  });
 }
 
 TEST_CASE("amx_fp16 (emulated tiles): every kernel on the tile engine uses the unit",
           "[units][half][amx]") {
   on_emulated_tiles([&](EmulationWatch& watch) {
-    every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [&] { return watch.ran(); });
+    every_kernel_checks<AmxEmulatedTiles, Eigen::half>(MatrixUnit::amx_fp16,
+                                                       [&] { return watch.ran(); });
   });
 }
 
 TEST_CASE("amx_fp16 (this CPU's tiles): the checks of the emulated tiles", "[units][half][amx]") {
-  const AmxModeScope cpu(AmxTestMode::cpu);
   if (!have_unit(MatrixUnit::amx_fp16)) return;
-  accuracy_sweep<Eigen::half>(MatrixUnit::amx_fp16);
-  thread_and_chunk_checks<Eigen::half>(MatrixUnit::amx_fp16);
-  every_kernel_checks<Eigen::half>(MatrixUnit::amx_fp16, [] { return true; });
+  accuracy_sweep<AmxNativeTiles, Eigen::half>(MatrixUnit::amx_fp16);
+  thread_and_chunk_checks<AmxNativeTiles, Eigen::half>(MatrixUnit::amx_fp16);
+  every_kernel_checks<AmxNativeTiles, Eigen::half>(MatrixUnit::amx_fp16, [] { return true; });
 }
 
 TEST_CASE("amx_bf16 (emulated tiles) against avx512_bf16: within the rounding bound",
           "[units][half][amx]") {
-  {
-    const AmxModeScope no_amx(AmxTestMode::disabled);
-    if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  }
+  if (!have_unit(MatrixUnit::avx512_bf16)) return;
   // Both units multiply the same bfloat16 operands exactly and sum in float, but in another
   // order: vdpbf16ps adds each pair's two products to its lane in turn, tdpbf16ps sums the
   // even and the odd products of 16 pairs apart and adds the two sums. The scores then differ
@@ -962,17 +1072,11 @@ TEST_CASE("amx_bf16 (emulated tiles) against avx512_bf16: within the rounding bo
       references(
           q, k, v, tau, [&](Index i) { return alibi_weights(i, n, sigma, causal ? 0 : -n, n); },
           exact, plain);
-      {
-        const AmxModeScope emulated(AmxTestMode::emulated);
-        REQUIRE(emulated.active());
-        poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, amx,
-                                                         unit_options(masking));
-      }
-      {
-        const AmxModeScope no_amx(AmxTestMode::disabled);
-        poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, sigma, avx,
-                                                         unit_options(masking));
-      }
+      const poslsh::HeadMethod tiled = head_method(poslsh::Method::exact_tiled, sigma);
+      REQUIRE(unit_on<AmxEmulatedTiles, bf16>(unit_options(masking)) == MatrixUnit::amx_bf16);
+      REQUIRE(unit_on<AmxTilesOff, bf16>(unit_options(masking)) == MatrixUnit::avx512_bf16);
+      one_head<AmxEmulatedTiles, bf16>(tiled, q, k, v, amx, unit_options(masking));
+      one_head<AmxTilesOff, bf16>(tiled, q, k, v, avx, unit_options(masking));
       const double difference = (amx - avx).cwiseAbs().maxCoeff();
       CHECK(difference <= max_error(plain, exact));
     }
@@ -981,11 +1085,10 @@ TEST_CASE("amx_bf16 (emulated tiles) against avx512_bf16: within the rounding bo
 
 TEST_CASE("amx_bf16 (this CPU's tiles): the checks of the emulated tiles, and against them",
           "[units][half][amx]") {
-  const AmxModeScope cpu(AmxTestMode::cpu);
   if (!have_unit(MatrixUnit::amx_bf16)) return;
-  accuracy_sweep(MatrixUnit::amx_bf16);
-  thread_and_chunk_checks(MatrixUnit::amx_bf16);
-  every_kernel_checks(MatrixUnit::amx_bf16, [] { return true; });
+  accuracy_sweep<AmxNativeTiles>(MatrixUnit::amx_bf16);
+  thread_and_chunk_checks<AmxNativeTiles>(MatrixUnit::amx_bf16);
+  every_kernel_checks<AmxNativeTiles>(MatrixUnit::amx_bf16, [] { return true; });
   // The CPU's tiles against their emulation: the SDM gives the order of the sums, the
   // hardware may sum in another; within the plain bfloat16 attention's error.
   const Index n = 200, d = 64;
@@ -998,10 +1101,7 @@ TEST_CASE("amx_bf16 (this CPU's tiles): the checks of the emulated tiles, and ag
       q, k, v, 0.125, [&](Index i) { return alibi_weights(i, n, 16.0, 0, n); }, exact, plain);
   poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, tiles,
                                                    unit_options(Masking::causal));
-  {
-    const AmxModeScope emulated(AmxTestMode::emulated);
-    poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, emulation,
-                                                     unit_options(Masking::causal));
-  }
+  one_head<AmxEmulatedTiles, bf16>(head_method(poslsh::Method::exact_tiled, 16.0), q, k, v,
+                                   emulation, unit_options(Masking::causal));
   CHECK((tiles - emulation).cwiseAbs().maxCoeff() <= max_error(plain, exact));
 }

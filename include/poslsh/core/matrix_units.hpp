@@ -23,7 +23,6 @@
 // multiply-adds round every sum to float16), so float16 inputs without AMX-FP16 are widened.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -121,36 +120,12 @@ inline bool detect_amx(MatrixUnit unit) {
 }
 #endif
 
-/// Test hook, not part of the interface: where the AMX kernels (amx_bf16, amx_fp16) run. cpu:
-/// on the CPU's tiles, where it has them; emulated: on a software emulation of the tile
-/// instructions (detail/tile/amx_kernels.hpp), on any CPU with avx512_bf16; disabled: nowhere
-/// (calls use the next unit, as on a CPU without AMX).
-enum class AmxTestMode { cpu, emulated, disabled };
-
-/// The current AmxTestMode (cpu unless a test sets another with set_amx_mode_for_tests).
-inline std::atomic<AmxTestMode>& amx_test_mode() {
-  static std::atomic<AmxTestMode> mode{AmxTestMode::cpu};
-  return mode;
-}
-
 }  // namespace detail
 
-/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once (for the
-/// AMX units, the first call asks Linux for the tile permission).
+/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once per unit
+/// (for the AMX units, the first call asks Linux for the tile permission).
 inline bool matrix_unit_available(MatrixUnit unit) {
 #if POSLSH_X86_UNITS
-  // The AMX units as detected, unless the test hook says otherwise.
-  const auto amx = [](bool detected) {
-    switch (detail::amx_test_mode().load(std::memory_order_relaxed)) {
-      case detail::AmxTestMode::emulated:
-        return true;
-      case detail::AmxTestMode::disabled:
-        return false;
-      case detail::AmxTestMode::cpu:
-        break;
-    }
-    return detected;
-  };
   switch (unit) {
     case MatrixUnit::float_widening:
       return true;
@@ -160,11 +135,11 @@ inline bool matrix_unit_available(MatrixUnit unit) {
     }
     case MatrixUnit::amx_bf16: {
       static const bool available = detail::detect_amx(MatrixUnit::amx_bf16);
-      return amx(available);
+      return available;
     }
     case MatrixUnit::amx_fp16: {
       static const bool available = detail::detect_amx(MatrixUnit::amx_fp16);
-      return amx(available);
+      return available;
     }
   }
   return false;
@@ -175,18 +150,23 @@ inline bool matrix_unit_available(MatrixUnit unit) {
 
 namespace detail {
 
-/// Test hook, not part of the interface: sets the AmxTestMode. With emulated,
-/// matrix_unit_available is true for amx_bf16 and amx_fp16 and their kernels run on the
-/// emulation of the tile instructions, so the AMX paths are tested on CPUs without AMX; with
-/// disabled it is false, so avx512_bf16 (and float16 widening) is tested on CPUs with AMX. The
-/// emulation needs avx512_bf16 (the code around the tiles uses it): on a CPU without it, emulated
-/// leaves the mode as it is and returns false; otherwise returns true. Not for use while attention
-/// calls run on other threads.
-inline bool set_amx_mode_for_tests(AmxTestMode mode) {
-  if (mode == AmxTestMode::emulated && !matrix_unit_available(MatrixUnit::avx512_bf16))
-    return false;
-  amx_test_mode().store(mode, std::memory_order_relaxed);
-  return true;
+/// The unit of a call with Q stored as QScalar and K, V as KVScalar under `precision` (the rule
+/// of matrix_unit_for), with the AMX units (amx_bf16, amx_fp16) counted as available where
+/// amx_available(unit) says so; avx512_bf16 where matrix_unit_available says so.
+template <typename QScalar, typename KVScalar, typename AmxAvailable>
+MatrixUnit choose_matrix_unit(Precision precision, AmxAvailable&& amx_available) {
+  if (precision == Precision::matrix_units) {
+    if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
+                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
+      if (amx_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
+      if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
+    }
+    if constexpr (std::is_same_v<QScalar, Eigen::half> && std::is_same_v<KVScalar, Eigen::half>) {
+      if (amx_available(MatrixUnit::amx_fp16)) return MatrixUnit::amx_fp16;
+    }
+  }
+  static_cast<void>(amx_available);
+  return MatrixUnit::float_widening;
 }
 
 }  // namespace detail
@@ -198,17 +178,7 @@ inline bool set_amx_mode_for_tests(AmxTestMode mode) {
 /// are multiplied in their own type, other half-precision and mixed inputs widened).
 template <typename QScalar, typename KVScalar>
 MatrixUnit matrix_unit_for(Precision precision) {
-  if (precision == Precision::matrix_units) {
-    if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
-                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
-      if (matrix_unit_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
-      if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
-    }
-    if constexpr (std::is_same_v<QScalar, Eigen::half> && std::is_same_v<KVScalar, Eigen::half>) {
-      if (matrix_unit_available(MatrixUnit::amx_fp16)) return MatrixUnit::amx_fp16;
-    }
-  }
-  return MatrixUnit::float_widening;
+  return detail::choose_matrix_unit<QScalar, KVScalar>(precision, matrix_unit_available);
 }
 
 /// matrix_unit_for<QScalar, KVScalar>(options.precision): the unit a kernel called with these

@@ -195,8 +195,10 @@ HeadsCall varlen_call(const char* function, const HeadsView<QElement>& q,
 /// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
 /// heads (lsh_per_sample, fixed_blocks) is one job, on its sequence's first tile. Query head h
 /// reads K/V head h / (q.heads / k.heads). With lse (not null; one scalar type), lse[h * lse_stride
-/// + t] is the log-sum-exp of query token t of head h.
-template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar>
+/// + t] is the log-sum-exp of query token t of head h. AMX products on the tile layer AmxTiles
+/// (the CPU's by default; detail/tile/engine.hpp).
+template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
+          typename KVScalar, typename OutScalar>
 void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
                        const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
                        const HeadsView<OutScalar>& out, Compute* lse = nullptr,
@@ -227,11 +229,11 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
         visit_method(head.method, [&](auto kernels) {
           using Kernels = decltype(kernels);
           if constexpr (Kernels::runs_by_query_tiles) {
-            Kernels::template forward_tile<Compute, QScalar, KVScalar>(
+            Kernels::template forward_tile<Compute, QScalar, KVScalar, AmxTiles>(
                 head, f, tile.row_begin, tile.rows,
                 head_lse == nullptr ? nullptr : head_lse + (tile.row_begin - s.p0), work);
           } else if (tile.row_begin == s.p0) {
-            Kernels::template forward_head<Compute, QScalar, KVScalar>(head, f, head_lse);
+            Kernels::template forward_head<Compute, QScalar, KVScalar, AmxTiles>(head, f, head_lse);
           }
         });
       });
@@ -239,9 +241,10 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
 
 /// The forward of an all-heads call on one sequence: checks the query offset
 /// (options.query_offset; unset: k.tokens - q.tokens) and the views, then resolves the methods
-/// (head_methods()) and runs every head.
-template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar,
-          typename HeadMethods>
+/// (head_methods()) and runs every head, AMX products on the tile layer AmxTiles
+/// (run_heads_forward).
+template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
+          typename KVScalar, typename OutScalar, typename HeadMethods>
 void one_sequence_forward(const char* function, const HeadsView<const QScalar>& q,
                           const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
                           const HeadsView<OutScalar>& out, const AttentionOptions& options,
@@ -255,7 +258,7 @@ void one_sequence_forward(const char* function, const HeadsView<const QScalar>& 
                        resolve_scale(function, options, q.dim),
                        options.masking,
                        options.precision};
-  run_heads_forward<Compute>(call, q, k, v, out);
+  run_heads_forward<Compute, AmxTiles>(call, q, k, v, out);
 }
 
 }  // namespace detail

@@ -134,23 +134,24 @@ struct BackwardScratch {
 /// policy Kernels::tile_bias(head, extent, masking, workspace) (exact ALiBi or LSH counts, over
 /// the positions [0, extent) of the queries and keys):
 /// forward_tile computes rows [r0, r0 + rows) (positions) of one head into out rows r0 - p0 ..,
-/// and their lse (lse[r] for row r0 + r) when lse is not null. Their backward passes can run a
-/// head on one thread.
+/// and their lse (lse[r] for row r0 + r) when lse is not null, AMX products on the tile layer
+/// AmxTiles (with_tile_engine). Their backward passes can run a head on one thread.
 template <typename Kernels>
 struct QueryTileMethod {
   static constexpr bool runs_by_query_tiles = true;
   static constexpr bool serial_backward = true;
 
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+  template <typename Compute, typename QScalar, typename KVScalar,
+            template <typename> class AmxTiles = AmxNativeTiles, typename QType, typename KType,
             typename OutType>
   static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
     auto bias = Kernels::template tile_bias<Compute>(head, f.extent(), f.masking, work);
     const ConstMatrixRef<QScalar> q(f.q);
     const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers,
-                                            TilePositions(f.p0, f.k0), f.precision, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    engine_rows<Compute, QScalar, KVScalar, AmxTiles>(
+        q, k, v, f.tau, bias, work.buffers, TilePositions(f.p0, f.k0), f.precision, r0, r0 + rows,
+        f.out.middleRows(r0 - f.p0, rows), lse);
   }
 };
 
@@ -231,26 +232,19 @@ template <Method M>
 struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
 
-  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null.
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null
+  /// (per_sample_rows, the body of lsh_attention_per_sample), AMX products on the tile layer
+  /// AmxTiles.
+  template <typename Compute, typename QScalar, typename KVScalar,
+            template <typename> class AmxTiles = AmxNativeTiles, typename QType, typename KType,
             typename OutType>
   static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
                            Compute* lse) {
     using OutScalar = typename OutType::Scalar;
-    AttentionOptions options;
-    options.masking = f.masking;
-    options.scale = f.tau;
-    options.query_offset = f.p0;
-    options.precision = f.precision;
-    if (lse == nullptr && f.k0 == 0) {
-      lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
-                                                             options);
-    } else {
-      MatrixRef<OutScalar> out = f.out;
-      per_sample_rows<QScalar, KVScalar, OutScalar, Compute>(
-          f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
-          TilePositions(f.p0, f.k0), f.precision, out, lse);
-    }
+    MatrixRef<OutScalar> out = f.out;
+    per_sample_rows<QScalar, KVScalar, OutScalar, Compute, AmxTiles>(
+        f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
+        TilePositions(f.p0, f.k0), f.precision, out, lse);
   }
 
   template <typename Scalar, typename Input>

@@ -30,14 +30,16 @@
 // summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, l_i sums
 // the unrounded p_ij, and the exponentials are pair_exp's (within 1.5 ulp of e^x on
 // [-20, 0]). A row's result still depends only on its position, the keys and the policy. Where
-// the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedHalfKV<bfloat16, true> makes
-// the same two products run on AMX tiles (detail/tile/amx_kernels.hpp): the same operands, d
-// summed in blocks of 32 columns and the keys in blocks of 32 from the key tile's first, each
-// block one tdpbf16ps; the probabilities are rounded to bfloat16 row by row as the value
-// products read them. With Q, K and V all in Eigen::half on a CPU with AMX-FP16
-// (MatrixUnit::amx_fp16), PairedHalfKV<half, true> runs the same tiles on float16 pairs
-// (tdpfp16ps), the probabilities rounded to float16. The bias policy
-// concept and the engine's buffers: detail/tile/types.hpp.
+// the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedHalfKV<bfloat16, Tiles> makes
+// the same two products run on AMX tiles (detail/tile/amx_kernels.hpp) of the tile layer Tiles
+// (AmxNativeTiles<bfloat16>, the CPU's): the same operands, d summed in blocks of 32 columns and
+// the keys in blocks of 32 from the key tile's first, each block one tdpbf16ps; the
+// probabilities are rounded to bfloat16 row by row as the value products read them. With Q, K
+// and V all in Eigen::half on a CPU with AMX-FP16 (MatrixUnit::amx_fp16), PairedHalfKV<half,
+// Tiles> runs the same tiles on float16 pairs (tdpfp16ps), the probabilities rounded to
+// float16. with_tile_engine picks the unit, and takes the AMX tile layer as a template
+// parameter (AmxNativeTiles by default). The bias policy concept and the engine's buffers:
+// detail/tile/types.hpp.
 #pragma once
 
 #include <Eigen/Core>
@@ -174,7 +176,6 @@ class WideningKV : public StridedKV<Storage> {
   Buffer& wide_v_;
 };
 
-#if POSLSH_X86_UNITS
 /// The key tile of PairedHalfKV: key b's row (the values' bits, an even count) at k + b k_stride,
 /// the values as pairs along keys, pair b2 at v + b2 v_stride (pair_pack_values).
 struct PairTileRows {
@@ -184,9 +185,12 @@ struct PairTileRows {
   Index v_stride;
 };
 
+#if POSLSH_X86_UNITS
+
 /// The key source of K and V stored in Half for a unit multiplying pairs of Half values: the
-/// AVX512-BF16 unit (Half = Eigen::bfloat16, AmxTiles false) or the AMX tiles (AmxTiles true;
-/// Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the
+/// AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void) or the AMX tiles of the tile layer Tiles
+/// (detail/tile/amx_kernels.hpp, e.g. AmxNativeTiles<Half>; Half = Eigen::bfloat16 for
+/// AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the
 /// tile's values into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d
 /// + (d mod 2) apart (a zero appended when d is odd), so that the score products read them from one
 /// contiguous block whatever the row stride of K. For the AMX tiles the key rows are
@@ -198,14 +202,15 @@ struct PairTileRows {
 /// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
-template <typename Half, bool AmxTiles>
+template <typename Half, typename Tiles = void>
 class PairedHalfKV : public StridedKV<Half> {
-  static_assert(AmxTiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
-                "pairs of bfloat16 values, or of float16 values on the AMX tiles");
-
  public:
   using half_type = Half;
-  static constexpr bool amx_tiles = AmxTiles;
+  /// The AMX tile layer (void: the AVX512-BF16 unit).
+  using tiles = Tiles;
+  static constexpr bool amx_tiles = !std::is_void_v<Tiles>;
+  static_assert(amx_tiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
+                "pairs of bfloat16 values, or of float16 values on the AMX tiles");
   /// K row 0 is the key at position key_position (the engine's positions.key).
   PairedHalfKV(const ConstMatrixRef<Half>& k, const ConstMatrixRef<Half>& v,
                TileBuffers<float>& buffers, Index key_position)
@@ -217,12 +222,12 @@ class PairedHalfKV : public StridedKV<Half> {
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
     if (buffers.keep_key_tiles &&
         buffers.key_pairs.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
-                                k.cols(), v.cols(), key_position, AmxTiles ? 2 : 1},
+                                k.cols(), v.cols(), key_position, amx_tiles ? 2 : 1},
                                k_words(), v_words()))
       store_ = &buffers.key_pairs;
   }
   /// The distance of the packed key rows for d columns.
-  static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
+  static Index key_stride(Index d) { return amx_tiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
   PairTileRows pair_tile(Index j0, Index keys) {
     const Index stride = key_stride(this->k_.cols());
     if (store_ != nullptr) {
@@ -252,7 +257,7 @@ class PairedHalfKV : public StridedKV<Half> {
                      pair_v);
     const Index d = k.cols(), stride = key_stride(d);
     pair_copy_rows(bits(k.data() + j0 * k.outerStride()), k.outerStride(), keys, d, pair_k, stride);
-    if constexpr (AmxTiles) {
+    if constexpr (amx_tiles) {
       std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride, std::uint16_t{0});
       std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});
     }
@@ -272,7 +277,8 @@ template <typename KV>
 struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
     : std::true_type {};
 
-/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true).
+/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true; the tile layer
+/// is KV::tiles).
 template <typename KV, typename = void>
 struct MultipliesAmxTiles : std::false_type {};
 template <typename KV>
@@ -466,14 +472,14 @@ class TileEngine {
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
 #if POSLSH_X86_UNITS
-    if constexpr (amx) amx_configure();  // the tiles' configuration, once per query tile
+    if constexpr (amx) amx_configure_tiles<typename KV::tiles>();  // once per query tile
 #endif
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
 #if POSLSH_X86_UNITS
-    if constexpr (amx) amx_release();
+    if constexpr (amx) amx_release_tiles<typename KV::tiles>();
 #endif
   }
 
@@ -633,8 +639,8 @@ class TileEngine {
       return;
     }
     if constexpr (amx)
-      amx_score_span<QScalar>(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
-                              a0 + packets * P, tau_, b_.scores.data());
+      amx_score_tiles<typename KV::tiles>(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride,
+                                          b, end, a0, a0 + packets * P, tau_, b_.scores.data());
     else
       pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
                       a0, a0 + packets * P, tau_, b_.scores.data());
@@ -753,9 +759,9 @@ class TileEngine {
         const Index first = reach.first / (2 * amx_pairs),
                     last = (reach.last - 1) / (2 * amx_pairs);
         amx_pack_probs(a, first * amx_pairs, (last + 1) * amx_pairs, keys);
-        amx_value_rows<QScalar>(b_.pair_p.data() + a * pairs_per_row, pairs_per_row, pair_tile_.v,
-                                pair_tile_.v_stride, first, last, b_.alpha.data() + a,
-                                b_.acc.data() + a * dvp_, dvp_);
+        amx_value_tiles<typename KV::tiles>(b_.pair_p.data() + a * pairs_per_row, pairs_per_row,
+                                            pair_tile_.v, pair_tile_.v_stride, first, last,
+                                            b_.alpha.data() + a, b_.acc.data() + a * dvp_, dvp_);
       }
       return;
     }
@@ -905,9 +911,7 @@ class TileEngine {
   Index j0_ = 0;
   const EngineState<Scalar>* external_ = nullptr;
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
-#if POSLSH_X86_UNITS
-  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};
-#endif
+  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};  // the key tile of a paired key source
   const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
   Index run_b_ = 0;
   // In runs: the current key tile's runs (find_runs), at most one per key.
@@ -925,12 +929,30 @@ struct KeySourceTag {
   using type = KV;
 };
 
+/// The unit with_tile_engine<Scalar, QScalar, KVScalar, AmxTiles> multiplies on under
+/// `precision`: the rule of matrix_unit_for, with amx_bf16 (amx_fp16) available where the tile
+/// layer's AmxTiles<Eigen::bfloat16>::available() (AmxTiles<Eigen::half>::available()) says so.
+/// With the library's layer, AmxNativeTiles, it is matrix_unit_for<QScalar, KVScalar>(precision).
+template <typename QScalar, typename KVScalar, template <typename> class AmxTiles>
+MatrixUnit tile_engine_unit(Precision precision) {
+#if POSLSH_X86_UNITS
+  return choose_matrix_unit<QScalar, KVScalar>(precision, [](MatrixUnit unit) {
+    return unit == MatrixUnit::amx_bf16 ? AmxTiles<Eigen::bfloat16>::available()
+                                        : AmxTiles<Eigen::half>::available();
+  });
+#else
+  return matrix_unit_for<QScalar, KVScalar>(precision);  // float_widening: no unit off x86
+#endif
+}
+
 /// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
 /// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar; by the unit
-/// matrix_unit_for<QScalar, KVScalar>(precision) names, PairedHalfKV<bfloat16, true> on
-/// amx_bf16, PairedHalfKV<bfloat16, false> on avx512_bf16, PairedHalfKV<half, true> on
-/// amx_fp16; WideningKV otherwise.
-template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
+/// tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision) names (with the default tile layer,
+/// the CPU's: matrix_unit_for), PairedHalfKV<bfloat16, AmxTiles<bfloat16>> on amx_bf16,
+/// PairedHalfKV<bfloat16> on avx512_bf16, PairedHalfKV<half, AmxTiles<half>> on amx_fp16;
+/// WideningKV otherwise.
+template <typename Scalar, typename QScalar, typename KVScalar,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
                       TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
@@ -950,16 +972,16 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
       job(engine);
     };
     if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
-      const MatrixUnit unit = matrix_unit_for<QScalar, KVScalar>(precision);
+      const MatrixUnit unit = tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision);
       if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
         if (unit == MatrixUnit::amx_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, AmxTiles<KVScalar>>>{});
         if (unit == MatrixUnit::avx512_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, false>>{});
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar>>{});
       }
       if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
         if (unit == MatrixUnit::amx_fp16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
+          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, AmxTiles<KVScalar>>>{});
       }
     }
 #endif
@@ -974,13 +996,15 @@ void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVS
 /// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
 /// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) over K and V
 /// (KVScalar) at `positions`, read directly when KVScalar is Scalar, on the unit
-/// `precision` selects for half-precision ones (with_tile_engine); out of any scalar type.
-template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
+/// `precision` selects for half-precision ones (with_tile_engine, AMX on the tile layer
+/// AmxTiles); out of any scalar type.
+template <typename Scalar, typename QScalar, typename KVScalar,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Bias, typename OutType>
 void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                  const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
                  TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                  Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
-  with_tile_engine<Scalar, QScalar, KVScalar>(
+  with_tile_engine<Scalar, QScalar, KVScalar, AmxTiles>(
       q, k, v, tau, bias, buffers, positions, precision,
       [&](auto& engine) { engine.run(row_begin, row_end, out, lse); });
 }

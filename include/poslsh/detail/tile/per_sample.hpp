@@ -201,11 +201,12 @@ inline std::size_t lowest_level(std::size_t samples) {
 /// sees (in the engine's fixed order), and keys it does not see get probability exactly 0: a
 /// row gets bitwise the same update for any base, row range, and (causal) any block end past
 /// the row. Half-precision Q, K and V are multiplied on the unit `precision` selects
-/// (with_tile_engine): widened to C tile by tile (the arithmetic of C views of the widened
-/// values), or bfloat16 products on AVX512-BF16. Out of line: the engine's kernels compile in this
-/// function, not in the callers' loops.
+/// (with_tile_engine, AMX on the tile layer AmxTiles): widened to C tile by tile (the arithmetic
+/// of C views of the widened values), or bfloat16 products on AVX512-BF16. Out of line: the
+/// engine's kernels compile in this function, not in the callers' loops.
 template <typename Scalar, typename KVScalar = Scalar,
-          typename C = compute_scalar_t<Scalar, KVScalar>>
+          typename C = compute_scalar_t<Scalar, KVScalar>,
+          template <typename> class AmxTiles = AmxNativeTiles>
 EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
                                   KeyValueRef<KVScalar> v, C tau, bool causal, Index begin,
                                   Index end, const EngineState<C>& state, TileBuffers<C>& buffers,
@@ -215,7 +216,7 @@ EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
-  with_tile_engine<C, Scalar, KVScalar>(
+  with_tile_engine<C, Scalar, KVScalar, AmxTiles>(
       q, k, v, static_cast<double>(tau), bias, buffers, TilePositions(state.base, key_offset),
       precision, [&](auto& engine) { engine.accumulate(first, last, state); });
 }
@@ -237,8 +238,10 @@ struct PerSampleWorkspace {
 /// samples' partials pairwise (merge_level: a binary tree over the samples in order, each
 /// merge SoftmaxPartials::merge); the levels left at the end are merged lowest first, and
 /// out_r = acc_r / l_r. Each row's arithmetic depends only on its position, the keys and the
-/// hashes. Extra memory O(tile_query_rows d_v log2 s) per thread.
-template <typename Scalar, typename KVScalar, typename OutScalar, typename C>
+/// hashes. Extra memory O(tile_query_rows d_v log2 s) per thread. AMX products on the tile layer
+/// AmxTiles (fold_block).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename C,
+          template <typename> class AmxTiles = AmxNativeTiles>
 void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
                      const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
                      TilePositions positions, Precision precision, MatrixRef<OutScalar>& out,
@@ -275,9 +278,9 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
           const std::vector<Index>& edges = boundaries[sample];
           for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
                ++edge)
-            fold_block<Scalar, KVScalar, C>(tile_q, k, v, tau, causal, edge[0], edge[1],
-                                            fresh.engine_state(first), work.buffers, precision,
-                                            first, last, k0);
+            fold_block<Scalar, KVScalar, C, AmxTiles>(tile_q, k, v, tau, causal, edge[0], edge[1],
+                                                      fresh.engine_state(first), work.buffers,
+                                                      precision, first, last, k0);
           for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
         }
         SoftmaxPartials<C>& result = partials[lowest];
