@@ -46,7 +46,7 @@
 #endif
 
 #include "half_support.hpp"
-#include "support/amx_emulation.hpp"
+#include "amx_emulation.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;
