@@ -10,7 +10,13 @@
 #include <limits>
 #include <poslsh/parallel/context_parallel.hpp>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "test_support.hpp"
 
@@ -86,32 +92,41 @@ std::vector<PositionRange> per_query_head(const std::vector<PositionRange>& kv_r
 template <typename Scalar>
 struct SingleProcess {
   RowMatrix<Scalar> q, k, v, out, dout, dq, dk, dv;
-  RowMatrix<Scalar> lse;  // H_q x n
+  RowMatrix<Scalar> lse;    // H_q x n
+  Eigen::VectorXd dslopes;  // the exact methods' slope gradients
 };
 
+// multihead_attention and its backward on one sequence of random rows (with the slope
+// gradients for the exact methods), cp_heads query heads of width cp_d over kv_heads.
 template <typename Scalar>
-SingleProcess<Scalar> single_process(Index n, const MultiHeadOptions& options) {
+SingleProcess<Scalar> single_process(Index n, const MultiHeadOptions& options,
+                                     Index kv_heads = cp_kv_heads) {
   SingleProcess<Scalar> s;
   s.q = random_matrix<Scalar>(n, cp_heads * cp_d, 301);
-  s.k = random_matrix<Scalar>(n, cp_kv_heads * cp_d, 302);
-  s.v = random_matrix<Scalar>(n, cp_kv_heads * cp_d, 303);
+  s.k = random_matrix<Scalar>(n, kv_heads * cp_d, 302);
+  s.v = random_matrix<Scalar>(n, kv_heads * cp_d, 303);
   s.dout = random_matrix<Scalar>(n, cp_heads * cp_d, 304);
   s.out.resize(n, cp_heads * cp_d);
   s.lse.resize(cp_heads, n);
   s.dq.resize(n, cp_heads * cp_d);
-  s.dk.resize(n, cp_kv_heads * cp_d);
-  s.dv.resize(n, cp_kv_heads * cp_d);
+  s.dk.resize(n, kv_heads * cp_d);
+  s.dv.resize(n, kv_heads * cp_d);
+  s.dslopes.setZero(cp_heads);
   const auto q = poslsh::interleaved_heads<const Scalar>(s.q.data(), n, cp_heads, cp_d);
-  const auto k = poslsh::interleaved_heads<const Scalar>(s.k.data(), n, cp_kv_heads, cp_d);
-  const auto v = poslsh::interleaved_heads<const Scalar>(s.v.data(), n, cp_kv_heads, cp_d);
+  const auto k = poslsh::interleaved_heads<const Scalar>(s.k.data(), n, kv_heads, cp_d);
+  const auto v = poslsh::interleaved_heads<const Scalar>(s.v.data(), n, kv_heads, cp_d);
   poslsh::multihead_attention<Scalar>(
       q, k, v, poslsh::interleaved_heads<Scalar>(s.out.data(), n, cp_heads, cp_d), s.lse, options);
-  poslsh::multihead_attention_backward<Scalar>(
-      q, k, v, poslsh::interleaved_heads<const Scalar>(s.out.data(), n, cp_heads, cp_d), s.lse,
-      poslsh::interleaved_heads<const Scalar>(s.dout.data(), n, cp_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(s.dq.data(), n, cp_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(s.dk.data(), n, cp_kv_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(s.dv.data(), n, cp_kv_heads, cp_d), options);
+  const auto out = poslsh::interleaved_heads<const Scalar>(s.out.data(), n, cp_heads, cp_d);
+  const auto dout = poslsh::interleaved_heads<const Scalar>(s.dout.data(), n, cp_heads, cp_d);
+  const auto dq = poslsh::interleaved_heads<Scalar>(s.dq.data(), n, cp_heads, cp_d);
+  const auto dk = poslsh::interleaved_heads<Scalar>(s.dk.data(), n, kv_heads, cp_d);
+  const auto dv = poslsh::interleaved_heads<Scalar>(s.dv.data(), n, kv_heads, cp_d);
+  if (options.method == Method::exact_tiled || options.method == Method::exact_banded)
+    poslsh::multihead_attention_backward<Scalar>(q, k, v, out, s.lse, dout, dq, dk, dv, s.dslopes,
+                                                 options);
+  else
+    poslsh::multihead_attention_backward<Scalar>(q, k, v, out, s.lse, dout, dq, dk, dv, options);
   return s;
 }
 
@@ -589,21 +604,6 @@ TEMPLATE_TEST_CASE("the ring schedule over simulated ranks equals the single-pro
       options.sigmas = {0.5, 4.0, 60.0, 1e6};
       options.window_left = window_left;
       const SingleProcess<TestType> s = single_process<TestType>(n, options);
-      Eigen::VectorXd want_dslopes(cp_heads);
-      {
-        RowMatrix<TestType> dq(n, cp_heads * cp_d), dk(n, cp_kv_heads * cp_d),
-            dv(n, cp_kv_heads * cp_d);
-        poslsh::multihead_attention_backward<TestType>(
-            poslsh::interleaved_heads<const TestType>(s.q.data(), n, cp_heads, cp_d),
-            poslsh::interleaved_heads<const TestType>(s.k.data(), n, cp_kv_heads, cp_d),
-            poslsh::interleaved_heads<const TestType>(s.v.data(), n, cp_kv_heads, cp_d),
-            poslsh::interleaved_heads<const TestType>(s.out.data(), n, cp_heads, cp_d), s.lse,
-            poslsh::interleaved_heads<const TestType>(s.dout.data(), n, cp_heads, cp_d),
-            poslsh::interleaved_heads<TestType>(dq.data(), n, cp_heads, cp_d),
-            poslsh::interleaved_heads<TestType>(dk.data(), n, cp_kv_heads, cp_d),
-            poslsh::interleaved_heads<TestType>(dv.data(), n, cp_kv_heads, cp_d), want_dslopes,
-            options);
-      }
       for (Index ranks : {1, 2, 3, 4}) {
         for (ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
           INFO(poslsh_test::masking_name(masking) << " window_left " << window_left << " R="
@@ -667,7 +667,7 @@ TEMPLATE_TEST_CASE("the ring schedule over simulated ranks equals the single-pro
                     20 * poslsh_test::tolerance<TestType>());
             dslopes += backward[r].slope_gradients();
           }
-          CHECK(poslsh_test::relative_max_error(dslopes, want_dslopes) <
+          CHECK(poslsh_test::relative_max_error(dslopes, s.dslopes) <
                 20 * poslsh_test::tolerance<TestType>());
         }
       }
@@ -677,49 +677,15 @@ TEMPLATE_TEST_CASE("the ring schedule over simulated ranks equals the single-pro
 
 namespace {
 
-// The single-process backward with slope gradients.
-template <typename Scalar>
-struct WholeBackward {
-  RowMatrix<Scalar> q, k, v, out, dout, lse, dq, dk, dv;
-  Eigen::VectorXd dslopes;
-};
-
-template <typename Scalar>
-WholeBackward<Scalar> whole_backward(Index n, Index kv_heads, const MultiHeadOptions& options) {
-  WholeBackward<Scalar> w;
-  w.q = random_matrix<Scalar>(n, cp_heads * cp_d, 401);
-  w.k = random_matrix<Scalar>(n, kv_heads * cp_d, 402);
-  w.v = random_matrix<Scalar>(n, kv_heads * cp_d, 403);
-  w.dout = random_matrix<Scalar>(n, cp_heads * cp_d, 404);
-  w.out.resize(n, cp_heads * cp_d);
-  w.lse.resize(cp_heads, n);
-  w.dq.resize(n, cp_heads * cp_d);
-  w.dk.resize(n, kv_heads * cp_d);
-  w.dv.resize(n, kv_heads * cp_d);
-  w.dslopes.resize(cp_heads);
-  const auto q = poslsh::interleaved_heads<const Scalar>(w.q.data(), n, cp_heads, cp_d);
-  const auto k = poslsh::interleaved_heads<const Scalar>(w.k.data(), n, kv_heads, cp_d);
-  const auto v = poslsh::interleaved_heads<const Scalar>(w.v.data(), n, kv_heads, cp_d);
-  poslsh::multihead_attention<Scalar>(
-      q, k, v, poslsh::interleaved_heads<Scalar>(w.out.data(), n, cp_heads, cp_d), w.lse, options);
-  poslsh::multihead_attention_backward<Scalar>(
-      q, k, v, poslsh::interleaved_heads<const Scalar>(w.out.data(), n, cp_heads, cp_d), w.lse,
-      poslsh::interleaved_heads<const Scalar>(w.dout.data(), n, cp_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(w.dq.data(), n, cp_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(w.dk.data(), n, kv_heads, cp_d),
-      poslsh::interleaved_heads<Scalar>(w.dv.data(), n, kv_heads, cp_d), w.dslopes, options);
-  return w;
-}
-
 // The slice backward of every (query cut, key cut) pair, added into zeroed gradients, queries
 // cut at query_cuts and keys at key_cuts (each from 0 to n), key slices in increasing order.
 template <typename Scalar>
-WholeBackward<Scalar> sliced_backward(const WholeBackward<Scalar>& w, Index kv_heads,
+SingleProcess<Scalar> sliced_backward(const SingleProcess<Scalar>& w, Index kv_heads,
                                       const std::vector<Index>& query_cuts,
                                       const std::vector<Index>& key_cuts,
                                       const MultiHeadOptions& options) {
   const Index n = w.q.rows();
-  WholeBackward<Scalar> g;
+  SingleProcess<Scalar> g;
   g.dq.setZero(n, cp_heads * cp_d);
   g.dk.setZero(n, kv_heads * cp_d);
   g.dv.setZero(n, kv_heads * cp_d);
@@ -764,16 +730,16 @@ TEMPLATE_TEST_CASE("the slice backward summed over slices is the sequence's back
           options.window_right = window < 0 ? -1 : 40;
           INFO(poslsh::enum_name(method) << " " << poslsh_test::masking_name(masking) << " window "
                                          << window << " kv_heads " << kv_heads);
-          const WholeBackward<TestType> w = whole_backward<TestType>(n, kv_heads, options);
+          const SingleProcess<TestType> w = single_process<TestType>(n, options, kv_heads);
           // One slice holding the sequence: the same pass, bitwise (dslopes: 0 + the sum).
-          const WholeBackward<TestType> one = sliced_backward(w, kv_heads, {0, n}, {0, n}, options);
+          const SingleProcess<TestType> one = sliced_backward(w, kv_heads, {0, n}, {0, n}, options);
           require_bitwise(one.dq, w.dq, "one slice: dq");
           require_bitwise(one.dk, w.dk, "one slice: dk");
           require_bitwise(one.dv, w.dv, "one slice: dv");
           require_bitwise(one.dslopes, w.dslopes, "one slice: dslopes");
           // Key slices on the key groups (512 keys) in increasing order, every query at once:
           // the same sums in the same order, bitwise (dslopes: the groups' sums added).
-          const WholeBackward<TestType> keyed =
+          const SingleProcess<TestType> keyed =
               sliced_backward(w, kv_heads, {0, n}, {0, 512, 1024, n}, options);
           require_bitwise(keyed.dq, w.dq, "key slices: dq");
           require_bitwise(keyed.dk, w.dk, "key slices: dk");
@@ -781,7 +747,7 @@ TEMPLATE_TEST_CASE("the slice backward summed over slices is the sequence's back
           CHECK(poslsh_test::relative_max_error(keyed.dslopes, w.dslopes) <
                 poslsh_test::tolerance<TestType>());
           // Any cut of queries and keys: to rounding.
-          const WholeBackward<TestType> cut =
+          const SingleProcess<TestType> cut =
               sliced_backward(w, kv_heads, {0, 97, 300, 700, n}, {0, 130, 555, 1290, n}, options);
           for (const auto& [got, want, what] :
                {std::tuple{&cut.dq, &w.dq, "dq"}, std::tuple{&cut.dk, &w.dk, "dk"},
@@ -964,4 +930,89 @@ TEST_CASE("context parallel ranks, halos, rings and slices name their bad argume
         poslsh::halo_traffic(halo.plan(), ContextParallelShapes{cp_heads, cp_heads, cp_d, cp_d}, 4);
       },
       "shapes");
+}
+
+TEST_CASE("the slice backward and the ring give the same bits for any thread count",
+          "[context_parallel][determinism]") {
+  const Index n = 700;
+  MultiHeadOptions options;
+  options.method = Method::exact_tiled;
+  options.masking = Masking::bidirectional;
+  options.sigmas = {0.7, 9.0, 150.0, 3e4};
+  for (Index kv_heads : {cp_kv_heads, cp_heads}) {
+    INFO("kv_heads " << kv_heads);
+    const SingleProcess<float> w = single_process<float>(n, options, kv_heads);
+    // Queries and keys at different offsets, cut across tiles and key groups.
+    const std::vector<Index> query_cuts{0, 250, n}, key_cuts{0, 130, 600, n};
+    const auto run = [&] {
+      const SingleProcess<float> g = sliced_backward(w, kv_heads, query_cuts, key_cuts, options);
+      return std::vector<RowMatrix<float>>{g.dq, g.dk, g.dv};
+    };
+#ifdef _OPENMP
+    const int restore = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const std::vector<RowMatrix<float>> first = run();
+    for (int threads : {2, 3, 5}) {
+      omp_set_num_threads(threads);
+      const std::vector<RowMatrix<float>> other = run();
+      for (std::size_t r = 0; r < first.size(); ++r)
+        require_bitwise(other[r], first[r],
+                        std::to_string(threads) + " threads: gradient " + std::to_string(r));
+    }
+    omp_set_num_threads(restore);
+#else
+    WARN("built without OpenMP: nothing to compare");
+#endif
+  }
+  // The ring on three simulated ranks: forward and backward.
+  const SingleProcess<float> s = single_process<float>(150, options);
+  const auto ring_run = [&] {
+    const std::vector<ContextParallelRank> all = all_ranks(150, 3, ShardLayout::zigzag, options);
+    std::vector<SimulatedRank<float>> sim;
+    std::vector<poslsh::RingForward<float>> forward;
+    std::vector<poslsh::RingBackward<float>> backward;
+    for (const ContextParallelRank& me : all) {
+      sim.emplace_back(s, me);
+      forward.emplace_back(me);
+      backward.emplace_back(me);
+    }
+    for (std::size_t r = 0; r < all.size(); ++r)
+      for (std::size_t source = 0; source < all.size(); ++source)
+        forward[r].add(sim[r].input(sim[r].q, cp_heads), static_cast<Index>(source),
+                       sim[source].input(sim[source].k, cp_kv_heads),
+                       sim[source].input(sim[source].v, cp_kv_heads));
+    std::vector<RowMatrix<float>> results;
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      SimulatedRank<float>& me = sim[r];
+      forward[r].result(me.output(me.out, cp_heads), me.lse);
+      for (std::size_t source = 0; source < all.size(); ++source)
+        backward[r].add(me.input(me.q, cp_heads), me.input(me.out, cp_heads), me.lse,
+                        me.input(me.dout, cp_heads), static_cast<Index>(source),
+                        sim[source].input(sim[source].k, cp_kv_heads),
+                        sim[source].input(sim[source].v, cp_kv_heads));
+      results.push_back(me.out);
+    }
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      std::vector<MessageView<float>> received;
+      for (const auto& peer : backward) {
+        const std::vector<float>& part = peer.partial(static_cast<Index>(r));
+        received.emplace_back(part.data(), static_cast<Index>(part.size()));
+      }
+      SimulatedRank<float>& me = sim[r];
+      backward[r].result(received, me.output(me.dq, cp_heads), me.output(me.dk, cp_kv_heads),
+                         me.output(me.dv, cp_kv_heads));
+      results.insert(results.end(), {me.dq, me.dk, me.dv});
+    }
+    return results;
+  };
+#ifdef _OPENMP
+  const int restore = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const std::vector<RowMatrix<float>> first = ring_run();
+  omp_set_num_threads(3);
+  const std::vector<RowMatrix<float>> other = ring_run();
+  omp_set_num_threads(restore);
+  for (std::size_t r = 0; r < first.size(); ++r)
+    require_bitwise(other[r], first[r], "ring, 3 threads: result " + std::to_string(r));
+#endif
 }

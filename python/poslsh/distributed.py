@@ -44,7 +44,8 @@ backward; 'forward_messages' and 'backward_messages' split it. A halo forward re
 chunk and K/V head g, the rows of keys[g] that lie outside the rank's own shard, each
 (d + d_v) elements; the halo backward, per own chunk and g, the rows of window[g] outside the
 own shard, each d + d_v + G (d + 2 d_v + 1) elements (K, V; and Q, out, dout, lse of the G
-query heads of g).
+query heads of g). poslsh._core.ContextParallelPlan(...).traffic(d, d_v, itemsize) gives the same
+counts from the plan alone (transport='ring' for the ring).
 
 Before any attention every rank all_gathers a record of its arguments and of its local checks:
 if a rank's check failed, every rank raises that rank's error; if an argument differs across

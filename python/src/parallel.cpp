@@ -207,6 +207,23 @@ class PlanBinding {
   ContextParallelPlan plan_;
 };
 
+/// The keywords of plan_arguments as a callable for pybind11 (its parameters without the
+/// function name, which messages use): PlanBinding(plan_arguments(function, ...)) and, with
+/// `as_dict`, that plan's dict.
+template <typename... Keywords>
+auto plan_maker(const char* function, PlanArguments (*arguments)(const char*, Keywords...)) {
+  return [function, arguments](Keywords... keywords) {
+    return PlanBinding(arguments(function, std::forward<Keywords>(keywords)...));
+  };
+}
+
+template <typename... Keywords>
+auto plan_dict_maker(const char* function, PlanArguments (*arguments)(const char*, Keywords...)) {
+  return [function, arguments](Keywords... keywords) {
+    return PlanBinding(arguments(function, std::forward<Keywords>(keywords)...)).as_dict();
+  };
+}
+
 HaloPass pass_of(const std::string& name, const char* function) {
   return poslsh::enum_from_name<HaloPass>(name, function, "phase");
 }
@@ -532,16 +549,6 @@ The positions rank `rank` of `ranks` holds of a sequence of n tokens, as a list 
                            py::arg("window") = std::make_pair(Index{-1}, Index{-1}),
                            py::arg("shards") = py::none(), trailing...);
   };
-  const auto make_plan = [](const char* function, Index n, Index ranks, Index query_heads,
-                            std::optional<Index> kv_heads, const std::string& layout,
-                            const std::string& method, const std::string& masking,
-                            std::optional<double> scale, std::optional<std::vector<double>> sigmas,
-                            Index samples, std::uint64_t seed, double band_error,
-                            std::pair<Index, Index> window, const std::optional<Shards>& shards) {
-    return PlanBinding(plan_arguments(function, n, ranks, query_heads, kv_heads, layout, method,
-                                      masking, scale, std::move(sigmas), samples, seed, band_error,
-                                      window, shards));
-  };
 
   const char* const plan_doc = R"doc(
 The transport-free plan of context parallelism for one sequence of n tokens over `ranks`
@@ -569,19 +576,7 @@ traffic(...) the bytes and messages per rank; rank(...) one rank's calls.
   py::class_<PlanBinding> plan_class(module, "ContextParallelPlan", class_doc.c_str());
   std::apply(
       [&](const auto&... arguments) {
-        plan_class.def(
-            py::init(
-                [make_plan](Index n, Index ranks, Index query_heads, std::optional<Index> kv_heads,
-                            const std::string& layout, const std::string& method,
-                            const std::string& masking, std::optional<double> scale,
-                            std::optional<std::vector<double>> sigmas, Index samples,
-                            std::uint64_t seed, double band_error, std::pair<Index, Index> window,
-                            const std::optional<Shards>& shards) {
-                  return make_plan("ContextParallelPlan", n, ranks, query_heads, kv_heads, layout,
-                                   method, masking, scale, std::move(sigmas), samples, seed,
-                                   band_error, window, shards);
-                }),
-            arguments...);
+        plan_class.def(py::init(plan_maker("ContextParallelPlan", &plan_arguments)), arguments...);
       },
       plan_keywords());
   plan_class.def_property_readonly("n", [](const PlanBinding& p) { return p.plan().n; })
@@ -728,20 +723,9 @@ itself).
       std::string(plan_doc) + "\nA dict: 'n', 'ranks', 'layout', 'ring' and 'chunks'.\n";
   std::apply(
       [&](const auto&... arguments) {
-        module.def(
-            "context_parallel_plan",
-            [make_plan](Index n, Index ranks, Index query_heads, std::optional<Index> kv_heads,
-                        const std::string& layout, const std::string& method,
-                        const std::string& masking, std::optional<double> scale,
-                        std::optional<std::vector<double>> sigmas, Index samples,
-                        std::uint64_t seed, double band_error, std::pair<Index, Index> window,
-                        const std::optional<Shards>& shards) {
-              return make_plan("context_parallel_plan", n, ranks, query_heads, kv_heads, layout,
-                               method, masking, scale, std::move(sigmas), samples, seed, band_error,
-                               window, shards)
-                  .as_dict();
-            },
-            arguments..., function_doc.c_str());
+        module.def("context_parallel_plan",
+                   plan_dict_maker("context_parallel_plan", &plan_arguments), arguments...,
+                   function_doc.c_str());
       },
       plan_keywords());
 }
