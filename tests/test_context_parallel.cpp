@@ -1016,3 +1016,53 @@ TEST_CASE("the slice backward and the ring give the same bits for any thread cou
     require_bitwise(other[r], first[r], "ring, 3 threads: result " + std::to_string(r));
 #endif
 }
+
+TEST_CASE("the slice backward on bfloat16 inputs sums to the sequence's backward bitwise",
+          "[context_parallel]") {
+  // bfloat16 q, k, v, out, dout with float lse and gradients: on a CPU with a bfloat16 unit the
+  // passes multiply pairs on it (the shift of the slice's positions in the pairs' finish).
+  using Half = Eigen::bfloat16;
+  const Index n = 1100;
+  MultiHeadOptions options;
+  options.method = Method::exact_tiled;
+  options.masking = Masking::causal;
+  options.sigmas = {0.7, 9.0, 150.0, 3e4};
+  const auto rounded = [](const RowMatrix<float>& x) {
+    return RowMatrix<Half>(x.template cast<Half>());
+  };
+  const RowMatrix<Half> q = rounded(random_matrix<float>(n, cp_heads * cp_d, 501));
+  const RowMatrix<Half> k = rounded(random_matrix<float>(n, cp_kv_heads * cp_d, 502));
+  const RowMatrix<Half> v = rounded(random_matrix<float>(n, cp_kv_heads * cp_d, 503));
+  const RowMatrix<Half> dout = rounded(random_matrix<float>(n, cp_heads * cp_d, 504));
+  RowMatrix<Half> out(n, cp_heads * cp_d);
+  RowMatrix<float> lse(cp_heads, n), dq(n, cp_heads * cp_d), dk(n, cp_kv_heads * cp_d),
+      dv(n, cp_kv_heads * cp_d);
+  const auto view = [](const RowMatrix<Half>& x, Index first, Index rows, Index heads) {
+    return poslsh::interleaved_heads<const Half>(x.data() + first * x.cols(), rows, heads, cp_d);
+  };
+  const auto grad = [](RowMatrix<float>& x, Index first, Index rows, Index heads) {
+    return poslsh::interleaved_heads<float>(x.data() + first * x.cols(), rows, heads, cp_d);
+  };
+  poslsh::multihead_attention<Half>(
+      view(q, 0, n, cp_heads), view(k, 0, n, cp_kv_heads), view(v, 0, n, cp_kv_heads),
+      poslsh::interleaved_heads<Half>(out.data(), n, cp_heads, cp_d), lse, options);
+  poslsh::multihead_attention_backward<Half>(
+      view(q, 0, n, cp_heads), view(k, 0, n, cp_kv_heads), view(v, 0, n, cp_kv_heads),
+      view(out, 0, n, cp_heads), lse, view(dout, 0, n, cp_heads), grad(dq, 0, n, cp_heads),
+      grad(dk, 0, n, cp_kv_heads), grad(dv, 0, n, cp_kv_heads), options);
+  for (const std::vector<Index>& key_cuts : {std::vector<Index>{0, n}, {0, 512, 1024, n}}) {
+    INFO(key_cuts.size() - 1 << " key slices");
+    RowMatrix<float> sq = RowMatrix<float>::Zero(n, cp_heads * cp_d);
+    RowMatrix<float> sk = RowMatrix<float>::Zero(n, cp_kv_heads * cp_d), sv = sk;
+    for (std::size_t b = 0; b + 1 < key_cuts.size(); ++b) {
+      const Index k0 = key_cuts[b], L = key_cuts[b + 1] - k0;
+      poslsh::multihead_attention_slice_backward<Half>(
+          view(q, 0, n, cp_heads), view(k, k0, L, cp_kv_heads), view(v, k0, L, cp_kv_heads),
+          view(out, 0, n, cp_heads), lse, view(dout, 0, n, cp_heads), grad(sq, 0, n, cp_heads),
+          grad(sk, k0, L, cp_kv_heads), grad(sv, k0, L, cp_kv_heads), 0, k0, options);
+    }
+    require_bitwise(sq, dq, "dq");
+    require_bitwise(sk, dk, "dk");
+    require_bitwise(sv, dv, "dv");
+  }
+}
