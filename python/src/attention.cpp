@@ -235,15 +235,23 @@ Exact ALiBi decode, O(t d):
       py::arg("t"), py::arg("sigma"));
 
   module.def(
-      "alibi_slopes", [](int heads) { return double_array(poslsh::alibi_slopes(heads)); },
-      py::arg("heads"), R"doc(
-ALiBi slopes m_h, h = 0..H-1 (float64 array). For H a power of two m_h = 2^(-8 (h+1) / H);
-otherwise Press et al.'s interleaving with the slopes of 2p heads, p = 2^floor(log2 H).
+      "alibi_slopes",
+      [](int heads, double max_bias) {
+        return double_array(poslsh::alibi_slopes(heads, max_bias));
+      },
+      py::arg("heads"), py::kw_only(), py::arg("max_bias") = 8.0, R"doc(
+ALiBi slopes m_h, h = 0..H-1 (float64 array). For H a power of two m_h = 2^(-b (h+1) / H),
+b = max_bias (8: BLOOM; MPT's alibi_bias_max); otherwise Press et al.'s interleaving with the
+slopes of 2p heads, p = 2^floor(log2 H).
 )doc");
 
   module.def(
-      "alibi_sigmas", [](int heads) { return double_array(poslsh::alibi_sigmas(heads)); },
-      py::arg("heads"), "ALiBi length scales sigma_h = 1 / m_h (float64 array).");
+      "alibi_sigmas",
+      [](int heads, double max_bias) {
+        return double_array(poslsh::alibi_sigmas(heads, max_bias));
+      },
+      py::arg("heads"), py::kw_only(), py::arg("max_bias") = 8.0,
+      "ALiBi length scales sigma_h = 1 / m_h (float64 array) of alibi_slopes(heads, max_bias=).");
 
   module.def("band_for_bias_error", &poslsh::band_for_bias_error, py::arg("sigma"), py::arg("eps"),
              R"doc(

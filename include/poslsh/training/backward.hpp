@@ -189,9 +189,10 @@ struct PassInputs {
 };
 
 /// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
-/// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
-/// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
-/// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
+/// every gradient row; with `accumulate`, it adds to them instead): in parallel, or on the
+/// calling thread (`parallel` false: one head of a parallel loop over heads, with the thread's
+/// scratch `work` when not null; the steps are packed as the groups of key tiles reach them;
+/// the same sums in the same order, so the same bits).
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
 /// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
 /// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
@@ -202,16 +203,18 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
+                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr,
+                       bool accumulate = false) {
   const FlushSubnormals flush;
-  backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
+  if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
   const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
-  BackwardOutputs<Scalar> grads = fresh_backward_outputs(dq, dk, dv);
+  BackwardOutputs<Scalar> grads =
+      accumulate ? BackwardOutputs<Scalar>{dq, dk, dv} : fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
-    tile_sums.assign(
-        static_cast<std::size_t>((rule.end() - rule.begin() + backward_tile - 1) / backward_tile),
-        0.0);
+    tile_sums.assign(static_cast<std::size_t>((rule.key_end() - rule.begin() + backward_tile - 1) /
+                                              backward_tile),
+                     0.0);
     grads.distance_sums = tile_sums.data();
   }
   if (parallel) {
@@ -242,6 +245,32 @@ void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
                                    dv, precision, parallel, work,
                                    dslope == nullptr ? nullptr : &distance_sum);
   if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
+}
+
+/// Exact ALiBi backward of the m queries of q at positions p0 .. p0 + m - 1 over the L keys of k
+/// and v at positions k0 .. k0 + L - 1 (shift = p0 - k0), `window` in positions (lo <= i - j <=
+/// hi), the slope of sigma kept finite up to `extent` (the positions' end): the gradients of
+/// the pairs of the slice with P_ij = e^{x_ij - lse_i}, lse the rows' log-sum-exp over every
+/// key of their sequence, ADDED to dq (m rows), dk and dv (L rows), and -sum_ij dS_ij |i - j|
+/// added to *dslope when it is not null. The pass of exact_backward on the rectangle, bitwise
+/// the same for any thread count.
+template <typename Scalar, typename Input = Scalar>
+void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                          const ConstMatrixRef<Input>& v, double sigma, double tau,
+                          ExactWindow window, Index shift, Index extent,
+                          const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
+                          const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq,
+                          MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, Precision precision,
+                          bool parallel = true, BackwardWork<Scalar>* work = nullptr,
+                          double* dslope = nullptr) {
+  if (q.rows() == 0 || k.rows() == 0) return;
+  const WindowRule<Scalar> rule(0, q.rows(), k.rows(), window.lo, window.hi,
+                                finite_alibi_slope<Scalar>(sigma, extent), shift);
+  double distance_sum = 0.0;
+  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
+                                   dv, precision, parallel, work,
+                                   dslope == nullptr ? nullptr : &distance_sum, true);
+  if (dslope != nullptr) *dslope += -distance_sum;
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
