@@ -45,8 +45,8 @@
 #include <omp.h>
 #endif
 
-#include "half_support.hpp"
 #include "amx_emulation.hpp"
+#include "half_support.hpp"
 #include "test_support.hpp"
 
 using poslsh::AttentionOptions;

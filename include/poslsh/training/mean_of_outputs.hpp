@@ -11,11 +11,11 @@
 #include <Eigen/Core>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/blocks.hpp"
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
-#include "poslsh/core/hash.hpp"
 #include "poslsh/training/backward.hpp"
 
 namespace poslsh {
