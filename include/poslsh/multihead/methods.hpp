@@ -1,11 +1,15 @@
 /// \file
 /// \brief The method table: every method an all-heads call can run, described once (its name,
-/// whether it draws hashes, how it is scheduled, its forward, forward with lse and backward).
+/// whether it draws hashes, how it is scheduled, whether it has a log-sum-exp, its forward,
+/// forward with lse and backward).
 ///
 /// Every all-heads entry point (multihead_attention with or without lse, its backward, packed
-/// batches and plans) resolves its arguments into one HeadMethod per query head and reaches the
-/// kernels through visit_method, the one switch over Method in the library: adding a method is
-/// one enumerator, one row of its name table and one MethodKernels specialization.
+/// batches, paged KV caches and plans) resolves its arguments into one HeadMethod per query
+/// head and reaches the kernels through visit_method, the one switch over Method in the
+/// library: adding a method is one enumerator, one row of its name table and one MethodKernels
+/// specialization. A head's forward reads its keys through a row source (HeadForward::keys:
+/// two row-strided matrices, StridedRows, or a head of a paged cache, PagedRows), so every
+/// method runs on either.
 #pragma once
 
 #include <algorithm>
@@ -25,6 +29,7 @@
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/training/backward.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
 
 namespace poslsh {
 
@@ -35,10 +40,14 @@ enum class Method {
   fixed_blocks,    ///< fixed_blocks_attention: one deterministic hash of blocks 2 sigma long
   exact_tiled,     ///< alibi_attention_tiled: exact ALiBi, every pair
   exact_banded,    ///< alibi_attention_banded: exact ALiBi on |i - j| <= W
+  /// lsh_attention_mean_of_outputs: the mean over samples of plain attention on each sample's
+  /// blocks (a different estimator, without a log-sum-exp)
+  mean_of_outputs,
 };
 
 /// The methods' names, as the enumerators (enum_name, enum_from_name).
-POSLSH_ENUM_NAMES(Method, lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded);
+POSLSH_ENUM_NAMES(Method, lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded,
+                  mean_of_outputs);
 
 /// Options of the all-heads calls: the attention options of every head (masking, scale, query
 /// offset) and how the heads are computed.
@@ -46,7 +55,7 @@ struct MultiHeadOptions : AttentionOptions {
   Method method = Method::lsh_fused;
   /// sigma of each query head; empty means alibi_sigmas(query heads).
   std::vector<double> sigmas{};
-  /// Samples s per head (lsh_fused, lsh_per_sample).
+  /// Samples s per head (lsh_fused, lsh_per_sample, mean_of_outputs).
   Index samples = 16;
   /// Seed of the hashes: head h uses rbf_hashes(sigma_h, s, seed, stream = h).
   std::uint64_t seed = 0;
@@ -70,7 +79,8 @@ struct HeadMethod {
   /// exact_tiled, exact_banded: MultiHeadOptions::window_left and window_right (-1 unbounded).
   Index window_left = -1;
   Index window_right = -1;
-  /// lsh_fused, lsh_per_sample: the samples; fixed_blocks: {fixed_blocks_hash(sigma)}.
+  /// lsh_fused, lsh_per_sample, mean_of_outputs: the samples; fixed_blocks:
+  /// {fixed_blocks_hash(sigma)}.
   HashSet hashes{};
 };
 
@@ -88,12 +98,13 @@ inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, 
 namespace detail {
 
 /// One head's views and scalars for a forward job: Q rows at positions p0 .. over the keys of
-/// k and v at positions k0 .., scale tau, masking, the precision of half-precision products.
-template <typename QType, typename KType, typename OutType>
+/// the row source `keys` (Rows: StridedRows over K and V matrices, or PagedRows over a head of
+/// a paged cache; keys stored as Rows::storage) at positions k0 .., scale tau, masking, the
+/// precision of half-precision products.
+template <typename QType, typename Rows, typename OutType>
 struct HeadForward {
   const QType& q;
-  const KType& k;
-  const KType& v;
+  const Rows& keys;
   OutType& out;
   double tau;
   Masking masking;
@@ -102,7 +113,7 @@ struct HeadForward {
   Index k0 = 0;
 
   /// One past the last position of a query or a key.
-  Index extent() const { return std::max(p0 + q.rows(), k0 + k.rows()); }
+  Index extent() const { return std::max(p0 + q.rows(), k0 + keys.rows()); }
 };
 
 /// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
@@ -140,17 +151,16 @@ template <typename Kernels>
 struct QueryTileMethod {
   static constexpr bool runs_by_query_tiles = true;
   static constexpr bool serial_backward = true;
+  static constexpr bool has_lse = true;
 
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+  template <typename Compute, typename QScalar, typename QType, typename Rows, typename OutType>
+  static void forward_tile(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
     auto bias = Kernels::template tile_bias<Compute>(head, f.extent(), f.masking, work);
     const ConstMatrixRef<QScalar> q(f.q);
-    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers,
-                                            TilePositions(f.p0, f.k0), f.precision, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    with_tile_engine<Compute, QScalar>(
+        q, f.keys, f.tau, bias, work.buffers, TilePositions(f.p0, f.k0), f.precision,
+        [&](auto& engine) { engine.run(r0, r0 + rows, f.out.middleRows(r0 - f.p0, rows), lse); });
   }
 };
 
@@ -230,27 +240,18 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
 template <Method M>
 struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
+  static constexpr bool has_lse = true;
 
-  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null.
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1 (per_sample_rows), and their lse
+  /// when lse is not null.
+  template <typename Compute, typename QScalar, typename QType, typename Rows, typename OutType>
+  static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
                            Compute* lse) {
     using OutScalar = typename OutType::Scalar;
-    AttentionOptions options;
-    options.masking = f.masking;
-    options.scale = f.tau;
-    options.query_offset = f.p0;
-    options.precision = f.precision;
-    if (lse == nullptr && f.k0 == 0) {
-      lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
-                                                             options);
-    } else {
-      MatrixRef<OutScalar> out = f.out;
-      per_sample_rows<QScalar, KVScalar, OutScalar, Compute>(
-          f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
-          TilePositions(f.p0, f.k0), f.precision, out, lse);
-    }
+    MatrixRef<OutScalar> out = f.out;
+    per_sample_rows<QScalar, OutScalar, Compute>(
+        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
+        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision, out, lse);
   }
 
   template <typename Scalar, typename Input>
@@ -267,6 +268,49 @@ struct MethodKernels<Method::lsh_per_sample> : PerSampleMethodKernels<Method::ls
 template <>
 struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixed_blocks> {};
 
+/// mean_of_outputs: the mean of the s per-sample attentions (mean_of_outputs_rows), a whole
+/// head per job. No log-sum-exp (poslsh/training/mean_of_outputs.hpp): the calls with lse
+/// reject it (require_methods_with_lse). Its backward recomputes each sample's attention and
+/// lse (out and lse are not read); half-precision inputs are widened to float copies of the
+/// head (O(n (2 d + 2 d_v)) scratch) and take the float backward, so their gradients are
+/// bitwise those of the float call on the widened inputs.
+template <>
+struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
+  static constexpr bool draws_hashes = true;
+  static constexpr bool has_lse = false;
+
+  template <typename Compute, typename QScalar, typename QType, typename Rows, typename OutType>
+  static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
+                           Compute* lse) {
+    using OutScalar = typename OutType::Scalar;
+    // Reached only past a caller that skipped require_methods_with_lse: the parallel loop
+    // hands the exception to the caller.
+    if (lse != nullptr)
+      throw_invalid("multihead_attention", "options.method", enum_name(Method::mean_of_outputs),
+                    "has no log-sum-exp");
+    mean_of_outputs_rows<QScalar, OutScalar, Compute>(
+        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
+        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision,
+        MatrixRef<OutScalar>(f.out));
+  }
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    const bool causal = b.masking == Masking::causal;
+    if constexpr (std::is_same_v<Input, Scalar>) {
+      mean_of_outputs_backward_rows<Scalar>(b.q, b.k, b.v, head.hashes, b.dout, b.dq, b.dk, b.dv,
+                                            b.tau, causal, b.origin);
+    } else {
+      const RowMatrix<Scalar> q = b.q.template cast<Scalar>(), k = b.k.template cast<Scalar>(),
+                              v = b.v.template cast<Scalar>(),
+                              dout = b.dout.template cast<Scalar>();
+      mean_of_outputs_backward_rows<Scalar>(q, k, v, head.hashes, dout, b.dq, b.dk, b.dv, b.tau,
+                                            causal, b.origin);
+    }
+  }
+};
+
 /// visitor(MethodKernels<method>{}): the one switch from a run-time Method to its kernels.
 template <typename Visitor>
 constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
@@ -279,6 +323,8 @@ constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
       return visitor(MethodKernels<Method::exact_tiled>{});
     case Method::exact_banded:
       return visitor(MethodKernels<Method::exact_banded>{});
+    case Method::mean_of_outputs:
+      return visitor(MethodKernels<Method::mean_of_outputs>{});
     case Method::lsh_fused:
       break;
   }
@@ -287,7 +333,7 @@ constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
 
 }  // namespace detail
 
-/// Whether a method draws random hashes (lsh_fused, lsh_per_sample).
+/// Whether a method draws random hashes (lsh_fused, lsh_per_sample, mean_of_outputs).
 constexpr bool method_draws_hashes(Method method) {
   return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::draws_hashes; });
 }
@@ -304,6 +350,12 @@ constexpr bool method_reads_every_key(Method method) {
 constexpr bool method_runs_by_query_tiles(Method method) {
   return detail::visit_method(method,
                               [](auto kernels) { return decltype(kernels)::runs_by_query_tiles; });
+}
+
+/// Whether a method has a log-sum-exp (every method but mean_of_outputs): the forwards with lse
+/// and the merges of partial results over key slices need one.
+constexpr bool method_has_lse(Method method) {
+  return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::has_lse; });
 }
 
 }  // namespace poslsh

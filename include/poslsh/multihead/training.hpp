@@ -9,6 +9,7 @@
 /// sequence (options.query_offset unset or 0).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -36,7 +37,7 @@ void require_lse_shape(const char* function, const LseType& lse, const HeadsView
 /// The checked arguments of an all-heads training call on the sequences [cu[b], cu[b + 1]) of
 /// q, k and v (self-attention): the inputs (k and v with q's tokens), the lse matrix
 /// (q.heads x q.tokens), out (q.tokens x q.heads x v.dim), the query offset (unset or 0) and
-/// the methods of the heads.
+/// the methods of the heads (resolve_heads: per sequence when options.sigmas holds B H_q).
 template <typename Scalar, typename LseType, typename OutElement>
 HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
@@ -50,7 +51,7 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   require_lse_shape(function, lse, q);
   require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
   HeadsCall call;
-  call.heads = head_methods(function, q.heads, options);
+  resolve_heads(call, function, q.heads, options, static_cast<Index>(cu_seqlens.size()) - 1);
   for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
     call.sequences.push_back(
         {cu_seqlens[b], cu_seqlens[b + 1], cu_seqlens[b], cu_seqlens[b + 1], 0});
@@ -89,7 +90,9 @@ void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Input>&
 /// increasing head order. Either way every gradient row is the single-head kernel's sum in
 /// its fixed order: bitwise the same for any thread count.
 /// q, k, v, out and dout are stored as Input, lse and the gradients in Scalar =
-/// backward_scalar_t<Input> (half-precision rows widened as the passes pack them).
+/// backward_scalar_t<Input> (half-precision rows widened as the passes pack them). With
+/// dslopes: one entry per query head summed over the sequences, or (call.per_sequence) one per
+/// sequence and query head, dslopes[b H_q + h].
 template <typename Input, typename Scalar = backward_scalar_t<Input>>
 void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
                     const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -127,7 +130,7 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
                                 static_cast<std::size_t>(h)],
         s.p0,
         call.precision};
-    const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
+    const HeadMethod& head = call.method(static_cast<std::size_t>(&s - call.sequences.data()), h);
     visit_method(head.method, [&](auto kernels) {
       decltype(kernels)::template backward<Scalar, Input>(head, b, parallel, scratch);
     });
@@ -144,6 +147,10 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   }
   const auto sum_dslopes = [&] {
     if (dslopes == nullptr) return;
+    if (call.per_sequence) {
+      std::copy(sequence_dslopes.begin(), sequence_dslopes.end(), dslopes);
+      return;
+    }
     for (Index h = 0; h < heads; ++h) {
       dslopes[h] = 0.0;
       for (std::size_t b = 0; b < call.sequences.size(); ++b)
@@ -205,8 +212,9 @@ void require_gradient_views(const char* function, const HeadsView<const Input>& 
 /// The backward of a training call on the sequences [cu[b], cu[b + 1]) (every public
 /// multihead_attention_backward and multihead_attention_varlen_backward): the arguments checked
 /// (training_call, then the gradient views; with dslopes, the method exact_tiled or
-/// exact_banded and one entry per query head), then heads_backward, which writes the slope
-/// gradients into *dslopes when it is given.
+/// exact_banded and one entry per method of call.heads: per query head, or per sequence and
+/// query head), then heads_backward, which writes the slope gradients into *dslopes when it is
+/// given.
 template <typename Input, typename Scalar = backward_scalar_t<Input>>
 void training_backward(const char* function, const HeadsView<const Input>& q,
                        const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -223,8 +231,12 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
             function, "dslopes", enum_name(options.method),
             "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
             "methods are not differentiable in the slope)");
-    require(dslopes->size() == q.heads, function, "dslopes", dslopes->size(),
-            "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+    const auto entries = static_cast<Index>(call.heads.size());
+    require(
+        dslopes->size() == entries, function, "dslopes", dslopes->size(),
+        call.per_sequence
+            ? "must hold one entry per sequence and query head (" + std::to_string(entries) + ")"
+            : "must hold one entry per query head (" + std::to_string(q.heads) + ")");
   }
   heads_backward<Input>(call, q, k, v, out, lse, dout, dq, dk, dv,
                         dslopes == nullptr ? nullptr : dslopes->data());
@@ -248,6 +260,7 @@ void multihead_attention_with_lse(HeadsView<const Scalar> q, HeadsView<const Sca
   constexpr const char* function = "multihead_attention_with_lse";
   const detail::HeadsCall call = detail::training_call(
       function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
@@ -313,6 +326,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
   constexpr const char* function = "multihead_attention_varlen";
   const detail::HeadsCall call =
       detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
@@ -335,6 +349,7 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
   const detail::HeadsCall call = detail::varlen_call(function, q, k, v, out, cu_seqlens_q,
                                                      cu_seqlens_k, options, query_offsets);
   detail::require_lse_shape(function, lse, q);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
