@@ -589,3 +589,24 @@ TEST_CASE("multihead_attention_paged: bad arguments throw naming them", "[paged]
       },
       "lse");
 }
+
+TEST_CASE("multihead_attention_paged on the AMX tiles (emulated): bitwise the gathered cache's",
+          "[paged][multihead][amx]") {
+  using poslsh::detail::AmxTestMode;
+  // The emulated tiles need avx512_bf16 (the code around them uses it).
+  if (!poslsh::detail::set_amx_mode_for_tests(AmxTestMode::emulated)) {
+    WARN("no avx512_bf16: the AMX emulation cannot run");
+    return;
+  }
+  struct Restore {
+    ~Restore() { poslsh::detail::set_amx_mode_for_tests(AmxTestMode::cpu); }
+  } restore;
+  REQUIRE(poslsh::matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(
+              poslsh::Precision::matrix_units) == poslsh::MatrixUnit::amx_bf16);
+  for (Index page_size : {5, 64}) {
+    check_paged_methods<Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16>(
+        page_size, poslsh::Precision::matrix_units);
+    check_paged_methods<Eigen::half, Eigen::half, Eigen::half>(page_size,
+                                                               poslsh::Precision::matrix_units);
+  }
+}

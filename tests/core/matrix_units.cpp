@@ -454,7 +454,8 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
   // not the float products' bits: the call did use the unit).
   for (const poslsh::Method method :
        {poslsh::Method::exact_tiled, poslsh::Method::exact_banded, poslsh::Method::lsh_fused,
-        poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks}) {
+        poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+        poslsh::Method::mean_of_outputs}) {
     INFO(poslsh::enum_name(method));
     poslsh::MultiHeadOptions options;
     options.method = method;
@@ -502,6 +503,21 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
                 head(q, h), head(k, h), head(v, h), HashSet{poslsh::fixed_blocks_hash(sigma)},
                 *target, opts);
             break;
+          case poslsh::Method::mean_of_outputs: {
+            // The mean over the samples of per-sample attention on each one's blocks, each on
+            // the unit, in float.
+            const HashSet hashes = poslsh::rbf_hashes(sigma, options.samples, options.seed,
+                                                      static_cast<std::uint64_t>(h));
+            RowMatrix<float> sample(n, d);
+            target->setZero();
+            for (const poslsh::BinHash& hash : hashes) {
+              poslsh::lsh_attention_per_sample<Half, Half, float>(
+                  head(q, h), head(k, h), head(v, h), HashSet{hash}, sample, opts);
+              *target += sample;
+            }
+            *target /= static_cast<float>(hashes.size());
+            break;
+          }
         }
       }
       CHECK(ran());  // the call on the unit (the float products never use it)
