@@ -353,7 +353,9 @@ TEST_CASE("mean of outputs has no log-sum-exp: the calls with lse reject it by n
   CHECK_FALSE(poslsh::method_has_lse(Method::mean_of_outputs));
   CHECK(poslsh::method_draws_hashes(Method::mean_of_outputs));
   require_invalid_argument(
-      [&] { poslsh::multihead_attention<float>(view, view, view, out_view, lse, options); },
+      [&] {
+        poslsh::multihead_attention_with_lse<float>(view, view, view, out_view, lse, options);
+      },
       "options.method");
   const std::vector<std::int32_t> cu = {0, 5, n};
   require_invalid_argument(
