@@ -265,12 +265,18 @@ def main():
     for name, t_old, t_new, ratio, equal, faults in rows:
         lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {faults} | "
                      f"{'yes' if equal else 'NO'} |")
+    return write_table(lines, args.markdown, all(row[4] for row in rows))
+
+
+def write_table(lines, markdown, equal):
+    """Prints the table (and writes it to the file `markdown`); the exit status: 0 if every row was
+    bitwise equal."""
     table = "\n".join(lines)
     print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
+    if markdown:
+        with open(markdown, "w") as handle:
             handle.write(table + "\n")
-    return 0 if all(row[4] for row in rows) else 1
+    return 0 if equal else 1
 
 
 def paged_main(args, old):
@@ -302,12 +308,7 @@ def paged_main(args, old):
     for name, t_old, t_new, ratio, faults, peak, copied, equal in rows:
         lines.append(f"| {name} | {t_old * 1e3:.0f} | {t_new * 1e3:.0f} | {ratio:.2f} | {faults} | {peak} | {copied} | "
                      f"{'yes' if equal else 'NO'} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(table + "\n")
-    return 0 if all(row[-1] for row in rows) else 1
+    return write_table(lines, args.markdown, all(row[-1] for row in rows))
 
 
 if __name__ == "__main__":

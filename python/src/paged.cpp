@@ -119,11 +119,29 @@ None means 1/sqrt(d). out: optional [m, d_v] array written in place and returned
 num_threads: OpenMP threads for this call. The GIL is released while the kernel runs. Bad
 arguments raise ValueError (the library's message) or TypeError (dtype, non-array).)doc";
 
-/// The keywords of the all-heads paged calls besides those of every all-heads function.
+/// The keywords of the all-heads paged calls: those of every all-heads function (precision
+/// included), the queries' cu_seqlens and offsets.
 struct PagedKeywords {
+  HeadsKeywords heads;
   std::vector<std::int32_t> cu_seqlens_q;
   std::vector<Index> query_offsets;
 };
+
+PagedKeywords paged_keywords(const char* function, py::handle cu_seqlens_q,
+                             const std::string& layout, const std::string& method,
+                             const std::string& masking, std::optional<double> scale,
+                             const std::optional<std::vector<double>>& sigmas, Index samples,
+                             std::uint64_t seed, double band_error,
+                             const std::pair<Index, Index>& window,
+                             const std::optional<std::vector<Index>>& query_offsets,
+                             const std::string& precision) {
+  PagedKeywords keywords{heads_keywords(function, layout, method, masking, scale, sigmas, samples,
+                                        seed, band_error, window),
+                         int32_vector(cu_seqlens_q, function, "cu_seqlens_q"),
+                         query_offsets.value_or(std::vector<Index>{})};
+  keywords.heads.options.precision = precision_of(precision, function);
+  return keywords;
+}
 
 /// Maps q (a HeadsView in the layout) and the cache (dispatch<Precision::half>: the cache's
 /// dtype is q's, or bfloat16 / float16 under float32 q), prepares out (q.tokens x H_q x d_v in
@@ -132,9 +150,9 @@ struct PagedKeywords {
 /// or (out, lse).
 py::object paged_heads_call(const char* function, py::handle q, py::handle k_pages,
                             py::handle v_pages, py::handle block_table, py::handle seq_lens,
-                            const HeadsKeywords& keywords, const PagedKeywords& paged,
-                            py::handle out, py::handle lse, bool with_lse,
-                            std::optional<int> threads) {
+                            const PagedKeywords& paged, py::handle out, py::handle lse,
+                            bool with_lse, std::optional<int> threads) {
+  const HeadsKeywords& keywords = paged.heads;
   threads = thread_count(threads, function);
   const py::array table = int32_array(block_table, 2, function, "block_table");
   const py::array lengths = int32_array(seq_lens, 1, function, "seq_lens");
@@ -237,13 +255,11 @@ void register_paged(py::module_& module) {
          std::optional<std::vector<Index>> query_offsets, py::handle out,
          std::optional<int> threads, const std::string& precision) {
         constexpr const char* function = "multihead_attention_paged";
-        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                sigmas, samples, seed, band_error, window);
-        keywords.options.precision = precision_of(precision, function);
-        const PagedKeywords paged{int32_vector(cu_seqlens_q, function, "cu_seqlens_q"),
-                                  query_offsets.value_or(std::vector<Index>{})};
-        return paged_heads_call(function, q, k_pages, v_pages, block_table, seq_lens, keywords,
-                                paged, out, py::none(), false, threads);
+        return paged_heads_call(
+            function, q, k_pages, v_pages, block_table, seq_lens,
+            paged_keywords(function, cu_seqlens_q, layout_name, method, masking, scale, sigmas,
+                           samples, seed, band_error, window, query_offsets, precision),
+            out, py::none(), false, threads);
       },
       positional,
       std::make_tuple(py::arg("query_offsets") = py::none(), py::arg("out") = py::none(),
@@ -261,13 +277,11 @@ void register_paged(py::module_& module) {
          std::optional<std::vector<Index>> query_offsets, py::handle out, py::handle lse,
          std::optional<int> threads, const std::string& precision) {
         constexpr const char* function = "multihead_attention_paged_with_lse";
-        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                sigmas, samples, seed, band_error, window);
-        keywords.options.precision = precision_of(precision, function);
-        const PagedKeywords paged{int32_vector(cu_seqlens_q, function, "cu_seqlens_q"),
-                                  query_offsets.value_or(std::vector<Index>{})};
-        return paged_heads_call(function, q, k_pages, v_pages, block_table, seq_lens, keywords,
-                                paged, out, lse, true, threads);
+        return paged_heads_call(
+            function, q, k_pages, v_pages, block_table, seq_lens,
+            paged_keywords(function, cu_seqlens_q, layout_name, method, masking, scale, sigmas,
+                           samples, seed, band_error, window, query_offsets, precision),
+            out, lse, true, threads);
       },
       positional,
       std::make_tuple(py::arg("query_offsets") = py::none(), py::arg("out") = py::none(),
