@@ -1,20 +1,22 @@
 /// \file
 /// \brief The method table: every method an all-heads call can run, described once (its name,
-/// whether it draws hashes, how it is scheduled, whether it has a log-sum-exp, its forward,
-/// forward with lse and backward).
+/// whether it draws hashes, how it is scheduled, whether it has a log-sum-exp, its forward and
+/// forward with lse); the backward passes have a table of their own (MethodBackward,
+/// poslsh/multihead/training.hpp).
 ///
 /// Every all-heads entry point (multihead_attention with or without lse, its backward, packed
 /// batches, paged KV caches and plans) resolves its arguments into one HeadMethod per query
-/// head and reaches the kernels through visit_method, the one switch over Method in the
-/// library: adding a method is one enumerator, one row of its name table and one MethodKernels
-/// specialization. A head's forward reads its keys through a row source (HeadForward::keys:
-/// two row-strided matrices, StridedRows, or a head of a paged cache, PagedRows), so every
-/// method runs on either.
+/// head and reaches the kernels through visit_method_row, the one switch over Method in the
+/// library (visit_method: the forward table): adding a method is one enumerator, one row of its
+/// name table, one MethodKernels and one MethodBackward specialization. A head's forward reads
+/// its keys through a row source (HeadForward::keys: two row-strided matrices, StridedRows, or a
+/// head of a paged cache, PagedRows), so every method runs on either.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "poslsh/attention/banded.hpp"
@@ -26,10 +28,9 @@
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/per_sample.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/training/backward.hpp"
-#include "poslsh/training/mean_of_outputs.hpp"
 
 namespace poslsh {
 
@@ -116,41 +117,14 @@ struct HeadForward {
   Index extent() const { return std::max(p0 + q.rows(), k0 + keys.rows()); }
 };
 
-/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
-/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
-template <typename Scalar, typename Input = Scalar>
-struct HeadBackward {
-  ConstMatrixRef<Input> q, k, v, out;
-  ConstVectorRef<Scalar> lse;
-  ConstMatrixRef<Input> dout;
-  MatrixRef<Scalar> dq, dk, dv;
-  Scalar tau;
-  Masking masking;
-  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
-  double* dslope = nullptr;
-  /// The position of the first token (the LSH bins are those of the positions origin ..).
-  Index origin = 0;
-  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
-  Precision precision = Precision::float_products;
-};
-
-/// A thread's scratch for backward jobs that run one head on one thread.
-template <typename Scalar>
-struct BackwardScratch {
-  BackwardWork<Scalar> work;
-  CountWindows windows;
-};
-
 /// The kernels of the methods evaluated by the tile engine query tile by query tile, under the
 /// policy Kernels::tile_bias(head, extent, masking, workspace) (exact ALiBi or LSH counts, over
 /// the positions [0, extent) of the queries and keys):
 /// forward_tile computes rows [r0, r0 + rows) (positions) of one head into out rows r0 - p0 ..,
-/// and their lse (lse[r] for row r0 + r) when lse is not null. Their backward passes can run a
-/// head on one thread.
+/// and their lse (lse[r] for row r0 + r) when lse is not null.
 template <typename Kernels>
 struct QueryTileMethod {
   static constexpr bool runs_by_query_tiles = true;
-  static constexpr bool serial_backward = true;
   static constexpr bool has_lse = true;
 
   template <typename Compute, typename QScalar, typename QType, typename Rows, typename OutType>
@@ -168,8 +142,6 @@ struct QueryTileMethod {
 struct WholeHeadMethod {
   static constexpr bool runs_by_query_tiles = false;
   static constexpr bool reads_every_key = false;
-  /// No head of these methods runs its backward on one thread inside a parallel loop over heads.
-  static constexpr bool serial_backward = false;
 };
 
 template <Method M>
@@ -196,16 +168,6 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
                                       TileWorkspace<Compute>&) {
     return AlibiBias<Compute>(keys, head.sigma, head_window(head, keys, masking));
   }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
-                       BackwardScratch<Scalar>* scratch) {
-    // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
-    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
-                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
-                                  b.dq, b.dk, b.dv, b.precision, parallel,
-                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
-  }
 };
 
 template <>
@@ -224,15 +186,6 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
                                       TileWorkspace<Compute>& work) {
     return CountBias<Compute>(head.hashes, keys, masking == Masking::causal, work.counts,
                               work.count_tile);
-  }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
-                       BackwardScratch<Scalar>* scratch) {
-    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
-                                  scratch == nullptr ? nullptr : &scratch->work,
-                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
   }
 };
 
@@ -253,14 +206,6 @@ struct PerSampleMethodKernels : WholeHeadMethod {
         ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
         f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision, out, lse);
   }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
-                       BackwardScratch<Scalar>*) {
-    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
-                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
-                                       b.dk, b.dv, b.precision, b.origin);
-  }
 };
 
 template <>
@@ -270,10 +215,7 @@ struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixe
 
 /// mean_of_outputs: the mean of the s per-sample attentions (mean_of_outputs_rows), a whole
 /// head per job. No log-sum-exp (poslsh/training/mean_of_outputs.hpp): the calls with lse
-/// reject it (require_methods_with_lse). Its backward recomputes each sample's attention and
-/// lse (out and lse are not read); half-precision inputs are widened to float copies of the
-/// head (O(n (2 d + 2 d_v)) scratch) and take the float backward, so their gradients are
-/// bitwise those of the float call on the widened inputs.
+/// reject it (require_methods_with_lse).
 template <>
 struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
   static constexpr bool draws_hashes = true;
@@ -293,42 +235,33 @@ struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
         f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision,
         MatrixRef<OutScalar>(f.out));
   }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
-                       BackwardScratch<Scalar>*) {
-    const bool causal = b.masking == Masking::causal;
-    if constexpr (std::is_same_v<Input, Scalar>) {
-      mean_of_outputs_backward_rows<Scalar>(b.q, b.k, b.v, head.hashes, b.dout, b.dq, b.dk, b.dv,
-                                            b.tau, causal, b.origin);
-    } else {
-      const RowMatrix<Scalar> q = b.q.template cast<Scalar>(), k = b.k.template cast<Scalar>(),
-                              v = b.v.template cast<Scalar>(),
-                              dout = b.dout.template cast<Scalar>();
-      mean_of_outputs_backward_rows<Scalar>(q, k, v, head.hashes, dout, b.dq, b.dk, b.dv, b.tau,
-                                            causal, b.origin);
-    }
-  }
 };
 
-/// visitor(MethodKernels<method>{}): the one switch from a run-time Method to its kernels.
-template <typename Visitor>
-constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
+/// visitor(Table<method>{}): the one switch from a run-time Method to its row of a table
+/// (MethodKernels, the forward table; MethodBackward, the backward table).
+template <template <Method> class Table, typename Visitor>
+constexpr decltype(auto) visit_method_row(Method method, Visitor&& visitor) {
   switch (method) {
     case Method::lsh_per_sample:
-      return visitor(MethodKernels<Method::lsh_per_sample>{});
+      return visitor(Table<Method::lsh_per_sample>{});
     case Method::fixed_blocks:
-      return visitor(MethodKernels<Method::fixed_blocks>{});
+      return visitor(Table<Method::fixed_blocks>{});
     case Method::exact_tiled:
-      return visitor(MethodKernels<Method::exact_tiled>{});
+      return visitor(Table<Method::exact_tiled>{});
     case Method::exact_banded:
-      return visitor(MethodKernels<Method::exact_banded>{});
+      return visitor(Table<Method::exact_banded>{});
     case Method::mean_of_outputs:
-      return visitor(MethodKernels<Method::mean_of_outputs>{});
+      return visitor(Table<Method::mean_of_outputs>{});
     case Method::lsh_fused:
       break;
   }
-  return visitor(MethodKernels<Method::lsh_fused>{});
+  return visitor(Table<Method::lsh_fused>{});
+}
+
+/// visitor(MethodKernels<method>{}): the forward table's row of a run-time Method.
+template <typename Visitor>
+constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
+  return visit_method_row<MethodKernels>(method, std::forward<Visitor>(visitor));
 }
 
 }  // namespace detail

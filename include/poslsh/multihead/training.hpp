@@ -20,10 +20,124 @@
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
 #include "poslsh/training/backward.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
 
 namespace poslsh {
 
 namespace detail {
+
+/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
+/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
+template <typename Scalar, typename Input = Scalar>
+struct HeadBackward {
+  ConstMatrixRef<Input> q, k, v, out;
+  ConstVectorRef<Scalar> lse;
+  ConstMatrixRef<Input> dout;
+  MatrixRef<Scalar> dq, dk, dv;
+  Scalar tau;
+  Masking masking;
+  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
+  double* dslope = nullptr;
+  /// The position of the first token (the LSH bins are those of the positions origin ..).
+  Index origin = 0;
+  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
+  Precision precision = Precision::float_products;
+};
+
+/// A thread's scratch for backward jobs that run one head on one thread.
+template <typename Scalar>
+struct BackwardScratch {
+  BackwardWork<Scalar> work;
+  CountWindows windows;
+};
+
+/// The backward table, one row per Method (the forward table: MethodKernels,
+/// poslsh/multihead/methods.hpp; the switch: visit_method_row): backward(head, b, parallel,
+/// scratch) writes the gradients of one head (its single-head backward; `parallel`: whether its
+/// passes may run in parallel inside, `scratch` a thread's scratch when not), and
+/// serial_backward says whether a head may run on one thread inside a parallel loop over heads.
+template <Method M>
+struct MethodBackward;
+
+/// exact_tiled and exact_banded: exact_backward over the head's window.
+template <Method M>
+struct ExactMethodBackward {
+  static constexpr bool serial_backward = true;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
+    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
+                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
+                                  b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
+  }
+};
+
+template <>
+struct MethodBackward<Method::exact_tiled> : ExactMethodBackward<Method::exact_tiled> {};
+template <>
+struct MethodBackward<Method::exact_banded> : ExactMethodBackward<Method::exact_banded> {};
+
+/// lsh_fused: count_backward (the count-weighted estimator, each pair once).
+template <>
+struct MethodBackward<Method::lsh_fused> {
+  static constexpr bool serial_backward = true;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
+                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work,
+                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
+  }
+};
+
+/// lsh_per_sample and fixed_blocks: per_sample_backward (block by block, in parallel inside).
+template <Method M>
+struct PerSampleMethodBackward {
+  static constexpr bool serial_backward = false;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
+                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
+                                       b.dk, b.dv, b.precision, b.origin);
+  }
+};
+
+template <>
+struct MethodBackward<Method::lsh_per_sample> : PerSampleMethodBackward<Method::lsh_per_sample> {};
+template <>
+struct MethodBackward<Method::fixed_blocks> : PerSampleMethodBackward<Method::fixed_blocks> {};
+
+/// mean_of_outputs: mean_of_outputs_backward_rows, which recomputes each sample's attention and
+/// lse (out and lse are not read). Half-precision inputs are widened to float copies of the head
+/// (O(n (2 d + 2 d_v)) scratch) and take the float backward, so their gradients are bitwise
+/// those of the float call on the widened inputs.
+template <>
+struct MethodBackward<Method::mean_of_outputs> {
+  static constexpr bool serial_backward = false;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    const bool causal = b.masking == Masking::causal;
+    if constexpr (std::is_same_v<Input, Scalar>) {
+      mean_of_outputs_backward_rows<Scalar>(b.q, b.k, b.v, head.hashes, b.dout, b.dq, b.dk, b.dv,
+                                            b.tau, causal, b.origin);
+    } else {
+      const RowMatrix<Scalar> q = b.q.template cast<Scalar>(), k = b.k.template cast<Scalar>(),
+                              v = b.v.template cast<Scalar>(),
+                              dout = b.dout.template cast<Scalar>();
+      mean_of_outputs_backward_rows<Scalar>(q, k, v, head.hashes, dout, b.dq, b.dk, b.dv, b.tau,
+                                            causal, b.origin);
+    }
+  }
+};
 
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
 template <typename LseType, typename QElement>
@@ -131,15 +245,15 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
         s.p0,
         call.precision};
     const HeadMethod& head = call.method(static_cast<std::size_t>(&s - call.sequences.data()), h);
-    visit_method(head.method, [&](auto kernels) {
-      decltype(kernels)::template backward<Scalar, Input>(head, b, parallel, scratch);
+    visit_method_row<MethodBackward>(head.method, [&](auto row) {
+      decltype(row)::template backward<Scalar, Input>(head, b, parallel, scratch);
     });
   };
   bool one_thread_per_head = group == 1;
   for (const HeadMethod& head : call.heads) {
-    one_thread_per_head = one_thread_per_head && visit_method(head.method, [](auto kernels) {
-                            return decltype(kernels)::serial_backward;
-                          });
+    one_thread_per_head = one_thread_per_head &&
+                          visit_method_row<MethodBackward>(
+                              head.method, [](auto row) { return decltype(row)::serial_backward; });
   }
   std::vector<std::size_t> sequences;
   for (std::size_t b = 0; b < call.sequences.size(); ++b) {

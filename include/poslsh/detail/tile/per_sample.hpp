@@ -315,6 +315,34 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
                                         positions, precision, out, lse);
 }
 
+/// Rows at positions p0 .. p0 + q.rows() - 1 (p0 = positions.query) of the mean-of-outputs
+/// estimator over the keys of the row source `rows` (K and V matrices: StridedRows; a head of a
+/// paged cache: PagedRows) at positions positions.key ..:
+///   out_r = (sum_k T^(k)_r) / s,  T^(k) = per_sample_rows on the single hash k,
+/// the sum in C in sample order from 0, divided by s, then rounded once to OutScalar. A row
+/// depends only on its position, the keys and the hashes (per_sample_rows): row r is bitwise
+/// row p0 + r of the call on all positions. Half-precision Q, K, V are multiplied on the unit
+/// `precision` selects, as per_sample_rows. Extra memory O(m d_v) in C.
+template <typename QScalar, typename OutScalar, typename C, typename Rows>
+void mean_of_outputs_rows(const ConstMatrixRef<QScalar>& q, const Rows& rows, const HashSet& hashes,
+                          C tau, bool causal, TilePositions positions, Precision precision,
+                          MatrixRef<OutScalar> out) {
+  const Index m = q.rows(), dv = rows.value_cols();
+  if (m == 0 || dv == 0) return;
+  RowMatrix<C> sum = RowMatrix<C>::Zero(m, dv), sample(m, dv);
+  MatrixRef<C> sample_ref(sample);
+  for (const BinHash& hash : hashes) {
+    per_sample_rows<QScalar, C, C>(q, rows, HashSet{hash}, tau, causal, positions, precision,
+                                   sample_ref);
+    sum += sample;
+  }
+  sum /= static_cast<C>(hashes.size());
+  if constexpr (std::is_same_v<OutScalar, C>)
+    out = sum;
+  else
+    out = sum.template cast<OutScalar>();
+}
+
 }  // namespace detail
 
 }  // namespace poslsh
