@@ -1,6 +1,7 @@
 // Multi-head entry point: strided [n, H, d] and [H, n, d] layouts and grouped-query attention
 // equal the contiguous per-head computation; thread counts do not change a bit.
 #include <poslsh/multihead/attention.hpp>
+#include <poslsh/training/mean_of_outputs.hpp>
 
 #include "test_support.hpp"
 
