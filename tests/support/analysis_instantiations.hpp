@@ -23,13 +23,15 @@ poslsh::operator_spectral_norm<poslsh::BandKernelErrorOperator>(
 POSLSH_TEST_ANALYSIS poslsh::SpectralNorm poslsh::spectral_error<poslsh::HashSet>(
     const poslsh::HashSet&, poslsh::Index, double, poslsh::Masking, const poslsh::SpectralOptions&);
 POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics
-poslsh::detail::analysis_error_metrics<poslsh::PartitionSet>(
-    const poslsh::PartitionSet&, double, poslsh::Masking,
-    const poslsh::MetricOptions&, const poslsh::HashSet*, const char*);
+poslsh::detail::analysis_error_metrics<poslsh::PartitionSet>(const poslsh::PartitionSet&, double,
+                                                             poslsh::Masking,
+                                                             const poslsh::MetricOptions&,
+                                                             const poslsh::HashSet*, const char*);
 POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics poslsh::kernel_error_metrics<poslsh::HashSet>(
     const poslsh::HashSet&, poslsh::Index, double, poslsh::Masking, const poslsh::MetricOptions&);
-POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics poslsh::partition_error_metrics<
-    poslsh::PartitionSet>(const poslsh::PartitionSet&, double,
-                                        poslsh::Masking, const poslsh::MetricOptions&);
+POSLSH_TEST_ANALYSIS poslsh::KernelErrorMetrics
+poslsh::partition_error_metrics<poslsh::PartitionSet>(const poslsh::PartitionSet&, double,
+                                                      poslsh::Masking,
+                                                      const poslsh::MetricOptions&);
 #undef POSLSH_TEST_ANALYSIS
 #endif

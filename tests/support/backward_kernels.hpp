@@ -1,6 +1,6 @@
-// Helpers of the backward tests (tests/training/backward.cpp, tests/training/half_precision_backward.cpp): one
-// single-head kernel configuration, its forward with lse, and its backward on inputs stored in
-// any scalar type.
+// Helpers of the backward tests (tests/training/backward.cpp,
+// tests/training/half_precision_backward.cpp): one single-head kernel configuration, its forward
+// with lse, and its backward on inputs stored in any scalar type.
 #pragma once
 
 #include <limits>

@@ -1,6 +1,6 @@
 // Helpers of the half-precision training tests (tests/training/half_precision_backward.cpp,
-// tests/training/half_precision_lse.cpp): bit equality of float results, the thread count in a scope,
-// the single-head configurations, and a plain bfloat16 backward (dense) to compare the
+// tests/training/half_precision_lse.cpp): bit equality of float results, the thread count in a
+// scope, the single-head configurations, and a plain bfloat16 backward (dense) to compare the
 // AVX512-BF16 unit's gradients with.
 #pragma once
 

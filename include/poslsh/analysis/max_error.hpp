@@ -6,11 +6,11 @@
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/band.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 
@@ -57,8 +57,8 @@ inline MaxError analysis_largest_error(const std::vector<MaxError>& results) {
 }
 
 /// Rows [first, last) of the max-norm scan; `kernel[d]` = exp(-d / sigma), `mean[c]` = c / s.
-inline MaxError analysis_max_error_rows(const PartitionSet& partitions, Index first,
-                                        Index last, bool causal, const std::vector<double>& kernel,
+inline MaxError analysis_max_error_rows(const PartitionSet& partitions, Index first, Index last,
+                                        bool causal, const std::vector<double>& kernel,
                                         const std::vector<double>& mean) {
   MaxError best;
   const auto consider = [&best](double value, Index i, Index j) {

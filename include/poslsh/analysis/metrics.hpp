@@ -301,8 +301,7 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
-  const PartitionSet partitions =
-      detail::analysis_partitions(hashes, q.rows(), function);
+  const PartitionSet partitions = detail::analysis_partitions(hashes, q.rows(), function);
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return {};

@@ -10,10 +10,10 @@
 #include <utility>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 

@@ -26,11 +26,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 

@@ -22,13 +22,13 @@
 
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/core/hash.hpp"
 
 namespace poslsh {
 

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/interop/lse_merge.hpp"
-#include "poslsh/core/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {

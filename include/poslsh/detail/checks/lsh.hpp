@@ -13,8 +13,8 @@ namespace poslsh::detail {
 /// Enables an LSH kernel for its source of samples: a HashSet, or stored partitions
 /// (PartitionSet).
 template <typename Samples>
-using lsh_samples_t = std::enable_if_t<std::is_same_v<Samples, HashSet> ||
-                                       std::is_same_v<Samples, PartitionSet>>;
+using lsh_samples_t =
+    std::enable_if_t<std::is_same_v<Samples, HashSet> || std::is_same_v<Samples, PartitionSet>>;
 
 /// The samples of an LSH kernel: a non-empty valid hash set (validate_hashes)...
 inline void require_samples(const char* function, const HashSet& hashes, Index) {
@@ -22,8 +22,7 @@ inline void require_samples(const char* function, const HashSet& hashes, Index) 
 }
 
 /// ...or valid partitions (validate_partition_set) of the `keys` key positions.
-inline void require_samples(const char* function, const PartitionSet& partitions,
-                            Index keys) {
+inline void require_samples(const char* function, const PartitionSet& partitions, Index keys) {
   validate_partition_set(partitions, function);
   require(partitions.n == keys, function, "partitions.n", partitions.n,
           "must equal k.rows() (the partitions cut the key positions)");
