@@ -43,6 +43,7 @@ long long method_pairs(const MultiHeadOptions& options, Index n) {
       return pairs;
     case Method::lsh_per_sample:
     case Method::lsh_fused:
+    case Method::mean_of_outputs:
       return lsh_pairs(sigmas, options.samples, n);
   }
   return pairs;

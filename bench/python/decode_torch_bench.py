@@ -3,6 +3,8 @@ the current python/poslsh/flash.py against the one of an earlier commit, in one 
 
     PYTHONPATH=build-py/python python3 bench/python/decode_torch_bench.py [--old-rev REV] [--rounds 15]
         [--lengths 4096 16384] [--markdown FILE]
+    PYTHONPATH=build-py/python python3 bench/decode_torch_bench.py --paged [--old-rev REV]
+        [--rounds 5] [--lengths 16384] [--batch 4] [--heads 32] [--headdim 128] [--page 256]
 
 The earlier flash.py is read with `git show REV:python/poslsh/flash.py` and loaded as a separate
 module whose operators are registered under the namespace poslsh_old (the compiled kernels are
@@ -25,9 +27,21 @@ slopes, method "exact"):
   poslsh._core.multihead_attention call on the cache row for the kernel's own time;
 - flash_attn_func at seqlen 16 (q, k, v (1, 16, 8, 64) float32), and the direct
   poslsh._core.multihead_attention call on the same tensors for the kernel's own time.
+
+--paged runs the paged decode cases instead: one decode step of flash_attn_with_kvcache over a
+paged cache (num_blocks, page, heads, headdim) in shuffled page order with an int32 block table,
+batch sequences of L tokens after the append (cache_seqlens = L - 1, one new token each), q
+(batch, 1, heads, headdim), the official ALiBi slopes of `heads` heads, causal, method "exact";
+float32 and bfloat16 (q and cache of one dtype), with and without return_softmax_lse. Besides the
+times and the page faults, the table gives the peak memory of one call: the increase of the
+process's peak resident set (VmHWM, reset through /proc/self/clear_refs just before the call,
+minus VmRSS then), which counts every byte the call touches for the first time, the copies of the
+keys included; and the bytes of the cache a call copies (a gathered path copies K and V of every
+used token: 2 batch L heads headdim itemsize).
 """
 
 import argparse
+import gc
 import importlib.util
 import os
 import resource
@@ -109,6 +123,50 @@ def func_case(seqlen):
     return call, direct
 
 
+def paged_case(length, dtype, with_lse, batch, heads, headdim, page):
+    """A decode step over a paged cache: see the file comment (--paged)."""
+    generator = torch.Generator().manual_seed(length + batch)
+    blocks = (length + page - 1) // page
+    num_blocks = batch * blocks + 1  # one block no sequence uses
+    shape = (num_blocks, page, heads, headdim)
+    k_pages = torch.randn(shape, generator=generator).to(dtype)
+    v_pages = torch.randn(shape, generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator)[:batch * blocks]
+    table = order.reshape(batch, blocks).to(torch.int32)
+    q = torch.randn(batch, 1, heads, headdim, generator=generator).to(dtype)
+    k_new = torch.randn(batch, 1, heads, headdim, generator=generator).to(dtype)
+    v_new = torch.randn(batch, 1, heads, headdim, generator=generator).to(dtype)
+    seqlens = torch.full((batch,), length - 1, dtype=torch.int32)
+    alibi = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+
+    def call(module):
+        return lambda: module.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
+                                                      block_table=table, causal=True, alibi_slopes=alibi,
+                                                      return_softmax_lse=with_lse)
+    copied = 2 * batch * length * heads * headdim * k_pages.element_size()
+    return call, copied
+
+
+def _status(field):
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_bytes(function):
+    """The increase of the process's peak resident set during one call of `function` (bytes):
+    VmHWM after the call, reset to VmRSS just before it (/proc/self/clear_refs), minus VmRSS."""
+    function()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = _status("VmRSS")
+    function()
+    return _status("VmHWM") - before
+
+
 def per_call(function, calls):
     function()
     start = time.perf_counter()
@@ -157,8 +215,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--paged", action="store_true", help="the paged decode cases (file comment)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--page", type=int, default=256)
     args = parser.parse_args()
     old = load_old(args.old_rev)
+    if args.paged:
+        return paged_main(args, old)
     rows = []
     with torch.no_grad():
         for length in args.lengths:
@@ -200,12 +265,50 @@ def main():
     for name, t_old, t_new, ratio, equal, faults in rows:
         lines.append(f"| {name} | {t_old * 1e6:.0f} | {t_new * 1e6:.0f} | {ratio:.2f} | {faults} | "
                      f"{'yes' if equal else 'NO'} |")
+    return write_table(lines, args.markdown, all(row[4] for row in rows))
+
+
+def write_table(lines, markdown, equal):
+    """Prints the table (and writes it to the file `markdown`); the exit status: 0 if every row was
+    bitwise equal."""
     table = "\n".join(lines)
     print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
+    if markdown:
+        with open(markdown, "w") as handle:
             handle.write(table + "\n")
-    return 0 if all(row[4] for row in rows) else 1
+    return 0 if equal else 1
+
+
+def paged_main(args, old):
+    """The --paged table: time per call, page faults, peak memory and bytes of the cache copied."""
+    rows = []
+    with torch.no_grad():
+        for length in args.lengths:
+            for dtype in (torch.float32, torch.bfloat16):
+                for with_lse in (False, True):
+                    call, copied = paged_case(length, dtype, with_lse, args.batch, args.heads, args.headdim,
+                                              args.page)
+                    old_call, new_call = call(old), call(ptorch)
+                    equal = same(old_call(), new_call())
+                    calls = max(2, 8192 // length)
+                    t_old, t_new, ratio, _ = compare(old_call, new_call, args.rounds, calls)
+                    faults = f"{faults_per_call(old_call):.0f} / {faults_per_call(new_call):.0f}"
+                    peak = f"{peak_bytes(old_call) / 2**20:.0f} / {peak_bytes(new_call) / 2**20:.0f}"
+                    name = (f"paged decode, L = {length}, {str(dtype).replace('torch.', '')}"
+                            + (", return_softmax_lse" if with_lse else ""))
+                    rows.append((name, t_old, t_new, ratio, faults, peak, f"{copied / 2**20:.0f} / 0", equal))
+                    print(rows[-1], flush=True)
+                    del call, old_call, new_call
+                    gc.collect()
+    lines = [f"torch.get_num_threads() = {torch.get_num_threads()}, old = {args.old_rev}, {args.rounds} rounds, "
+             f"batch {args.batch}, {args.heads} heads (K/V too), head dim {args.headdim}, page {args.page}", "",
+             "| call | old (ms) | new (ms) | old / new (median of rounds) | page faults per call (old / new) | "
+             "peak memory of a call, MiB (old / new) | cache bytes copied, MiB (old / new) | bitwise equal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, t_old, t_new, ratio, faults, peak, copied, equal in rows:
+        lines.append(f"| {name} | {t_old * 1e3:.0f} | {t_new * 1e3:.0f} | {ratio:.2f} | {faults} | {peak} | {copied} | "
+                     f"{'yes' if equal else 'NO'} |")
+    return write_table(lines, args.markdown, all(row[-1] for row in rows))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@
 #include "poslsh/lsh/partition.hpp"
 #include "poslsh/lsh/samplers.hpp"
 #include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/paged.hpp"
 #include "poslsh/multihead/planner.hpp"
 #include "poslsh/multihead/training.hpp"
 #include "poslsh/parallel/context_parallel.hpp"

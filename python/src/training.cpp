@@ -251,15 +251,22 @@ place (any strides on the first two axes); new arrays otherwise. No n x n buffer
 single-head backward of each head (summed over a group in head order), for any thread count.
 Self-attention only; the GIL is released. cu_seqlens=: a packed batch, as
 in multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are
-those of its own call, none crosses sequences. dslopes= (float64 array of H_q entries,
-contiguous, written in place; methods exact_tiled and exact_banded only): the gradients in the
-ALiBi slopes slope_h = 1 / sigma_h,
+those of its own call, none crosses sequences. sigmas= may hold one sigma per sequence and
+query head (B * H_q entries, sequence-major) with cu_seqlens. dslopes= (float64 array of H_q
+entries, or one per sigma when they are per sequence; contiguous, written in place; methods
+exact_tiled and exact_banded only): the gradients in the ALiBi slopes slope_h = 1 / sigma_h,
 
     dslopes[h] = dL/dslope_h = -sum_ij dS_h,ij |i - j|   (dS_h = P_h o (dO_h V_g^T - D))
 
 over the pairs of the head's window (summed over the sequences of a packed batch), from the
 same tiles as the other gradients (which are unchanged by it), bitwise the same for any thread
 count. window=(left, right): the local window of the forward (exact methods).
+
+method='mean_of_outputs' (the mean over the samples of plain attention on each sample's
+blocks, which has no lse): out and lse are not read (any arrays of their shapes; each sample's
+attention and lse are recomputed), the gradients are the single-head
+lsh_attention_mean_of_outputs_backward of each head (half-precision inputs widened to float32
+copies of the head: the float32 backward of the widened inputs).
 
 position= (one sequence, no dslopes): the n tokens are a window of a longer sequence at
 positions position .. position + n - 1, out and lse that sequence's forward rows; only the
@@ -269,8 +276,8 @@ when position is a multiple of 64.
 )doc";
 
 /// The dslopes= output of multihead_attention_backward: unset for None, otherwise a map of
-/// a writable, contiguous float64 array of `heads` entries (TypeError / ValueError naming
-/// 'dslopes' otherwise).
+/// a writable, contiguous float64 array of `heads` entries (one per sigma) (TypeError /
+/// ValueError naming 'dslopes' otherwise).
 std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, Index heads,
                                                            const char* function) {
   if (dslopes.is_none()) return std::nullopt;
@@ -506,8 +513,13 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", like, inputs);
           const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
+          // One slope per query head, or per sequence and query head with sigmas of each (the
+          // library checks which).
+          const Index slopes = keywords.options.sigmas.empty()
+                                   ? in.q.heads
+                                   : static_cast<Index>(keywords.options.sigmas.size());
           const std::optional<Eigen::Map<Eigen::VectorXd>> dslopes_map =
-              slope_gradients(dslopes, in.q.heads, function);
+              slope_gradients(dslopes, slopes, function);
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
           const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
           run_kernel(threads, [&] {

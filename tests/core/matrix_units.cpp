@@ -275,6 +275,19 @@ void one_head(const poslsh::HeadMethod& head, const poslsh::ConstMatrixRef<Half>
       case poslsh::Method::fixed_blocks:
         poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, head.hashes, out, options);
         break;
+      case poslsh::Method::mean_of_outputs: {
+        // The mean over the samples of per-sample attention on each one's blocks, each on the
+        // unit, in float.
+        RowMatrix<float> sample(q.rows(), v.cols());
+        out.setZero();
+        for (const poslsh::BinHash& hash : head.hashes) {
+          poslsh::lsh_attention_per_sample<Half, Half, float>(q, k, v, HashSet{hash}, sample,
+                                                              options);
+          out += sample;
+        }
+        out /= static_cast<float>(head.hashes.size());
+        break;
+      }
     }
   } else {
     heads_on<Tiles, Half>(one_head_view(q), one_head_view(k), one_head_view(v), one_head_view(out),
@@ -552,7 +565,8 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
   // not the float products' bits: the call did use the unit).
   for (const poslsh::Method method :
        {poslsh::Method::exact_tiled, poslsh::Method::exact_banded, poslsh::Method::lsh_fused,
-        poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks}) {
+        poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+        poslsh::Method::mean_of_outputs}) {
     INFO(poslsh::enum_name(method));
     poslsh::MultiHeadOptions options;
     options.method = method;
@@ -583,6 +597,7 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
           break;
         case poslsh::Method::lsh_fused:
         case poslsh::Method::lsh_per_sample:
+        case poslsh::Method::mean_of_outputs:
           one.hashes = poslsh::rbf_hashes(sigma, options.samples, options.seed,
                                           static_cast<std::uint64_t>(h));
           break;

@@ -1,6 +1,7 @@
 // Multi-head entry point: strided [n, H, d] and [H, n, d] layouts and grouped-query attention
 // equal the contiguous per-head computation; thread counts do not change a bit.
 #include <poslsh/multihead/attention.hpp>
+#include <poslsh/training/mean_of_outputs.hpp>
 
 #include "test_support.hpp"
 
@@ -38,7 +39,7 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
   const auto k = random_matrix<TestType>(n, kv_heads * d, 72);
   const auto v = random_matrix<TestType>(n, kv_heads * d, 73);
   for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks,
-                        Method::exact_tiled, Method::exact_banded}) {
+                        Method::exact_tiled, Method::exact_banded, Method::mean_of_outputs}) {
     MultiHeadOptions options;
     options.method = method;
     options.samples = 5;
@@ -87,6 +88,9 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
         case Method::exact_banded:
           expected = poslsh::alibi_attention_banded<TestType>(
               qh, kh, vh, sigma, poslsh::band_for_bias_error(sigma, 1e-3));
+          break;
+        case Method::mean_of_outputs:
+          expected = poslsh::lsh_attention_mean_of_outputs<TestType>(qh, kh, vh, hashes);
           break;
       }
       INFO("method " << static_cast<int>(method) << ", head " << h);
@@ -188,7 +192,7 @@ TEST_CASE("one and two threads give identical bits", "[multihead]") {
   const auto q = random_matrix<float>(n, heads * d, 81);
   const auto k = random_matrix<float>(n, heads * d, 82);
   const auto v = random_matrix<float>(n, heads * d, 83);
-  for (Method method : {Method::lsh_fused, Method::lsh_per_sample}) {
+  for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::mean_of_outputs}) {
     MultiHeadOptions options;
     options.method = method;
     std::vector<RowMatrix<float>> results;

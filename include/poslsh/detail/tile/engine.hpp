@@ -37,7 +37,7 @@
 // probabilities are rounded to bfloat16 row by row as the value products read them. With Q, K
 // and V all in Eigen::half on a CPU with AMX-FP16 (MatrixUnit::amx_fp16), PairedHalfKV<half,
 // Tiles> runs the same tiles on float16 pairs (tdpfp16ps), the probabilities rounded to
-// float16. with_tile_engine picks the unit, and takes the AMX tile layer as a template
+// float16. with_key_source picks the unit, and takes the AMX tile layer as a template
 // parameter (AmxNativeTiles by default). The bias policy concept and the engine's buffers:
 // detail/tile/types.hpp.
 #pragma once
@@ -146,32 +146,83 @@ class ContiguousKV : public StridedKV<Scalar> {
   KeyTileStore<Scalar, Scalar>* store_ = nullptr;
 };
 
-/// The key source of K and V stored in a half-precision type `Storage` (row-strided matrices):
-/// tile(j0, keys) widens the tile's K and V rows to Scalar into the buffers `wide_k` and
-/// `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile visited, 1/64
-/// of the tile's multiply-adds (a query tile of 64 rows uses each key row 64 times).
-template <typename Scalar, typename Storage>
-class WideningKV : public StridedKV<Storage> {
+/// What a KeyTileStore knows a row source's tiles by: two addresses that no other source of
+/// the same call shares (a dense head's K and V; a paged head's K and its block table row).
+struct RowsIdentity {
+  const void* first;
+  const void* second;
+};
+
+/// A row source: the K and V rows of one head's keys 0 .. rows() - 1 stored as `storage`, in
+/// runs of rows a fixed stride apart. It provides rows(), key_cols() (d), value_cols() (d_v),
+/// key_row(j) and value_row(j) (the rows of key j), k_stride() and v_stride() (the distance of
+/// two rows of one run), run_end(j) (the first key after the run holding key j), prefetch(first,
+/// last, d, d_v), identity() (RowsIdentity) and in_place(buffers, key_position) (the key source
+/// reading the rows in place when `storage` is the compute type). The key sources below read
+/// any row source; with_key_source picks one.
+///
+/// StridedRows: K and V as two row-strided matrices, one run of every row (the caller keeps the
+/// matrices alive while the row source is used). Paged caches: PagedRows,
+/// poslsh/attention/paged.hpp.
+template <typename Storage>
+class StridedRows {
+ public:
+  using storage = Storage;
+  StridedRows(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v) : k_(k), v_(v) {}
+  Index rows() const { return k_.rows(); }
+  Index key_cols() const { return k_.cols(); }
+  Index value_cols() const { return v_.cols(); }
+  const Storage* key_row(Index j) const { return k_.data() + j * k_.outerStride(); }
+  const Storage* value_row(Index j) const { return v_.data() + j * v_.outerStride(); }
+  Index k_stride() const { return k_.outerStride(); }
+  Index v_stride() const { return v_.outerStride(); }
+  Index run_end(Index) const { return k_.rows(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
+    tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
+  }
+  RowsIdentity identity() const { return {k_.data(), v_.data()}; }
+  ContiguousKV<Storage> in_place(TileBuffers<Storage>& buffers, Index key_position) const {
+    return ContiguousKV<Storage>(k_, v_, buffers, key_position);
+  }
+
+ private:
+  const ConstMatrixRef<Storage>& k_;
+  const ConstMatrixRef<Storage>& v_;
+};
+
+/// The key source of K and V stored in a half-precision type `Storage` (the rows of the row
+/// source Rows): tile(j0, keys) widens the tile's K and V rows to Scalar into the buffers
+/// `wide_k` and `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile
+/// visited, 1/64 of the tile's multiply-adds (a query tile of 64 rows uses each key row 64
+/// times). The widened tile is the same whatever runs the rows come in.
+template <typename Scalar, typename Storage, typename Rows = StridedRows<Storage>>
+class WideningKV {
  public:
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
-  WideningKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v, Buffer& wide_k,
-             Buffer& wide_v)
-      : StridedKV<Storage>(k, v), wide_k_(wide_k), wide_v_(wide_v) {
-    if (wide_k_.size() < tile_key_cols * k.cols()) wide_k_.resize(tile_key_cols * k.cols());
-    if (wide_v_.size() < tile_key_cols * v.cols()) wide_v_.resize(tile_key_cols * v.cols());
+  WideningKV(const Rows& rows, Buffer& wide_k, Buffer& wide_v)
+      : rows_(rows), wide_k_(wide_k), wide_v_(wide_v) {
+    if (wide_k_.size() < tile_key_cols * rows.key_cols())
+      wide_k_.resize(tile_key_cols * rows.key_cols());
+    if (wide_v_.size() < tile_key_cols * rows.value_cols())
+      wide_v_.resize(tile_key_cols * rows.value_cols());
+  }
+  Index rows() const { return rows_.rows(); }
+  Index value_cols() const { return rows_.value_cols(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    rows_.prefetch(first, last, d, dv);
   }
   KeyTileRows<Scalar> tile(Index j0, Index keys) {
-    const ConstMatrixRef<Storage>& k = this->k_;
-    const ConstMatrixRef<Storage>& v = this->v_;
-    const Index d = k.cols(), dv = v.cols();
+    const Index d = rows_.key_cols(), dv = rows_.value_cols();
     for (Index b = 0; b < keys; ++b) {
-      tile_widen<Scalar>(k.data() + (j0 + b) * k.outerStride(), wide_k_.data() + b * d, d);
-      tile_widen<Scalar>(v.data() + (j0 + b) * v.outerStride(), wide_v_.data() + b * dv, dv);
+      tile_widen<Scalar>(rows_.key_row(j0 + b), wide_k_.data() + b * d, d);
+      tile_widen<Scalar>(rows_.value_row(j0 + b), wide_v_.data() + b * dv, dv);
     }
     return {wide_k_.data(), d, wide_v_.data(), dv};
   }
 
  private:
+  Rows rows_;
   Buffer& wide_k_;
   Buffer& wide_v_;
 };
@@ -187,13 +238,14 @@ struct PairTileRows {
 
 #if POSLSH_X86_UNITS
 
-/// The key source of K and V stored in Half for a unit multiplying pairs of Half values: the
-/// AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void) or the AMX tiles of the tile layer Tiles
-/// (detail/tile/amx_kernels.hpp, e.g. AmxNativeTiles<Half>; Half = Eigen::bfloat16 for
-/// AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the
-/// tile's values into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d
-/// + (d mod 2) apart (a zero appended when d is odd), so that the score products read them from one
-/// contiguous block whatever the row stride of K. For the AMX tiles the key rows are
+/// The key source of K and V stored in Half (the rows of the row source Rows) for a unit
+/// multiplying pairs of Half values: the AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void)
+/// or the AMX tiles of the tile layer Tiles (detail/tile/amx_kernels.hpp, e.g.
+/// AmxNativeTiles<Half>; Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the tile's values into pairs along keys (rows of
+/// ceil(d_v / 16) 16 words) and copies its key rows d + (d mod 2) apart (a zero appended when d
+/// is odd), so that the score products read them from one contiguous block whatever the row
+/// stride of K or the runs the rows come in (a pair whose two keys lie in two runs is joined
+/// word by word: the same words). For the AMX tiles the key rows are
 /// ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from `keys` to the next
 /// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
 /// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
@@ -202,8 +254,8 @@ struct PairTileRows {
 /// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
-template <typename Half, typename Tiles = void>
-class PairedHalfKV : public StridedKV<Half> {
+template <typename Half, typename Tiles = void, typename Rows = StridedRows<Half>>
+class PairedHalfKV {
  public:
   using half_type = Half;
   /// The AMX tile layer (void: the AVX512-BF16 unit).
@@ -211,25 +263,31 @@ class PairedHalfKV : public StridedKV<Half> {
   static constexpr bool amx_tiles = !std::is_void_v<Tiles>;
   static_assert(amx_tiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
                 "pairs of bfloat16 values, or of float16 values on the AMX tiles");
-  /// K row 0 is the key at position key_position (the engine's positions.key).
-  PairedHalfKV(const ConstMatrixRef<Half>& k, const ConstMatrixRef<Half>& v,
-               TileBuffers<float>& buffers, Index key_position)
-      : StridedKV<Half>(k, v),
+  /// Row 0 of `rows` is the key at position key_position (the engine's positions.key).
+  PairedHalfKV(const Rows& rows, TileBuffers<float>& buffers, Index key_position)
+      : rows_(rows),
         pair_k_(buffers.pair_k),
         pair_v_(buffers.pair_v),
-        cols_((v.cols() + 15) / 16 * 16) {
+        cols_((rows.value_cols() + 15) / 16 * 16) {
     if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
+    const RowsIdentity identity = rows.identity();
     if (buffers.keep_key_tiles &&
-        buffers.key_pairs.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
-                                k.cols(), v.cols(), key_position, amx_tiles ? 2 : 1},
-                               k_words(), v_words()))
+        buffers.key_pairs.hold(
+            {identity.first, identity.second, rows.rows(), rows.k_stride(), rows.v_stride(),
+             rows.key_cols(), rows.value_cols(), key_position, amx_tiles ? 2 : 1},
+            k_words(), v_words()))
       store_ = &buffers.key_pairs;
+  }
+  Index rows() const { return rows_.rows(); }
+  Index value_cols() const { return rows_.value_cols(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    rows_.prefetch(first, last, d, dv);
   }
   /// The distance of the packed key rows for d columns.
   static Index key_stride(Index d) { return amx_tiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
   PairTileRows pair_tile(Index j0, Index keys) {
-    const Index stride = key_stride(this->k_.cols());
+    const Index stride = key_stride(rows_.key_cols());
     if (store_ != nullptr) {
       if (const auto slot = store_->whole_tile(j0, keys)) {
         if (!slot->ready) pack(j0, keys, slot->k, slot->v);
@@ -245,23 +303,47 @@ class PairedHalfKV : public StridedKV<Half> {
     return reinterpret_cast<const std::uint16_t*>(values);
   }
   // Words of one packed key tile: its key rows and its value pairs.
-  Index k_words() const { return tile_key_cols * key_stride(this->k_.cols()); }
+  Index k_words() const { return tile_key_cols * key_stride(rows_.key_cols()); }
   Index v_words() const { return tile_key_cols / 2 * cols_; }
-  // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words).
+  // The pair of value rows `even` and `odd` as pair_pack_values writes it: word c holds column
+  // c of both (even in the low half), zeros from column d_v to cols_.
+  void join_pair(const Half* even, const Half* odd, std::uint32_t* out) const {
+    const Index dv = rows_.value_cols();
+    const std::uint16_t *low = bits(even), *high = bits(odd);
+    for (Index c = 0; c < dv; ++c)
+      out[c] = static_cast<std::uint32_t>(low[c]) | (static_cast<std::uint32_t>(high[c]) << 16);
+    std::fill(out + dv, out + cols_, std::uint32_t{0});
+  }
+  // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words), run by
+  // run of the row source: the pairs inside a run by pair_pack_values, a pair across two runs
+  // by join_pair.
   void pack(Index j0, Index keys, std::uint16_t* pair_k, std::uint32_t* pair_v) const {
-    const ConstMatrixRef<Half>& k = this->k_;
-    const ConstMatrixRef<Half>& v = this->v_;
-    // The key rows are fetched while the values are packed.
-    tile_prefetch_rows(k.data(), k.outerStride(), j0, j0 + keys, k.cols());
-    pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
-                     pair_v);
-    const Index d = k.cols(), stride = key_stride(d);
-    pair_copy_rows(bits(k.data() + j0 * k.outerStride()), k.outerStride(), keys, d, pair_k, stride);
+    const Index d = rows_.key_cols(), dv = rows_.value_cols(), stride = key_stride(d);
+    for (Index b = 0; b < keys;) {
+      const Index end = std::min(keys, rows_.run_end(j0 + b) - j0);
+      // The key rows are fetched while the values are packed.
+      tile_prefetch_rows(rows_.key_row(j0 + b), rows_.k_stride(), 0, end - b, d);
+      Index first = b;
+      if (b % 2 != 0) {  // the run's first key completes the pair of the previous run's last
+        join_pair(rows_.value_row(j0 + b - 1), rows_.value_row(j0 + b), pair_v + b / 2 * cols_);
+        ++first;
+      }
+      // Whole pairs of the run (and the tile's last key alone); a last key left over pairs
+      // with the next run's first.
+      const Index count = end < keys ? (end - first) / 2 * 2 : end - first;
+      if (count > 0)
+        pair_pack_values(bits(rows_.value_row(j0 + first)), rows_.v_stride(), count, dv, cols_,
+                         pair_v + first / 2 * cols_);
+      pair_copy_rows(bits(rows_.key_row(j0 + b)), rows_.k_stride(), end - b, d, pair_k + b * stride,
+                     stride);
+      b = end;
+    }
     if constexpr (amx_tiles) {
       std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride, std::uint16_t{0});
       std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});
     }
   }
+  Rows rows_;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1>& pair_k_;
   Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>& pair_v_;
   KeyTileStore<std::uint16_t, std::uint32_t>* store_ = nullptr;
@@ -923,16 +1005,11 @@ class TileEngine {
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
-/// A key source type as a value (with_tile_engine).
-template <typename KV>
-struct KeySourceTag {
-  using type = KV;
-};
-
-/// The unit with_tile_engine<Scalar, QScalar, KVScalar, AmxTiles> multiplies on under
-/// `precision`: the rule of matrix_unit_for, with amx_bf16 (amx_fp16) available where the tile
-/// layer's AmxTiles<Eigen::bfloat16>::available() (AmxTiles<Eigen::half>::available()) says so.
-/// With the library's layer, AmxNativeTiles, it is matrix_unit_for<QScalar, KVScalar>(precision).
+/// The unit with_key_source<Scalar, QScalar, AmxTiles> multiplies on under `precision` for
+/// queries stored as QScalar and keys as KVScalar: the rule of matrix_unit_for, with amx_bf16
+/// (amx_fp16) available where the tile layer's AmxTiles<Eigen::bfloat16>::available()
+/// (AmxTiles<Eigen::half>::available()) says so. With the library's layer, AmxNativeTiles, it is
+/// matrix_unit_for<QScalar, KVScalar>(precision).
 template <typename QScalar, typename KVScalar, template <typename> class AmxTiles>
 MatrixUnit tile_engine_unit(Precision precision) {
 #if POSLSH_X86_UNITS
@@ -945,52 +1022,68 @@ MatrixUnit tile_engine_unit(Precision precision) {
 #endif
 }
 
-/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
-/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar; by the unit
-/// tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision) names (with the default tile layer,
-/// the CPU's: matrix_unit_for), PairedHalfKV<bfloat16, AmxTiles<bfloat16>> on amx_bf16,
-/// PairedHalfKV<bfloat16> on avx512_bf16, PairedHalfKV<half, AmxTiles<half>> on amx_fp16;
-/// WideningKV otherwise.
+/// Calls use(source) with the key source reading the row source `rows` (keys stored as
+/// Rows::storage, row 0 at position key_position) for an engine computing in Scalar on queries
+/// stored as QScalar: the rows in place (Rows::in_place: ContiguousKV, or PagedRows) when they
+/// are stored as Scalar; by the unit tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision)
+/// names (with the default tile layer, the CPU's: matrix_unit_for),
+/// PairedHalfKV<bfloat16, AmxTiles<bfloat16>> on amx_bf16, PairedHalfKV<bfloat16> on
+/// avx512_bf16, PairedHalfKV<half, AmxTiles<half>> on amx_fp16; WideningKV otherwise.
+template <typename Scalar, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+          typename Rows, typename Use>
+void with_key_source(const Rows& rows, TileBuffers<Scalar>& buffers, Index key_position,
+                     Precision precision, Use&& use) {
+  using KVScalar = typename Rows::storage;
+  static_cast<void>(precision);
+  if constexpr (std::is_same_v<KVScalar, Scalar>) {
+    use(rows.in_place(buffers, key_position));
+  } else {
+#if POSLSH_X86_UNITS
+    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
+      const MatrixUnit unit = tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision);
+      if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
+        if (unit == MatrixUnit::amx_bf16)
+          return use(PairedHalfKV<KVScalar, AmxTiles<KVScalar>, Rows>(rows, buffers, key_position));
+        if (unit == MatrixUnit::avx512_bf16)
+          return use(PairedHalfKV<KVScalar, void, Rows>(rows, buffers, key_position));
+      }
+      if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
+        if (unit == MatrixUnit::amx_fp16)
+          return use(PairedHalfKV<KVScalar, AmxTiles<KVScalar>, Rows>(rows, buffers, key_position));
+      }
+    }
+#endif
+    use(WideningKV<Scalar, KVScalar, Rows>(rows, buffers.wide_k, buffers.wide_v));
+  }
+}
+
+/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and the keys
+/// of the row source `rows` at `positions`, KV the key source with_key_source picks (AMX on the
+/// tile layer AmxTiles).
+template <typename Scalar, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+          typename Rows, typename Bias, typename Job>
+void with_row_source_engine(const ConstMatrixRef<QScalar>& q, const Rows& rows, double tau,
+                            Bias& bias, TileBuffers<Scalar>& buffers, TilePositions positions,
+                            Precision precision, Job&& job) {
+  with_key_source<Scalar, QScalar, AmxTiles>(
+      rows, buffers, positions.key, precision, [&](auto&& source) {
+        using KV = std::decay_t<decltype(source)>;
+        TileEngine<Scalar, Bias, KV, QScalar> engine(q, std::move(source), tau, bias, buffers,
+                                                     positions);
+        job(engine);
+      });
+}
+
+/// with_row_source_engine over K and V in two row-strided matrices (KVScalar; StridedRows).
 template <typename Scalar, typename QScalar, typename KVScalar,
           template <typename> class AmxTiles = AmxNativeTiles, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
                       TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                       Job&& job) {
-  if constexpr (std::is_same_v<KVScalar, Scalar>) {
-    static_cast<void>(precision);
-    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
-        q, ContiguousKV<Scalar>(k, v, buffers, positions.key), tau, bias, buffers, positions);
-    job(engine);
-  } else {
-#if POSLSH_X86_UNITS
-    // The engine on the paired key source KV.
-    const auto on_pairs = [&](auto tag) {
-      using KV = typename decltype(tag)::type;
-      TileEngine<Scalar, Bias, KV, QScalar> engine(q, KV(k, v, buffers, positions.key), tau, bias,
-                                                   buffers, positions);
-      job(engine);
-    };
-    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
-      const MatrixUnit unit = tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision);
-      if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
-        if (unit == MatrixUnit::amx_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, AmxTiles<KVScalar>>>{});
-        if (unit == MatrixUnit::avx512_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar>>{});
-      }
-      if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
-        if (unit == MatrixUnit::amx_fp16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, AmxTiles<KVScalar>>>{});
-      }
-    }
-#endif
-    static_cast<void>(precision);
-    TileEngine<Scalar, Bias, WideningKV<Scalar, KVScalar>, QScalar> engine(
-        q, WideningKV<Scalar, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), tau, bias, buffers,
-        positions);
-    job(engine);
-  }
+  with_row_source_engine<Scalar, QScalar, AmxTiles>(q, StridedRows<KVScalar>(k, v), tau, bias,
+                                                    buffers, positions, precision,
+                                                    std::forward<Job>(job));
 }
 
 /// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to

@@ -195,30 +195,45 @@ inline std::size_t lowest_level(std::size_t samples) {
 ///   M_i <- max(M_i, max_j x_ij),  l_i <- e^{M_i,old - M_i} l_i + sum_j e^{x_ij - M_i},
 ///   acc_i <- e^{M_i,old - M_i} acc_i + sum_j e^{x_ij - M_i} v_j,  x_ij = tau q_i.k_j,
 /// j over the row's keys in the block. Query position i is row i - state.base of q and of the
-/// state, keys are at positions 0 .. k.rows() - 1, and only the positions [rows_first,
+/// state, keys are at positions key_offset .., and only the positions [rows_first,
 /// rows_last) of the block are computed. The engine's tiles sit at absolute positions
 /// (multiples of 64), a row's arithmetic depends only on the row, its tile and the keys it
 /// sees (in the engine's fixed order), and keys it does not see get probability exactly 0: a
 /// row gets bitwise the same update for any base, row range, and (causal) any block end past
 /// the row. Half-precision Q, K and V are multiplied on the unit `precision` selects
-/// (with_tile_engine, AMX on the tile layer AmxTiles): widened to C tile by tile (the arithmetic
-/// of C views of the widened values), or bfloat16 products on AVX512-BF16. Out of line: the
-/// engine's kernels compile in this function, not in the callers' loops.
-template <typename Scalar, typename KVScalar = Scalar,
-          typename C = compute_scalar_t<Scalar, KVScalar>,
+/// (with_row_source_engine, AMX on the tile layer AmxTiles): widened to C tile by tile (the
+/// arithmetic of C views of the widened values), or bfloat16 products on AVX512-BF16. Out of
+/// line: the engine's kernels compile in this function, not in the callers' loops. The keys are
+/// those of the row source `rows` (K and V matrices: StridedRows; a head of a paged cache:
+/// PagedRows).
+template <typename Scalar, typename Rows,
+          typename C = compute_scalar_t<Scalar, typename Rows::storage>,
           template <typename> class AmxTiles = AmxNativeTiles>
-EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k,
-                                  KeyValueRef<KVScalar> v, C tau, bool causal, Index begin,
-                                  Index end, const EngineState<C>& state, TileBuffers<C>& buffers,
-                                  Precision precision, Index rows_first = 0,
+EIGEN_DONT_INLINE void fold_block(ConstMatrixRef<Scalar> q, const Rows& rows, C tau, bool causal,
+                                  Index begin, Index end, const EngineState<C>& state,
+                                  TileBuffers<C>& buffers, Precision precision,
+                                  Index rows_first = 0,
                                   Index rows_last = std::numeric_limits<Index>::max(),
                                   Index key_offset = 0) {
   const Index first = std::max(begin, rows_first), last = std::min(end, rows_last);
   if (first >= last) return;
   BlockWindowBias<C> bias(begin, end, causal);
-  with_tile_engine<C, Scalar, KVScalar, AmxTiles>(
-      q, k, v, static_cast<double>(tau), bias, buffers, TilePositions(state.base, key_offset),
+  with_row_source_engine<C, Scalar, AmxTiles>(
+      q, rows, static_cast<double>(tau), bias, buffers, TilePositions(state.base, key_offset),
       precision, [&](auto& engine) { engine.accumulate(first, last, state); });
+}
+
+/// fold_block over K and V in two row-strided matrices.
+template <typename Scalar, typename KVScalar = Scalar,
+          typename C = compute_scalar_t<Scalar, KVScalar>,
+          template <typename> class AmxTiles = AmxNativeTiles>
+void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k, KeyValueRef<KVScalar> v, C tau,
+                bool causal, Index begin, Index end, const EngineState<C>& state,
+                TileBuffers<C>& buffers, Precision precision, Index rows_first = 0,
+                Index rows_last = std::numeric_limits<Index>::max(), Index key_offset = 0) {
+  fold_block<Scalar, StridedRows<KVScalar>, C, AmxTiles>(q, StridedRows<KVScalar>(k, v), tau, causal, begin,
+                                               end, state, buffers, precision, rows_first,
+                                               rows_last, key_offset);
 }
 
 /// Per-thread scratch of per_sample_rows: the engine's buffers and one partial result per
@@ -230,7 +245,8 @@ struct PerSampleWorkspace {
 };
 
 /// Rows at positions [p0, p0 + q.rows()) (p0 = positions.query) of the per-sample estimator
-/// over the keys at positions positions.key .. positions.key + k.rows() - 1, into out (and lse,
+/// over the keys of the row source `rows` (StridedRows, PagedRows) at positions positions.key ..
+/// positions.key + rows.rows() - 1, into out (and lse,
 /// when not null: lse[r] = log sum_j c_ij e^{tau q_i.k_j} for row r, i = p0 + r). The rows go by
 /// query tiles (tile_query_rows positions, aligned from position 0; the tiles in parallel by
 /// parallel_jobs, which hands an exception to the caller). In a tile, each sample's blocks meeting
@@ -240,12 +256,11 @@ struct PerSampleWorkspace {
 /// out_r = acc_r / l_r. Each row's arithmetic depends only on its position, the keys and the
 /// hashes. Extra memory O(tile_query_rows d_v log2 s) per thread. AMX products on the tile layer
 /// AmxTiles (fold_block).
-template <typename Scalar, typename KVScalar, typename OutScalar, typename C,
-          template <typename> class AmxTiles = AmxNativeTiles>
-void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
-                     const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
-                     TilePositions positions, Precision precision, MatrixRef<OutScalar>& out,
-                     C* lse = nullptr) {
+template <typename Scalar, typename OutScalar, typename C,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Rows>
+void per_sample_rows(const ConstMatrixRef<Scalar>& q, const Rows& rows, const HashSet& hashes,
+                     C tau, bool causal, TilePositions positions, Precision precision,
+                     MatrixRef<OutScalar>& out, C* lse = nullptr) {
   constexpr Index Bq = tile_query_rows;
   const Index m = q.rows(), p0 = positions.query, k0 = positions.key;
   if (m == 0) return;
@@ -253,7 +268,7 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
   const std::size_t lowest = lowest_level(samples);
   // The blocks over the positions of the queries and the keys (cut to them: no row or key
   // lies outside).
-  const Index lo = std::min(p0, k0), hi = std::max(p0 + m, k0 + k.rows());
+  const Index lo = std::min(p0, k0), hi = std::max(p0 + m, k0 + rows.rows());
   std::vector<std::vector<Index>> boundaries;
   boundaries.reserve(samples);
   for (const BinHash& hash : hashes) boundaries.push_back(block_boundaries_between(hash, lo, hi));
@@ -263,34 +278,76 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVSca
       static_cast<long>(tiles.size()), [&](long t, PerSampleWorkspace<C>& work) {
         if (work.partials.size() != levels) {
           work.partials.resize(levels);
-          for (SoftmaxPartials<C>& level : work.partials) level.resize(Bq, v.cols());
+          for (SoftmaxPartials<C>& level : work.partials) level.resize(Bq, rows.value_cols());
         }
         std::vector<SoftmaxPartials<C>>& partials = work.partials;
         // The rows at positions [first, last), partial row i - first for position i.
         const QueryTile& tile = tiles[static_cast<std::size_t>(t)];
-        const Index first = tile.row_begin, rows = tile.rows, last = first + rows;
-        const ConstMatrixRef<Scalar> tile_q = q.middleRows(first - p0, rows);
+        const Index first = tile.row_begin, count = tile.rows, last = first + count;
+        const ConstMatrixRef<Scalar> tile_q = q.middleRows(first - p0, count);
         for (std::size_t sample = 0; sample < samples; ++sample) {
           const std::size_t level = merge_level(sample);
           SoftmaxPartials<C>& fresh = partials[level];
-          fresh.clear(0, rows);
+          fresh.clear(0, count);
           // The blocks [t_r, t_{r+1}) with t_{r+1} > first and t_r < last.
           const std::vector<Index>& edges = boundaries[sample];
           for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
                ++edge)
-            fold_block<Scalar, KVScalar, C, AmxTiles>(tile_q, k, v, tau, causal, edge[0], edge[1],
-                                                      fresh.engine_state(first), work.buffers,
-                                                      precision, first, last, k0);
-          for (std::size_t below = 0; below < level; ++below) fresh.merge(partials[below], 0, rows);
+            fold_block<Scalar, Rows, C, AmxTiles>(tile_q, rows, tau, causal, edge[0], edge[1],
+                                        fresh.engine_state(first), work.buffers, precision, first,
+                                        last, k0);
+          for (std::size_t below = 0; below < level; ++below)
+            fresh.merge(partials[below], 0, count);
         }
         SoftmaxPartials<C>& result = partials[lowest];
         for (std::size_t above = lowest + 1; above < levels; ++above)
-          if (((samples >> above) & 1U) != 0) result.merge(partials[above], 0, rows);
-        for (Index r = 0; r < rows; ++r) {
+          if (((samples >> above) & 1U) != 0) result.merge(partials[above], 0, count);
+        for (Index r = 0; r < count; ++r) {
           result.finish(r, out.row(first - p0 + r));
           if (lse != nullptr) lse[first - p0 + r] = result.lse(r);
         }
       });
+}
+
+/// per_sample_rows over K and V in two row-strided matrices (KVScalar; StridedRows).
+template <typename Scalar, typename KVScalar, typename OutScalar, typename C,
+          template <typename> class AmxTiles = AmxNativeTiles>
+void per_sample_rows(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<KVScalar>& k,
+                     const ConstMatrixRef<KVScalar>& v, const HashSet& hashes, C tau, bool causal,
+                     TilePositions positions, Precision precision, MatrixRef<OutScalar>& out,
+                     C* lse = nullptr) {
+  per_sample_rows<Scalar, OutScalar, C, AmxTiles>(q, StridedRows<KVScalar>(k, v), hashes, tau,
+                                                  causal, positions, precision, out, lse);
+}
+
+/// Rows at positions p0 .. p0 + q.rows() - 1 (p0 = positions.query) of the mean-of-outputs
+/// estimator over the keys of the row source `rows` (K and V matrices: StridedRows; a head of a
+/// paged cache: PagedRows) at positions positions.key ..:
+///   out_r = (sum_k T^(k)_r) / s,  T^(k) = per_sample_rows on the single hash k,
+/// the sum in C in sample order from 0, divided by s, then rounded once to OutScalar. A row
+/// depends only on its position, the keys and the hashes (per_sample_rows): row r is bitwise
+/// row p0 + r of the call on all positions. Half-precision Q, K, V are multiplied on the unit
+/// `precision` selects, as per_sample_rows (AMX on the tile layer AmxTiles). Extra memory
+/// O(m d_v) in C.
+template <typename QScalar, typename OutScalar, typename C,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Rows>
+void mean_of_outputs_rows(const ConstMatrixRef<QScalar>& q, const Rows& rows, const HashSet& hashes,
+                          C tau, bool causal, TilePositions positions, Precision precision,
+                          MatrixRef<OutScalar> out) {
+  const Index m = q.rows(), dv = rows.value_cols();
+  if (m == 0 || dv == 0) return;
+  RowMatrix<C> sum = RowMatrix<C>::Zero(m, dv), sample(m, dv);
+  MatrixRef<C> sample_ref(sample);
+  for (const BinHash& hash : hashes) {
+    per_sample_rows<QScalar, C, C, AmxTiles>(q, rows, HashSet{hash}, tau, causal, positions, precision,
+                                   sample_ref);
+    sum += sample;
+  }
+  sum /= static_cast<C>(hashes.size());
+  if constexpr (std::is_same_v<OutScalar, C>)
+    out = sum;
+  else
+    out = sum.template cast<OutScalar>();
 }
 
 }  // namespace detail
