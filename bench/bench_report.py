@@ -191,7 +191,7 @@ def _times_text(rows, *names):
 def _on_unit(rows, name):
     """True when half-precision row `name` ran on a matrix unit (not widened to float)."""
     unit = rows.unit(name)
-    return unit is not None and unit != "float_widening"
+    return unit is not None and unit != "float_products"
 
 
 def _targets():
@@ -738,10 +738,10 @@ def table_half(rows, stamp):
     cells = []
     for float_row, variants in (
             ("exact_tiled", ("exact_tiled_bf16", "exact_tiled_bf16_avx512_bf16",
-                             "exact_tiled_bf16_float_widening")),
+                             "exact_tiled_bf16_float_products")),
             ("lsh_fused", ("lsh_fused_bf16", "lsh_fused_bf16_avx512_bf16",
-                           "lsh_fused_bf16_float_widening", "lsh_fused_f16",
-                           "lsh_fused_f16_float_widening", "lsh_fused_bf16kv"))):
+                           "lsh_fused_bf16_float_products", "lsh_fused_f16",
+                           "lsh_fused_f16_float_products", "lsh_fused_bf16kv"))):
         base = "%s/%d" % (float_row, n)
         if base not in rows.ms:
             continue
@@ -749,7 +749,7 @@ def table_half(rows, stamp):
         for variant in variants:
             name = "%s/%d" % (variant, n)
             if name in rows.ms:
-                unit = rows.unit(name) or ("float_widening" if "float_widening" in variant
+                unit = rows.unit(name) or ("float_products" if "float_products" in variant
                                            else "float products, bfloat16 K, V"
                                            if variant.endswith("bf16kv") else "-")
                 cells.append(["`%s`" % name, unit, fmt(rows.ms[name]) + " ms",

@@ -3,8 +3,8 @@
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
-// in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_widening); where
-// that is a matrix unit, <method>_bf16_float_widening/<n> (<method>_f16_float_widening/<n>)
+// in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_products); where
+// that is a matrix unit, <method>_bf16_float_products/<n> (<method>_f16_float_products/<n>)
 // runs the same call with Precision::float_products, and where it is amx_bf16,
 // <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (multihead_attention's body
 // on a tile layer that is never available), so one run compares the units side by side.
@@ -204,20 +204,20 @@ void register_prefill(bool long_runs) {
           register_row(std::string(row.name) + "_bf16_avx512_bf16" + suffix, n, options,
                        run_multihead_half<Eigen::bfloat16, AmxTilesOff>);
         }
-        if (unit != MatrixUnit::float_widening) {
+        if (unit != MatrixUnit::float_products) {
           MultiHeadOptions widening = options;
           widening.precision = Precision::float_products;
-          register_row(std::string(row.name) + "_bf16_float_widening" + suffix, n, widening,
+          register_row(std::string(row.name) + "_bf16_float_products" + suffix, n, widening,
                        run_multihead_half<Eigen::bfloat16>);
         }
       }
       if (row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_f16" + suffix, n, options,
                      run_multihead_half<Eigen::half>);
-        if (matrix_unit_for<Eigen::half, Eigen::half>(options) != MatrixUnit::float_widening) {
+        if (matrix_unit_for<Eigen::half, Eigen::half>(options) != MatrixUnit::float_products) {
           MultiHeadOptions widening = options;
           widening.precision = Precision::float_products;
-          register_row(std::string(row.name) + "_f16_float_widening" + suffix, n, widening,
+          register_row(std::string(row.name) + "_f16_float_products" + suffix, n, widening,
                        run_multihead_half<Eigen::half>);
         }
         register_row(std::string(row.name) + "_bf16kv" + suffix, n, options, run_multihead_bf16_kv);

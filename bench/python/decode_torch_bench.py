@@ -3,7 +3,7 @@ the current python/poslsh/flash.py against the one of an earlier commit, in one 
 
     PYTHONPATH=build-py/python python3 bench/python/decode_torch_bench.py [--old-rev REV] [--rounds 15]
         [--lengths 4096 16384] [--markdown FILE]
-    PYTHONPATH=build-py/python python3 bench/decode_torch_bench.py --paged [--old-rev REV]
+    PYTHONPATH=build-py/python python3 bench/python/decode_torch_bench.py --paged [--old-rev REV]
         [--rounds 5] [--lengths 16384] [--batch 4] [--heads 32] [--headdim 128] [--page 256]
 
 The earlier flash.py is read with `git show REV:python/poslsh/flash.py` and loaded as a separate
@@ -56,7 +56,7 @@ import torch
 import poslsh.torch as ptorch
 from poslsh import _core
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEADS, HEADDIM = 8, 64
 
 

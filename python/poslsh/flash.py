@@ -55,7 +55,7 @@ slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slop
 grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
 computed in their dtype. Half precision (keyword-only ``precision``, the last extra):
 with precision="matrix_units" (the default), bfloat16 q, k, v on a CPU with a matrix unit
-(poslsh.matrix_unit("bfloat16", "bfloat16") is not "float_widening") give the output of the
+(poslsh.matrix_unit("bfloat16", "bfloat16") is not "float_products") give the output of the
 bfloat16 kernels read in place: bfloat16 products on the unit, float32 accumulation and
 softmax, probabilities rounded to bfloat16 before P V (FlashAttention's bfloat16 arithmetic).
 Otherwise (precision="float_products", float16, a float32 query over a half-precision cache,

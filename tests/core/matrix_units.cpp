@@ -663,7 +663,7 @@ void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
 
 TEST_CASE("matrix units: the table, availability and the unit a call uses", "[units]") {
   using poslsh::matrix_unit_for;
-  CHECK(std::string(poslsh::enum_name(MatrixUnit::float_widening)) == "float_widening");
+  CHECK(std::string(poslsh::enum_name(MatrixUnit::float_products)) == "float_products");
   CHECK(std::string(poslsh::enum_name(MatrixUnit::avx512_bf16)) == "avx512_bf16");
   CHECK(poslsh::enum_from_name<MatrixUnit>("avx512_bf16") == MatrixUnit::avx512_bf16);
   CHECK(std::string(poslsh::enum_name(MatrixUnit::amx_bf16)) == "amx_bf16");
@@ -672,26 +672,26 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
   CHECK(poslsh::enum_from_name<MatrixUnit>("amx_fp16") == MatrixUnit::amx_fp16);
   CHECK(poslsh::enum_from_name<Precision>("float_products") == Precision::float_products);
   CHECK(std::string(poslsh::enum_name(Precision::matrix_units)) == "matrix_units");
-  CHECK(poslsh::matrix_unit_available(MatrixUnit::float_widening));
+  CHECK(poslsh::matrix_unit_available(MatrixUnit::float_products));
   const bool bf16_unit = poslsh::matrix_unit_available(MatrixUnit::avx512_bf16);
   const bool amx_unit = poslsh::matrix_unit_available(MatrixUnit::amx_bf16);
   const bool amx_fp16_unit = poslsh::matrix_unit_available(MatrixUnit::amx_fp16);
-  WARN("units on this CPU: float_widening" << (bf16_unit ? ", avx512_bf16" : "")
+  WARN("units on this CPU: float_products" << (bf16_unit ? ", avx512_bf16" : "")
                                            << (amx_unit ? ", amx_bf16" : "")
                                            << (amx_fp16_unit ? ", amx_fp16" : ""));
   // Float16 inputs: amx_fp16 where the CPU has it (and avx512_bf16, the code around the
   // tiles), else widened (no AVX-512 float16 product sums in float).
   CHECK((!amx_fp16_unit || bf16_unit));
   CHECK(matrix_unit_for<Eigen::half, Eigen::half>(AttentionOptions{}) ==
-        (amx_fp16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_widening));
-  // The first the CPU has of amx_bf16, avx512_bf16, float_widening (and AMX only with
+        (amx_fp16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_products));
+  // The first the CPU has of amx_bf16, avx512_bf16, float_products (and AMX only with
   // avx512_bf16, the code around its tiles).
   CHECK((!amx_unit || bf16_unit));
   AttentionOptions options;
   CHECK(options.precision == Precision::matrix_units);
   CHECK(matrix_unit_for<bf16, bf16>(options) == (amx_unit    ? MatrixUnit::amx_bf16
                                                  : bf16_unit ? MatrixUnit::avx512_bf16
-                                                             : MatrixUnit::float_widening));
+                                                             : MatrixUnit::float_products));
   // The tile engine's unit on a tile layer: the library's (matrix_unit_for), the CPU's tiles
   // turned off (the next unit), the emulation (available with avx512_bf16, which it needs).
   {
@@ -702,28 +702,28 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
     CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxNativeTiles>(units) ==
           matrix_unit_for<Eigen::half, Eigen::half>(options));
     CHECK(tile_engine_unit<bf16, bf16, AmxTilesOff>(units) ==
-          (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_widening));
+          (bf16_unit ? MatrixUnit::avx512_bf16 : MatrixUnit::float_products));
     CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxTilesOff>(units) ==
-          MatrixUnit::float_widening);
+          MatrixUnit::float_products);
     CHECK(tile_engine_unit<bf16, bf16, AmxEmulatedTiles>(units) ==
-          (bf16_unit ? MatrixUnit::amx_bf16 : MatrixUnit::float_widening));
+          (bf16_unit ? MatrixUnit::amx_bf16 : MatrixUnit::float_products));
     CHECK(tile_engine_unit<Eigen::half, Eigen::half, AmxEmulatedTiles>(units) ==
-          (bf16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_widening));
-    CHECK(tile_engine_unit<float, bf16, AmxEmulatedTiles>(units) == MatrixUnit::float_widening);
+          (bf16_unit ? MatrixUnit::amx_fp16 : MatrixUnit::float_products));
+    CHECK(tile_engine_unit<float, bf16, AmxEmulatedTiles>(units) == MatrixUnit::float_products);
     CHECK(tile_engine_unit<Eigen::half, bf16, AmxEmulatedTiles>(units) ==
-          MatrixUnit::float_widening);
+          MatrixUnit::float_products);
     CHECK(tile_engine_unit<float, Eigen::half, AmxEmulatedTiles>(units) ==
-          MatrixUnit::float_widening);
+          MatrixUnit::float_products);
     CHECK(tile_engine_unit<bf16, bf16, AmxEmulatedTiles>(Precision::float_products) ==
-          MatrixUnit::float_widening);
+          MatrixUnit::float_products);
   }
   CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_bf16) == amx_unit);
   CHECK(poslsh::matrix_unit_available(MatrixUnit::amx_fp16) == amx_fp16_unit);
-  CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_widening);
-  CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<float, bf16>(options) == MatrixUnit::float_products);
+  CHECK(matrix_unit_for<float, float>(options) == MatrixUnit::float_products);
   options.precision = Precision::float_products;
-  CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_widening);
-  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_widening);
+  CHECK(matrix_unit_for<bf16, bf16>(options) == MatrixUnit::float_products);
+  CHECK(matrix_unit_for<Eigen::half, Eigen::half>(options) == MatrixUnit::float_products);
   // A precision outside the enumerators is named.
   options.precision = static_cast<Precision>(7);
   const RowMatrix<bf16> x = poslsh_test::random_half<bf16>(8, 4, 1);

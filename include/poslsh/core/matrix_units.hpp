@@ -3,7 +3,7 @@
 // the best unit of the CPU it runs on (matrix_unit_for), so the same program or Python wheel
 // uses AVX512-BF16 dot products where the CPU has them and float products elsewhere.
 //
-//   float_widening  every half-precision value widened to float, float multiply-adds (any CPU);
+//   float_products  every half-precision value widened to float, float multiply-adds (any CPU);
 //   avx512_bf16     vdpbf16ps: 32 bfloat16 products summed in pairs into 16 float lanes per
 //                   instruction (AVX512-BF16: Intel Cooper Lake, Sapphire Rapids and later;
 //                   AMD Zen 4 and later). Needs AVX-512 F and BW, and the OS saving the
@@ -18,8 +18,8 @@
 //                   and later), with the same needs as amx_bf16 (AMX-TILE, the OS state, the
 //                   permission, avx512_bf16 for the code around the tiles).
 // With Q, K and V all in Eigen::bfloat16 and Precision::matrix_units, a call uses amx_bf16,
-// else avx512_bf16, else float_widening, the first the CPU has; with all three in Eigen::half,
-// amx_fp16, else float_widening. AVX512-FP16 has no float16 product summed in float (its
+// else avx512_bf16, else float_products, the first the CPU has; with all three in Eigen::half,
+// amx_fp16, else float_products. AVX512-FP16 has no float16 product summed in float (its
 // multiply-adds round every sum to float16), so float16 inputs without AMX-FP16 are widened.
 #pragma once
 
@@ -43,11 +43,11 @@
 namespace poslsh {
 
 /// The units that multiply half-precision tiles (see the file comment).
-enum class MatrixUnit { float_widening, avx512_bf16, amx_bf16, amx_fp16 };
+enum class MatrixUnit { float_products, avx512_bf16, amx_bf16, amx_fp16 };
 
-/// The names "float_widening", "avx512_bf16", "amx_bf16" and "amx_fp16" (enum_name,
+/// The names "float_products", "avx512_bf16", "amx_bf16" and "amx_fp16" (enum_name,
 /// enum_from_name).
-POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16, amx_bf16, amx_fp16);
+POSLSH_ENUM_NAMES(MatrixUnit, float_products, avx512_bf16, amx_bf16, amx_fp16);
 
 namespace detail {
 
@@ -122,12 +122,12 @@ inline bool detect_amx(MatrixUnit unit) {
 
 }  // namespace detail
 
-/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once per unit
+/// Whether this CPU (and OS) can run `unit`. float_products: always. Detected once per unit
 /// (for the AMX units, the first call asks Linux for the tile permission).
 inline bool matrix_unit_available(MatrixUnit unit) {
 #if POSLSH_X86_UNITS
   switch (unit) {
-    case MatrixUnit::float_widening:
+    case MatrixUnit::float_products:
       return true;
     case MatrixUnit::avx512_bf16: {
       static const bool available = detail::detect_avx512_bf16();
@@ -144,7 +144,7 @@ inline bool matrix_unit_available(MatrixUnit unit) {
   }
   return false;
 #else
-  return unit == MatrixUnit::float_widening;
+  return unit == MatrixUnit::float_products;
 #endif
 }
 
@@ -166,7 +166,7 @@ MatrixUnit choose_matrix_unit(Precision precision, AmxAvailable&& amx_available)
     }
   }
   static_cast<void>(amx_available);
-  return MatrixUnit::float_widening;
+  return MatrixUnit::float_products;
 }
 
 }  // namespace detail
@@ -174,7 +174,7 @@ MatrixUnit choose_matrix_unit(Precision precision, AmxAvailable&& amx_available)
 /// The unit that multiplies the tiles of a call with Q stored as QScalar and K, V as KVScalar
 /// under `precision`: under Precision::matrix_units, when all three are Eigen::bfloat16,
 /// amx_bf16 if the CPU has it, else avx512_bf16 if it has that; when all three are
-/// Eigen::half, amx_fp16 if the CPU has it; float_widening otherwise (float and double inputs
+/// Eigen::half, amx_fp16 if the CPU has it; float_products otherwise (float and double inputs
 /// are multiplied in their own type, other half-precision and mixed inputs widened).
 template <typename QScalar, typename KVScalar>
 MatrixUnit matrix_unit_for(Precision precision) {

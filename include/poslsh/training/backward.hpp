@@ -155,13 +155,13 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
 
 /// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
 /// when Input is Eigen::bfloat16 and the forward would use a bfloat16 unit
-/// (matrix_unit_for<Input, Input>(precision) is not float_widening). A CPU with amx_bf16 also
+/// (matrix_unit_for<Input, Input>(precision) is not float_products). A CPU with amx_bf16 also
 /// has avx512_bf16, on which its backward runs; float16 inputs (amx_fp16 in the forward) are
 /// widened. Any head widths: the pair kernels read rows padded to an even length.
 template <typename Input>
 bool backward_on_bf16_unit(Precision precision) {
   if constexpr (std::is_same_v<Input, Eigen::bfloat16>) {
-    return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
+    return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_products &&
            matrix_unit_available(MatrixUnit::avx512_bf16);
   } else {
     static_cast<void>(precision);

@@ -1018,7 +1018,7 @@ MatrixUnit tile_engine_unit(Precision precision) {
                                         : AmxTiles<Eigen::half>::available();
   });
 #else
-  return matrix_unit_for<QScalar, KVScalar>(precision);  // float_widening: no unit off x86
+  return matrix_unit_for<QScalar, KVScalar>(precision);  // float_products: no unit off x86
 #endif
 }
 
