@@ -339,8 +339,8 @@ template <typename Q, typename KV, typename Out,
 void check_paged_batch(const PagedBatch<KV>& cache, const std::vector<std::int32_t>& cu_q,
                        const std::vector<Index>& offsets, const MultiHeadOptions& options) {
   using Compute = poslsh::compute_scalar_t<Q, KV, Out>;
-  constexpr bool native = std::is_same_v<Tiles<Eigen::bfloat16>,
-                                         poslsh::detail::AmxNativeTiles<Eigen::bfloat16>>;
+  constexpr bool native =
+      std::is_same_v<Tiles<Eigen::bfloat16>, poslsh::detail::AmxNativeTiles<Eigen::bfloat16>>;
   constexpr Index H = batch_q_heads, d = batch_dim, dv = batch_value_dim;
   const Index tokens = cu_q.back();
   const RowMatrix<Q> q = random_matrix<float>(tokens, H * d, 601).cast<Q>();
@@ -419,8 +419,8 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
             options.window_left = 5;
             options.window_right = masking == Masking::causal ? -1 : 2;
           }
-          check_paged_batch<Q, KV, Out, Tiles>(cache, cu_q,
-                                        explicit_offsets ? offsets : std::vector<Index>{}, options);
+          check_paged_batch<Q, KV, Out, Tiles>(
+              cache, cu_q, explicit_offsets ? offsets : std::vector<Index>{}, options);
         }
       }
     }
