@@ -35,6 +35,7 @@ using poslsh_test::has_bf16_unit, poslsh_test::plain_bf16_backward;
 using poslsh_test::heads_of, poslsh_test::heads_options, poslsh_test::HeadsProblem;
 using poslsh_test::random_half, poslsh_test::widened;
 using poslsh_test::setup_backward, poslsh_test::setup_forward;
+using bf16 = Eigen::bfloat16;
 
 /// A half-precision matrix stored with a row stride larger than its column count (`cols` of
 /// `cols + 5` columns), and its float copy (contiguous, the widened values).
@@ -112,15 +113,11 @@ Grads heads_backward_of(HeadsCall call, const HeadsProblem<Half>& p, const Scala
   return g;
 }
 
-}  // namespace half_backward
-}  // namespace
-
 TEMPLATE_TEST_CASE(
     "half-precision backward passes are bitwise the float passes on the widened "
     "inputs",
     "[half][backward]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
   const Index d = 40, dv = 20;
   for (const Index n : {Index{77}, Index{300}}) {
     const auto seed = static_cast<std::uint64_t>(n) * 10;
@@ -152,7 +149,6 @@ TEMPLATE_TEST_CASE(
     "widened inputs",
     "[half][backward]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
   // n = 300 tokens, 4 query heads over 2 K/V heads, d = 24, d_v = 16.
   HeadsProblem<Half> p(300, 4, 2, 24, 16, 500);
   for (const poslsh::Method method : poslsh_test::heads_methods) {
@@ -197,8 +193,6 @@ TEST_CASE(
     "bfloat16 backward passes on the AVX512-BF16 unit: within twice a plain bfloat16 "
     "backward's error against double, the same bits for 1 and 2 threads, even and odd widths",
     "[half][backward][matrix_units]") {
-  using namespace half_backward;
-  using bf16 = Eigen::bfloat16;
   if (!has_bf16_unit()) return;
   const Index n = 300;
   for (const auto& [d, dv] : {std::pair<Index, Index>{40, 22}, std::pair<Index, Index>{33, 21}}) {
@@ -234,8 +228,6 @@ TEST_CASE(
     "all-heads bfloat16 backward passes on the AVX512-BF16 unit: the single-head passes "
     "of each head, the same bits for 1 and 2 threads",
     "[half][backward][matrix_units]") {
-  using namespace half_backward;
-  using bf16 = Eigen::bfloat16;
   if (!has_bf16_unit()) return;
   const Index n = 200, heads = 2, kv_heads = 1, d = 24, dv = 16;
   HeadsProblem<bf16> p(n, heads, kv_heads, d, dv, 900);
@@ -285,7 +277,6 @@ TEST_CASE(
 TEMPLATE_TEST_CASE("half-precision backward passes name a bad argument", "[half][backward]",
                    Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
   const Index n = 70, d = 8, dv = 6;
   const RowMatrix<Half> q = random_half<Half>(n, d, 1), k = random_half<Half>(n, d, 2),
                         v = random_half<Half>(n, dv, 3), out = random_half<Half>(n, dv, 4),
@@ -363,3 +354,6 @@ TEMPLATE_TEST_CASE("half-precision backward passes name a bad argument", "[half]
       },
       "dout");
 }
+
+}  // namespace half_backward
+}  // namespace

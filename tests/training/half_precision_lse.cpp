@@ -12,6 +12,7 @@
 #include <poslsh/attention/tiled.hpp>
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/training/backward.hpp>
+#include <utility>
 #include <vector>
 
 #include "backward_kernels.hpp"
@@ -27,6 +28,7 @@ using poslsh_test::for_each_config, poslsh_test::for_one_and_two_threads;
 using LseConfig = poslsh_test::BackwardSetup;
 using LseGrads = poslsh_test::BackwardGradients<float>;
 using LseVector = poslsh_test::ColumnVector<float>;
+using bf16 = Eigen::bfloat16;
 
 /// True when two matrices of any scalar type have the same shape and the same bytes.
 template <typename A, typename B>
@@ -48,6 +50,15 @@ void check_lse_threads(int threads, const M& result, M& first) {
   } else {
     CHECK(same_bytes(result, first));
   }
+}
+
+/// out (in Half) and lse of the forward with lse of configuration c on in's Half inputs.
+template <typename Half>
+std::pair<RowMatrix<Half>, LseVector> forward_with_lse(const LseConfig& c,
+                                                       const poslsh_test::HalfInputs<Half>& in) {
+  std::pair<RowMatrix<Half>, LseVector> result;
+  poslsh_test::setup_forward<Half>(c, in.q, in.k, in.v, result.first, result.second);
+  return result;
 }
 
 /// The forward without lse of configuration c (out in Half): what the forward with lse must
@@ -149,15 +160,11 @@ RowMatrix<Half> heads_without_lse(LseCall call, const poslsh_test::HeadsProblem<
   return out;
 }
 
-}  // namespace half_lse
-}  // namespace
-
 TEMPLATE_TEST_CASE(
     "half-precision forwards with lse under float products are bitwise the float forwards "
     "on the widened inputs, out rounded once",
     "[half][lse]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
   const Index d = 40, dv = 20;
   for (const Index n : {Index{77}, Index{300}}) {
     const auto seed = static_cast<std::uint64_t>(n) * 7;
@@ -170,9 +177,7 @@ TEMPLATE_TEST_CASE(
       RowMatrix<Half> first_out;
       LseVector first_lse;
       for_one_and_two_threads([&](int threads) {
-        RowMatrix<Half> out;
-        LseVector lse;
-        poslsh_test::setup_forward<Half>(c, in.q, in.k, in.v, out, lse);
+        const auto [out, lse] = forward_with_lse(c, in);
         CHECK(lse.allFinite());
         CHECK(same_bytes(lse, lse_float));
         CHECK(same_bytes(out, out_rounded));
@@ -196,8 +201,6 @@ TEST_CASE(
     "lse, lse close to the dense log-sum-exp, the backward fed by them within twice a plain "
     "bfloat16 backward's error against double",
     "[half][lse][matrix_units]") {
-  using namespace half_lse;
-  using bf16 = Eigen::bfloat16;
   if (!poslsh_test::has_bf16_unit()) return;
   const Index n = 300, d = 40, dv = 22;
   const poslsh_test::HalfInputs<bf16> in(n, d, dv, 171);
@@ -207,9 +210,7 @@ TEST_CASE(
     RowMatrix<bf16> first_out;
     LseVector first_lse;
     for_one_and_two_threads([&](int threads) {
-      RowMatrix<bf16> out;
-      LseVector lse;
-      poslsh_test::setup_forward<bf16>(c, in.q, in.k, in.v, out, lse);
+      const auto [out, lse] = forward_with_lse(c, in);
       CHECK(same_bytes(out, forward_without_lse<bf16>(c, in.q, in.k, in.v)));
       // Scores from bfloat16 inputs with float sums: the lse of the same scores to float
       // rounding (a few ulp of its magnitude).
@@ -233,7 +234,6 @@ TEMPLATE_TEST_CASE(
     "inputs under float products, out bitwise the forward without lse under either precision",
     "[half][lse]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
   // n = 300 tokens, 4 query heads over 2 K/V heads, d = 24, d_v = 16.
   const poslsh_test::HeadsProblem<Half> p(300, 4, 2, 24, 16, 600);
   for (const Precision precision : {Precision::float_products, Precision::matrix_units}) {
@@ -275,7 +275,6 @@ TEMPLATE_TEST_CASE(
 TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[half][lse]",
                    Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
   const Index n = 70, d = 8, dv = 6;
   const RowMatrix<Half> q = random_half<Half>(n, d, 1), k = random_half<Half>(n, d, 2),
                         v = random_half<Half>(n, dv, 3), k_wide = random_half<Half>(n, d + 1, 4);
@@ -319,3 +318,6 @@ TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[hal
       },
       "lse");
 }
+
+}  // namespace half_lse
+}  // namespace
