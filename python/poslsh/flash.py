@@ -90,15 +90,16 @@ import math
 import numpy as np
 import torch
 
-from . import _core
+from . import _core, _methods
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 # The accepted method names and poslsh's method of each: FlashAttention-style short names and
 # every name of the library's method table (poslsh.method_names()).
-_METHODS = {"exact": "exact_tiled", "banded": "exact_banded", "lsh": "lsh_fused",
-            **{name: name for name in _core.method_names()}}
-_EXACT = ("exact_tiled", "exact_banded")
+_METHODS = _methods.accepted()
+# The methods that take a window, and those with gradients in the slopes (the table's traits).
+_WINDOWED = _core.method_names(takes_window=True)
+_SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
 _FLAT_SIGMA = 1e300
@@ -277,12 +278,13 @@ def _normalize(function, config, max_k, slopes_grad):
     left = -1 if config.left >= max_k else config.left
     right = -1 if config.causal or config.right >= max_k else config.right
     config.left, config.right = left, right
-    if (left, right) != (-1, -1) and config.method not in _EXACT:
-        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only 'exact' and "
-              "'banded')")
-    if slopes_grad and config.method not in _EXACT:
+    if (left, right) != (-1, -1) and config.method not in _WINDOWED:
+        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only "
+              f"{_methods.short_names(_WINDOWED)})")
+    if slopes_grad and config.method not in _SLOPE_GRADIENTS:
         _fail(function, "alibi_slopes", f"requires grad: method {config.method!r} samples position bins from the "
-              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: 'exact', 'banded')")
+              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: "
+              f"{_methods.short_names(_SLOPE_GRADIENTS)})")
 
 
 def _sigmas(slopes_row, heads):
@@ -589,8 +591,8 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
                       causal, window_left, window_right, method, samples, seed, band_error, precision, batch)
-    if return_lse and config.method == "mean_of_outputs":
-        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    if return_lse and not _core.method_has_lse(config.method):
+        _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
@@ -623,8 +625,8 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
                       causal, window_left, window_right, method, samples, seed, band_error, precision,
                       len(cu_q) - 1)
-    if return_lse and config.method == "mean_of_outputs":
-        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    if return_lse and not _core.method_has_lse(config.method):
+        _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
     return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
 
 

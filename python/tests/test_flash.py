@@ -13,12 +13,14 @@ import poslsh
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import poslsh.torch as ptorch  # noqa: E402
+from poslsh._methods import short_name  # noqa: E402
 
 flash_attn_func = ptorch.flash_attn_func
 flash_attn_varlen_func = ptorch.flash_attn_varlen_func
 flash_attn_with_kvcache = ptorch.flash_attn_with_kvcache
 
-LSH_METHODS = ["lsh", "lsh_per_sample", "fixed_blocks", "mean_of_outputs"]
+# The methods without a window (the LSH estimators and fixed blocks), by FlashAttention-style names.
+LSH_METHODS = [short_name(method) for method in poslsh.method_names(takes_window=False)]
 
 
 def dense(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, bands=None):
