@@ -171,17 +171,6 @@ py::array double_array(const std::vector<double>& values) {
 }  // namespace
 
 void register_attention(py::module_& module) {
-  using poslsh::Method;
-  // The forward of every method with a log-sum-exp (the one without, mean_of_outputs, is
-  // bound with its backward: training.cpp).
-  for (const Method method : poslsh::enum_values<Method>()) {
-    poslsh::visit_single_head_kernels(method, [&](auto row) {
-      using Row = decltype(row);
-      if constexpr (poslsh::method_has_lse(Row::method))
-        def_prefill<Row>(module, typename Row::parameters{});
-    });
-  }
-
   module.def(
       "alibi_attention_reference",
       [](py::handle q, py::handle k, py::handle v, double sigma, const std::string& masking,
@@ -265,6 +254,14 @@ slopes of 2p heads, p = 2^floor(log2 H).
              R"doc(
 Band half-width W = ceil(sigma ln(1/eps)): |i-j| > W implies exp(-|i-j| / sigma) < eps.
 )doc");
+
+  // The forward of every method with a log-sum-exp (the one without, mean_of_outputs, is
+  // bound with its backward: training.cpp).
+  poslsh::for_each_single_head_kernels([&](auto row) {
+    using Row = decltype(row);
+    if constexpr (poslsh::method_has_lse(Row::method))
+      def_prefill<Row>(module, typename Row::parameters{});
+  });
 }
 
 }  // namespace poslsh_python

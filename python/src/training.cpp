@@ -151,6 +151,26 @@ float64, self-attention.
 )doc"},
 };
 
+/// A single-head training call of `function` (a forward with lse or a backward): the options
+/// of the keywords and the thread count checked, the kernel parameters' values
+/// (parameter_value), then run(types, options, threads, values...) for q's storage type (every
+/// dtype of training_dtypes_doc).
+template <typename Run, typename... Parameters>
+py::object single_head_training(const char* function, py::handle q, const std::string& masking,
+                                std::optional<double> scale, const std::string& precision,
+                                std::optional<int> threads, Run&& run,
+                                const Parameters&... parameters) {
+  const poslsh::AttentionOptions options = attention_options(
+      masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
+  threads = thread_count(threads, function);
+  const auto call = [&](const auto&... values) {
+    return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+      return run(types, options, threads, values...);
+    });
+  };
+  return call(parameter_value(parameters, function)...);
+}
+
 /// Binds the training functions of a method with lse from its row (poslsh::SingleHeadKernels,
 /// parameters P...):
 ///   <function>_with_lse(q, k, v, parameters..., *, masking="causal", scale=None, out=None,
@@ -162,40 +182,37 @@ float64, self-attention.
 /// on the dtypes of training_dtypes_doc.
 template <typename Row, typename... P>
 void def_training(py::module_& module, poslsh::KernelParameters<P...>) {
-  module.def(
-      (std::string(Row::function) + "_with_lse").c_str(),
-      [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
-         const std::string& masking, std::optional<double> scale, py::handle out, py::handle lse,
-         std::optional<int> threads, const std::string& precision) {
-        const char* const function = Row::function;
-        const poslsh::AttentionOptions options = attention_options(
-            masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
-        threads = thread_count(threads, function);
-        const auto call = [&](const auto&... values) {
-          return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
-            using T = typename decltype(types)::q;
-            using L = poslsh::backward_scalar_t<T>;
-            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
-            const Index n = maps.q.rows();
-            const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
-            auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
-            const Output lse_out =
-                output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
-            VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
-            run_kernel(threads, [&] {
-              Row::template forward_with_lse<T>(maps.q, maps.k, maps.v, values..., output.map,
-                                                lse_map, options);
-            });
-            return py::make_tuple(output.result, lse_out.result);
-          });
-        };
-        return call(parameter_value(parameters, function)...);
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::kw_only(),
-      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
-      py::arg("out") = py::none(), py::arg("lse") = py::none(), py::arg("num_threads") = py::none(),
-      py::arg("precision") = default_precision(),
-      (method_doc(with_lse_docs, Row::method, Row::function) + training_dtypes_doc).c_str());
+  module.def((std::string(Row::function) + "_with_lse").c_str(),
+             [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+                const std::string& masking, std::optional<double> scale, py::handle out,
+                py::handle lse, std::optional<int> threads, const std::string& precision) {
+               const char* const function = Row::function;
+               const auto run = [&](auto types, const auto& options, auto threads,
+                                    const auto&... values) -> py::object {
+                 using T = typename decltype(types)::q;
+                 using L = poslsh::backward_scalar_t<T>;
+                 const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+                 const Index n = maps.q.rows();
+                 const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+                 auto output =
+                     output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
+                 const Output lse_out =
+                     output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
+                 VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
+                 run_kernel(threads, [&] {
+                   Row::template forward_with_lse<T>(maps.q, maps.k, maps.v, values..., output.map,
+                                                     lse_map, options);
+                 });
+                 return py::make_tuple(output.result, lse_out.result);
+               };
+               return single_head_training(function, q, masking, scale, precision, threads, run,
+                                           parameters...);
+             },
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::kw_only(),
+             py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+             py::arg("out") = py::none(), py::arg("lse") = py::none(),
+             py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
+             (method_doc(with_lse_docs, Row::method, Row::function) + training_dtypes_doc).c_str());
 
   static const std::string backward = std::string(Row::function) + "_backward";
   module.def(
@@ -205,31 +222,27 @@ void def_training(py::module_& module, poslsh::KernelParameters<P...>) {
          std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
          std::optional<int> threads, const std::string& precision) {
         const char* const name = backward.c_str();
-        const poslsh::AttentionOptions options = attention_options(
-            masking_of(masking, name), scale, std::nullopt, precision_of(precision, name));
-        threads = thread_count(threads, name);
-        const auto call = [&](const auto&... values) {
-          return dispatch<Precision::half>(name, {q}, [&](auto types) -> py::object {
-            using T = typename decltype(types)::q;
-            using L = poslsh::backward_scalar_t<T>;
-            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
-            const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
-            const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
-            const Index n = maps.q.rows();
-            const Eigen::Map<const Eigen::Matrix<L, Eigen::Dynamic, 1>> lse_map(
-                vector_data<L>(storage_array<L>(lse, name, "lse", lse_like<T>()), n, name), n);
-            auto grads = gradient_outputs<T>(
-                name, maps, dq, dk, dv,
-                {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
-            run_kernel(threads, [&] {
-              Row::template backward<T>(maps.q, maps.k, maps.v, values..., out_map, lse_map,
-                                        dout_map, grads.dq.map, grads.dk.map, grads.dv.map,
-                                        options);
-            });
-            return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
+        const auto run = [&](auto types, const auto& options, auto threads,
+                             const auto&... values) -> py::object {
+          using T = typename decltype(types)::q;
+          using L = poslsh::backward_scalar_t<T>;
+          const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
+          const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
+          const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
+          const Index n = maps.q.rows();
+          const Eigen::Map<const Eigen::Matrix<L, Eigen::Dynamic, 1>> lse_map(
+              vector_data<L>(storage_array<L>(lse, name, "lse", lse_like<T>()), n, name), n);
+          auto grads = gradient_outputs<T>(
+              name, maps, dq, dk, dv,
+              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
+          run_kernel(threads, [&] {
+            Row::template backward<T>(maps.q, maps.k, maps.v, values..., out_map, lse_map, dout_map,
+                                      grads.dq.map, grads.dk.map, grads.dv.map, options);
           });
+          return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
         };
-        return call(parameter_value(parameters, name)...);
+        return single_head_training(name, q, masking, scale, precision, threads, run,
+                                    parameters...);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::arg("out"), py::arg("lse"),
       py::arg("dout"), py::kw_only(), py::arg("masking") = default_masking(),
@@ -422,18 +435,15 @@ std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, I
 }  // namespace
 
 void register_training(py::module_& module) {
-  using poslsh::Method;
   // The forward with lse and the backward of every method's single-head kernel, or its forward
   // and backward for a method without lse.
-  for (const Method method : poslsh::enum_values<Method>()) {
-    poslsh::visit_single_head_kernels(method, [&](auto row) {
-      using Row = decltype(row);
-      if constexpr (poslsh::method_has_lse(Row::method))
-        def_training<Row>(module, typename Row::parameters{});
-      else
-        def_without_lse<Row>(module, typename Row::parameters{});
-    });
-  }
+  poslsh::for_each_single_head_kernels([&](auto row) {
+    using Row = decltype(row);
+    if constexpr (poslsh::method_has_lse(Row::method))
+      def_training<Row>(module, typename Row::parameters{});
+    else
+      def_without_lse<Row>(module, typename Row::parameters{});
+  });
 
   def_multihead(
       module, "multihead_attention_with_lse",

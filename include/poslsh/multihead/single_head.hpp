@@ -18,8 +18,8 @@
 /// without one (mean_of_outputs),
 ///   backward<S>(q, k, v, parameters..., dout, dq, dk, dv, options).
 /// Each member calls the method's public single-head function with its arguments unchanged, so
-/// a caller reaching a kernel through its row (visit_single_head_kernels: the Python bindings)
-/// gets bitwise the function's results.
+/// a caller reaching a kernel through its row (visit_single_head_kernels,
+/// for_each_single_head_kernels: the Python bindings) gets bitwise the function's results.
 #pragma once
 
 #include <utility>
@@ -183,6 +183,12 @@ struct SingleHeadKernels<Method::mean_of_outputs> {
 template <typename Visitor>
 constexpr decltype(auto) visit_single_head_kernels(Method method, Visitor&& visitor) {
   return detail::visit_method_row<SingleHeadKernels>(method, std::forward<Visitor>(visitor));
+}
+
+/// visitor(SingleHeadKernels<method>{}) for every method of the table, in declaration order.
+template <typename Visitor>
+void for_each_single_head_kernels(Visitor&& visitor) {
+  for (const Method method : enum_values<Method>()) visit_single_head_kernels(method, visitor);
 }
 
 }  // namespace poslsh
