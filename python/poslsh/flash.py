@@ -173,40 +173,34 @@ def _window(function, window_size):
 
 
 def _method(function, method):
-    if not isinstance(method, str):
-        _fail(function, "method", f"must be a str, got {type(method).__name__}", TypeError)
+    """poslsh's method of an accepted name (a short name or a name of the table)."""
     if method not in _METHODS:
         _fail(function, "method", f"is {method!r}: must be one of {', '.join(repr(m) for m in _METHODS)}")
     return _METHODS[method]
 
 
-def _scale(function, softmax_scale, headdim):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(headdim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        _fail(function, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}", TypeError)
-    if not math.isfinite(softmax_scale):
-        _fail(function, "softmax_scale", f"is {softmax_scale}: must be finite")
-    return float(softmax_scale)
-
-
-def _integer(function, value, name, low):
+def _integer(function, value, name, low=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         _fail(function, name, f"must be an int, got {type(value).__name__}", TypeError)
-    if value < low:
+    if low is not None and value < low:
         _fail(function, name, f"is {value}: must be >= {low}")
     return int(value)
 
 
-def _extras(function, method, samples, seed, band_error):
-    method = _method(function, method)
-    samples = _integer(function, samples, "samples", 1)
-    seed = _integer(function, seed, "seed", 0)
-    if seed >= 2**63:
-        _fail(function, "seed", f"is {seed}: must be < 2**63")
-    if isinstance(band_error, bool) or not isinstance(band_error, (int, float)) or not 0.0 < band_error < 1.0:
-        _fail(function, "band_error", f"is {band_error!r}: must be a float in (0, 1)")
-    return method, samples, seed, float(band_error)
+def _number(function, value, name, optional=False):
+    """A float argument of the operator schema: an int or a float (or None when optional)."""
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a float or None" if optional else "a float"
+        _fail(function, name, f"must be {kind}, got {type(value).__name__}", TypeError)
+    return float(value)
+
+
+def _string(function, value, name):
+    if not isinstance(value, str):
+        _fail(function, name, f"must be a str, got {type(value).__name__}", TypeError)
+    return value
 
 
 def _slopes(function, slopes, batch, heads):
@@ -522,14 +516,6 @@ class _FlashPacked(torch.autograd.Function):
 # The operators. ----------------------------------------------------------------------------
 
 
-def _precision(function, precision):
-    """`precision` checked against the library's names (poslsh.precision_names())."""
-    names = _core.precision_names()
-    if not isinstance(precision, str) or precision not in names:
-        _fail(function, "precision", f"= {precision!r}: must be " + " or ".join(repr(name) for name in names))
-    return precision
-
-
 def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, window_left, window_right, method,
              samples, seed, band_error, precision, batch, same_dtypes=True):
     """Checks shared by the three calls (m, lengths: the query and key counts of the sequences,
@@ -540,10 +526,13 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     slope_values = _slopes(function, slopes, batch, heads)
     if slopes is not None and slope_values is None and q.device.type != "meta":
         _fail(function, "alibi_slopes", f"is on {slopes.device} while q is on {q.device}: must be a CPU tensor")
-    method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
-    left, right = _window(function, (window_left, window_right))
-    config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,
-                     band_error, _precision(function, precision))
+    # The values of method, samples, seed, band_error, softmax_scale and precision are the
+    # library's to check (samples for the methods that draw hashes, band_error for exact_banded);
+    # only the short method names are this module's.
+    method = _method(function, method)
+    left, right = int(window_left), int(window_right)  # checked by the public call (_window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    config = _Config(method, scale, bool(causal), left, right, samples, seed, band_error, precision)
     config.slope_values = slope_values
     config.slopes_per_row = slopes is not None and slopes.dim() == 2
     if not causal:
@@ -874,17 +863,21 @@ _LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
 
 
 def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale, precision):
-    """The argument types the operator schema would otherwise reject with a RuntimeError."""
+    """The argument types the operator schema would otherwise reject with a RuntimeError, and a
+    seed the library's unsigned 64-bit seed holds (the schema's int is signed)."""
     for name, x in tensors:
         if not isinstance(x, torch.Tensor):
             _fail(function, name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
     for name, x in optional:
         if x is not None and not isinstance(x, torch.Tensor):
             _fail(function, name, f"must be a torch.Tensor or None, got {type(x).__name__}", TypeError)
-    _extras(function, method, samples, seed, band_error)
-    if softmax_scale is not None:
-        _scale(function, softmax_scale, 1)
-    _precision(function, precision)
+    _string(function, method, "method")
+    _integer(function, samples, "samples")
+    if _integer(function, seed, "seed", 0) >= 2**63:
+        _fail(function, "seed", f"is {seed}: must be < 2**63")
+    _number(function, band_error, "band_error")
+    _number(function, softmax_scale, "softmax_scale", optional=True)
+    _string(function, precision, "precision")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -114,15 +114,6 @@ def _kernel_array(tensor, name, half):
     return _storage(tensor, name) if half else _array(tensor, name)
 
 
-def _precision(function, precision):
-    """`precision` checked against the library's names (poslsh.precision_names())."""
-    names = _core.precision_names()
-    if not isinstance(precision, str) or precision not in names:
-        raise ValueError(f"poslsh.torch.{function}: argument 'precision' = {precision!r}: must be "
-                         + " or ".join(repr(name) for name in names))
-    return precision
-
-
 def _single_head_forward(ctx, kernel, q, k, v, parameter, masking, scale, precision):
     """Forward with lse of the single-head kernel `kernel` of the core module (its argument
     after v is `parameter`: sigma or a HashSet) on [n, d] tensors, read in place (half precision
@@ -181,13 +172,13 @@ def alibi_attention(q, k, v, sigma, *, masking="causal", scale=None, precision="
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v).
     precision: "matrix_units" (default) or "float_products", for bfloat16 inputs (module
     docstring); float32 and float64 inputs ignore it."""
-    return AlibiAttention.apply(q, k, v, sigma, masking, scale, _precision("alibi_attention", precision))
+    return AlibiAttention.apply(q, k, v, sigma, masking, scale, precision)
 
 
 def lsh_attention(q, k, v, hashes, *, masking="causal", scale=None, precision="matrix_units"):
     """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
     in q, k, v). precision as alibi_attention."""
-    return LshAttention.apply(q, k, v, hashes, masking, scale, _precision("lsh_attention", precision))
+    return LshAttention.apply(q, k, v, hashes, masking, scale, precision)
 
 
 class MultiheadAttention(torch.autograd.Function):
@@ -238,7 +229,7 @@ def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="c
                     band_error=band_error, window=tuple(window))
     if cu_seqlens is not None:
         keywords["cu_seqlens"] = cu_seqlens.numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    return MultiheadAttention.apply(q, k, v, keywords, _precision("multihead_attention", precision))
+    return MultiheadAttention.apply(q, k, v, keywords, precision)
 
 
 # Forward-only kernels on half-precision tensors (inference). -------------------------------

@@ -489,9 +489,6 @@ void register_training(py::module_& module) {
           if (slice) {
             // Unset query_offset: the last m positions of the keys (bottom-right).
             p0 = query_offset ? *query_offset : key_offset.value_or(0) + in.k.tokens - in.q.tokens;
-            if (p0 < 0)
-              throw py::value_error(argument(function, "query_offset") + " = " +
-                                    std::to_string(p0) + " must be >= 0");
           }
           run_kernel(threads, [&] {
             if (slice)

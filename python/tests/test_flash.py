@@ -603,6 +603,21 @@ def test_bad_inputs_name_the_argument(label, call, error, name):
         call()
 
 
+def test_band_error_and_samples_are_checked_where_the_method_uses_them():
+    """One rule each, the library's: band_error in (0, 1) for the banded method, samples >= 1 for
+    the methods that draw hashes; the other methods ignore them."""
+    q, k, v = qkv(1, 6, 6, 2, 1, 4)
+    flash_attn_func(q, k, v, method="exact", band_error=2.0, samples=0)
+    with pytest.raises(ValueError, match="argument 'options.band_error' = 2"):
+        flash_attn_func(q, k, v, method="banded", band_error=2.0)
+    with pytest.raises(ValueError, match="argument 'options.samples' = 0"):
+        flash_attn_func(q, k, v, method="lsh", samples=0)
+    with pytest.raises(TypeError, match="argument 'band_error' must be a float"):
+        flash_attn_func(q, k, v, band_error="small")
+    with pytest.raises(ValueError, match="argument 'options.scale'"):
+        flash_attn_func(q, k, v, softmax_scale=math.inf)
+
+
 def test_block_table_entries_past_the_used_pages_are_not_read():
     """FlashAttention's block tables may hold padding past a row's pages: only used ones are checked."""
     pages = rand((3, 2, 1, 3))
