@@ -42,6 +42,7 @@
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/paged.hpp"
 #include "poslsh/multihead/planner.hpp"
+#include "poslsh/multihead/single_head.hpp"
 #include "poslsh/multihead/training.hpp"
 #include "poslsh/parallel/context_parallel.hpp"
 #include "poslsh/reference/alibi_kernel.hpp"

@@ -71,6 +71,7 @@ from ._core import (  # noqa: F401
     max_threads,
     method_has_lse,
     method_names,
+    method_traits,
     multihead_attention,
     multihead_attention_backward,
     multihead_attention_paged,

@@ -77,9 +77,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _core
+from ._methods import ALIASES
 
-METHODS = ("lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded")
-ALIASES = {"banded": "exact_banded", "exact": "exact_tiled", "lsh": "lsh_fused"}
+# The methods context parallelism runs: those with a log-sum-exp (the ranks' partial results
+# merge by it), in the method table's order.
+METHODS = tuple(_core.method_names(has_lse=True))
 LAYOUTS = ("contiguous", "zigzag")
 MASKINGS = ("causal", "bidirectional")
 TRANSPORTS = ("halo", "ring", "hybrid")

@@ -90,15 +90,16 @@ import math
 import numpy as np
 import torch
 
-from . import _core
+from . import _core, _methods
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 # The accepted method names and poslsh's method of each: FlashAttention-style short names and
 # every name of the library's method table (poslsh.method_names()).
-_METHODS = {"exact": "exact_tiled", "banded": "exact_banded", "lsh": "lsh_fused",
-            **{name: name for name in _core.method_names()}}
-_EXACT = ("exact_tiled", "exact_banded")
+_METHODS = _methods.accepted()
+# The methods that take a window, and those with gradients in the slopes (the table's traits).
+_WINDOWED = _core.method_names(takes_window=True)
+_SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
 _FLAT_SIGMA = 1e300
@@ -172,40 +173,34 @@ def _window(function, window_size):
 
 
 def _method(function, method):
-    if not isinstance(method, str):
-        _fail(function, "method", f"must be a str, got {type(method).__name__}", TypeError)
+    """poslsh's method of an accepted name (a short name or a name of the table)."""
     if method not in _METHODS:
         _fail(function, "method", f"is {method!r}: must be one of {', '.join(repr(m) for m in _METHODS)}")
     return _METHODS[method]
 
 
-def _scale(function, softmax_scale, headdim):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(headdim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        _fail(function, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}", TypeError)
-    if not math.isfinite(softmax_scale):
-        _fail(function, "softmax_scale", f"is {softmax_scale}: must be finite")
-    return float(softmax_scale)
-
-
-def _integer(function, value, name, low):
+def _integer(function, value, name, low=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         _fail(function, name, f"must be an int, got {type(value).__name__}", TypeError)
-    if value < low:
+    if low is not None and value < low:
         _fail(function, name, f"is {value}: must be >= {low}")
     return int(value)
 
 
-def _extras(function, method, samples, seed, band_error):
-    method = _method(function, method)
-    samples = _integer(function, samples, "samples", 1)
-    seed = _integer(function, seed, "seed", 0)
-    if seed >= 2**63:
-        _fail(function, "seed", f"is {seed}: must be < 2**63")
-    if isinstance(band_error, bool) or not isinstance(band_error, (int, float)) or not 0.0 < band_error < 1.0:
-        _fail(function, "band_error", f"is {band_error!r}: must be a float in (0, 1)")
-    return method, samples, seed, float(band_error)
+def _number(function, value, name, optional=False):
+    """A float argument of the operator schema: an int or a float (or None when optional)."""
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a float or None" if optional else "a float"
+        _fail(function, name, f"must be {kind}, got {type(value).__name__}", TypeError)
+    return float(value)
+
+
+def _string(function, value, name):
+    if not isinstance(value, str):
+        _fail(function, name, f"must be a str, got {type(value).__name__}", TypeError)
+    return value
 
 
 def _slopes(function, slopes, batch, heads):
@@ -277,12 +272,13 @@ def _normalize(function, config, max_k, slopes_grad):
     left = -1 if config.left >= max_k else config.left
     right = -1 if config.causal or config.right >= max_k else config.right
     config.left, config.right = left, right
-    if (left, right) != (-1, -1) and config.method not in _EXACT:
-        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only 'exact' and "
-              "'banded')")
-    if slopes_grad and config.method not in _EXACT:
+    if (left, right) != (-1, -1) and config.method not in _WINDOWED:
+        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only "
+              f"{_methods.short_names(_WINDOWED)})")
+    if slopes_grad and config.method not in _SLOPE_GRADIENTS:
         _fail(function, "alibi_slopes", f"requires grad: method {config.method!r} samples position bins from the "
-              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: 'exact', 'banded')")
+              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: "
+              f"{_methods.short_names(_SLOPE_GRADIENTS)})")
 
 
 def _sigmas(slopes_row, heads):
@@ -520,14 +516,6 @@ class _FlashPacked(torch.autograd.Function):
 # The operators. ----------------------------------------------------------------------------
 
 
-def _precision(function, precision):
-    """`precision` checked against the library's names (poslsh.precision_names())."""
-    names = _core.precision_names()
-    if not isinstance(precision, str) or precision not in names:
-        _fail(function, "precision", f"= {precision!r}: must be " + " or ".join(repr(name) for name in names))
-    return precision
-
-
 def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, window_left, window_right, method,
              samples, seed, band_error, precision, batch, same_dtypes=True):
     """Checks shared by the three calls (m, lengths: the query and key counts of the sequences,
@@ -538,10 +526,13 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     slope_values = _slopes(function, slopes, batch, heads)
     if slopes is not None and slope_values is None and q.device.type != "meta":
         _fail(function, "alibi_slopes", f"is on {slopes.device} while q is on {q.device}: must be a CPU tensor")
-    method, samples, seed, band_error = _extras(function, method, samples, seed, band_error)
-    left, right = _window(function, (window_left, window_right))
-    config = _Config(method, _scale(function, softmax_scale, q.shape[-1]), bool(causal), left, right, samples, seed,
-                     band_error, _precision(function, precision))
+    # The values of method, samples, seed, band_error, softmax_scale and precision are the
+    # library's to check (samples for the methods that draw hashes, band_error for exact_banded);
+    # only the short method names are this module's.
+    method = _method(function, method)
+    left, right = int(window_left), int(window_right)  # checked by the public call (_window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    config = _Config(method, scale, bool(causal), left, right, samples, seed, band_error, precision)
     config.slope_values = slope_values
     config.slopes_per_row = slopes is not None and slopes.dim() == 2
     if not causal:
@@ -589,8 +580,8 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     cu_q, cu_k = _dense_cu(batch, seqlen_q), _dense_cu(batch, seqlen_k)
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
                       causal, window_left, window_right, method, samples, seed, band_error, precision, batch)
-    if return_lse and config.method == "mean_of_outputs":
-        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    if return_lse and not _core.method_has_lse(config.method):
+        _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
@@ -623,8 +614,8 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], softmax_scale,
                       causal, window_left, window_right, method, samples, seed, band_error, precision,
                       len(cu_q) - 1)
-    if return_lse and config.method == "mean_of_outputs":
-        _fail(function, "return_attn_probs", "is True: method 'mean_of_outputs' has no softmax_lse")
+    if return_lse and not _core.method_has_lse(config.method):
+        _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
     return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
 
 
@@ -872,17 +863,21 @@ _LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
 
 
 def _check_call(function, tensors, optional, method, samples, seed, band_error, softmax_scale, precision):
-    """The argument types the operator schema would otherwise reject with a RuntimeError."""
+    """The argument types the operator schema would otherwise reject with a RuntimeError, and a
+    seed the library's unsigned 64-bit seed holds (the schema's int is signed)."""
     for name, x in tensors:
         if not isinstance(x, torch.Tensor):
             _fail(function, name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
     for name, x in optional:
         if x is not None and not isinstance(x, torch.Tensor):
             _fail(function, name, f"must be a torch.Tensor or None, got {type(x).__name__}", TypeError)
-    _extras(function, method, samples, seed, band_error)
-    if softmax_scale is not None:
-        _scale(function, softmax_scale, 1)
-    _precision(function, precision)
+    _string(function, method, "method")
+    _integer(function, samples, "samples")
+    if _integer(function, seed, "seed", 0) >= 2**63:
+        _fail(function, "seed", f"is {seed}: must be < 2**63")
+    _number(function, band_error, "band_error")
+    _number(function, softmax_scale, "softmax_scale", optional=True)
+    _string(function, precision, "precision")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import _core
+from . import _core, _methods
 from .flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __all__ = ["AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
@@ -107,8 +107,8 @@ class KVCache:
         self.cache_seqlens.zero_()
 
 
-# The flash_attn_func methods that give gradients in alibi_slopes.
-_SLOPE_GRADIENT_METHODS = ("exact", "exact_tiled", "banded", "exact_banded")
+# The flash_attn_func methods that give gradients in alibi_slopes (short names included).
+_SLOPE_GRADIENT_METHODS = tuple(_methods.accepted(has_slope_gradients=True))
 
 
 class AlibiSelfAttention(nn.Module):

@@ -114,15 +114,6 @@ def _kernel_array(tensor, name, half):
     return _storage(tensor, name) if half else _array(tensor, name)
 
 
-def _precision(function, precision):
-    """`precision` checked against the library's names (poslsh.precision_names())."""
-    names = _core.precision_names()
-    if not isinstance(precision, str) or precision not in names:
-        raise ValueError(f"poslsh.torch.{function}: argument 'precision' = {precision!r}: must be "
-                         + " or ".join(repr(name) for name in names))
-    return precision
-
-
 def _single_head_forward(ctx, kernel, q, k, v, parameter, masking, scale, precision):
     """Forward with lse of the single-head kernel `kernel` of the core module (its argument
     after v is `parameter`: sigma or a HashSet) on [n, d] tensors, read in place (half precision
@@ -181,13 +172,13 @@ def alibi_attention(q, k, v, sigma, *, masking="causal", scale=None, precision="
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v).
     precision: "matrix_units" (default) or "float_products", for bfloat16 inputs (module
     docstring); float32 and float64 inputs ignore it."""
-    return AlibiAttention.apply(q, k, v, sigma, masking, scale, _precision("alibi_attention", precision))
+    return AlibiAttention.apply(q, k, v, sigma, masking, scale, precision)
 
 
 def lsh_attention(q, k, v, hashes, *, masking="causal", scale=None, precision="matrix_units"):
     """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
     in q, k, v). precision as alibi_attention."""
-    return LshAttention.apply(q, k, v, hashes, masking, scale, _precision("lsh_attention", precision))
+    return LshAttention.apply(q, k, v, hashes, masking, scale, precision)
 
 
 class MultiheadAttention(torch.autograd.Function):
@@ -238,7 +229,7 @@ def multihead_attention(q, k, v, *, layout="nhd", method="lsh_fused", masking="c
                     band_error=band_error, window=tuple(window))
     if cu_seqlens is not None:
         keywords["cu_seqlens"] = cu_seqlens.numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    return MultiheadAttention.apply(q, k, v, keywords, _precision("multihead_attention", precision))
+    return MultiheadAttention.apply(q, k, v, keywords, precision)
 
 
 # Forward-only kernels on half-precision tensors (inference). -------------------------------
@@ -272,6 +263,16 @@ def _forward_out(out, shape, q, out_dtype):
     return torch.empty(shape, dtype=q.dtype if out_dtype is None else out_dtype)
 
 
+def _forward_only_call(function, kernel, q, k, v, parameter, out, out_dtype, **keywords):
+    """The forward-only call `function` of a single-head kernel of _core on q, k, v and its
+    parameter (sigma or hashes): the output tensor (`out`, or a new [m, d_v] one) written by
+    kernel(..., out=..., **keywords) and returned."""
+    _forward_only(function, (q, k, v))
+    result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
+    kernel(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), parameter, out=_storage(result, "out"), **keywords)
+    return result
+
+
 def alibi_attention_forward(q, k, v, sigma, *, masking="causal", scale=None, query_offset=None, out_dtype=None,
                             out=None, precision="matrix_units"):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (poslsh.alibi_attention_tiled),
@@ -285,12 +286,9 @@ def alibi_attention_forward(q, k, v, sigma, *, masking="causal", scale=None, que
     one) or "float_products" (every value widened to float32: the float32 call on the widened
     tensors); float32 and float64 inputs ignore it.
     Not differentiable (RuntimeError if an input requires grad while grad mode is on)."""
-    _forward_only("alibi_attention_forward", (q, k, v))
-    result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
-    _core.alibi_attention_tiled(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), sigma, masking=masking,
-                                scale=scale, query_offset=query_offset, out=_storage(result, "out"),
-                                precision=precision)
-    return result
+    return _forward_only_call("alibi_attention_forward", _core.alibi_attention_tiled, q, k, v, sigma, out,
+                              out_dtype, masking=masking, scale=scale, query_offset=query_offset,
+                              precision=precision)
 
 
 def lsh_attention_forward(q, k, v, hashes, *, masking="causal", scale=None, query_offset=None, out_dtype=None,
@@ -298,12 +296,9 @@ def lsh_attention_forward(q, k, v, hashes, *, masking="causal", scale=None, quer
     """LSH ALiBi attention D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block
     masks of `hashes` (poslsh.lsh_attention_fused), forward only; dtypes, out_dtype, out and
     precision as alibi_attention_forward."""
-    _forward_only("lsh_attention_forward", (q, k, v))
-    result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
-    _core.lsh_attention_fused(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), hashes, masking=masking,
-                              scale=scale, query_offset=query_offset, out=_storage(result, "out"),
+    return _forward_only_call("lsh_attention_forward", _core.lsh_attention_fused, q, k, v, hashes, out,
+                              out_dtype, masking=masking, scale=scale, query_offset=query_offset,
                               precision=precision)
-    return result
 
 
 def multihead_attention_forward(q, k, v, *, layout="nhd", method="lsh_fused", masking="causal", scale=None,

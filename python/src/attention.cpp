@@ -1,4 +1,5 @@
-// poslsh Python bindings: the single-head attention kernels, the decoders, and the ALiBi
+// poslsh Python bindings: the single-head attention kernels (the forward of every method with
+// a log-sum-exp, from its row of poslsh::SingleHeadKernels), the decoders, and the ALiBi
 // parameters (slopes, length scales, band widths).
 #include "poslsh/reference/attention.hpp"
 
@@ -7,7 +8,7 @@
 #include "arrays.hpp"
 #include "poslsh/attention/decode.hpp"
 #include "poslsh/core/slopes.hpp"
-#include "single_head.hpp"
+#include "poslsh/multihead/single_head.hpp"
 
 namespace poslsh_python {
 
@@ -39,19 +40,56 @@ float sums, with the probabilities rounded to bfloat16 before P V); every other 
 call under 'float_products', widens each value to float32: the result is then bitwise the
 float32 kernel on the widened inputs, rounded once. float32 and float64 inputs ignore it.)doc";
 
-/// Binds function(q, k, v, parameters..., *, masking="causal", scale=None, query_offset=None,
-/// out=None, num_threads=None, precision="matrix_units"), every dtype of dtypes.hpp, to the forward
-/// of method M on (q, k, v, parameter values..., out, options); `head` is the docstring's first
-/// part, `parameter_args` the py::arg of each parameter.
-template <poslsh::Method M, typename... Parameters, typename... Args>
-void def_prefill(py::module_& module, const char* function, const char* head,
-                 const Args&... parameter_args) {
+/// The first part of the docstring of each method's single-head forward (before qkv_doc).
+const std::pair<poslsh::Method, const char*> forward_docs[] = {
+    {poslsh::Method::exact_tiled, R"doc(
+Exact ALiBi attention, streamed in tiles (O(n d) memory):
+
+    T* = softmax(tau Q K^T - |i-j| / sigma) V   (row-wise; causal keeps j <= i)
+
+Query tiles of 64 rows run in parallel.
+)doc"},
+    {poslsh::Method::exact_banded, R"doc(
+Exact ALiBi attention on the keys with |i - j| <= band only:
+
+    out_i = sum_{|i-j|<=band} e^{x_ij} v_j / sum_{|i-j|<=band} e^{x_ij},
+    x_ij = tau q_i.k_j - |i-j| / sigma
+
+band = band_for_bias_error(sigma, eps) drops only kernel entries exp(-|i-j|/sigma) < eps.
+Query tiles of 64 rows run in parallel.
+)doc"},
+    {poslsh::Method::lsh_fused, R"doc(
+Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
+
+    T~ = D~^-1 (A o M~) V,  A_ij = exp(tau q_i.k_j),  M~ = C / s,
+    c_ij = #{k : bin_k(i) = bin_k(j)}  (causal: j <= i),  D~ = diag((A o M~) 1)
+
+i.e. softmax(tau Q K^T + log M~) V, with E[M~] = L* = exp(-|i-j| / sigma).
+)doc"},
+    {poslsh::Method::lsh_per_sample, R"doc(
+The paper's per-sample LSH attention: plain attention inside every block of every sample,
+numerators and denominators summed over samples. Same estimator as lsh_attention_fused:
+
+    T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k)
+)doc"},
+    {poslsh::Method::fixed_blocks, R"doc(
+The fixed-blocks baseline: plain attention inside consecutive blocks of 2 sigma tokens from
+position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
+)doc"},
+};
+
+/// Binds Row::function(q, k, v, parameters..., *, masking="causal", scale=None,
+/// query_offset=None, out=None, num_threads=None, precision="matrix_units"), every dtype of
+/// dtypes.hpp, to the forward of the method's row (poslsh::SingleHeadKernels) on (q, k, v,
+/// parameter values..., out, options), with the parameters of the row (P...).
+template <typename Row, typename... P>
+void def_prefill(py::module_& module, poslsh::KernelParameters<P...>) {
   module.def(
-      function,
-      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
-                 const std::string& masking, std::optional<double> scale,
-                 std::optional<Index> query_offset, py::handle out, std::optional<int> threads,
-                 const std::string& precision) {
+      Row::function,
+      [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+         const std::string& masking, std::optional<double> scale, std::optional<Index> query_offset,
+         py::handle out, std::optional<int> threads, const std::string& precision) {
+        const char* const function = Row::function;
         const auto options = attention_options(masking_of(masking, function), scale, query_offset,
                                                precision_of(precision, function));
         const auto call = [&](const auto&... values) {
@@ -59,17 +97,17 @@ void def_prefill(py::module_& module, const char* function, const char* head,
               function, q, k, v, out, threads,
               [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
                 using Call = decltype(types);
-                single_head<M, Pass::forward, typename Call::q, typename Call::kv,
-                            typename Call::out>(qm, km, vm, values..., om, options);
+                Row::template forward<typename Call::q, typename Call::kv, typename Call::out>(
+                    qm, km, vm, values..., om, options);
               });
         };
         return call(parameter_value(parameters, function)...);
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::kw_only(),
       py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
       py::arg("query_offset") = py::none(), py::arg("out") = py::none(),
       py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
-      (std::string(head) + qkv_doc).c_str());
+      (method_doc(forward_docs, Row::method, Row::function) + qkv_doc).c_str());
 }
 
 /// Binds a decoder function(query, keys, values, parameters..., *, scale=None, out=None):
@@ -133,47 +171,6 @@ py::array double_array(const std::vector<double>& values) {
 }  // namespace
 
 void register_attention(py::module_& module) {
-  using poslsh::Method;
-  def_prefill<Method::exact_tiled, double>(module, "alibi_attention_tiled", R"doc(
-Exact ALiBi attention, streamed in tiles (O(n d) memory):
-
-    T* = softmax(tau Q K^T - |i-j| / sigma) V   (row-wise; causal keeps j <= i)
-
-Query tiles of 64 rows run in parallel.
-)doc",
-                                           py::arg("sigma"));
-  def_prefill<Method::exact_banded, double, Index>(module, "alibi_attention_banded", R"doc(
-Exact ALiBi attention on the keys with |i - j| <= band only:
-
-    out_i = sum_{|i-j|<=band} e^{x_ij} v_j / sum_{|i-j|<=band} e^{x_ij},
-    x_ij = tau q_i.k_j - |i-j| / sigma
-
-band = band_for_bias_error(sigma, eps) drops only kernel entries exp(-|i-j|/sigma) < eps.
-Query tiles of 64 rows run in parallel.
-)doc",
-                                                   py::arg("sigma"), py::arg("band"));
-  def_prefill<Method::lsh_fused, py::handle>(module, "lsh_attention_fused", R"doc(
-Fused, count-weighted LSH ALiBi attention (each pair evaluated once):
-
-    T~ = D~^-1 (A o M~) V,  A_ij = exp(tau q_i.k_j),  M~ = C / s,
-    c_ij = #{k : bin_k(i) = bin_k(j)}  (causal: j <= i),  D~ = diag((A o M~) 1)
-
-i.e. softmax(tau Q K^T + log M~) V, with E[M~] = L* = exp(-|i-j| / sigma).
-)doc",
-                                             py::arg("hashes"));
-  def_prefill<Method::lsh_per_sample, py::handle>(module, "lsh_attention_per_sample", R"doc(
-The paper's per-sample LSH attention: plain attention inside every block of every sample,
-numerators and denominators summed over samples. Same estimator as lsh_attention_fused:
-
-    T~ = D~^-1 (A o M~) V,  M~ = (1/s) sum_k M(h_k)
-)doc",
-                                                  py::arg("hashes"));
-  def_prefill<Method::fixed_blocks, double>(module, "fixed_blocks_attention", R"doc(
-The fixed-blocks baseline: plain attention inside consecutive blocks of 2 sigma tokens from
-position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
-)doc",
-                                            py::arg("sigma"));
-
   module.def(
       "alibi_attention_reference",
       [](py::handle q, py::handle k, py::handle v, double sigma, const std::string& masking,
@@ -257,6 +254,14 @@ slopes of 2p heads, p = 2^floor(log2 H).
              R"doc(
 Band half-width W = ceil(sigma ln(1/eps)): |i-j| > W implies exp(-|i-j| / sigma) < eps.
 )doc");
+
+  // The forward of every method with a log-sum-exp (the one without, mean_of_outputs, is
+  // bound with its backward: training.cpp).
+  poslsh::for_each_single_head_kernels([&](auto row) {
+    using Row = decltype(row);
+    if constexpr (poslsh::method_has_lse(Row::method))
+      def_prefill<Row>(module, typename Row::parameters{});
+  });
 }
 
 }  // namespace poslsh_python

@@ -10,8 +10,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -148,6 +151,26 @@ inline const poslsh::HashSet& parameter_value(py::handle hashes, const char* fun
 }
 inline double parameter_value(double value, const char*) { return value; }
 inline Index parameter_value(Index value, const char*) { return value; }
+
+/// The Python type of a single-head kernel's parameter (poslsh::SigmaParameter, BandParameter,
+/// HashesParameter): the number itself, or the handle of a poslsh.HashSet (parameter_value
+/// gives the set).
+template <typename Parameter>
+using python_parameter_t =
+    std::conditional_t<std::is_same_v<typename Parameter::type, poslsh::HashSet>, py::handle,
+                       typename Parameter::type>;
+
+/// The docstring part of `method` in a table of (method, text) pairs; a method the table does
+/// not name (a new row of the method table) gets a line naming its function and method.
+template <typename Method, std::size_t N>
+std::string method_doc(const std::pair<Method, const char*> (&docs)[N], Method method,
+                       const char* function) {
+  for (const auto& [key, doc] : docs) {
+    if (key == method) return doc;
+  }
+  return std::string("\n") + function + ": the single-head kernel of method '" +
+         poslsh::enum_name(method) + "'.\n";
+}
 
 /// The names of an enum's table (EnumNames<Enum>::table), in declaration order.
 template <typename Enum>

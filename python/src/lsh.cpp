@@ -8,12 +8,17 @@ namespace poslsh_python {
 
 namespace {
 
-/// A read-only numpy view of one double field of every hash (no copy; keeps `owner` alive).
-py::array hash_field(const poslsh::HashSet& hashes, const double* first, py::handle owner) {
-  py::array_t<double> view(std::vector<py::ssize_t>{static_cast<py::ssize_t>(hashes.size())},
-                           std::vector<py::ssize_t>{sizeof(poslsh::BinHash)}, first, owner);
-  view.attr("setflags")(py::arg("write") = false);
-  return std::move(view);
+/// The getter of a HashSet property: a read-only numpy view of the field `field` of every
+/// hash (no copy; keeps the set alive).
+auto hash_field(double poslsh::BinHash::*field) {
+  return [field](py::object self) -> py::array {
+    const auto& hashes = self.cast<const poslsh::HashSet&>();
+    py::array_t<double> view(std::vector<py::ssize_t>{static_cast<py::ssize_t>(hashes.size())},
+                             std::vector<py::ssize_t>{sizeof(poslsh::BinHash)},
+                             &(hashes.front().*field), self);
+    view.attr("setflags")(py::arg("write") = false);
+    return std::move(view);
+  };
 }
 
 const char* const sample_hashes_doc = R"doc(
@@ -71,20 +76,10 @@ s >= 1; each width finite and >= 2^-20, each offset in [0, width)); ValueError o
             return py::make_tuple(hash.width, hash.offset);
           },
           "(width, offset) of sample k")
-      .def_property_readonly(
-          "widths",
-          [](py::object self) {
-            const auto& hashes = self.cast<const poslsh::HashSet&>();
-            return hash_field(hashes, &hashes.front().width, self);
-          },
-          "Block widths w_k, a read-only float64 view (no copy)")
-      .def_property_readonly(
-          "offsets",
-          [](py::object self) {
-            const auto& hashes = self.cast<const poslsh::HashSet&>();
-            return hash_field(hashes, &hashes.front().offset, self);
-          },
-          "Offsets xi_k in [0, w_k), a read-only float64 view (no copy)")
+      .def_property_readonly("widths", hash_field(&poslsh::BinHash::width),
+                             "Block widths w_k, a read-only float64 view (no copy)")
+      .def_property_readonly("offsets", hash_field(&poslsh::BinHash::offset),
+                             "Offsets xi_k in [0, w_k), a read-only float64 view (no copy)")
       .def("__repr__", [](const poslsh::HashSet& hashes) {
         return "poslsh.HashSet(s=" + std::to_string(hashes.size()) + ")";
       });

@@ -1,11 +1,15 @@
-// poslsh Python bindings: multihead_attention on [n, H, d] or [H, n, d] arrays (each head's
-// method from the keywords or from a plan), and its variable-length form on packed batches
-// (cu_seqlens).
+// poslsh Python bindings: the method table's names and traits, multihead_attention on
+// [n, H, d] or [H, n, d] arrays (each head's method from the keywords or from a plan), and its
+// variable-length form on packed batches (cu_seqlens).
 #include "multihead.hpp"
+
+#include <algorithm>
+#include <iterator>
 
 #include "arrays.hpp"
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/planner.hpp"
+#include "poslsh/multihead/training.hpp"
 
 namespace poslsh_python {
 
@@ -49,6 +53,94 @@ void require_plan_keywords(const char* function, const poslsh::MultiHeadOptions&
                             "band_error and window at their defaults)");
     }
   }
+}
+
+/// A trait of the method table's rows (poslsh/multihead/methods.hpp, training.hpp), by its
+/// Python name.
+struct MethodTrait {
+  const char* name;
+  bool (*of)(poslsh::Method);
+  const char* meaning;
+};
+
+const MethodTrait method_traits[] = {
+    {"draws_hashes", poslsh::method_draws_hashes,
+     "draws random hashes (the keywords samples and seed)"},
+    {"takes_window", poslsh::method_takes_window, "takes a local window (the keyword window)"},
+    {"has_slope_gradients", poslsh::method_has_slope_gradients,
+     "has gradients in the ALiBi slopes (multihead_attention_backward's dslopes)"},
+    {"has_lse", poslsh::method_has_lse,
+     "has a log-sum-exp (the calls with lse; every method but 'mean_of_outputs', the mean of s "
+     "softmaxes each with its own normalizer)"},
+};
+
+/// The method named `name` (ValueError listing the names otherwise).
+poslsh::Method method_of(const std::string& name, const char* function) {
+  return poslsh::enum_from_name<poslsh::Method>(name, function, "method");
+}
+
+/// The methods' names and traits: method_names(**traits), method_traits(method) and
+/// method_has_lse(method).
+void def_method_table(py::module_& module) {
+  std::string names_doc =
+      "The names of the all-heads methods (poslsh::Method, the method table), in declaration "
+      "order: the values of the `method` keyword. Keywords (bool) keep the methods whose trait "
+      "has that value:";
+  std::string traits_doc =
+      "The traits of a method (a method_names() entry), a dict of bools from the method "
+      "table:";
+  for (const MethodTrait& trait : method_traits) {
+    names_doc += std::string("\n  ") + trait.name + ": the method " + trait.meaning;
+    traits_doc += std::string("\n  ") + trait.name + ": whether the method " + trait.meaning;
+  }
+  module.def(
+      "method_names",
+      [](const py::kwargs& traits) {
+        constexpr const char* function = "method_names";
+        std::vector<std::pair<const MethodTrait*, bool>> wanted;
+        for (const auto& [key, value] : traits) {
+          const std::string name = py::str(key);
+          const auto* trait = std::find_if(std::begin(method_traits), std::end(method_traits),
+                                           [&](const MethodTrait& t) { return name == t.name; });
+          if (trait == std::end(method_traits)) {
+            std::string known;
+            for (const MethodTrait& t : method_traits) known += std::string(" ") + t.name;
+            throw py::type_error(argument(function, name.c_str()) +
+                                 " is not a method trait (the traits:" + known + ")");
+          }
+          if (!py::isinstance<py::bool_>(value))
+            throw py::type_error(argument(function, name.c_str()) + " must be a bool, got " +
+                                 type_name(value));
+          wanted.emplace_back(trait, value.cast<bool>());
+        }
+        std::vector<std::string> names;
+        for (const poslsh::Method method : poslsh::enum_values<poslsh::Method>()) {
+          if (std::all_of(wanted.begin(), wanted.end(),
+                          [&](const auto& w) { return w.first->of(method) == w.second; }))
+            names.emplace_back(poslsh::enum_name(method));
+        }
+        return names;
+      },
+      names_doc.c_str());
+  module.def(
+      "method_traits",
+      [](const std::string& name) {
+        const poslsh::Method method = method_of(name, "method_traits");
+        py::dict traits;
+        for (const MethodTrait& trait : method_traits) traits[trait.name] = trait.of(method);
+        return traits;
+      },
+      py::arg("method"), traits_doc.c_str());
+  module.def(
+      "method_has_lse",
+      [](const std::string& name) {
+        return poslsh::method_has_lse(method_of(name, "method_has_lse"));
+      },
+      py::arg("method"),
+      "Whether the method (a method_names() entry) has a log-sum-exp: every method but "
+      "'mean_of_outputs', the mean of s softmaxes each with its own normalizer. The calls with "
+      "lse (multihead_attention_with_lse, multihead_attention_paged_with_lse) take the methods "
+      "that have one.");
 }
 
 const char* const multihead_doc = R"doc(
@@ -114,21 +206,7 @@ multihead_attention (half precision included); the GIL is released during the co
 }  // namespace
 
 void register_multihead(py::module_& module) {
-  module.def(
-      "method_names", []() { return enum_names<poslsh::Method>(); },
-      "The names of the all-heads methods (poslsh::Method, the method table), in declaration "
-      "order: the values of the `method` keyword.");
-  module.def(
-      "method_has_lse",
-      [](const std::string& name) {
-        return poslsh::method_has_lse(
-            poslsh::enum_from_name<poslsh::Method>(name, "method_has_lse", "method"));
-      },
-      py::arg("method"),
-      "Whether the method (a method_names() entry) has a log-sum-exp: every method but "
-      "'mean_of_outputs', the mean of s softmaxes each with its own normalizer. The calls with "
-      "lse (multihead_attention_with_lse, multihead_attention_paged_with_lse) take the methods "
-      "that have one.");
+  def_method_table(module);
   def_multihead(
       module, "multihead_attention",
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,

@@ -36,16 +36,7 @@ inline HeadsKeywords heads_keywords(const char* function, const std::string& lay
   options.samples = samples;
   options.seed = seed;
   options.band_error = band_error;
-  const bool exact = options.method == poslsh::Method::exact_tiled ||
-                     options.method == poslsh::Method::exact_banded;
-  if (window.first < -1 || window.second < -1)
-    throw py::value_error(argument(function, "window") + " = (" + std::to_string(window.first) +
-                          ", " + std::to_string(window.second) +
-                          "): each side must be -1 (unbounded) or >= 0");
-  if ((window.first != -1 || window.second != -1) && !exact)
-    throw py::value_error(argument(function, "window") +
-                          ": a local window needs method 'exact_tiled' or 'exact_banded' (got '" +
-                          method + "')");
+  // The library checks the window (options.window_left, window_right), as every other option.
   options.window_left = window.first;
   options.window_right = window.second;
   return {layout_of(layout, function), options};

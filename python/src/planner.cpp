@@ -10,6 +10,15 @@ namespace poslsh_python {
 
 namespace {
 
+/// A getter of HeadPlan: get(plan) for a plan of `method`, None for the others.
+template <typename Get>
+auto for_method(poslsh::Method method, Get get) {
+  return [method, get](const poslsh::HeadPlan& p) -> std::optional<decltype(get(p))> {
+    if (p.method != method) return std::nullopt;
+    return get(p);
+  };
+}
+
 /// PlannerOptions from the keywords of the planner functions. `lsh_samplers`: the default error
 /// models of these samplers only (None: all of them).
 poslsh::PlannerOptions planner_options(
@@ -77,25 +86,15 @@ single-thread seconds and relative output error. Read-only.
           "'exact_tiled', 'exact_banded' or 'lsh_fused'")
       .def_readonly("sigma", &poslsh::HeadPlan::sigma, "Length scale of the head")
       .def_property_readonly(
-          "band",
-          [](const poslsh::HeadPlan& p) -> std::optional<Index> {
-            if (p.method != poslsh::Method::exact_banded) return std::nullopt;
-            return p.band;
-          },
+          "band", for_method(poslsh::Method::exact_banded, [](const auto& p) { return p.band; }),
           "exact_banded: the band W (|i - j| <= W kept); None otherwise")
       .def_property_readonly(
-          "samples",
-          [](const poslsh::HeadPlan& p) -> std::optional<Index> {
-            if (p.method != poslsh::Method::lsh_fused) return std::nullopt;
-            return p.samples;
-          },
+          "samples", for_method(poslsh::Method::lsh_fused, [](const auto& p) { return p.samples; }),
           "lsh_fused: the number of samples s; None otherwise")
       .def_property_readonly(
           "sampler",
-          [](const poslsh::HeadPlan& p) -> std::optional<std::string> {
-            if (p.method != poslsh::Method::lsh_fused) return std::nullopt;
-            return std::string(poslsh::enum_name(p.sampler));
-          },
+          for_method(poslsh::Method::lsh_fused,
+                     [](const auto& p) { return std::string(poslsh::enum_name(p.sampler)); }),
           "lsh_fused: the sampler's name; None otherwise")
       .def_readonly("seed", &poslsh::HeadPlan::seed,
                     "lsh_fused: hashes sample_hashes(sigma, samples, seed, stream, sampler)")
@@ -106,13 +105,13 @@ single-thread seconds and relative output error. Read-only.
                     "Predicted single-thread seconds, pairs / throughput")
       .def_readonly("predicted_error", &poslsh::HeadPlan::predicted_error,
                     "Predicted relative output error ||T* - T~||_F / ||T*||_F")
-      .def(
-          "hashes",
-          [](const poslsh::HeadPlan& p) -> std::optional<poslsh::HashSet> {
-            if (p.method != poslsh::Method::lsh_fused) return std::nullopt;
-            return poslsh::sample_hashes(p.sigma, p.samples, p.seed, p.stream, p.sampler);
-          },
-          "lsh_fused: the HashSet the plan runs with; None otherwise")
+      .def("hashes",
+           for_method(poslsh::Method::lsh_fused,
+                      [](const auto& p) {
+                        return poslsh::sample_hashes(p.sigma, p.samples, p.seed, p.stream,
+                                                     p.sampler);
+                      }),
+           "lsh_fused: the HashSet the plan runs with; None otherwise")
       .def("__repr__", [](const poslsh::HeadPlan& p) {
         std::string text = std::string("poslsh.HeadPlan(method='") + poslsh::enum_name(p.method) +
                            "', sigma=" + py::repr(py::float_(p.sigma)).cast<std::string>();

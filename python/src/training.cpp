@@ -9,9 +9,8 @@
 
 #include "arrays.hpp"
 #include "multihead.hpp"
+#include "poslsh/multihead/single_head.hpp"
 #include "poslsh/parallel/context_parallel.hpp"
-#include "poslsh/training/mean_of_outputs.hpp"
-#include "single_head.hpp"
 
 namespace poslsh_python {
 
@@ -86,7 +85,94 @@ out and lse come from the forward *_with_lse of the same inputs. Returns (dq, dk
 arrays or the given dq=, dk=, dv= written in place. No n x n buffer. The array rules of the
 forward kernels; the GIL is released.)doc";
 
-/// Binds the training functions of method M's single-head kernel `function`:
+/// The docstring of each method's single-head forward with lse (<function>_with_lse, before
+/// training_dtypes_doc).
+const std::pair<poslsh::Method, const char*> with_lse_docs[] = {
+    {poslsh::Method::exact_tiled, R"doc(
+alibi_attention_tiled and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_j e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma   (causal: j <= i)
+)doc"},
+    {poslsh::Method::exact_banded, R"doc(
+alibi_attention_banded and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_{|i-j| <= band} e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma
+)doc"},
+    {poslsh::Method::lsh_fused, R"doc(
+lsh_attention_fused and its per-row log-sum-exp, (out, lse):
+
+    lse_i = log sum_j c_ij e^{tau q_i.k_j},  c_ij = #{k : bin_k(i) = bin_k(j)}
+)doc"},
+    {poslsh::Method::lsh_per_sample, R"doc(
+lsh_attention_per_sample and its per-row log-sum-exp, (out, lse) (the estimator of
+lsh_attention_fused_with_lse, computed sample by sample):
+
+    lse_i = log sum_j c_ij e^{tau q_i.k_j}
+)doc"},
+    {poslsh::Method::fixed_blocks, R"doc(
+fixed_blocks_attention and its per-row log-sum-exp, (out, lse): plain attention inside blocks
+of width 2 sigma from position 0, lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+)doc"},
+};
+
+/// The docstring of each method's single-head backward: its first part for a method with lse
+/// (before backward_doc and training_dtypes_doc), the whole of it for one without.
+const std::pair<poslsh::Method, const char*> backward_docs[] = {
+    {poslsh::Method::exact_tiled, R"doc(
+Gradients of exact ALiBi attention (alibi_attention_tiled), x_ij = tau q_i.k_j - |i-j| / sigma,
+w = 1.)doc"},
+    {poslsh::Method::exact_banded, R"doc(
+Gradients of banded exact ALiBi attention (alibi_attention_banded), keys |i-j| <= band, w = 1.)doc"},
+    {poslsh::Method::lsh_fused, R"doc(
+Gradients of the LSH estimator (lsh_attention_fused), x_ij = tau q_i.k_j, w_ij = c_ij.)doc"},
+    {poslsh::Method::lsh_per_sample, R"doc(
+Gradients of the LSH estimator computed sample by sample (lsh_attention_per_sample),
+w_ij = c_ij.)doc"},
+    {poslsh::Method::fixed_blocks, R"doc(
+Gradients of fixed-blocks attention (fixed_blocks_attention), plain attention inside blocks of
+width 2 sigma.)doc"},
+    {poslsh::Method::mean_of_outputs, R"doc(
+Gradients of lsh_attention_mean_of_outputs: the plain attention backward of each sample's
+blocks with dO / s, summed over samples. Returns (dq, dk, dv).
+)doc"},
+};
+
+/// The docstring of the single-head forward of each method without lse (bound here with its
+/// backward).
+const std::pair<poslsh::Method, const char*> without_lse_docs[] = {
+    {poslsh::Method::mean_of_outputs, R"doc(
+The mean-of-outputs estimator: the mean of the s plain attentions on each sample's blocks,
+
+    T_bar_i = (1/s) sum_k softmax_{j in B_k(i)}(tau q_i.k_j) V   (causal: j <= i inside blocks)
+
+It is not the count-weighted estimator of lsh_attention_fused (which puts the mean mask
+inside the softmax); a model trained with one should be run with the same one. float32 or
+float64, self-attention.
+)doc"},
+};
+
+/// A single-head training call of `function` (a forward with lse or a backward): the options
+/// of the keywords and the thread count checked, the kernel parameters' values
+/// (parameter_value), then run(types, options, threads, values...) for q's storage type (every
+/// dtype of training_dtypes_doc).
+template <typename Run, typename... Parameters>
+py::object single_head_training(const char* function, py::handle q, const std::string& masking,
+                                std::optional<double> scale, const std::string& precision,
+                                std::optional<int> threads, Run&& run,
+                                const Parameters&... parameters) {
+  const poslsh::AttentionOptions options = attention_options(
+      masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
+  threads = thread_count(threads, function);
+  const auto call = [&](const auto&... values) {
+    return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+      return run(types, options, threads, values...);
+    });
+  };
+  return call(parameter_value(parameters, function)...);
+}
+
+/// Binds the training functions of a method with lse from its row (poslsh::SingleHeadKernels,
+/// parameters P...):
 ///   <function>_with_lse(q, k, v, parameters..., *, masking="causal", scale=None, out=None,
 ///                       lse=None, num_threads=None, precision="matrix_units") -> (out, lse)
 /// (its messages name `function`, the library's forward with lse), and
@@ -94,83 +180,139 @@ forward kernels; the GIL is released.)doc";
 ///                       dq=None, dk=None, dv=None, num_threads=None,
 ///                       precision="matrix_units") -> (dq, dk, dv),
 /// on the dtypes of training_dtypes_doc.
-template <poslsh::Method M, typename... Parameters, typename... Args>
-void def_training(py::module_& module, const char* function, const char* lse_doc,
-                  const char* backward_head, const Args&... parameter_args) {
-  module.def(
-      (std::string(function) + "_with_lse").c_str(),
-      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
-                 const std::string& masking, std::optional<double> scale, py::handle out,
-                 py::handle lse, std::optional<int> threads, const std::string& precision) {
-        const poslsh::AttentionOptions options = attention_options(
-            masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
-        threads = thread_count(threads, function);
-        const auto call = [&](const auto&... values) {
-          return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
-            using T = typename decltype(types)::q;
-            using L = poslsh::backward_scalar_t<T>;
-            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
-            const Index n = maps.q.rows();
-            const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
-            auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
-            const Output lse_out =
-                output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
-            VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
-            run_kernel(threads, [&] {
-              single_head<M, Pass::forward_with_lse, T>(maps.q, maps.k, maps.v, values...,
-                                                        output.map, lse_map, options);
-            });
-            return py::make_tuple(output.result, lse_out.result);
-          });
-        };
-        return call(parameter_value(parameters, function)...);
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
-      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
-      py::arg("out") = py::none(), py::arg("lse") = py::none(), py::arg("num_threads") = py::none(),
-      py::arg("precision") = default_precision(),
-      (std::string(lse_doc) + training_dtypes_doc).c_str());
+template <typename Row, typename... P>
+void def_training(py::module_& module, poslsh::KernelParameters<P...>) {
+  module.def((std::string(Row::function) + "_with_lse").c_str(),
+             [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+                const std::string& masking, std::optional<double> scale, py::handle out,
+                py::handle lse, std::optional<int> threads, const std::string& precision) {
+               const char* const function = Row::function;
+               const auto run = [&](auto types, const auto& options, auto threads,
+                                    const auto&... values) -> py::object {
+                 using T = typename decltype(types)::q;
+                 using L = poslsh::backward_scalar_t<T>;
+                 const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+                 const Index n = maps.q.rows();
+                 const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+                 auto output =
+                     output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
+                 const Output lse_out =
+                     output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
+                 VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
+                 run_kernel(threads, [&] {
+                   Row::template forward_with_lse<T>(maps.q, maps.k, maps.v, values..., output.map,
+                                                     lse_map, options);
+                 });
+                 return py::make_tuple(output.result, lse_out.result);
+               };
+               return single_head_training(function, q, masking, scale, precision, threads, run,
+                                           parameters...);
+             },
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::kw_only(),
+             py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+             py::arg("out") = py::none(), py::arg("lse") = py::none(),
+             py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
+             (method_doc(with_lse_docs, Row::method, Row::function) + training_dtypes_doc).c_str());
 
-  const std::string backward = std::string(function) + "_backward";
+  static const std::string backward = std::string(Row::function) + "_backward";
   module.def(
       backward.c_str(),
-      [backward](py::handle q, py::handle k, py::handle v, Parameters... parameters, py::handle out,
-                 py::handle lse, py::handle dout, const std::string& masking,
-                 std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
-                 std::optional<int> threads, const std::string& precision) {
+      [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+         py::handle out, py::handle lse, py::handle dout, const std::string& masking,
+         std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
+         std::optional<int> threads, const std::string& precision) {
         const char* const name = backward.c_str();
-        const poslsh::AttentionOptions options = attention_options(
-            masking_of(masking, name), scale, std::nullopt, precision_of(precision, name));
-        threads = thread_count(threads, name);
-        const auto call = [&](const auto&... values) {
-          return dispatch<Precision::half>(name, {q}, [&](auto types) -> py::object {
-            using T = typename decltype(types)::q;
-            using L = poslsh::backward_scalar_t<T>;
-            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
-            const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
-            const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
-            const Index n = maps.q.rows();
-            const Eigen::Map<const Eigen::Matrix<L, Eigen::Dynamic, 1>> lse_map(
-                vector_data<L>(storage_array<L>(lse, name, "lse", lse_like<T>()), n, name), n);
-            auto grads = gradient_outputs<T>(
-                name, maps, dq, dk, dv,
-                {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
-            run_kernel(threads, [&] {
-              single_head<M, Pass::backward, T>(maps.q, maps.k, maps.v, values..., out_map, lse_map,
-                                                dout_map, grads.dq.map, grads.dk.map, grads.dv.map,
-                                                options);
-            });
-            return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
+        const auto run = [&](auto types, const auto& options, auto threads,
+                             const auto&... values) -> py::object {
+          using T = typename decltype(types)::q;
+          using L = poslsh::backward_scalar_t<T>;
+          const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(name, q, k, v);
+          const InputMap<T> out_map = input_matrix<T>(out, name, "out", "q");
+          const InputMap<T> dout_map = input_matrix<T>(dout, name, "dout", "q");
+          const Index n = maps.q.rows();
+          const Eigen::Map<const Eigen::Matrix<L, Eigen::Dynamic, 1>> lse_map(
+              vector_data<L>(storage_array<L>(lse, name, "lse", lse_like<T>()), n, name), n);
+          auto grads = gradient_outputs<T>(
+              name, maps, dq, dk, dv,
+              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}, {dout, "dout"}});
+          run_kernel(threads, [&] {
+            Row::template backward<T>(maps.q, maps.k, maps.v, values..., out_map, lse_map, dout_map,
+                                      grads.dq.map, grads.dk.map, grads.dv.map, options);
           });
+          return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
         };
-        return call(parameter_value(parameters, name)...);
+        return single_head_training(name, q, masking, scale, precision, threads, run,
+                                    parameters...);
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::arg("out"), py::arg("lse"),
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::arg("out"), py::arg("lse"),
       py::arg("dout"), py::kw_only(), py::arg("masking") = default_masking(),
       py::arg("scale") = py::none(), py::arg("dq") = py::none(), py::arg("dk") = py::none(),
       py::arg("dv") = py::none(), py::arg("num_threads") = py::none(),
       py::arg("precision") = default_precision(),
-      (std::string(backward_head) + backward_doc + training_dtypes_doc).c_str());
+      (method_doc(backward_docs, Row::method, Row::function) + backward_doc + training_dtypes_doc)
+          .c_str());
+}
+
+/// Binds the single-head functions of a method without lse from its row (parameters P...):
+///   <function>(q, k, v, parameters..., *, masking="causal", scale=None, out=None,
+///              num_threads=None) -> out
+///   <function>_backward(q, k, v, parameters..., dout, *, masking="causal", scale=None, dq=None,
+///                       dk=None, dv=None, num_threads=None) -> (dq, dk, dv)
+/// (float32 or float64, self-attention: the backward recomputes the forward from q, k, v).
+template <typename Row, typename... P>
+void def_without_lse(py::module_& module, poslsh::KernelParameters<P...>) {
+  module.def(
+      Row::function,
+      [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+         const std::string& masking, std::optional<double> scale, py::handle out,
+         std::optional<int> threads) {
+        const char* const function = Row::function;
+        const auto call = [&](const auto&... values) {
+          const poslsh::AttentionOptions options{masking_of(masking, function), scale};
+          return qkv_call<Precision::full>(
+              function, q, k, v, out, threads,
+              [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
+                using T = typename decltype(types)::q;
+                Row::template forward<T>(qm, km, vm, values..., om, options);
+              });
+        };
+        return call(parameter_value(parameters, function)...);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::kw_only(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
+      method_doc(without_lse_docs, Row::method, Row::function).c_str());
+
+  static const std::string backward = std::string(Row::function) + "_backward";
+  module.def(
+      backward.c_str(),
+      [](py::handle q, py::handle k, py::handle v, python_parameter_t<P>... parameters,
+         py::handle dout, const std::string& masking, std::optional<double> scale, py::handle dq,
+         py::handle dk, py::handle dv, std::optional<int> threads) {
+        const char* const function = backward.c_str();
+        const auto call = [&](const auto&... values) {
+          const poslsh::AttentionOptions options{masking_of(masking, function), scale};
+          threads = thread_count(threads, function);
+          return dispatch(function, {q}, [&](auto types) {
+            using T = typename decltype(types)::q;
+            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+            const InputMap<T> dout_map = input_matrix<T>(dout, function, "dout", "q");
+            auto grads = gradient_outputs<T>(function, maps, dq, dk, dv,
+                                             {{q, "q"}, {k, "k"}, {v, "v"}, {dout, "dout"}});
+            run_kernel(threads, [&] {
+              Row::template backward<T>(maps.q, maps.k, maps.v, values..., dout_map, grads.dq.map,
+                                        grads.dk.map, grads.dv.map, options);
+            });
+            return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
+          });
+        };
+        return call(parameter_value(parameters, function)...);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg(P::name)..., py::arg("dout"), py::kw_only(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("num_threads") = py::none(),
+      method_doc(backward_docs, Row::method, Row::function).c_str());
 }
 
 /// The lse of all heads of a call on q of storage Q (H_q x n of storage backward_scalar_t<Q>,
@@ -293,110 +435,15 @@ std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, I
 }  // namespace
 
 void register_training(py::module_& module) {
-  using poslsh::Method;
-  def_training<Method::exact_tiled, double>(module, "alibi_attention_tiled", R"doc(
-alibi_attention_tiled and its per-row log-sum-exp, (out, lse):
-
-    lse_i = log sum_j e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma   (causal: j <= i)
-)doc",
-                                            R"doc(
-Gradients of exact ALiBi attention (alibi_attention_tiled), x_ij = tau q_i.k_j - |i-j| / sigma,
-w = 1.)doc",
-                                            py::arg("sigma"));
-  def_training<Method::exact_banded, double, Index>(module, "alibi_attention_banded", R"doc(
-alibi_attention_banded and its per-row log-sum-exp, (out, lse):
-
-    lse_i = log sum_{|i-j| <= band} e^{x_ij},  x_ij = tau q_i.k_j - |i-j| / sigma
-)doc",
-                                                    R"doc(
-Gradients of banded exact ALiBi attention (alibi_attention_banded), keys |i-j| <= band, w = 1.)doc",
-                                                    py::arg("sigma"), py::arg("band"));
-  def_training<Method::lsh_fused, py::handle>(module, "lsh_attention_fused", R"doc(
-lsh_attention_fused and its per-row log-sum-exp, (out, lse):
-
-    lse_i = log sum_j c_ij e^{tau q_i.k_j},  c_ij = #{k : bin_k(i) = bin_k(j)}
-)doc",
-                                              R"doc(
-Gradients of the LSH estimator (lsh_attention_fused), x_ij = tau q_i.k_j, w_ij = c_ij.)doc",
-                                              py::arg("hashes"));
-  def_training<Method::lsh_per_sample, py::handle>(module, "lsh_attention_per_sample", R"doc(
-lsh_attention_per_sample and its per-row log-sum-exp, (out, lse) (the estimator of
-lsh_attention_fused_with_lse, computed sample by sample):
-
-    lse_i = log sum_j c_ij e^{tau q_i.k_j}
-)doc",
-                                                   R"doc(
-Gradients of the LSH estimator computed sample by sample (lsh_attention_per_sample),
-w_ij = c_ij.)doc",
-                                                   py::arg("hashes"));
-  def_training<Method::fixed_blocks, double>(module, "fixed_blocks_attention", R"doc(
-fixed_blocks_attention and its per-row log-sum-exp, (out, lse): plain attention inside blocks
-of width 2 sigma from position 0, lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
-)doc",
-                                             R"doc(
-Gradients of fixed-blocks attention (fixed_blocks_attention), plain attention inside blocks of
-width 2 sigma.)doc",
-                                             py::arg("sigma"));
-
-  module.def(
-      "lsh_attention_mean_of_outputs",
-      [](py::handle q, py::handle k, py::handle v, py::handle hashes, const std::string& masking,
-         std::optional<double> scale, py::handle out, std::optional<int> threads) {
-        constexpr const char* function = "lsh_attention_mean_of_outputs";
-        const poslsh::HashSet& set = hash_set(hashes, function);
-        const poslsh::AttentionOptions options{masking_of(masking, "lsh_attention_mean_of_outputs"),
-                                               scale};
-        return qkv_call<Precision::full>(
-            function, q, k, v, out, threads,
-            [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
-              using T = typename decltype(types)::q;
-              poslsh::lsh_attention_mean_of_outputs<T>(qm, km, vm, set, om, options);
-            });
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
-      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
-      py::arg("out") = py::none(), py::arg("num_threads") = py::none(), R"doc(
-The mean-of-outputs estimator: the mean of the s plain attentions on each sample's blocks,
-
-    T_bar_i = (1/s) sum_k softmax_{j in B_k(i)}(tau q_i.k_j) V   (causal: j <= i inside blocks)
-
-It is not the count-weighted estimator of lsh_attention_fused (which puts the mean mask
-inside the softmax); a model trained with one should be run with the same one. float32 or
-float64, self-attention.
-)doc");
-
-  module.def(
-      "lsh_attention_mean_of_outputs_backward",
-      [](py::handle q, py::handle k, py::handle v, py::handle hashes, py::handle dout,
-         const std::string& masking, std::optional<double> scale, py::handle dq, py::handle dk,
-         py::handle dv, std::optional<int> threads) {
-        constexpr const char* function = "lsh_attention_mean_of_outputs_backward";
-        const poslsh::HashSet& set = hash_set(hashes, function);
-        const poslsh::AttentionOptions options{
-            masking_of(masking, "lsh_attention_mean_of_outputs_backward"), scale};
-        threads = thread_count(threads, function);
-        return dispatch(function, {q}, [&](auto types) {
-          using T = typename decltype(types)::q;
-          const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
-          const InputMap<T> dout_map = input_matrix<T>(dout, function, "dout", "q");
-          auto grads = gradient_outputs<T>(function, maps, dq, dk, dv,
-                                           {{q, "q"}, {k, "k"}, {v, "v"}, {dout, "dout"}});
-          run_kernel(threads, [&] {
-            poslsh::lsh_attention_mean_of_outputs_backward<T>(maps.q, maps.k, maps.v, set, dout_map,
-                                                              grads.dq.map, grads.dk.map,
-                                                              grads.dv.map, options);
-          });
-          return py::make_tuple(grads.dq.result, grads.dk.result, grads.dv.result);
-        });
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::arg("dout"), py::kw_only(),
-      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
-      py::arg("num_threads") = py::none(),
-      R"doc(
-Gradients of lsh_attention_mean_of_outputs: the plain attention backward of each sample's
-blocks with dO / s, summed over samples. Returns (dq, dk, dv).
-)doc");
+  // The forward with lse and the backward of every method's single-head kernel, or its forward
+  // and backward for a method without lse.
+  poslsh::for_each_single_head_kernels([&](auto row) {
+    using Row = decltype(row);
+    if constexpr (poslsh::method_has_lse(Row::method))
+      def_training<Row>(module, typename Row::parameters{});
+    else
+      def_without_lse<Row>(module, typename Row::parameters{});
+  });
 
   def_multihead(
       module, "multihead_attention_with_lse",
@@ -442,9 +489,6 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           if (slice) {
             // Unset query_offset: the last m positions of the keys (bottom-right).
             p0 = query_offset ? *query_offset : key_offset.value_or(0) + in.k.tokens - in.q.tokens;
-            if (p0 < 0)
-              throw py::value_error(argument(function, "query_offset") + " = " +
-                                    std::to_string(p0) + " must be >= 0");
           }
           run_kernel(threads, [&] {
             if (slice)

@@ -3,8 +3,11 @@
 import numpy as np
 import pytest
 
-# The methods of the all-heads functions (the library's Method names).
-METHODS = ["lsh_fused", "lsh_per_sample", "fixed_blocks", "exact_tiled", "exact_banded"]
+import poslsh
+
+# The methods of the all-heads functions with a log-sum-exp (the library's method table; the
+# one without, mean_of_outputs, has tests of its own).
+METHODS = poslsh.method_names(has_lse=True)
 
 
 @pytest.fixture

@@ -13,12 +13,14 @@ import poslsh
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import poslsh.torch as ptorch  # noqa: E402
+from poslsh._methods import short_name  # noqa: E402
 
 flash_attn_func = ptorch.flash_attn_func
 flash_attn_varlen_func = ptorch.flash_attn_varlen_func
 flash_attn_with_kvcache = ptorch.flash_attn_with_kvcache
 
-LSH_METHODS = ["lsh", "lsh_per_sample", "fixed_blocks", "mean_of_outputs"]
+# The methods without a window (the LSH estimators and fixed blocks), by FlashAttention-style names.
+LSH_METHODS = [short_name(method) for method in poslsh.method_names(takes_window=False)]
 
 
 def dense(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, bands=None):
@@ -599,6 +601,21 @@ def _bad_calls():
 def test_bad_inputs_name_the_argument(label, call, error, name):
     with pytest.raises(error, match=name):
         call()
+
+
+def test_band_error_and_samples_are_checked_where_the_method_uses_them():
+    """One rule each, the library's: band_error in (0, 1) for the banded method, samples >= 1 for
+    the methods that draw hashes; the other methods ignore them."""
+    q, k, v = qkv(1, 6, 6, 2, 1, 4)
+    flash_attn_func(q, k, v, method="exact", band_error=2.0, samples=0)
+    with pytest.raises(ValueError, match="argument 'options.band_error' = 2"):
+        flash_attn_func(q, k, v, method="banded", band_error=2.0)
+    with pytest.raises(ValueError, match="argument 'options.samples' = 0"):
+        flash_attn_func(q, k, v, method="lsh", samples=0)
+    with pytest.raises(TypeError, match="argument 'band_error' must be a float"):
+        flash_attn_func(q, k, v, band_error="small")
+    with pytest.raises(ValueError, match="argument 'options.scale'"):
+        flash_attn_func(q, k, v, softmax_scale=math.inf)
 
 
 def test_block_table_entries_past_the_used_pages_are_not_read():

@@ -10,8 +10,12 @@ from conftest import masking_of, random_qkv, tolerance
 DTYPES = [np.float32, np.float64]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [True, False])
+def each_dtype_and_masking(test):
+    """Runs `test` in every dtype of DTYPES, causal and bidirectional."""
+    return pytest.mark.parametrize("dtype", DTYPES)(pytest.mark.parametrize("causal", [True, False])(test))
+
+
+@each_dtype_and_masking
 @pytest.mark.parametrize("function", ["alibi_attention_tiled", "alibi_attention_reference"])
 def test_exact_alibi(rng, dtype, causal, function):
     n, d, sigma = 200, 16, 8.0
@@ -33,8 +37,7 @@ def test_exact_alibi_scale(rng, dtype):
     assert np.abs(poslsh.alibi_attention_tiled(q, k, v, sigma) - expected).max() > 1e-3
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [True, False])
+@each_dtype_and_masking
 def test_banded(rng, dtype, causal):
     n, d, sigma = 200, 16, 6.0
     q, k, v = random_qkv(rng, n, d, dtype)
@@ -44,8 +47,7 @@ def test_banded(rng, dtype, causal):
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [True, False])
+@each_dtype_and_masking
 @pytest.mark.parametrize("function", ["lsh_attention_fused", "lsh_attention_per_sample"])
 def test_lsh_estimator(rng, dtype, causal, function):
     n, d, sigma = 257, 16, 12.0

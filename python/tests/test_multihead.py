@@ -105,3 +105,24 @@ def test_errors(rng):
         poslsh.multihead_attention(q, q, wide[:, :, ::2])
     with pytest.raises(ValueError, match="argument 'out' shares memory with 'q'"):
         poslsh.multihead_attention(q, q.copy(), q.copy(), out=q)
+
+
+def test_method_traits_are_the_table_rows():
+    names = poslsh.method_names()
+    assert poslsh.method_names(takes_window=True) == ["exact_tiled", "exact_banded"]
+    assert poslsh.method_names(has_slope_gradients=True) == ["exact_tiled", "exact_banded"]
+    assert poslsh.method_names(draws_hashes=True) == ["lsh_fused", "lsh_per_sample", "mean_of_outputs"]
+    assert poslsh.method_names(has_lse=False) == ["mean_of_outputs"]
+    assert poslsh.method_names(draws_hashes=True, has_lse=True) == ["lsh_fused", "lsh_per_sample"]
+    for name in names:
+        traits = poslsh.method_traits(name)
+        assert sorted(traits) == ["draws_hashes", "has_lse", "has_slope_gradients", "takes_window"]
+        assert traits["has_lse"] == poslsh.method_has_lse(name)
+        for trait, value in traits.items():
+            assert name in poslsh.method_names(**{trait: value})
+    with pytest.raises(TypeError, match="argument 'window' is not a method trait"):
+        poslsh.method_names(window=True)
+    with pytest.raises(TypeError, match="argument 'has_lse' must be a bool"):
+        poslsh.method_names(has_lse=1)
+    with pytest.raises(ValueError, match="argument 'method' = flash"):
+        poslsh.method_traits("flash")

@@ -88,16 +88,26 @@ constexpr auto enum_values() {
   return values;
 }
 
+/// The names of the enumerators of an enum's table for which keep(value) holds, in declaration
+/// order, joined as "a, b or c" (for messages).
+template <typename Enum, typename Keep>
+std::string enum_name_list(Keep keep) {
+  std::string list;
+  std::size_t listed = 0, count = 0;
+  for (const EnumName<Enum>& entry : EnumNames<Enum>::table) count += keep(entry.value) ? 1 : 0;
+  for (const EnumName<Enum>& entry : EnumNames<Enum>::table) {
+    if (!keep(entry.value)) continue;
+    if (listed > 0) list += listed + 1 == count ? " or " : ", ";
+    list += entry.name;
+    ++listed;
+  }
+  return list;
+}
+
 /// The names of an enum's table, joined as "a, b or c" (for messages).
 template <typename Enum>
 std::string enum_name_list() {
-  std::string list;
-  constexpr std::size_t count = std::size(EnumNames<Enum>::table);
-  for (std::size_t e = 0; e < count; ++e) {
-    if (e > 0) list += e + 1 == count ? " or " : ", ";
-    list += EnumNames<Enum>::table[e].name;
-  }
-  return list;
+  return enum_name_list<Enum>([](Enum) { return true; });
 }
 
 /// The enumerator called `name`. Throws std::invalid_argument naming `argument` of `function`

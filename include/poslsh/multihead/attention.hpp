@@ -99,14 +99,13 @@ inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
     require(options.band_error > 0.0 && options.band_error < 1.0, function, "options.band_error",
             options.band_error, "must be in (0, 1)");
   }
-  const bool exact =
-      options.method == Method::exact_tiled || options.method == Method::exact_banded;
+  const bool windowed = method_takes_window(options.method);
   for (const auto& [name, side] : {std::pair{"options.window_left", options.window_left},
                                    std::pair{"options.window_right", options.window_right}}) {
     require(side >= -1, function, name, side, "must be -1 (unbounded) or >= 0");
-    require(side == -1 || exact, function, name, side,
-            "a local window needs method exact_tiled or exact_banded (got " +
-                std::string(enum_name(options.method)) + ")");
+    require(side == -1 || windowed, function, name, side,
+            "a local window needs method " + enum_name_list<Method>(method_takes_window) +
+                " (got " + std::string(enum_name(options.method)) + ")");
   }
   std::vector<HeadMethod> methods(sigmas.size());
   for (std::size_t h = 0; h < sigmas.size(); ++h) {

@@ -1,16 +1,18 @@
 /// \file
 /// \brief The method table: every method an all-heads call can run, described once (its name,
-/// whether it draws hashes, how it is scheduled, whether it has a log-sum-exp, its forward and
-/// forward with lse); the backward passes have a table of their own (MethodBackward,
-/// poslsh/multihead/training.hpp).
+/// whether it draws hashes, whether it takes a local window, how it is scheduled, whether it
+/// has a log-sum-exp, its forward and forward with lse); the backward passes have a table of
+/// their own (MethodBackward, poslsh/multihead/training.hpp), and so do the single-head kernels
+/// of each method (SingleHeadKernels, poslsh/multihead/single_head.hpp).
 ///
 /// Every all-heads entry point (multihead_attention with or without lse, its backward, packed
 /// batches, paged KV caches and plans) resolves its arguments into one HeadMethod per query
 /// head and reaches the kernels through visit_method_row, the one switch over Method in the
 /// library (visit_method: the forward table): adding a method is one enumerator, one row of its
-/// name table, one MethodKernels and one MethodBackward specialization. A head's forward reads
-/// its keys through a row source (HeadForward::keys: two row-strided matrices, StridedRows, or a
-/// head of a paged cache, PagedRows), so every method runs on either.
+/// name table, one MethodKernels, one MethodBackward and one SingleHeadKernels specialization
+/// (the Python bindings bind each method's single-head kernels and traits from these rows). A
+/// head's forward reads its keys through a row source (HeadForward::keys: two row-strided
+/// matrices, StridedRows, or a head of a paged cache, PagedRows), so every method runs on either.
 #pragma once
 
 #include <algorithm>
@@ -163,6 +165,7 @@ inline ExactWindow head_window(const HeadMethod& head, Index keys, Masking maski
 template <Method M>
 struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
   static constexpr bool draws_hashes = false;
+  static constexpr bool takes_window = true;
   static constexpr bool reads_every_key = M == Method::exact_tiled;
 
   template <typename Compute>
@@ -181,6 +184,7 @@ struct MethodKernels<Method::exact_banded> : ExactMethodKernels<Method::exact_ba
 template <>
 struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::lsh_fused>> {
   static constexpr bool draws_hashes = true;
+  static constexpr bool takes_window = false;
   static constexpr bool reads_every_key = false;
 
   template <typename Compute>
@@ -195,6 +199,7 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
 template <Method M>
 struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
+  static constexpr bool takes_window = false;
   static constexpr bool has_lse = true;
 
   /// The head's rows at positions p0 .. p0 + q.rows() - 1 (per_sample_rows), and their lse
@@ -222,6 +227,7 @@ struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixe
 template <>
 struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
   static constexpr bool draws_hashes = true;
+  static constexpr bool takes_window = false;
   static constexpr bool has_lse = false;
 
   template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
@@ -273,6 +279,12 @@ constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
 /// Whether a method draws random hashes (lsh_fused, lsh_per_sample, mean_of_outputs).
 constexpr bool method_draws_hashes(Method method) {
   return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::draws_hashes; });
+}
+
+/// Whether a method takes a local window of keys (MultiHeadOptions::window_left and
+/// window_right: exact_tiled, exact_banded); the others weight the keys of their estimator.
+constexpr bool method_takes_window(Method method) {
+  return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::takes_window; });
 }
 
 /// Whether a method's query tiles read every key before them (exact_tiled), rather than a

@@ -54,8 +54,9 @@ struct BackwardScratch {
 /// The backward table, one row per Method (the forward table: MethodKernels,
 /// poslsh/multihead/methods.hpp; the switch: visit_method_row): backward(head, b, parallel,
 /// scratch) writes the gradients of one head (its single-head backward; `parallel`: whether its
-/// passes may run in parallel inside, `scratch` a thread's scratch when not), and
-/// serial_backward says whether a head may run on one thread inside a parallel loop over heads.
+/// passes may run in parallel inside, `scratch` a thread's scratch when not), serial_backward
+/// says whether a head may run on one thread inside a parallel loop over heads, and
+/// has_slope_gradients whether backward writes the gradient in the head's slope (b.dslope).
 template <Method M>
 struct MethodBackward;
 
@@ -63,6 +64,7 @@ struct MethodBackward;
 template <Method M>
 struct ExactMethodBackward {
   static constexpr bool serial_backward = true;
+  static constexpr bool has_slope_gradients = true;
 
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
@@ -84,6 +86,7 @@ struct MethodBackward<Method::exact_banded> : ExactMethodBackward<Method::exact_
 template <>
 struct MethodBackward<Method::lsh_fused> {
   static constexpr bool serial_backward = true;
+  static constexpr bool has_slope_gradients = false;
 
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
@@ -99,6 +102,7 @@ struct MethodBackward<Method::lsh_fused> {
 template <Method M>
 struct PerSampleMethodBackward {
   static constexpr bool serial_backward = false;
+  static constexpr bool has_slope_gradients = false;
 
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
@@ -121,6 +125,7 @@ struct MethodBackward<Method::fixed_blocks> : PerSampleMethodBackward<Method::fi
 template <>
 struct MethodBackward<Method::mean_of_outputs> {
   static constexpr bool serial_backward = false;
+  static constexpr bool has_slope_gradients = false;
 
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
@@ -138,6 +143,18 @@ struct MethodBackward<Method::mean_of_outputs> {
     }
   }
 };
+
+}  // namespace detail
+
+/// Whether a method has gradients in its ALiBi slopes (the dslopes of the all-heads backward:
+/// exact_tiled, exact_banded); the bins of the LSH methods are sampled from the slope, not
+/// differentiable in it.
+constexpr bool method_has_slope_gradients(Method method) {
+  return detail::visit_method_row<detail::MethodBackward>(
+      method, [](auto row) { return decltype(row)::has_slope_gradients; });
+}
+
+namespace detail {
 
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
 template <typename LseType, typename QElement>
@@ -341,10 +358,10 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
   const HeadsCall call = training_call(function, q, k, v, lse, cu_seqlens, out, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   if (dslopes != nullptr) {
-    require(options.method == Method::exact_tiled || options.method == Method::exact_banded,
-            function, "dslopes", enum_name(options.method),
-            "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
-            "methods are not differentiable in the slope)");
+    require(method_has_slope_gradients(options.method), function, "dslopes",
+            enum_name(options.method),
+            "slope gradients need method " + enum_name_list<Method>(method_has_slope_gradients) +
+                " (the bins of the LSH methods are not differentiable in the slope)");
     const auto entries = static_cast<Index>(call.heads.size());
     require(
         dslopes->size() == entries, function, "dslopes", dslopes->size(),
