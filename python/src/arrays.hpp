@@ -194,7 +194,7 @@ MatrixOutput<S> output_matrix(py::handle out, Index rows, Index cols, const char
 
 /// Maps q, k, v (dispatch<P>), prepares the output (q.rows() x v.cols()), then runs
 /// kernel(types, q, k, v, out) without the GIL. Returns the output.
-template <Precision P, typename Kernel>
+template <DtypeSet P, typename Kernel>
 py::object qkv_call(const char* function, py::handle q, py::handle k, py::handle v, py::handle out,
                     std::optional<int> threads, Kernel&& kernel, const Names& names = {}) {
   threads = thread_count(threads, function);

@@ -93,7 +93,7 @@ void def_prefill(py::module_& module, poslsh::KernelParameters<P...>) {
         const auto options = attention_options(masking_of(masking, function), scale, query_offset,
                                                precision_of(precision, function));
         const auto call = [&](const auto&... values) {
-          return qkv_call<Precision::half>(
+          return qkv_call<DtypeSet::with_half>(
               function, q, k, v, out, threads,
               [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
                 using Call = decltype(types);
@@ -146,7 +146,7 @@ void def_decode(py::module_& module, const char* function, const char* doc, Kern
         }
         const poslsh::AttentionOptions options{poslsh::Masking::causal, scale};
         const auto call = [&](const auto&... arguments) {
-          return qkv_call<Precision::half>(
+          return qkv_call<DtypeSet::with_half>(
               function, as_row(query, "query"), keys, values, as_row(out, "out"), std::nullopt,
               [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
                 kernel(types, qm, km, vm, arguments..., om, options);
@@ -177,7 +177,7 @@ void register_attention(py::module_& module) {
          std::optional<double> scale, py::handle out, std::optional<int> threads) {
         const poslsh::AttentionOptions options{masking_of(masking, "alibi_attention_reference"),
                                                scale};
-        return qkv_call<Precision::full>(
+        return qkv_call<DtypeSet::full_precision>(
             "alibi_attention_reference", q, k, v, out, threads,
             [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
               using T = typename decltype(types)::q;

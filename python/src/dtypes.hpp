@@ -9,7 +9,7 @@
 // a TypeError naming the argument.
 //
 // Every binding takes float32 or float64 arrays, all of q's dtype. The bindings of kernels with
-// half-precision forms (dispatch<Precision::half>) also take, with float sums and softmax (the
+// half-precision forms (dispatch<DtypeSet::with_half>) also take, with float sums and softmax (the
 // products of bfloat16 q, k, v on the CPU's matrix unit under the `precision` keyword's
 // "matrix_units", widened to float otherwise):
 //   float16  q, k, v -> float16 out (default) or float32 out (an `out=` float32 array);
@@ -40,7 +40,7 @@ struct Types {
 };
 
 /// Which dtypes a binding takes: float32 and float64 only, or half precision too.
-enum class Precision { full, half };
+enum class DtypeSet { full_precision, with_half };
 
 /// Names of q, k and v in messages (the decoders call them query, keys, values).
 struct Names {
@@ -50,7 +50,7 @@ struct Names {
 };
 
 /// The arguments whose dtypes decide a call's types (k, v and out are read by
-/// dispatch<Precision::half> only).
+/// dispatch<DtypeSet::with_half> only).
 struct Operands {
   py::handle q;
   py::handle k{Py_None};
@@ -126,15 +126,15 @@ py::array storage_array(py::handle object, const char* function, const char* nam
   }
 }
 
-/// Calls run(Types<...>{}) with the scalar types of a call. Precision::full: q (named
+/// Calls run(Types<...>{}) with the scalar types of a call. DtypeSet::full_precision: q (named
 /// names.q) is float32 or float64 T, run(Types<T>{}); the other arrays are checked against T
-/// where they are read. Precision::half also takes the half-precision combinations of the
+/// where they are read. DtypeSet::with_half also takes the half-precision combinations of the
 /// file comment: Q from q, KV from k, Out from out (None: Q's type), out's dtype checked here;
 /// k and v are checked where they are read. TypeError naming the argument otherwise.
-template <Precision P = Precision::full, typename Run>
+template <DtypeSet P = DtypeSet::full_precision, typename Run>
 decltype(auto) dispatch(const char* function, const Operands& operands, Run&& run,
                         const Names& names = {}) {
-  if constexpr (P == Precision::half) {
+  if constexpr (P == DtypeSet::with_half) {
     const py::handle out = operands.out;
     const auto out_error = [&](const std::string& rule) {
       return py::type_error(argument(function, "out") + " " + describe(out, function, "out") +

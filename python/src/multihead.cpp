@@ -17,7 +17,7 @@ namespace {
 
 /// Maps q, k, v as HeadsViews (dispatch<P>), prepares the output (m x H_q x d_v in the
 /// layout), then runs kernel(types, q, k, v, out) without the GIL. Returns the output.
-template <Precision P, typename Kernel>
+template <DtypeSet P, typename Kernel>
 py::object heads_call(const char* function, py::handle q, py::handle k, py::handle v,
                       const Layout& layout, py::handle out, std::optional<int> threads,
                       Kernel&& kernel) {
@@ -224,14 +224,14 @@ void register_multihead(py::module_& module) {
         options.precision = precision_of(precision, function);
         if (plans) {
           require_plan_keywords(function, options);
-          return heads_call<Precision::full>(
+          return heads_call<DtypeSet::full_precision>(
               function, q, k, v, layout, out, threads,
               [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
                 using T = typename decltype(types)::q;
                 poslsh::multihead_attention<T>(qv, kv, vv, ov, *plans, options);
               });
         }
-        return heads_call<Precision::half>(
+        return heads_call<DtypeSet::with_half>(
             function, q, k, v, layout, out, threads,
             [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
               using Call = decltype(types);
@@ -260,7 +260,7 @@ void register_multihead(py::module_& module) {
         const std::vector<std::int32_t> cu_q = int32_vector(cu_seqlens_q, function, "cu_seqlens_q");
         const std::vector<std::int32_t> cu_k = int32_vector(cu_seqlens_k, function, "cu_seqlens_k");
         const std::vector<Index> offsets = query_offsets.value_or(std::vector<Index>{});
-        return heads_call<Precision::half>(
+        return heads_call<DtypeSet::with_half>(
             function, q, k, v, keywords.layout, out, threads,
             [&](auto types, const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
               using Call = decltype(types);

@@ -144,7 +144,7 @@ PagedKeywords paged_keywords(const char* function, py::handle cu_seqlens_q,
   return keywords;
 }
 
-/// Maps q (a HeadsView in the layout) and the cache (dispatch<Precision::half>: the cache's
+/// Maps q (a HeadsView in the layout) and the cache (dispatch<DtypeSet::with_half>: the cache's
 /// dtype is q's, or bfloat16 / float16 under float32 q), prepares out (q.tokens x H_q x d_v in
 /// the layout) and, with_lse, lse (H_q x q.tokens of the compute type: float32, float64 for
 /// float64), then runs multihead_attention_paged (or _with_lse) without the GIL. Returns out,
@@ -158,7 +158,7 @@ py::object paged_heads_call(const char* function, py::handle q, py::handle k_pag
   const py::array table = int32_array(block_table, 2, function, "block_table");
   const py::array lengths = int32_array(seq_lens, 1, function, "seq_lens");
   const Names names{"q", "k_pages", "v_pages"};
-  return dispatch<Precision::half>(
+  return dispatch<DtypeSet::with_half>(
       function, {q, k_pages, v_pages, out},
       [&](auto types) -> py::object {
         using Call = decltype(types);

@@ -164,7 +164,7 @@ py::object single_head_training(const char* function, py::handle q, const std::s
       masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
   threads = thread_count(threads, function);
   const auto call = [&](const auto&... values) {
-    return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+    return dispatch<DtypeSet::with_half>(function, {q}, [&](auto types) -> py::object {
       return run(types, options, threads, values...);
     });
   };
@@ -269,7 +269,7 @@ void def_without_lse(py::module_& module, poslsh::KernelParameters<P...>) {
         const char* const function = Row::function;
         const auto call = [&](const auto&... values) {
           const poslsh::AttentionOptions options{masking_of(masking, function), scale};
-          return qkv_call<Precision::full>(
+          return qkv_call<DtypeSet::full_precision>(
               function, q, k, v, out, threads,
               [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
                 using T = typename decltype(types)::q;
@@ -473,7 +473,7 @@ void register_training(py::module_& module) {
                                                 sigmas, samples, seed, band_error, window);
         keywords.options.precision = precision_of(precision, function);
         threads = thread_count(threads, function);
-        return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+        return dispatch<DtypeSet::with_half>(function, {q}, [&](auto types) -> py::object {
           using T = typename decltype(types)::q;
           const HeadsInputs<Types<T>> in =
               heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
@@ -536,7 +536,7 @@ void register_training(py::module_& module) {
         HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                 sigmas, samples, seed, band_error, window);
         keywords.options.precision = precision_of(precision, function);
-        return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+        return dispatch<DtypeSet::with_half>(function, {q}, [&](auto types) -> py::object {
           using T = typename decltype(types)::q;
           using L = poslsh::backward_scalar_t<T>;
           const HeadsInputs<Types<T>> in =
