@@ -153,12 +153,18 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   };
   if (one_thread_per_head) {
     const auto jobs = static_cast<long>(sequences.size()) * static_cast<long>(heads);
-    parallel_jobs<BackwardScratch<Scalar>>(jobs, [&](long j, BackwardScratch<Scalar>& scratch) {
-      const HeadsSequence& s = call.sequences[sequences[static_cast<std::size_t>(j / heads)]];
-      const Index h = heads - 1 - static_cast<Index>(j % heads);
-      head_job(s, h, token_range(dk, s.q_begin, s.q_end).head(h),
-               token_range(dv, s.q_begin, s.q_end).head(h), false, &scratch);
-    });
+    // Each thread's scratch sized for the head widths before the loop; what depends on a head's
+    // rule (the key tiles of a step, the packed steps, the count windows) grows on the thread's
+    // first head of each size.
+    PerThread<BackwardScratch<Scalar>> scratches(jobs);
+    scratches.each([&](BackwardScratch<Scalar>& scratch) { scratch.work.prepare(q.dim, v.dim); });
+    parallel_loop(
+        jobs, LoopSchedule::dynamic(), scratches, [&](long j, BackwardScratch<Scalar>& scratch) {
+          const HeadsSequence& s = call.sequences[sequences[static_cast<std::size_t>(j / heads)]];
+          const Index h = heads - 1 - static_cast<Index>(j % heads);
+          head_job(s, h, token_range(dk, s.q_begin, s.q_end).head(h),
+                   token_range(dv, s.q_begin, s.q_end).head(h), false, &scratch);
+        });
     sum_dslopes();
     return;
   }
