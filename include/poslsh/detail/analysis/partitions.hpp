@@ -12,6 +12,7 @@
 
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
 
@@ -105,7 +106,7 @@ inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out)
 
 /// The stored edges of a hash set (a HashSet or any container of BinHash) on [0, n). Throws
 /// std::invalid_argument (messages from `function`) if the set is empty, a hash is invalid or
-/// n < 0. Samples in parallel (OpenMP); the same table whatever the thread count.
+/// n < 0. Samples in parallel (parallel_loop); the same table whatever the thread count.
 template <typename Hashes = HashSet>
 AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
   const HashSet& hashes = analysis_hash_set(hash_set);
@@ -114,7 +115,7 @@ AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const ch
   AnalysisPartitions partitions;
   partitions.n = n;
   // Edge counts first (analysis_edge_count), then every sample's edges written in parallel
-  // (OpenMP) at its offset.
+  // at its offset.
   const auto samples = static_cast<Index>(hashes.size());
   partitions.offsets.resize(static_cast<std::size_t>(samples) + 1);
   for (Index k = 0; k < samples; ++k) {
@@ -123,11 +124,10 @@ AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const ch
   }
   partitions.edges.resize(partitions.offsets.back());
   const bool parallel = partitions.edges.size() > analysis_parallel_edges;
-#pragma omp parallel for schedule(dynamic, 256) if (parallel)
-  for (Index k = 0; k < samples; ++k) {
+  parallel_loop(static_cast<long>(samples), LoopSchedule::dynamic(256), parallel, [&](long k) {
     const auto uk = static_cast<std::size_t>(k);
     analysis_write_block_edges(hashes[uk], n, partitions.edges.data() + partitions.offsets[uk]);
-  }
+  });
   return partitions;
 }
 
