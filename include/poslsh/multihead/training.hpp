@@ -6,7 +6,9 @@
 /// poslsh/training/backward.hpp: lse_i = log sum_j w_ij e^{x_ij}, P_ij = w_ij e^{x_ij - lse_i},
 /// dV = P^T dO, dS_ij = P_ij (dO_i . v_j - D_i), dQ = tau dS K, dK = tau dS^T Q. These calls
 /// are self-attention: q, k and v hold the same tokens at positions 0 .. n - 1 of each
-/// sequence (options.query_offset unset or 0).
+/// sequence (options.query_offset unset or 0). Arguments are checked before any parallel work;
+/// an exception inside the parallel loops (std::bad_alloc) reaches the caller with its type,
+/// the outputs then partly written.
 #pragma once
 
 #include <cstdint>

@@ -127,8 +127,10 @@ class PackedSteps;
 /// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars per key tile of a group,
 /// aligned; they only grow): P^T and dS^T of a step (key b, row a at b * backward_query_rows +
 /// a), a count tile, the K and V rows of each key tile of the group and their dK, dV sums, the
-/// step's dQ contribution (rows padded to whole packets with zeros), D of the step, and the
-/// packed query steps (packed_steps).
+/// step's dQ contribution (rows padded to whole packets with zeros), D of the step, the
+/// packed query steps (packed_steps) and the slots of backward_by_steps. Sized before a
+/// parallel loop (prepare, BackwardSerialSize), a pass allocates nothing; its contents never
+/// reach the gradients (each pass writes what it reads, the padding stays zero).
 template <typename Scalar>
 struct BackwardWork {
   using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
