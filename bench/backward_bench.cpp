@@ -37,8 +37,8 @@ void run_backward(benchmark::State& state, Index n, Method method) {
   // The output and the gradients on the suite's memory (TypedTensor, zeros when made).
   Tensor out(Which::out, n), dq(Which::out, n), dk(Which::out, n), dv(Which::out, n);
   RowMatrix<float> lse(heads, n);
-  multihead_attention<float>(input_view(Which::q, n), input_view(Which::k, n),
-                             input_view(Which::v, n), out.view(), lse, options);
+  multihead_attention_with_lse<float>(input_view(Which::q, n), input_view(Which::k, n),
+                                      input_view(Which::v, n), out.view(), lse, options);
   TypedTensor<Input> stored_out(Which::out, n);
   const long size = static_cast<long>(n * heads * dim);
   for (long i = 0; i < size; ++i) stored_out.data()[i] = static_cast<Input>(out.data()[i]);

@@ -10,6 +10,10 @@
 // bitwise the same output; pairs/s of a page<P> row over the contiguous row of the same
 // method and m is the cost of the block table (keys and values are read in place page by page:
 // a key tile of 64 is 4 runs of rows at P = 16, one at P = 64 and 256).
+//   paged/multihead/<method>/<layout>/<m>
+// the all-heads entry: multihead_attention_paged on the page pool (one call, every head) against
+// multihead_attention_varlen on the contiguous tensors (contiguous), methods lsh_fused and
+// exact_tiled, m = n (prefill) or 1 (one decode token); the same bitwise output.
 //   poslsh_bench --benchmark_filter='^paged/'
 #include <sys/mman.h>
 
@@ -20,6 +24,7 @@
 #include <new>
 #include <numeric>
 #include <poslsh/attention/paged.hpp>
+#include <poslsh/multihead/paged.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -142,7 +147,53 @@ void run_paged(benchmark::State& state, bool fused, Index page_size, Index m) {
   set_kernel_counters(state, chunk_pairs(fused, n, m), m * heads);
 }
 
+/// One all-heads call over the last m of the n cached tokens: multihead_attention_paged on the
+/// pool of page size P, or (P = 0) multihead_attention_varlen on the contiguous tensors.
+void run_multihead_paged(benchmark::State& state, Method method, Index page_size, Index m) {
+  const Index n = paged_tokens;
+  const auto q = input_view(Which::q, n);
+  const auto k = input_view(Which::k, n);
+  const auto v = input_view(Which::v, n);
+  auto out = output_view(n);
+  MultiHeadOptions options;
+  options.method = method;
+  options.samples = default_samples;
+  options.seed = seed;
+  HeadsView<const float> queries = q;
+  queries.data += (n - m) * q.row_stride;
+  queries.tokens = m;
+  HeadsView<float> rows = out;
+  rows.tokens = m;
+  const std::vector<std::int32_t> cu_q = {0, static_cast<std::int32_t>(m)};
+  const std::vector<std::int32_t> cu_k = {0, static_cast<std::int32_t>(n)};
+  const PagedKV<float>* cache = page_size > 0 ? &pool(page_size).view : nullptr;
+  for (auto _ : state) {
+    if (cache != nullptr)
+      multihead_attention_paged<float>(queries, *cache, rows, cu_q, options);
+    else
+      multihead_attention_varlen<float>(queries, k, v, rows, cu_q, cu_k, options);
+    benchmark::ClobberMemory();
+  }
+  set_kernel_counters(state, chunk_pairs(method == Method::lsh_fused, n, m), m * heads);
+}
+
 const bool registered = [] {
+  for (const auto& [name, method] :
+       {std::pair{"lsh_fused", Method::lsh_fused}, std::pair{"exact_tiled", Method::exact_tiled}}) {
+    for (Index m : {paged_tokens, Index{1}}) {
+      for (Index page_size : {Index{0}, Index{16}, Index{256}}) {
+        const std::string layout =
+            page_size == 0 ? std::string("contiguous") : "page" + std::to_string(page_size);
+        const std::string row =
+            std::string("paged/multihead/") + name + "/" + layout + "/" + std::to_string(m);
+        with_min_statistic(
+            benchmark::RegisterBenchmark(row.c_str(), run_multihead_paged, method, page_size, m))
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->MinTime(0.3);
+      }
+    }
+  }
   for (const auto& [method, fused] :
        {std::pair{"lsh_fused", true}, std::pair{"exact_tiled", false}}) {
     for (Index m : {paged_tokens, Index{64}}) {

@@ -23,7 +23,7 @@ set grid xtics ytics lc rgb "#dddddd" lw 1
 set key top left reverse Left samplen 2 spacing 1.1 opaque
 set border lw 1.2
 
-set multiplot layout 1,2 title "poslsh: float, H = 8, d = 64, causal, ALiBi {/Symbol s} = 2..256, s = 16; 2 cores, ".run_info font ",14"
+set multiplot layout 1,2 title "poslsh: float, H = 8, d = 64, causal, ALiBi {/Symbol s} = 2..256, s = 16; ".run_info font ",14"
 
 set title "Prefill: time per call"
 set xlabel "sequence length n"

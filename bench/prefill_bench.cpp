@@ -3,14 +3,15 @@
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
-// in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_widening); where
-// that is a matrix unit, <method>_bf16_float_widening/<n> (<method>_f16_float_widening/<n>)
+// in their label (unit=amx_bf16, unit=avx512_bf16, unit=amx_fp16, unit=float_products); where
+// that is a matrix unit, <method>_bf16_float_products/<n> (<method>_f16_float_products/<n>)
 // runs the same call with Precision::float_products, and where it is amx_bf16,
-// <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (the detail-level switch of
-// the tests), so one run compares the units side by side.
+// <method>_bf16_avx512_bf16/<n> runs it with the AMX unit turned off (multihead_attention's body
+// on a tile layer that is never available), so one run compares the units side by side.
 #include <cmath>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -42,6 +43,7 @@ long long method_pairs(const MultiHeadOptions& options, Index n) {
       return pairs;
     case Method::lsh_per_sample:
     case Method::lsh_fused:
+    case Method::mean_of_outputs:
       return lsh_pairs(sigmas, options.samples, n);
   }
   return pairs;
@@ -84,30 +86,37 @@ void run_naive(benchmark::State& state, Index n, const MultiHeadOptions& options
   set_kernel_counters(state, heads * causal_pairs(n), n * heads);
 }
 
-/// One multihead_attention call per iteration with Q, K, V and the output in Half.
+/// The CPU's AMX tiles turned off: the tile engine on this layer uses the next unit.
 template <typename Half>
+struct AmxTilesOff : detail::AmxNativeTiles<Half> {
+  static bool available() { return false; }
+};
+
+/// One multihead_attention call per iteration with Q, K, V and the output in Half; on a tile
+/// layer AmxTiles other than the library's (AmxTilesOff: the AMX unit turned off, so the next
+/// unit, avx512_bf16, on a CPU with both), multihead_attention's body on that layer.
+template <typename Half, template <typename> class AmxTiles = detail::AmxNativeTiles>
 void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions& options) {
+  constexpr const char* function = "multihead_attention";
   const auto q = half_view<Half>(Which::q, n);
   const auto k = half_view<Half>(Which::k, n);
   const auto v = half_view<Half>(Which::v, n);
   const auto out = half_tensor<Half>(Which::out, n).view();
   const long long pairs = method_pairs(options, n);
   for (auto _ : state) {
-    multihead_attention<Half, Half, Half>(q, k, v, out, options);
+    if constexpr (std::is_same_v<AmxTiles<Half>, detail::AmxNativeTiles<Half>>) {
+      multihead_attention<Half, Half, Half>(q, k, v, out, options);
+    } else {
+      detail::one_sequence_forward<float, AmxTiles>(function, q, k, v, out, options, [&] {
+        return detail::head_methods(function, q.heads, options);
+      });
+    }
     benchmark::DoNotOptimize(out.data);
     benchmark::ClobberMemory();
   }
   set_kernel_counters(state, pairs, n * heads);
-  state.SetLabel(std::string("unit=") + enum_name(matrix_unit_for<Half, Half>(options)));
-}
-
-/// run_multihead_half<Eigen::bfloat16> with the AMX unit turned off: the next unit
-/// (avx512_bf16) on a CPU with both.
-void run_multihead_bf16_without_amx(benchmark::State& state, Index n,
-                                    const MultiHeadOptions& options) {
-  detail::set_amx_mode_for_tests(detail::AmxTestMode::disabled);
-  run_multihead_half<Eigen::bfloat16>(state, n, options);
-  detail::set_amx_mode_for_tests(detail::AmxTestMode::cpu);
+  state.SetLabel(std::string("unit=") +
+                 enum_name(detail::tile_engine_unit<Half, Half, AmxTiles>(options.precision)));
 }
 
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).
@@ -193,22 +202,22 @@ void register_prefill(bool long_runs) {
         const MatrixUnit unit = matrix_unit_for<Eigen::bfloat16, Eigen::bfloat16>(options);
         if (unit == MatrixUnit::amx_bf16 && matrix_unit_available(MatrixUnit::avx512_bf16)) {
           register_row(std::string(row.name) + "_bf16_avx512_bf16" + suffix, n, options,
-                       run_multihead_bf16_without_amx);
+                       run_multihead_half<Eigen::bfloat16, AmxTilesOff>);
         }
-        if (unit != MatrixUnit::float_widening) {
+        if (unit != MatrixUnit::float_products) {
           MultiHeadOptions widening = options;
           widening.precision = Precision::float_products;
-          register_row(std::string(row.name) + "_bf16_float_widening" + suffix, n, widening,
+          register_row(std::string(row.name) + "_bf16_float_products" + suffix, n, widening,
                        run_multihead_half<Eigen::bfloat16>);
         }
       }
       if (row.method == Method::lsh_fused) {
         register_row(std::string(row.name) + "_f16" + suffix, n, options,
                      run_multihead_half<Eigen::half>);
-        if (matrix_unit_for<Eigen::half, Eigen::half>(options) != MatrixUnit::float_widening) {
+        if (matrix_unit_for<Eigen::half, Eigen::half>(options) != MatrixUnit::float_products) {
           MultiHeadOptions widening = options;
           widening.precision = Precision::float_products;
-          register_row(std::string(row.name) + "_f16_float_widening" + suffix, n, widening,
+          register_row(std::string(row.name) + "_f16_float_products" + suffix, n, widening,
                        run_multihead_half<Eigen::half>);
         }
         register_row(std::string(row.name) + "_bf16kv" + suffix, n, options, run_multihead_bf16_kv);

@@ -4,7 +4,7 @@
 /// poslsh/analysis.hpp.
 ///
 /// The headers by area:
-///   core/       views, options, ALiBi slopes
+///   core/       views, options, ALiBi slopes, the hash and partition types, matrix units
 ///   lsh/        the positional hashes, partitions and variance-reduced samplers
 ///   attention/  single-head forward kernels: tiled, banded, fused, per-sample, partitions,
 ///               decode, paged
@@ -12,6 +12,8 @@
 ///               backward, packed batches, the per-head planner
 ///   training/   single-head forward with lse and backward, the mean-of-outputs estimator
 ///   interop/    block plans, the log-sum-exp merge, bring-your-own block kernel
+///   parallel/   context parallelism: the plan, halos, the K/V ring with its lse merge, the slice
+///               backward, traffic
 ///   analysis/   error measurements of M~ against L* (operators, max error, block statistics)
 ///   reference/  dense O(n^2) references, for checks only
 #pragma once
@@ -38,6 +40,7 @@
 #include "poslsh/lsh/partition.hpp"
 #include "poslsh/lsh/samplers.hpp"
 #include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/paged.hpp"
 #include "poslsh/multihead/planner.hpp"
 #include "poslsh/multihead/training.hpp"
 #include "poslsh/parallel/context_parallel.hpp"

@@ -14,24 +14,24 @@ q, k, v. Shard layouts (poslsh.shard_ranges):
   chunks r and 2R - 1 - r, concatenated in increasing position order (balanced causal work);
   the lengths must be those of poslsh.shard_ranges.
 
-Transport (poslsh.context_parallel_plan, the same on every rank):
+Transport: this module only moves buffers between ranks (torch.distributed isend/irecv and
+collectives); every plan, message layout and piece of attention arithmetic is the C++ library's
+(poslsh/parallel/), through poslsh._core.ContextParallelPlan and its rank(...) object, the same
+calls as examples/mpi_context_parallel.cpp.
 
 - Halo methods (lsh_fused, lsh_per_sample, fixed_blocks, exact_banded, exact_tiled with a local
-  window): each rank receives, per own chunk and K/V head, the K/V rows of the keys its queries
-  reach (the plan's 'keys') from their owners, one message per peer, and runs
-  poslsh.multihead_attention_with_lse on them: the rows are BITWISE the single-process rows.
-  A message holds, in the order (destination chunk, K/V head, position range), the K rows then
-  the V rows of each range of the sender's shard the destination needs.
-  The backward receives the rows of the plan's 'window' (K, V per K/V head; Q, out, dout, lse
-  per query head) and runs poslsh.multihead_attention_backward(position=) on it: the own rows
-  of dq, dk, dv are BITWISE the single-process gradients, and no gradient is sent back (same
-  order; per range K, V, then Q, out, dout and lse of the K/V head's query heads).
+  window): each rank sends every peer the message ContextParallelRank.pack packs (per
+  destination chunk, K/V head and position range of the rows of the sender's shard that the
+  destination reads: K then V rows; the backward adds the Q, out, dout rows and lse of the K/V
+  head's query heads), one message per peer, and computes its rows from the messages it
+  receives (halo_forward, halo_backward on the plan's 'keys' and 'window'): the rows and the
+  gradients are BITWISE the single-process call, and no gradient is sent back.
 - Ring (exact_tiled without a local window): K and V go around the ring (R - 1 steps, the next
-  transfer posted before the current step's attention); the slices' results are merged by
-  log-sum-exp in the order of the source rank; the backward passes K and V around again,
-  computes the exact ALiBi gradients of every (query chunk, key slice) pair in torch with the
-  global lse, and returns the dK/dV partials to their owners (added in the order of the source
-  rank). Equal to the single-process call to rounding.
+  transfer posted before the current step's attention; ContextParallelRank.ring_step); each
+  step's slices are merged by log-sum-exp (RingForward); the backward passes K and V around
+  again and computes the exact gradients of every slice with the merged lse (RingBackward),
+  then returns the dK/dV partials to their owners, added there in increasing rank order.
+  Equal to the single-process call to rounding.
 
 Byte counting (the optional ``stats`` dict): 'forward_bytes_sent', 'forward_bytes_received',
 'backward_bytes_sent', 'backward_bytes_received' count the payload of the tensors moved between
@@ -44,7 +44,8 @@ backward; 'forward_messages' and 'backward_messages' split it. A halo forward re
 chunk and K/V head g, the rows of keys[g] that lie outside the rank's own shard, each
 (d + d_v) elements; the halo backward, per own chunk and g, the rows of window[g] outside the
 own shard, each d + d_v + G (d + 2 d_v + 1) elements (K, V; and Q, out, dout, lse of the G
-query heads of g).
+query heads of g). poslsh._core.ContextParallelPlan(...).traffic(d, d_v, itemsize) gives the same
+counts from the plan alone (transport='ring' for the ring).
 
 Before any attention every rank all_gathers a record of its arguments and of its local checks:
 if a rank's check failed, every rank raises that rank's error; if an argument differs across
@@ -55,8 +56,6 @@ Helpers: shard(x, rank, world_size, layout) (a rank's rows of a whole-sequence t
 unshard(parts, layout) (its inverse over all ranks' parts) and gather_sequence(local, group,
 layout) (all_gather and unshard).
 """
-
-import math
 
 import numpy as np
 import torch
@@ -69,8 +68,6 @@ __all__ = ["context_parallel_attention", "ContextParallelAttention", "shard", "u
 _FUNCTION = "poslsh.distributed.context_parallel_attention"
 _LAYOUTS = ("contiguous", "zigzag")
 _DTYPES = (torch.float32, torch.float64)
-# Elements of the scores block of the ring backward (heads x query rows x keys).
-_RING_BLOCK_ELEMENTS = 1 << 22
 _STATS = ("forward_bytes_sent", "forward_bytes_received", "backward_bytes_sent", "backward_bytes_received", "messages",
           "forward_messages", "backward_messages")
 
@@ -323,32 +320,6 @@ def _agree(q, k, v, keywords, layout, num_threads, group, rank, size):
     return lengths, keywords
 
 
-# Plan geometry. --------------------------------------------------------------------------------
-
-def _pieces(owned, begin, end):
-    """The parts of [begin, end) that the ranges `owned` (a rank's shard, increasing) hold, as
-    (position begin, position end, local row of begin) in position order."""
-    pieces, local = [], 0
-    for b, e in owned:
-        lo, hi = max(b, begin), min(e, end)
-        if lo < hi:
-            pieces.append((lo, hi, local + lo - b))
-        local += e - b
-    return pieces
-
-
-def _segments(plan_chunks, owned, field):
-    """For each chunk of a destination, each K/V head g and each piece of chunk[field][g] held by
-    a source rank (its shard `owned`): (chunk index, g, begin, end, source local row), in the
-    order (chunk, g, position)."""
-    segments = []
-    for c, chunk in enumerate(plan_chunks):
-        for g, (b, e) in enumerate(chunk[field]):
-            for lo, hi, local in _pieces(owned, b, e):
-                segments.append((c, g, lo, hi, local))
-    return segments
-
-
 # The autograd Function. ------------------------------------------------------------------------
 
 class _Config:
@@ -359,12 +330,14 @@ class _Config:
         self.num_threads, self.stats = num_threads, stats
 
 
-def _kernel_keywords(config):
-    return dict(layout="nhd", **config.keywords, num_threads=config.num_threads)
-
-
 def _numpy(x):
     return x.detach().contiguous().numpy()
+
+
+def _received(receives, rank, size):
+    """The buffers received from every rank, as the bindings take them (None for the rank
+    itself and for peers that sent nothing)."""
+    return [receives[p].numpy() if p in receives else None for p in range(size)]
 
 
 class ContextParallelAttention(torch.autograd.Function):
@@ -377,363 +350,97 @@ class ContextParallelAttention(torch.autograd.Function):
         lengths, config.keywords = _agree(q, k, v, config.keywords, config.layout, config.num_threads, group, rank,
                                           size)
         n = sum(lengths)
-        heads, kv_heads = q.shape[1], k.shape[1]
         if config.layout == "contiguous":
             starts = [sum(lengths[:r]) for r in range(size)]
             shards = [[(s, s + m)] for s, m in zip(starts, lengths)]
         else:
             shards = [[tuple(x) for x in _core.shard_ranges(n, size, r, layout="zigzag")] for r in range(size)]
-        plan = _core.context_parallel_plan(n, size, query_heads=heads, kv_heads=kv_heads, layout=config.layout,
-                                           shards=shards, **config.keywords)
+        plan = _core.ContextParallelPlan(n, size, query_heads=q.shape[1], kv_heads=k.shape[1], layout=config.layout,
+                                         shards=shards, **config.keywords)
+        me = plan.rank(rank, head_dim=q.shape[2], value_dim=v.shape[2], num_threads=config.num_threads)
         if config.stats is not None:
             config.stats.update({key: 0 for key in _STATS})
         transport = _Transport(group, rank, size, config.stats)
         q, k, v = (x.detach().contiguous() for x in (q, k, v))
-        ctx.geometry = (rank, size, n, lengths, shards, plan)
-        ctx.config = config
-        if plan["ring"]:
-            out, lse = _ring_forward(q, k, v, config, transport, rank, size, lengths, shards, plan)
+        if me.ring:
+            out, lse = _ring_forward(me, transport, q, k, v)
         else:
-            out, lse = _halo_forward(q, k, v, config, transport, rank, size, shards, plan)
+            out, lse = _halo_forward(me, transport, q, k, v)
+        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+        ctx.me, ctx.config = me, config
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, size, n, lengths, shards, plan = ctx.geometry
-        config = ctx.config
-        transport = _Transport(config.group, rank, size, config.stats)
-        dout = dout.detach().to(out.dtype).contiguous()
-        if plan["ring"]:
-            dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, config, transport, rank, size, lengths, shards, plan)
+        me, config = ctx.me, ctx.config
+        transport = _Transport(config.group, me.rank, me.ranks, config.stats)
+        arrays = dict(q=_numpy(q), k=_numpy(k), v=_numpy(v), out=_numpy(out), lse=_numpy(lse),
+                      dout=_numpy(dout.to(out.dtype)))
+        if me.ring:
+            dq, dk, dv = _ring_backward(me, transport, arrays)
         else:
-            dq, dk, dv = _halo_backward(q, k, v, out, lse, dout, config, transport, rank, size, shards, plan)
-        return dq, dk, dv, None
+            dq, dk, dv = _halo_backward(me, transport, arrays)
+        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None
 
 
 # Halo transport. -------------------------------------------------------------------------------
 
-def _halo_forward(q, k, v, config, transport, rank, size, shards, plan):
-    d, d_v, kv_heads = q.shape[2], v.shape[2], k.shape[1]
-    mine = plan["chunks"][rank]
-    # The rows each other rank needs of this rank's K and V, and those it sends here.
-    sends, receives, incoming = {}, {}, {}
-    for peer in range(size):
-        if peer == rank:
-            continue
-        out_segments = _segments(plan["chunks"][peer], shards[rank], "keys")
-        pieces = []
-        for _, g, lo, hi, local in out_segments:
-            pieces += [k[local:local + hi - lo, g].reshape(-1), v[local:local + hi - lo, g].reshape(-1)]
-        sends[peer] = torch.cat(pieces) if pieces else k.new_empty(0)
-        in_segments = _segments(mine, shards[peer], "keys")
-        incoming[peer] = in_segments
-        receives[peer] = k.new_empty(sum(hi - lo for _, _, lo, hi, _ in in_segments) * (d + d_v))
-    transport.exchange("forward", sends, receives)
-    # Key buffers per own chunk: zero, the rows of keys[g] filled per head g.
-    buffers = []
-    for c, chunk in enumerate(mine):
-        b, e = chunk["key_span"]
-        buffers.append((k.new_zeros((e - b, kv_heads, d)), v.new_zeros((e - b, kv_heads, d_v))))
-    for c, chunk in enumerate(mine):
-        span_begin = chunk["key_span"][0]
-        for g, (b, e) in enumerate(chunk["keys"]):
-            for lo, hi, local in _pieces(shards[rank], b, e):
-                buffers[c][0][lo - span_begin:hi - span_begin, g] = k[local:local + hi - lo, g]
-                buffers[c][1][lo - span_begin:hi - span_begin, g] = v[local:local + hi - lo, g]
-    for peer, segments in incoming.items():
-        flat, offset = receives[peer], 0
-        for c, g, lo, hi, _ in segments:
-            rows, span_begin = hi - lo, mine[c]["key_span"][0]
-            buffers[c][0][lo - span_begin:hi - span_begin, g] = flat[offset:offset + rows * d].view(rows, d)
-            offset += rows * d
-            buffers[c][1][lo - span_begin:hi - span_begin, g] = flat[offset:offset + rows * d_v].view(rows, d_v)
-            offset += rows * d_v
-    outs, lses, local = [], [], 0
-    for c, chunk in enumerate(mine):
-        b, e = chunk["queries"]
-        out, lse = _attention_slice(q[local:local + e - b], buffers[c][0], buffers[c][1], config, b,
-                                    chunk["key_span"][0])
-        outs.append(out)
-        lses.append(lse)
-        local += e - b
-    return torch.cat(outs), torch.cat(lses, dim=1)
+def _halo_exchange(me, transport, phase, arrays, like):
+    """Sends every peer its message of `phase` (packed by the binding) and receives theirs."""
+    peers = [p for p in range(me.ranks) if p != me.rank]
+    sends = {p: torch.from_numpy(me.pack(p, phase, **arrays)) for p in peers}
+    receives = {p: like.new_empty(me.received_elements(p, phase)) for p in peers}
+    transport.exchange(phase, sends, receives)
+    return _received(receives, me.rank, me.ranks)
 
 
-def _attention_slice(q, k, v, config, query_offset, key_offset):
-    """multihead_attention_with_lse of queries at query_offset over keys at key_offset: (out
-    [m, H, d_v], lse [H, m]); no queries or no keys: zeros and -inf without a kernel call."""
-    m, heads, d_v = q.shape[0], q.shape[1], v.shape[2]
-    if m == 0 or k.shape[0] == 0:
-        return q.new_zeros((m, heads, d_v)), q.new_full((heads, m), -math.inf)
-    out, lse = _core.multihead_attention_with_lse(_numpy(q), _numpy(k), _numpy(v), **_kernel_keywords(config),
-                                                  query_offset=query_offset, key_offset=key_offset)
-    return torch.from_numpy(out), torch.from_numpy(lse)
+def _halo_forward(me, transport, q, k, v):
+    arrays = dict(q=q.numpy(), k=k.numpy(), v=v.numpy())
+    return me.halo_forward(messages=_halo_exchange(me, transport, "forward", arrays, q), **arrays)
 
 
-def _halo_backward(q, k, v, out, lse, dout, config, transport, rank, size, shards, plan):
-    d, d_v, heads, kv_heads = q.shape[2], v.shape[2], q.shape[1], k.shape[1]
-    group_size = heads // kv_heads
-    mine = plan["chunks"][rank]
-    row_elements = d + d_v + group_size * (d + 2 * d_v + 1)
-
-    def rows_of(g, lo, hi, local):
-        """K, V, then Q, out, dout, lse of the group's query heads, of local rows [local, +hi-lo)."""
-        rows, heads_g = slice(local, local + hi - lo), slice(g * group_size, (g + 1) * group_size)
-        return [k[rows, g].reshape(-1), v[rows, g].reshape(-1), q[rows, heads_g].reshape(-1),
-                out[rows, heads_g].reshape(-1), dout[rows, heads_g].reshape(-1), lse[heads_g, rows].reshape(-1)]
-
-    sends, receives, incoming = {}, {}, {}
-    for peer in range(size):
-        if peer == rank:
-            continue
-        pieces = []
-        for _, g, lo, hi, local in _segments(plan["chunks"][peer], shards[rank], "window"):
-            pieces += rows_of(g, lo, hi, local)
-        sends[peer] = torch.cat(pieces) if pieces else q.new_empty(0)
-        incoming[peer] = _segments(mine, shards[peer], "window")
-        receives[peer] = q.new_empty(sum(hi - lo for _, _, lo, hi, _ in incoming[peer]) * row_elements)
-    transport.exchange("backward", sends, receives)
-    # Window buffers per own chunk, zero outside each head's window.
-    buffers = []
-    for chunk in mine:
-        b, e = chunk["window_span"]
-        w = e - b
-        buffers.append([k.new_zeros((w, kv_heads, d)), v.new_zeros((w, kv_heads, d_v)), q.new_zeros((w, heads, d)),
-                        out.new_zeros((w, heads, d_v)), dout.new_zeros((w, heads, d_v)), lse.new_zeros((heads, w))])
-
-    def place(c, g, lo, hi, parts):
-        kb, vb, qb, ob, dob, lb = buffers[c]
-        rows = slice(lo - mine[c]["window_span"][0], hi - mine[c]["window_span"][0])
-        heads_g = slice(g * group_size, (g + 1) * group_size)
-        kb[rows, g], vb[rows, g] = parts[0], parts[1]
-        qb[rows, heads_g], ob[rows, heads_g], dob[rows, heads_g] = parts[2], parts[3], parts[4]
-        lb[heads_g, rows] = parts[5]
-
-    for c, chunk in enumerate(mine):
-        for g, (b, e) in enumerate(chunk["window"]):
-            for lo, hi, local in _pieces(shards[rank], b, e):
-                rows, heads_g = slice(local, local + hi - lo), slice(g * group_size, (g + 1) * group_size)
-                place(c, g, lo, hi, [k[rows, g], v[rows, g], q[rows, heads_g], out[rows, heads_g],
-                                     dout[rows, heads_g], lse[heads_g, rows]])
-    for peer, segments in incoming.items():
-        flat, offset = receives[peer], 0
-        for c, g, lo, hi, _ in segments:
-            rows = hi - lo
-            shapes = [(rows, d), (rows, d_v), (rows, group_size, d), (rows, group_size, d_v), (rows, group_size, d_v),
-                      (group_size, rows)]
-            parts = []
-            for shape in shapes:
-                count = math.prod(shape)
-                parts.append(flat[offset:offset + count].view(shape))
-                offset += count
-            place(c, g, lo, hi, parts)
-    dqs, dks, dvs = [], [], []
-    for c, chunk in enumerate(mine):
-        b, e = chunk["queries"]
-        if e == b:
-            continue
-        kb, vb, qb, ob, dob, lb = buffers[c]
-        dq, dk, dv = _core.multihead_attention_backward(
-            qb.numpy(), kb.numpy(), vb.numpy(), ob.numpy(), lb.numpy(), dob.numpy(), **_kernel_keywords(config),
-            position=chunk["window_span"][0])
-        own = slice(b - chunk["window_span"][0], e - chunk["window_span"][0])
-        dqs.append(torch.from_numpy(dq[own]))
-        dks.append(torch.from_numpy(dk[own]))
-        dvs.append(torch.from_numpy(dv[own]))
-    if not dqs:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+def _halo_backward(me, transport, arrays):
+    messages = _halo_exchange(me, transport, "backward", arrays, torch.from_numpy(arrays["q"]))
+    return me.halo_backward(messages=messages, **arrays)
 
 
 # Ring transport (exact_tiled without a local window). ------------------------------------------
 
-def _ring_pairs(chunk, source_ranges, masking):
-    """The source ranges (with their local rows in the source's shard) whose keys an own chunk's
-    queries may reach: causal skips the ranges that start after the chunk's last query."""
-    b, e = chunk["queries"]
-    pairs, local = [], 0
-    for rb, re_ in source_ranges:
-        if b < e and rb < re_ and not (masking == "causal" and rb >= e):
-            pairs.append((rb, re_, local))
-        local += re_ - rb
-    return pairs
-
-
-def _ring(transport, phase, rank, size, lengths, kv_heads, d, d_v, k, v, visit):
-    """K and V around the ring: visit(source, k_source, v_source) for source = rank, rank - 1, ...
-    (R steps), the transfer of the next step posted before the current visit."""
-    current = torch.cat([k.reshape(-1), v.reshape(-1)])
-    for step in range(size):
-        source = (rank - step) % size
+def _ring(me, transport, phase, k, v, visit):
+    """K and V around the ring: visit(source, shard) with the ring buffer of the shard this rank
+    holds at each step (ContextParallelRank.ring_step), the transfer of the next step posted
+    before the current visit."""
+    current = torch.from_numpy(me.pack_ring_shard(k, v))
+    for step in range(me.ranks):
+        at = me.ring_step(step)
         requests, incoming = [], None
-        if step + 1 < size:
-            incoming = current.new_empty(lengths[(source - 1) % size] * kv_heads * (d + d_v))
-            requests = transport.start(phase, {(rank + 1) % size: current}, {(rank - 1) % size: incoming})
-        rows = lengths[source]
-        visit(source, current[:rows * kv_heads * d].view(rows, kv_heads, d),
-              current[rows * kv_heads * d:].view(rows, kv_heads, d_v))
+        if at["transfers"]:
+            incoming = current.new_empty(me.ring_shard_elements(at["arriving"]))
+            requests = transport.start(phase, {at["send_to"]: current}, {at["receive_from"]: incoming})
+        visit(at["source"], current.numpy())
         transport.wait(requests)
         current = incoming
 
 
-def _merge(partials, dtype):
-    """Merges (out [m, H, d_v], lse [H, m]) slices by log-sum-exp, in the given order."""
-    lses = torch.stack([lse.to(torch.float64) for _, lse in partials])
-    top = lses.max(dim=0).values
-    finite = torch.isfinite(top)
-    shift = torch.where(finite, top, torch.zeros_like(top))
-    total, out = torch.zeros_like(top), None
-    weights = []
-    for slice_lse in lses:
-        weight = torch.exp(slice_lse - shift)
-        weights.append(weight)
-        total = total + weight
-    safe_total = torch.where(total > 0, total, torch.ones_like(total))
-    for (slice_out, _), weight in zip(partials, weights):
-        term = slice_out.to(torch.float64) * (weight / safe_total).t().unsqueeze(-1)
-        out = term if out is None else out + term
-    lse = torch.where(finite, shift + torch.log(safe_total), torch.full_like(top, -math.inf))
-    return out.to(dtype), lse.to(dtype)
+def _ring_forward(me, transport, q, k, v):
+    ring, queries = me.ring_forward(), q.numpy()
+    _ring(me, transport, "forward", k.numpy(), v.numpy(), lambda source, shard: ring.add(queries, source, shard))
+    return ring.result()
 
 
-def _ring_forward(q, k, v, config, transport, rank, size, lengths, shards, plan):
-    d, d_v, heads, kv_heads = q.shape[2], v.shape[2], q.shape[1], k.shape[1]
-    mine = plan["chunks"][rank]
-    masking = config.keywords["masking"]
-    partials = [dict() for _ in mine]  # per own chunk: source -> [(out, lse) per source range]
-    starts = _local_starts(mine)
-
-    def visit(source, k_source, v_source):
-        for c, chunk in enumerate(mine):
-            b, e = chunk["queries"]
-            slices = []
-            for rb, re_, local in _ring_pairs(chunk, shards[source], masking):
-                slices.append(_attention_slice(q[starts[c]:starts[c] + e - b], k_source[local:local + re_ - rb],
-                                               v_source[local:local + re_ - rb], config, b, rb))
-            partials[c][source] = slices
-
-    _ring(transport, "forward", rank, size, lengths, kv_heads, d, d_v, k, v, visit)
-    outs, lses = [], []
-    for c, chunk in enumerate(mine):
-        b, e = chunk["queries"]
-        ordered = [s for source in range(size) for s in partials[c].get(source, [])]
-        if e == b or not ordered:
-            outs.append(q.new_zeros((e - b, heads, d_v)))
-            lses.append(q.new_full((heads, e - b), -math.inf))
-            continue
-        out, lse = _merge(ordered, q.dtype)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
-def _local_starts(chunks):
-    starts, local = [], 0
-    for chunk in chunks:
-        starts.append(local)
-        local += chunk["queries"][1] - chunk["queries"][0]
-    return starts
-
-
-def _ring_pair_backward(q, dout_delta, lse, k, v, query_begin, key_begin, slopes, tau, config):
-    """The exact ALiBi gradients of one (query chunk, key slice) pair with the global lse:
-    (dq [m, H, d], dk [L, H_kv, d], dv [L, H_kv, d_v]) in blocks of query rows."""
-    dout, delta = dout_delta
-    m, heads, d = q.shape
-    length, kv_heads, d_v = k.shape[0], k.shape[1], v.shape[2]
-    group = heads // kv_heads
-    masking = config.keywords["masking"]
-    left, right = config.keywords["window"]
-    dq = q.new_zeros(q.shape)
-    dk_heads = q.new_zeros((heads, length, d))
-    dv_heads = q.new_zeros((heads, length, d_v))
-    k_heads = k.permute(1, 0, 2).repeat_interleave(group, dim=0)  # [H, L, d]
-    v_heads = v.permute(1, 0, 2).repeat_interleave(group, dim=0)  # [H, L, d_v]
-    keys = torch.arange(key_begin, key_begin + length, dtype=torch.float64)
-    rows_per_block = max(1, _RING_BLOCK_ELEMENTS // max(1, heads * length))
-    for r0 in range(0, m, rows_per_block):
-        r1 = min(m, r0 + rows_per_block)
-        queries = torch.arange(query_begin + r0, query_begin + r1, dtype=torch.float64)
-        offset = queries[:, None] - keys[None, :]  # i - j
-        keep = torch.ones(offset.shape, dtype=torch.bool)
-        if masking == "causal":
-            keep &= offset >= 0
-        if left >= 0:
-            keep &= offset <= left
-        if right >= 0:
-            keep &= -offset <= right
-        distance = offset.abs().to(q.dtype)
-        q_block = q[r0:r1].permute(1, 0, 2)  # [H, b, d]
-        dout_block = dout[r0:r1].permute(1, 0, 2)  # [H, b, d_v]
-        scores = tau * torch.bmm(q_block, k_heads.transpose(1, 2)) - slopes[:, None, None] * distance
-        scores = scores - lse[:, r0:r1, None]
-        p = torch.where(keep, torch.exp(torch.where(keep, scores, torch.zeros_like(scores))), torch.zeros_like(scores))
-        dv_heads += torch.bmm(p.transpose(1, 2), dout_block)
-        ds = p * (torch.bmm(dout_block, v_heads.transpose(1, 2)) - delta[:, r0:r1, None])
-        dq[r0:r1] += (tau * torch.bmm(ds, k_heads)).permute(1, 0, 2)
-        dk_heads += tau * torch.bmm(ds.transpose(1, 2), q_block)
-    dk = dk_heads.view(kv_heads, group, length, d).sum(dim=1).permute(1, 0, 2)
-    dv = dv_heads.view(kv_heads, group, length, d_v).sum(dim=1).permute(1, 0, 2)
-    return dq, dk, dv
-
-
-def _ring_backward(q, k, v, out, lse, dout, config, transport, rank, size, lengths, shards, plan):
-    d, d_v, heads, kv_heads = q.shape[2], v.shape[2], q.shape[1], k.shape[1]
-    mine = plan["chunks"][rank]
-    masking = config.keywords["masking"]
-    starts = _local_starts(mine)
-    scale = config.keywords["scale"]
-    tau = scale if scale is not None else 1.0 / math.sqrt(d)
-    sigmas = config.keywords["sigmas"]
-    sigmas = _core.alibi_sigmas(heads) if sigmas is None else sigmas
-    slopes = torch.tensor([1.0 / float(s) for s in sigmas], dtype=q.dtype)
-    # D_i = sum(dO_i * O_i) per query head, [H, n_local]; the inputs per own chunk.
-    delta = (dout * out).sum(dim=-1).t().contiguous()
-    dq_parts = [dict() for _ in mine]  # per own chunk: source -> dq
-    dkv_parts = {}  # source -> (dk, dv) of the source's shard, from this rank's queries
-
-    def visit(source, k_source, v_source):
-        dk_source = k.new_zeros((lengths[source], kv_heads, d))
-        dv_source = v.new_zeros((lengths[source], kv_heads, d_v))
-        for c, chunk in enumerate(mine):
-            b, e = chunk["queries"]
-            rows = slice(starts[c], starts[c] + e - b)
-            dq_c = None
-            for rb, re_, local in _ring_pairs(chunk, shards[source], masking):
-                keys = slice(local, local + re_ - rb)
-                dq, dk, dv = _ring_pair_backward(q[rows], (dout[rows], delta[:, rows]), lse[:, rows], k_source[keys],
-                                                 v_source[keys], b, rb, slopes, tau, config)
-                dq_c = dq if dq_c is None else dq_c + dq
-                dk_source[keys] += dk
-                dv_source[keys] += dv
-            if dq_c is not None:
-                dq_parts[c][source] = dq_c
-        dkv_parts[source] = (dk_source, dv_source)
-
-    _ring(transport, "backward", rank, size, lengths, kv_heads, d, d_v, k, v, visit)
-    # dK/dV partials back to their owners, added there in the order of the source rank.
-    sends = {peer: torch.cat([dkv_parts[peer][0].reshape(-1), dkv_parts[peer][1].reshape(-1)])
-             for peer in range(size) if peer != rank}
-    receives = {peer: k.new_empty(lengths[rank] * kv_heads * (d + d_v)) for peer in range(size) if peer != rank}
+def _ring_backward(me, transport, arrays):
+    ring = me.ring_backward()
+    rows = [arrays[name] for name in ("q", "out", "lse", "dout")]
+    _ring(me, transport, "backward", arrays["k"], arrays["v"], lambda source, shard: ring.add(*rows, source, shard))
+    # The dK/dV partials back to their owners.
+    peers = [p for p in range(me.ranks) if p != me.rank]
+    sends = {p: torch.from_numpy(ring.partial(p)) for p in peers}
+    like = torch.from_numpy(arrays["q"])
+    receives = {p: like.new_empty(me.ring_shard_elements(me.rank)) for p in peers}
     transport.exchange("backward", sends, receives)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    rows = lengths[rank] * kv_heads * d
-    for peer in range(size):
-        if peer == rank:
-            dk += dkv_parts[rank][0]
-            dv += dkv_parts[rank][1]
-        else:
-            dk += receives[peer][:rows].view(k.shape)
-            dv += receives[peer][rows:].view(v.shape)
-    dq = torch.zeros_like(q)
-    for c, chunk in enumerate(mine):
-        b, e = chunk["queries"]
-        for source in range(size):
-            if source in dq_parts[c]:
-                dq[starts[c]:starts[c] + e - b] += dq_parts[c][source]
-    return dq, dk, dv
+    return ring.result(_received(receives, me.rank, me.ranks))
 
 
 # The public function. --------------------------------------------------------------------------

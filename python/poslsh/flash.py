@@ -55,12 +55,12 @@ slopes) for "exact" and "banded"; the LSH methods raise ValueError when the slop
 grad (sampled bins are not differentiable in the slope). float32 and float64 tensors are
 computed in their dtype. Half precision (keyword-only ``precision``, the last extra):
 with precision="matrix_units" (the default), bfloat16 q, k, v on a CPU with a matrix unit
-(poslsh.matrix_unit("bfloat16", "bfloat16") is not "float_widening") give the output of the
+(poslsh.matrix_unit("bfloat16", "bfloat16") is not "float_products") give the output of the
 bfloat16 kernels read in place: bfloat16 products on the unit, float32 accumulation and
 softmax, probabilities rounded to bfloat16 before P V (FlashAttention's bfloat16 arithmetic).
 Otherwise (precision="float_products", float16, a float32 query over a half-precision cache,
-method "mean_of_outputs", or no unit) half-precision values are widened to float32 and the
-output is the float32 result rounded once (bitwise; q, k, v of one half-precision dtype are
+or no unit) half-precision values are widened to float32 and the output is the float32 result
+rounded once (bitwise; q, k, v of one half-precision dtype, and a half-precision KV cache, are
 read in place by the kernels that compute it). softmax_lse without gradients comes from the
 same forward with lse as the output. With gradients, bfloat16 and float16 q, k, v (one
 dtype) are read in place by the half-precision forward with lse and backward under the same
@@ -68,7 +68,8 @@ precision (one forward, no float32 copies; with the unit, the backward's product
 bfloat16 operands too, P and dS rounded to bfloat16): softmax_lse and the gradients are
 float32, the gradients cast once to the inputs' dtype. Without the unit the gradients are
 bitwise the float32 backward's on the widened inputs and the rounded output. Method
-"mean_of_outputs" widens half-precision inputs to float32 copies for its gradients.
+"mean_of_outputs" (which has no lse: its backward recomputes each sample's attention) takes the
+float32 backward of each head's inputs widened to float32.
 
 Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernels with q
 padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
@@ -93,15 +94,10 @@ from . import _core
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
-# The accepted method names and poslsh's method of each.
-_METHODS = {
-    "exact": "exact_tiled", "exact_tiled": "exact_tiled",
-    "banded": "exact_banded", "exact_banded": "exact_banded",
-    "lsh": "lsh_fused", "lsh_fused": "lsh_fused",
-    "lsh_per_sample": "lsh_per_sample",
-    "fixed_blocks": "fixed_blocks",
-    "mean_of_outputs": "mean_of_outputs",
-}
+# The accepted method names and poslsh's method of each: FlashAttention-style short names and
+# every name of the library's method table (poslsh.method_names()).
+_METHODS = {"exact": "exact_tiled", "banded": "exact_banded", "lsh": "lsh_fused",
+            **{name: name for name in _core.method_names()}}
 _EXACT = ("exact_tiled", "exact_banded")
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
@@ -378,37 +374,6 @@ def _unpad_lse(lse, rows):
     return out
 
 
-def _mean_of_outputs(q, k, v, rows, sigmas, config, dout=None):
-    """The mean-of-outputs estimator on the padded self-attention sequences, head by head
-    (poslsh.lsh_attention_mean_of_outputs with rbf_hashes(sigma_h, samples, seed, h)); its
-    backward when dout is given: (dq, dk, dv)."""
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    hashes = [_core.rbf_hashes(sigma, config.samples, config.seed, h) for h, sigma in enumerate(sigmas)]
-    qn, kn, vn = _kernel_view(q), _kernel_view(k), _kernel_view(v)
-    options = dict(causal=config.causal, scale=config.scale)
-    if dout is None:
-        out = torch.zeros((q.shape[0], heads, v.shape[2]), dtype=q.dtype)
-    else:
-        dn = _kernel_view(dout)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cu = rows.cu_k
-    for b in range(len(cu) - 1):
-        s, e = int(cu[b]), int(cu[b + 1])
-        if e == s:
-            continue
-        for h in range(heads):
-            g = h // group
-            args = (qn[s:e, h], kn[s:e, g], vn[s:e, g], hashes[h])
-            if dout is None:
-                _core.lsh_attention_mean_of_outputs(*args, out=out[s:e, h].numpy(), **options)
-            else:
-                gq, gk, gv = _core.lsh_attention_mean_of_outputs_backward(*args, dn[s:e, h], **options)
-                dq[s:e, h] = torch.from_numpy(gq)
-                dk[s:e, g] += torch.from_numpy(gk)
-                dv[s:e, g] += torch.from_numpy(gv)
-    return out if dout is None else (dq, dk, dv)
-
-
 def _lse_dtype(x):
     """The dtype of the lse and the gradients of a call on tensors of x's dtype: float32 for the
     half-precision dtypes, else x's."""
@@ -417,18 +382,16 @@ def _lse_dtype(x):
 
 def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
     """out (total_q, H, d_v), lse (H, total_q) or None, and what the backward needs, for the
-    packed sequences of `rows` sharing `sigmas`. q, k, v: float32 or float64 tensors; bfloat16
-    or float16 ones (one dtype) with train (the half-precision forward with lse, out in their
-    dtype, lse float32) or without train and want_lse (the half-precision kernels), all under
-    config.precision."""
+    packed sequences of `rows` (sigmas: _call_sigmas). q, k, v: float32 or float64 tensors;
+    bfloat16 or float16 ones (one dtype) with train (the half-precision forward with lse, out in
+    their dtype, lse float32) or without train and want_lse (the half-precision kernels), all
+    under config.precision. A method without lse (mean_of_outputs) trains from its forward
+    alone."""
     heads = q.shape[1]
     if rows.total_k == 0 or rows.total_q == 0:
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
         lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
         return out, lse, None
-    if config.method == "mean_of_outputs":
-        padded = _pad_rows(q, rows)
-        return _unpad_rows(_mean_of_outputs(padded, k, v, rows, sigmas, config), rows), None, (padded, None, None)
     keywords = config.keywords(sigmas)
     if not train:  # only the query rows, at their key positions
         queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
@@ -454,6 +417,10 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
         return out, lse, None
     padded = _pad_rows(q, rows)
     out = torch.empty((rows.total_k, heads, v.shape[2]), dtype=q.dtype)
+    if not _core.method_has_lse(config.method):  # mean_of_outputs: its backward reads no lse
+        _core.multihead_attention_varlen(_kernel_view(padded), _kernel_view(k), _kernel_view(v), rows.cu_k, rows.cu_k,
+                                         out=_kernel_view(out), precision=config.precision, **keywords)
+        return _unpad_rows(out, rows), None, (padded, out, None)
     lse = torch.empty((heads, rows.total_k), dtype=_lse_dtype(q))
     _core.multihead_attention_with_lse(_kernel_view(padded), _kernel_view(k), _kernel_view(v), out=_kernel_view(out),
                                        lse=lse.numpy(), cu_seqlens=rows.cu_k, precision=config.precision, **keywords)
@@ -461,22 +428,22 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
 
 
 def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
-    """(dq, dk, dv, dslopes or None) of one group from its forward's saved tensors (gradients
-    in _lse_dtype(q): float32 for half-precision q, k, v, out and dout)."""
+    """(dq, dk, dv, dslopes or None) of the packed sequences from their forward's saved tensors
+    (gradients in _lse_dtype(q): float32 for half-precision q, k, v, out and dout; dslopes one
+    per entry of sigmas)."""
     heads = q.shape[1]
     if saved is None:  # no keys or no queries
         return tuple(torch.zeros(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v)) + (
-            np.zeros(heads) if slopes_grad else None,)
+            np.zeros(len(sigmas)) if slopes_grad else None,)
     padded, out, lse = saved
     dout_padded = _pad_rows(dout, rows)
-    if config.method == "mean_of_outputs":
-        dq, dk, dv = _mean_of_outputs(padded, k, v, rows, sigmas, config, dout_padded)
-        return _unpad_rows(dq, rows), dk, dv, None
+    if lse is None:  # a method without lse (mean_of_outputs): its backward does not read it
+        lse = torch.empty((heads, rows.total_k), dtype=_lse_dtype(q))
     dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (padded, k, v))
     extra = {}
     dslopes = None
     if slopes_grad:
-        dslopes = np.zeros(heads)
+        dslopes = np.zeros(len(sigmas))  # per query head, or per sequence and query head
         extra["dslopes"] = dslopes
     _core.multihead_attention_backward(_kernel_view(padded), _kernel_view(k), _kernel_view(v), _kernel_view(out),
                                        lse.numpy(), _kernel_view(dout_padded), dq=dq.numpy(), dk=dk.numpy(),
@@ -485,53 +452,33 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
     return _unpad_rows(dq, rows), dk, dv, dslopes
 
 
-def _groups(batch, config, heads):
-    """The groups of sequences sharing their slopes: [(sequence range, sigmas)]. (nheads,)
-    slopes (or None): one group of all sequences; (batch, nheads): one group per sequence."""
+def _call_sigmas(config, batch, heads):
+    """The sigmas of a call: one per query head ((nheads,) slopes or None), or one per sequence
+    and query head, sequence-major ((batch, nheads) slopes: the library's sigmas of a packed
+    batch)."""
     values = config.slope_values
     if values is None or not config.slopes_per_row:
-        return [((0, batch), _sigmas(values, heads))]
-    return [((b, b + 1), _sigmas(values[b], heads)) for b in range(batch)]
+        return _sigmas(values, heads)
+    return [sigma for b in range(batch) for sigma in _sigmas(values[b], heads)]
 
 
 def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
-    """The packed computation of every group. q, k, v float32/float64, or half precision as
-    _forward_group takes them; returns out, lse (float32 (H, total_q) or None) and the state of
-    the backward."""
-    heads = q.shape[1]
-    groups = _groups(len(cu_q) - 1, config, heads)
-    outs, lses, states = [], [], []
-    for (first, last), sigmas in groups:
-        gq, gk = cu_q[first:last + 1], cu_k[first:last + 1]
-        if len(groups) == 1:  # every sequence (cu_q and cu_k start at 0 and end at the token counts)
-            rows = _Rows(gq, gk)
-            qs, ks, vs = q, k, v
-        else:
-            rows = _Rows(gq - gq[0], gk - gk[0])
-            qs, ks, vs = (x[int(c[0]):int(c[-1])] for x, c in ((q, gq), (k, gk), (v, gk)))
-        out, lse, saved = _forward_group(qs, ks, vs, rows, sigmas, config, train, want_lse)
-        outs.append(out)
-        lses.append(lse)
-        states.append((rows, sigmas, saved, (int(gq[0]), int(gq[-1])), (int(gk[0]), int(gk[-1]))))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-    lse = None
+    """The packed computation of every sequence in one library call. q, k, v float32/float64, or
+    half precision as _forward_group takes them; returns out, lse (float32 (H, total_q) or None)
+    and the state of the backward."""
+    sigmas = _call_sigmas(config, len(cu_q) - 1, q.shape[1])
+    rows = _Rows(cu_q, cu_k)
+    out, lse, saved = _forward_group(q, k, v, rows, sigmas, config, train, want_lse)
     if want_lse:
-        lse = (lses[0] if len(lses) == 1 else torch.cat(lses, 1)).float()
-    return out, lse, states
+        lse = lse.float()
+    return out, lse, (rows, sigmas, saved)
 
 
-def _gradients(q, k, v, states, config, dout, slopes, slopes_grad):
-    dq, dk, dv = (torch.empty(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v))
-    dslopes = np.zeros(tuple(slopes.shape)) if slopes_grad else None
-    for index, (rows, sigmas, saved, (qs, qe), (ks, ke)) in enumerate(states):
-        gq, gk, gv, gs = _backward_group(q[qs:qe], k[ks:ke], v[ks:ke], rows, sigmas, config, saved, dout[qs:qe],
-                                         slopes_grad)
-        dq[qs:qe], dk[ks:ke], dv[ks:ke] = gq, gk, gv
-        if slopes_grad:
-            if slopes.dim() == 1:
-                dslopes += gs
-            else:
-                dslopes[index] = gs
+def _gradients(q, k, v, state, config, dout, slopes, slopes_grad):
+    rows, sigmas, saved = state
+    dq, dk, dv, dslopes = _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad)
+    if slopes_grad:  # (nheads,): summed over the sequences; (batch, nheads): per sequence
+        dslopes = dslopes.reshape(tuple(slopes.shape))
     return dq, dk, dv, dslopes
 
 
@@ -541,16 +488,13 @@ def _widen(x):
 
 class _FlashPacked(torch.autograd.Function):
     """Differentiable attention of packed sequences (the varlen form): out, lse. Half-precision
-    q, k, v (one dtype) are read in place by the half-precision forward with lse and backward
-    (float32 lse and gradients, cast once to their dtype), except for method
-    "mean_of_outputs" (float32 and float64 only), whose inputs are widened to float32 copies."""
+    q, k, v (one dtype) are read in place by the half-precision forward (with lse) and backward
+    (float32 lse and gradients, cast once to their dtype)."""
 
     @staticmethod
     def forward(ctx, q, k, v, slopes, cu_q, cu_k, config, want_lse):
         dtype = q.dtype
-        q, k, v = q.detach(), k.detach(), v.detach()
-        in_place = dtype in _FLOATS or config.method != "mean_of_outputs"
-        qw, kw, vw = (q, k, v) if in_place else (_widen(q), _widen(k), _widen(v))
+        qw, kw, vw = q.detach(), k.detach(), v.detach()
         train = any(ctx.needs_input_grad[:4])
         ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
         out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, config, train, want_lse)
@@ -617,9 +561,8 @@ def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, slopes)):
         return _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
     # Tensors of one dtype are read in place (half precision: the half-precision forward, with lse
-    # when want_lse); a float32 query over a half-precision cache, and mean_of_outputs, take
-    # float32 copies.
-    in_place = config.method != "mean_of_outputs" and q.dtype == k.dtype == v.dtype
+    # when want_lse); a float32 query over half-precision keys takes float32 copies of them.
+    in_place = q.dtype == k.dtype == v.dtype
     read = (lambda x: x.detach()) if in_place else (lambda x: _widen(x.detach()))
     out, lse, _ = _compute(read(q), read(k), read(v), cu_q, cu_k, config, False, want_lse)
     if lse is None:
@@ -773,119 +716,109 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
     lengths = _cache_positions(function, cache_seqlens, batch, capacity, new)
     total = lengths + new
     if paged:
-        # The flat cache row of every token of every sequence, up to its length after the append.
-        seq = np.repeat(np.arange(batch), total)
-        cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int64)
-        position = np.arange(int(cu_k[-1])) - cu_k[:-1][seq]
-        table = block_table.detach().cpu().numpy().astype(np.int64)
-        blocks = table[seq, position // block_size]
-        if bool(((blocks < 0) | (blocks >= k_cache.shape[0])).any()):
-            bad = int(blocks[(blocks < 0) | (blocks >= k_cache.shape[0])][0])
-            _fail(function, "block_table", f"holds block {bad} for a used position: entries must lie in "
-                  f"[0, num_blocks = {k_cache.shape[0]})")
-        flat_rows = blocks * block_size + position % block_size
+        table = block_table.detach().cpu().numpy()
+        # The pages the sequences use after the append, checked before anything is written.
+        used = np.arange(table.shape[1])[None, :] * block_size < total[:, None]
+        bad = used & ((table < 0) | (table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            _fail(function, "block_table", f"holds block {int(table[bad][0])} for a used position: entries must lie "
+                  f"in [0, num_blocks = {k_cache.shape[0]})")
     config = _prepare(function, q, k_cache, v_cache, alibi_slopes, np.full(batch, seqlen_q), total, softmax_scale,
                       causal, window_left, window_right, method, samples, seed, band_error, precision, batch,
                       same_dtypes=False)
-    if config.method == "mean_of_outputs":
-        _fail(function, "method", "is 'mean_of_outputs': it runs on whole sequences only (flash_attn_func)")
+    if return_lse and not _core.method_has_lse(config.method):
+        _fail(function, "return_softmax_lse", f"is True: method {config.method!r} has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v_cache, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         _fail(function, "k_cache", "must be contiguous (written in place)")
+    if new:
+        _append(k_cache, v_cache, k, v, table if paged else rows_of, paged, cache_batch_idx is None, lengths)
+    # A contiguous cache is the paged cache of one page (its row) per sequence.
     if not paged:
-        return _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, cache_batch_idx is None, lengths, new,
-                                     config, return_lse)
-    k_flat = k_cache.view((-1,) + tuple(k_cache.shape[2:]))
-    v_flat = v_cache.view((-1,) + tuple(v_cache.shape[2:]))
-    if new:
-        appended = position >= lengths[seq]
-        target = _index(flat_rows[appended])
-        with torch.no_grad():
-            k_flat.index_copy_(0, target, k.detach().reshape((-1,) + tuple(k.shape[2:])))
-            v_flat.index_copy_(0, target, v.detach().reshape((-1,) + tuple(v.shape[2:])))
-    rows = _index(flat_rows)
-    keys, values = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
-    cu_q = _dense_cu(batch, seqlen_q)
+        table = np.asarray(rows_of, dtype=np.int32).reshape(batch, 1)
+    return _cache_attention(q, k_cache, v_cache, np.ascontiguousarray(table, dtype=np.int32), total, config,
+                            return_lse)
+
+
+def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):
+    """Writes k, v (batch, seqlen_new, nheads_k, headdim) into the cache at positions
+    lengths[b] .. of each sequence: of its cache row rows[b] (contiguous), or of the pages of its
+    block table row rows[b] (paged)."""
+    batch, new = k.shape[0], k.shape[1]
     with torch.no_grad():
-        # q and the gathered keys of one dtype as they are (out and lse of one computation);
-        # float32 queries over a half-precision cache: float32 copies of the gathered keys.
-        if keys.dtype != q.dtype:
-            keys, values = keys.float(), values.float()
-        flat_q = q.detach().reshape(batch * seqlen_q, heads, q.shape[3])
-        out, lse, _ = _compute(flat_q, keys, values, cu_q, cu_k, config, False, return_lse)
-    out = out.to(q.dtype).reshape(batch, seqlen_q, heads, v_cache.shape[3])
-    if return_lse:
-        lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
-    else:
-        lse = out.new_empty((0,), dtype=torch.float32)
-    return out, lse
+        if paged:
+            block_size = k_cache.shape[1]
+            position = lengths[:, None] + np.arange(new)[None, :]  # (batch, new)
+            pages = np.take_along_axis(rows.astype(np.int64), position // block_size, axis=1)
+            target = _index((pages * block_size + position % block_size).reshape(-1))
+            for cache, x in ((k_cache, k), (v_cache, v)):
+                cache.view((-1,) + tuple(cache.shape[2:])).index_copy_(0, target,
+                                                                      x.detach().reshape((-1,) + tuple(x.shape[2:])))
+        elif in_order and batch and bool((lengths == lengths[0]).all()):
+            start = int(lengths[0])
+            k_cache.narrow(1, start, new).copy_(k.detach())
+            v_cache.narrow(1, start, new).copy_(v.detach())
+        else:
+            for b in range(batch):
+                row, start = int(rows[b]), int(lengths[b])
+                k_cache[row].narrow(0, start, new).copy_(k[b].detach())
+                v_cache[row].narrow(0, start, new).copy_(v[b].detach())
 
 
-def _cache_reader(cache, widen):
-    """reader(row, length): the first `length` tokens of cache row `row` as the kernels take
-    them, read in place (a numpy view; bfloat16: poslsh.BFloat16Bits over the int16 view), or
-    float32 copies when `widen`."""
-    if widen:
-        return lambda row, length: cache[row, :length].float().numpy()
+def _cache_view(cache):
+    """A cache tensor as the kernels read it in place: a numpy view (bfloat16: poslsh.BFloat16Bits
+    over its int16 view)."""
+    cache = cache.detach()
     if cache.dtype == torch.bfloat16:
-        bits = cache.view(torch.int16).numpy()
-        return lambda row, length: _core.BFloat16Bits(bits[row, :length])
-    array = cache.numpy()
-    return lambda row, length: array[row, :length]
+        return _core.BFloat16Bits(cache.view(torch.int16).numpy())
+    return cache.numpy()
 
 
-def _cache_rows_attention(q, k_cache, v_cache, k, v, rows_of, in_order, lengths, new, config, want_lse):
-    """flash_attn_with_kvcache on a contiguous cache (batch_cache, seqlen_cache, nheads_k, d): k, v
-    appended at `lengths`, then one kernel call per batch row over its cache row's first tokens,
-    read in place, with the lse when want_lse. q and a cache of one dtype are read as they are
-    (half precision: float32 sums, bfloat16 on the matrix unit when config selects it; out and lse
-    of one computation); float32 queries over a half-precision cache are computed in float32, the
-    cache row read in place, or widened to a float32 copy for the lse (the kernel with lse takes
-    one dtype)."""
-    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
-    if new:
-        with torch.no_grad():
-            if in_order and batch and bool((lengths == lengths[0]).all()):
-                start = int(lengths[0])
-                k_cache.narrow(1, start, new).copy_(k.detach())
-                v_cache.narrow(1, start, new).copy_(v.detach())
-            else:
-                for b in range(batch):
-                    row, start = int(rows_of[b]), int(lengths[b])
-                    k_cache[row].narrow(0, start, new).copy_(k[b].detach())
-                    v_cache[row].narrow(0, start, new).copy_(v[b].detach())
-    widen = want_lse and q.dtype != k_cache.dtype
-    keys_of, values_of = _cache_reader(k_cache, widen), _cache_reader(v_cache, widen)
-    queries = q.detach()
-    out = torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=q.dtype)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(q)) if want_lse else None
-    total = (lengths + new).tolist()
-    rows_of = rows_of.tolist()
-    for (first, last), sigmas in _groups(batch, config, heads):
-        keywords = config.keywords(sigmas)
-        for b in range(first, last):
-            length = total[b]
-            valid = min(seqlen_q, length)
-            skip = seqlen_q - valid  # rows at negative key positions (causal): out 0, lse +inf
-            if skip:
-                out[b, :skip] = 0.0
-                if want_lse:
-                    lse[b, :, :skip] = math.inf
-            if valid == 0:
-                continue
-            keys, values = keys_of(rows_of[b], length), values_of(rows_of[b], length)
-            rows, out_rows = _kernel_view(queries[b, skip:]), _kernel_view(out[b, skip:])
+def _cache_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
+    """flash_attn_with_kvcache's attention after the append: q (batch, seqlen_q, nheads, d) over
+    the lengths[b] tokens of sequence b of the paged cache k_pages, v_pages (num_pages,
+    page_size, nheads_k, d) with block table `table` (int32 numpy (batch, max_pages)), in one
+    multihead_attention_paged call that reads the caller's cache tensors in place (q and a
+    half-precision cache of one dtype on the unit config.precision selects; a float32 query over
+    a half-precision cache in float32). Query rows before the first key (causal, seqlen_q >
+    lengths[b]) get out 0 and softmax_lse +inf; the others are passed to the call alone (a copy
+    of those query rows) only when there are such rows."""
+    batch, seqlen_q, heads, d = q.shape
+    dv = v_pages.shape[3]
+    out = torch.zeros((batch, seqlen_q, heads, dv), dtype=q.dtype)
+    lse = torch.full((batch, heads, seqlen_q), math.inf, dtype=torch.float32) if want_lse else None
+    valid = np.minimum(seqlen_q, lengths)
+    flat_q = q.detach().reshape(batch * seqlen_q, heads, d)
+    every_row = bool((valid == seqlen_q).all())
+    if every_row:
+        queries, rows_out, src = flat_q, out.view(batch * seqlen_q, heads, dv), None
+    else:
+        src = np.nonzero((np.arange(seqlen_q)[None, :] >= (seqlen_q - valid)[:, None]).reshape(-1))[0]
+        queries = flat_q.index_select(0, _index(src))
+        rows_out = torch.empty((len(src), heads, dv), dtype=q.dtype)
+    if len(queries):
+        cu_q = np.concatenate([[0], np.cumsum(valid)]).astype(np.int32)
+        arguments = (_kernel_view(queries), _cache_view(k_pages), _cache_view(v_pages), table,
+                     lengths.astype(np.int32), cu_q)
+        keywords = config.keywords(_call_sigmas(config, batch, heads))
+        if want_lse:
+            _, rows_lse = _core.multihead_attention_paged_with_lse(*arguments, out=_kernel_view(rows_out),
+                                                                   precision=config.precision, **keywords)
+            rows_lse = torch.from_numpy(rows_lse).float()
+        else:
+            _core.multihead_attention_paged(*arguments, out=_kernel_view(rows_out), precision=config.precision,
+                                            **keywords)
+        if every_row:
             if want_lse:
-                _core.multihead_attention_with_lse(rows, keys, values, out=out_rows, lse=lse[b, :, skip:].numpy(),
-                                                   cu_seqlens=np.array([0, valid], dtype=np.int32),
-                                                   cu_seqlens_k=np.array([0, length], dtype=np.int32),
-                                                   precision=config.precision, **keywords)
-            else:
-                _core.multihead_attention(rows, keys, values, query_offset=length - valid, out=out_rows,
-                                          precision=config.precision, **keywords)
-    lse = lse.float() if want_lse else out.new_empty((0,), dtype=torch.float32)
-    return out, lse
+                lse = rows_lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+        else:
+            out.view(batch * seqlen_q, heads, dv).index_copy_(0, _index(src), rows_out)
+            if want_lse:  # rows (b, i) of a (batch * seqlen_q, heads) copy, then (batch, heads, seqlen_q)
+                flat = torch.full((batch * seqlen_q, heads), math.inf, dtype=torch.float32)
+                flat[_index(src)] = rows_lse.t()
+                lse = flat.reshape(batch, seqlen_q, heads).transpose(1, 2).contiguous()
+    return out, lse if want_lse else out.new_empty((0,), dtype=torch.float32)
 
 
 # Registration. ------------------------------------------------------------------------------
@@ -1036,15 +969,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     headdim) with block_table int32 (batch, max_num_blocks): token t of row b is row t %
     block_size of block block_table[b, t // block_size]. Its dtype is q's, or bfloat16/float16
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
-    contiguous cache, nothing appended). A contiguous cache is read in place: one all-heads kernel
-    call per batch row over the first cache_seqlens[b] + seqlen_new tokens of its cache row
-    (bfloat16/float16 caches as they are, float32 sums; under float32 q with
-    return_softmax_lse that row is widened to a float32 copy, as the kernel with lse takes one
-    dtype). A paged cache's used blocks are gathered (index_select) into one packed batch, a copy
-    of the keys the step reads in the cache's dtype (widened to float32 under float32 q).
+    contiguous cache, nothing appended). The attention is one call of
+    poslsh.multihead_attention_paged (with _with_lse for softmax_lse) on the caller's cache
+    tensors, read in place, never gathered: a paged cache through block_table, a contiguous one as
+    the paged cache of one page (its cache row, cache_batch_idx[b]) per sequence; every batch row
+    over its first cache_seqlens[b] + seqlen_new tokens, bitwise the call on those tokens
+    gathered into a packed batch. bfloat16/float16 caches are read as they are (float32 sums;
+    under float32 q, out and softmax_lse of the float32 computation on the widened cache).
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse (batch, nheads,
-    seqlen_q) float32) with return_softmax_lse. The LSH methods draw the prefill's hashes (same
-    seed, samples, slopes): a decode step equals the rows of one longer prefill. precision as
+    seqlen_q) float32) with return_softmax_lse. The LSH methods (mean_of_outputs included, which
+    has no softmax_lse) draw the prefill's hashes (same seed, samples, slopes): a decode step
+    equals the rows of one longer prefill. precision as
     flash_attn_func: bfloat16 q over a bfloat16 cache reach the matrix unit under
     "matrix_units", and out and softmax_lse come from that one computation. rotary
     embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""

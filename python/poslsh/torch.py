@@ -5,9 +5,9 @@ copy in either direction. Inputs are CPU float32 or float64 tensors (half precis
 of shape ``[n, d]`` (one head) whose last dimension has stride 1; any row stride (e.g.
 ``x[:, h, :]`` of an ``[n, H, d]`` tensor). The output is a new contiguous tensor.
 
-    out = poslsh.torch.alibi_attention(q, k, v, sigma, causal=True, scale=None)
+    out = poslsh.torch.alibi_attention(q, k, v, sigma, masking="causal", scale=None)
         softmax(tau Q K^T - |i-j| / sigma) V
-    out = poslsh.torch.lsh_attention(q, k, v, hashes, causal=True, scale=None)
+    out = poslsh.torch.lsh_attention(q, k, v, hashes, masking="causal", scale=None)
         D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block masks of ``hashes``
     out = poslsh.torch.multihead_attention(q, k, v, layout="nhd", method="lsh_fused", ...)
         poslsh.multihead_attention on [n, H, d] (or [H, n, d]) tensors, grouped-query included;
@@ -123,7 +123,7 @@ def _precision(function, precision):
     return precision
 
 
-def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale, precision):
+def _single_head_forward(ctx, kernel, q, k, v, parameter, masking, scale, precision):
     """Forward with lse of the single-head kernel `kernel` of the core module (its argument
     after v is `parameter`: sigma or a HashSet) on [n, d] tensors, read in place (half precision
     too: out in q's dtype, lse float32); saves q, k, v, out and lse for the backward."""
@@ -133,9 +133,9 @@ def _single_head_forward(ctx, kernel, q, k, v, parameter, causal, scale, precisi
     lse = torch.empty((q.shape[0],), dtype=torch.float32 if ctx.half else q.dtype)
     getattr(_core, kernel + "_with_lse")(
         _kernel_array(q, "q", ctx.half), _kernel_array(k, "k", ctx.half), _kernel_array(v, "v", ctx.half), parameter,
-        causal=causal, scale=scale, out=_kernel_array(out, "out", ctx.half), lse=lse.numpy(), precision=precision)
+        masking=masking, scale=scale, out=_kernel_array(out, "out", ctx.half), lse=lse.numpy(), precision=precision)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.kernel, ctx.parameter, ctx.causal, ctx.scale, ctx.precision = kernel, parameter, causal, scale, precision
+    ctx.kernel, ctx.parameter, ctx.masking, ctx.scale, ctx.precision = kernel, parameter, masking, scale, precision
     return out
 
 
@@ -148,7 +148,7 @@ def _single_head_backward(ctx, dout):
     getattr(_core, ctx.kernel + "_backward")(
         _kernel_array(q, "q", half), _kernel_array(k, "k", half), _kernel_array(v, "v", half), ctx.parameter,
         _kernel_array(out, "out", half), lse.numpy(), _kernel_array(_gradient(dout.to(out.dtype)), "dout", half),
-        causal=ctx.causal, scale=ctx.scale, dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), precision=ctx.precision,
+        masking=ctx.masking, scale=ctx.scale, dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), precision=ctx.precision,
     )
     return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
@@ -165,29 +165,29 @@ class AlibiAttention(_SingleHeadAttention):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V on [n, d] CPU tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sigma, causal=True, scale=None, precision="matrix_units"):
-        return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, causal, scale, precision)
+    def forward(ctx, q, k, v, sigma, masking="causal", scale=None, precision="matrix_units"):
+        return _single_head_forward(ctx, "alibi_attention_tiled", q, k, v, sigma, masking, scale, precision)
 
 
 class LshAttention(_SingleHeadAttention):
     """LSH ALiBi attention D~^-1 (A o M~) V (the fused kernel) on [n, d] CPU tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, hashes, causal=True, scale=None, precision="matrix_units"):
-        return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, causal, scale, precision)
+    def forward(ctx, q, k, v, hashes, masking="causal", scale=None, precision="matrix_units"):
+        return _single_head_forward(ctx, "lsh_attention_fused", q, k, v, hashes, masking, scale, precision)
 
 
-def alibi_attention(q, k, v, sigma, *, causal=True, scale=None, precision="matrix_units"):
+def alibi_attention(q, k, v, sigma, *, masking="causal", scale=None, precision="matrix_units"):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (differentiable in q, k, v).
     precision: "matrix_units" (default) or "float_products", for bfloat16 inputs (module
     docstring); float32 and float64 inputs ignore it."""
-    return AlibiAttention.apply(q, k, v, sigma, causal, scale, _precision("alibi_attention", precision))
+    return AlibiAttention.apply(q, k, v, sigma, masking, scale, _precision("alibi_attention", precision))
 
 
-def lsh_attention(q, k, v, hashes, *, causal=True, scale=None, precision="matrix_units"):
+def lsh_attention(q, k, v, hashes, *, masking="causal", scale=None, precision="matrix_units"):
     """LSH ALiBi attention softmax(tau Q K^T + log M~) V for a poslsh.HashSet (differentiable
     in q, k, v). precision as alibi_attention."""
-    return LshAttention.apply(q, k, v, hashes, causal, scale, _precision("lsh_attention", precision))
+    return LshAttention.apply(q, k, v, hashes, masking, scale, _precision("lsh_attention", precision))
 
 
 class MultiheadAttention(torch.autograd.Function):
@@ -272,7 +272,7 @@ def _forward_out(out, shape, q, out_dtype):
     return torch.empty(shape, dtype=q.dtype if out_dtype is None else out_dtype)
 
 
-def alibi_attention_forward(q, k, v, sigma, *, causal=True, scale=None, query_offset=None, out_dtype=None,
+def alibi_attention_forward(q, k, v, sigma, *, masking="causal", scale=None, query_offset=None, out_dtype=None,
                             out=None, precision="matrix_units"):
     """Exact ALiBi attention softmax(tau Q K^T - |i-j| / sigma) V (poslsh.alibi_attention_tiled),
     forward only, on CPU tensors of shape [m, d] (q), [L, d] (k), [L, d_v] (v), read in place.
@@ -287,20 +287,20 @@ def alibi_attention_forward(q, k, v, sigma, *, causal=True, scale=None, query_of
     Not differentiable (RuntimeError if an input requires grad while grad mode is on)."""
     _forward_only("alibi_attention_forward", (q, k, v))
     result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
-    _core.alibi_attention_tiled(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), sigma, causal=causal,
+    _core.alibi_attention_tiled(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), sigma, masking=masking,
                                 scale=scale, query_offset=query_offset, out=_storage(result, "out"),
                                 precision=precision)
     return result
 
 
-def lsh_attention_forward(q, k, v, hashes, *, causal=True, scale=None, query_offset=None, out_dtype=None,
+def lsh_attention_forward(q, k, v, hashes, *, masking="causal", scale=None, query_offset=None, out_dtype=None,
                           out=None, precision="matrix_units"):
     """LSH ALiBi attention D~^-1 (A o M~) V, A_ij = exp(tau q_i.k_j), M~ the mean of the block
     masks of `hashes` (poslsh.lsh_attention_fused), forward only; dtypes, out_dtype, out and
     precision as alibi_attention_forward."""
     _forward_only("lsh_attention_forward", (q, k, v))
     result = _forward_out(out, (q.shape[0], v.shape[-1]) if q.dim() == 2 else (0, 0), q, out_dtype)
-    _core.lsh_attention_fused(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), hashes, causal=causal,
+    _core.lsh_attention_fused(_storage(q, "q"), _storage(k, "k"), _storage(v, "v"), hashes, masking=masking,
                               scale=scale, query_offset=query_offset, out=_storage(result, "out"),
                               precision=precision)
     return result

@@ -130,9 +130,10 @@ t*_i = 0 left out, counted in zero_rows), cosine <T*, T~> / (||T*||_F ||T~||_F).
 
   module.def(
       "kernel_error_metrics",
-      [](py::handle hashes, Index n, double sigma, bool causal, std::optional<double> epsilon,
-         const std::string& epsilon_definition, const std::string& spectral_method,
-         Index spectral_dense_limit, Index max_restarts, Index subspace, double tolerance) {
+      [](py::handle hashes, Index n, double sigma, const std::string& masking,
+         std::optional<double> epsilon, const std::string& epsilon_definition,
+         const std::string& spectral_method, Index spectral_dense_limit, Index max_restarts,
+         Index subspace, double tolerance) {
         constexpr const char* function = "kernel_error_metrics";
         const poslsh::HashSet& set = hash_set(hashes, function);
         const poslsh::MetricOptions options =
@@ -140,10 +141,11 @@ t*_i = 0 left out, counted in zero_rows), cosine <T*, T~> / (||T*||_F ||T~||_F).
                            spectral_options(function, spectral_method, spectral_dense_limit,
                                             max_restarts, subspace, tolerance));
         py::gil_scoped_release release;
-        return poslsh::kernel_error_metrics(set, n, sigma, masking_of(causal), options);
+        return poslsh::kernel_error_metrics(set, n, sigma,
+                                            masking_of(masking, "kernel_error_metrics"), options);
       },
-      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
-      py::arg("epsilon") = py::none(),
+      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(),
+      py::arg("masking") = default_masking(), py::arg("epsilon") = py::none(),
       py::arg("epsilon_definition") = poslsh::enum_name(metric.epsilon_definition),
       py::arg("spectral_method") = poslsh::enum_name(spectral.method),
       py::arg("spectral_dense_limit") = spectral.dense_limit,
@@ -158,16 +160,19 @@ error with epsilon_definition='relative'). Returns a KernelErrorMetrics.
 
   module.def(
       "spectral_error",
-      [](py::handle hashes, Index n, double sigma, bool causal, const std::string& spectral_method,
-         Index spectral_dense_limit, Index max_restarts, Index subspace, double tolerance) {
+      [](py::handle hashes, Index n, double sigma, const std::string& masking,
+         const std::string& spectral_method, Index spectral_dense_limit, Index max_restarts,
+         Index subspace, double tolerance) {
         constexpr const char* function = "spectral_error";
         const poslsh::HashSet& set = hash_set(hashes, function);
         const poslsh::SpectralOptions options = spectral_options(
             function, spectral_method, spectral_dense_limit, max_restarts, subspace, tolerance);
         py::gil_scoped_release release;
-        return poslsh::spectral_error(set, n, sigma, masking_of(causal), options);
+        return poslsh::spectral_error(set, n, sigma, masking_of(masking, "spectral_error"),
+                                      options);
       },
-      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
+      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(),
+      py::arg("masking") = default_masking(),
       py::arg("spectral_method") = poslsh::enum_name(spectral.method),
       py::arg("spectral_dense_limit") = spectral.dense_limit,
       py::arg("max_restarts") = spectral.max_restarts, py::arg("subspace") = spectral.subspace,
@@ -176,24 +181,25 @@ error with epsilon_definition='relative'). Returns a KernelErrorMetrics.
 
   module.def(
       "max_error",
-      [](py::handle hashes, Index n, double sigma, bool causal) {
+      [](py::handle hashes, Index n, double sigma, const std::string& masking) {
         const poslsh::HashSet& set = hash_set(hashes, "max_error");
         poslsh::MaxError error;
         {
           py::gil_scoped_release release;
-          error = poslsh::max_error(set, n, sigma, masking_of(causal));
+          error = poslsh::max_error(set, n, sigma, masking_of(masking, "max_error"));
         }
         return py::make_tuple(error.value, error.row, error.col);
       },
-      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
+      py::arg("hashes"), py::arg("n"), py::arg("sigma"), py::kw_only(),
+      py::arg("masking") = default_masking(),
       "(||L* - M~||_max, row, col): the largest |L*_ij - M~_ij| and where it is attained.");
 
   module.def(
       "alibi_kernel_norm",
-      [](Index n, double sigma, bool causal) {
-        return poslsh::alibi_kernel_norm(n, sigma, masking_of(causal));
+      [](Index n, double sigma, const std::string& masking) {
+        return poslsh::alibi_kernel_norm(n, sigma, masking_of(masking, "alibi_kernel_norm"));
       },
-      py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("causal") = true,
+      py::arg("n"), py::arg("sigma"), py::kw_only(), py::arg("masking") = default_masking(),
       "||L*||_2 of the ALiBi kernel exp(-|i-j| / sigma) (causal: lower triangle), exactly.");
 
   module.def(
@@ -218,8 +224,9 @@ double. Returns an OutputErrorMetrics.
   module.def(
       "paper_metrics",
       [](py::handle q, py::handle k, py::handle v, py::handle hashes, double sigma,
-         py::handle exact, py::handle approximate, bool causal, std::optional<double> scale,
-         std::optional<double> epsilon, const std::string& epsilon_definition, Index dense_limit,
+         py::handle exact, py::handle approximate, const std::string& masking,
+         std::optional<double> scale, std::optional<double> epsilon,
+         const std::string& epsilon_definition, Index dense_limit,
          const std::string& spectral_method, Index spectral_dense_limit, Index max_restarts,
          Index subspace, double tolerance) {
         constexpr const char* function = "paper_metrics";
@@ -229,7 +236,7 @@ double. Returns an OutputErrorMetrics.
                            spectral_options(function, spectral_method, spectral_dense_limit,
                                             max_restarts, subspace, tolerance));
         options.dense_limit = dense_limit;
-        const poslsh::AttentionOptions attention{masking_of(causal), scale};
+        const poslsh::AttentionOptions attention{masking_of(masking, "paper_metrics"), scale};
         return dispatch(function, {q}, [&](auto types) {
           using T = typename decltype(types)::q;
           const InputMap<T> q_map = input_matrix<T>(q, function, "q", "q");
@@ -244,8 +251,9 @@ double. Returns an OutputErrorMetrics.
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::arg("sigma"),
-      py::arg("exact"), py::arg("approximate"), py::kw_only(), py::arg("causal") = true,
-      py::arg("scale") = py::none(), py::arg("epsilon") = py::none(),
+      py::arg("exact"), py::arg("approximate"), py::kw_only(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("epsilon") = py::none(),
       py::arg("epsilon_definition") = poslsh::enum_name(metric.epsilon_definition),
       py::arg("dense_limit") = metric.dense_limit,
       py::arg("spectral_method") = poslsh::enum_name(spectral.method),

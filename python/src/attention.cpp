@@ -16,7 +16,8 @@ namespace {
 const char* const qkv_doc = R"doc(
 q: [m, d], k: [L, d], v: [L, d_v] numpy arrays of one dtype (float32 or float64), last axis
 contiguous, any row stride (e.g. q[:, h, :] of an [n, H, d] buffer), never copied or converted.
-causal: keep keys j <= i (default) or all keys. scale: tau, None means 1/sqrt(d).
+masking: 'causal' (default, keys j <= i) or 'bidirectional' (all keys). scale: tau, None
+means 1/sqrt(d).
 query_offset: position p0 of q's first row. q may have m <= L rows over the L rows of k and
 v: row r is the query at position p0 + r (causal: keys j <= p0 + r; the position terms use
 i = p0 + r), and is bitwise row p0 + r of the call on all L positions, so a prompt prefilled
@@ -38,7 +39,7 @@ float sums, with the probabilities rounded to bfloat16 before P V); every other 
 call under 'float_products', widens each value to float32: the result is then bitwise the
 float32 kernel on the widened inputs, rounded once. float32 and float64 inputs ignore it.)doc";
 
-/// Binds function(q, k, v, parameters..., *, causal=True, scale=None, query_offset=None,
+/// Binds function(q, k, v, parameters..., *, masking="causal", scale=None, query_offset=None,
 /// out=None, num_threads=None, precision="matrix_units"), every dtype of dtypes.hpp, to the forward
 /// of method M on (q, k, v, parameter values..., out, options); `head` is the docstring's first
 /// part, `parameter_args` the py::arg of each parameter.
@@ -47,11 +48,12 @@ void def_prefill(py::module_& module, const char* function, const char* head,
                  const Args&... parameter_args) {
   module.def(
       function,
-      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters, bool causal,
-                 std::optional<double> scale, std::optional<Index> query_offset, py::handle out,
-                 std::optional<int> threads, const std::string& precision) {
-        const auto options =
-            attention_options(causal, scale, query_offset, precision_of(precision, function));
+      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
+                 const std::string& masking, std::optional<double> scale,
+                 std::optional<Index> query_offset, py::handle out, std::optional<int> threads,
+                 const std::string& precision) {
+        const auto options = attention_options(masking_of(masking, function), scale, query_offset,
+                                               precision_of(precision, function));
         const auto call = [&](const auto&... values) {
           return qkv_call<Precision::half>(
               function, q, k, v, out, threads,
@@ -64,9 +66,10 @@ void def_prefill(py::module_& module, const char* function, const char* head,
         return call(parameter_value(parameters, function)...);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("query_offset") = py::none(),
-      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
-      py::arg("precision") = default_precision(), (std::string(head) + qkv_doc).c_str());
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("query_offset") = py::none(), py::arg("out") = py::none(),
+      py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
+      (std::string(head) + qkv_doc).c_str());
 }
 
 /// Binds a decoder function(query, keys, values, parameters..., *, scale=None, out=None):
@@ -173,9 +176,10 @@ position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
 
   module.def(
       "alibi_attention_reference",
-      [](py::handle q, py::handle k, py::handle v, double sigma, bool causal,
+      [](py::handle q, py::handle k, py::handle v, double sigma, const std::string& masking,
          std::optional<double> scale, py::handle out, std::optional<int> threads) {
-        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        const poslsh::AttentionOptions options{masking_of(masking, "alibi_attention_reference"),
+                                               scale};
         return qkv_call<Precision::full>(
             "alibi_attention_reference", q, k, v, out, threads,
             [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
@@ -184,8 +188,8 @@ position 0 (lsh_attention_per_sample with fixed_blocks_hash(sigma)).
             });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("sigma"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(),
       R"doc(Naive exact ALiBi attention (builds the n x n scores; for checks):
 
     T* = softmax(tau Q K^T - |i-j| / sigma) V
@@ -231,15 +235,23 @@ Exact ALiBi decode, O(t d):
       py::arg("t"), py::arg("sigma"));
 
   module.def(
-      "alibi_slopes", [](int heads) { return double_array(poslsh::alibi_slopes(heads)); },
-      py::arg("heads"), R"doc(
-ALiBi slopes m_h, h = 0..H-1 (float64 array). For H a power of two m_h = 2^(-8 (h+1) / H);
-otherwise Press et al.'s interleaving with the slopes of 2p heads, p = 2^floor(log2 H).
+      "alibi_slopes",
+      [](int heads, double max_bias) {
+        return double_array(poslsh::alibi_slopes(heads, max_bias));
+      },
+      py::arg("heads"), py::kw_only(), py::arg("max_bias") = 8.0, R"doc(
+ALiBi slopes m_h, h = 0..H-1 (float64 array). For H a power of two m_h = 2^(-b (h+1) / H),
+b = max_bias (8: BLOOM; MPT's alibi_bias_max); otherwise Press et al.'s interleaving with the
+slopes of 2p heads, p = 2^floor(log2 H).
 )doc");
 
   module.def(
-      "alibi_sigmas", [](int heads) { return double_array(poslsh::alibi_sigmas(heads)); },
-      py::arg("heads"), "ALiBi length scales sigma_h = 1 / m_h (float64 array).");
+      "alibi_sigmas",
+      [](int heads, double max_bias) {
+        return double_array(poslsh::alibi_sigmas(heads, max_bias));
+      },
+      py::arg("heads"), py::kw_only(), py::arg("max_bias") = 8.0,
+      "ALiBi length scales sigma_h = 1 / m_h (float64 array) of alibi_slopes(heads, max_bias=).");
 
   module.def("band_for_bias_error", &poslsh::band_for_bias_error, py::arg("sigma"), py::arg("eps"),
              R"doc(

@@ -98,9 +98,15 @@ void run_kernel(std::optional<int> threads, Kernel&& kernel) {
   kernel();
 }
 
-/// Masking from the `causal` keyword.
-inline poslsh::Masking masking_of(bool causal) {
-  return causal ? poslsh::Masking::causal : poslsh::Masking::bidirectional;
+/// The Masking named by a `masking` keyword (EnumNames<Masking>: "causal", "bidirectional");
+/// ValueError naming the argument 'masking' of `function` otherwise.
+inline poslsh::Masking masking_of(const std::string& name, const char* function) {
+  return poslsh::enum_from_name<poslsh::Masking>(name, function, "masking");
+}
+
+/// The default of the `masking` keyword: the name of AttentionOptions' default masking.
+inline const char* default_masking() {
+  return poslsh::enum_name(poslsh::AttentionOptions{}.masking);
 }
 
 /// The Precision named by a `precision` keyword (EnumNames<Precision>: "matrix_units",
@@ -116,10 +122,11 @@ inline const char* default_precision() {
 
 /// AttentionOptions from the keywords of the single-head kernels. `precision` selects how
 /// bfloat16 tiles are multiplied (matrix_unit_for); float32 and float64 inputs ignore it.
-inline poslsh::AttentionOptions attention_options(bool causal, std::optional<double> scale,
+inline poslsh::AttentionOptions attention_options(poslsh::Masking masking,
+                                                  std::optional<double> scale,
                                                   std::optional<Index> query_offset,
                                                   poslsh::Precision precision) {
-  poslsh::AttentionOptions options{masking_of(causal), scale};
+  poslsh::AttentionOptions options{masking, scale};
   options.query_offset = query_offset;
   options.precision = precision;
   return options;

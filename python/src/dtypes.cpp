@@ -139,7 +139,7 @@ arrays are read as bfloat16 only through this wrapper.
   module.def(
       "matrix_unit_names", []() { return enum_names<poslsh::MatrixUnit>(); },
       R"doc(Names of the units that can multiply half-precision tiles, in declaration order:
-'float_widening' (every value widened to float32, any CPU), 'avx512_bf16' (AVX512-BF16 dot
+'float_products' (every value widened to float32, any CPU), 'avx512_bf16' (AVX512-BF16 dot
 products of bfloat16 pairs summed in float32), 'amx_bf16' and 'amx_fp16' (AMX tiles of bfloat16
 or float16 pairs, summed in float32).)doc");
 
@@ -151,7 +151,7 @@ or float16 pairs, summed in float32).)doc");
       },
       py::arg("name"),
       "Whether this CPU (and OS) can run the unit `name` (a matrix_unit_names() entry; "
-      "ValueError otherwise). 'float_widening': always.");
+      "ValueError otherwise). 'float_products': always.");
 
   module.def(
       "matrix_units",
@@ -176,7 +176,7 @@ or float16 pairs, summed in float32).)doc");
       py::arg("precision") = default_precision(), R"doc(
 The name of the unit that multiplies the tiles of a kernel call with q of dtype q_dtype over k, v
 of dtype kv_dtype (None: q_dtype) under `precision` on this CPU: 'avx512_bf16' for bfloat16 q,
-k, v under precision='matrix_units' when the CPU has AVX512-BF16, 'float_widening' otherwise
+k, v under precision='matrix_units' when the CPU has AVX512-BF16, 'float_products' otherwise
 (float32 and float64 are multiplied in their own type; float16 and float32 q over a half-precision
 cache are widened). Dtypes by name ('bfloat16', 'float32', ...), as numpy dtypes or torch dtypes.
 ValueError for an unknown dtype, a combination no kernel takes or a bad precision.

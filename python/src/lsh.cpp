@@ -91,15 +91,15 @@ s >= 1; each width finite and >= 2^-20, each offset in [0, width)); ValueError o
 
   module.def(
       "rbf_hashes",
-      [](double sigma, Index s, std::uint64_t seed, std::uint64_t stream) {
-        return poslsh::rbf_hashes(sigma, s, seed, stream);
+      [](double sigma, Index samples, std::uint64_t seed, std::uint64_t stream) {
+        return poslsh::rbf_hashes(sigma, samples, seed, stream);
       },
-      py::arg("sigma"), py::arg("s"), py::arg("seed"), py::arg("stream") = 0,
+      py::arg("sigma"), py::arg("samples"), py::arg("seed"), py::arg("stream") = 0,
       R"doc(
-Samples 0..s-1 of the RBF positional hash for length scale sigma: w ~ Gamma(2, sigma),
+Samples 0 .. samples - 1 of the RBF positional hash for length scale sigma: w ~ Gamma(2, sigma),
 offset xi ~ U[0, w), bin(i) = floor((i - xi) / w), so E[M~] = L*, L*_ij = exp(-|i-j| / sigma).
 Deterministic in (sigma, seed, stream, sample) (Philox4x32-10). A stream is typically a head.
-ValueError if sigma is not finite and > 0 or s < 1.
+ValueError if sigma is not finite and > 0 or samples < 1.
 )doc");
 
   module.def(
@@ -111,11 +111,11 @@ The fixed-blocks baseline as a HashSet of one hash: width 2 sigma (= E[w]), offs
 
   module.def(
       "lsh_fused_pair_count",
-      [](py::handle hashes, Index n, bool causal) {
+      [](py::handle hashes, Index n, const std::string& masking) {
         const poslsh::HashSet& set = hash_set(hashes, "lsh_fused_pair_count");
-        return poslsh::lsh_fused_pair_count(set, n, masking_of(causal));
+        return poslsh::lsh_fused_pair_count(set, n, masking_of(masking, "lsh_fused_pair_count"));
       },
-      py::arg("hashes"), py::arg("n"), py::kw_only(), py::arg("causal") = true, R"doc(
+      py::arg("hashes"), py::arg("n"), py::kw_only(), py::arg("masking") = default_masking(), R"doc(
 Number of (query, key) pairs with c_ij > 0 (causal: j <= i), c_ij = #{k : bin_k(i) = bin_k(j)}:
 the pairs lsh_attention_fused evaluates. O(n s).
 )doc");
@@ -127,28 +127,28 @@ the pairs lsh_attention_fused evaluates. O(n s).
 
   module.def(
       "sample_hashes",
-      [](double sigma, Index s, std::uint64_t seed, std::uint64_t stream, const std::string& name,
-         Index group, Index lattice_group) {
+      [](double sigma, Index samples, std::uint64_t seed, std::uint64_t stream,
+         const std::string& name, Index group, Index lattice_group) {
         const auto sampler =
             poslsh::enum_from_name<poslsh::Sampler>(name, "sample_hashes", "sampler");
         poslsh::SamplerOptions options;
         options.group = group;
         options.lattice_group = lattice_group;
-        return poslsh::sample_hashes(sigma, s, seed, stream, sampler, options);
+        return poslsh::sample_hashes(sigma, samples, seed, stream, sampler, options);
       },
-      py::arg("sigma"), py::arg("s"), py::arg("seed"), py::arg("stream") = 0,
+      py::arg("sigma"), py::arg("samples"), py::arg("seed"), py::arg("stream") = 0,
       py::arg("sampler") = poslsh::enum_name(poslsh::Sampler::independent), py::kw_only(),
       py::arg("group") = defaults.group, py::arg("lattice_group") = defaults.lattice_group,
       sample_hashes_doc);
 
   module.def(
       "lattice_group_starts",
-      [](Index s, Index lattice_group) {
+      [](Index samples, Index lattice_group) {
         poslsh::SamplerOptions options;
         options.lattice_group = lattice_group;
-        return poslsh::lattice_group_starts(s, options);
+        return poslsh::lattice_group_starts(samples, options);
       },
-      py::arg("s"), py::arg("lattice_group") = defaults.lattice_group, R"doc(
+      py::arg("samples"), py::arg("lattice_group") = defaults.lattice_group, R"doc(
 Start indices (0, ..., s) of the G = ceil(s / g) groups of the stratified_lattice sampler
 (g = lattice_group, 0: round(sqrt(s)), at least 1): the first s mod G groups hold ceil(s / G)
 samples, the others floor(s / G).

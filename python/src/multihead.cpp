@@ -61,8 +61,9 @@ layout: 'nhd' (default): q is [m, H_q, d], k [L, H_kv, d], v [L, H_kv, d_v], out
 [m, H_q, d_v] (KV-cache order); 'hnd': the same with the first two axes swapped ([H, n, d]).
 The layout is never guessed from the shapes. Any strides on the first two axes (e.g. slices of
 a packed qkv buffer), last axis contiguous; no copies.
-method: 'lsh_fused' (default), 'lsh_per_sample', 'fixed_blocks', 'exact_tiled',
-'exact_banded' (band_for_bias_error(sigma_h, band_error)).
+method: a method_names() entry: 'lsh_fused' (default), 'lsh_per_sample', 'fixed_blocks',
+'exact_tiled', 'exact_banded' (band_for_bias_error(sigma_h, band_error)), 'mean_of_outputs'
+(the mean over samples of plain attention on each sample's blocks; no lse).
 masking: 'causal' (default) or 'bidirectional'. scale: tau, None means 1/sqrt(d).
 window: (left, right), FlashAttention's window_size: key j is kept for the query at position i
 iff i - left <= j <= i + right (-1: unbounded on that side), together with the masking and the
@@ -113,6 +114,21 @@ multihead_attention (half precision included); the GIL is released during the co
 }  // namespace
 
 void register_multihead(py::module_& module) {
+  module.def(
+      "method_names", []() { return enum_names<poslsh::Method>(); },
+      "The names of the all-heads methods (poslsh::Method, the method table), in declaration "
+      "order: the values of the `method` keyword.");
+  module.def(
+      "method_has_lse",
+      [](const std::string& name) {
+        return poslsh::method_has_lse(
+            poslsh::enum_from_name<poslsh::Method>(name, "method_has_lse", "method"));
+      },
+      py::arg("method"),
+      "Whether the method (a method_names() entry) has a log-sum-exp: every method but "
+      "'mean_of_outputs', the mean of s softmaxes each with its own normalizer. The calls with "
+      "lse (multihead_attention_with_lse, multihead_attention_paged_with_lse) take the methods "
+      "that have one.");
   def_multihead(
       module, "multihead_attention",
       [](py::handle q, py::handle k, py::handle v, const std::string& layout_name,

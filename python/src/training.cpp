@@ -87,60 +87,60 @@ arrays or the given dq=, dk=, dv= written in place. No n x n buffer. The array r
 forward kernels; the GIL is released.)doc";
 
 /// Binds the training functions of method M's single-head kernel `function`:
-///   <function>_with_lse(q, k, v, parameters..., *, causal=True, scale=None, out=None,
+///   <function>_with_lse(q, k, v, parameters..., *, masking="causal", scale=None, out=None,
 ///                       lse=None, num_threads=None, precision="matrix_units") -> (out, lse)
 /// (its messages name `function`, the library's forward with lse), and
-///   <function>_backward(q, k, v, parameters..., out, lse, dout, *, causal=True, scale=None,
+///   <function>_backward(q, k, v, parameters..., out, lse, dout, *, masking="causal", scale=None,
 ///                       dq=None, dk=None, dv=None, num_threads=None,
 ///                       precision="matrix_units") -> (dq, dk, dv),
 /// on the dtypes of training_dtypes_doc.
 template <poslsh::Method M, typename... Parameters, typename... Args>
 void def_training(py::module_& module, const char* function, const char* lse_doc,
                   const char* backward_head, const Args&... parameter_args) {
-  module.def((std::string(function) + "_with_lse").c_str(),
-             [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
-                        bool causal, std::optional<double> scale, py::handle out, py::handle lse,
-                        std::optional<int> threads, const std::string& precision) {
-               const poslsh::AttentionOptions options = attention_options(
-                   causal, scale, std::nullopt, precision_of(precision, function));
-               threads = thread_count(threads, function);
-               const auto call = [&](const auto&... values) {
-                 return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
-                   using T = typename decltype(types)::q;
-                   using L = poslsh::backward_scalar_t<T>;
-                   const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
-                   const Index n = maps.q.rows();
-                   const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
-                   auto output =
-                       output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
-                   const Output lse_out =
-                       output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
-                   VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
-                   run_kernel(threads, [&] {
-                     single_head<M, Pass::forward, T>(maps.q, maps.k, maps.v, values..., output.map,
-                                                      lse_map, options);
-                   });
-                   return py::make_tuple(output.result, lse_out.result);
-                 });
-               };
-               return call(parameter_value(parameters, function)...);
-             },
-             py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
-             py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-             py::arg("lse") = py::none(), py::arg("num_threads") = py::none(),
-             py::arg("precision") = default_precision(),
-             (std::string(lse_doc) + training_dtypes_doc).c_str());
+  module.def(
+      (std::string(function) + "_with_lse").c_str(),
+      [function](py::handle q, py::handle k, py::handle v, Parameters... parameters,
+                 const std::string& masking, std::optional<double> scale, py::handle out,
+                 py::handle lse, std::optional<int> threads, const std::string& precision) {
+        const poslsh::AttentionOptions options = attention_options(
+            masking_of(masking, function), scale, std::nullopt, precision_of(precision, function));
+        threads = thread_count(threads, function);
+        const auto call = [&](const auto&... values) {
+          return dispatch<Precision::half>(function, {q}, [&](auto types) -> py::object {
+            using T = typename decltype(types)::q;
+            using L = poslsh::backward_scalar_t<T>;
+            const QkvMaps<Types<T>> maps = qkv_maps<Types<T>>(function, q, k, v);
+            const Index n = maps.q.rows();
+            const Inputs inputs = {{q, "q"}, {k, "k"}, {v, "v"}};
+            auto output = output_matrix<T>(out, n, maps.v.cols(), function, "out", "q", inputs);
+            const Output lse_out =
+                output_of<L>(lse, {n}, function, "lse", lse_like<T>(), inputs, false);
+            VectorMap<L> lse_map(vector_data<L>(lse_out.array, n, function), n);
+            run_kernel(threads, [&] {
+              single_head<M, Pass::forward_with_lse, T>(maps.q, maps.k, maps.v, values...,
+                                                        output.map, lse_map, options);
+            });
+            return py::make_tuple(output.result, lse_out.result);
+          });
+        };
+        return call(parameter_value(parameters, function)...);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::kw_only(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("out") = py::none(), py::arg("lse") = py::none(), py::arg("num_threads") = py::none(),
+      py::arg("precision") = default_precision(),
+      (std::string(lse_doc) + training_dtypes_doc).c_str());
 
   const std::string backward = std::string(function) + "_backward";
   module.def(
       backward.c_str(),
       [backward](py::handle q, py::handle k, py::handle v, Parameters... parameters, py::handle out,
-                 py::handle lse, py::handle dout, bool causal, std::optional<double> scale,
-                 py::handle dq, py::handle dk, py::handle dv, std::optional<int> threads,
-                 const std::string& precision) {
+                 py::handle lse, py::handle dout, const std::string& masking,
+                 std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
+                 std::optional<int> threads, const std::string& precision) {
         const char* const name = backward.c_str();
-        const poslsh::AttentionOptions options =
-            attention_options(causal, scale, std::nullopt, precision_of(precision, name));
+        const poslsh::AttentionOptions options = attention_options(
+            masking_of(masking, name), scale, std::nullopt, precision_of(precision, name));
         threads = thread_count(threads, name);
         const auto call = [&](const auto&... values) {
           return dispatch<Precision::half>(name, {q}, [&](auto types) -> py::object {
@@ -166,9 +166,10 @@ void def_training(py::module_& module, const char* function, const char* lse_doc
         return call(parameter_value(parameters, name)...);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), parameter_args..., py::arg("out"), py::arg("lse"),
-      py::arg("dout"), py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
-      py::arg("num_threads") = py::none(), py::arg("precision") = default_precision(),
+      py::arg("dout"), py::kw_only(), py::arg("masking") = default_masking(),
+      py::arg("scale") = py::none(), py::arg("dq") = py::none(), py::arg("dk") = py::none(),
+      py::arg("dv") = py::none(), py::arg("num_threads") = py::none(),
+      py::arg("precision") = default_precision(),
       (std::string(backward_head) + backward_doc + training_dtypes_doc).c_str());
 }
 
@@ -250,15 +251,22 @@ place (any strides on the first two axes); new arrays otherwise. No n x n buffer
 single-head backward of each head (summed over a group in head order), for any thread count.
 Self-attention only; the GIL is released. cu_seqlens=: a packed batch, as
 in multihead_attention_with_lse (the forward's cu_seqlens); each sequence's gradients are
-those of its own call, none crosses sequences. dslopes= (float64 array of H_q entries,
-contiguous, written in place; methods exact_tiled and exact_banded only): the gradients in the
-ALiBi slopes slope_h = 1 / sigma_h,
+those of its own call, none crosses sequences. sigmas= may hold one sigma per sequence and
+query head (B * H_q entries, sequence-major) with cu_seqlens. dslopes= (float64 array of H_q
+entries, or one per sigma when they are per sequence; contiguous, written in place; methods
+exact_tiled and exact_banded only): the gradients in the ALiBi slopes slope_h = 1 / sigma_h,
 
     dslopes[h] = dL/dslope_h = -sum_ij dS_h,ij |i - j|   (dS_h = P_h o (dO_h V_g^T - D))
 
 over the pairs of the head's window (summed over the sequences of a packed batch), from the
 same tiles as the other gradients (which are unchanged by it), bitwise the same for any thread
 count. window=(left, right): the local window of the forward (exact methods).
+
+method='mean_of_outputs' (the mean over the samples of plain attention on each sample's
+blocks, which has no lse): out and lse are not read (any arrays of their shapes; each sample's
+attention and lse are recomputed), the gradients are the single-head
+lsh_attention_mean_of_outputs_backward of each head (half-precision inputs widened to float32
+copies of the head: the float32 backward of the widened inputs).
 
 position= (one sequence, no dslopes): the n tokens are a window of a longer sequence at
 positions position .. position + n - 1, out and lse that sequence's forward rows; only the
@@ -268,8 +276,8 @@ when position is a multiple of 64.
 )doc";
 
 /// The dslopes= output of multihead_attention_backward: unset for None, otherwise a map of
-/// a writable, contiguous float64 array of `heads` entries (TypeError / ValueError naming
-/// 'dslopes' otherwise).
+/// a writable, contiguous float64 array of `heads` entries (one per sigma) (TypeError /
+/// ValueError naming 'dslopes' otherwise).
 std::optional<Eigen::Map<Eigen::VectorXd>> slope_gradients(py::handle dslopes, Index heads,
                                                            const char* function) {
   if (dslopes.is_none()) return std::nullopt;
@@ -332,11 +340,12 @@ width 2 sigma.)doc",
 
   module.def(
       "lsh_attention_mean_of_outputs",
-      [](py::handle q, py::handle k, py::handle v, py::handle hashes, bool causal,
+      [](py::handle q, py::handle k, py::handle v, py::handle hashes, const std::string& masking,
          std::optional<double> scale, py::handle out, std::optional<int> threads) {
         constexpr const char* function = "lsh_attention_mean_of_outputs";
         const poslsh::HashSet& set = hash_set(hashes, function);
-        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        const poslsh::AttentionOptions options{masking_of(masking, "lsh_attention_mean_of_outputs"),
+                                               scale};
         return qkv_call<Precision::full>(
             function, q, k, v, out, threads,
             [&](auto types, const auto& qm, const auto& km, const auto& vm, auto& om) {
@@ -345,8 +354,8 @@ width 2 sigma.)doc",
             });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("out") = py::none(),
-      py::arg("num_threads") = py::none(), R"doc(
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("out") = py::none(), py::arg("num_threads") = py::none(), R"doc(
 The mean-of-outputs estimator: the mean of the s plain attentions on each sample's blocks,
 
     T_bar_i = (1/s) sum_k softmax_{j in B_k(i)}(tau q_i.k_j) V   (causal: j <= i inside blocks)
@@ -358,12 +367,13 @@ float64, self-attention.
 
   module.def(
       "lsh_attention_mean_of_outputs_backward",
-      [](py::handle q, py::handle k, py::handle v, py::handle hashes, py::handle dout, bool causal,
-         std::optional<double> scale, py::handle dq, py::handle dk, py::handle dv,
-         std::optional<int> threads) {
+      [](py::handle q, py::handle k, py::handle v, py::handle hashes, py::handle dout,
+         const std::string& masking, std::optional<double> scale, py::handle dq, py::handle dk,
+         py::handle dv, std::optional<int> threads) {
         constexpr const char* function = "lsh_attention_mean_of_outputs_backward";
         const poslsh::HashSet& set = hash_set(hashes, function);
-        const poslsh::AttentionOptions options{masking_of(causal), scale};
+        const poslsh::AttentionOptions options{
+            masking_of(masking, "lsh_attention_mean_of_outputs_backward"), scale};
         threads = thread_count(threads, function);
         return dispatch(function, {q}, [&](auto types) {
           using T = typename decltype(types)::q;
@@ -380,8 +390,9 @@ float64, self-attention.
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("hashes"), py::arg("dout"), py::kw_only(),
-      py::arg("causal") = true, py::arg("scale") = py::none(), py::arg("dq") = py::none(),
-      py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("num_threads") = py::none(),
+      py::arg("masking") = default_masking(), py::arg("scale") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("num_threads") = py::none(),
       R"doc(
 Gradients of lsh_attention_mean_of_outputs: the plain attention backward of each sample's
 blocks with dO / s, summed over samples. Returns (dq, dk, dv).
@@ -447,8 +458,8 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
               poslsh::multihead_attention_varlen<T>(in.q, in.k, in.v, output.view, lse_map,
                                                     *batch.cu_seqlens, keywords.options);
             else
-              poslsh::multihead_attention<T>(in.q, in.k, in.v, output.view, lse_map,
-                                             keywords.options);
+              poslsh::multihead_attention_with_lse<T>(in.q, in.k, in.v, output.view, lse_map,
+                                                      keywords.options);
           });
           return py::make_tuple(output.result, lse_result);
         });
@@ -502,8 +513,13 @@ blocks with dO / s, summed over samples. Returns (dq, dk, dv).
           auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", like, inputs);
           const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
+          // One slope per query head, or per sequence and query head with sigmas of each (the
+          // library checks which).
+          const Index slopes = keywords.options.sigmas.empty()
+                                   ? in.q.heads
+                                   : static_cast<Index>(keywords.options.sigmas.size());
           const std::optional<Eigen::Map<Eigen::VectorXd>> dslopes_map =
-              slope_gradients(dslopes, in.q.heads, function);
+              slope_gradients(dslopes, slopes, function);
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
           const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
           run_kernel(threads, [&] {

@@ -21,6 +21,11 @@ def random_qkv(rng, n, d, dtype, d_v=None):
     return q, k, v
 
 
+def masking_of(causal):
+    """The masking keyword of a causal flag: "causal" or "bidirectional"."""
+    return "causal" if causal else "bidirectional"
+
+
 def tolerance(dtype):
     """Absolute tolerance of a kernel output against the float64 dense formula."""
     return 2e-5 if np.dtype(dtype) == np.float32 else 1e-11

@@ -7,7 +7,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import random_qkv
+from conftest import masking_of, random_qkv
 
 pytestmark = pytest.mark.skipif(not poslsh.has_spectra, reason="module built without Spectra")
 
@@ -24,7 +24,7 @@ def test_kernel_error_metrics(causal, n, method):
     error = reference.alibi_kernel(n, sigma, causal) - reference.mean_mask(hashes.widths, hashes.offsets, n, causal)
     spectral = np.linalg.norm(error, 2)
     kernel_norm = np.linalg.norm(reference.alibi_kernel(n, sigma, causal), 2)
-    metrics = poslsh.kernel_error_metrics(hashes, n, sigma, causal=causal, spectral_method=method)
+    metrics = poslsh.kernel_error_metrics(hashes, n, sigma, masking=masking_of(causal), spectral_method=method)
     assert metrics.spectral_details.method == ("dense" if method == "automatic" else "lanczos")
     assert metrics.spectral_details.converged
     assert metrics.spectral == pytest.approx(spectral, rel=1e-8)
@@ -38,9 +38,9 @@ def test_kernel_error_metrics(causal, n, method):
     eps = metrics.epsilon
     tail = n * math.exp(-s * eps**2 / (4 * psi(sigma) * (4 * psi(sigma) + eps)))
     assert metrics.tail_bound == pytest.approx(tail, rel=1e-9)
-    given = poslsh.kernel_error_metrics(hashes, n, sigma, causal=causal, epsilon=0.5)
+    given = poslsh.kernel_error_metrics(hashes, n, sigma, masking=masking_of(causal), epsilon=0.5)
     assert given.epsilon == 0.5 and given.good_samples == math.ceil(sigma**2 * math.log(n) / 0.25)
-    relative = poslsh.kernel_error_metrics(hashes, n, sigma, causal=causal, epsilon_definition="relative")
+    relative = poslsh.kernel_error_metrics(hashes, n, sigma, masking=masking_of(causal), epsilon_definition="relative")
     assert relative.epsilon == pytest.approx(spectral / kernel_norm, rel=1e-8)
 
 
@@ -48,12 +48,12 @@ def test_spectral_and_max_error_and_kernel_norm():
     n, sigma = 150, 4.0
     hashes = poslsh.rbf_hashes(sigma, 3, seed=5)
     error = reference.alibi_kernel(n, sigma, False) - reference.mean_mask(hashes.widths, hashes.offsets, n, False)
-    norm = poslsh.spectral_error(hashes, n, sigma, causal=False)
+    norm = poslsh.spectral_error(hashes, n, sigma, masking="bidirectional")
     assert norm.value == pytest.approx(np.linalg.norm(error, 2), rel=1e-9)
-    value, row, col = poslsh.max_error(hashes, n, sigma, causal=False)
+    value, row, col = poslsh.max_error(hashes, n, sigma, masking="bidirectional")
     assert value == pytest.approx(np.abs(error).max(), rel=1e-12)
     assert abs(error[row, col]) == pytest.approx(value, rel=1e-12)
-    assert poslsh.alibi_kernel_norm(n, sigma, causal=False) == pytest.approx(
+    assert poslsh.alibi_kernel_norm(n, sigma, masking="bidirectional") == pytest.approx(
         np.linalg.norm(reference.alibi_kernel(n, sigma, False), 2), rel=1e-10)
     with pytest.raises(ValueError, match="spectral_error: argument 'spectral_method' = qr: must be automatic, dense or lanczos"):
         poslsh.spectral_error(hashes, n, sigma, spectral_method="qr")
@@ -85,9 +85,9 @@ def test_paper_metrics(rng, causal):
     n, d, sigma, s = 120, 8, 5.0, 6
     q, k, v = random_qkv(rng, n, d, np.float64)
     hashes = poslsh.rbf_hashes(sigma, s, seed=31)
-    exact = poslsh.alibi_attention_tiled(q, k, v, sigma, causal=causal)
-    approximate = poslsh.lsh_attention_fused(q, k, v, hashes, causal=causal)
-    metrics = poslsh.paper_metrics(q, k, v, hashes, sigma, exact, approximate, causal=causal)
+    exact = poslsh.alibi_attention_tiled(q, k, v, sigma, masking=masking_of(causal))
+    approximate = poslsh.lsh_attention_fused(q, k, v, hashes, masking=masking_of(causal))
+    metrics = poslsh.paper_metrics(q, k, v, hashes, sigma, exact, approximate, masking=masking_of(causal))
     scores = np.exp(q @ k.T / math.sqrt(d))
     error = reference.alibi_kernel(n, sigma, causal) - reference.mean_mask(hashes.widths, hashes.offsets, n, causal)
     unnormalized = (scores * error) @ v
@@ -95,5 +95,5 @@ def test_paper_metrics(rng, causal):
     assert metrics.unnormalized.max == pytest.approx(np.abs(unnormalized).max(), rel=1e-10)
     assert metrics.kernel.spectral == pytest.approx(np.linalg.norm(error, 2), rel=1e-8)
     assert metrics.output.frobenius == pytest.approx(np.linalg.norm(exact - approximate), rel=1e-12)
-    skipped = poslsh.paper_metrics(q, k, v, hashes, sigma, exact, approximate, causal=causal, dense_limit=50)
+    skipped = poslsh.paper_metrics(q, k, v, hashes, sigma, exact, approximate, masking=masking_of(causal), dense_limit=50)
     assert skipped.unnormalized is None

@@ -6,7 +6,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import random_qkv
+from conftest import masking_of, random_qkv
 
 
 def weighted_forward(logits, weights, v):
@@ -52,18 +52,18 @@ def test_forward_lse_and_gradients_equal_the_dense_formulas(rng, kind, causal):
     q, k, v = (x.astype(np.float64) for x in random_qkv(rng, n, d, np.float64, d_v=5))
     dout = rng.uniform(-1.0, 1.0, (n, 5))
     if kind == "banded":
-        out, lse = poslsh.alibi_attention_banded_with_lse(q, k, v, sigma, band, causal=causal)
-        grads = poslsh.alibi_attention_banded_backward(q, k, v, sigma, band, out, lse, dout, causal=causal)
+        out, lse = poslsh.alibi_attention_banded_with_lse(q, k, v, sigma, band, masking=masking_of(causal))
+        grads = poslsh.alibi_attention_banded_backward(q, k, v, sigma, band, out, lse, dout, masking=masking_of(causal))
         logits, weights = dense_case("banded", q, k, v, causal, sigma=sigma, band=band)
     elif kind == "per_sample":
         hashes = poslsh.rbf_hashes(sigma, 4, seed=3)
-        out, lse = poslsh.lsh_attention_per_sample_with_lse(q, k, v, hashes, causal=causal)
-        grads = poslsh.lsh_attention_per_sample_backward(q, k, v, hashes, out, lse, dout, causal=causal)
+        out, lse = poslsh.lsh_attention_per_sample_with_lse(q, k, v, hashes, masking=masking_of(causal))
+        grads = poslsh.lsh_attention_per_sample_backward(q, k, v, hashes, out, lse, dout, masking=masking_of(causal))
         logits, weights = dense_case("lsh", q, k, v, causal, hashes=hashes)
     else:
         hashes = poslsh.HashSet([2.0 * sigma], [0.0])
-        out, lse = poslsh.fixed_blocks_attention_with_lse(q, k, v, sigma, causal=causal)
-        grads = poslsh.fixed_blocks_attention_backward(q, k, v, sigma, out, lse, dout, causal=causal)
+        out, lse = poslsh.fixed_blocks_attention_with_lse(q, k, v, sigma, masking=masking_of(causal))
+        grads = poslsh.fixed_blocks_attention_backward(q, k, v, sigma, out, lse, dout, masking=masking_of(causal))
         logits, weights = dense_case("lsh", q, k, v, causal, hashes=hashes)
     want_out, want_lse, p = weighted_forward(logits, weights, v)
     np.testing.assert_allclose(out, want_out, atol=1e-12, rtol=0)
@@ -88,9 +88,9 @@ def test_mean_of_outputs_forward_and_backward(rng, causal):
         want_out += out_k / s
         for total, part in zip(want, weighted_backward(p, q, k, v, out_k, dout / s, tau)):
             total += part
-    out = poslsh.lsh_attention_mean_of_outputs(q, k, v, hashes, causal=causal)
+    out = poslsh.lsh_attention_mean_of_outputs(q, k, v, hashes, masking=masking_of(causal))
     np.testing.assert_allclose(out, want_out, atol=1e-12, rtol=0)
-    grads = poslsh.lsh_attention_mean_of_outputs_backward(q, k, v, hashes, dout, causal=causal)
+    grads = poslsh.lsh_attention_mean_of_outputs_backward(q, k, v, hashes, dout, masking=masking_of(causal))
     for got, expected in zip(grads, want):
         np.testing.assert_allclose(got, expected, atol=1e-11, rtol=0)
 

@@ -1,25 +1,21 @@
-"""bench/context_parallel_model.py: halo ranges and bytes against a brute force over every
-position, the expected pair counts against direct sums and lsh_fused_pair_count, ring bytes
-against the closed form and the ring's schedule, the --check format, the projection's speed,
-and the model's bytes and messages against poslsh.distributed's stats in spawned gloo worlds
-(R = 2, 3, 4)."""
+"""poslsh.context_parallel_model: the plan's halos and bytes (ContextParallelPlan, which the
+model reads) against a brute force over every position, the expected pair counts against direct
+sums and lsh_fused_pair_count, ring bytes against the closed form and the ring's schedule, the
+--check format, the generated doc blocks, the projection's speed, and the model's bytes and
+messages against poslsh.distributed's stats in spawned gloo worlds (R = 2, 3, 4)."""
 
 import dataclasses
 import json
 import math
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import poslsh
+from poslsh import context_parallel_model as cpm
 from spawned_world import run_world
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import context_parallel_model as cpm  # noqa: E402
 
 
 def bins_of(widths, offsets, n):
@@ -38,8 +34,10 @@ def reach_matrix(problem, h):
         band = poslsh.band_for_bias_error(problem.sigmas[h], problem.band_error)
         reach = np.abs(i[:, None] - i[None, :]) <= band
     else:
-        widths, offsets = cpm.hash_table(problem)
-        b = bins_of(widths[h], offsets[h], n)
+        sigma = problem.sigmas[h]
+        hashes = (poslsh.fixed_blocks_hash(sigma) if problem.method == "fixed_blocks"
+                  else poslsh.rbf_hashes(sigma, problem.samples, problem.seed, stream=h))
+        b = bins_of(np.asarray(hashes.widths), np.asarray(hashes.offsets), n)
         reach = (b[:, :, None] == b[:, None, :]).any(axis=0)
     if problem.masking == "causal":
         reach &= i[None, :] <= i[:, None]
@@ -50,39 +48,33 @@ def rows_of(intervals):
     return set(p for x, y in intervals for p in range(x, y))
 
 
+def shard_list(problem):
+    """(begin, end) of every rank's ranges, from shard_ranges (the layout's definition)."""
+    return [[tuple(x) for x in poslsh.shard_ranges(problem.n, problem.ranks, r, layout=problem.layout)]
+            for r in range(problem.ranks)]
+
+
 def brute_force(problem):
-    """Per rank r and kv head g: forward halo rows, backward window rows (sets, own rows out;
-    "chunk_forward", "chunk_window": one set per chunk), and per chunk (a, b) from the positions
-    the chunk's queries reach and that reach its keys."""
-    starts, ends = cpm.shards(problem)
+    """Per rank r and K/V head g, per chunk: the keys its queries reach (forward) and the
+    positions from the first key they reach to one past the last query reaching its keys
+    (backward window), as sets, and (a, b) of the window; from the weights alone."""
     reach = [reach_matrix(problem, h) for h in range(problem.heads)]
     out = {}
-    for r in range(problem.ranks):
-        own = rows_of(zip(starts[r], ends[r]))
+    for r, ranges in enumerate(shard_list(problem)):
+        own = rows_of(ranges)
         for g in range(problem.kv_heads):
             heads = range(g * problem.group, (g + 1) * problem.group)
             group_reach = np.logical_or.reduce([reach[h] for h in heads])
-            keys, ab, chunk_keys = set(), [], []
-            for s, e in zip(starts[r], ends[r]):
+            chunks = []
+            for s, e in ranges:
+                if e == s:
+                    chunks.append(None)
+                    continue
                 reached = np.flatnonzero(group_reach[s:e].any(axis=0))  # keys of the chunk
                 reaching = np.flatnonzero(group_reach[:, s:e].any(axis=1))  # its keys' queries
-                ab.append((int(reached.min()), int(reaching.max()) + 1))
-                keys |= set(reached.tolist())
-                chunk_keys.append(set(reached.tolist()) - own)
-            out[r, g] = dict(forward=keys - own, ab=ab, own=own, chunk_forward=chunk_keys)
-    for (r, g), entry in out.items():  # the backward window of each convention
-        windows = []
-        for c, (a, b) in enumerate(entry["ab"]):
-            if problem.window == "tile":
-                windows.append(set(range(a // 64 * 64, b)))
-            elif problem.window == "exact":
-                windows.append(set(range(a, b)))
-            else:
-                spans = [out[r, h]["ab"][c] for h in range(problem.kv_heads)]
-                windows.append(set(range(min(x for x, _ in spans) // 64 * 64,
-                                         max(y for _, y in spans))))
-        entry["window"] = set().union(*windows) - entry["own"]
-        entry["chunk_window"] = [w - entry["own"] for w in windows]
+                a, b = min(int(reached.min()), s), max(int(reaching.max()) + 1, e)
+                chunks.append(dict(keys=set(reached.tolist()) | set(range(s, e)), ab=(a, b)))
+            out[r, g] = dict(own=own, chunks=chunks)
     return out
 
 
@@ -97,64 +89,50 @@ CASES = [
 ]
 
 
-def row_lists(entry, chunks):
-    """[(forward rows, window rows)] of one rank and head: per chunk ("separate"), or their
-    unions ("merged")."""
-    if chunks == "merged":
-        return [(entry["forward"], entry["window"])]
-    return list(zip(entry["chunk_forward"], entry["chunk_window"]))
-
-
-@pytest.mark.parametrize("window", cpm.WINDOWS)
 @pytest.mark.parametrize("layout", cpm.LAYOUTS)
 @pytest.mark.parametrize("masking", cpm.MASKINGS)
 @pytest.mark.parametrize("method,n,ranks,sigmas,kv_heads", CASES)
-def test_halo_ranges_match_brute_force(method, n, ranks, sigmas, kv_heads, layout, masking,
-                                       window):
+def test_halo_ranges_match_brute_force(method, n, ranks, sigmas, kv_heads, layout, masking):
+    """The model's halos (the library's plan and traffic) against a scan of the weights: the
+    keys and windows of every chunk and head, the rows outside the own shard, the bytes received
+    and sent (K, V forward; K, V and the G query heads' Q, out, dout, lse backward) and the
+    peers."""
     problem = cpm.Problem(n=n, ranks=ranks, sigmas=sigmas, layout=layout, method=method,
                           masking=masking, samples=6, seed=11, kv_heads=kv_heads, d=16, dv=8,
-                          itemsize=2, stat_itemsize=4, window=window)
+                          itemsize=2)
     expected = brute_force(problem)
-    for chunks in cpm.CHUNK_HALOS if layout == "zigzag" else ("separate",):
-        for payload in cpm.BACKWARD_PAYLOADS:
-            check_halos(dataclasses.replace(problem, chunks=chunks, backward_payload=payload),
-                        expected)
-
-
-def check_halos(problem, expected):
-    n, ranks, layout = problem.n, problem.ranks, problem.layout
     halos = cpm.halo_ranges(problem)
-    bounds, owner = cpm.chunk_bounds(n, ranks, layout)
-    row_owner = np.repeat(owner, np.diff(bounds))
-    kv, G, itemsize = problem.kv_row_bytes, problem.group, problem.itemsize
-    d, dv = problem.d, problem.dv
-    if problem.backward_payload == "out_lse":  # K, V; Q, out, dO, lse per query head
-        window_bytes, new_kv_bytes = (d + dv + G * (d + 2 * dv + 1)) * itemsize, 0
-    else:  # Q, dO, lse, D per query head; K, V if not received forward
-        window_bytes, new_kv_bytes = G * ((d + dv) * itemsize + 2 * problem.stat_itemsize), kv
-    recv_f = np.zeros(ranks, np.int64)
-    recv_b = np.zeros(ranks, np.int64)
-    sent_f = np.zeros(ranks, np.int64)
-    sent_b = np.zeros(ranks, np.int64)
-    peers_f = [set() for _ in range(ranks)]
-    peers_b = [set() for _ in range(ranks)]
+    shards = shard_list(problem)
+    row_owner = np.empty(n, np.int64)
+    for r, ranges in enumerate(shards):
+        for s, e in ranges:
+            row_owner[s:e] = r
+    G, d, dv, itemsize = problem.group, problem.d, problem.dv, problem.itemsize
+    forward_row, window_row = (d + dv) * itemsize, (d + dv + G * (d + 2 * dv + 1)) * itemsize
+    recv_f, recv_b, sent_f, sent_b = (np.zeros(ranks, np.int64) for _ in range(4))
+    peers_f, peers_b = ([set() for _ in range(ranks)] for _ in range(2))
     for (r, g), want in expected.items():
-        assert [(int(halos.a[r, c, g]), int(halos.b[r, c, g]))
-                for c in range(halos.a.shape[1])] == want["ab"]
-        assert rows_of(halos.rank_intervals(r, g)) == want["forward"]
-        assert rows_of(halos.rank_intervals(r, g, "window")) == want["window"]
-        lists = row_lists(want, problem.chunks)
-        assert halos.forward_rows[r, g] == sum(len(f) for f, _ in lists)
-        assert halos.window_rows[r, g] == sum(len(w) for _, w in lists)
-        for forward, window in lists:
-            recv_f[r] += len(forward) * kv
-            recv_b[r] += len(window) * window_bytes + len(window - forward) * new_kv_bytes
+        rows_f = rows_w = 0
+        for c, chunk in enumerate(want["chunks"]):
+            if chunk is None:
+                continue
+            keys = set(range(*halos.keys[r, c, g]))
+            assert keys == chunk["keys"]
+            assert tuple(halos.window[r, c, g]) == chunk["ab"]
+            forward = keys - want["own"]
+            window = set(range(*chunk["ab"])) - want["own"]
+            rows_f += len(forward)
+            rows_w += len(window)
+            recv_f[r] += len(forward) * forward_row
+            recv_b[r] += len(window) * window_row
             for row in forward:
-                sent_f[row_owner[row]] += kv
+                sent_f[row_owner[row]] += forward_row
                 peers_f[r].add(row_owner[row])
             for row in window:
-                sent_b[row_owner[row]] += window_bytes + (new_kv_bytes if row not in forward else 0)
+                sent_b[row_owner[row]] += window_row
                 peers_b[r].add(row_owner[row])
+        assert halos.forward_rows[r, g] == rows_f
+        assert halos.window_rows[r, g] == rows_w
     np.testing.assert_array_equal(halos.forward_recv, recv_f)
     np.testing.assert_array_equal(halos.backward_recv, recv_b)
     np.testing.assert_array_equal(halos.forward_sent, sent_f)
@@ -163,66 +141,44 @@ def check_halos(problem, expected):
     np.testing.assert_array_equal(halos.backward_peers_in, [len(p) for p in peers_b])
     np.testing.assert_array_equal(halos.forward_peers_out,
                                   [sum(o in p for p in peers_f) for o in range(ranks)])
+    np.testing.assert_array_equal(halos.backward_peers_out,
+                                  [sum(o in p for p in peers_b) for o in range(ranks)])
     assert halos.forward_sent.sum() == halos.forward_recv.sum()
     assert halos.backward_sent.sum() == halos.backward_recv.sum()
 
 
-@pytest.mark.skipif(not hasattr(poslsh, "context_parallel_plan"),
-                    reason="poslsh.context_parallel_plan is not bound in this build")
 @pytest.mark.parametrize("layout", cpm.LAYOUTS)
 @pytest.mark.parametrize("masking", cpm.MASKINGS)
 @pytest.mark.parametrize("method,n,ranks,sigmas,kv_heads", CASES)
-def test_halo_ranges_match_the_library_plan(method, n, ranks, sigmas, kv_heads, layout,
-                                            masking):
-    """keys[g] is the forward range, window[g] the "exact" window, window_span the "span"."""
-    try:
-        plan = poslsh.context_parallel_plan(n, ranks, query_heads=len(sigmas),
-                                            kv_heads=kv_heads, layout=layout, method=method,
-                                            masking=masking, sigmas=list(sigmas), samples=6,
-                                            seed=11)
-    except TypeError as error:  # the binding is being written: its signature may move
-        pytest.skip(f"context_parallel_plan(n, ranks, query_heads=, layout=, ...): {error}")
-    for window in ("exact", "span"):
-        problem = cpm.Problem(n=n, ranks=ranks, sigmas=sigmas, layout=layout, method=method,
-                              masking=masking, samples=6, seed=11, kv_heads=kv_heads,
-                              window=window)
-        halos = cpm.halo_ranges(problem)
+def test_plan_arrays_match_the_plan_dict(method, n, ranks, sigmas, kv_heads, layout, masking):
+    """ContextParallelPlan.ranges (the model's arrays) and context_parallel_plan's dict."""
+    keywords = dict(query_heads=len(sigmas), kv_heads=kv_heads, layout=layout, method=method,
+                    masking=masking, sigmas=list(sigmas), samples=6, seed=11)
+    plan = poslsh.context_parallel_plan(n, ranks, **keywords)
+    arrays = poslsh._core.ContextParallelPlan(n, ranks, **keywords)
+    assert arrays.as_dict() == plan
+    for name in ("queries", "key_span", "window_span", "keys", "window"):
+        values = arrays.ranges(name)
         for r, chunks in enumerate(plan["chunks"]):
             for c, chunk in enumerate(chunks):
-                assert tuple(chunk["queries"]) == (halos.starts[r, c], halos.ends[r, c])
-                for g in range(kv_heads):
-                    assert tuple(chunk["keys"][g]) == (halos.forward_begin[r, c, g],
-                                                       halos.forward_end[r, c, g])
-                    if window == "exact":
-                        assert tuple(chunk["window"][g]) == (halos.window_begin[r, c, g],
-                                                             halos.window_end[r, c, g])
-                    else:
-                        assert tuple(chunk["window_span"]) == (halos.window_begin[r, c, g],
-                                                               halos.window_end[r, c, g])
+                want = chunk[name]
+                got = values[r, c]
+                assert ([tuple(x) for x in got] if got.ndim == 2 else tuple(got)) == \
+                    ([tuple(x) for x in want] if isinstance(want, list) else tuple(want))
 
 
-@pytest.mark.parametrize("sigma", [0.3, 1.0, 2.7, 17.0, 1e4, 1e9])
-def test_block_edges_match_the_bins(sigma):
-    n = 400
-    hashes = poslsh.rbf_hashes(sigma, 8, seed=3, stream=1)
-    widths, offsets = np.asarray(hashes.widths), np.asarray(hashes.offsets)
-    b = bins_of(widths, offsets, n)
-    positions = np.arange(n)
-    begin, end = cpm.block_edges(widths[:, None], offsets[:, None], positions[None, :], n)
-    for k in range(len(widths)):
-        for i in range(0, n, 7):
-            same = np.flatnonzero(b[k] == b[k, i])
-            assert (begin[k, i], end[k, i]) == (same.min(), same.max() + 1)
-    # Huge positions: no materialisation, the edges still bracket the position.
-    big = np.array([2**40 - 1, 3 * 2**38 + 5])
-    begin, end = cpm.block_edges(widths[:, None], offsets[:, None], big[None, :], 2**40)
-    assert np.all(begin <= big) and np.all(end > big) and np.all(end <= 2**40)
-
-
-def test_alibi_slopes_match_the_library():
-    for heads in (1, 2, 3, 5, 8, 12, 24, 32, 40, 64):
-        np.testing.assert_allclose(cpm.alibi_slopes(heads), poslsh.alibi_slopes(heads),
-                                   rtol=1e-15)
+def test_alibi_slopes_follow_the_bloom_and_mpt_rule():
+    """The library's slopes (the model's sigmas) against the rule: with p = 2^floor(log2 H),
+    m_h = 2^(-b (h+1) / p) for h < p, then 2^(-b (2 (h-p) + 1) / (2 p))."""
+    for max_bias in (8.0, 16.0):
+        for heads in (1, 2, 3, 5, 8, 12, 24, 32, 40, 64):
+            p = 1 << (heads.bit_length() - 1)
+            h = np.arange(heads, dtype=np.float64)
+            rule = np.exp2(-np.where(h < p, max_bias * (h + 1) / p,
+                                     max_bias * (2 * (h - p) + 1) / (2.0 * p)))
+            np.testing.assert_allclose(poslsh.alibi_slopes(heads, max_bias=max_bias), rule,
+                                       rtol=1e-15)
+            np.testing.assert_allclose(cpm.alibi_sigmas(heads, max_bias), 1.0 / rule, rtol=1e-15)
     sigmas = cpm.alibi_sigmas(32, 16.0)  # MPT-7B-StoryWriter
     assert sigmas.max() == 65536.0 and sigmas.min() == pytest.approx(math.sqrt(2))
 
@@ -276,7 +232,7 @@ def test_expected_lsh_pairs_match_lsh_fused_pair_count():
             problem = cpm.Problem(n=n, ranks=4, sigmas=(sigma,), masking=masking, samples=s)
             model = cpm.halo_compute(problem).own_all.sum()
             counts = [poslsh.lsh_fused_pair_count(poslsh.rbf_hashes(sigma, s, seed, 0), n,
-                                                  causal=masking == "causal")
+                                                  masking=masking)
                       for seed in range(40)]
             spread = np.std(counts) / math.sqrt(len(counts))
             assert abs(np.mean(counts) - model) < 5 * spread + 1e-3 * model
@@ -288,14 +244,13 @@ def test_expected_lsh_pairs_match_lsh_fused_pair_count():
         assert abs(model - exact) <= 2 * (2 * sigma) ** 2
 
 
-@pytest.mark.parametrize("window", cpm.WINDOWS)
 @pytest.mark.parametrize("layout", cpm.LAYOUTS)
 @pytest.mark.parametrize("masking", cpm.MASKINGS)
 @pytest.mark.parametrize("method", ["lsh_fused", "exact_banded", "lsh_per_sample"])
-def test_backward_pairs_match_direct_sums(method, masking, layout, window):
+def test_backward_pairs_match_direct_sums(method, masking, layout):
     n = 300
     problem = cpm.Problem(n=n, ranks=3, sigmas=(1.5, 9.0, 60.0, 500.0), kv_heads=2,
-                          method=method, masking=masking, layout=layout, window=window)
+                          method=method, masking=masking, layout=layout)
     halos = cpm.halo_ranges(problem)
     i = np.arange(n)
     t = i[:, None] - i[None, :]
@@ -307,14 +262,13 @@ def test_backward_pairs_match_direct_sums(method, masking, layout, window):
             w = w + w.T - np.diag(np.full(n, kernel_h(one, np.zeros(1))[0]))
         weights.append(w)
     starts, ends = cpm.shards(problem)
-    compute = cpm.halo_compute(problem, halos)
-    own_compute = cpm.halo_compute(problem, halos, backward_pairs="own")
+    compute = cpm.halo_compute(problem)
+    own_compute = cpm.halo_compute(problem, backward_pairs="own")
     d, dv = problem.d, problem.dv
     for r in range(problem.ranks):
         window = sum(weights[h][x:y, x:y].sum()
                      for h in range(problem.heads)
-                     for x, y in zip(halos.window_begin[r, :, h // problem.group],
-                                     halos.window_end[r, :, h // problem.group]))
+                     for x, y in halos.window[r, :, h // problem.group])
         assert compute.window[r] == pytest.approx(window, rel=1e-9)
         own = np.zeros(n, bool)
         for s, e in zip(starts[r], ends[r]):
@@ -354,14 +308,17 @@ def test_ring_pairs_are_the_pairs_of_each_step(layout, masking, n):
 
 @pytest.mark.parametrize("layout", cpm.LAYOUTS)
 def test_ring_bytes_closed_form(layout):
+    """R | n: each rank receives (R-1)/R n kv_heads (d + dv) itemsize bytes forward, twice that
+    backward (the ring again, then the partials of its shard from the R - 1 others)."""
     for n, ranks in ((2**20, 8), (2**24, 1024), (4096, 16)):
         problem = cpm.Problem(n=n, ranks=ranks, sigmas=(1.0,) * 8, layout=layout, kv_heads=4,
-                              d=128, dv=64, itemsize=2)
-        forward, backward = cpm.ring_bytes(problem)
-        closed = cpm.ring_bytes_closed_form(n, ranks, 4, 128, 64, 2)
-        assert np.all(forward == closed) and np.all(backward == 2 * closed)
+                              d=128, dv=64, itemsize=2, method="exact_tiled")
+        ring = cpm.model_bytes(problem, "ring")
+        closed = (ranks - 1) * n // ranks * 4 * (128 + 64) * 2
+        assert np.all(ring["forward_bytes_per_rank"] == closed)
+        assert np.all(ring["backward_bytes_per_rank"] == 2 * closed)
     problem = cpm.Problem(n=1001, ranks=7, sigmas=(1.0,), layout=layout, d=8)
-    forward, _ = cpm.ring_bytes(problem)
+    forward = cpm.model_bytes(problem, "ring")["forward_bytes_per_rank"]
     assert forward.sum() == (7 - 1) * 1001 * problem.kv_row_bytes  # each shard to R-1 ranks
 
 
@@ -380,8 +337,10 @@ def test_ring_bytes_follow_the_schedule(layout, n, ranks):
         for k in range(ranks - 1):
             sent[r] += own[(r - k) % ranks] * row
             received[r] += own[(r - k - 1) % ranks] * row
-    forward, backward = cpm.ring_bytes(problem)
-    forward_sent, backward_sent = cpm.ring_bytes_sent(problem)
+    ring = cpm.model_bytes(problem, "ring")
+    forward, backward = ring["forward_bytes_per_rank"], ring["backward_bytes_per_rank"]
+    forward_sent = ring["forward_sent_bytes_per_rank"]
+    backward_sent = ring["backward_sent_bytes_per_rank"]
     np.testing.assert_array_equal(forward, received)
     np.testing.assert_array_equal(forward_sent, sent)
     partials_sent = np.array([(n - own[r]) * row for r in range(ranks)])
@@ -389,9 +348,8 @@ def test_ring_bytes_follow_the_schedule(layout, n, ranks):
     np.testing.assert_array_equal(backward, received + partials_received)
     np.testing.assert_array_equal(backward_sent, sent + partials_sent)
     assert forward.sum() == forward_sent.sum() and backward.sum() == backward_sent.sum()
-    forward_messages, backward_messages = cpm.ring_messages(problem)
-    np.testing.assert_array_equal(forward_messages, [2 * (ranks - 1)] * ranks)
-    np.testing.assert_array_equal(backward_messages, [4 * (ranks - 1)] * ranks)
+    np.testing.assert_array_equal(ring["forward_messages_per_rank"], [2 * (ranks - 1)] * ranks)
+    np.testing.assert_array_equal(ring["backward_messages_per_rank"], [4 * (ranks - 1)] * ranks)
     if (n, ranks, layout) == (5000, 3, "contiguous"):  # shards 1666, 1667, 1667
         assert forward_sent[2] == 3414016 and forward[2] == 3412992
 
@@ -410,35 +368,23 @@ def test_check_accepts_the_model_and_flags_a_difference(tmp_path, capsys):
                             samples=16, seed=3,
                             forward_bytes_per_rank=model["forward_bytes_per_rank"].tolist(),
                             backward_bytes_per_rank=model["backward_bytes_per_rank"].tolist()))
-    ring = cpm.Problem(n=5000, ranks=4, sigmas=(1.0, 2.0), method="exact_tiled", layout="zigzag")
-    forward, backward = cpm.ring_bytes(ring)
+    ring = cpm.model_bytes(cpm.Problem(n=5000, ranks=4, sigmas=tuple(cpm.alibi_sigmas(2)),
+                                       method="exact_tiled", layout="zigzag"), "ring")
     records.append(dict(n=5000, R=4, layout="zigzag", method="exact_tiled", masking="causal",
                         heads=2, kv_heads=2, d=128, dv=128, itemsize=2, sigmas=None, samples=16,
-                        seed=0, forward_bytes_per_rank=forward.tolist(),
-                        backward_bytes_per_rank=backward.tolist()))
+                        seed=0, forward_bytes_per_rank=ring["forward_bytes_per_rank"].tolist(),
+                        backward_bytes_per_rank=ring["backward_bytes_per_rank"].tolist()))
+    # A local window (exact_tiled with window: halos) is a halo record.
+    windowed = cpm.Problem(n=5000, ranks=4, sigmas=tuple(cpm.alibi_sigmas(2)),
+                           method="exact_tiled", window=(300, 0), d=32, itemsize=4)
+    model = cpm.model_bytes(windowed)
+    assert 0 < model["forward_bytes_per_rank"].max() < ring["forward_bytes_per_rank"].min()
+    records.append(dict(n=5000, R=4, layout="contiguous", method="exact_tiled", masking="causal",
+                        heads=2, kv_heads=2, d=32, dv=32, itemsize=4, sigmas=None, window=[300, 0],
+                        transport="halo",
+                        forward_bytes_per_rank=model["forward_bytes_per_rank"].tolist()))
     ok, table = cpm.check(records)
-    assert ok and table.count("\n") == 2 + 2 * len(records) - 1
-    # A report of examples/mpi_context_parallel --json: its model record, chunks "merged" (the
-    # union of a zigzag rank's chunk halos); a null model record is skipped.
-    banded = records[1]  # exact_banded, bidirectional: bands wider than a chunk
-    merged = cpm.Problem(n=5000, ranks=4, sigmas=tuple(banded["sigmas"]), layout="zigzag",
-                         method=banded["method"], masking=banded["masking"], kv_heads=2, d=32,
-                         dv=32, itemsize=2, chunks="merged")
-    model = cpm.model_bytes(merged)
-    report = dict(program="mpi_context_parallel", model_record=dict(
-        {k: v for k, v in banded.items() if not k.endswith("_per_rank")}, layout="zigzag",
-        forward_bytes_per_rank=model["forward_bytes_per_rank"].tolist(),
-        forward_sent_bytes_per_rank=model["forward_sent_bytes_per_rank"].tolist()))
-    separate = cpm.model_bytes(dataclasses.replace(merged, chunks="separate"))
-    assert separate["forward_bytes_per_rank"].sum() > model["forward_bytes_per_rank"].sum()
-    unwrapped = cpm.measured_records([report, dict(program="mpi_context_parallel",
-                                                   model_record=None)])
-    assert unwrapped[0]["chunks"] == "merged" and unwrapped[1] is None
-    ok, table = cpm.check(unwrapped)
-    assert ok and "skipped" in table
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps(report))
-    assert cpm.main(["--check", str(path)]) == 0
+    assert ok and table.count("\n") == 2 + 2 * (len(records) - 1)
     path = tmp_path / "bytes.json"
     path.write_text(json.dumps(records))
     assert cpm.main(["--check", str(path)]) == 0
@@ -474,11 +420,15 @@ def test_hybrid_sends_the_widest_heads_around_the_ring():
     wide = cpm.ring_heads(mpt, machine)
     order = np.argsort(mpt.sigmas)  # one query head per K/V head here
     assert 0 < wide.sum() < mpt.kv_heads and np.all(np.diff(wide[order].astype(int)) >= 0)
-    # A subset keeps its heads' hashes: its halos are those heads' halos in the full problem.
+    # A subset keeps its heads' hashes: its halos are those heads' halos in the full problem,
+    # and its bytes those heads' rows.
     subset = cpm.head_subset(mpt, wide)
     full, part = cpm.halo_ranges(mpt), cpm.halo_ranges(subset)
-    np.testing.assert_array_equal(part.a, full.a[:, :, wide])
-    np.testing.assert_array_equal(part.b, full.b[:, :, wide])
+    np.testing.assert_array_equal(part.keys, full.keys[:, :, wide])
+    np.testing.assert_array_equal(part.window, full.window[:, :, wide])
+    np.testing.assert_array_equal(part.forward_recv, full.forward_bytes[:, wide].sum(axis=1))
+    assert subset.heads == wide.sum() and cpm.halo_compute(subset).own_all.sum() < \
+        cpm.halo_compute(mpt).own_all.sum()
     hybrid = cpm.estimate(mpt, "hybrid", machine)
     assert hybrid.extra["ring_kv_heads"] == wide.sum()
     assert hybrid.total < min(cpm.estimate(mpt, t, machine).total for t in ("halo", "ring"))
@@ -486,6 +436,23 @@ def test_hybrid_sends_the_widest_heads_around_the_ring():
     assert not cpm.ring_heads(bloom, machine).any()
     assert cpm.estimate(bloom, "hybrid", machine).total == cpm.estimate(bloom, "halo",
                                                                          machine).total
+
+
+def test_update_docs_rewrites_the_generated_blocks(tmp_path):
+    path = tmp_path / "doc.md"
+    path.write_text("# Title\n\ntext\n<!-- context_parallel_model: one -->\nold table\n"
+                    "<!-- end context_parallel_model -->\nmore text\n"
+                    "<!-- context_parallel_model: two -->\n<!-- end context_parallel_model -->\n")
+    machine = cpm.Machine(latency=1e-6, bandwidth=1e9, flops_rate=2e9)
+    assert cpm.update_docs(str(path), {"one": "| a |\n|---|\n| 1 |"}, "the command", machine) == \
+        ["one"]
+    text = path.read_text()
+    assert "old table" not in text and "| a |\n|---|\n| 1 |\n<!-- end" in text
+    assert "by `the command`" in text and "commit" in text and "latency 1e-06 s" in text
+    assert text.startswith("# Title\n\ntext\n") and text.endswith(
+        "more text\n<!-- context_parallel_model: two -->\n<!-- end context_parallel_model -->\n")
+    with pytest.raises(ValueError, match="three"):
+        cpm.update_docs(str(path), {"three": "x"}, "c", machine)
 
 
 # The model against poslsh.distributed's stats. -------------------------------------------------

@@ -367,3 +367,138 @@ def test_cases_cover_the_methods():
     assert any(case.ring for case in CASES) and any(case.method == "exact_tiled" and not case.ring for case in CASES)
     assert any(case.heads > case.kv_heads for case in CASES)
     assert all(math.gcd(case.n, 2 * 3 * 4) == 1 for case in CASES)  # n divisible by no world size
+
+
+# The bindings poslsh.distributed calls, every rank simulated in one process. -------------------
+
+def simulated_ranks(case, world_size, dtype):
+    """The whole-sequence inputs, the plan and every rank's ContextParallelRank and rows."""
+    q, k, v, dout = (x.numpy().astype(dtype) for x in inputs(case, 0))
+    plan = poslsh._core.ContextParallelPlan(case.n, world_size, query_heads=case.heads, kv_heads=case.kv_heads,
+                                            layout=case.layout, window=case.window, **keywords_of(case))
+    ranks = [plan.rank(r, head_dim=case.d, value_dim=case.d_v) for r in range(world_size)]
+    rows = [{name: np.ascontiguousarray(pdist.shard(x, r, world_size, case.layout))
+             for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout))} for r in range(world_size)]
+    return (q, k, v, dout), plan, ranks, rows
+
+
+def whole_sequence(case, q, k, v, dout):
+    keywords = dict(layout="nhd", window=case.window, **keywords_of(case))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords)
+    return (out, lse) + tuple(poslsh.multihead_attention_backward(q, k, v, out, lse, dout, **keywords))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("method", ["lsh_fused", "exact_banded", "fixed_blocks"])
+def test_halo_bindings_are_bitwise_the_whole_sequence(method, layout):
+    """pack / received_elements / halo_forward / halo_backward of ContextParallelRank, the
+    messages passed by hand: every rank's rows bitwise those of the single-process kernels."""
+    case = Case("bindings", method, "bidirectional", layout=layout, sigmas=BIG_SIGMAS)
+    world_size = 3
+    (q, k, v, dout), plan, ranks, rows = simulated_ranks(case, world_size, np.float64)
+    out, lse, dq, dk, dv = whole_sequence(case, q, k, v, dout)
+    assert not plan.ring and all(not me.ring for me in ranks)
+
+    def exchange(phase):
+        sent = [[me.pack(p, phase, **rows[me.rank]) if p != me.rank else None for p in range(world_size)]
+                for me in ranks]
+        for me in ranks:
+            for p in range(world_size):
+                if p != me.rank:
+                    assert sent[me.rank][p].size == me.sent_elements(p, phase) == \
+                        ranks[p].received_elements(me.rank, phase)
+        return [[sent[p][r] for p in range(world_size)] for r in range(world_size)]
+
+    received = exchange("forward")
+    for me in ranks:
+        got_out, got_lse = me.halo_forward(messages=received[me.rank], q=rows[me.rank]["q"], k=rows[me.rank]["k"],
+                                           v=rows[me.rank]["v"])
+        assert np.array_equal(got_out, pdist.shard(out, me.rank, world_size, layout))
+        assert np.array_equal(got_lse, pdist.shard(lse, me.rank, world_size, layout, dim=1))
+        rows[me.rank].update(out=got_out, lse=got_lse)
+    received = exchange("backward")
+    for me in ranks:
+        for got, want in zip(me.halo_backward(messages=received[me.rank], **rows[me.rank]), (dq, dk, dv)):
+            assert np.array_equal(got, pdist.shard(want, me.rank, world_size, layout))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("masking", ["causal", "bidirectional"])
+def test_ring_bindings_equal_the_whole_sequence(masking, layout, dtype):
+    """ring_step, pack_ring_shard, RingForward and RingBackward, the shards passed by hand in
+    the schedule's order: every rank's rows and gradients equal the single-process ones to
+    rounding; the partials each rank sends are its dK, dV of the peer's shard."""
+    case = Case("ring", "exact_tiled", masking, layout=layout, d=16, d_v=8)
+    world_size = 4
+    (q, k, v, dout), plan, ranks, rows = simulated_ranks(case, world_size, dtype)
+    out, lse, dq, dk, dv = whole_sequence(case, q, k, v, dout)
+    assert plan.ring and all(me.ring for me in ranks)
+    shards = [me.pack_ring_shard(rows[me.rank]["k"], rows[me.rank]["v"]) for me in ranks]
+    for me in ranks:
+        assert shards[me.rank].size == me.ring_shard_elements(me.rank)
+
+    def run_ring(add):
+        for step in range(world_size):
+            for me in ranks:
+                at = me.ring_step(step)
+                assert at["transfers"] == (step + 1 < world_size)
+                if at["transfers"]:
+                    assert ranks[at["receive_from"]].ring_step(step)["source"] == at["arriving"]
+                add(me, at["source"], shards[at["source"]])
+
+    forward = [me.ring_forward() for me in ranks]
+    run_ring(lambda me, source, shard: forward[me.rank].add(rows[me.rank]["q"], source, shard))
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    for me in ranks:
+        got_out, got_lse = forward[me.rank].result()
+        assert got_out.dtype == dtype
+        np.testing.assert_allclose(got_out, pdist.shard(out, me.rank, world_size, layout), rtol=0,
+                                   atol=tolerance * np.abs(out).max())
+        np.testing.assert_allclose(got_lse, pdist.shard(lse, me.rank, world_size, layout, dim=1), rtol=tolerance)
+        rows[me.rank].update(out=got_out, lse=got_lse)
+    backward = [me.ring_backward() for me in ranks]
+    run_ring(lambda me, source, shard: backward[me.rank].add(
+        rows[me.rank]["q"], rows[me.rank]["out"], rows[me.rank]["lse"], rows[me.rank]["dout"], source, shard))
+    for me in ranks:
+        received = [None if p == me.rank else backward[p].partial(me.rank) for p in range(world_size)]
+        for got, want in zip(backward[me.rank].result(received), (dq, dk, dv)):
+            np.testing.assert_allclose(got, pdist.shard(want, me.rank, world_size, layout), rtol=0,
+                                       atol=tolerance * np.abs(want).max())
+
+
+def test_binding_errors_name_their_argument():
+    case = Case("errors", "exact_tiled", "causal")
+    (q, k, v, _), plan, ranks, rows = simulated_ranks(case, 2, np.float32)
+    me = ranks[0]
+    with pytest.raises(ValueError, match="phase"):
+        me.sent_elements(1, "sideways")
+    with pytest.raises(ValueError, match="'me'"):  # a ring plan has no halo
+        me.halo_forward(messages=[None, None], **{n: rows[0][n] for n in "qkv"})
+    forward = me.ring_forward()
+    shard = me.pack_ring_shard(rows[0]["k"], rows[0]["v"])
+    with pytest.raises(ValueError, match="shard"):
+        forward.add(rows[0]["q"], 0, shard[:-1])
+    with pytest.raises(ValueError, match="source"):
+        forward.add(rows[0]["q"], 2, shard)
+    forward.add(rows[0]["q"], 0, shard)
+    with pytest.raises(TypeError, match="'q'"):
+        forward.add(rows[0]["q"].astype(np.float64), 0, shard.astype(np.float64))
+    halo = poslsh._core.ContextParallelPlan(case.n, 2, query_heads=case.heads, kv_heads=case.kv_heads,
+                                            method="lsh_fused", sigmas=list(BIG_SIGMAS)).rank(0, head_dim=8, value_dim=8)
+    with pytest.raises(ValueError, match="messages"):
+        halo.halo_forward(messages=[None, np.zeros(3, np.float32)], **{n: rows[0][n] for n in "qkv"})
+    with pytest.raises(ValueError, match="name"):
+        plan.ranges("nothing")
+    with pytest.raises(ValueError, match="transport"):
+        plan.traffic(8, 8, 4, transport="carrier pigeon")
+
+
+def test_distributed_moves_buffers_only():
+    """poslsh.distributed calls the library for every piece of attention arithmetic: its source
+    names no matrix product, exponential or log-sum-exp."""
+    import inspect
+    import re
+
+    source = inspect.getsource(pdist)
+    assert not re.findall(r"matmul|bmm|einsum|\.exp\(|logsumexp|softmax|\s@\s", source)

@@ -178,7 +178,7 @@ def test_mean_of_outputs_equals_poslsh_per_head():
     for h in range(2):
         hashes = poslsh.rbf_hashes(1.0 / slopes[h].item(), 4, 3, h)
         expected = poslsh.lsh_attention_mean_of_outputs(q[0, :, h].numpy(), k[0, :, 0].numpy(), v[0, :, 0].numpy(),
-                                                        hashes, causal=True)
+                                                        hashes, masking="causal")
         np.testing.assert_array_equal(out[0, :, h].numpy(), expected)
 
 
@@ -337,7 +337,7 @@ def test_paged_and_contiguous_half_caches_give_one_out_and_lse(dtype, query_dtyp
             assert torch.equal(flat[b], out[0, -sq:]) and torch.equal(flat_lse[b], lse[0, :, -sq:]), (method, b)
 
 
-@pytest.mark.parametrize("method", ["exact", "banded", "lsh", "lsh_per_sample", "fixed_blocks"])
+@pytest.mark.parametrize("method", ["exact", "banded", "lsh", "lsh_per_sample", "fixed_blocks", "mean_of_outputs"])
 def test_decode_rows_equal_one_longer_prefill(method):
     """Prefill of 5 tokens, then decode steps of 1 and 2 tokens through the cache: each step's
     rows are bitwise the rows of one flash_attn_func call on all 8 tokens."""
@@ -558,6 +558,10 @@ def _bad_calls():
         ("lse of mean_of_outputs",
          lambda: flash_attn_func(q, k, v, causal=True, method="mean_of_outputs", return_attn_probs=True),
          ValueError, "return_attn_probs"),
+        ("cache lse of mean_of_outputs",
+         lambda: flash_attn_with_kvcache(q[:, :1], cache, cache.clone(), cache_seqlens=2, causal=True,
+                                         method="mean_of_outputs", return_softmax_lse=True),
+         ValueError, "return_softmax_lse"),
         ("cu dtype", lambda: flash_attn_varlen_func(*flat, cu.long(), cu, 4, 4), TypeError, "cu_seqlens_q"),
         ("cu decreasing", lambda: flash_attn_varlen_func(*flat, torch.tensor([0, 5, 4, 8], dtype=torch.int32),
                                                          torch.tensor([0, 2, 6, 8], dtype=torch.int32), 5, 4),
@@ -809,3 +813,120 @@ def test_meta_slopes_with_cpu_tensors_name_the_argument():
     q, k, v = qkv(1, 3, 3, 2, 1, 4)
     with pytest.raises(ValueError, match="alibi_slopes"):
         flash_attn_func(q, k, v, alibi_slopes=torch.empty(2, device="meta"))
+
+
+# One library call per FlashAttention call, on the caller's tensors. ---------------------------------
+
+
+class _Calls:
+    """Records the calls of poslsh._core's functions `names` (the arrays passed in each)."""
+
+    def __init__(self, monkeypatch, names):
+        self.calls = []
+        for name in names:
+            function = getattr(poslsh._core, name)
+
+            def record(*args, _function=function, _name=name, **kwargs):
+                self.calls.append((_name, args, kwargs))
+                return _function(*args, **kwargs)
+            monkeypatch.setattr(poslsh._core, name, record)
+
+
+KERNELS = ["multihead_attention", "multihead_attention_varlen", "multihead_attention_with_lse",
+           "multihead_attention_backward", "multihead_attention_paged", "multihead_attention_paged_with_lse",
+           "lsh_attention_mean_of_outputs", "lsh_attention_mean_of_outputs_backward"]
+
+
+def _cache_array(x):
+    return x.bits if isinstance(x, poslsh.BFloat16Bits) else x
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_kvcache_step_is_one_call_on_the_callers_cache(monkeypatch, layout, dtype, with_lse):
+    """A decode step of 3 rows with (batch, nheads) slopes: one multihead_attention_paged call whose
+    k_pages and v_pages are the caller's cache tensors (shared memory, no copy), whatever the
+    layout; the unused pages (NaN) are never read."""
+    batch, block_size, heads, heads_k, d = 3, 8, 4, 2, 8
+    slopes = slopes_of((batch, heads), torch.float32)
+    q = rand((batch, 1, heads, d), dtype, 200)
+    k_new, v_new = rand((batch, 1, heads_k, d), dtype, 201), rand((batch, 1, heads_k, d), dtype, 202)
+    lengths = torch.tensor([5, 20, 11], dtype=torch.int32)
+    if layout == "paged":
+        k_cache = torch.full((10, block_size, heads_k, d), math.nan, dtype=dtype)
+        table = torch.tensor([[7, 9, -1], [0, 3, 2], [8, 1, -1]], dtype=torch.int32)
+        for b, length in enumerate(lengths.tolist()):
+            for t in range(length):
+                k_cache[table[b, t // block_size], t % block_size] = rand((heads_k, d), dtype, 300 + 40 * b + t)
+        extras = dict(block_table=table)
+    else:
+        k_cache = torch.full((batch, 24, heads_k, d), math.nan, dtype=dtype)
+        for b, length in enumerate(lengths.tolist()):
+            k_cache[b, :length] = rand((length, heads_k, d), dtype, 400 + b)
+        extras = {}
+    v_cache = k_cache.clone()
+    calls = _Calls(monkeypatch, KERNELS)
+    result = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                     alibi_slopes=slopes, return_softmax_lse=with_lse, **extras)
+    out = result[0] if with_lse else result
+    assert [name for name, _, _ in calls.calls] == [
+        "multihead_attention_paged_with_lse" if with_lse else "multihead_attention_paged"]
+    _, args, kwargs = calls.calls[0]
+    for array, cache in ((args[1], k_cache), (args[2], v_cache)):
+        array = _cache_array(array)
+        assert np.shares_memory(array, cache.view(torch.int16).numpy() if dtype == torch.bfloat16 else cache.numpy())
+        assert array.shape == tuple(cache.shape)
+    assert len(kwargs["sigmas"]) == batch * heads
+    assert bool(torch.isfinite(out).all())
+    # Bitwise each row's own call on its tokens gathered.
+    for b, length in enumerate(lengths.tolist()):
+        if layout == "paged":
+            rows = [k_cache[table[b, t // block_size], t % block_size] for t in range(length + 1)]
+            keys = torch.stack(rows)[None]
+            values = torch.stack([v_cache[table[b, t // block_size], t % block_size] for t in range(length + 1)])[None]
+        else:
+            keys, values = k_cache[None, b, :length + 1], v_cache[None, b, :length + 1]
+        queries = torch.cat([torch.zeros((1, length, heads, d), dtype=dtype), q[b:b + 1]], 1)
+        want = flash_attn_func(queries, keys, values, causal=True, alibi_slopes=slopes[b], return_attn_probs=with_lse)
+        if with_lse:
+            assert torch.equal(out[b], want[0][0, -1:]) and torch.equal(result[1][b], want[1][0, :, -1:])
+        else:
+            assert torch.equal(out[b], want[0, -1:])
+
+
+def test_flash_calls_are_one_library_call(monkeypatch):
+    """flash_attn_func with (batch, nheads) slopes, forward and backward, and mean_of_outputs: one
+    call of the library per pass, through the method table."""
+    q, k, v = qkv(3, 5, 5, 4, 2, 4, requires_grad=True)
+    slopes = slopes_of((3, 4)).requires_grad_()
+    calls = _Calls(monkeypatch, KERNELS)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    out.sum().backward()
+    assert [name for name, _, _ in calls.calls] == ["multihead_attention_with_lse", "multihead_attention_backward"]
+    expected, _ = dense(q, k, v, slopes, True)
+    np.testing.assert_allclose(out.detach().numpy(), expected.detach().numpy(), atol=1e-12, rtol=0)
+    calls.calls.clear()
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes.detach(), method="mean_of_outputs", samples=3)
+    out.sum().backward()
+    assert [name for name, _, _ in calls.calls] == ["multihead_attention_varlen", "multihead_attention_backward"]
+    assert all(kwargs["method"] == "mean_of_outputs" for _, _, kwargs in calls.calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mean_of_outputs_half_precision(dtype):
+    """mean_of_outputs on half-precision tensors read in place: precision="float_products" gives
+    the float32 call on the widened tensors rounded once, and the gradients the float32 ones on
+    the widened tensors, cast once."""
+    q, k, v = qkv(2, 6, 6, 2, 1, 8, dtype, seed=210, requires_grad=True)
+    wide = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    slopes = torch.tensor([0.3, 0.1])
+    extras = dict(causal=True, alibi_slopes=slopes, method="mean_of_outputs", samples=3, seed=1)
+    out = flash_attn_func(q, k, v, precision="float_products", **extras)
+    out_wide = flash_attn_func(*wide, **extras)
+    assert out.dtype == dtype and torch.equal(out, out_wide.to(dtype))
+    dout = rand((2, 6, 2, 8), dtype, 211)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads_wide = torch.autograd.grad(out_wide, wide, dout.float())
+    for got, want in zip(grads, grads_wide):
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))

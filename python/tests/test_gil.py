@@ -124,9 +124,21 @@ def paged_call(rng, n):
     return lambda: poslsh.alibi_attention_tiled_paged(q, k_pages, v_pages, table, seq_lens, 0, 0, 16.0)
 
 
-@pytest.mark.parametrize("factory", [multihead_backward_call, varlen_call, paged_call])
+def multihead_paged_call(rng, n):
+    page_size, heads, d = 64, 2, 64
+    pages = (n + page_size - 1) // page_size
+    k_pages, v_pages = (rng.uniform(-1, 1, (pages, page_size, heads, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(pages).astype(np.int32).reshape(1, pages)
+    seq_lens = np.array([n], dtype=np.int32)
+    q = rng.uniform(-1, 1, (n, heads, d)).astype(np.float32)
+    cu_q = np.array([0, n], dtype=np.int32)
+    return lambda: poslsh.multihead_attention_paged(q, k_pages, v_pages, table, seq_lens, cu_q, method="exact_tiled",
+                                                    num_threads=1)
+
+
+@pytest.mark.parametrize("factory", [multihead_backward_call, varlen_call, paged_call, multihead_paged_call])
 def test_new_bindings_release_the_gil(rng, factory):
-    """As above, for the multi-head backward, varlen and paged bindings."""
+    """As above, for the multi-head backward, varlen, paged and all-heads paged bindings."""
     call = sized_call(lambda n: factory(rng, n))
     duration = []
 

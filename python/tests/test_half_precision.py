@@ -15,7 +15,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import METHODS
+from conftest import METHODS, masking_of
 from test_multihead import expected_heads, heads_of
 
 
@@ -88,24 +88,24 @@ def single_head(function, sigma, causal, scale=None, query_offset=None, **extra)
     shape = lambda q, v: (q.shape[0], v.shape[1])  # noqa: E731
     if function == "alibi_attention_tiled":
         return (with_out(lambda q, k, v, out: poslsh.alibi_attention_tiled(
-            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
+            q, k, v, sigma, masking=masking_of(causal), scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.alibi_attention(q, k, v, sigma, causal, scale))
     if function == "alibi_attention_banded":
         band = poslsh.band_for_bias_error(sigma, 1e-2)
         return (with_out(lambda q, k, v, out: poslsh.alibi_attention_banded(
-            q, k, v, sigma, band, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
+            q, k, v, sigma, band, masking=masking_of(causal), scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.alibi_attention(q, k, v, sigma, causal, scale, band=band))
     if function == "fixed_blocks_attention":
         return (with_out(lambda q, k, v, out: poslsh.fixed_blocks_attention(
-            q, k, v, sigma, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
+            q, k, v, sigma, masking=masking_of(causal), scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.lsh_attention(q, k, v, [2 * sigma], [0.0], causal, scale))
     hashes = poslsh.rbf_hashes(sigma, 12, seed=3, stream=1)
     if function == "lsh_attention_per_sample":
         return (with_out(lambda q, k, v, out: poslsh.lsh_attention_per_sample(
-            q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
+            q, k, v, hashes, masking=masking_of(causal), scale=scale, query_offset=query_offset, out=out, **extra), shape),
             lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
     return (with_out(lambda q, k, v, out: poslsh.lsh_attention_fused(
-        q, k, v, hashes, causal=causal, scale=scale, query_offset=query_offset, out=out, **extra), shape),
+        q, k, v, hashes, masking=masking_of(causal), scale=scale, query_offset=query_offset, out=out, **extra), shape),
         lambda q, k, v: reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale))
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 from test_matrix_units import (FLOAT_PRODUCTS, alibi_additive, bf16, bf16_bits, bf16_values, lsh_additive,
                                lsh_counts, max_error, needs_unit, wrap)
 
@@ -52,20 +53,20 @@ def single_head_calls(n, causal):
     sigma, band = 6.0, 20
     hashes = poslsh.rbf_hashes(sigma, 4, seed=3)
     return [
-        ("tiled", lambda *a, **kw: poslsh.alibi_attention_tiled_with_lse(*a, sigma, causal=causal, **kw),
-         lambda q, k, v, *rest, **kw: poslsh.alibi_attention_tiled_backward(q, k, v, sigma, *rest, causal=causal,
+        ("tiled", lambda *a, **kw: poslsh.alibi_attention_tiled_with_lse(*a, sigma, masking=masking_of(causal), **kw),
+         lambda q, k, v, *rest, **kw: poslsh.alibi_attention_tiled_backward(q, k, v, sigma, *rest, masking=masking_of(causal),
                                                                             **kw)),
-        ("banded", lambda *a, **kw: poslsh.alibi_attention_banded_with_lse(*a, sigma, band, causal=causal, **kw),
+        ("banded", lambda *a, **kw: poslsh.alibi_attention_banded_with_lse(*a, sigma, band, masking=masking_of(causal), **kw),
          lambda q, k, v, *rest, **kw: poslsh.alibi_attention_banded_backward(q, k, v, sigma, band, *rest,
-                                                                             causal=causal, **kw)),
-        ("fused", lambda *a, **kw: poslsh.lsh_attention_fused_with_lse(*a, hashes, causal=causal, **kw),
-         lambda q, k, v, *rest, **kw: poslsh.lsh_attention_fused_backward(q, k, v, hashes, *rest, causal=causal,
+                                                                             masking=masking_of(causal), **kw)),
+        ("fused", lambda *a, **kw: poslsh.lsh_attention_fused_with_lse(*a, hashes, masking=masking_of(causal), **kw),
+         lambda q, k, v, *rest, **kw: poslsh.lsh_attention_fused_backward(q, k, v, hashes, *rest, masking=masking_of(causal),
                                                                           **kw)),
-        ("per_sample", lambda *a, **kw: poslsh.lsh_attention_per_sample_with_lse(*a, hashes, causal=causal, **kw),
+        ("per_sample", lambda *a, **kw: poslsh.lsh_attention_per_sample_with_lse(*a, hashes, masking=masking_of(causal), **kw),
          lambda q, k, v, *rest, **kw: poslsh.lsh_attention_per_sample_backward(q, k, v, hashes, *rest,
-                                                                               causal=causal, **kw)),
-        ("fixed_blocks", lambda *a, **kw: poslsh.fixed_blocks_attention_with_lse(*a, sigma, causal=causal, **kw),
-         lambda q, k, v, *rest, **kw: poslsh.fixed_blocks_attention_backward(q, k, v, sigma, *rest, causal=causal,
+                                                                               masking=masking_of(causal), **kw)),
+        ("fixed_blocks", lambda *a, **kw: poslsh.fixed_blocks_attention_with_lse(*a, sigma, masking=masking_of(causal), **kw),
+         lambda q, k, v, *rest, **kw: poslsh.fixed_blocks_attention_backward(q, k, v, sigma, *rest, masking=masking_of(causal),
                                                                              **kw)),
     ]
 
@@ -95,10 +96,10 @@ def test_single_head_float_products_are_the_float32_calls(dtype, causal):
 def test_single_head_on_the_unit_out_is_the_kernel_without_lse(causal):
     n, d = 100, 32
     (q, k, v), _ = half_inputs(((n, d),) * 3, 8, "bfloat16")
-    kernels = {"tiled": lambda *a, **kw: poslsh.alibi_attention_tiled(*a, 6.0, causal=causal, **kw),
-               "banded": lambda *a, **kw: poslsh.alibi_attention_banded(*a, 6.0, 20, causal=causal, **kw),
+    kernels = {"tiled": lambda *a, **kw: poslsh.alibi_attention_tiled(*a, 6.0, masking=masking_of(causal), **kw),
+               "banded": lambda *a, **kw: poslsh.alibi_attention_banded(*a, 6.0, 20, masking=masking_of(causal), **kw),
                "fused": lambda *a, **kw: poslsh.lsh_attention_fused(*a, poslsh.rbf_hashes(6.0, 4, seed=3),
-                                                                      causal=causal, **kw)}
+                                                                      masking=masking_of(causal), **kw)}
     for name, with_lse, _ in single_head_calls(n, causal):
         out, lse = with_lse(*map(wrap, (q, k, v)))
         assert np.isfinite(lse).all()
@@ -236,10 +237,10 @@ def test_torch_bf16_gradients_on_the_unit(function, causal):
     tau = 1 / np.sqrt(d)
     hashes = poslsh.rbf_hashes(sigma, 4, seed=2)
     if function == "alibi":
-        call = lambda a, b, c, **kw: ptorch.alibi_attention(a, b, c, sigma, causal=causal, **kw)  # noqa: E731
+        call = lambda a, b, c, **kw: ptorch.alibi_attention(a, b, c, sigma, masking=masking_of(causal), **kw)  # noqa: E731
         additive, weights = alibi_additive(n, n, sigma, causal), None
     else:
-        call = lambda a, b, c, **kw: ptorch.lsh_attention(a, b, c, hashes, causal=causal, **kw)  # noqa: E731
+        call = lambda a, b, c, **kw: ptorch.lsh_attention(a, b, c, hashes, masking=masking_of(causal), **kw)  # noqa: E731
         additive, weights = lsh_additive(hashes, n, causal), lsh_counts(hashes, n, causal)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out = call(*leaves)

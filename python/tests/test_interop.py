@@ -5,7 +5,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import random_qkv, tolerance
+from conftest import masking_of, random_qkv, tolerance
 
 
 def boundaries_from_bins(widths, offsets, k, length):
@@ -59,7 +59,7 @@ def test_lse_merger_gives_the_lsh_estimator(rng, dtype, causal):
     lses = np.array([reference.block_attention_with_lse(q, k, v, hashes.widths, hashes.offsets, t, causal)[1] for t in range(s)])
     np.testing.assert_allclose(merger.lse(), np.log(np.exp(lses).sum(axis=0)), rtol=1e-5 if dtype == np.float32 else 1e-12)
     # And the built-in kernel agrees.
-    np.testing.assert_allclose(poslsh.lsh_attention_fused(q, k, v, hashes, causal=causal), merged, atol=tolerance(dtype))
+    np.testing.assert_allclose(poslsh.lsh_attention_fused(q, k, v, hashes, masking=masking_of(causal)), merged, atol=tolerance(dtype))
 
 
 def test_lse_merger_errors():

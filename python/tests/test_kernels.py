@@ -5,7 +5,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import random_qkv, tolerance
+from conftest import masking_of, random_qkv, tolerance
 
 DTYPES = [np.float32, np.float64]
 
@@ -16,7 +16,7 @@ DTYPES = [np.float32, np.float64]
 def test_exact_alibi(rng, dtype, causal, function):
     n, d, sigma = 200, 16, 8.0
     q, k, v = random_qkv(rng, n, d, dtype, d_v=12)
-    out = getattr(poslsh, function)(q, k, v, sigma, causal=causal)
+    out = getattr(poslsh, function)(q, k, v, sigma, masking=masking_of(causal))
     assert out.dtype == dtype and out.shape == (n, 12)
     expected = reference.alibi_attention(q, k, v, sigma, causal=causal)
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(dtype))
@@ -39,7 +39,7 @@ def test_banded(rng, dtype, causal):
     n, d, sigma = 200, 16, 6.0
     q, k, v = random_qkv(rng, n, d, dtype)
     band = poslsh.band_for_bias_error(sigma, 1e-2)
-    out = poslsh.alibi_attention_banded(q, k, v, sigma, band, causal=causal)
+    out = poslsh.alibi_attention_banded(q, k, v, sigma, band, masking=masking_of(causal))
     expected = reference.alibi_attention(q, k, v, sigma, causal=causal, band=band)
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(dtype))
 
@@ -51,7 +51,7 @@ def test_lsh_estimator(rng, dtype, causal, function):
     n, d, sigma = 257, 16, 12.0
     q, k, v = random_qkv(rng, n, d, dtype, d_v=24)
     hashes = poslsh.rbf_hashes(sigma, 9, seed=5, stream=2)
-    out = getattr(poslsh, function)(q, k, v, hashes, causal=causal, scale=0.3)
+    out = getattr(poslsh, function)(q, k, v, hashes, masking=masking_of(causal), scale=0.3)
     expected = reference.lsh_attention(q, k, v, hashes.widths, hashes.offsets, causal, scale=0.3)
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(dtype))
 
@@ -69,7 +69,7 @@ def test_lsh_estimator_from_given_hashes(rng):
 def test_fixed_blocks(rng, dtype):
     n, d, sigma = 130, 8, 5.0
     q, k, v = random_qkv(rng, n, d, dtype)
-    out = poslsh.fixed_blocks_attention(q, k, v, sigma, causal=False)
+    out = poslsh.fixed_blocks_attention(q, k, v, sigma, masking="bidirectional")
     expected = reference.lsh_attention(q, k, v, [2 * sigma], [0.0], causal=False)
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(dtype))
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 import reference
 
 FLOAT_PRODUCTS = "float_products"
@@ -146,12 +147,12 @@ def cpu_flags():
 
 def test_unit_names_and_availability():
     names = poslsh.matrix_unit_names()
-    assert names == ["float_widening", "avx512_bf16", "amx_bf16", "amx_fp16"]
+    assert names == ["float_products", "avx512_bf16", "amx_bf16", "amx_fp16"]
     assert poslsh.precision_names() == ["matrix_units", FLOAT_PRODUCTS]
     available = poslsh.matrix_units()
-    assert available[0] == "float_widening"
+    assert available[0] == "float_products"
     assert available == [name for name in names if poslsh.matrix_unit_available(name)]
-    assert poslsh.matrix_unit_available("float_widening")
+    assert poslsh.matrix_unit_available("float_products")
     flags = cpu_flags()
     if flags:  # Linux: the kernel's view of the CPU agrees (it lists avx512_bf16 only if the OS saves the state)
         assert poslsh.matrix_unit_available("avx512_bf16") == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
@@ -161,27 +162,27 @@ def test_unit_names_and_availability():
         if poslsh.matrix_unit_available("amx_fp16"):
             assert {"amx_tile", "amx_fp16", "avx512_bf16"} <= flags
     with pytest.raises(ValueError,
-                       match="argument 'name' = amx: must be float_widening, avx512_bf16, amx_bf16 or amx_fp16"):
+                       match="argument 'name' = amx: must be float_products, avx512_bf16, amx_bf16 or amx_fp16"):
         poslsh.matrix_unit_available("amx")
 
 
 def test_unit_of_a_call():
     torch = pytest.importorskip("torch")
-    bf16_unit = next(unit for unit in ("amx_bf16", "avx512_bf16", "float_widening")
+    bf16_unit = next(unit for unit in ("amx_bf16", "avx512_bf16", "float_products")
                      if poslsh.matrix_unit_available(unit))
     assert poslsh.matrix_unit("bfloat16") == bf16_unit
     assert poslsh.matrix_unit("bfloat16", "bfloat16", precision="matrix_units") == bf16_unit
     assert poslsh.matrix_unit(torch.bfloat16, torch.bfloat16) == bf16_unit
-    assert poslsh.matrix_unit("bfloat16", precision=FLOAT_PRODUCTS) == "float_widening"
+    assert poslsh.matrix_unit("bfloat16", precision=FLOAT_PRODUCTS) == "float_products"
     # float16 q, k, v: AMX-FP16 where the CPU has it, else widened (no AVX-512 float16 product sums in float).
-    f16_unit = "amx_fp16" if poslsh.matrix_unit_available("amx_fp16") else "float_widening"
+    f16_unit = "amx_fp16" if poslsh.matrix_unit_available("amx_fp16") else "float_products"
     for dtype in ("float16", np.float16, torch.float16):
         assert poslsh.matrix_unit(dtype) == f16_unit
-        assert poslsh.matrix_unit(dtype, dtype, precision=FLOAT_PRODUCTS) == "float_widening"
+        assert poslsh.matrix_unit(dtype, dtype, precision=FLOAT_PRODUCTS) == "float_products"
     for q_dtype, kv_dtype in (("float32", None), ("float64", None), ("float32", "bfloat16"),
                               ("float32", "float16"), (np.float32, np.float16)):
         for precision in poslsh.precision_names():
-            assert poslsh.matrix_unit(q_dtype, kv_dtype, precision=precision) == "float_widening"
+            assert poslsh.matrix_unit(q_dtype, kv_dtype, precision=precision) == "float_products"
     with pytest.raises(ValueError, match="argument 'precision' = fast: must be matrix_units or float_products"):
         poslsh.matrix_unit("bfloat16", precision="fast")
     with pytest.raises(ValueError, match="argument 'q_dtype' = 'int8'"):
@@ -201,14 +202,14 @@ def single_head_case(function, sigma, causal, n):
     d = 64 (weights: the LSH counts, None for the ALiBi kernels)."""
     tau = 1.0 / 8.0
     if function == "alibi_attention_tiled":
-        return (lambda q, k, v, **kw: poslsh.alibi_attention_tiled(q, k, v, sigma, causal=causal, **kw), tau,
+        return (lambda q, k, v, **kw: poslsh.alibi_attention_tiled(q, k, v, sigma, masking=masking_of(causal), **kw), tau,
                 alibi_additive(n, n, sigma, causal), None)
     if function == "alibi_attention_banded":
         band = poslsh.band_for_bias_error(sigma, 1e-3)
-        return (lambda q, k, v, **kw: poslsh.alibi_attention_banded(q, k, v, sigma, band, causal=causal, **kw), tau,
+        return (lambda q, k, v, **kw: poslsh.alibi_attention_banded(q, k, v, sigma, band, masking=masking_of(causal), **kw), tau,
                 alibi_additive(n, n, sigma, causal, band=band), None)
     hashes = poslsh.rbf_hashes(sigma, 8, seed=5, stream=2)
-    return (lambda q, k, v, **kw: poslsh.lsh_attention_fused(q, k, v, hashes, causal=causal, **kw), tau,
+    return (lambda q, k, v, **kw: poslsh.lsh_attention_fused(q, k, v, hashes, masking=masking_of(causal), **kw), tau,
             lsh_additive(hashes, n, causal), lsh_counts(hashes, n, causal))
 
 
@@ -310,7 +311,7 @@ def test_multihead_on_the_unit(layout, masking):
     causal = masking == "causal"
     for h, sigma in enumerate(sigmas):
         head_bits = (q_bits[:, h], k_bits[:, h // 2], v_bits[:, h // 2])
-        single = poslsh.alibi_attention_tiled(*(wrap(b) for b in head_bits), sigma, causal=causal,
+        single = poslsh.alibi_attention_tiled(*(wrap(b) for b in head_bits), sigma, masking=masking_of(causal),
                                               out=np.empty((n, d), np.float32))
         np.testing.assert_array_equal(out[:, h], single)
         q, k, v = (bf16_values(b) for b in head_bits)
@@ -353,7 +354,7 @@ def test_without_a_unit_matrix_units_is_float_products(function):
 def test_float_inputs_ignore_the_precision(precision):
     rng = np.random.default_rng(4)
     # float16 too where it has no unit (on AMX-FP16 it follows the keyword, as bfloat16).
-    dtypes = (np.float32, np.float64) + ((np.float16,) if poslsh.matrix_unit("float16") == "float_widening" else ())
+    dtypes = (np.float32, np.float64) + ((np.float16,) if poslsh.matrix_unit("float16") == "float_products" else ())
     for dtype in dtypes:
         q, k, v = (rng.uniform(-1, 1, (90, 16)).astype(dtype) for _ in range(3))
         np.testing.assert_array_equal(poslsh.alibi_attention_tiled(q, k, v, 5.0, precision=precision),

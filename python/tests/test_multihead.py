@@ -81,7 +81,7 @@ def test_errors(rng):
     q = rng.uniform(-1, 1, (10, 4, 8)).astype(np.float32)
     with pytest.raises(ValueError, match="argument 'layout' = 'bnhd': must be 'nhd'"):
         poslsh.multihead_attention(q, q, q, layout="bnhd")
-    methods = "must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled or exact_banded"
+    methods = "must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded or mean_of_outputs"
     with pytest.raises(ValueError, match=f"^poslsh: multihead_attention: argument 'method' = flash: {methods}$"):
         poslsh.multihead_attention(q, q, q, method="flash")
     # exact_reference is not a method of the all-heads calls (alibi_attention_reference is the dense check).

@@ -240,9 +240,9 @@ def test_errors(rng):
     with pytest.raises(ValueError, match="argument 'dv' shares memory with 'dk'"):
         grads = np.zeros((n, 2, d))
         backward(q, k, v, out, lse, dout, dk=grads, dv=grads)
-    with pytest.raises(ValueError, match="argument 'method' = flash: must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled or exact_banded"):
+    with pytest.raises(ValueError, match="argument 'method' = flash: must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded or mean_of_outputs"):
         backward(q, k, v, out, lse, dout, method="flash")
-    with pytest.raises(ValueError, match="multihead_attention: argument 'k.tokens' = 9: must equal q.tokens = 10"):
+    with pytest.raises(ValueError, match="multihead_attention_with_lse: argument 'k.tokens' = 9: must equal q.tokens = 10"):
         poslsh.multihead_attention_with_lse(q, k[:9], v[:9])
     with pytest.raises(ValueError, match="argument 'lse' is read-only"):
         frozen = np.zeros((heads, n))

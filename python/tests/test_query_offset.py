@@ -7,7 +7,7 @@ import pytest
 
 import poslsh
 import reference
-from conftest import random_qkv, tolerance
+from conftest import masking_of, random_qkv, tolerance
 
 DTYPES = [np.float32, np.float64]
 
@@ -65,7 +65,7 @@ def test_offset_rows_equal_the_dense_formula(rng, function, dtype, causal):
     hashes = poslsh.rbf_hashes(sigma, 5, seed=12)
     for p0, m in ((0, 30), (37, 50), (101, 59), (159, 1)):
         chunk = q[p0 : p0 + m]
-        out = call(function, chunk, k, v, sigma, hashes, causal=causal, query_offset=p0)
+        out = call(function, chunk, k, v, sigma, hashes, masking=masking_of(causal), query_offset=p0)
         assert out.shape == (m, 5) and out.dtype == dtype
         np.testing.assert_allclose(out, expected(function, chunk, k, v, p0, causal, sigma, hashes),
                                    rtol=0, atol=tolerance(dtype))
@@ -110,9 +110,9 @@ def test_chunks_over_all_keys_equal_one_prefill_bitwise(rng, function, causal):
     L, d, sigma = CHUNKS[-1], 16, 10.0
     q, k, v = random_qkv(rng, L, d, np.float32)
     hashes = poslsh.rbf_hashes(sigma, 8, seed=9)
-    full = call(function, q, k, v, sigma, hashes, causal=causal)
+    full = call(function, q, k, v, sigma, hashes, masking=masking_of(causal))
     for threads in (1, 2):
-        chunked = np.vstack([call(function, q[a:b], k, v, sigma, hashes, causal=causal, query_offset=a, num_threads=threads)
+        chunked = np.vstack([call(function, q[a:b], k, v, sigma, hashes, masking=masking_of(causal), query_offset=a, num_threads=threads)
                              for a, b in zip(CHUNKS[:-1], CHUNKS[1:])])
         np.testing.assert_array_equal(chunked, full)
 

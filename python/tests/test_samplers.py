@@ -48,45 +48,6 @@ def test_independent_is_rbf_hashes_bit_for_bit():
     np.testing.assert_array_equal(hashes.offsets, rbf.offsets)
 
 
-def test_antithetic_widths_pair_u_with_one_minus_u():
-    sigma, s = 7.0, 41
-    hashes = poslsh.sample_hashes(sigma, s, 3, 1, "antithetic")
-    u = gamma2_cdf(hashes.widths / sigma)
-    np.testing.assert_allclose(u[0:-1:2] + u[1::2], 1.0, rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("sampler", ["stratified", "rqmc"])
-@pytest.mark.parametrize("s", [1, 7, 64])
-def test_widths_fall_one_in_each_stratum(sampler, s):
-    sigma = 5.0
-    hashes = poslsh.sample_hashes(sigma, s, 11, 4, sampler)
-    strata = np.floor(gamma2_cdf(hashes.widths / sigma) * s)
-    np.testing.assert_array_equal(np.sort(strata), np.arange(s))
-
-
-@pytest.mark.parametrize("group", [1, 3, 4])
-def test_lattice_offsets_share_a_width_per_group_and_shift_one_lattice(group):
-    sigma, s = 6.0, 14  # the last group is shorter unless group divides s
-    hashes = poslsh.sample_hashes(sigma, s, 8, 0, "lattice_offsets", group=group)
-    widths, fractions = hashes.widths, hashes.offsets / hashes.widths
-    for start in range(0, s, group):
-        members = np.arange(start, min(start + group, s))
-        np.testing.assert_array_equal(widths[members], widths[start])
-        # frac(U + j / g) - j / g is U for every member j.
-        assert circular_spread(fractions[members] - (members - start) / group) < 1e-12
-    if group > 1:
-        assert len(np.unique(widths)) == math.ceil(s / group)
-
-
-@pytest.mark.parametrize("sampler, s", [("coupled_offsets", 23), ("rqmc", 21)])
-def test_offsets_form_one_shifted_lattice_of_s_points(sampler, s):
-    hashes = poslsh.sample_hashes(4.0, s, 2, 9, sampler)
-    fractions = hashes.offsets / hashes.widths
-    # {frac(U + k / s)}: s fractions, one per interval [k / s, (k + 1) / s) after removing U.
-    assert circular_spread(fractions * s) < 1e-9
-    assert len(np.unique(np.floor(np.mod(fractions - fractions[0] + 0.5 / s, 1.0) * s))) == s
-
-
 @pytest.mark.parametrize("s, lattice_group", [(10, 0), (16, 0), (13, 5), (7, 1)])
 def test_stratified_lattice_groups(s, lattice_group):
     sigma = 3.0
@@ -103,24 +64,6 @@ def test_stratified_lattice_groups(s, lattice_group):
         assert circular_spread(fractions[members] - (members - starts[m]) / sizes[m]) < 1e-12
     strata = np.floor(gamma2_cdf(widths[starts[:-1]] / sigma) * groups)
     np.testing.assert_array_equal(np.sort(strata), np.arange(groups))
-
-
-@pytest.mark.parametrize("sampler", HASH_SAMPLERS)
-def test_collision_probability_is_exp_minus_r_over_sigma(sampler):
-    # P[bin(i) = bin(i + r)] = exp(-r / sigma) for every sample. Per seed the set mean of the
-    # indicator lies in [0, 1] with mean p, so its variance is at most p (1 - p): the mean over
-    # independent seeds is within 5 binomial standard errors of p.
-    sigma, s, seeds, position = 6.0, 8, 2500, 3.0
-    widths = np.empty((seeds, s))
-    offsets = np.empty((seeds, s))
-    for seed in range(seeds):
-        hashes = poslsh.sample_hashes(sigma, s, seed, 0, sampler)
-        widths[seed], offsets[seed] = hashes.widths, hashes.offsets
-    for r in [1.0, 4.0, 12.0]:
-        same = np.floor((position - offsets) / widths) == np.floor((position + r - offsets) / widths)
-        p = math.exp(-r / sigma)
-        bound = 5.0 * math.sqrt(p * (1.0 - p) / seeds)
-        assert abs(same.mean(axis=1).mean() - p) < bound, (r, same.mean(), p)
 
 
 @pytest.mark.parametrize("sampler", HASH_SAMPLERS)
@@ -295,7 +238,7 @@ def test_errors(rng):
         poslsh.sample_hashes(4.0, 8, 0, sampler="sobol")
     with pytest.raises(ValueError, match="sample_hashes: argument 'sampler'.*no BinHash form"):
         poslsh.sample_hashes(4.0, 8, 0, sampler="poisson")
-    with pytest.raises(ValueError, match="sample_hashes: argument 's' = 0"):
+    with pytest.raises(ValueError, match="sample_hashes: argument 'samples' = 0"):
         poslsh.sample_hashes(4.0, 0, 0, sampler="stratified")
     for sigma in [0.0, -2.0, math.nan, math.inf]:
         with pytest.raises(ValueError, match="sample_hashes: argument 'sigma'"):

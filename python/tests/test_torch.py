@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 import reference
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -21,10 +22,10 @@ def test_forward_matches_dense(dtype, causal):
     q, k, v = tensors(n, d, dtype)
     hashes = poslsh.rbf_hashes(sigma, 7, seed=1)
     atol = 2e-5 if dtype == torch.float32 else 1e-11
-    exact = ptorch.alibi_attention(q, k, v, sigma, causal=causal)
+    exact = ptorch.alibi_attention(q, k, v, sigma, masking=masking_of(causal))
     assert isinstance(exact, torch.Tensor) and exact.dtype == dtype and exact.shape == (n, d)
     np.testing.assert_allclose(exact.numpy(), reference.alibi_attention(q.numpy(), k.numpy(), v.numpy(), sigma, causal), atol=atol, rtol=0)
-    lsh = ptorch.lsh_attention(q, k, v, hashes, causal=causal, scale=0.4)
+    lsh = ptorch.lsh_attention(q, k, v, hashes, masking=masking_of(causal), scale=0.4)
     expected = reference.lsh_attention(q.numpy(), k.numpy(), v.numpy(), hashes.widths, hashes.offsets, causal, 0.4)
     np.testing.assert_allclose(lsh.numpy(), expected, atol=atol, rtol=0)
 
@@ -51,14 +52,14 @@ def test_strided_tensor_views_are_not_copied():
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_alibi(causal):
     q, k, v = tensors(24, 4, torch.float64, seed=3, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0, causal=causal, scale=0.8), (q, k, v), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(lambda a, b, c: ptorch.alibi_attention(a, b, c, 5.0, masking=masking_of(causal), scale=0.8), (q, k, v), eps=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_lsh(causal):
     q, k, v = tensors(24, 4, torch.float64, seed=4, requires_grad=True)
     hashes = poslsh.rbf_hashes(5.0, 6, seed=2)
-    assert torch.autograd.gradcheck(lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes, causal=causal), (q, k, v), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(lambda a, b, c: ptorch.lsh_attention(a, b, c, hashes, masking=masking_of(causal)), (q, k, v), eps=1e-6, atol=1e-7)
 
 
 def test_gradients_match_torch_dense_autograd():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import poslsh
+from conftest import masking_of
 import reference
 from test_multihead import expected_heads
 
@@ -39,11 +40,11 @@ def test_single_head_forward(dtype, function, causal):
     q, k, v = (rounded((n, d), dtype, seed) for seed in (1, 2, 3))
     hashes = poslsh.rbf_hashes(sigma, 10, seed=2)
     if function == "alibi":
-        kernel = lambda *args, **kw: ptorch.alibi_attention_forward(*args, sigma, causal=causal,  # noqa: E731
+        kernel = lambda *args, **kw: ptorch.alibi_attention_forward(*args, sigma, masking=masking_of(causal),  # noqa: E731
                                                                     precision="float_products", **kw)
         expected = reference.alibi_attention(as64(q), as64(k), as64(v), sigma, causal)
     else:
-        kernel = lambda *args, **kw: ptorch.lsh_attention_forward(*args, hashes, causal=causal,  # noqa: E731
+        kernel = lambda *args, **kw: ptorch.lsh_attention_forward(*args, hashes, masking=masking_of(causal),  # noqa: E731
                                                                   precision="float_products", **kw)
         expected = reference.lsh_attention(as64(q), as64(k), as64(v), hashes.widths, hashes.offsets, causal)
     q32, k32, v32 = (x.float() for x in (q, k, v))

@@ -602,11 +602,11 @@ void run(ByteReader& input) {
     RowMatrix<Scalar> out(n, dv);
     Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse(n);
     if (lsh) {
-      poslsh::lsh_attention_fused<Scalar>(q.view(), k.view(), v.view(), problem.hashes, out, lse,
-                                          options);
+      poslsh::lsh_attention_fused_with_lse<Scalar>(q.view(), k.view(), v.view(), problem.hashes,
+                                                   out, lse, options);
     } else {
-      poslsh::alibi_attention_tiled<Scalar>(q.view(), k.view(), v.view(), problem.sigma, out, lse,
-                                            options);
+      poslsh::alibi_attention_tiled_with_lse<Scalar>(q.view(), k.view(), v.view(), problem.sigma,
+                                                     out, lse, options);
     }
     if (!(out == (lsh ? fused_a : tiled_out))) fail("forward with lse != forward");
     RowMatrix<Scalar> first[3];
@@ -651,7 +651,7 @@ void run(ByteReader& input) {
   if (n > 0 && dv > 0 && input.flag()) {
     const Index kv_heads = input.in_range(1, 2);
     const Index heads = kv_heads * input.in_range(1, 2);
-    const auto method = static_cast<poslsh::Method>(input.in_range(0, 5));
+    const auto method = static_cast<poslsh::Method>(input.in_range(0, 6));
     poslsh::MultiHeadOptions multi;
     multi.method = method;
     multi.masking = problem.masking;
@@ -694,6 +694,10 @@ void run(ByteReader& input) {
           expected = poslsh::alibi_attention_banded<Scalar>(
               q.view(), k.view(), v.view(), problem.sigma,
               poslsh::band_for_bias_error(problem.sigma, multi.band_error), options);
+          break;
+        case poslsh::Method::mean_of_outputs:
+          expected = poslsh::lsh_attention_mean_of_outputs<Scalar>(q.view(), k.view(), v.view(),
+                                                                   head_hashes, options);
           break;
         default:
           expected = tiled_out;

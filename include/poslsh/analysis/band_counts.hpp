@@ -26,8 +26,8 @@ namespace poslsh {
 /// after i never undercuts the block holding i), hi_i likewise by a prefix maximum.
 /// Throws std::invalid_argument naming 'partitions.*' if the partitions are invalid.
 /// O(blocks + n).
-inline long long partition_pair_count(const detail::AnalysisPartitions& set, Masking masking) {
-  detail::validate_analysis_partitions(set, "partition_pair_count");
+inline long long partition_pair_count(const PartitionSet& set, Masking masking) {
+  validate_partition_set(set, "partition_pair_count");
   const Index n = set.n;
   std::vector<Index> lo(static_cast<std::size_t>(n), n);
   std::vector<Index> hi(static_cast<std::size_t>(n), 0);
@@ -93,9 +93,9 @@ struct MaskRepresentationCosts {
   double table_entries = 0.0;  ///< n (2 b_max + 1) doubles of the band table
 };
 
-/// Both representations' costs for stored partitions (detail::AnalysisPartitions, a
+/// Both representations' costs for stored partitions (PartitionSet, a
 /// PartitionSet). O(blocks).
-inline MaskRepresentationCosts mask_representation_costs(const detail::AnalysisPartitions& set) {
+inline MaskRepresentationCosts mask_representation_costs(const PartitionSet& set) {
   const double n = static_cast<double>(set.n);
   const double blocks = static_cast<double>(set.edges.size()) - static_cast<double>(set.samples());
   const double width = 2.0 * static_cast<double>(detail::analysis_largest_block(set)) + 1.0;
@@ -113,7 +113,7 @@ inline constexpr double max_band_table_entries = 67108864.0;
 /// The cheaper representation for `products` products with M~ (a Lanczos run takes tens to
 /// hundreds): band_counts when its table fits max_band_table_entries and
 /// build + products * band_counts < products * block_sums, else block_sums. O(blocks).
-inline MaskRepresentation choose_mask_representation(const detail::AnalysisPartitions& set,
+inline MaskRepresentation choose_mask_representation(const PartitionSet& set,
                                                      double products = 100.0) {
   const MaskRepresentationCosts costs = mask_representation_costs(set);
   const bool fits = costs.table_entries <= max_band_table_entries;
@@ -136,9 +136,9 @@ inline MaskRepresentation choose_mask_representation(const detail::AnalysisParti
 class BandCountOperator {
  public:
   /// From stored partitions. Throws std::invalid_argument naming 'partitions.*' if they are
-  /// invalid (detail::validate_analysis_partitions).
-  BandCountOperator(const detail::AnalysisPartitions& set, Masking masking) : masking_(masking) {
-    detail::validate_analysis_partitions(set, "BandCountOperator");
+  /// invalid (validate_partition_set).
+  BandCountOperator(const PartitionSet& set, Masking masking) : masking_(masking) {
+    validate_partition_set(set, "BandCountOperator");
     build(set);
   }
 
@@ -221,7 +221,7 @@ class BandCountOperator {
   }
 
  private:
-  void build(const detail::AnalysisPartitions& set) {
+  void build(const PartitionSet& set) {
     n_ = set.n;
     samples_ = set.samples();
     band_ = detail::analysis_largest_block(set);
@@ -362,7 +362,7 @@ class BandCountOperator {
 class BandKernelErrorOperator : public detail::AnalysisKernelMinusMask<BandCountOperator> {
  public:
   /// Throws std::invalid_argument naming a bad argument (partitions, sigma).
-  BandKernelErrorOperator(const detail::AnalysisPartitions& set, double sigma, Masking masking)
+  BandKernelErrorOperator(const PartitionSet& set, double sigma, Masking masking)
       : AnalysisKernelMinusMask("BandKernelErrorOperator::apply",
                                 "BandKernelErrorOperator::apply_transpose", set.n, sigma, masking,
                                 set, masking) {}

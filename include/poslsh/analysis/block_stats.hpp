@@ -7,10 +7,10 @@
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {

@@ -6,11 +6,11 @@
 #include <cmath>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/band.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh {
 
@@ -28,7 +28,7 @@ namespace detail {
 inline constexpr Index analysis_rows_per_task = 16384;
 
 /// Largest block (edge difference) over all samples.
-inline Index analysis_largest_block(const AnalysisPartitions& partitions) {
+inline Index analysis_largest_block(const PartitionSet& partitions) {
   Index largest = 0;
   for (Index k = 0; k < partitions.samples(); ++k) {
     for (const Index* edge = partitions.begin(k); edge + 1 != partitions.end(k); ++edge) {
@@ -57,8 +57,8 @@ inline MaxError analysis_largest_error(const std::vector<MaxError>& results) {
 }
 
 /// Rows [first, last) of the max-norm scan; `kernel[d]` = exp(-d / sigma), `mean[c]` = c / s.
-inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, Index first,
-                                        Index last, bool causal, const std::vector<double>& kernel,
+inline MaxError analysis_max_error_rows(const PartitionSet& partitions, Index first, Index last,
+                                        bool causal, const std::vector<double>& kernel,
                                         const std::vector<double>& mean) {
   MaxError best;
   const auto consider = [&best](double value, Index i, Index j) {
@@ -85,7 +85,7 @@ inline MaxError analysis_max_error_rows(const AnalysisPartitions& partitions, In
 
 /// max_error of stored partitions: the same rows, entries and scan order, so the same value
 /// and position bit for bit. Throws std::invalid_argument naming 'sigma' (as max_error).
-inline MaxError analysis_max_error_partitions(const AnalysisPartitions& partitions, double sigma,
+inline MaxError analysis_max_error_partitions(const PartitionSet& partitions, double sigma,
                                               Masking masking) {
   require_sigma(sigma, "max_error");
   const Index n = partitions.n;
@@ -124,7 +124,7 @@ template <typename Hashes = HashSet>
 MaxError max_error(const Hashes& hashes, Index n, double sigma, Masking masking) {
   constexpr const char* function = "max_error";
   detail::require_sigma(sigma, function);
-  const detail::AnalysisPartitions partitions = detail::analysis_partitions(hashes, n, function);
+  const PartitionSet partitions = detail::analysis_partitions(hashes, n, function);
   return detail::analysis_max_error_partitions(partitions, sigma, masking);
 }
 

@@ -34,22 +34,22 @@ inline double bound_constant(double sigma) {
 
 /// The paper's expectation bound E||L* - M~||_2 <= Psi (sqrt(ln n / s) + ln n / s).
 /// Throws std::invalid_argument if n < 1, s < 1 or sigma is bad.
-inline double expectation_bound(Index n, double sigma, Index s) {
+inline double expectation_bound(Index n, double sigma, Index samples) {
   detail::require_positive(n, "expectation_bound", "n");
-  detail::require_positive(s, "expectation_bound", "s");
-  const double ratio = std::log(static_cast<double>(n)) / static_cast<double>(s);
+  detail::require_positive(samples, "expectation_bound", "samples");
+  const double ratio = std::log(static_cast<double>(n)) / static_cast<double>(samples);
   return bound_constant(sigma) * (std::sqrt(ratio) + ratio);
 }
 
 /// The paper's tail bound P[||L* - M~||_2 >= epsilon] <= n exp(-s eps^2 / (4 Psi (4 Psi + eps))).
 /// Throws std::invalid_argument if n < 1, s < 1, sigma is bad or epsilon is not finite and > 0.
-inline double tail_bound(Index n, double sigma, Index s, double epsilon) {
+inline double tail_bound(Index n, double sigma, Index samples, double epsilon) {
   detail::require_positive(n, "tail_bound", "n");
-  detail::require_positive(s, "tail_bound", "s");
+  detail::require_positive(samples, "tail_bound", "samples");
   detail::require(std::isfinite(epsilon) && epsilon > 0.0, "tail_bound", "epsilon", epsilon,
                   "must be finite and > 0");
   const double psi = bound_constant(sigma);
-  return static_cast<double>(n) * std::exp(-static_cast<double>(s) * epsilon * epsilon /
+  return static_cast<double>(n) * std::exp(-static_cast<double>(samples) * epsilon * epsilon /
                                            (4.0 * psi * (4.0 * psi + epsilon)));
 }
 
@@ -151,7 +151,7 @@ namespace detail {
 /// stored partitions in the representation chosen by options.representation, then the norm
 /// and the bounds. `hashes` (may be null) gives the dense spectral path its dense formula.
 /// (A template only so that its Lanczos and eigen-solver code is compiled where it is called.)
-template <typename Partitions = AnalysisPartitions>
+template <typename Partitions = PartitionSet>
 KernelErrorMetrics analysis_error_metrics(const Partitions& set, double sigma, Masking masking,
                                           const MetricOptions& options, const HashSet* hashes,
                                           const char* function) {
@@ -218,7 +218,7 @@ KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double 
   constexpr const char* function = "kernel_error_metrics";
   const HashSet& hashes = detail::analysis_hash_set(hash_set);
   detail::require_positive(n, function, "n");
-  const detail::AnalysisPartitions set = detail::analysis_partitions(hashes, n, function);
+  const PartitionSet set = detail::analysis_partitions(hashes, n, function);
   return detail::analysis_error_metrics(set, sigma, masking, options, &hashes, function);
 }
 
@@ -227,10 +227,10 @@ KernelErrorMetrics kernel_error_metrics(const Hashes& hash_set, Index n, double 
 /// of partitions. Dense spectral norms (n <= options.spectral.dense_limit) are formed from the
 /// operator's columns. Throws std::invalid_argument naming a bad argument (partitions, n < 1,
 /// sigma, options).
-template <typename Partitions = detail::AnalysisPartitions>
+template <typename Partitions = PartitionSet>
 KernelErrorMetrics partition_error_metrics(const Partitions& partitions, double sigma,
                                            Masking masking, const MetricOptions& options = {}) {
-  detail::validate_analysis_partitions(partitions, "partition_error_metrics");
+  validate_partition_set(partitions, "partition_error_metrics");
   return detail::analysis_error_metrics(partitions, sigma, masking, options, nullptr,
                                         "partition_error_metrics");
 }
@@ -301,8 +301,7 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
   detail::require_qkv_shapes(function, q, k, v);
   detail::require_self_attention(function, q, k);
   detail::require_sigma(sigma, function);
-  const detail::AnalysisPartitions partitions =
-      detail::analysis_partitions(hashes, q.rows(), function);
+  const PartitionSet partitions = detail::analysis_partitions(hashes, q.rows(), function);
   const double tau = detail::resolve_scale(function, options, q.cols());
   const Index n = q.rows();
   if (n == 0) return {};

@@ -10,10 +10,10 @@
 #include <utility>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh {
 
@@ -139,17 +139,17 @@ class MeanMaskOperator {
 
   /// From stored partitions (any blocks, e.g. sample_partition_set's Poisson cuts). Throws
   /// std::invalid_argument naming 'partitions.*' if they are invalid.
-  MeanMaskOperator(detail::AnalysisPartitions partitions, Masking masking)
+  MeanMaskOperator(PartitionSet partitions, Masking masking)
       : partitions_(std::move(partitions)), masking_(masking) {
-    detail::validate_analysis_partitions(partitions_, "MeanMaskOperator");
+    validate_partition_set(partitions_, "MeanMaskOperator");
   }
 
   Index size() const { return partitions_.n; }
   Index samples() const { return partitions_.samples(); }
   Masking masking() const { return masking_; }
   bool symmetric() const { return masking_ == Masking::bidirectional; }
-  /// The stored block edges (see detail::AnalysisPartitions).
-  const detail::AnalysisPartitions& partitions() const { return partitions_; }
+  /// The stored block edges (see PartitionSet).
+  const PartitionSet& partitions() const { return partitions_; }
 
   /// y = M~ x. Throws std::invalid_argument naming 'x' or 'y' if a size differs from n.
   template <typename Scalar>
@@ -230,7 +230,7 @@ class MeanMaskOperator {
     }
   }
 
-  detail::AnalysisPartitions partitions_;
+  PartitionSet partitions_;
   Masking masking_;
   mutable std::vector<double> prefix_;
   mutable std::vector<double> spread_;
@@ -326,7 +326,7 @@ class KernelErrorOperator : public detail::AnalysisKernelMinusMask<MeanMaskOpera
 
   /// From stored partitions (see MeanMaskOperator). Throws std::invalid_argument naming a bad
   /// argument (partitions, sigma).
-  KernelErrorOperator(detail::AnalysisPartitions partitions, double sigma, Masking masking)
+  KernelErrorOperator(PartitionSet partitions, double sigma, Masking masking)
       : AnalysisKernelMinusMask("KernelErrorOperator::apply",
                                 "KernelErrorOperator::apply_transpose", partitions.n, sigma,
                                 masking, std::move(partitions), masking) {}

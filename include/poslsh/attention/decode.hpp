@@ -26,12 +26,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {
 

@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <utility>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/engine.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh {
 
@@ -23,7 +23,7 @@ namespace detail {
 /// stored in a half-precision type, out in any scalar type, their products on the unit
 /// `precision` selects (engine_rows); with lse (not null), lse[r] for out row
 /// i0 - query_offset + r (TileEngine::run). The counts come from
-/// `hashes`: a HashSet, or stored partitions (AnalysisPartitions) on the k.rows() positions.
+/// `hashes`: a HashSet, or stored partitions (PartitionSet) on the k.rows() positions.
 template <typename Scalar, typename QScalar = Scalar, typename KVScalar = QScalar, typename Counts,
           typename OutType>
 void fused_tile(const ConstMatrixRef<nondeduced_t<QScalar>>& q, const KeyValueRef<KVScalar>& k,

@@ -22,13 +22,13 @@
 
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/engine.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh {
 
@@ -90,35 +90,43 @@ struct PagedKV {
 
 namespace detail {
 
-/// Key source of the tile engine (detail/tile/engine.hpp) reading head `head` of sequence
-/// `sequence` of a paged cache in place: key j is row j % P of page block_table[j / P], so
-/// the keys come in runs of P rows (row stride H_kv d for K, H_kv d_v for V), and the engine
-/// reads a key tile run by run (ReadsInRuns: key_row, value_row, run_end). Nothing is copied.
-template <typename Scalar>
+/// The rows of head `head` of sequence `sequence` of a paged cache (stored as Storage), a row
+/// source of the tile engine (detail/tile/engine.hpp): key j is row j % P of page
+/// block_table[j / P], so the keys come in runs of P rows (row stride H_kv d for K, H_kv d_v for
+/// V). Stored in the engine's compute type, the rows are also its key source, read in place run
+/// by run (ReadsInRuns: tile, key_row, value_row, run_end); stored in a half-precision type,
+/// the engine's widening or paired key source reads them row by row (with_key_source). Nothing
+/// is copied beyond a key tile.
+template <typename Storage>
 class PagedRows {
  public:
-  PagedRows(const PagedKV<Scalar>& cache, Index sequence, Index head)
+  using storage = Storage;
+  PagedRows(const PagedKV<Storage>& cache, Index sequence, Index head)
       : k_(cache.k_pages + head * cache.dim),
         v_(cache.v_pages + head * cache.dim_v),
         table_(cache.block_table + sequence * cache.max_pages),
         page_size_(cache.page_size),
         k_stride_(cache.heads * cache.dim),
         v_stride_(cache.heads * cache.dim_v),
+        d_(cache.dim),
         dv_(cache.dim_v),
         rows_(cache.length(sequence)) {}
 
   Index rows() const { return rows_; }
+  Index key_cols() const { return d_; }
   Index value_cols() const { return dv_; }
+  Index k_stride() const { return k_stride_; }
+  Index v_stride() const { return v_stride_; }
 
   /// The rows of the run holding j0 (the engine reads the others through key_row).
-  KeyTileRows<Scalar> tile(Index j0, Index) const {
+  KeyTileRows<Storage> tile(Index j0, Index) const {
     return {key_row(j0), k_stride_, value_row(j0), v_stride_};
   }
 
   /// First key after the run (page) holding key j.
   Index run_end(Index j) const { return (j / page_size_ + 1) * page_size_; }
-  const Scalar* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
-  const Scalar* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
+  const Storage* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
+  const Storage* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
 
   void prefetch(Index first, Index last, Index d, Index dv) const {
     for (Index j = first; j < last; ++j) {
@@ -127,15 +135,21 @@ class PagedRows {
     }
   }
 
+  /// The head's K rows and the sequence's block table row: no other head or sequence of the
+  /// cache has both.
+  RowsIdentity identity() const { return {k_, table_}; }
+  /// The rows as the engine's key source, read in place (Storage the compute type).
+  PagedRows in_place(TileBuffers<Storage>&, Index) const { return *this; }
+
  private:
   Index page_row(Index j) const {
     return static_cast<Index>(table_[j / page_size_]) * page_size_ + j % page_size_;
   }
 
-  const Scalar* k_;
-  const Scalar* v_;
+  const Storage* k_;
+  const Storage* v_;
   const std::int32_t* table_;
-  Index page_size_, k_stride_, v_stride_, dv_, rows_;
+  Index page_size_, k_stride_, v_stride_, d_, dv_, rows_;
 };
 
 /// Checks of the paged kernels: the cache, sequence b's pages, the KV head, q (m x d) against

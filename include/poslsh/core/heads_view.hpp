@@ -93,4 +93,15 @@ void require_view_shape(const char* function, const char* name, const HeadsView<
 
 }  // namespace detail
 
+/// The all-heads views of backward_scalar_t<Scalar> (core/types.hpp) that a forward with lse or
+/// a backward pass on [n, H, d] views of Scalar takes: the lse as H_q x n (FlashAttention's
+/// softmax_lse layout: HeadsLseRef, ConstHeadsLseRef) and the gradients as [n, H, d] views
+/// (GradientHeadsView).
+template <typename Scalar>
+using HeadsLseRef = MatrixRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using ConstHeadsLseRef = ConstMatrixRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using GradientHeadsView = HeadsView<backward_scalar_t<Scalar>>;
+
 }  // namespace poslsh

@@ -3,7 +3,7 @@
 // the best unit of the CPU it runs on (matrix_unit_for), so the same program or Python wheel
 // uses AVX512-BF16 dot products where the CPU has them and float products elsewhere.
 //
-//   float_widening  every half-precision value widened to float, float multiply-adds (any CPU);
+//   float_products  every half-precision value widened to float, float multiply-adds (any CPU);
 //   avx512_bf16     vdpbf16ps: 32 bfloat16 products summed in pairs into 16 float lanes per
 //                   instruction (AVX512-BF16: Intel Cooper Lake, Sapphire Rapids and later;
 //                   AMD Zen 4 and later). Needs AVX-512 F and BW, and the OS saving the
@@ -18,12 +18,11 @@
 //                   and later), with the same needs as amx_bf16 (AMX-TILE, the OS state, the
 //                   permission, avx512_bf16 for the code around the tiles).
 // With Q, K and V all in Eigen::bfloat16 and Precision::matrix_units, a call uses amx_bf16,
-// else avx512_bf16, else float_widening, the first the CPU has; with all three in Eigen::half,
-// amx_fp16, else float_widening. AVX512-FP16 has no float16 product summed in float (its
+// else avx512_bf16, else float_products, the first the CPU has; with all three in Eigen::half,
+// amx_fp16, else float_products. AVX512-FP16 has no float16 product summed in float (its
 // multiply-adds round every sum to float16), so float16 inputs without AMX-FP16 are widened.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -44,11 +43,11 @@
 namespace poslsh {
 
 /// The units that multiply half-precision tiles (see the file comment).
-enum class MatrixUnit { float_widening, avx512_bf16, amx_bf16, amx_fp16 };
+enum class MatrixUnit { float_products, avx512_bf16, amx_bf16, amx_fp16 };
 
-/// The names "float_widening", "avx512_bf16", "amx_bf16" and "amx_fp16" (enum_name,
+/// The names "float_products", "avx512_bf16", "amx_bf16" and "amx_fp16" (enum_name,
 /// enum_from_name).
-POSLSH_ENUM_NAMES(MatrixUnit, float_widening, avx512_bf16, amx_bf16, amx_fp16);
+POSLSH_ENUM_NAMES(MatrixUnit, float_products, avx512_bf16, amx_bf16, amx_fp16);
 
 namespace detail {
 
@@ -121,38 +120,14 @@ inline bool detect_amx(MatrixUnit unit) {
 }
 #endif
 
-/// Test hook, not part of the interface: where the AMX kernels (amx_bf16, amx_fp16) run. cpu:
-/// on the CPU's tiles, where it has them; emulated: on a software emulation of the tile
-/// instructions (detail/tile/amx_kernels.hpp), on any CPU with avx512_bf16; disabled: nowhere
-/// (calls use the next unit, as on a CPU without AMX).
-enum class AmxTestMode { cpu, emulated, disabled };
-
-/// The current AmxTestMode (cpu unless a test sets another with set_amx_mode_for_tests).
-inline std::atomic<AmxTestMode>& amx_test_mode() {
-  static std::atomic<AmxTestMode> mode{AmxTestMode::cpu};
-  return mode;
-}
-
 }  // namespace detail
 
-/// Whether this CPU (and OS) can run `unit`. float_widening: always. Detected once (for the
-/// AMX units, the first call asks Linux for the tile permission).
+/// Whether this CPU (and OS) can run `unit`. float_products: always. Detected once per unit
+/// (for the AMX units, the first call asks Linux for the tile permission).
 inline bool matrix_unit_available(MatrixUnit unit) {
 #if POSLSH_X86_UNITS
-  // The AMX units as detected, unless the test hook says otherwise.
-  const auto amx = [](bool detected) {
-    switch (detail::amx_test_mode().load(std::memory_order_relaxed)) {
-      case detail::AmxTestMode::emulated:
-        return true;
-      case detail::AmxTestMode::disabled:
-        return false;
-      case detail::AmxTestMode::cpu:
-        break;
-    }
-    return detected;
-  };
   switch (unit) {
-    case MatrixUnit::float_widening:
+    case MatrixUnit::float_products:
       return true;
     case MatrixUnit::avx512_bf16: {
       static const bool available = detail::detect_avx512_bf16();
@@ -160,33 +135,38 @@ inline bool matrix_unit_available(MatrixUnit unit) {
     }
     case MatrixUnit::amx_bf16: {
       static const bool available = detail::detect_amx(MatrixUnit::amx_bf16);
-      return amx(available);
+      return available;
     }
     case MatrixUnit::amx_fp16: {
       static const bool available = detail::detect_amx(MatrixUnit::amx_fp16);
-      return amx(available);
+      return available;
     }
   }
   return false;
 #else
-  return unit == MatrixUnit::float_widening;
+  return unit == MatrixUnit::float_products;
 #endif
 }
 
 namespace detail {
 
-/// Test hook, not part of the interface: sets the AmxTestMode. With emulated,
-/// matrix_unit_available is true for amx_bf16 and amx_fp16 and their kernels run on the
-/// emulation of the tile instructions, so the AMX paths are tested on CPUs without AMX; with
-/// disabled it is false, so avx512_bf16 (and float16 widening) is tested on CPUs with AMX. The
-/// emulation needs avx512_bf16 (the code around the tiles uses it): on a CPU without it, emulated
-/// leaves the mode as it is and returns false; otherwise returns true. Not for use while attention
-/// calls run on other threads.
-inline bool set_amx_mode_for_tests(AmxTestMode mode) {
-  if (mode == AmxTestMode::emulated && !matrix_unit_available(MatrixUnit::avx512_bf16))
-    return false;
-  amx_test_mode().store(mode, std::memory_order_relaxed);
-  return true;
+/// The unit of a call with Q stored as QScalar and K, V as KVScalar under `precision` (the rule
+/// of matrix_unit_for), with the AMX units (amx_bf16, amx_fp16) counted as available where
+/// amx_available(unit) says so; avx512_bf16 where matrix_unit_available says so.
+template <typename QScalar, typename KVScalar, typename AmxAvailable>
+MatrixUnit choose_matrix_unit(Precision precision, AmxAvailable&& amx_available) {
+  if (precision == Precision::matrix_units) {
+    if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
+                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
+      if (amx_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
+      if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
+    }
+    if constexpr (std::is_same_v<QScalar, Eigen::half> && std::is_same_v<KVScalar, Eigen::half>) {
+      if (amx_available(MatrixUnit::amx_fp16)) return MatrixUnit::amx_fp16;
+    }
+  }
+  static_cast<void>(amx_available);
+  return MatrixUnit::float_products;
 }
 
 }  // namespace detail
@@ -194,21 +174,11 @@ inline bool set_amx_mode_for_tests(AmxTestMode mode) {
 /// The unit that multiplies the tiles of a call with Q stored as QScalar and K, V as KVScalar
 /// under `precision`: under Precision::matrix_units, when all three are Eigen::bfloat16,
 /// amx_bf16 if the CPU has it, else avx512_bf16 if it has that; when all three are
-/// Eigen::half, amx_fp16 if the CPU has it; float_widening otherwise (float and double inputs
+/// Eigen::half, amx_fp16 if the CPU has it; float_products otherwise (float and double inputs
 /// are multiplied in their own type, other half-precision and mixed inputs widened).
 template <typename QScalar, typename KVScalar>
 MatrixUnit matrix_unit_for(Precision precision) {
-  if (precision == Precision::matrix_units) {
-    if constexpr (std::is_same_v<QScalar, Eigen::bfloat16> &&
-                  std::is_same_v<KVScalar, Eigen::bfloat16>) {
-      if (matrix_unit_available(MatrixUnit::amx_bf16)) return MatrixUnit::amx_bf16;
-      if (matrix_unit_available(MatrixUnit::avx512_bf16)) return MatrixUnit::avx512_bf16;
-    }
-    if constexpr (std::is_same_v<QScalar, Eigen::half> && std::is_same_v<KVScalar, Eigen::half>) {
-      if (matrix_unit_available(MatrixUnit::amx_fp16)) return MatrixUnit::amx_fp16;
-    }
-  }
-  return MatrixUnit::float_widening;
+  return detail::choose_matrix_unit<QScalar, KVScalar>(precision, matrix_unit_available);
 }
 
 /// matrix_unit_for<QScalar, KVScalar>(options.precision): the unit a kernel called with these

@@ -102,6 +102,31 @@ using KeyValueRef = ConstMatrixRef<detail::nondeduced_t<KVScalar>>;
 template <typename OutScalar>
 using OutputRef = MatrixRef<detail::nondeduced_t<OutScalar>>;
 
+/// Writable view of a vector (one entry per query row), e.g. the lse output.
+template <typename Scalar>
+using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+/// Read-only view of a vector, e.g. the lse input of a backward pass.
+template <typename Scalar>
+using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+/// The scalar of the lse input and the gradient outputs of a backward pass whose q, k, v, out
+/// and dout are stored as Scalar: its compute scalar, double for double, float for float,
+/// Eigen::bfloat16 and Eigen::half (compute_scalar_t).
+template <typename Scalar>
+using backward_scalar_t = compute_scalar_t<Scalar>;
+
+/// The views of backward_scalar_t<Scalar> that a forward with lse or a backward pass on q, k,
+/// v, out and dout stored as Scalar takes: its lse output (LseRef) or input (ConstLseRef), one
+/// entry per query row, and its gradient outputs dq, dk, dv (GradientRef); the all-heads
+/// views are in core/heads_view.hpp.
+template <typename Scalar>
+using LseRef = VectorRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using ConstLseRef = ConstVectorRef<backward_scalar_t<Scalar>>;
+template <typename Scalar>
+using GradientRef = MatrixRef<backward_scalar_t<Scalar>>;
+
 /// Which keys a query sees: `causal` keeps j <= i, `bidirectional` keeps every j.
 enum class Masking { causal, bidirectional };
 

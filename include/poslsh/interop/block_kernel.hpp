@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/lsh.hpp"
 #include "poslsh/interop/lse_merge.hpp"
-#include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {
@@ -78,7 +78,7 @@ void for_each_sample_edges(const HashSet& hashes, Index n, EachSample&& each_sam
 
 /// The same for stored partitions (on their partitions.n positions): the stored edges.
 template <typename EachSample>
-void for_each_sample_edges(const AnalysisPartitions& partitions, Index, EachSample&& each_sample) {
+void for_each_sample_edges(const PartitionSet& partitions, Index, EachSample&& each_sample) {
   for (Index sample = 0; sample < partitions.samples(); ++sample)
     each_sample(partitions.begin(sample), partitions.end(sample));
 }

@@ -1,6 +1,7 @@
-// poslsh: the RBF positional hash (Rahimi and Recht's random binning on token positions):
-// BinHash, its checks, and the counter-based draws rbf_hash and rbf_hashes, with the paper's
-// fixed-blocks baseline.
+/// \file
+/// \brief The RBF positional hash (Rahimi and Recht's random binning on token positions): the
+/// counter-based draws rbf_hash and rbf_hashes of BinHash (core/hash.hpp), with the paper's
+/// fixed-blocks baseline.
 #pragma once
 
 #include <algorithm>
@@ -8,28 +9,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/random/philox.hpp"
 
 namespace poslsh {
-
-/// One positional hash: bin(i) = floor((i - offset) / width). All blocks have the same width
-/// (the first and last are cut by the sequence ends) and are contiguous.
-struct BinHash {
-  /// Widths below this are raised to it: any width < 1 already puts every integer position in
-  /// a bin of its own, so this changes no mask while keeping bin() in range.
-  static constexpr double min_width = 0x1.0p-20;
-
-  double width = 1.0;   ///< w > 0
-  double offset = 0.0;  ///< xi in [0, w)
-
-  /// Bin of position i: floor((i - xi) / w). Unchecked (a hot path): requires
-  /// |position| / width < 2^63 (always so for |position| < 2^43, since width >= 2^-20).
-  std::int64_t bin(Index position) const {
-    return static_cast<std::int64_t>(std::floor((static_cast<double>(position) - offset) / width));
-  }
-};
 
 /// Largest sigma the hash functions accept: the widths they draw (at most -2 ln 2^-53 sigma,
 /// about 73.5 sigma) then stay finite. Any sigma beyond 2^63 already gives one block.
@@ -45,28 +30,6 @@ inline void require_hash_sigma(double sigma, const char* function) {
 }
 
 }  // namespace detail
-
-/// A set of s hashes (one per sample) for one head.
-using HashSet = std::vector<BinHash>;
-
-/// Checks a user-built hash: width finite and >= BinHash::min_width, offset in [0, width).
-/// Throws std::invalid_argument naming 'hash.width' or 'hash.offset'. Every kernel and
-/// partition function runs it.
-inline void validate_hash(const BinHash& hash, const char* function) {
-  detail::require(std::isfinite(hash.width) && hash.width >= BinHash::min_width, function,
-                  "hash.width", hash.width, "must be finite and >= 2^-20");
-  detail::require(hash.offset >= 0.0 && hash.offset < hash.width, function, "hash.offset",
-                  hash.offset, "must lie in [0, width)");
-}
-
-/// Checks a hash set: at least one hash (s >= 1), each valid (validate_hash). Throws
-/// std::invalid_argument naming 'hashes' or the bad hash's field. Every function that takes a
-/// HashSet runs it.
-inline void validate_hashes(const HashSet& hashes, const char* function) {
-  detail::require(!hashes.empty(), function, "hashes", "{}",
-                  "must hold at least one hash (s >= 1)");
-  for (const BinHash& hash : hashes) validate_hash(hash, function);
-}
 
 /// The key of one sample: (seed, stream, sample index). A stream is typically a head (or a
 /// layer * heads + head); samples of one stream are independent of each other.
@@ -98,11 +61,12 @@ inline BinHash rbf_hash(double sigma, const HashKey& key) {
 /// Samples 0..s-1 of stream `stream` under `seed` (see rbf_hash): the hash set of one head.
 /// Throws std::invalid_argument if s < 1 or sigma is not finite, > 0 and <= max_hash_sigma.
 /// O(s).
-inline HashSet rbf_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream = 0) {
-  detail::require_positive(s, "rbf_hashes", "s");
+inline HashSet rbf_hashes(double sigma, Index samples, std::uint64_t seed,
+                          std::uint64_t stream = 0) {
+  detail::require_positive(samples, "rbf_hashes", "samples");
   detail::require_hash_sigma(sigma, "rbf_hashes");
-  HashSet hashes(static_cast<std::size_t>(s));
-  for (Index k = 0; k < s; ++k) {
+  HashSet hashes(static_cast<std::size_t>(samples));
+  for (Index k = 0; k < samples; ++k) {
     hashes[static_cast<std::size_t>(k)] =
         rbf_hash(sigma, HashKey{seed, stream, static_cast<std::uint64_t>(k)});
   }

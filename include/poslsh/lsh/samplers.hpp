@@ -70,17 +70,17 @@ inline Index default_lattice_group(Index s) {
 /// G = ceil(s / g) groups, the first s mod G of ceil(s / G) samples, the others of
 /// floor(s / G); g = options.lattice_group, or default_lattice_group(s) when it is 0. Throws
 /// std::invalid_argument naming 's' (< 1) or 'options.lattice_group' (< 0).
-inline std::vector<Index> lattice_group_starts(Index s, const SamplerOptions& options = {}) {
+inline std::vector<Index> lattice_group_starts(Index samples, const SamplerOptions& options = {}) {
   constexpr const char* function = "lattice_group_starts";
-  detail::require_positive(s, function, "s");
+  detail::require_positive(samples, function, "samples");
   detail::require(options.lattice_group >= 0, function, "options.lattice_group",
                   options.lattice_group, "must be >= 0 (0: the default)");
-  const Index g =
-      options.lattice_group > 0 ? std::min(options.lattice_group, s) : default_lattice_group(s);
-  const Index groups = (s + g - 1) / g;
+  const Index g = options.lattice_group > 0 ? std::min(options.lattice_group, samples)
+                                            : default_lattice_group(samples);
+  const Index groups = (samples + g - 1) / g;
   std::vector<Index> starts{0};
   for (Index m = 0; m < groups; ++m)
-    starts.push_back(starts.back() + s / groups + (m < s % groups ? 1 : 0));
+    starts.push_back(starts.back() + samples / groups + (m < samples % groups ? 1 : 0));
   return starts;
 }
 
@@ -284,18 +284,18 @@ inline Index rank1_generator(Index s) {
 /// the set the same law as a set of that size; the others depend on s as a whole.
 /// Throws std::invalid_argument naming 'sigma', 's', 'options.group', 'options.lattice_group'
 /// or 'sampler' (poisson).
-inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uint64_t stream,
+inline HashSet sample_hashes(double sigma, Index samples, std::uint64_t seed, std::uint64_t stream,
                              Sampler sampler, const SamplerOptions& options = {}) {
   constexpr const char* function = "sample_hashes";
-  detail::require_positive(s, function, "s");
+  detail::require_positive(samples, function, "samples");
   detail::require_hash_sigma(sigma, function);
   detail::require_positive(options.group, function, "options.group");
   detail::require(options.lattice_group >= 0, function, "options.lattice_group",
                   options.lattice_group, "must be >= 0 (0: the default)");
   detail::require(sampler != Sampler::poisson, function, "sampler", "poisson",
                   "has no BinHash form (unequal block lengths); use sample_partition_set");
-  if (sampler == Sampler::independent) return rbf_hashes(sigma, s, seed, stream);
-  HashSet hashes(static_cast<std::size_t>(s));
+  if (sampler == Sampler::independent) return rbf_hashes(sigma, samples, seed, stream);
+  HashSet hashes(static_cast<std::size_t>(samples));
   const auto width_uniform = [&](Index index) {
     return detail::sampler_uniforms(seed, stream, static_cast<std::uint64_t>(index),
                                     detail::tag_width);
@@ -304,10 +304,10 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
     return detail::sampler_uniforms(seed, stream, static_cast<std::uint64_t>(index),
                                     detail::tag_offset)[0];
   };
-  const double s_double = static_cast<double>(s);
+  const double s_double = static_cast<double>(samples);
   switch (sampler) {
     case Sampler::antithetic:
-      for (Index k = 0; k < s; ++k) {
+      for (Index k = 0; k < samples; ++k) {
         const double u = width_uniform(k / 2)[0];
         // F^-1(1 - u) = upper quantile at q = u: no rounding of 1 - u on the small side.
         const double x = (k % 2 == 0) ? gamma2_quantile(u) : gamma2_upper_quantile(u);
@@ -315,8 +315,8 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
       }
       break;
     case Sampler::stratified: {
-      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
-      for (Index k = 0; k < s; ++k) {
+      const std::vector<Index> order = detail::sampler_permutation(samples, seed, stream);
+      for (Index k = 0; k < samples; ++k) {
         const double u =
             (static_cast<double>(order[static_cast<std::size_t>(k)]) + width_uniform(k)[0]) /
             s_double;
@@ -327,7 +327,7 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
     }
     case Sampler::lattice_offsets: {
       const Index g = options.group;
-      for (Index k = 0; k < s; ++k) {
+      for (Index k = 0; k < samples; ++k) {
         const std::array<double, 2> u = width_uniform(k / g);
         const double fraction =
             detail::fractional(u[1] + static_cast<double>(k % g) / static_cast<double>(g));
@@ -337,9 +337,9 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
       break;
     }
     case Sampler::coupled_offsets: {
-      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
+      const std::vector<Index> order = detail::sampler_permutation(samples, seed, stream);
       const double shift = detail::sampler_uniforms(seed, stream, 0, detail::tag_shift)[0];
-      for (Index k = 0; k < s; ++k) {
+      for (Index k = 0; k < samples; ++k) {
         const double fraction = detail::fractional(
             shift + static_cast<double>(order[static_cast<std::size_t>(k)]) / s_double);
         hashes[static_cast<std::size_t>(k)] =
@@ -348,23 +348,23 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
       break;
     }
     case Sampler::rqmc: {
-      const std::vector<Index> order = detail::sampler_permutation(s, seed, stream);
+      const std::vector<Index> order = detail::sampler_permutation(samples, seed, stream);
       const std::array<double, 2> shift =
           detail::sampler_uniforms(seed, stream, 0, detail::tag_shift);
-      const Index a = detail::rank1_generator(s);
-      for (Index k = 0; k < s; ++k) {
+      const Index a = detail::rank1_generator(samples);
+      for (Index k = 0; k < samples; ++k) {
         const Index point = order[static_cast<std::size_t>(k)];
         const double u_width =
             detail::fractional((static_cast<double>(point) + shift[0]) / s_double);
         const double u_offset =
-            detail::fractional(static_cast<double>((point * a) % s) / s_double + shift[1]);
+            detail::fractional(static_cast<double>((point * a) % samples) / s_double + shift[1]);
         hashes[static_cast<std::size_t>(k)] =
             detail::sampler_hash(sigma, gamma2_quantile(u_width), u_offset);
       }
       break;
     }
     case Sampler::stratified_lattice: {
-      const std::vector<Index> starts = lattice_group_starts(s, options);
+      const std::vector<Index> starts = lattice_group_starts(samples, options);
       const auto groups = static_cast<Index>(starts.size()) - 1;
       const std::vector<Index> order = detail::sampler_permutation(groups, seed, stream);
       for (Index m = 0; m < groups; ++m) {
@@ -388,25 +388,10 @@ inline HashSet sample_hashes(double sigma, Index s, std::uint64_t seed, std::uin
   return hashes;
 }
 
-/// The block partitions of a set of s samples on [0, n): sample k's blocks are
-/// [edges[offsets[k] + r], edges[offsets[k] + r + 1]), from 0 to n. The analysis functions that
-/// take one (partition_error_metrics, BandCountOperator, ...) accept any partition, including
-/// the unequal blocks of Sampler::poisson that a BinHash cannot describe.
-using PartitionSet = detail::AnalysisPartitions;
-
 /// The partitions of a hash set on [0, n) (block_boundaries of each hash). Throws
 /// std::invalid_argument if the set is empty, a hash is invalid or n < 0.
 inline PartitionSet partition_set(const HashSet& hashes, Index n) {
   return detail::analysis_partitions(hashes, n, "partition_set");
-}
-
-/// Checks a user-built partition set: n >= 0, s >= 1 samples, each with edges
-/// 0 = t_0 < t_1 < ... < t_m = n (n = 0: the single edge 0) and offsets running from 0 to
-/// edges.size().
-/// Throws std::invalid_argument naming 'partitions.n', 'partitions.offsets' or
-/// 'partitions.edges'.
-inline void validate_partition_set(const PartitionSet& set, const char* function) {
-  detail::validate_analysis_partitions(set, function);
 }
 
 namespace detail {
@@ -454,19 +439,19 @@ inline std::vector<Index> poisson_cut_edges(double sigma, Index n, std::uint64_t
 /// for the BinHash samplers, poisson_cut_edges(sigma, n, seed, stream, k) for Sampler::poisson.
 /// Throws std::invalid_argument naming 'sigma', 's', 'n', 'options.group' or
 /// 'options.lattice_group'.
-inline PartitionSet sample_partition_set(double sigma, Index s, Index n, std::uint64_t seed,
+inline PartitionSet sample_partition_set(double sigma, Index samples, Index n, std::uint64_t seed,
                                          std::uint64_t stream, Sampler sampler,
                                          const SamplerOptions& options = {}) {
   constexpr const char* function = "sample_partition_set";
   detail::require_size(n, function, "n");
   if (sampler != Sampler::poisson) {
-    return partition_set(sample_hashes(sigma, s, seed, stream, sampler, options), n);
+    return partition_set(sample_hashes(sigma, samples, seed, stream, sampler, options), n);
   }
-  detail::require_positive(s, function, "s");
+  detail::require_positive(samples, function, "samples");
   detail::require_hash_sigma(sigma, function);
   PartitionSet set;
   set.n = n;
-  for (Index k = 0; k < s; ++k) {
+  for (Index k = 0; k < samples; ++k) {
     const std::vector<Index> edges =
         poisson_cut_edges(sigma, n, seed, stream, static_cast<std::uint64_t>(k));
     set.edges.insert(set.edges.end(), edges.begin(), edges.end());
@@ -498,7 +483,7 @@ inline PartitionSet sample_partition_set(double sigma, Index s, Index n, std::ui
 /// Throws std::invalid_argument naming 'sigmas' (empty, or an entry not finite, <= 0 or
 /// > max_hash_sigma), 's' (< 1) or 'n' (< 0).
 inline std::vector<PartitionSet> sample_nested_poisson_partitions(const std::vector<double>& sigmas,
-                                                                  Index s, Index n,
+                                                                  Index samples, Index n,
                                                                   std::uint64_t seed,
                                                                   std::uint64_t stream) {
   constexpr const char* function = "sample_nested_poisson_partitions";
@@ -507,7 +492,7 @@ inline std::vector<PartitionSet> sample_nested_poisson_partitions(const std::vec
     detail::require(std::isfinite(sigma) && sigma > 0.0 && sigma <= max_hash_sigma, function,
                     "sigmas", sigma, "every entry must be finite, > 0 and <= 1e300");
   }
-  detail::require_positive(s, function, "s");
+  detail::require_positive(samples, function, "samples");
   detail::require_size(n, function, "n");
   const std::size_t heads = sigmas.size();
   const double sigma_min = *std::min_element(sigmas.begin(), sigmas.end());
@@ -526,7 +511,7 @@ inline std::vector<PartitionSet> sample_nested_poisson_partitions(const std::vec
   }
   std::vector<PartitionSet> sets(heads);
   for (PartitionSet& set : sets) set.n = n;
-  for (Index k = 0; k < s; ++k) {
+  for (Index k = 0; k < samples; ++k) {
     const auto sample = static_cast<std::uint64_t>(k);
     for (PartitionSet& set : sets) set.edges.push_back(0);
     if (n > 0) {

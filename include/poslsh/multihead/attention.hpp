@@ -1,13 +1,16 @@
 /// \file
 /// \brief All-heads (and grouped-query) ALiBi attention, exact or by Positional LSH:
-/// multihead_attention on one sequence and multihead_attention_varlen on a packed batch.
+/// multihead_attention on one sequence and multihead_attention_varlen on a packed batch (over a
+/// paged KV cache: poslsh/multihead/paged.hpp).
 ///
 /// Every all-heads call runs the same way: its arguments are checked and resolved first (one
-/// HeadMethod per query head, one HeadsSequence per sequence), before any parallel work; then
-/// one parallel loop runs the (query tile, head) jobs (detail/tile/query_tiles.hpp), each job
-/// writing its own output rows: bitwise the same result for any thread count.
+/// HeadMethod per query head, or per sequence and query head; one HeadsSequence per sequence),
+/// before any parallel work; then one parallel loop runs the (query tile, head) jobs
+/// (detail/tile/query_tiles.hpp), each job writing its own output rows: bitwise the same result
+/// for any thread count.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -70,16 +73,24 @@ void require_heads_inputs(const char* function, const HeadsView<QElement>& q,
 /// The method of every query head from the options: sigma_h = options.sigmas[h] (empty: the
 /// ALiBi sigmas of q.heads heads), W_h = band_for_bias_error(sigma_h, band_error) for
 /// exact_banded, hashes rbf_hashes(sigma_h, s, seed, h) for the LSH methods and
-/// {fixed_blocks_hash(sigma_h)} for fixed_blocks. Checks one valid sigma per head, samples >= 1
-/// (LSH methods) and band_error in (0, 1) (exact_banded).
+/// mean_of_outputs, {fixed_blocks_hash(sigma_h)} for fixed_blocks. A packed batch of `batch`
+/// sequences may give one sigma per sequence and query head instead (options.sigmas[b H + h],
+/// B H entries): then entry b H + h is the method of head h of sequence b (its hashes drawn
+/// with stream h, as every sequence's). Checks one valid sigma per head (or per sequence and
+/// head), samples >= 1 (methods with hashes) and band_error in (0, 1) (exact_banded).
 inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
-                                            const MultiHeadOptions& options) {
+                                            const MultiHeadOptions& options, Index batch = 1) {
   require(enum_is_valid(options.method), function, "options.method",
           static_cast<int>(options.method), "must be " + enum_name_list<Method>());
   const std::vector<double> sigmas =
       options.sigmas.empty() ? alibi_sigmas(static_cast<int>(heads)) : options.sigmas;
-  require(static_cast<Index>(sigmas.size()) == heads, function, "options.sigmas", sigmas.size(),
-          "must hold one sigma per query head (" + std::to_string(heads) + ")");
+  const auto count = static_cast<Index>(sigmas.size());
+  require(count == heads || (batch > 1 && count == batch * heads), function, "options.sigmas",
+          sigmas.size(),
+          "must hold one sigma per query head (" + std::to_string(heads) + ")" +
+              (batch > 1 ? " or one per sequence and query head (" + std::to_string(batch) + " x " +
+                               std::to_string(heads) + ")"
+                         : std::string()));
   for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
   if (method_draws_hashes(options.method)) {
     require_positive(options.samples, function, "options.samples");
@@ -97,15 +108,14 @@ inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
             "a local window needs method exact_tiled or exact_banded (got " +
                 std::string(enum_name(options.method)) + ")");
   }
-  std::vector<HashSet> hashes = method_draws_hashes(options.method)
-                                    ? multihead_hashes(sigmas, options.samples, options.seed)
-                                    : std::vector<HashSet>(sigmas.size());
   std::vector<HeadMethod> methods(sigmas.size());
   for (std::size_t h = 0; h < sigmas.size(); ++h) {
     HeadMethod& head = methods[h];
     head.method = options.method;
     head.sigma = sigmas[h];
-    head.hashes = std::move(hashes[h]);
+    if (method_draws_hashes(options.method))
+      head.hashes = rbf_hashes(head.sigma, options.samples, options.seed,
+                               h % static_cast<std::size_t>(heads));
     if (options.method == Method::exact_banded)
       head.band = band_for_bias_error(head.sigma, options.band_error);
     head.window_left = options.window_left;
@@ -166,12 +176,43 @@ inline std::vector<HeadsSequence> packed_sequences(const char* function,
 
 /// The checked arguments of an all-heads call, resolved: what every job reads.
 struct HeadsCall {
+  /// The method of each query head (H_q entries), or, when per_sequence, of each sequence's
+  /// query heads (B H_q entries, head h of sequence b at b H_q + h: head_methods with sigmas
+  /// per sequence and head).
   std::vector<HeadMethod> heads;
   std::vector<HeadsSequence> sequences;
   double tau = 1.0;
   Masking masking = Masking::causal;
   Precision precision = Precision::matrix_units;
+  bool per_sequence = false;
+
+  /// The query heads H_q.
+  Index query_heads() const {
+    const std::size_t count = per_sequence ? heads.size() / sequences.size() : heads.size();
+    return static_cast<Index>(count);
+  }
+  /// The method of query head h of sequence b.
+  const HeadMethod& method(std::size_t b, Index h) const {
+    const std::size_t row = per_sequence ? b * static_cast<std::size_t>(query_heads()) : 0;
+    return heads[row + static_cast<std::size_t>(h)];
+  }
 };
+
+/// The methods of a packed batch's heads (head_methods over `batch` sequences) into `call`:
+/// call.per_sequence when options.sigmas holds one sigma per sequence and query head.
+inline void resolve_heads(HeadsCall& call, const char* function, Index heads,
+                          const MultiHeadOptions& options, Index batch) {
+  call.heads = head_methods(function, heads, options, batch);
+  call.per_sequence = static_cast<Index>(call.heads.size()) != heads;
+}
+
+/// Checks that every head's method has a log-sum-exp (method_has_lse), for the calls with lse.
+inline void require_methods_with_lse(const char* function, const HeadsCall& call) {
+  for (const HeadMethod& head : call.heads)
+    require(method_has_lse(head.method), function, "options.method", enum_name(head.method),
+            "has no log-sum-exp (its output is the mean of s softmaxes, each with its own "
+            "normalizer): call the form without lse");
+}
 
 /// The checked arguments of a packed-batch forward (multihead_attention_varlen and its form
 /// with lse): the inputs, out (q.tokens x q.heads x v.dim), the sequences with their query
@@ -184,21 +225,45 @@ HeadsCall varlen_call(const char* function, const HeadsView<QElement>& q,
                       const std::vector<Index>& query_offsets) {
   require_heads_inputs(function, q, k, v);
   require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  return {head_methods(function, q.heads, options),
-          packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options.query_offset,
-                           query_offsets),
-          resolve_scale(function, options, q.dim), options.masking, options.precision};
+  HeadsCall call;
+  call.sequences = packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options.query_offset,
+                                    query_offsets);
+  resolve_heads(call, function, q.heads, options, static_cast<Index>(call.sequences.size()));
+  call.tau = resolve_scale(function, options, q.dim);
+  call.masking = options.masking;
+  call.precision = options.precision;
+  return call;
 }
+
+/// The keys of a call on K and V views (HeadsView, stored as KVScalar): sequence b's keys are
+/// the tokens [k_begin, k_end) of its HeadsSequence. with_head(sequence, b, g, use) calls
+/// use(rows) with the row source of K/V head g of the sequence (StridedRows over the views,
+/// read in place). The paged form: PagedHeadsKeys, poslsh/multihead/paged.hpp.
+template <typename KVScalar>
+struct ViewHeadsKeys {
+  const HeadsView<const KVScalar>& k;
+  const HeadsView<const KVScalar>& v;
+
+  Index heads() const { return k.heads; }
+  template <typename Use>
+  void with_head(const HeadsSequence& s, std::size_t, Index g, Use&& use) const {
+    const ConstMatrixRef<KVScalar> k_g(token_range(k, s.k_begin, s.k_end).head(g));
+    const ConstMatrixRef<KVScalar> v_g(token_range(v, s.k_begin, s.k_end).head(g));
+    use(StridedRows<KVScalar>(k_g, v_g));
+  }
+};
 
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
 /// head) jobs of all sequences, heads outermost when a method reads every key before its tiles
 /// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
-/// heads (lsh_per_sample, fixed_blocks) is one job, on its sequence's first tile. Query head h
-/// reads K/V head h / (q.heads / k.heads). With lse (not null; one scalar type), lse[h * lse_stride
-/// + t] is the log-sum-exp of query token t of head h.
-template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar>
-void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
-                       const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
+/// heads (lsh_per_sample, fixed_blocks, mean_of_outputs) is one job, on its sequence's first
+/// tile. Query head h reads K/V head h / (q.heads / keys.heads()) through keys.with_head
+/// (ViewHeadsKeys, PagedHeadsKeys). With lse (not null; one scalar type; every method with a
+/// log-sum-exp), lse[h * lse_stride + t] is the log-sum-exp of query token t of head h. AMX
+/// products on the tile layer AmxTiles (the CPU's by default; detail/tile/engine.hpp).
+template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
+          typename Keys, typename OutScalar>
+void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q, const Keys& keys,
                        const HeadsView<OutScalar>& out, Compute* lse = nullptr,
                        Index lse_stride = 0) {
   std::vector<QueryTile> tiles;
@@ -206,7 +271,7 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
     const HeadsSequence& s = call.sequences[b];
     append_query_tiles(tiles, b, s.p0, s.p0 + (s.q_end - s.q_begin));
   }
-  const Index group = q.heads / k.heads;
+  const Index group = q.heads / keys.heads();
   bool reads_every_key = false;
   for (const HeadMethod& head : call.heads)
     reads_every_key = reads_every_key || method_reads_every_key(head.method);
@@ -216,32 +281,46 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
       tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::heads_inner,
       written_bytes, [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
         const HeadsSequence& s = call.sequences[tile.range];
-        const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
+        const HeadMethod& head = call.method(tile.range, h);
+        if (!method_runs_by_query_tiles(head.method) && tile.row_begin != s.p0) return;
         const auto q_h = token_range(q, s.q_begin, s.q_end).head(h);
-        const auto k_h = token_range(k, s.k_begin, s.k_end).head(h / group);
-        const auto v_h = token_range(v, s.k_begin, s.k_end).head(h / group);
         auto out_h = token_range(out, s.q_begin, s.q_end).head(h);
-        const HeadForward<decltype(q_h), decltype(k_h), decltype(out_h)> f{
-            q_h, k_h, v_h, out_h, call.tau, call.masking, s.p0, call.precision, s.k0};
         Compute* const head_lse = lse == nullptr ? nullptr : lse + h * lse_stride + s.q_begin;
-        visit_method(head.method, [&](auto kernels) {
-          using Kernels = decltype(kernels);
-          if constexpr (Kernels::runs_by_query_tiles) {
-            Kernels::template forward_tile<Compute, QScalar, KVScalar>(
-                head, f, tile.row_begin, tile.rows,
-                head_lse == nullptr ? nullptr : head_lse + (tile.row_begin - s.p0), work);
-          } else if (tile.row_begin == s.p0) {
-            Kernels::template forward_head<Compute, QScalar, KVScalar>(head, f, head_lse);
-          }
+        keys.with_head(s, tile.range, h / group, [&](const auto& rows) {
+          using Rows = std::decay_t<decltype(rows)>;
+          const HeadForward<decltype(q_h), Rows, decltype(out_h)> f{
+              q_h, rows, out_h, call.tau, call.masking, s.p0, call.precision, s.k0};
+          visit_method(head.method, [&](auto kernels) {
+            using Kernels = decltype(kernels);
+            if constexpr (Kernels::runs_by_query_tiles) {
+              Kernels::template forward_tile<Compute, QScalar, AmxTiles>(
+                  head, f, tile.row_begin, tile.rows,
+                  head_lse == nullptr ? nullptr : head_lse + (tile.row_begin - s.p0), work);
+            } else {
+              Kernels::template forward_head<Compute, QScalar, AmxTiles>(head, f, head_lse);
+            }
+          });
         });
       });
 }
 
+/// run_heads_forward over K and V views (ViewHeadsKeys).
+template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
+          typename KVScalar, typename OutScalar>
+void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
+                       const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
+                       const HeadsView<OutScalar>& out, Compute* lse = nullptr,
+                       Index lse_stride = 0) {
+  run_heads_forward<Compute, AmxTiles>(call, q, ViewHeadsKeys<KVScalar>{k, v}, out, lse,
+                                       lse_stride);
+}
+
 /// The forward of an all-heads call on one sequence: checks the query offset
 /// (options.query_offset; unset: k.tokens - q.tokens) and the views, then resolves the methods
-/// (head_methods()) and runs every head.
-template <typename Compute, typename QScalar, typename KVScalar, typename OutScalar,
-          typename HeadMethods>
+/// (head_methods()) and runs every head, AMX products on the tile layer AmxTiles
+/// (run_heads_forward).
+template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
+          typename KVScalar, typename OutScalar, typename HeadMethods>
 void one_sequence_forward(const char* function, const HeadsView<const QScalar>& q,
                           const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
                           const HeadsView<OutScalar>& out, const AttentionOptions& options,
@@ -255,7 +334,7 @@ void one_sequence_forward(const char* function, const HeadsView<const QScalar>& 
                        resolve_scale(function, options, q.dim),
                        options.masking,
                        options.precision};
-  run_heads_forward<Compute>(call, q, k, v, out);
+  run_heads_forward<Compute, AmxTiles>(call, q, k, v, out);
 }
 
 }  // namespace detail

@@ -1,16 +1,22 @@
 /// \file
 /// \brief The method table: every method an all-heads call can run, described once (its name,
-/// whether it draws hashes, how it is scheduled, its forward, forward with lse and backward).
+/// whether it draws hashes, how it is scheduled, whether it has a log-sum-exp, its forward and
+/// forward with lse); the backward passes have a table of their own (MethodBackward,
+/// poslsh/multihead/training.hpp).
 ///
 /// Every all-heads entry point (multihead_attention with or without lse, its backward, packed
-/// batches and plans) resolves its arguments into one HeadMethod per query head and reaches the
-/// kernels through visit_method, the one switch over Method in the library: adding a method is
-/// one enumerator, one row of its name table and one MethodKernels specialization.
+/// batches, paged KV caches and plans) resolves its arguments into one HeadMethod per query
+/// head and reaches the kernels through visit_method_row, the one switch over Method in the
+/// library (visit_method: the forward table): adding a method is one enumerator, one row of its
+/// name table, one MethodKernels and one MethodBackward specialization. A head's forward reads
+/// its keys through a row source (HeadForward::keys: two row-strided matrices, StridedRows, or a
+/// head of a paged cache, PagedRows), so every method runs on either.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "poslsh/attention/banded.hpp"
@@ -22,9 +28,9 @@
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/tile/alibi_bias.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/per_sample.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/lsh/hash.hpp"
-#include "poslsh/training/backward.hpp"
 
 namespace poslsh {
 
@@ -35,10 +41,14 @@ enum class Method {
   fixed_blocks,    ///< fixed_blocks_attention: one deterministic hash of blocks 2 sigma long
   exact_tiled,     ///< alibi_attention_tiled: exact ALiBi, every pair
   exact_banded,    ///< alibi_attention_banded: exact ALiBi on |i - j| <= W
+  /// lsh_attention_mean_of_outputs: the mean over samples of plain attention on each sample's
+  /// blocks (a different estimator, without a log-sum-exp)
+  mean_of_outputs,
 };
 
 /// The methods' names, as the enumerators (enum_name, enum_from_name).
-POSLSH_ENUM_NAMES(Method, lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded);
+POSLSH_ENUM_NAMES(Method, lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled, exact_banded,
+                  mean_of_outputs);
 
 /// Options of the all-heads calls: the attention options of every head (masking, scale, query
 /// offset) and how the heads are computed.
@@ -46,7 +56,7 @@ struct MultiHeadOptions : AttentionOptions {
   Method method = Method::lsh_fused;
   /// sigma of each query head; empty means alibi_sigmas(query heads).
   std::vector<double> sigmas{};
-  /// Samples s per head (lsh_fused, lsh_per_sample).
+  /// Samples s per head (lsh_fused, lsh_per_sample, mean_of_outputs).
   Index samples = 16;
   /// Seed of the hashes: head h uses rbf_hashes(sigma_h, s, seed, stream = h).
   std::uint64_t seed = 0;
@@ -70,7 +80,8 @@ struct HeadMethod {
   /// exact_tiled, exact_banded: MultiHeadOptions::window_left and window_right (-1 unbounded).
   Index window_left = -1;
   Index window_right = -1;
-  /// lsh_fused, lsh_per_sample: the samples; fixed_blocks: {fixed_blocks_hash(sigma)}.
+  /// lsh_fused, lsh_per_sample, mean_of_outputs: the samples; fixed_blocks:
+  /// {fixed_blocks_hash(sigma)}.
   HashSet hashes{};
 };
 
@@ -88,12 +99,13 @@ inline std::vector<HashSet> multihead_hashes(const std::vector<double>& sigmas, 
 namespace detail {
 
 /// One head's views and scalars for a forward job: Q rows at positions p0 .. over the keys of
-/// k and v at positions k0 .., scale tau, masking, the precision of half-precision products.
-template <typename QType, typename KType, typename OutType>
+/// the row source `keys` (Rows: StridedRows over K and V matrices, or PagedRows over a head of
+/// a paged cache; keys stored as Rows::storage) at positions k0 .., scale tau, masking, the
+/// precision of half-precision products.
+template <typename QType, typename Rows, typename OutType>
 struct HeadForward {
   const QType& q;
-  const KType& k;
-  const KType& v;
+  const Rows& keys;
   OutType& out;
   double tau;
   Masking masking;
@@ -102,55 +114,29 @@ struct HeadForward {
   Index k0 = 0;
 
   /// One past the last position of a query or a key.
-  Index extent() const { return std::max(p0 + q.rows(), k0 + k.rows()); }
-};
-
-/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
-/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
-template <typename Scalar, typename Input = Scalar>
-struct HeadBackward {
-  ConstMatrixRef<Input> q, k, v, out;
-  ConstVectorRef<Scalar> lse;
-  ConstMatrixRef<Input> dout;
-  MatrixRef<Scalar> dq, dk, dv;
-  Scalar tau;
-  Masking masking;
-  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
-  double* dslope = nullptr;
-  /// The position of the first token (the LSH bins are those of the positions origin ..).
-  Index origin = 0;
-  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
-  Precision precision = Precision::float_products;
-};
-
-/// A thread's scratch for backward jobs that run one head on one thread.
-template <typename Scalar>
-struct BackwardScratch {
-  BackwardWork<Scalar> work;
-  CountWindows windows;
+  Index extent() const { return std::max(p0 + q.rows(), k0 + keys.rows()); }
 };
 
 /// The kernels of the methods evaluated by the tile engine query tile by query tile, under the
 /// policy Kernels::tile_bias(head, extent, masking, workspace) (exact ALiBi or LSH counts, over
 /// the positions [0, extent) of the queries and keys):
 /// forward_tile computes rows [r0, r0 + rows) (positions) of one head into out rows r0 - p0 ..,
-/// and their lse (lse[r] for row r0 + r) when lse is not null. Their backward passes can run a
-/// head on one thread.
+/// and their lse (lse[r] for row r0 + r) when lse is not null, AMX products on the tile layer
+/// AmxTiles (with_row_source_engine).
 template <typename Kernels>
 struct QueryTileMethod {
   static constexpr bool runs_by_query_tiles = true;
-  static constexpr bool serial_backward = true;
+  static constexpr bool has_lse = true;
 
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_tile(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+  template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+            typename QType, typename Rows, typename OutType>
+  static void forward_tile(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
                            Index r0, Index rows, Compute* lse, TileWorkspace<Compute>& work) {
     auto bias = Kernels::template tile_bias<Compute>(head, f.extent(), f.masking, work);
     const ConstMatrixRef<QScalar> q(f.q);
-    const ConstMatrixRef<KVScalar> k(f.k), v(f.v);
-    engine_rows<Compute, QScalar, KVScalar>(q, k, v, f.tau, bias, work.buffers,
-                                            TilePositions(f.p0, f.k0), f.precision, r0, r0 + rows,
-                                            f.out.middleRows(r0 - f.p0, rows), lse);
+    with_row_source_engine<Compute, QScalar, AmxTiles>(
+        q, f.keys, f.tau, bias, work.buffers, TilePositions(f.p0, f.k0), f.precision,
+        [&](auto& engine) { engine.run(r0, r0 + rows, f.out.middleRows(r0 - f.p0, rows), lse); });
   }
 };
 
@@ -158,8 +144,6 @@ struct QueryTileMethod {
 struct WholeHeadMethod {
   static constexpr bool runs_by_query_tiles = false;
   static constexpr bool reads_every_key = false;
-  /// No head of these methods runs its backward on one thread inside a parallel loop over heads.
-  static constexpr bool serial_backward = false;
 };
 
 template <Method M>
@@ -186,16 +170,6 @@ struct ExactMethodKernels : QueryTileMethod<ExactMethodKernels<M>> {
                                       TileWorkspace<Compute>&) {
     return AlibiBias<Compute>(keys, head.sigma, head_window(head, keys, masking));
   }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
-                       BackwardScratch<Scalar>* scratch) {
-    // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
-    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
-                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
-                                  b.dq, b.dk, b.dv, b.precision, parallel,
-                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
-  }
 };
 
 template <>
@@ -215,50 +189,25 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
     return CountBias<Compute>(head.hashes, keys, masking == Masking::causal, work.counts,
                               work.count_tile);
   }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
-                       BackwardScratch<Scalar>* scratch) {
-    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
-                                  scratch == nullptr ? nullptr : &scratch->work,
-                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
-  }
 };
 
 /// lsh_per_sample and fixed_blocks (the per-sample kernel on the single hash of fixed blocks).
 template <Method M>
 struct PerSampleMethodKernels : WholeHeadMethod {
   static constexpr bool draws_hashes = M == Method::lsh_per_sample;
+  static constexpr bool has_lse = true;
 
-  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null.
-  template <typename Compute, typename QScalar, typename KVScalar, typename QType, typename KType,
-            typename OutType>
-  static void forward_head(const HeadMethod& head, const HeadForward<QType, KType, OutType>& f,
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1 (per_sample_rows), and their lse
+  /// when lse is not null.
+  template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+            typename QType, typename Rows, typename OutType>
+  static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
                            Compute* lse) {
     using OutScalar = typename OutType::Scalar;
-    AttentionOptions options;
-    options.masking = f.masking;
-    options.scale = f.tau;
-    options.query_offset = f.p0;
-    options.precision = f.precision;
-    if (lse == nullptr && f.k0 == 0) {
-      lsh_attention_per_sample<QScalar, KVScalar, OutScalar>(f.q, f.k, f.v, head.hashes, f.out,
-                                                             options);
-    } else {
-      MatrixRef<OutScalar> out = f.out;
-      per_sample_rows<QScalar, KVScalar, OutScalar, Compute>(
-          f.q, f.k, f.v, head.hashes, static_cast<Compute>(f.tau), f.masking == Masking::causal,
-          TilePositions(f.p0, f.k0), f.precision, out, lse);
-    }
-  }
-
-  template <typename Scalar, typename Input>
-  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
-                       BackwardScratch<Scalar>*) {
-    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
-                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
-                                       b.dk, b.dv, b.precision, b.origin);
+    MatrixRef<OutScalar> out = f.out;
+    per_sample_rows<QScalar, OutScalar, Compute, AmxTiles>(
+        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
+        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision, out, lse);
   }
 };
 
@@ -267,27 +216,61 @@ struct MethodKernels<Method::lsh_per_sample> : PerSampleMethodKernels<Method::ls
 template <>
 struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixed_blocks> {};
 
-/// visitor(MethodKernels<method>{}): the one switch from a run-time Method to its kernels.
-template <typename Visitor>
-constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
+/// mean_of_outputs: the mean of the s per-sample attentions (mean_of_outputs_rows), a whole
+/// head per job. No log-sum-exp (poslsh/training/mean_of_outputs.hpp): the calls with lse
+/// reject it (require_methods_with_lse).
+template <>
+struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
+  static constexpr bool draws_hashes = true;
+  static constexpr bool has_lse = false;
+
+  template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+            typename QType, typename Rows, typename OutType>
+  static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
+                           Compute* lse) {
+    using OutScalar = typename OutType::Scalar;
+    // Reached only past a caller that skipped require_methods_with_lse: the parallel loop
+    // hands the exception to the caller.
+    if (lse != nullptr)
+      throw_invalid("multihead_attention", "options.method", enum_name(Method::mean_of_outputs),
+                    "has no log-sum-exp");
+    mean_of_outputs_rows<QScalar, OutScalar, Compute, AmxTiles>(
+        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
+        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision,
+        MatrixRef<OutScalar>(f.out));
+  }
+};
+
+/// visitor(Table<method>{}): the one switch from a run-time Method to its row of a table
+/// (MethodKernels, the forward table; MethodBackward, the backward table).
+template <template <Method> class Table, typename Visitor>
+constexpr decltype(auto) visit_method_row(Method method, Visitor&& visitor) {
   switch (method) {
     case Method::lsh_per_sample:
-      return visitor(MethodKernels<Method::lsh_per_sample>{});
+      return visitor(Table<Method::lsh_per_sample>{});
     case Method::fixed_blocks:
-      return visitor(MethodKernels<Method::fixed_blocks>{});
+      return visitor(Table<Method::fixed_blocks>{});
     case Method::exact_tiled:
-      return visitor(MethodKernels<Method::exact_tiled>{});
+      return visitor(Table<Method::exact_tiled>{});
     case Method::exact_banded:
-      return visitor(MethodKernels<Method::exact_banded>{});
+      return visitor(Table<Method::exact_banded>{});
+    case Method::mean_of_outputs:
+      return visitor(Table<Method::mean_of_outputs>{});
     case Method::lsh_fused:
       break;
   }
-  return visitor(MethodKernels<Method::lsh_fused>{});
+  return visitor(Table<Method::lsh_fused>{});
+}
+
+/// visitor(MethodKernels<method>{}): the forward table's row of a run-time Method.
+template <typename Visitor>
+constexpr decltype(auto) visit_method(Method method, Visitor&& visitor) {
+  return visit_method_row<MethodKernels>(method, std::forward<Visitor>(visitor));
 }
 
 }  // namespace detail
 
-/// Whether a method draws random hashes (lsh_fused, lsh_per_sample).
+/// Whether a method draws random hashes (lsh_fused, lsh_per_sample, mean_of_outputs).
 constexpr bool method_draws_hashes(Method method) {
   return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::draws_hashes; });
 }
@@ -304,6 +287,12 @@ constexpr bool method_reads_every_key(Method method) {
 constexpr bool method_runs_by_query_tiles(Method method) {
   return detail::visit_method(method,
                               [](auto kernels) { return decltype(kernels)::runs_by_query_tiles; });
+}
+
+/// Whether a method has a log-sum-exp (every method but mean_of_outputs): the forwards with lse
+/// and the merges of partial results over key slices need one.
+constexpr bool method_has_lse(Method method) {
+  return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::has_lse; });
 }
 
 }  // namespace poslsh

@@ -11,6 +11,7 @@
 /// the outputs then partly written.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,10 +22,124 @@
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
 #include "poslsh/training/backward.hpp"
+#include "poslsh/training/mean_of_outputs.hpp"
 
 namespace poslsh {
 
 namespace detail {
+
+/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
+/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
+template <typename Scalar, typename Input = Scalar>
+struct HeadBackward {
+  ConstMatrixRef<Input> q, k, v, out;
+  ConstVectorRef<Scalar> lse;
+  ConstMatrixRef<Input> dout;
+  MatrixRef<Scalar> dq, dk, dv;
+  Scalar tau;
+  Masking masking;
+  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
+  double* dslope = nullptr;
+  /// The position of the first token (the LSH bins are those of the positions origin ..).
+  Index origin = 0;
+  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
+  Precision precision = Precision::float_products;
+};
+
+/// A thread's scratch for backward jobs that run one head on one thread.
+template <typename Scalar>
+struct BackwardScratch {
+  BackwardWork<Scalar> work;
+  CountWindows windows;
+};
+
+/// The backward table, one row per Method (the forward table: MethodKernels,
+/// poslsh/multihead/methods.hpp; the switch: visit_method_row): backward(head, b, parallel,
+/// scratch) writes the gradients of one head (its single-head backward; `parallel`: whether its
+/// passes may run in parallel inside, `scratch` a thread's scratch when not), and
+/// serial_backward says whether a head may run on one thread inside a parallel loop over heads.
+template <Method M>
+struct MethodBackward;
+
+/// exact_tiled and exact_banded: exact_backward over the head's window.
+template <Method M>
+struct ExactMethodBackward {
+  static constexpr bool serial_backward = true;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
+    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
+                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
+                                  b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
+  }
+};
+
+template <>
+struct MethodBackward<Method::exact_tiled> : ExactMethodBackward<Method::exact_tiled> {};
+template <>
+struct MethodBackward<Method::exact_banded> : ExactMethodBackward<Method::exact_banded> {};
+
+/// lsh_fused: count_backward (the count-weighted estimator, each pair once).
+template <>
+struct MethodBackward<Method::lsh_fused> {
+  static constexpr bool serial_backward = true;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
+                       BackwardScratch<Scalar>* scratch) {
+    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
+                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work,
+                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
+  }
+};
+
+/// lsh_per_sample and fixed_blocks: per_sample_backward (block by block, in parallel inside).
+template <Method M>
+struct PerSampleMethodBackward {
+  static constexpr bool serial_backward = false;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
+                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
+                                       b.dk, b.dv, b.precision, b.origin);
+  }
+};
+
+template <>
+struct MethodBackward<Method::lsh_per_sample> : PerSampleMethodBackward<Method::lsh_per_sample> {};
+template <>
+struct MethodBackward<Method::fixed_blocks> : PerSampleMethodBackward<Method::fixed_blocks> {};
+
+/// mean_of_outputs: mean_of_outputs_backward_rows, which recomputes each sample's attention and
+/// lse (out and lse are not read). Half-precision inputs are widened to float copies of the head
+/// (O(n (2 d + 2 d_v)) scratch) and take the float backward, so their gradients are bitwise
+/// those of the float call on the widened inputs.
+template <>
+struct MethodBackward<Method::mean_of_outputs> {
+  static constexpr bool serial_backward = false;
+
+  template <typename Scalar, typename Input>
+  static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
+                       BackwardScratch<Scalar>*) {
+    const bool causal = b.masking == Masking::causal;
+    if constexpr (std::is_same_v<Input, Scalar>) {
+      mean_of_outputs_backward_rows<Scalar>(b.q, b.k, b.v, head.hashes, b.dout, b.dq, b.dk, b.dv,
+                                            b.tau, causal, b.origin);
+    } else {
+      const RowMatrix<Scalar> q = b.q.template cast<Scalar>(), k = b.k.template cast<Scalar>(),
+                              v = b.v.template cast<Scalar>(),
+                              dout = b.dout.template cast<Scalar>();
+      mean_of_outputs_backward_rows<Scalar>(q, k, v, head.hashes, dout, b.dq, b.dk, b.dv, b.tau,
+                                            causal, b.origin);
+    }
+  }
+};
 
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
 template <typename LseType, typename QElement>
@@ -38,7 +153,7 @@ void require_lse_shape(const char* function, const LseType& lse, const HeadsView
 /// The checked arguments of an all-heads training call on the sequences [cu[b], cu[b + 1]) of
 /// q, k and v (self-attention): the inputs (k and v with q's tokens), the lse matrix
 /// (q.heads x q.tokens), out (q.tokens x q.heads x v.dim), the query offset (unset or 0) and
-/// the methods of the heads.
+/// the methods of the heads (resolve_heads: per sequence when options.sigmas holds B H_q).
 template <typename Scalar, typename LseType, typename OutElement>
 HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
@@ -52,7 +167,7 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   require_lse_shape(function, lse, q);
   require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
   HeadsCall call;
-  call.heads = head_methods(function, q.heads, options);
+  resolve_heads(call, function, q.heads, options, static_cast<Index>(cu_seqlens.size()) - 1);
   for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
     call.sequences.push_back(
         {cu_seqlens[b], cu_seqlens[b + 1], cu_seqlens[b], cu_seqlens[b + 1], 0});
@@ -91,7 +206,9 @@ void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Input>&
 /// increasing head order. Either way every gradient row is the single-head kernel's sum in
 /// its fixed order: bitwise the same for any thread count.
 /// q, k, v, out and dout are stored as Input, lse and the gradients in Scalar =
-/// backward_scalar_t<Input> (half-precision rows widened as the passes pack them).
+/// backward_scalar_t<Input> (half-precision rows widened as the passes pack them). With
+/// dslopes: one entry per query head summed over the sequences, or (call.per_sequence) one per
+/// sequence and query head, dslopes[b H_q + h].
 template <typename Input, typename Scalar = backward_scalar_t<Input>>
 void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
                     const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -129,16 +246,16 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
                                 static_cast<std::size_t>(h)],
         s.p0,
         call.precision};
-    const HeadMethod& head = call.heads[static_cast<std::size_t>(h)];
-    visit_method(head.method, [&](auto kernels) {
-      decltype(kernels)::template backward<Scalar, Input>(head, b, parallel, scratch);
+    const HeadMethod& head = call.method(static_cast<std::size_t>(&s - call.sequences.data()), h);
+    visit_method_row<MethodBackward>(head.method, [&](auto row) {
+      decltype(row)::template backward<Scalar, Input>(head, b, parallel, scratch);
     });
   };
   bool one_thread_per_head = group == 1;
   for (const HeadMethod& head : call.heads) {
-    one_thread_per_head = one_thread_per_head && visit_method(head.method, [](auto kernels) {
-                            return decltype(kernels)::serial_backward;
-                          });
+    one_thread_per_head = one_thread_per_head &&
+                          visit_method_row<MethodBackward>(
+                              head.method, [](auto row) { return decltype(row)::serial_backward; });
   }
   std::vector<std::size_t> sequences;
   for (std::size_t b = 0; b < call.sequences.size(); ++b) {
@@ -146,6 +263,10 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   }
   const auto sum_dslopes = [&] {
     if (dslopes == nullptr) return;
+    if (call.per_sequence) {
+      std::copy(sequence_dslopes.begin(), sequence_dslopes.end(), dslopes);
+      return;
+    }
     for (Index h = 0; h < heads; ++h) {
       dslopes[h] = 0.0;
       for (std::size_t b = 0; b < call.sequences.size(); ++b)
@@ -213,8 +334,9 @@ void require_gradient_views(const char* function, const HeadsView<const Input>& 
 /// The backward of a training call on the sequences [cu[b], cu[b + 1]) (every public
 /// multihead_attention_backward and multihead_attention_varlen_backward): the arguments checked
 /// (training_call, then the gradient views; with dslopes, the method exact_tiled or
-/// exact_banded and one entry per query head), then heads_backward, which writes the slope
-/// gradients into *dslopes when it is given.
+/// exact_banded and one entry per method of call.heads: per query head, or per sequence and
+/// query head), then heads_backward, which writes the slope gradients into *dslopes when it is
+/// given.
 template <typename Input, typename Scalar = backward_scalar_t<Input>>
 void training_backward(const char* function, const HeadsView<const Input>& q,
                        const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -231,8 +353,12 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
             function, "dslopes", enum_name(options.method),
             "slope gradients need method exact_tiled or exact_banded (the bins of the LSH "
             "methods are not differentiable in the slope)");
-    require(dslopes->size() == q.heads, function, "dslopes", dslopes->size(),
-            "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+    const auto entries = static_cast<Index>(call.heads.size());
+    require(
+        dslopes->size() == entries, function, "dslopes", dslopes->size(),
+        call.per_sequence
+            ? "must hold one entry per sequence and query head (" + std::to_string(entries) + ")"
+            : "must hold one entry per query head (" + std::to_string(q.heads) + ")");
   }
   heads_backward<Input>(call, q, k, v, out, lse, dout, dq, dk, dv,
                         dslopes == nullptr ? nullptr : dslopes->data());
@@ -250,12 +376,13 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
 /// OutScalar = Scalar under the same options.precision).
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
-void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
-                         HeadsView<const Scalar> v, HeadsView<Scalar> out, HeadsLseRef<Scalar> lse,
-                         const MultiHeadOptions& options = {}) {
-  constexpr const char* function = "multihead_attention";
+void multihead_attention_with_lse(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                  HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                                  HeadsLseRef<Scalar> lse, const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_with_lse";
   const detail::HeadsCall call = detail::training_call(
       function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
@@ -321,6 +448,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
   constexpr const char* function = "multihead_attention_varlen";
   const detail::HeadsCall call =
       detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
@@ -343,6 +471,7 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
   const detail::HeadsCall call = detail::varlen_call(function, q, k, v, out, cu_seqlens_q,
                                                      cu_seqlens_k, options, query_offsets);
   detail::require_lse_shape(function, lse, q);
+  detail::require_methods_with_lse(function, call);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 

@@ -1,9 +1,9 @@
 // poslsh: dense bin masks M(h) and their mean M~ (for analysis and tests at small n).
 #pragma once
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
-#include "poslsh/lsh/hash.hpp"
 #include "poslsh/lsh/partition.hpp"
 
 namespace poslsh {

@@ -68,38 +68,6 @@
 
 namespace poslsh {
 
-/// Writable view of a vector (one entry per query row), e.g. the lse output.
-template <typename Scalar>
-using VectorRef = Eigen::Ref<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-
-/// Read-only view of a vector, e.g. the lse input of a backward pass.
-template <typename Scalar>
-using ConstVectorRef = Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
-
-/// The scalar of the lse input and the gradient outputs of a backward pass whose q, k, v, out
-/// and dout are stored as Scalar: its compute scalar, double for double, float for float,
-/// Eigen::bfloat16 and Eigen::half (compute_scalar_t).
-template <typename Scalar>
-using backward_scalar_t = compute_scalar_t<Scalar>;
-
-/// The views of backward_scalar_t<Scalar> that a forward with lse or a backward pass on q, k,
-/// v, out and dout stored as Scalar takes: its lse output (LseRef) or input (ConstLseRef), one
-/// entry per query row, and its gradient outputs dq, dk, dv (GradientRef); for the all-heads
-/// calls the lse as H_q x n (FlashAttention's softmax_lse layout: HeadsLseRef, ConstHeadsLseRef)
-/// and the gradients as [n, H, d] views (GradientHeadsView).
-template <typename Scalar>
-using LseRef = VectorRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using ConstLseRef = ConstVectorRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using GradientRef = MatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using HeadsLseRef = MatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using ConstHeadsLseRef = ConstMatrixRef<backward_scalar_t<Scalar>>;
-template <typename Scalar>
-using GradientHeadsView = HeadsView<backward_scalar_t<Scalar>>;
-
 namespace detail {
 
 /// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).
@@ -189,13 +157,13 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
 
 /// Whether a backward pass on inputs stored as Input multiplies on AVX512-BF16 dot products:
 /// when Input is Eigen::bfloat16 and the forward would use a bfloat16 unit
-/// (matrix_unit_for<Input, Input>(precision) is not float_widening). A CPU with amx_bf16 also
+/// (matrix_unit_for<Input, Input>(precision) is not float_products). A CPU with amx_bf16 also
 /// has avx512_bf16, on which its backward runs; float16 inputs (amx_fp16 in the forward) are
 /// widened. Any head widths: the pair kernels read rows padded to an even length.
 template <typename Input>
 bool backward_on_bf16_unit(Precision precision) {
   if constexpr (std::is_same_v<Input, Eigen::bfloat16>) {
-    return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_widening &&
+    return matrix_unit_for<Input, Input>(precision) != MatrixUnit::float_products &&
            matrix_unit_available(MatrixUnit::avx512_bf16);
   } else {
     static_cast<void>(precision);
@@ -223,9 +191,10 @@ struct PassInputs {
 };
 
 /// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
-/// every gradient row): in parallel, or on the calling thread (`parallel` false: one head of a
-/// parallel loop over heads, with the thread's scratch `work` when not null; the steps are packed
-/// as the groups of key tiles reach them; the same sums in the same order, so the same bits).
+/// every gradient row; with `accumulate`, it adds to them instead): in parallel, or on the
+/// calling thread (`parallel` false: one head of a parallel loop over heads, with the thread's
+/// scratch `work` when not null; the steps are packed as the groups of key tiles reach them;
+/// the same sums in the same order, so the same bits).
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
 /// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
 /// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
@@ -236,16 +205,18 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr) {
+                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr,
+                       bool accumulate = false) {
   const FlushSubnormals flush;
-  backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the other rows (fresh)
+  if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
   const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
-  BackwardOutputs<Scalar> grads = fresh_backward_outputs(dq, dk, dv);
+  BackwardOutputs<Scalar> grads =
+      accumulate ? BackwardOutputs<Scalar>{dq, dk, dv} : fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
   if (distance_sum != nullptr) {
-    tile_sums.assign(
-        static_cast<std::size_t>((rule.end() - rule.begin() + backward_tile - 1) / backward_tile),
-        0.0);
+    tile_sums.assign(static_cast<std::size_t>((rule.key_end() - rule.begin() + backward_tile - 1) /
+                                              backward_tile),
+                     0.0);
     grads.distance_sums = tile_sums.data();
   }
   if (parallel) {
@@ -276,6 +247,32 @@ void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
                                    dv, precision, parallel, work,
                                    dslope == nullptr ? nullptr : &distance_sum);
   if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
+}
+
+/// Exact ALiBi backward of the m queries of q at positions p0 .. p0 + m - 1 over the L keys of k
+/// and v at positions k0 .. k0 + L - 1 (shift = p0 - k0), `window` in positions (lo <= i - j <=
+/// hi), the slope of sigma kept finite up to `extent` (the positions' end): the gradients of
+/// the pairs of the slice with P_ij = e^{x_ij - lse_i}, lse the rows' log-sum-exp over every
+/// key of their sequence, ADDED to dq (m rows), dk and dv (L rows), and -sum_ij dS_ij |i - j|
+/// added to *dslope when it is not null. The pass of exact_backward on the rectangle, bitwise
+/// the same for any thread count.
+template <typename Scalar, typename Input = Scalar>
+void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                          const ConstMatrixRef<Input>& v, double sigma, double tau,
+                          ExactWindow window, Index shift, Index extent,
+                          const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
+                          const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq,
+                          MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, Precision precision,
+                          bool parallel = true, BackwardWork<Scalar>* work = nullptr,
+                          double* dslope = nullptr) {
+  if (q.rows() == 0 || k.rows() == 0) return;
+  const WindowRule<Scalar> rule(0, q.rows(), k.rows(), window.lo, window.hi,
+                                finite_alibi_slope<Scalar>(sigma, extent), shift);
+  double distance_sum = 0.0;
+  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
+                                   dv, precision, parallel, work,
+                                   dslope == nullptr ? nullptr : &distance_sum, true);
+  if (dslope != nullptr) *dslope += -distance_sum;
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
@@ -410,44 +407,47 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
 // Precision::float_products out and lse are bitwise the float call's on the widened inputs,
 // out rounded once to Scalar).
 
-/// alibi_attention_tiled with lse: out_i = sum_j e^{x_ij - lse_i} v_j and
+/// alibi_attention_tiled_with_lse: alibi_attention_tiled with the log-sum-exp: out_i = sum_j
+/// e^{x_ij - lse_i} v_j and
 ///   lse_i = M_i + log sum_j e^{x_ij - M_i},  x_ij = tau q_i.k_j - |i-j| / sigma
 /// (causal: j <= i), from the same tiles and online softmax (the running maximum M_i and sum);
 /// out is bitwise that of the overload without lse. Query tiles in parallel (OpenMP), bitwise
 /// the same for any thread count. Throws
 /// std::invalid_argument naming a bad argument (lse: size n).
 template <typename Scalar>
-void alibi_attention_tiled(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                           ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                           LseRef<Scalar> lse, const AttentionOptions& options = {}) {
+void alibi_attention_tiled_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                    ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                                    LseRef<Scalar> lse, const AttentionOptions& options = {}) {
   detail::exact_lse_call<Scalar>(
-      "alibi_attention_tiled", q, k, v, sigma, out, lse, options,
+      "alibi_attention_tiled_with_lse", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::full_window(keys, options.masking); });
 }
 
-/// alibi_attention_banded with lse: lse_i = log sum_{|i-j| <= band} e^{x_ij} (stably, as
-/// M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j - |i-j| / sigma (causal: j <= i); out
-/// bitwise that of the overload without lse. Query tiles in parallel (OpenMP).
+/// alibi_attention_banded_with_lse: alibi_attention_banded with the log-sum-exp: lse_i = log
+/// sum_{|i-j| <= band} e^{x_ij} (stably, as M_i + log sum e^{x_ij - M_i}), x_ij = tau q_i.k_j -
+/// |i-j| / sigma (causal: j <= i); out bitwise that of the overload without lse. Query tiles in
+/// parallel (OpenMP).
 template <typename Scalar>
-void alibi_attention_banded(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, Index band,
-                            MatrixRef<Scalar> out, LseRef<Scalar> lse,
-                            const AttentionOptions& options = {}) {
-  detail::require_size(band, "alibi_attention_banded", "band");
+void alibi_attention_banded_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, Index band,
+                                     MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                     const AttentionOptions& options = {}) {
+  detail::require_size(band, "alibi_attention_banded_with_lse", "band");
   detail::exact_lse_call<Scalar>(
-      "alibi_attention_banded", q, k, v, sigma, out, lse, options,
+      "alibi_attention_banded_with_lse", q, k, v, sigma, out, lse, options,
       [&](Index keys) { return detail::banded_window(keys, band, options.masking); });
 }
 
-/// lsh_attention_fused with lse: lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i},
-/// c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same tiles; out bitwise that of
-/// the overload without lse. Query tiles in parallel (OpenMP), bitwise the same for any thread
-/// count.
+/// lsh_attention_fused_with_lse: lsh_attention_fused with the log-sum-exp: lse_i = M_i + log sum_j
+/// c_ij e^{tau q_i.k_j - M_i}, c_ij = #{k : bin_k(i) = bin_k(j)} (causal: j <= i), from the same
+/// tiles; out bitwise that of the overload without lse. Query tiles in parallel (OpenMP), bitwise
+/// the same for any thread count.
 template <typename Scalar>
-void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                         ConstMatrixRef<Scalar> v, const HashSet& hashes, MatrixRef<Scalar> out,
-                         LseRef<Scalar> lse, const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_fused";
+void lsh_attention_fused_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                  ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                  MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                  const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_fused_with_lse";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
@@ -459,15 +459,16 @@ void lsh_attention_fused(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                                  lse.data(), options.precision);
 }
 
-/// lsh_attention_per_sample with lse: the same estimator, lse_i = M_i + log sum_j c_ij
-/// e^{tau q_i.k_j - M_i} from the samples' partial results merged pairwise (equal to the fused
-/// kernel's lse to rounding); out bitwise that of the overload without lse.
+/// lsh_attention_per_sample_with_lse: lsh_attention_per_sample with the log-sum-exp: the same
+/// estimator, lse_i = M_i + log sum_j c_ij e^{tau q_i.k_j - M_i} from the samples' partial results
+/// merged pairwise (equal to the fused kernel's lse to rounding); out bitwise that of the overload
+/// without lse.
 template <typename Scalar>
-void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                              ConstMatrixRef<Scalar> v, const HashSet& hashes,
-                              MatrixRef<Scalar> out, LseRef<Scalar> lse,
-                              const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_per_sample";
+void lsh_attention_per_sample_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                       ConstMatrixRef<Scalar> v, const HashSet& hashes,
+                                       MatrixRef<Scalar> out, LseRef<Scalar> lse,
+                                       const AttentionOptions& options = {}) {
+  constexpr const char* function = "lsh_attention_per_sample_with_lse";
   detail::require_self_positions(function, options);
   detail::require_lsh_arguments(function, q, k, v, hashes, out);
   detail::require_lse_size(function, lse, q.rows());
@@ -478,13 +479,15 @@ void lsh_attention_per_sample(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k
                                      lse.data(), options.precision);
 }
 
-/// fixed_blocks_attention with lse: lsh_attention_per_sample with lse for the single hash
-/// fixed_blocks_hash(sigma), so lse_i = log sum_{j in B(i)} e^{tau q_i.k_j}.
+/// fixed_blocks_attention_with_lse: fixed_blocks_attention with the log-sum-exp:
+/// lsh_attention_per_sample with lse for the single hash fixed_blocks_hash(sigma), so lse_i = log
+/// sum_{j in B(i)} e^{tau q_i.k_j}.
 template <typename Scalar>
-void fixed_blocks_attention(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
-                            ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
-                            LseRef<Scalar> lse, const AttentionOptions& options = {}) {
-  lsh_attention_per_sample<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse, options);
+void fixed_blocks_attention_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
+                                     ConstMatrixRef<Scalar> v, double sigma, MatrixRef<Scalar> out,
+                                     LseRef<Scalar> lse, const AttentionOptions& options = {}) {
+  lsh_attention_per_sample_with_lse<Scalar>(q, k, v, HashSet{fixed_blocks_hash(sigma)}, out, lse,
+                                            options);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ namespace poslsh::detail {
 /// after that.
 class AnalysisRowBands {
  public:
-  AnalysisRowBands(const AnalysisPartitions& partitions, Index first_row)
+  AnalysisRowBands(const PartitionSet& partitions, Index first_row)
       : partitions_(partitions), cursor_(static_cast<std::size_t>(partitions.samples())) {
     for (Index k = 0; k < partitions.samples(); ++k) {
       // The block holding first_row: the last edge <= first_row.
@@ -51,7 +51,7 @@ class AnalysisRowBands {
   std::vector<Index> counts;
 
  private:
-  const AnalysisPartitions& partitions_;
+  const PartitionSet& partitions_;
   std::vector<const Index*> cursor_;
 };
 

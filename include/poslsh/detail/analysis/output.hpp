@@ -34,7 +34,7 @@ struct AnalysisErrorSums {
 template <typename Real>
 AnalysisErrorSums analysis_unnormalized_rows(const RowMatrix<Real>& q, const RowMatrix<Real>& k,
                                              const RowMatrix<Real>& v, Real tau, bool causal,
-                                             const AnalysisPartitions& partitions,
+                                             const PartitionSet& partitions,
                                              const std::vector<Real>& kernel, Index first,
                                              Index last) {
   const Index n = q.rows();

@@ -1,5 +1,5 @@
-// poslsh internals: the block edges of every sample of a hash set, stored once for the analysis
-// operators (each product walks them instead of recomputing bins).
+// poslsh internals: the block edges of every sample of a hash set (PartitionSet), built once for
+// the analysis operators (each product walks them instead of recomputing bins).
 #pragma once
 
 #include <algorithm>
@@ -10,48 +10,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
 #include "poslsh/detail/parallel.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
 
 namespace poslsh::detail {
-
-/// Sample k's blocks on [0, n) are [edges[offsets[k] + r], edges[offsets[k] + r + 1]), the
-/// edges being block_boundaries(h_k, n). Memory sum_k (n / w_k + 2) indices, about n s / sigma.
-struct AnalysisPartitions {
-  Index n = 0;
-  std::vector<Index> edges;
-  std::vector<std::size_t> offsets{0};
-
-  Index samples() const { return static_cast<Index>(offsets.size()) - 1; }
-  const Index* begin(Index k) const { return edges.data() + offsets[static_cast<std::size_t>(k)]; }
-  const Index* end(Index k) const {
-    return edges.data() + offsets[static_cast<std::size_t>(k) + 1];
-  }
-};
-
-/// Checks stored partitions: n >= 0, at least one sample, offsets from 0 to edges.size(), and
-/// each sample's edges 0 = t_0 < t_1 < ... < t_m = n. Throws std::invalid_argument naming
-/// 'partitions.n', 'partitions.offsets' or 'partitions.edges'.
-inline void validate_analysis_partitions(const AnalysisPartitions& set, const char* function) {
-  require_size(set.n, function, "partitions.n");
-  require(!set.offsets.empty() && set.offsets.front() == 0 &&
-              set.offsets.back() == set.edges.size() && set.offsets.size() >= 2,
-          function, "partitions.offsets", set.offsets.size(),
-          "must run from 0 to edges.size() and hold at least one sample");
-  for (Index k = 0; k < set.samples(); ++k) {
-    require(set.offsets[static_cast<std::size_t>(k)] < set.offsets[static_cast<std::size_t>(k) + 1],
-            function, "partitions.offsets", k, "every sample needs at least one edge");
-    const Index* first = set.begin(k);
-    const Index* last = set.end(k);
-    bool ok = first[0] == 0 && last[-1] == set.n;
-    for (const Index* edge = first; ok && edge + 1 < last; ++edge) ok = edge[0] < edge[1];
-    require(ok, function, "partitions.edges", k,
-            "(sample) edges must run 0 = t_0 < t_1 < ... < t_m = n");
-  }
-}
 
 /// The analysis functions take a hash set as any container of BinHash with begin() and end()
 /// (HashSet = std::vector<BinHash>, std::array<BinHash, s>, ...). This gives it as a HashSet:
@@ -84,7 +48,7 @@ inline std::size_t analysis_edge_count(const BinHash& hash, Index n) {
 /// rounding, corrected against bin() (so the edges are exactly where bin() changes).
 inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out) {
   if (hash.width < 1.0 || n <= 1) {
-    const std::vector<Index> edges = block_boundaries(hash, n);
+    const std::vector<Index> edges = block_boundaries_between(hash, 0, n);
     std::copy(edges.begin(), edges.end(), out);
     return;
   }
@@ -108,11 +72,11 @@ inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out)
 /// std::invalid_argument (messages from `function`) if the set is empty, a hash is invalid or
 /// n < 0. Samples in parallel (parallel_loop); the same table whatever the thread count.
 template <typename Hashes = HashSet>
-AnalysisPartitions analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
+PartitionSet analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
   const HashSet& hashes = analysis_hash_set(hash_set);
   validate_hashes(hashes, function);
   require_size(n, function, "n");
-  AnalysisPartitions partitions;
+  PartitionSet partitions;
   partitions.n = n;
   // Edge counts first (analysis_edge_count), then every sample's edges written in parallel
   // at its offset.

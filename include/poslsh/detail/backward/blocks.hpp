@@ -10,12 +10,11 @@
 #include <cstddef>
 #include <vector>
 
-#include "poslsh/attention/per_sample.hpp"
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/tiles.hpp"
 #include "poslsh/detail/parallel.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
+#include "poslsh/detail/tile/per_sample.hpp"
 
 namespace poslsh::detail {
 

@@ -36,7 +36,8 @@
 // outside the pair's weighted 0) are formed on the running sums dV_J, dK_J (and from zero for
 // a key tile's dQ contribution) in increasing pair order: the same for any thread count.
 //
-// A rule (window policy) provides
+// A rule (window policy) over the rows [begin(), end()) and the keys [begin(), key_end()) (the
+// same index space: self-attention has key_end() = end()) provides
 //   KeyRange rows_reaching(Index j0, Index j1)  rows whose window meets keys [j0, j1);
 //   KeyRange rows_reaching(Index j0, Index j1, Index i0, Index i1)
 //                                               the same clamped to the rows [i0, i1);
@@ -318,8 +319,9 @@ struct BackwardOutputs {
   bool stream = false;
   /// When not null, one entry per key tile of the domain (backward_tile keys from the rule's
   /// first row), to which each query step reaching the tile adds, in increasing step order,
-  /// the tile's sum over its pairs (i, j) of G_ij |i - j|, G_ij = P_ij (dP_ij - D_i) = dL/dx_ij:
-  /// the terms of the gradient in an ALiBi slope, dL/dslope = -sum_ij G_ij |i - j|.
+  /// the tile's sum over its pairs (i, j) of G_ij |i - j + shift| (the distance of their
+  /// positions, Rule::shift), G_ij = P_ij (dP_ij - D_i) = dL/dx_ij: the terms of the gradient
+  /// in an ALiBi slope, dL/dslope = -sum_ij G_ij |i - j + shift|.
   double* distance_sums = nullptr;
 };
 
@@ -414,18 +416,29 @@ void backward_store_rows(Scalar* dst, Index dst_stride, const Scalar* src, Index
   if (streamed) stream_store_fence();
 }
 
-/// Keys j of row i with lo <= i - j <= hi inside the domain [begin, end) (rows and keys), and
-/// x_ij = tau q_i.k_j - slope |i - j|, w = 1: exact ALiBi (causal lo = 0, banded |i-j| <= W) and
-/// plain attention on one block (slope 0).
+/// Keys j of row i with lo <= i - j + shift <= hi, rows i in [begin, end) and keys j in
+/// [begin, key_end), and x_ij = tau q_i.k_j - slope |i - j + shift|, w = 1: exact ALiBi (causal
+/// lo = 0, banded |i-j| <= W) and plain attention on one block (slope 0). Row i and key j are
+/// the positions i + p0 and j + k0 of a sequence, shift = p0 - k0 (self-attention: shift 0,
+/// key_end = end).
 template <typename Scalar>
 class WindowRule {
  public:
   WindowRule(Index begin, Index end, Index lo, Index hi, Scalar slope)
-      : begin_(begin), end_(end), lo_(lo), hi_(hi), slope_(slope) {
+      : WindowRule(begin, end, end, lo, hi, slope, 0) {}
+  WindowRule(Index begin, Index end, Index key_end, Index lo, Index hi, Scalar slope, Index shift)
+      : begin_(begin),
+        end_(end),
+        key_end_(key_end),
+        lo_(lo - shift),
+        hi_(hi - shift),
+        shift_(shift),
+        slope_(slope) {
     for (Index a = 0; a < backward_query_rows; ++a) offsets_(a) = static_cast<Scalar>(a);
   }
   Index begin() const { return begin_; }
   Index end() const { return end_; }
+  Index key_end() const { return key_end_; }
 
   KeyRange rows_reaching(Index j0, Index j1) const {
     return {std::max(begin_, j0 + lo_), std::min(end_, j1 + hi_)};
@@ -435,11 +448,12 @@ class WindowRule {
     return {first, std::clamp(j1 + hi_, first, std::min(end_, i1))};
   }
   KeyRange keys_reached(Index i0, Index i1) const {
-    return {std::max(begin_, i0 - hi_), std::min(end_, i1 - lo_)};
+    return {std::max(begin_, i0 - hi_), std::min(key_end_, i1 - lo_)};
   }
-  /// The window's bounds on i - j and the ALiBi slope.
-  Index lo() const { return lo_; }
-  Index hi() const { return hi_; }
+  /// The window's bounds on i - j + shift, the shift and the ALiBi slope.
+  Index lo() const { return lo_ + shift_; }
+  Index hi() const { return hi_ + shift_; }
+  Index shift() const { return shift_; }
   Scalar slope() const { return slope_; }
 
   void probabilities(Index i0, Index j0, BackwardTileRef<Scalar> s, Scalar tau, const Scalar* lse,
@@ -460,7 +474,8 @@ class WindowRule {
       } else {
         column.segment(first, count) =
             (tau * column.segment(first, count) -
-             slope_ * (offsets_.segment(first, count) + static_cast<Scalar>(i0 - j)).abs() -
+             slope_ *
+                 (offsets_.segment(first, count) + static_cast<Scalar>(i0 - j + shift_)).abs() -
              row_lse.segment(first, count))
                 .exp();
       }
@@ -469,7 +484,7 @@ class WindowRule {
   }
 
  private:
-  Index begin_, end_, lo_, hi_;
+  Index begin_, end_, key_end_, lo_, hi_, shift_;  // lo_, hi_: bounds on i - j
   Scalar slope_;
   Eigen::Array<Scalar, backward_query_rows, 1> offsets_;
 };
@@ -512,6 +527,8 @@ class CountRule {
       : windows_(windows), n_(n), causal_(causal) {}
   Index begin() const { return 0; }
   Index end() const { return n_; }
+  Index key_end() const { return n_; }
+  Index shift() const { return 0; }
 
   KeyRange rows_reaching(Index j0, Index j1) const {
     const auto& lo = windows_.lo;
@@ -706,12 +723,12 @@ inline void backward_pair_rows(const std::uint32_t* pair_p, Index row_step, Inde
 
 /// The finish of pair_score_span that turns S^T into P^T for a WindowRule on the AVX512-BF16
 /// unit: for key b of the tile and the 16 rows a' from a of the step (row i = i0 + a', key
-/// j = j0 + b, i - j = row_minus_key + a' - b),
-///   P^T[b][a'] = e^{tau s_ij - lse_i - slope |i - j|}  where lo <= i - j <= hi, a0 <= a' < a1,
-///                0                                     elsewhere,
+/// j = j0 + b, t = i - j + shift = row_minus_key + a' - b, the distance of their positions),
+///   P^T[b][a'] = e^{tau s_ij - lse_i - slope |t|}  where lo <= t <= hi, a0 <= a' < a1,
+///                0                                 elsewhere,
 /// at probs + b * backward_query_rows + a' for the rows a' of the finish's mask (the
 /// exponential of pair_exp; tau s - lse in one rounding, lse_i at lse + a': the step's). The
-/// distances are int: |i - j| < 2^30.
+/// distances are int: |t| < 2^30.
 struct PairWindowProbabilities {
   float tau, slope;
   const float* lse;
@@ -760,7 +777,8 @@ inline std::optional<PairWindowProbabilities> pair_probabilities(const WindowRul
                                                                  float* probs, Index i0, Index j0,
                                                                  Index a0, Index a1) {
   constexpr Index int_range = Index{1} << 30;
-  if (rule.end() - rule.begin() >= int_range) return std::nullopt;
+  if (std::max(rule.end(), rule.key_end()) - rule.begin() + std::abs(rule.shift()) >= int_range)
+    return std::nullopt;
   const auto bound = [&](Index x) {
     return static_cast<int>(std::clamp<Index>(x, -int_range, int_range));
   };
@@ -768,7 +786,7 @@ inline std::optional<PairWindowProbabilities> pair_probabilities(const WindowRul
                                  rule.slope(),
                                  lse,
                                  probs,
-                                 static_cast<int>(i0 - j0),
+                                 static_cast<int>(i0 - j0 + rule.shift()),
                                  bound(rule.lo()),
                                  bound(rule.hi()),
                                  a0,
@@ -1179,7 +1197,8 @@ class PackedSteps {
 ///   at a d_p: the key group's partial sum, backward_key_group).
 /// Every sum is in increasing order of its terms, in registers (detail/backward/kernels.hpp).
 /// With `distance_sum` not null, also *distance_sum += sum over the pair's entries of
-/// G_ij |i - j| (G = dS / tau, summed in double key by key: BackwardOutputs::distance_sums).
+/// G_ij |i - j + shift| (G = dS / tau, summed in double key by key:
+/// BackwardOutputs::distance_sums).
 template <typename Scalar, typename Input, typename Rule>
 void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, Index j0, Index i0,
                    Index r0, Index r1, Index k0, Index k1, const StepOperands<Scalar>& step,
@@ -1234,7 +1253,7 @@ void backward_pair(const BackwardInputs<Scalar, Input>& in, const Rule& rule, In
     double sum = 0.0;
     for (Index b = b0; b < b1; ++b) {
       const Eigen::Map<const Column> prob(p + b * Bq + a0, rows), dprob(ds + b * Bq + a0, rows);
-      const Scalar first_distance = static_cast<Scalar>(i0 + a0 - j0 - b);
+      const Scalar first_distance = static_cast<Scalar>(i0 + a0 - j0 - b + rule.shift());
       sum += static_cast<double>(
           (prob * (dprob - delta) * (row_offsets + first_distance).abs()).sum());
     }
@@ -1387,10 +1406,12 @@ template <typename Scalar, typename Input, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
   constexpr Index group = backward_group_keys;
-  const Index begin = rule.begin(), end = rule.end();
-  const KeyGroupOrder order(rule, (end - begin + backward_query_rows - 1) / backward_query_rows);
+  // The key tiles of [begin, end) over the query steps of the rows [begin, rule.end()).
+  const Index begin = rule.begin(), end = rule.key_end();
+  const KeyGroupOrder order(rule,
+                            (rule.end() - begin + backward_query_rows - 1) / backward_query_rows);
   PackedSteps<Scalar> packed;
-  packed.pack(in, begin, end, true);
+  packed.pack(in, begin, rule.end(), true);
   const auto group_count = static_cast<long>((end - begin + group - 1) / group);
   PerThread<BackwardWork<Scalar>> works(group_count);
   works.each([&](BackwardWork<Scalar>& work) {
@@ -1445,8 +1466,8 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   work.reserve_key_tiles(span);
   if (in.paired) work.prepare_pairs(span);
   const Index d = work.d, dp = work.dp, dvp = work.dvp;
-  const Index base = rule.begin(), end = rule.end();
-  const Index tiles = (end - base + Bk - 1) / Bk;
+  const Index base = rule.begin(), end = rule.end(), key_end = rule.key_end();
+  const Index tiles = (key_end - base + Bk - 1) / Bk;
   std::vector<Index>& owner = work.slot_tile;      // the tile in each slot
   std::vector<char>& touched = work.slot_touched;  // a pair has run on it
   owner.assign(static_cast<std::size_t>(span), -1);
@@ -1454,14 +1475,14 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   const auto slot_rows = [&](Index tile) { return backward_key_tile(in, tile % span, work); };
   // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
   const auto finish = [&](Index tile) {
-    const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
+    const Index j0 = base + tile * Bk, keys = std::min(key_end, j0 + Bk) - j0;
     const auto slot = static_cast<std::size_t>(tile % span);
     const BackwardKeyTile<Scalar> rows = slot_rows(tile);
     backward_write_key_tile(out, j0, keys,
                             owner[slot] == tile && touched[slot] != 0 ? &rows : nullptr, dp, dvp);
   };
   const auto load = [&](Index tile) {
-    const Index j0 = base + tile * Bk, keys = std::min(end, j0 + Bk) - j0;
+    const Index j0 = base + tile * Bk, keys = std::min(key_end, j0 + Bk) - j0;
     const Index slot = tile % span;
     owner[static_cast<std::size_t>(slot)] = tile;
     touched[static_cast<std::size_t>(slot)] = 0;
@@ -1485,11 +1506,11 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
       prefetch_rows<false>(in.dout, i1, next_rows);
       if (!out.stream) prefetch_rows<true>(out.dq, i1, next_rows);
       if (last < tiles) {
-        const Index j0 = base + last * Bk, keys = std::min(end, j0 + Bk) - j0;
+        const Index j0 = base + last * Bk, keys = std::min(key_end, j0 + Bk) - j0;
         prefetch_rows<false>(in.k, j0, keys);
         prefetch_rows<false>(in.v, j0, keys);
       }
-      const Index j0 = base + first * Bk, keys = std::min(end, j0 + Bk) - j0;
+      const Index j0 = base + first * Bk, keys = std::min(key_end, j0 + Bk) - j0;
       if (!out.stream) {
         prefetch_rows<true>(out.dk, j0, keys);
         prefetch_rows<true>(out.dv, j0, keys);
@@ -1513,7 +1534,7 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
                                                    part_last - part_first, d);
     };
     for (Index tile = first; tile < last; ++tile) {
-      const Index j0 = base + tile * Bk, j1 = std::min(end, j0 + Bk);
+      const Index j0 = base + tile * Bk, j1 = std::min(key_end, j0 + Bk);
       const KeyRange rows = rule.rows_reaching(j0, j1, i0, i1);
       if (rows.first >= rows.last) continue;
       const KeyRange keys = rule.keys_reached(rows.first, rows.last);
@@ -1576,8 +1597,8 @@ void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
     work.packed_steps().pack(in, rule.begin(), rule.end(), false);
     packed = &work.packed_steps();
   }
-  for (Index j0 = rule.begin(); j0 < rule.end(); j0 += group)
-    backward_key_group(in, rule, j0, std::min(rule.end(), j0 + group), out, work, InOrder{},
+  for (Index j0 = rule.begin(); j0 < rule.key_end(); j0 += group)
+    backward_key_group(in, rule, j0, std::min(rule.key_end(), j0 + group), out, work, InOrder{},
                        *packed);
 }
 

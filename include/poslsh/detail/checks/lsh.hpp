@@ -4,17 +4,17 @@
 #include <string>
 #include <type_traits>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/checks/attention.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh::detail {
 
 /// Enables an LSH kernel for its source of samples: a HashSet, or stored partitions
-/// (AnalysisPartitions, the public PartitionSet).
+/// (PartitionSet).
 template <typename Samples>
-using lsh_samples_t = std::enable_if_t<std::is_same_v<Samples, HashSet> ||
-                                       std::is_same_v<Samples, AnalysisPartitions>>;
+using lsh_samples_t =
+    std::enable_if_t<std::is_same_v<Samples, HashSet> || std::is_same_v<Samples, PartitionSet>>;
 
 /// The samples of an LSH kernel: a non-empty valid hash set (validate_hashes)...
 inline void require_samples(const char* function, const HashSet& hashes, Index) {
@@ -22,9 +22,8 @@ inline void require_samples(const char* function, const HashSet& hashes, Index) 
 }
 
 /// ...or valid partitions (validate_partition_set) of the `keys` key positions.
-inline void require_samples(const char* function, const AnalysisPartitions& partitions,
-                            Index keys) {
-  validate_analysis_partitions(partitions, function);
+inline void require_samples(const char* function, const PartitionSet& partitions, Index keys) {
+  validate_partition_set(partitions, function);
   require(partitions.n == keys, function, "partitions.n", partitions.n,
           "must equal k.rows() (the partitions cut the key positions)");
 }

@@ -17,16 +17,17 @@
 // tile's first), each block one tdpbf16ps (tdpfp16ps), so an entry of C depends only on its A row,
 // its B column and the blocks summed: a query's result depends only on its own row and the keys,
 // never on the other rows of its tile. Blocks of zeros add exactly 0.
-// The tile operations (configure, zero, load, dot, store, release) come from a layer `Tiles`:
-// AmxNativeTiles issues the instructions (inline assembly rather than the _tile_* intrinsics,
-// whose GCC forms tell the compiler of no memory read by tileloadd and of only 8 bytes read by
-// ldtilecfg; tdpfp16ps as its bytes, which assemblers before 2023 do not know); AmxEmulatedTiles
-// computes them in software as Intel's pseudo-code for TDPBF16PS and TDPFP16PS gives (stated at
-// AmxEmulatedTiles), for tests on CPUs without AMX (detail::set_amx_mode_for_tests,
-// core/matrix_units.hpp).
+// The tile operations come from a tile layer `Tiles`, a template parameter of the kernels (the
+// contract: AmxNativeTiles). The library's layer, AmxNativeTiles, issues the instructions
+// (inline assembly rather than the _tile_* intrinsics, whose GCC forms tell the compiler of no
+// memory read by tileloadd and of only 8 bytes read by ldtilecfg; tdpfp16ps as its bytes, which
+// assemblers before 2023 do not know); the tile engine (detail/tile/engine.hpp) takes the layer
+// as a template parameter too, with AmxNativeTiles as its default, and runs the kernels on it
+// where the layer's available() says it can run.
 // Every function carrying AMX or AVX-512 instructions is compiled for that target by a
-// function attribute, so the code exists in any x86-64 build (with or without -march=native)
-// and runs only where matrix_unit_available(MatrixUnit::amx_bf16 or amx_fp16) says it can.
+// function attribute, so the code exists in any x86-64 build (with or without -march=native);
+// the instructions run only where matrix_unit_available(MatrixUnit::amx_bf16 or amx_fp16) says
+// they can (AmxNativeTiles::available).
 #pragma once
 
 #include "poslsh/core/matrix_units.hpp"
@@ -35,12 +36,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <stdexcept>
 #include <type_traits>
 
 #include "poslsh/core/types.hpp"
@@ -180,11 +176,20 @@ struct AmxNativeTileOps {
   }
 };
 
-/// The CPU's tiles for values of type Half: dot(c, b) is C_c += A_4 B_b (c in 0-3, b in 5-6)
-/// by tdpbf16ps (Eigen::bfloat16) or tdpfp16ps (Eigen::half).
+/// The CPU's tiles for values of type Half, the library's tile layer. A tile layer provides, as
+/// static functions: configure(config) (ldtilecfg), zero(t) (tilezero, t in 0-3), load(t, base,
+/// stride) (tileloadd: 16 rows of 64 bytes, row r at base + r stride, t in 0-6), store(t, base,
+/// stride) (tilestored, t in 0-3), dot(c, b): C_c += A_4 B_b (c in 0-3, b in 5-6) by tdpbf16ps
+/// (Eigen::bfloat16) or tdpfp16ps (Eigen::half), release() (tilerelease), and available():
+/// whether it can run on this CPU (here matrix_unit_available of the unit, amx_bf16 or
+/// amx_fp16).
 template <typename Half>
 struct AmxNativeTiles : AmxNativeTileOps {
   static_assert(amx_half_v<Half>, "AMX tiles multiply bfloat16 or float16 pairs");
+  static bool available() {
+    return matrix_unit_available(std::is_same_v<Half, Eigen::bfloat16> ? MatrixUnit::amx_bf16
+                                                                       : MatrixUnit::amx_fp16);
+  }
   POSLSH_AMX_BF16_INLINE static void dot(int c, int b) {
     const int pair = 2 * c + (b == 5 ? 0 : 1);
     if constexpr (std::is_same_v<Half, Eigen::bfloat16>) {
@@ -215,120 +220,6 @@ struct AmxNativeTiles : AmxNativeTileOps {
 #undef POSLSH_AMX_FP16_MODRM_3
 #undef POSLSH_AMX_ZERO
 
-/// The tile instructions computed in software, one set of 8 tiles and a configuration per
-/// thread, with the register assignment of AmxNativeTiles (the parts common to both units;
-/// AmxEmulatedTiles adds the products). A configuration or tiles the instructions would fault
-/// on (no configuration, a tile not configured) throw std::logic_error. products() counts the
-/// dot() calls of all threads, of both units.
-struct AmxEmulatedTileOps {
-  struct State {
-    AmxTileConfig config;
-    unsigned char data[8][16][64];
-  };
-  static State& state() {
-    thread_local State tiles{};
-    return tiles;
-  }
-  static std::atomic<long long>& products() {
-    static std::atomic<long long> count{0};
-    return count;
-  }
-  static void configure(const AmxTileConfig& config) {
-    State& s = state();
-    s.config = config;
-    std::memset(s.data, 0, sizeof(s.data));
-  }
-  static void zero(int t) {
-    check(t);
-    std::memset(state().data[t], 0, sizeof(state().data[t]));
-  }
-  static void load(int t, const void* base, Index stride) {
-    check(t);
-    State& s = state();
-    std::memset(s.data[t], 0, sizeof(s.data[t]));
-    for (int r = 0; r < s.config.rows[t]; ++r)
-      std::memcpy(s.data[t][r], static_cast<const unsigned char*>(base) + r * stride,
-                  s.config.colsb[t]);
-  }
-  static void store(int t, void* base, Index stride) {
-    check(t);
-    const State& s = state();
-    for (int r = 0; r < s.config.rows[t]; ++r)
-      std::memcpy(static_cast<unsigned char*>(base) + r * stride, s.data[t][r], s.config.colsb[t]);
-  }
-  static void release() { state().config = AmxTileConfig{}; }
-
- protected:
-  static void check(int t) {
-    const AmxTileConfig& f = state().config;
-    if (f.palette != 1 || t < 0 || t >= 8 || f.rows[t] == 0 || f.colsb[t] == 0)
-      throw std::logic_error("AMX tile used without a configuration");
-  }
-  // A denormal float as a zero of its sign.
-  static float flush(float x) {
-    return std::fabs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
-  }
-};
-
-/// The emulated tiles for values of type Half. dot(c, b) follows Intel's pseudo-code of
-/// TDPBF16PS (Eigen::bfloat16; Intel SDM, Vol. 2B) and TDPFP16PS (Eigen::half; the ISA
-/// extensions reference), which differ only in how a value becomes a float (C = tile c, A =
-/// tile 4, B = tile b): for each row m of C, float sums t[0 .. 2 N) start at 0; for each pair k
-/// of A's row and each column n < N,
-///   t[2n]     <- fma(A[m][2k],     B[k][2n],     t[2n]),
-///   t[2n + 1] <- fma(A[m][2k + 1], B[k][2n + 1], t[2n + 1]),
-/// then C[m][n] <- C[m][n] + (t[2n] + t[2n + 1]); every operation in float, round to nearest
-/// even, output denormals flushed to 0 (FTZ = 1) and float inputs denormal taken as 0 (DAZ =
-/// 1). A bfloat16 value is the float of its bits (a denormal one taken as 0); a float16 value
-/// is converted exactly, its denormals kept (every float16 is a normal float or 0). Shapes the
-/// instruction faults on (A's pairs not B's rows, C's rows or columns not A's rows or B's
-/// columns) throw std::logic_error.
-template <typename Half>
-struct AmxEmulatedTiles : AmxEmulatedTileOps {
-  static_assert(amx_half_v<Half>, "AMX tiles multiply bfloat16 or float16 pairs");
-  static void dot(int c, int b) {
-    constexpr int a = 4;
-    check(c);
-    check(a);
-    check(b);
-    State& s = state();
-    const AmxTileConfig& f = s.config;
-    const int m_rows = f.rows[c], n_cols = f.colsb[c] / 4, k_pairs = f.colsb[a] / 4;
-    if (f.rows[a] != m_rows || f.rows[b] != k_pairs || f.colsb[b] != f.colsb[c])
-      throw std::logic_error("AMX tile product: tile shapes do not match");
-    for (int m = 0; m < m_rows; ++m) {
-      float t[32] = {};
-      for (int k = 0; k < k_pairs; ++k) {
-        for (int n = 0; n < n_cols; ++n) {
-          for (int h = 0; h < 2; ++h) {
-            const float x = value_at(s.data[a][m], 2 * k + h);
-            const float y = value_at(s.data[b][k], 2 * n + h);
-            t[2 * n + h] = flush(std::fma(x, y, t[2 * n + h]));
-          }
-        }
-      }
-      for (int n = 0; n < n_cols; ++n) {
-        float acc;
-        std::memcpy(&acc, s.data[c][m] + 4 * n, sizeof(acc));
-        acc = flush(flush(acc) + flush(t[2 * n] + t[2 * n + 1]));
-        std::memcpy(s.data[c][m] + 4 * n, &acc, sizeof(acc));
-      }
-    }
-    products().fetch_add(1, std::memory_order_relaxed);
-  }
-
- private:
-  // Value `i` of a row as a float.
-  static float value_at(const unsigned char* row, int i) {
-    std::uint16_t bits;
-    std::memcpy(&bits, row + 2 * i, sizeof(bits));
-    if constexpr (std::is_same_v<Half, Eigen::bfloat16>)
-      return flush(Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
-    else
-      return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
-  }
-};
-
 /// The bits of x rounded to bfloat16 as vcvtneps2bf16 rounds (nearest even; zeros and values
 /// below the float normal range give a zero of their sign; NaN a quiet NaN).
 inline std::uint16_t amx_round_bf16(float x) {
@@ -353,8 +244,9 @@ std::uint16_t amx_round(float x) {
 /// other entries are not written. keys: the key rows (the bits of 16-bit values, key_stride a
 /// multiple of 32, zero past column d - 1, at least up to the multiple of 16 past `end`); pair_q:
 /// the query pairs (pair_q[c2 * tile + a], key_stride / 2 rows, zero past d). Keys in blocks of 16
-/// from b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. The tiles
-/// configured (amx_tile_config).
+/// from b rounded down to a multiple of 16, queries in blocks of 16 from lo rounded down. On the
+/// tile layer Tiles (AmxNativeTiles<Half>: values of type Half), its tiles configured
+/// (amx_configure_tiles<Tiles>).
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
     const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride, Index b,
@@ -392,8 +284,8 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
 /// block) of probs[r] . pair_v, for the 16 rows r of a block of queries and the `cols` columns
 /// (a multiple of 16; acc's rows acc_stride floats apart, at least cols). probs: row r's pairs
 /// at probs + r * probs_stride (words, amx_pack_probs); pair_v: pair b2 at pair_v + b2 * cols
-/// (zero past the tile's keys up to the last block). Columns in groups of up to 64. The tiles
-/// configured (amx_tile_config).
+/// (zero past the tile's keys up to the last block). Columns in groups of up to 64. On the tile
+/// layer Tiles, its tiles configured (amx_configure_tiles<Tiles>).
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
     const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v, Index cols,
@@ -423,69 +315,35 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
   }
 }
 
-/// Whether the tile layer is the emulation (the test hook) rather than the CPU's tiles.
-inline bool amx_emulated() {
-  return amx_test_mode().load(std::memory_order_relaxed) == AmxTestMode::emulated;
-}
-
+/// Loads the tile configuration of the kernels above (amx_tile_config) on this thread's tiles
+/// of the layer Tiles; amx_score_tiles and amx_value_tiles on Tiles run between it and
+/// amx_release_tiles on the same thread.
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_configure_tiles() {
   const AmxTileConfig config = amx_tile_config();
   Tiles::configure(config);
 }
 
+/// Releases this thread's tiles of the layer Tiles (tilerelease), after amx_configure_tiles and
+/// the kernels.
 template <typename Tiles>
 POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_release_tiles() {
   Tiles::release();
 }
 
-/// Loads the tile configuration of the kernels below (amx_tile_config) on this thread's tiles;
-/// amx_score_span and amx_value_rows run between it and amx_release on the same thread.
-inline void amx_configure() {
-  if (amx_emulated())
-    amx_configure_tiles<AmxEmulatedTileOps>();
-  else
-    amx_configure_tiles<AmxNativeTileOps>();
-}
-
-/// Releases this thread's tiles (tilerelease), after amx_configure and the kernels.
-inline void amx_release() {
-  if (amx_emulated())
-    amx_release_tiles<AmxEmulatedTileOps>();
-  else
-    amx_release_tiles<AmxNativeTileOps>();
-}
-
-/// amx_score_tiles for values of type Half on the CPU's tiles, or on their emulation while the
-/// test hook is on (the tiles configured by amx_configure).
-template <typename Half>
-void amx_score_span(const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys,
-                    Index key_stride, Index b, Index end, Index lo, Index hi, float tau,
-                    float* scores) {
-  if (amx_emulated())
-    amx_score_tiles<AmxEmulatedTiles<Half>>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau,
-                                            scores);
-  else
-    amx_score_tiles<AmxNativeTiles<Half>>(pair_q, tile, keys, key_stride, b, end, lo, hi, tau,
-                                          scores);
-}
-
-/// amx_value_tiles for values of type Half on the CPU's tiles, or on their emulation while the
-/// test hook is on (the tiles configured by amx_configure).
-template <typename Half>
-void amx_value_rows(const std::uint32_t* probs, Index probs_stride, const std::uint32_t* pair_v,
-                    Index cols, Index first, Index last, const float* alpha, float* acc,
-                    Index acc_stride) {
-  if (amx_emulated())
-    amx_value_tiles<AmxEmulatedTiles<Half>>(probs, probs_stride, pair_v, cols, first, last, alpha,
-                                            acc, acc_stride);
-  else
-    amx_value_tiles<AmxNativeTiles<Half>>(probs, probs_stride, pair_v, cols, first, last, alpha,
-                                          acc, acc_stride);
-}
-
 }  // namespace poslsh::detail
 
 #include "poslsh/detail/restore_warnings.hpp"
+
+#else
+
+namespace poslsh::detail {
+
+/// No AMX tiles off x86: the name of the library's tile layer (the tile engine's default
+/// template argument), never defined.
+template <typename Half>
+struct AmxNativeTiles;
+
+}  // namespace poslsh::detail
 
 #endif  // POSLSH_X86_UNITS

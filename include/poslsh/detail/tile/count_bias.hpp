@@ -11,11 +11,11 @@
 #include <array>
 #include <limits>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
-#include "poslsh/lsh/hash.hpp"
 
 namespace poslsh::detail {
 
@@ -54,7 +54,7 @@ class CountBias {
   }
 
   /// The counts of stored partitions on [0, n) (partitions.n == n) instead of hashes.
-  CountBias(const AnalysisPartitions& partitions, Index n, bool causal, TileCounts& counts,
+  CountBias(const PartitionSet& partitions, Index n, bool causal, TileCounts& counts,
             Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile)
       : partitions_(&partitions), n_(n), causal_(causal), counts_(counts), count_tile_(count_tile) {
     if (count_tile_.size() < Bq * Bk) count_tile_.setZero(Bq * Bk);
@@ -179,7 +179,7 @@ class CountBias {
   }
 
   const HashSet* hashes_ = nullptr;
-  const AnalysisPartitions* partitions_ = nullptr;
+  const PartitionSet* partitions_ = nullptr;
   Index n_;
   bool causal_;
   TileCounts& counts_;

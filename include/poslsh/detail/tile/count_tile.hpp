@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <vector>
 
+#include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
-#include "poslsh/lsh/hash.hpp"
-#include "poslsh/lsh/partition.hpp"
 
 namespace poslsh::detail {
 
@@ -69,11 +68,11 @@ struct TileCounts {
     if (causal) cut_at_queries(i0);
   }
 
-  /// The same structure for stored partitions on [0, n) (AnalysisPartitions, n == set.n): for
+  /// The same structure for stored partitions on [0, n) (PartitionSet, n == set.n): for
   /// each sample the blocks meeting the tile, found by binary search on its edges. For the
   /// partitions of a hash set (block_boundaries of each hash) it equals build(hashes, ...):
   /// the same rectangles in the same order and the same lo, hi.
-  void build(const AnalysisPartitions& set, Index i0, Index rows, Index n, bool causal) {
+  void build(const PartitionSet& set, Index i0, Index rows, Index n, bool causal) {
     clear(rows, n);
     const Index i1 = i0 + rows;
     for (Index k = 0; k < set.samples(); ++k) {

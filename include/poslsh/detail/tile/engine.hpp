@@ -30,14 +30,16 @@
 // summed in float); the maximum, the bias, the weights, l_i and acc_i stay float, l_i sums
 // the unrounded p_ij, and the exponentials are pair_exp's (within 1.5 ulp of e^x on
 // [-20, 0]). A row's result still depends only on its position, the keys and the policy. Where
-// the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedHalfKV<bfloat16, true> makes
-// the same two products run on AMX tiles (detail/tile/amx_kernels.hpp): the same operands, d
-// summed in blocks of 32 columns and the keys in blocks of 32 from the key tile's first, each
-// block one tdpbf16ps; the probabilities are rounded to bfloat16 row by row as the value
-// products read them. With Q, K and V all in Eigen::half on a CPU with AMX-FP16
-// (MatrixUnit::amx_fp16), PairedHalfKV<half, true> runs the same tiles on float16 pairs
-// (tdpfp16ps), the probabilities rounded to float16. The bias policy
-// concept and the engine's buffers: detail/tile/types.hpp.
+// the CPU has AMX-BF16 (MatrixUnit::amx_bf16, preferred), PairedHalfKV<bfloat16, Tiles> makes
+// the same two products run on AMX tiles (detail/tile/amx_kernels.hpp) of the tile layer Tiles
+// (AmxNativeTiles<bfloat16>, the CPU's): the same operands, d summed in blocks of 32 columns and
+// the keys in blocks of 32 from the key tile's first, each block one tdpbf16ps; the
+// probabilities are rounded to bfloat16 row by row as the value products read them. With Q, K
+// and V all in Eigen::half on a CPU with AMX-FP16 (MatrixUnit::amx_fp16), PairedHalfKV<half,
+// Tiles> runs the same tiles on float16 pairs (tdpfp16ps), the probabilities rounded to
+// float16. with_key_source picks the unit, and takes the AMX tile layer as a template
+// parameter (AmxNativeTiles by default). The bias policy concept and the engine's buffers:
+// detail/tile/types.hpp.
 #pragma once
 
 #include <Eigen/Core>
@@ -144,37 +146,87 @@ class ContiguousKV : public StridedKV<Scalar> {
   KeyTileStore<Scalar, Scalar>* store_ = nullptr;
 };
 
-/// The key source of K and V stored in a half-precision type `Storage` (row-strided matrices):
-/// tile(j0, keys) widens the tile's K and V rows to Scalar into the buffers `wide_k` and
-/// `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile visited, 1/64
-/// of the tile's multiply-adds (a query tile of 64 rows uses each key row 64 times).
-template <typename Scalar, typename Storage>
-class WideningKV : public StridedKV<Storage> {
+/// What a KeyTileStore knows a row source's tiles by: two addresses that no other source of
+/// the same call shares (a dense head's K and V; a paged head's K and its block table row).
+struct RowsIdentity {
+  const void* first;
+  const void* second;
+};
+
+/// A row source: the K and V rows of one head's keys 0 .. rows() - 1 stored as `storage`, in
+/// runs of rows a fixed stride apart. It provides rows(), key_cols() (d), value_cols() (d_v),
+/// key_row(j) and value_row(j) (the rows of key j), k_stride() and v_stride() (the distance of
+/// two rows of one run), run_end(j) (the first key after the run holding key j), prefetch(first,
+/// last, d, d_v), identity() (RowsIdentity) and in_place(buffers, key_position) (the key source
+/// reading the rows in place when `storage` is the compute type). The key sources below read
+/// any row source; with_key_source picks one.
+///
+/// StridedRows: K and V as two row-strided matrices, one run of every row (the caller keeps the
+/// matrices alive while the row source is used). Paged caches: PagedRows,
+/// poslsh/attention/paged.hpp.
+template <typename Storage>
+class StridedRows {
+ public:
+  using storage = Storage;
+  StridedRows(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v) : k_(k), v_(v) {}
+  Index rows() const { return k_.rows(); }
+  Index key_cols() const { return k_.cols(); }
+  Index value_cols() const { return v_.cols(); }
+  const Storage* key_row(Index j) const { return k_.data() + j * k_.outerStride(); }
+  const Storage* value_row(Index j) const { return v_.data() + j * v_.outerStride(); }
+  Index k_stride() const { return k_.outerStride(); }
+  Index v_stride() const { return v_.outerStride(); }
+  Index run_end(Index) const { return k_.rows(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
+    tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
+  }
+  RowsIdentity identity() const { return {k_.data(), v_.data()}; }
+  ContiguousKV<Storage> in_place(TileBuffers<Storage>& buffers, Index key_position) const {
+    return ContiguousKV<Storage>(k_, v_, buffers, key_position);
+  }
+
+ private:
+  const ConstMatrixRef<Storage>& k_;
+  const ConstMatrixRef<Storage>& v_;
+};
+
+/// The key source of K and V stored in a half-precision type `Storage` (the rows of the row
+/// source Rows): tile(j0, keys) widens the tile's K and V rows to Scalar into the buffers
+/// `wide_k` and `wide_v` (rows d and d_v apart) and returns them. One conversion per key tile
+/// visited, 1/64 of the tile's multiply-adds (a query tile of 64 rows uses each key row 64
+/// times). The widened tile is the same whatever runs the rows come in.
+template <typename Scalar, typename Storage, typename Rows = StridedRows<Storage>>
+class WideningKV {
  public:
   using Buffer = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
-  WideningKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v, Buffer& wide_k,
-             Buffer& wide_v)
-      : StridedKV<Storage>(k, v), wide_k_(wide_k), wide_v_(wide_v) {
-    if (wide_k_.size() < tile_key_cols * k.cols()) wide_k_.resize(tile_key_cols * k.cols());
-    if (wide_v_.size() < tile_key_cols * v.cols()) wide_v_.resize(tile_key_cols * v.cols());
+  WideningKV(const Rows& rows, Buffer& wide_k, Buffer& wide_v)
+      : rows_(rows), wide_k_(wide_k), wide_v_(wide_v) {
+    if (wide_k_.size() < tile_key_cols * rows.key_cols())
+      wide_k_.resize(tile_key_cols * rows.key_cols());
+    if (wide_v_.size() < tile_key_cols * rows.value_cols())
+      wide_v_.resize(tile_key_cols * rows.value_cols());
+  }
+  Index rows() const { return rows_.rows(); }
+  Index value_cols() const { return rows_.value_cols(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    rows_.prefetch(first, last, d, dv);
   }
   KeyTileRows<Scalar> tile(Index j0, Index keys) {
-    const ConstMatrixRef<Storage>& k = this->k_;
-    const ConstMatrixRef<Storage>& v = this->v_;
-    const Index d = k.cols(), dv = v.cols();
+    const Index d = rows_.key_cols(), dv = rows_.value_cols();
     for (Index b = 0; b < keys; ++b) {
-      tile_widen<Scalar>(k.data() + (j0 + b) * k.outerStride(), wide_k_.data() + b * d, d);
-      tile_widen<Scalar>(v.data() + (j0 + b) * v.outerStride(), wide_v_.data() + b * dv, dv);
+      tile_widen<Scalar>(rows_.key_row(j0 + b), wide_k_.data() + b * d, d);
+      tile_widen<Scalar>(rows_.value_row(j0 + b), wide_v_.data() + b * dv, dv);
     }
     return {wide_k_.data(), d, wide_v_.data(), dv};
   }
 
  private:
+  Rows rows_;
   Buffer& wide_k_;
   Buffer& wide_v_;
 };
 
-#if POSLSH_X86_UNITS
 /// The key tile of PairedHalfKV: key b's row (the values' bits, an even count) at k + b k_stride,
 /// the values as pairs along keys, pair b2 at v + b2 v_stride (pair_pack_values).
 struct PairTileRows {
@@ -184,12 +236,16 @@ struct PairTileRows {
   Index v_stride;
 };
 
-/// The key source of K and V stored in Half for a unit multiplying pairs of Half values: the
-/// AVX512-BF16 unit (Half = Eigen::bfloat16, AmxTiles false) or the AMX tiles (AmxTiles true;
-/// Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the
-/// tile's values into pairs along keys (rows of ceil(d_v / 16) 16 words) and copies its key rows d
-/// + (d mod 2) apart (a zero appended when d is odd), so that the score products read them from one
-/// contiguous block whatever the row stride of K. For the AMX tiles the key rows are
+#if POSLSH_X86_UNITS
+
+/// The key source of K and V stored in Half (the rows of the row source Rows) for a unit
+/// multiplying pairs of Half values: the AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void)
+/// or the AMX tiles of the tile layer Tiles (detail/tile/amx_kernels.hpp, e.g.
+/// AmxNativeTiles<Half>; Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the tile's values into pairs along keys (rows of
+/// ceil(d_v / 16) 16 words) and copies its key rows d + (d mod 2) apart (a zero appended when d
+/// is odd), so that the score products read them from one contiguous block whatever the row
+/// stride of K or the runs the rows come in (a pair whose two keys lie in two runs is joined
+/// word by word: the same words). For the AMX tiles the key rows are
 /// ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from `keys` to the next
 /// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
 /// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
@@ -198,33 +254,40 @@ struct PairTileRows {
 /// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
 /// of the same keys, so where a tile comes from never changes a result.
-template <typename Half, bool AmxTiles>
-class PairedHalfKV : public StridedKV<Half> {
-  static_assert(AmxTiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
-                "pairs of bfloat16 values, or of float16 values on the AMX tiles");
-
+template <typename Half, typename Tiles = void, typename Rows = StridedRows<Half>>
+class PairedHalfKV {
  public:
   using half_type = Half;
-  static constexpr bool amx_tiles = AmxTiles;
-  /// K row 0 is the key at position key_position (the engine's positions.key).
-  PairedHalfKV(const ConstMatrixRef<Half>& k, const ConstMatrixRef<Half>& v,
-               TileBuffers<float>& buffers, Index key_position)
-      : StridedKV<Half>(k, v),
+  /// The AMX tile layer (void: the AVX512-BF16 unit).
+  using tiles = Tiles;
+  static constexpr bool amx_tiles = !std::is_void_v<Tiles>;
+  static_assert(amx_tiles ? amx_half_v<Half> : std::is_same_v<Half, Eigen::bfloat16>,
+                "pairs of bfloat16 values, or of float16 values on the AMX tiles");
+  /// Row 0 of `rows` is the key at position key_position (the engine's positions.key).
+  PairedHalfKV(const Rows& rows, TileBuffers<float>& buffers, Index key_position)
+      : rows_(rows),
         pair_k_(buffers.pair_k),
         pair_v_(buffers.pair_v),
-        cols_((v.cols() + 15) / 16 * 16) {
+        cols_((rows.value_cols() + 15) / 16 * 16) {
     if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
+    const RowsIdentity identity = rows.identity();
     if (buffers.keep_key_tiles &&
-        buffers.key_pairs.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
-                                k.cols(), v.cols(), key_position, AmxTiles ? 2 : 1},
-                               k_words(), v_words()))
+        buffers.key_pairs.hold(
+            {identity.first, identity.second, rows.rows(), rows.k_stride(), rows.v_stride(),
+             rows.key_cols(), rows.value_cols(), key_position, amx_tiles ? 2 : 1},
+            k_words(), v_words()))
       store_ = &buffers.key_pairs;
   }
+  Index rows() const { return rows_.rows(); }
+  Index value_cols() const { return rows_.value_cols(); }
+  void prefetch(Index first, Index last, Index d, Index dv) const {
+    rows_.prefetch(first, last, d, dv);
+  }
   /// The distance of the packed key rows for d columns.
-  static Index key_stride(Index d) { return AmxTiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
+  static Index key_stride(Index d) { return amx_tiles ? (d + 31) / 32 * 32 : pair_row_stride(d); }
   PairTileRows pair_tile(Index j0, Index keys) {
-    const Index stride = key_stride(this->k_.cols());
+    const Index stride = key_stride(rows_.key_cols());
     if (store_ != nullptr) {
       if (const auto slot = store_->whole_tile(j0, keys)) {
         if (!slot->ready) pack(j0, keys, slot->k, slot->v);
@@ -240,23 +303,47 @@ class PairedHalfKV : public StridedKV<Half> {
     return reinterpret_cast<const std::uint16_t*>(values);
   }
   // Words of one packed key tile: its key rows and its value pairs.
-  Index k_words() const { return tile_key_cols * key_stride(this->k_.cols()); }
+  Index k_words() const { return tile_key_cols * key_stride(rows_.key_cols()); }
   Index v_words() const { return tile_key_cols / 2 * cols_; }
-  // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words).
+  // The pair of value rows `even` and `odd` as pair_pack_values writes it: word c holds column
+  // c of both (even in the low half), zeros from column d_v to cols_.
+  void join_pair(const Half* even, const Half* odd, std::uint32_t* out) const {
+    const Index dv = rows_.value_cols();
+    const std::uint16_t *low = bits(even), *high = bits(odd);
+    for (Index c = 0; c < dv; ++c)
+      out[c] = static_cast<std::uint32_t>(low[c]) | (static_cast<std::uint32_t>(high[c]) << 16);
+    std::fill(out + dv, out + cols_, std::uint32_t{0});
+  }
+  // Keys [j0, j0 + keys) packed into pair_k and pair_v (k_words() and v_words() words), run by
+  // run of the row source: the pairs inside a run by pair_pack_values, a pair across two runs
+  // by join_pair.
   void pack(Index j0, Index keys, std::uint16_t* pair_k, std::uint32_t* pair_v) const {
-    const ConstMatrixRef<Half>& k = this->k_;
-    const ConstMatrixRef<Half>& v = this->v_;
-    // The key rows are fetched while the values are packed.
-    tile_prefetch_rows(k.data(), k.outerStride(), j0, j0 + keys, k.cols());
-    pair_pack_values(bits(v.data() + j0 * v.outerStride()), v.outerStride(), keys, v.cols(), cols_,
-                     pair_v);
-    const Index d = k.cols(), stride = key_stride(d);
-    pair_copy_rows(bits(k.data() + j0 * k.outerStride()), k.outerStride(), keys, d, pair_k, stride);
-    if constexpr (AmxTiles) {
+    const Index d = rows_.key_cols(), dv = rows_.value_cols(), stride = key_stride(d);
+    for (Index b = 0; b < keys;) {
+      const Index end = std::min(keys, rows_.run_end(j0 + b) - j0);
+      // The key rows are fetched while the values are packed.
+      tile_prefetch_rows(rows_.key_row(j0 + b), rows_.k_stride(), 0, end - b, d);
+      Index first = b;
+      if (b % 2 != 0) {  // the run's first key completes the pair of the previous run's last
+        join_pair(rows_.value_row(j0 + b - 1), rows_.value_row(j0 + b), pair_v + b / 2 * cols_);
+        ++first;
+      }
+      // Whole pairs of the run (and the tile's last key alone); a last key left over pairs
+      // with the next run's first.
+      const Index count = end < keys ? (end - first) / 2 * 2 : end - first;
+      if (count > 0)
+        pair_pack_values(bits(rows_.value_row(j0 + first)), rows_.v_stride(), count, dv, cols_,
+                         pair_v + first / 2 * cols_);
+      pair_copy_rows(bits(rows_.key_row(j0 + b)), rows_.k_stride(), end - b, d, pair_k + b * stride,
+                     stride);
+      b = end;
+    }
+    if constexpr (amx_tiles) {
       std::fill(pair_k + keys * stride, pair_k + (keys + 15) / 16 * 16 * stride, std::uint16_t{0});
       std::fill(pair_v + (keys + 1) / 2 * cols_, pair_v + v_words(), std::uint32_t{0});
     }
   }
+  Rows rows_;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1>& pair_k_;
   Eigen::Array<std::uint32_t, Eigen::Dynamic, 1>& pair_v_;
   KeyTileStore<std::uint16_t, std::uint32_t>* store_ = nullptr;
@@ -272,7 +359,8 @@ template <typename KV>
 struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
     : std::true_type {};
 
-/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true).
+/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true; the tile layer
+/// is KV::tiles).
 template <typename KV, typename = void>
 struct MultipliesAmxTiles : std::false_type {};
 template <typename KV>
@@ -466,14 +554,14 @@ class TileEngine {
     const Index first = key_lo / Bk, last = key_hi / Bk;
     const Index centre = std::clamp(i0 / Bk, first, last);
 #if POSLSH_X86_UNITS
-    if constexpr (amx) amx_configure();  // the tiles' configuration, once per query tile
+    if constexpr (amx) amx_configure_tiles<typename KV::tiles>();  // once per query tile
 #endif
     for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
       if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
       if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
     }
 #if POSLSH_X86_UNITS
-    if constexpr (amx) amx_release();
+    if constexpr (amx) amx_release_tiles<typename KV::tiles>();
 #endif
   }
 
@@ -633,8 +721,8 @@ class TileEngine {
       return;
     }
     if constexpr (amx)
-      amx_score_span<QScalar>(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, b, end, a0,
-                              a0 + packets * P, tau_, b_.scores.data());
+      amx_score_tiles<typename KV::tiles>(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride,
+                                          b, end, a0, a0 + packets * P, tau_, b_.scores.data());
     else
       pair_score_span(b_.pair_q.data(), Bq, pair_tile_.k, pair_tile_.k_stride, (d_ + 1) / 2, b, end,
                       a0, a0 + packets * P, tau_, b_.scores.data());
@@ -753,9 +841,9 @@ class TileEngine {
         const Index first = reach.first / (2 * amx_pairs),
                     last = (reach.last - 1) / (2 * amx_pairs);
         amx_pack_probs(a, first * amx_pairs, (last + 1) * amx_pairs, keys);
-        amx_value_rows<QScalar>(b_.pair_p.data() + a * pairs_per_row, pairs_per_row, pair_tile_.v,
-                                pair_tile_.v_stride, first, last, b_.alpha.data() + a,
-                                b_.acc.data() + a * dvp_, dvp_);
+        amx_value_tiles<typename KV::tiles>(b_.pair_p.data() + a * pairs_per_row, pairs_per_row,
+                                            pair_tile_.v, pair_tile_.v_stride, first, last,
+                                            b_.alpha.data() + a, b_.acc.data() + a * dvp_, dvp_);
       }
       return;
     }
@@ -905,9 +993,7 @@ class TileEngine {
   Index j0_ = 0;
   const EngineState<Scalar>* external_ = nullptr;
   KeyTileRows<Scalar> rows_of_tile_{nullptr, 0, nullptr, 0};
-#if POSLSH_X86_UNITS
-  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};
-#endif
+  PairTileRows pair_tile_{nullptr, 0, nullptr, 0};  // the key tile of a paired key source
   const Scalar* run_k_ = nullptr;  // in runs: the key row of key j0 + run_b_ (score_span)
   Index run_b_ = 0;
   // In runs: the current key tile's runs (find_runs), at most one per key.
@@ -919,68 +1005,99 @@ class TileEngine {
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
 
-/// A key source type as a value (with_tile_engine).
-template <typename KV>
-struct KeySourceTag {
-  using type = KV;
-};
+/// The unit with_key_source<Scalar, QScalar, AmxTiles> multiplies on under `precision` for
+/// queries stored as QScalar and keys as KVScalar: the rule of matrix_unit_for, with amx_bf16
+/// (amx_fp16) available where the tile layer's AmxTiles<Eigen::bfloat16>::available()
+/// (AmxTiles<Eigen::half>::available()) says so. With the library's layer, AmxNativeTiles, it is
+/// matrix_unit_for<QScalar, KVScalar>(precision).
+template <typename QScalar, typename KVScalar, template <typename> class AmxTiles>
+MatrixUnit tile_engine_unit(Precision precision) {
+#if POSLSH_X86_UNITS
+  return choose_matrix_unit<QScalar, KVScalar>(precision, [](MatrixUnit unit) {
+    return unit == MatrixUnit::amx_bf16 ? AmxTiles<Eigen::bfloat16>::available()
+                                        : AmxTiles<Eigen::half>::available();
+  });
+#else
+  return matrix_unit_for<QScalar, KVScalar>(precision);  // float_products: no unit off x86
+#endif
+}
 
-/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and K, V
-/// (KVScalar) at `positions`: KV = ContiguousKV when KVScalar is Scalar; by the unit
-/// matrix_unit_for<QScalar, KVScalar>(precision) names, PairedHalfKV<bfloat16, true> on
-/// amx_bf16, PairedHalfKV<bfloat16, false> on avx512_bf16, PairedHalfKV<half, true> on
-/// amx_fp16; WideningKV otherwise.
-template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename Job>
+/// Calls use(source) with the key source reading the row source `rows` (keys stored as
+/// Rows::storage, row 0 at position key_position) for an engine computing in Scalar on queries
+/// stored as QScalar: the rows in place (Rows::in_place: ContiguousKV, or PagedRows) when they
+/// are stored as Scalar; by the unit tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision)
+/// names (with the default tile layer, the CPU's: matrix_unit_for),
+/// PairedHalfKV<bfloat16, AmxTiles<bfloat16>> on amx_bf16, PairedHalfKV<bfloat16> on
+/// avx512_bf16, PairedHalfKV<half, AmxTiles<half>> on amx_fp16; WideningKV otherwise.
+template <typename Scalar, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+          typename Rows, typename Use>
+void with_key_source(const Rows& rows, TileBuffers<Scalar>& buffers, Index key_position,
+                     Precision precision, Use&& use) {
+  using KVScalar = typename Rows::storage;
+  static_cast<void>(precision);
+  if constexpr (std::is_same_v<KVScalar, Scalar>) {
+    use(rows.in_place(buffers, key_position));
+  } else {
+#if POSLSH_X86_UNITS
+    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
+      const MatrixUnit unit = tile_engine_unit<QScalar, KVScalar, AmxTiles>(precision);
+      if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
+        if (unit == MatrixUnit::amx_bf16)
+          return use(PairedHalfKV<KVScalar, AmxTiles<KVScalar>, Rows>(rows, buffers, key_position));
+        if (unit == MatrixUnit::avx512_bf16)
+          return use(PairedHalfKV<KVScalar, void, Rows>(rows, buffers, key_position));
+      }
+      if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
+        if (unit == MatrixUnit::amx_fp16)
+          return use(PairedHalfKV<KVScalar, AmxTiles<KVScalar>, Rows>(rows, buffers, key_position));
+      }
+    }
+#endif
+    use(WideningKV<Scalar, KVScalar, Rows>(rows, buffers.wide_k, buffers.wide_v));
+  }
+}
+
+/// Calls job(engine) with a TileEngine<Scalar, Bias, KV, QScalar> over Q (QScalar) and the keys
+/// of the row source `rows` at `positions`, KV the key source with_key_source picks (AMX on the
+/// tile layer AmxTiles).
+template <typename Scalar, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
+          typename Rows, typename Bias, typename Job>
+void with_row_source_engine(const ConstMatrixRef<QScalar>& q, const Rows& rows, double tau,
+                            Bias& bias, TileBuffers<Scalar>& buffers, TilePositions positions,
+                            Precision precision, Job&& job) {
+  with_key_source<Scalar, QScalar, AmxTiles>(
+      rows, buffers, positions.key, precision, [&](auto&& source) {
+        using KV = std::decay_t<decltype(source)>;
+        TileEngine<Scalar, Bias, KV, QScalar> engine(q, std::move(source), tau, bias, buffers,
+                                                     positions);
+        job(engine);
+      });
+}
+
+/// with_row_source_engine over K and V in two row-strided matrices (KVScalar; StridedRows).
+template <typename Scalar, typename QScalar, typename KVScalar,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Bias, typename Job>
 void with_tile_engine(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                       const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
                       TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                       Job&& job) {
-  if constexpr (std::is_same_v<KVScalar, Scalar>) {
-    static_cast<void>(precision);
-    TileEngine<Scalar, Bias, ContiguousKV<Scalar>, QScalar> engine(
-        q, ContiguousKV<Scalar>(k, v, buffers, positions.key), tau, bias, buffers, positions);
-    job(engine);
-  } else {
-#if POSLSH_X86_UNITS
-    // The engine on the paired key source KV.
-    const auto on_pairs = [&](auto tag) {
-      using KV = typename decltype(tag)::type;
-      TileEngine<Scalar, Bias, KV, QScalar> engine(q, KV(k, v, buffers, positions.key), tau, bias,
-                                                   buffers, positions);
-      job(engine);
-    };
-    if constexpr (std::is_same_v<Scalar, float> && std::is_same_v<QScalar, KVScalar>) {
-      const MatrixUnit unit = matrix_unit_for<QScalar, KVScalar>(precision);
-      if constexpr (std::is_same_v<KVScalar, Eigen::bfloat16>) {
-        if (unit == MatrixUnit::amx_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
-        if (unit == MatrixUnit::avx512_bf16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, false>>{});
-      }
-      if constexpr (std::is_same_v<KVScalar, Eigen::half>) {
-        if (unit == MatrixUnit::amx_fp16)
-          return on_pairs(KeySourceTag<PairedHalfKV<KVScalar, true>>{});
-      }
-    }
-#endif
-    static_cast<void>(precision);
-    TileEngine<Scalar, Bias, WideningKV<Scalar, KVScalar>, QScalar> engine(
-        q, WideningKV<Scalar, KVScalar>(k, v, buffers.wide_k, buffers.wide_v), tau, bias, buffers,
-        positions);
-    job(engine);
-  }
+  with_row_source_engine<Scalar, QScalar, AmxTiles>(q, StridedRows<KVScalar>(k, v), tau, bias,
+                                                    buffers, positions, precision,
+                                                    std::forward<Job>(job));
 }
 
 /// Rows at positions [row_begin, row_end) of the engine's attention under `bias`, written to
 /// out rows 0 .. row_end - row_begin (lse as TileEngine::run): Q (QScalar) over K and V
 /// (KVScalar) at `positions`, read directly when KVScalar is Scalar, on the unit
-/// `precision` selects for half-precision ones (with_tile_engine); out of any scalar type.
-template <typename Scalar, typename QScalar, typename KVScalar, typename Bias, typename OutType>
+/// `precision` selects for half-precision ones (with_tile_engine, AMX on the tile layer
+/// AmxTiles); out of any scalar type.
+template <typename Scalar, typename QScalar, typename KVScalar,
+          template <typename> class AmxTiles = AmxNativeTiles, typename Bias, typename OutType>
 void engine_rows(const ConstMatrixRef<QScalar>& q, const ConstMatrixRef<KVScalar>& k,
                  const ConstMatrixRef<KVScalar>& v, double tau, Bias& bias,
                  TileBuffers<Scalar>& buffers, TilePositions positions, Precision precision,
                  Index row_begin, Index row_end, OutType&& out, Scalar* lse = nullptr) {
-  with_tile_engine<Scalar, QScalar, KVScalar>(
+  with_tile_engine<Scalar, QScalar, KVScalar, AmxTiles>(
       q, k, v, tau, bias, buffers, positions, precision,
       [&](auto& engine) { engine.run(row_begin, row_end, out, lse); });
 }

@@ -149,7 +149,7 @@ class KeyTileStore {
 /// (PairedHalfKV, detail/tile/pair_kernels.hpp), `pair_q`, `pair_p` and `pair_v` hold the query
 /// tile, the probabilities and the key tile's values as pairs of bfloat16 values, `pair_k` the
 /// key tile's rows padded to an even length when d is odd. On the AMX units (PairedHalfKV<Half,
-/// true>, detail/tile/amx_kernels.hpp) the same buffers hold the operands of the
+/// Tiles>, detail/tile/amx_kernels.hpp) the same buffers hold the operands of the
 /// tiles: `pair_q` and `pair_k` padded with zeros to multiples of 32 columns of d, `pair_p` the
 /// probabilities of each query row as pairs along the keys (tile_key_cols / 2 words a row).
 template <typename Scalar>

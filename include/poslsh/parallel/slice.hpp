@@ -1,0 +1,204 @@
+/// \file
+/// \brief The per-rank kernels of context parallelism: attention of a rank's queries over a
+/// contiguous slice of a sequence's keys with its log-sum-exp, the gradients of such a slice
+/// from the whole sequence's lse, and the backward pass of a window of the sequence.
+///
+/// Positions are those of the whole sequence, so the ALiBi bias, the causal mask and the LSH
+/// bins of a slice are the sequence's. Results over disjoint key slices merge exactly by their
+/// lse (LseMerger), and the gradients of the slices sum to the sequence's.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "poslsh/core/heads_view.hpp"
+#include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/tile/query_tiles.hpp"
+#include "poslsh/multihead/attention.hpp"
+#include "poslsh/multihead/methods.hpp"
+#include "poslsh/multihead/training.hpp"
+#include "poslsh/training/backward.hpp"
+
+namespace poslsh {
+
+namespace detail {
+
+/// The offsets of a slice call: query_offset, key_offset >= 0 and options.query_offset unset.
+inline void require_slice_offsets(const char* function, Index query_offset, Index key_offset,
+                                  const MultiHeadOptions& options) {
+  require(!options.query_offset, function, "options.query_offset", options.query_offset.value_or(0),
+          "must be unset: the positions are the query_offset and key_offset arguments");
+  require(query_offset >= 0, function, "query_offset", query_offset, "must be >= 0");
+  require(key_offset >= 0, function, "key_offset", key_offset, "must be >= 0");
+}
+
+/// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
+/// when not null, to dslopes (one entry per query head).
+template <typename Scalar>
+void slice_backward(const char* function, const HeadsView<const Scalar>& q,
+                    const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                    const HeadsView<const Scalar>& out, const ConstHeadsLseRef<Scalar>& lse,
+                    const HeadsView<const Scalar>& dout, const GradientHeadsView<Scalar>& dq,
+                    const GradientHeadsView<Scalar>& dk, const GradientHeadsView<Scalar>& dv,
+                    Index query_offset, Index key_offset, const MultiHeadOptions& options,
+                    double* dslopes) {
+  using Compute = backward_scalar_t<Scalar>;
+  require_slice_offsets(function, query_offset, key_offset, options);
+  require_heads_inputs(function, q, k, v);
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  require_lse_shape(function, lse, q);
+  require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
+  require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
+  require_view_shape(function, "dk", dk, k.tokens, k.heads, k.dim);
+  require_view_shape(function, "dv", dv, k.tokens, k.heads, v.dim);
+  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
+          "options.method", enum_name(options.method),
+          "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
+          "multihead_attention_window_backward)");
+  const std::vector<HeadMethod> heads = head_methods(function, q.heads, options);
+  const double tau = resolve_scale(function, options, q.dim);
+  if (q.tokens == 0 || k.tokens == 0) return;
+  const Index extent = std::max(query_offset + q.tokens, key_offset + k.tokens);
+  const Index group = q.heads / k.heads;
+  const auto head_pass = [&](Index h, bool parallel, BackwardWork<Compute>* work) {
+    const HeadMethod& head = heads[static_cast<std::size_t>(h)];
+    const Index g = h / group;
+    MatrixRef<Compute> dq_h = dq.head(h), dk_g = dk.head(g), dv_g = dv.head(g);
+    exact_slice_backward<Compute, Scalar>(
+        q.head(h), k.head(g), v.head(g), head.sigma, tau,
+        head_window(head, extent, options.masking), query_offset - key_offset, extent, out.head(h),
+        lse.row(h).transpose(), dout.head(h), dq_h, dk_g, dv_g, options.precision, parallel, work,
+        dslopes == nullptr ? nullptr : dslopes + h);
+  };
+  if (group == 1) {
+    // Heads write disjoint rows: one job per head, each pass on its thread.
+    parallel_jobs<BackwardWork<Compute>>(
+        static_cast<long>(q.heads), [&](long j, BackwardWork<Compute>& work) {
+          head_pass(q.heads - 1 - static_cast<Index>(j), false, &work);
+        });
+    return;
+  }
+  // The heads of a group add to one dk, dv: in increasing order, each pass parallel inside.
+  for (Index h = 0; h < q.heads; ++h) head_pass(h, true, nullptr);
+}
+
+}  // namespace detail
+
+/// Attention of the queries at positions query_offset .. query_offset + m - 1 (the m tokens of
+/// q) over the keys at positions key_offset .. key_offset + L - 1 (the L tokens of k and v) of
+/// one sequence, every head by its method (as multihead_attention: sigmas, hashes, bands,
+/// GQA), with the log-sum-exp lse (H_q x m) of each row:
+///   out_i = sum_j w_ij e^{x_ij} v_j / sum_j w_ij e^{x_ij},  lse_i = log sum_j w_ij e^{x_ij},
+/// j over the slice's keys, w and x the method's weights and scores at the absolute positions
+/// (ALiBi bias -|i - j| / sigma, causal mask j <= i, LSH counts of the absolute bins). A row
+/// with no key of nonzero weight in the slice gets out 0 and lse -inf. Results over disjoint
+/// key slices merge exactly by their lse (LseMerger); a slice holding every key that the
+/// rows reach (head_key_range) gives bitwise the rows of the call on the whole sequence. One
+/// parallel loop over (query tile, head) jobs: bitwise the same for any thread count.
+/// options.query_offset must be unset (the offsets are arguments). Scalar types as
+/// multihead_attention with lse (q, k, v, out in Scalar, lse in backward_scalar_t<Scalar>).
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                               HeadsView<const Scalar> v, HeadsView<Scalar> out,
+                               HeadsLseRef<Scalar> lse, Index query_offset, Index key_offset,
+                               const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_slice";
+  detail::require_slice_offsets(function, query_offset, key_offset, options);
+  detail::require_heads_inputs(function, q, k, v);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require_lse_shape(function, lse, q);
+  detail::HeadsCall call;
+  call.heads = detail::head_methods(function, q.heads, options);
+  call.sequences.push_back({0, q.tokens, 0, k.tokens, query_offset, key_offset});
+  call.tau = detail::resolve_scale(function, options, q.dim);
+  call.masking = options.masking;
+  call.precision = options.precision;
+  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+}
+
+/// The gradients of one slice of exact ALiBi attention (methods exact_tiled and exact_banded,
+/// any local window): the m queries of q at positions query_offset .. query_offset + m - 1
+/// against the L keys of k and v at positions key_offset .. key_offset + L - 1, with out and lse
+/// (H_q x m) the forward's rows over EVERY key of the sequence (e.g. the slices' results merged
+/// by LseMerger), so that
+///   P_ij = e^{x_ij - lse_i},  x_ij = tau q_i.k_j - |i - j| / sigma_h  (j in the slice, inside
+///   the head's causal mask, band and window; 0 elsewhere),  D_i = dO_i . out_i,
+///   dv_j += sum_i P_ij dO_i,  dS_ij = P_ij (dO_i . v_j - D_i),
+///   dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i
+/// for each query head h and its K/V head g = h / (H_q / H_kv). The contributions are ADDED to
+/// dq (m tokens), dk and dv (L tokens): summed over slices that cover the keys, dq is the
+/// sequence's dq of these rows, and summed over the query rows too, dk and dv are the
+/// sequence's (multihead_attention_backward). Each head's pass is the backward's tile pass on
+/// the rectangle (key tiles of 64 from key_offset, query steps of 64 from query_offset), heads
+/// of a group added in increasing order: bitwise the same for any thread count. Over one slice
+/// holding the whole sequence (offsets 0) the gradients are bitwise those of
+/// multihead_attention_backward (added to zeroed outputs); over key slices whose offsets are
+/// multiples of 512 (the backward's key groups) visited in increasing order with every query
+/// row at once, dq, dk and dv are bitwise too; otherwise equal to rounding. Scalar types as
+/// multihead_attention_backward.
+/// \throws std::invalid_argument naming a bad argument (a method other than the exact ones:
+///   'options.method'), before any head runs.
+template <typename Scalar>
+void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                        HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                        ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                        GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                        GradientHeadsView<Scalar> dv, Index query_offset,
+                                        Index key_offset, const MultiHeadOptions& options = {}) {
+  detail::slice_backward<Scalar>("multihead_attention_slice_backward", q, k, v, out, lse, dout, dq,
+                                 dk, dv, query_offset, key_offset, options, nullptr);
+}
+
+/// multihead_attention_slice_backward with the gradients in the ALiBi slopes too: for each
+/// query head h (slope_h = 1/sigma_h), dL/dslope_h = -sum_ij dS_ij |i - j| over the slice's
+/// pairs is ADDED to dslopes[h] (H_q entries; summed in double in a fixed order). dq, dk, dv
+/// are bitwise those of the call without dslopes.
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                        HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                        ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                        GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                        GradientHeadsView<Scalar> dv,
+                                        Eigen::Ref<Eigen::VectorXd> dslopes, Index query_offset,
+                                        Index key_offset, const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_slice_backward";
+  detail::require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(),
+                  "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+  detail::slice_backward<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, query_offset,
+                                 key_offset, options, dslopes.data());
+}
+
+/// Gradients of the attention restricted to a window of a sequence: the n tokens of q, k, v,
+/// out, dout (and the n columns of lse) are the positions position .. position + n - 1, and
+/// only the pairs (i, j) of the window count (self-attention inside it, bias, masks and LSH
+/// bins at the absolute positions), with out and lse the forward's rows of the whole sequence
+/// (P_ij = w_ij e^{x_ij - lse_i}). Conventions, sums and scalar types (half-precision inputs,
+/// float lse and gradients) as multihead_attention_backward. A query row all of whose keys of
+/// nonzero weight lie in the window gets its dq row, and a key all of whose queries do gets its
+/// dk and dv rows, equal to the whole sequence's; bitwise equal when `position` is a multiple of
+/// 64 (the tiles of the window are then the sequence's): ContextParallelChunk::window_span.
+/// Bitwise the same for any thread count.
+/// \throws std::invalid_argument naming a bad argument, before any head runs.
+template <typename Scalar>
+void multihead_attention_window_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
+                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
+                                         ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+                                         GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk,
+                                         GradientHeadsView<Scalar> dv, Index position,
+                                         const MultiHeadOptions& options = {}) {
+  constexpr const char* function = "multihead_attention_window_backward";
+  detail::require(position >= 0, function, "position", position, "must be >= 0");
+  detail::HeadsCall call = detail::training_call(
+      function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
+  detail::require_gradient_views(function, q, k, v, dout, dq, dk, dv);
+  call.sequences.front().p0 = position;
+  call.sequences.front().k0 = position;
+  detail::heads_backward<Scalar>(call, q, k, v, out, lse, dout, dq, dk, dv);
+}
+
+}  // namespace poslsh

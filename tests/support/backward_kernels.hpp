@@ -1,0 +1,119 @@
+// Helpers of the backward tests (tests/training/backward.cpp,
+// tests/training/half_precision_backward.cpp): one single-head kernel configuration, its forward
+// with lse, and its backward on inputs stored in any scalar type.
+#pragma once
+
+#include <limits>
+#include <poslsh/training/backward.hpp>
+
+#include "test_support.hpp"
+
+namespace poslsh_test {
+
+template <typename Scalar>
+using ColumnVector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
+/// The single-head kernels with a backward pass.
+enum class BackwardKind { tiled, banded, fused, per_sample, fixed_blocks };
+
+inline constexpr BackwardKind all_backward_kinds[] = {BackwardKind::tiled, BackwardKind::banded,
+                                                      BackwardKind::fused, BackwardKind::per_sample,
+                                                      BackwardKind::fixed_blocks};
+
+inline const char* backward_kind_name(BackwardKind kind) {
+  switch (kind) {
+    case BackwardKind::tiled:
+      return "tiled";
+    case BackwardKind::banded:
+      return "banded";
+    case BackwardKind::fused:
+      return "fused";
+    case BackwardKind::per_sample:
+      return "per_sample";
+    case BackwardKind::fixed_blocks:
+      return "fixed_blocks";
+  }
+  return "?";
+}
+
+/// One kernel configuration: its kind, sigma, band and hashes, and the options.
+struct BackwardSetup {
+  BackwardKind kind;
+  double sigma;
+  Index band;
+  poslsh::HashSet hashes;
+  poslsh::AttentionOptions options;
+};
+
+template <typename Scalar>
+struct BackwardGradients {
+  RowMatrix<Scalar> dq, dk, dv;
+};
+
+/// out and lse of the forward with lse of `s` on q, k, v stored as Input (out in Input, lse in
+/// backward_scalar_t<Input>; resized to n x d_v and n unless `resize` is false).
+template <typename Input, typename Scalar = poslsh::backward_scalar_t<Input>>
+void setup_forward(const BackwardSetup& s, const poslsh::ConstMatrixRef<Input>& q,
+                   const poslsh::ConstMatrixRef<Input>& k, const poslsh::ConstMatrixRef<Input>& v,
+                   RowMatrix<Input>& out, ColumnVector<Scalar>& lse, bool resize = true) {
+  if (resize) {
+    out.resize(q.rows(), v.cols());
+    lse.resize(q.rows());
+  }
+  switch (s.kind) {
+    case BackwardKind::tiled:
+      return poslsh::alibi_attention_tiled_with_lse<Input>(q, k, v, s.sigma, out, lse, s.options);
+    case BackwardKind::banded:
+      return poslsh::alibi_attention_banded_with_lse<Input>(q, k, v, s.sigma, s.band, out, lse,
+                                                            s.options);
+    case BackwardKind::fused:
+      return poslsh::lsh_attention_fused_with_lse<Input>(q, k, v, s.hashes, out, lse, s.options);
+    case BackwardKind::per_sample:
+      return poslsh::lsh_attention_per_sample_with_lse<Input>(q, k, v, s.hashes, out, lse,
+                                                              s.options);
+    case BackwardKind::fixed_blocks:
+      return poslsh::fixed_blocks_attention_with_lse<Input>(q, k, v, s.sigma, out, lse, s.options);
+  }
+}
+
+/// The gradients of the backward of `s` on q, k, v, out and dout stored as Input (lse and the
+/// gradients in backward_scalar_t<Input>); they start as NaN, so an entry the pass leaves
+/// unwritten shows.
+template <typename Input, typename Scalar = poslsh::backward_scalar_t<Input>>
+BackwardGradients<Scalar> setup_backward(const BackwardSetup& s,
+                                         const poslsh::ConstMatrixRef<Input>& q,
+                                         const poslsh::ConstMatrixRef<Input>& k,
+                                         const poslsh::ConstMatrixRef<Input>& v,
+                                         const poslsh::ConstMatrixRef<Input>& out,
+                                         const ColumnVector<Scalar>& lse,
+                                         const poslsh::ConstMatrixRef<Input>& dout) {
+  const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  BackwardGradients<Scalar> g{RowMatrix<Scalar>::Constant(q.rows(), q.cols(), nan),
+                              RowMatrix<Scalar>::Constant(k.rows(), k.cols(), nan),
+                              RowMatrix<Scalar>::Constant(v.rows(), v.cols(), nan)};
+  switch (s.kind) {
+    case BackwardKind::tiled:
+      poslsh::alibi_attention_tiled_backward<Input>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
+                                                    g.dv, s.options);
+      break;
+    case BackwardKind::banded:
+      poslsh::alibi_attention_banded_backward<Input>(q, k, v, s.sigma, s.band, out, lse, dout, g.dq,
+                                                     g.dk, g.dv, s.options);
+      break;
+    case BackwardKind::fused:
+      poslsh::lsh_attention_fused_backward<Input>(q, k, v, s.hashes, out, lse, dout, g.dq, g.dk,
+                                                  g.dv, s.options);
+      break;
+    case BackwardKind::per_sample:
+      poslsh::lsh_attention_per_sample_backward<Input>(q, k, v, s.hashes, out, lse, dout, g.dq,
+                                                       g.dk, g.dv, s.options);
+      break;
+    case BackwardKind::fixed_blocks:
+      poslsh::fixed_blocks_attention_backward<Input>(q, k, v, s.sigma, out, lse, dout, g.dq, g.dk,
+                                                     g.dv, s.options);
+      break;
+  }
+  return g;
+}
+
+}  // namespace poslsh_test
