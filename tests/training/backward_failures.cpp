@@ -212,21 +212,10 @@ bool same_bits(const Matrix& a, const Matrix& b) {
   return a.rows() == b.rows() && a.cols() == b.cols() && (a.array() == b.array()).all();
 }
 
-}  // namespace backward_failures
-
-using backward_failures::allocation_sweep;
-using backward_failures::FailingAllocations;
-using backward_failures::same_bits;
-using backward_failures::SweepResult;
-using backward_failures::ThreadCount;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
+// The test cases: in this namespace, so that the names above stay this file's in a unity batch.
 
 TEST_CASE("parallel_loop hands a job's exception to the caller with its type",
           "[parallel][failures]") {
-  namespace pd = poslsh::detail;
   for (const int threads : {1, 2, 4}) {
     const ThreadCount scope(threads);
     for (const pd::LoopSchedule schedule :
@@ -273,7 +262,6 @@ TEST_CASE("parallel_loop hands a job's exception to the caller with its type",
 
 TEST_CASE("after a job fails the threads leave the loop without starting jobs",
           "[parallel][failures]") {
-  namespace pd = poslsh::detail;
   const ThreadCount scope(4);
   // Job 0 fails at once; the others take 1 ms each. The loop ends after the jobs already
   // running: a handful, not the 2000 (2 s) of the whole loop.
@@ -295,7 +283,6 @@ TEST_CASE("after a job fails the threads leave the loop without starting jobs",
 
 TEST_CASE("each thread of a loop has its own scratch, made before the loop",
           "[parallel][failures]") {
-  namespace pd = poslsh::detail;
   const ThreadCount scope(4);
   struct Scratch {
     std::vector<long> jobs;
@@ -323,7 +310,6 @@ TEST_CASE("each thread of a loop has its own scratch, made before the loop",
 
 TEST_CASE("an exception from a loop inside a loop's job reaches the caller",
           "[parallel][failures]") {
-  namespace pd = poslsh::detail;
   const ThreadCount scope(4);
   CHECK_THROWS_AS(pd::parallel_loop(8, pd::LoopSchedule::dynamic(), true,
                                     [](long outer) {
@@ -338,7 +324,6 @@ TEST_CASE("an exception from a loop inside a loop's job reaches the caller",
 
 TEST_CASE("threads waiting on the key group order leave when a key group fails",
           "[parallel][failures]") {
-  namespace pd = poslsh::detail;
   // Every row reaches every key: each step's dQ additions come from every key group in order.
   const Index n = 2100, groups = (n + pd::backward_group_keys - 1) / pd::backward_group_keys;
   const pd::WindowRule<float> rule(0, n, -n, n, 0.0f);
@@ -441,7 +426,7 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
       options.method = method;
       options.samples = 4;
       RowMatrix<float> outb(n, heads * d), lse(heads, n);
-      poslsh::multihead_attention<float>(
+      poslsh::multihead_attention_with_lse<float>(
           q, k, v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse, options);
       RowMatrix<float> grads[2][3];
       const auto backward = [&](RowMatrix<float>(&g)[3]) {
@@ -472,3 +457,5 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
     }
   }
 }
+
+}  // namespace backward_failures
