@@ -1,8 +1,9 @@
 // Failures inside the parallel loops: an exception thrown by a job of detail::parallel_loop
 // reaches the caller with its type (the first one; the other threads leave the loop), a job
 // waiting on KeyGroupOrder leaves when another fails, and an allocation failing anywhere in a
-// backward call (single head and all heads) reaches the caller as std::bad_alloc, after which
-// the library computes the same gradients as before.
+// backward call (single head, all heads with every method of the table, a slice of the context
+// parallel backward) reaches the caller as std::bad_alloc, after which the library computes the
+// same gradients as before.
 //
 // The allocation failures come from a replacement of the global operator new in this file
 // (every form: plain, array, aligned, nothrow), active only while FailingAllocations is armed:
@@ -12,6 +13,7 @@
 // it calls), so the sweeps run in the asan preset too.
 #include <poslsh/detail/parallel.hpp>
 #include <poslsh/multihead/training.hpp>
+#include <poslsh/parallel/slice.hpp>
 #include <poslsh/training/backward.hpp>
 
 #include "backward_kernels.hpp"
@@ -420,14 +422,20 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
     const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, d);
     for (const poslsh::Method method :
          {poslsh::Method::lsh_fused, poslsh::Method::exact_tiled, poslsh::Method::exact_banded,
-          poslsh::Method::lsh_per_sample}) {
+          poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+          poslsh::Method::mean_of_outputs}) {
       INFO("kv heads " << kv_heads << ", method " << poslsh::enum_name(method));
       poslsh::MultiHeadOptions options;
       options.method = method;
       options.samples = 4;
-      RowMatrix<float> outb(n, heads * d), lse(heads, n);
-      poslsh::multihead_attention_with_lse<float>(
-          q, k, v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse, options);
+      RowMatrix<float> outb(n, heads * d), lse = RowMatrix<float>::Zero(heads, n);
+      const auto out_view = poslsh::interleaved_heads<float>(outb.data(), n, heads, d);
+      if (poslsh::method_has_lse(method)) {
+        poslsh::multihead_attention_with_lse<float>(q, k, v, out_view, lse, options);
+      } else {
+        // mean_of_outputs: no lse (its backward recomputes each sample's and reads neither).
+        poslsh::multihead_attention<float>(q, k, v, out_view, options);
+      }
       RowMatrix<float> grads[2][3];
       const auto backward = [&](RowMatrix<float>(&g)[3]) {
         g[0].resize(n, heads * d);
@@ -454,6 +462,57 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
       // One head per job of a parallel loop (H_q = H_kv), whose count windows allocate.
       if (kv_heads == heads && method == poslsh::Method::lsh_fused) CHECK(result.in_region > 0);
 #endif
+    }
+  }
+}
+
+TEST_CASE("an allocation failing in multihead_attention_slice_backward reaches the caller",
+          "[backward][failures][context_parallel]") {
+  const ThreadCount scope(4);
+  // The queries [256, 700) of a sequence of 900 tokens against the keys [128, 900).
+  const Index n = 900, p0 = 256, m = 700 - p0, k0 = 128, L = n - k0, heads = 4, d = 16;
+  for (const Index kv_heads : {Index{4}, Index{2}}) {
+    const RowMatrix<float> qb = random_matrix<float>(m, heads * d, 31);
+    const RowMatrix<float> kb = random_matrix<float>(L, kv_heads * d, 32);
+    const RowMatrix<float> vb = random_matrix<float>(L, kv_heads * d, 33);
+    const RowMatrix<float> outb = random_matrix<float>(m, heads * d, 34);
+    const RowMatrix<float> doutb = random_matrix<float>(m, heads * d, 35);
+    // Any lse will do: the sweep compares the gradients of one call with themselves.
+    const RowMatrix<float> lse = RowMatrix<float>::Constant(heads, m, 4.0f);
+    const auto q = poslsh::interleaved_heads<const float>(qb.data(), m, heads, d);
+    const auto k = poslsh::interleaved_heads<const float>(kb.data(), L, kv_heads, d);
+    const auto v = poslsh::interleaved_heads<const float>(vb.data(), L, kv_heads, d);
+    const auto out = poslsh::interleaved_heads<const float>(outb.data(), m, heads, d);
+    const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), m, heads, d);
+    for (const poslsh::Method method :
+         {poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
+      INFO("kv heads " << kv_heads << ", method " << poslsh::enum_name(method));
+      poslsh::MultiHeadOptions options;
+      options.method = method;
+      RowMatrix<float> grads[2][3];
+      Eigen::VectorXd dslopes[2];
+      // The slice's gradients are added to the outputs: zeroed before each call.
+      const auto backward = [&](RowMatrix<float>(&g)[3], Eigen::VectorXd& slopes) {
+        g[0].setZero(m, heads * d);
+        g[1].setZero(L, kv_heads * d);
+        g[2].setZero(L, kv_heads * d);
+        slopes.setZero(heads);
+        poslsh::multihead_attention_slice_backward<float>(
+            q, k, v, out, lse, dout, poslsh::interleaved_heads<float>(g[0].data(), m, heads, d),
+            poslsh::interleaved_heads<float>(g[1].data(), L, kv_heads, d),
+            poslsh::interleaved_heads<float>(g[2].data(), L, kv_heads, d), slopes, p0, k0, options);
+      };
+      backward(grads[0], dslopes[0]);
+      const SweepResult result = allocation_sweep([&] { backward(grads[1], dslopes[1]); },
+                                                  [&] {
+                                                    return same_bits(grads[0][0], grads[1][0]) &&
+                                                           same_bits(grads[0][1], grads[1][1]) &&
+                                                           same_bits(grads[0][2], grads[1][2]) &&
+                                                           same_bits(dslopes[0], dslopes[1]);
+                                                  });
+      INFO(result.allocations << " allocations, " << result.failed << " calls threw, "
+                              << result.in_region << " failures inside a parallel region");
+      CHECK(result.failed > 0);
     }
   }
 }

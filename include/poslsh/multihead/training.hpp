@@ -18,6 +18,7 @@
 
 #include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
