@@ -23,9 +23,13 @@ has autograd Functions.
 from ._core import (  # noqa: F401
     BFloat16Bits,
     BlockPlan,
+    ContextParallelPlan,
+    ContextParallelRank,
     HashSet,
     HeadPlan,
     LseMerger,
+    RingBackward,
+    RingForward,
     __version__,
     alibi_attention_banded,
     alibi_attention_banded_backward,

@@ -18,11 +18,7 @@
 
 #include <cmath>
 
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
 using poslsh::PartitionSet;
-using poslsh::RowMatrix;
 using poslsh::Sampler;
 
 namespace {

@@ -6,8 +6,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::Index;
-
 TEST_CASE("block_stats equals a direct scan of the bins", "[analysis]") {
   for (double sigma : {0.4, 3.0, 20.0, 5000.0}) {
     const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, 9, 12, 3);
@@ -110,7 +108,6 @@ TEST_CASE("block_stats takes any container of BinHash", "[analysis]") {
 }
 
 TEST_CASE("block statistics reject bad arguments naming them", "[analysis][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::block_stats({}, 10); }, "hashes");
   require_invalid_argument([] { poslsh::block_stats(poslsh::rbf_hashes(2.0, 2, 1), -3); }, "n");
   require_invalid_argument(

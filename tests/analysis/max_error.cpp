@@ -7,12 +7,8 @@
 #include <poslsh/reference/masks.hpp>
 #include <vector>
 
-#include "../../examples/log_log_fit.hpp"
+#include "error_decay.hpp"
 #include "test_support.hpp"
-
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
 
 namespace {
 
@@ -92,22 +88,9 @@ TEST_CASE("max error falls like s^-1/2: fitted log-log slope in -0.65 to -0.35",
   // n = 4096, sigma = 16, s = 4 .. 1024; single realisations give -0.45 to -0.51 (seeds 1 to
   // 5), so each seed is checked on its own. The max is a binomial deviation
   // |c/s - p| ~ sqrt(p (1 - p) / s) maximised over the band, hence the s^-1/2 shape.
-  const Index n = 4096;
-  const double sigma = 16.0;
-  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (std::uint64_t seed : {1u, 2u, 3u}) {
-      std::vector<double> samples, errors;
-      for (Index s = 4; s <= 1024; s *= 2) {
-        samples.push_back(double(s));
-        errors.push_back(
-            poslsh::max_error(poslsh::rbf_hashes(sigma, s, seed), n, sigma, masking).value);
-      }
-      const double slope = poslsh_examples::log_log_slope(samples, errors);
-      INFO(poslsh_test::masking_name(masking) << ", seed " << seed << ": slope " << slope);
-      CHECK(slope >= -0.65);
-      CHECK(slope <= -0.35);
-    }
-  }
+  poslsh_test::check_inverse_sqrt_decay(16.0, [](const poslsh::HashSet& hashes, Masking masking) {
+    return poslsh::max_error(hashes, 4096, 16.0, masking).value;
+  });
 }
 
 TEST_CASE("max_error takes any container of BinHash", "[analysis]") {
@@ -123,7 +106,6 @@ TEST_CASE("max_error takes any container of BinHash", "[analysis]") {
 }
 
 TEST_CASE("max_error rejects bad arguments naming them", "[analysis][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::max_error({}, 10, 2.0, Masking::causal); }, "hashes");
   require_invalid_argument(
       [] { poslsh::max_error(poslsh::rbf_hashes(2.0, 3, 1), -1, 2.0, Masking::causal); }, "n");

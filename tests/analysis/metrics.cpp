@@ -14,12 +14,6 @@
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 TEST_CASE("bounds equal the paper's formulas", "[analysis]") {
   for (double sigma : {0.5, 2.0, 16.0, 256.0}) {
     const double e = std::exp(1.0 / sigma);
@@ -230,14 +224,11 @@ TEMPLATE_TEST_CASE("output_error_metrics leaves zero exact rows out of the row-w
 TEMPLATE_TEST_CASE("unnormalized_output_error_dense equals the dense (A o L*) V - (A o M~) V",
                    "[analysis]", float, double) {
   const Index n = 150, d = 8, dv = 5;
-  const auto q = random_matrix<TestType>(n, d, 1);
-  const auto k = random_matrix<TestType>(n, d, 2);
-  const auto v = random_matrix<TestType>(n, dv, 3);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 1);
   const double sigma = 6.0;
   const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, 11, 2, 0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions options;
-    options.masking = masking;
+    AttentionOptions options = with_masking(masking);
     options.scale = 0.7;
     const RowMatrix<double> a =
         (0.7 * q.template cast<double>() * k.template cast<double>().transpose()).array().exp();
@@ -263,14 +254,11 @@ TEMPLATE_TEST_CASE("unnormalized_output_error_dense equals the dense (A o L*) V 
 
 TEST_CASE("paper_metrics is the three metric groups in one call", "[analysis]") {
   const Index n = 256, d = 16;
-  const auto q = random_matrix<double>(n, d, 4);
-  const auto k = random_matrix<double>(n, d, 5);
-  const auto v = random_matrix<double>(n, d, 6);
+  const auto [q, k, v] = random_qkv<double>(n, d, d, 4);
   const double sigma = 8.0;
   const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, 32, 8, 0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions attention;
-    attention.masking = masking;
+    AttentionOptions attention = with_masking(masking);
     const RowMatrix<double> exact =
         poslsh::alibi_attention_reference<double>(q, k, v, sigma, attention);
     const RowMatrix<double> estimate =
@@ -300,7 +288,6 @@ TEST_CASE("paper_metrics is the three metric groups in one call", "[analysis]") 
 
 TEST_CASE("metric functions reject mismatched sizes and bad values naming the argument",
           "[analysis][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<double>(10, 4, 1);
   const auto v = random_matrix<double>(10, 3, 2);
   const auto out = random_matrix<double>(10, 3, 3);

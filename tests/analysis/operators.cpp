@@ -6,13 +6,11 @@
 #include <poslsh/analysis/operators.hpp>
 #include <poslsh/reference/alibi_kernel.hpp>
 #include <poslsh/reference/masks.hpp>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
 
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
 using poslsh::Vector;
 
 namespace {
@@ -20,6 +18,17 @@ namespace {
 template <typename Scalar>
 Vector<Scalar> random_vector(Index n, std::uint64_t seed) {
   return poslsh_test::random_matrix<Scalar>(n, 1, seed).col(0);
+}
+
+/// The products of a matrix-free operator with x in Scalar: {op x, op^T x} (apply,
+/// apply_transpose).
+template <typename Scalar, typename Operator>
+std::pair<Vector<Scalar>, Vector<Scalar>> operator_products(const Operator& op,
+                                                            const Vector<Scalar>& x) {
+  Vector<Scalar> y(x.size()), yt(x.size());
+  op.template apply<Scalar>(x, y);
+  op.template apply_transpose<Scalar>(x, yt);
+  return {y, yt};
 }
 
 // max |a - b| / max(1, max |b|) for vectors.
@@ -38,10 +47,7 @@ TEMPLATE_TEST_CASE("AlibiKernelOperator products equal the dense kernel times x"
         const poslsh::AlibiKernelOperator op(n, sigma, masking);
         const RowMatrix<double> dense = poslsh::alibi_kernel_dense<double>(n, sigma, masking);
         const Vector<TestType> x = random_vector<TestType>(n, 11);
-        Vector<TestType> y(n);
-        Vector<TestType> yt(n);
-        op.template apply<TestType>(x, y);
-        op.template apply_transpose<TestType>(x, yt);
+        const auto [y, yt] = operator_products<TestType>(op, x);
         const Eigen::VectorXd expected = dense * x.template cast<double>();
         const Eigen::VectorXd expected_t = dense.transpose() * x.template cast<double>();
         INFO(poslsh_test::masking_name(masking) << ", sigma " << sigma << ", n " << n);
@@ -65,10 +71,7 @@ TEMPLATE_TEST_CASE("MeanMaskOperator products equal the dense mean mask times x"
         const poslsh::MeanMaskOperator op(hashes, n, masking);
         const RowMatrix<double> dense = poslsh::mean_mask_dense<double>(hashes, n, masking);
         const Vector<TestType> x = random_vector<TestType>(n, 5);
-        Vector<TestType> y(n);
-        Vector<TestType> yt(n);
-        op.template apply<TestType>(x, y);
-        op.template apply_transpose<TestType>(x, yt);
+        const auto [y, yt] = operator_products<TestType>(op, x);
         INFO(poslsh_test::masking_name(masking) << ", sigma " << sigma << ", s " << s);
         CHECK(op.samples() == s);
         // Prefix sums in double cancel terms of size sum |x| ~ sqrt(n): 1e-14 absolute, so
@@ -129,7 +132,6 @@ TEST_CASE("M~ times the ones vector counts block sizes, and one huge block is al
 }
 
 TEST_CASE("operators reject bad sizes and hash sets naming the argument", "[analysis][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const poslsh::HashSet hashes = poslsh::rbf_hashes(4.0, 3, 1);
   require_invalid_argument([] { poslsh::AlibiKernelOperator(-1, 2.0, Masking::causal); }, "n");
   require_invalid_argument([] { poslsh::AlibiKernelOperator(4, 0.0, Masking::causal); }, "sigma");

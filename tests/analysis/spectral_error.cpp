@@ -9,13 +9,10 @@
 #include <poslsh/reference/masks.hpp>
 #include <vector>
 
-#include "../../examples/log_log_fit.hpp"
 #include "analysis_instantiations.hpp"
+#include "error_decay.hpp"
 #include "test_support.hpp"
 
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
 using poslsh::SpectralMethod;
 using poslsh::SpectralOptions;
 
@@ -166,27 +163,12 @@ TEST_CASE("spectral error falls like s^-1/2: fitted log-log slope in -0.65 to -0
   // n = 4096, sigma = 16, s = 4 .. 1024 runs in about 0.2 s per seed. Single realisations
   // already land near -0.5 (seeds 1 to 5 give -0.44 to -0.53), so each seed is checked on its
   // own rather than averaged.
-  using poslsh_examples::log_log_slope;
   // The fit itself on an exact power law: y = 3 x^-1/2 at x = 1, 4, 16 has slope -1/2.
-  CHECK(log_log_slope({1.0, 4.0, 16.0}, {3.0, 1.5, 0.75}) == Approx(-0.5).epsilon(1e-14));
-  const Index n = 4096;
-  const double sigma = 16.0;
-  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (std::uint64_t seed : {1u, 2u, 3u}) {
-      std::vector<double> samples, errors;
-      for (Index s = 4; s <= 1024; s *= 2) {
-        const poslsh::HashSet hashes = poslsh::rbf_hashes(sigma, s, seed);
-        samples.push_back(double(s));
-        errors.push_back(poslsh::spectral_error(hashes, n, sigma, masking).value);
-      }
-      const double slope = log_log_slope(samples, errors);
-      INFO(poslsh_test::masking_name(masking)
-           << ", seed " << seed << ": slope " << slope << ", error at s = 4 " << errors.front()
-           << ", at s = 1024 " << errors.back());
-      CHECK(slope >= -0.65);
-      CHECK(slope <= -0.35);
-    }
-  }
+  CHECK(poslsh_examples::log_log_slope({1.0, 4.0, 16.0}, {3.0, 1.5, 0.75}) ==
+        Approx(-0.5).epsilon(1e-14));
+  poslsh_test::check_inverse_sqrt_decay(16.0, [](const poslsh::HashSet& hashes, Masking masking) {
+    return poslsh::spectral_error(hashes, 4096, 16.0, masking).value;
+  });
 }
 
 TEST_CASE("spectral_error takes any container of BinHash", "[analysis]") {
@@ -205,7 +187,6 @@ TEST_CASE("spectral_error takes any container of BinHash", "[analysis]") {
 }
 
 TEST_CASE("spectral error functions reject bad arguments naming them", "[analysis][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const poslsh::HashSet hashes = poslsh::rbf_hashes(4.0, 3, 1);
   require_invalid_argument([&] { poslsh::spectral_error({}, 10, 4.0, Masking::causal); }, "hashes");
   require_invalid_argument([&] { poslsh::spectral_error(hashes, -1, 4.0, Masking::causal); }, "n");

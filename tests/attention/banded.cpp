@@ -9,14 +9,7 @@
 
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-using poslsh_test::relative_max_error;
 using poslsh_test::tolerance;
-using poslsh_test::with_masking;
 
 namespace {
 
@@ -60,9 +53,7 @@ TEMPLATE_TEST_CASE("alibi_attention_banded with band >= n - 1 equals the exact r
                    "[banded]", float, double) {
   const Index d = 8, dv = 6;
   for (Index n : {1, 50, 130}) {
-    const auto q = random_matrix<TestType>(n, d, 61, 2.0);
-    const auto k = random_matrix<TestType>(n, d, 62, 2.0);
-    const auto v = random_matrix<TestType>(n, dv, 63);
+    const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 61, 2.0);
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (Index band : {n - 1, n, 10 * n, std::numeric_limits<Index>::max()}) {
         const auto options = with_masking(masking);
@@ -81,9 +72,7 @@ TEMPLATE_TEST_CASE("alibi_attention_banded equals a dense masked softmax", "[ban
                    double) {
   // Bands narrower than, equal to and wider than a 64-key tile, over n = 230 (4 tiles).
   const Index n = 230, d = 8, dv = 5;
-  const auto q = random_matrix<TestType>(n, d, 71, 2.0);
-  const auto k = random_matrix<TestType>(n, d, 72, 2.0);
-  const auto v = random_matrix<TestType>(n, dv, 73);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 71, 2.0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (Index band : {0, 1, 3, 17, 64, 100}) {
       for (double sigma : {0.5, 20.0}) {
@@ -131,9 +120,7 @@ TEMPLATE_TEST_CASE("alibi_attention_banded differs from exact by at most the dro
   // out_exact = (N_k + N_d) / (D_k + D_d), out_band = N_k / D_k with D = sum of e^{x_ij} over
   // kept (k) and dropped (d) keys: |out_band - out_exact| <= 2 max|v| D_d / (D_k + D_d).
   const Index n = 180, d = 4, dv = 3;
-  const auto q = random_matrix<TestType>(n, d, 81);
-  const auto k = random_matrix<TestType>(n, d, 82);
-  const auto v = random_matrix<TestType>(n, dv, 83);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 81);
   const double sigma = 6.0, eps = 1e-3, tau = 0.5;
   const Index band = poslsh::band_for_bias_error(sigma, eps);
   const RowMatrix<TestType> exact = poslsh::alibi_attention_reference<TestType>(q, k, v, sigma);
@@ -161,9 +148,7 @@ TEMPLATE_TEST_CASE("alibi_attention_banded differs from exact by at most the dro
 TEMPLATE_TEST_CASE("alibi_attention_banded_rows equals the full call bit for bit", "[banded]",
                    float, double) {
   const Index n = 260, d = 8, dv = 16, band = 40;
-  const auto q = random_matrix<TestType>(n, d, 91);
-  const auto k = random_matrix<TestType>(n, d, 92);
-  const auto v = random_matrix<TestType>(n, dv, 93);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 91);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const auto options = with_masking(masking);
     const RowMatrix<TestType> full =
@@ -188,7 +173,6 @@ TEST_CASE("alibi_attention_banded: n = 0 gives an empty result", "[banded]") {
 
 TEST_CASE("alibi_attention_banded and band_for_bias_error reject bad arguments",
           "[banded][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (double eps : {0.0, 1.0, -0.5, 2.0, nan})
     require_invalid_argument([&] { poslsh::band_for_bias_error(2.0, eps); }, "eps");

@@ -7,16 +7,9 @@
 
 #include "test_support.hpp"
 
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 TEMPLATE_TEST_CASE("lsh_attention_decode equals row t of the prefill", "[decode]", float, double) {
   const Index n = 400, d = 16, dv = 8;
-  const auto q = random_matrix<TestType>(n, d, 51);
-  const auto k = random_matrix<TestType>(n, d, 52);
-  const auto v = random_matrix<TestType>(n, dv, 53);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 51);
   for (double sigma : {0.5, 4.0, 64.0, 1e6}) {
     const HashSet hashes = poslsh::rbf_hashes(sigma, 16, 8, 2);
     const RowMatrix<TestType> prefill = poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes);
@@ -38,9 +31,7 @@ TEMPLATE_TEST_CASE("lsh_attention_decode equals row t of the prefill", "[decode]
 TEMPLATE_TEST_CASE("alibi_attention_decode_exact equals the reference's row t", "[decode]", float,
                    double) {
   const Index n = 300, d = 8;
-  const auto q = random_matrix<TestType>(n, d, 61);
-  const auto k = random_matrix<TestType>(n, d, 62);
-  const auto v = random_matrix<TestType>(n, d, 63);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, d, 61);
   for (double sigma : {1.0, 30.0}) {
     const RowMatrix<TestType> reference =
         poslsh::alibi_attention_reference<TestType>(q, k, v, sigma);
@@ -55,7 +46,6 @@ TEMPLATE_TEST_CASE("alibi_attention_decode_exact equals the reference's row t", 
 }
 
 TEST_CASE("decode rejects bad arguments", "[decode][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto k = random_matrix<float>(10, 4, 1);
   const auto q = random_matrix<float>(1, 4, 2);
   const auto q2 = random_matrix<float>(2, 4, 2);

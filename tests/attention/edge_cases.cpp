@@ -19,17 +19,8 @@
 #include <utility>
 #include <vector>
 
-using poslsh::AttentionOptions;
-using poslsh::BinHash;
 using poslsh::Block;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
 using poslsh_test::infinity;
-using poslsh_test::random_matrix;
-using poslsh_test::relative_max_error;
-using poslsh_test::with_masking;
 
 namespace {
 
@@ -95,9 +86,7 @@ std::vector<std::pair<std::string, RowMatrix<Scalar>>> lsh_kernels(
 
 TEMPLATE_TEST_CASE("n = 1: every kernel returns the one value row", "[edge]", float, double) {
   // One key: its softmax weight is e^0 / e^0 = 1 whatever the score and the bias.
-  const auto q = random_matrix<TestType>(1, 5, 1, 3.0);
-  const auto k = random_matrix<TestType>(1, 5, 2, 3.0);
-  const auto v = random_matrix<TestType>(1, 3, 3);
+  const auto [q, k, v] = random_qkv<TestType>(1, 5, 3, 1, 3.0);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {1e-3, 1.0, 1e9}) {
       const AttentionOptions options = with_masking(masking);
@@ -136,9 +125,7 @@ TEMPLATE_TEST_CASE("n = 0: every kernel accepts the empty problem", "[edge]", fl
 
 TEMPLATE_TEST_CASE("d = 1 and d_v = 1: kernels equal the dense formulas", "[edge]", float, double) {
   const Index n = 90;
-  const auto q = random_matrix<TestType>(n, 1, 11, 2.0);
-  const auto k = random_matrix<TestType>(n, 1, 12, 2.0);
-  const auto v = random_matrix<TestType>(n, 1, 13);
+  const auto [q, k, v] = random_qkv<TestType>(n, 1, 1, 11, 2.0);
   const double sigma = 6.0;
   const HashSet hashes = poslsh::rbf_hashes(sigma, 9, 14);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
@@ -159,9 +146,7 @@ TEMPLATE_TEST_CASE("sigma = 1e-3: every block holds one position and attention r
                    float, double) {
   const Index n = 100;
   const double sigma = 1e-3;
-  const auto q = random_matrix<TestType>(n, 8, 21);
-  const auto k = random_matrix<TestType>(n, 8, 22);
-  const auto v = random_matrix<TestType>(n, 4, 23);
+  const auto [q, k, v] = random_qkv<TestType>(n, 8, 4, 21);
   const HashSet hashes = poslsh::rbf_hashes(sigma, 16, 24);
   // Widths are at most -2 ln(2^-53) sigma = 0.0735 < 1: no two integer positions share a bin.
   std::vector<Index> singletons(static_cast<std::size_t>(n + 1));
@@ -224,9 +209,7 @@ TEMPLATE_TEST_CASE("sigma = 1e9: one block, so LSH attention is plain softmax at
                    float, double) {
   const Index n = 200;
   const double sigma = 1e9;
-  const auto q = random_matrix<TestType>(n, 8, 31);
-  const auto k = random_matrix<TestType>(n, 8, 32);
-  const auto v = random_matrix<TestType>(n, 4, 33);
+  const auto [q, k, v] = random_qkv<TestType>(n, 8, 4, 31);
   const HashSet hashes = poslsh::rbf_hashes(sigma, 8, 34);
   // A cut falls in [0, n) with probability about n / w, 1e-7 per hash: none for these keys.
   for (const BinHash& hash : hashes)
@@ -253,9 +236,7 @@ TEMPLATE_TEST_CASE("sigma = 1e9: one block, so LSH attention is plain softmax at
 TEMPLATE_TEST_CASE("s = 1: the LSH kernels are plain attention inside each block", "[edge]", float,
                    double) {
   const Index n = 150;
-  const auto q = random_matrix<TestType>(n, 8, 41);
-  const auto k = random_matrix<TestType>(n, 8, 42);
-  const auto v = random_matrix<TestType>(n, 5, 43);
+  const auto [q, k, v] = random_qkv<TestType>(n, 8, 5, 41);
   const double tau = 1.0 / std::sqrt(8.0);
   for (double sigma : {0.7, 5.0, 40.0}) {
     const HashSet hashes = poslsh::rbf_hashes(sigma, 1, 44);
@@ -284,9 +265,7 @@ TEMPLATE_TEST_CASE(
     "[edge][slow]", float, double) {
   const Index n = 48, s = 10000;
   const double sigma = 3.0;
-  const auto q = random_matrix<TestType>(n, 8, 51);
-  const auto k = random_matrix<TestType>(n, 8, 52);
-  const auto v = random_matrix<TestType>(n, 4, 53);
+  const auto [q, k, v] = random_qkv<TestType>(n, 8, 4, 51);
   const HashSet hashes = poslsh::rbf_hashes(sigma, s, 54);
 #ifdef _OPENMP
   // One thread: the per-sample kernel opens one parallel region per sample, and 10000 of them
@@ -392,9 +371,7 @@ TEMPLATE_TEST_CASE("NaN in row r of Q: row r of the output is NaN, the other row
   // Documented in core/types.hpp: values are not scanned; each output row is computed on its own.
   const Index n = 150;
   const double sigma = 10.0;
-  const auto q = random_matrix<TestType>(n, 8, 71);
-  const auto k = random_matrix<TestType>(n, 8, 72);
-  const auto v = random_matrix<TestType>(n, 4, 73);
+  const auto [q, k, v] = random_qkv<TestType>(n, 8, 4, 71);
   const HashSet hashes = poslsh::rbf_hashes(sigma, 8, 74);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     const AttentionOptions options = with_masking(masking);

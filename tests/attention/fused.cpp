@@ -8,25 +8,15 @@
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 TEMPLATE_TEST_CASE("lsh_attention_fused equals per-sample and the dense formula", "[fused]", float,
                    double) {
   const Index n = 333, d = 16, dv = 8;
-  const auto q = random_matrix<TestType>(n, d, 21);
-  const auto k = random_matrix<TestType>(n, d, 22);
-  const auto v = random_matrix<TestType>(n, dv, 23);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 21);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.3, 2.0, 16.0, 100.0, 1e6}) {
       for (Index s : {1, 7, 40}) {
         const HashSet hashes = poslsh::rbf_hashes(sigma, s, 99, 4);
-        AttentionOptions options;
-        options.masking = masking;
+        AttentionOptions options = with_masking(masking);
         const RowMatrix<TestType> fused =
             poslsh::lsh_attention_fused<TestType>(q, k, v, hashes, options);
         const RowMatrix<TestType> per_sample =
@@ -58,9 +48,7 @@ TEST_CASE("lsh_fused_pair_count counts the non-zeros of the mean mask", "[fused]
 TEST_CASE("as s grows the fused output converges to exact ALiBi attention", "[fused]") {
   const Index n = 256, d = 16;
   const double sigma = 8.0;
-  const auto q = random_matrix<double>(n, d, 31);
-  const auto k = random_matrix<double>(n, d, 32);
-  const auto v = random_matrix<double>(n, d, 33);
+  const auto [q, k, v] = random_qkv<double>(n, d, d, 31);
   const RowMatrix<double> exact = poslsh::alibi_attention_reference<double>(q, k, v, sigma);
   double previous = INFINITY;
   for (Index s : {4, 64, 1024}) {
@@ -122,7 +110,6 @@ TEST_CASE("a query whose every weight would underflow against a masked score sta
 }
 
 TEST_CASE("lsh_attention_fused rejects bad arguments", "[fused][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<float>(6, 4, 1);
   const auto v5 = random_matrix<float>(5, 4, 1);
   const HashSet hashes = poslsh::rbf_hashes(2.0, 3, 1);

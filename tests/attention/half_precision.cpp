@@ -19,15 +19,8 @@
 #include "half_support.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Precision;
-using poslsh::RowMatrix;
 using poslsh_test::max_error;
 using poslsh_test::random_half;
-using poslsh_test::random_matrix;
 using poslsh_test::same_values;
 using poslsh_test::to_double;
 using poslsh_test::widened;
@@ -117,8 +110,7 @@ void check_tile_kernels(Index n, Index d, double sigma, Masking masking, std::ui
   const auto vh = random_half<Half>(n, d, ++seed);
   const RowMatrix<double> q = to_double(qh), k = to_double(kh), v = to_double(vh);
   const double tau = 1.0 / std::sqrt(static_cast<double>(d));
-  AttentionOptions options;
-  options.masking = masking;
+  AttentionOptions options = with_masking(masking);
   options.precision = Precision::float_products;
   {
     INFO("alibi_attention_tiled");
@@ -182,9 +174,7 @@ TEMPLATE_TEST_CASE("tile kernels on half-precision inputs, one small problem per
 TEST_CASE("bfloat16 kernels at n = 4096 against the dense double formulas", "[half][slow]") {
   using Half = Eigen::bfloat16;
   const Index n = 4096, d = 64;
-  const auto qh = random_half<Half>(n, d, 1);
-  const auto kh = random_half<Half>(n, d, 2);
-  const auto vh = random_half<Half>(n, d, 3);
+  const auto [qh, kh, vh] = poslsh_test::random_half_qkv<Half>(n, d, d, 1);
   const RowMatrix<double> q = to_double(qh), k = to_double(kh), v = to_double(vh);
   const double tau = 0.125, sigma = 16.0;
   const HashSet hashes = poslsh::rbf_hashes(sigma, 16, 5, 0);
@@ -209,9 +199,7 @@ TEMPLATE_TEST_CASE("half-precision row ranges and returning forms match the whol
                    Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
   const Index n = 300, d = 64;
-  const auto q = random_half<Half>(n, d, 31);
-  const auto k = random_half<Half>(n, d, 32);
-  const auto v = random_half<Half>(n, d, 33);
+  const auto [q, k, v] = poslsh_test::random_half_qkv<Half>(n, d, d, 31);
   const double sigma = 8.0;
   const Index band = 70;
   AttentionOptions options;
@@ -260,8 +248,7 @@ TEST_CASE("bfloat16 queries at positions past 256 and 65536: the bias is exact",
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (double sigma : {16.0, 1e5}) {
         INFO("p0 " << p0 << ", causal " << (masking == Masking::causal) << ", sigma " << sigma);
-        AttentionOptions options;
-        options.masking = masking;
+        AttentionOptions options = with_masking(masking);
         options.query_offset = p0;
         options.precision = Precision::float_products;
         RowMatrix<float> from_half(m, d), from_float(m, d);
@@ -299,24 +286,15 @@ TEST_CASE(
   const RowMatrix<Half> qh = q.cast<Half>();
   const RowMatrix<float> k = widened(kh), v = widened(vh), q_rounded = widened(qh);
   using poslsh::interleaved_heads;
-  using poslsh::Method;
   for (Method method : {Method::lsh_fused, Method::exact_tiled, Method::exact_banded,
                         Method::lsh_per_sample, Method::fixed_blocks}) {
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       INFO("method " << static_cast<int>(method) << ", causal " << (masking == Masking::causal));
-      poslsh::MultiHeadOptions options;
-      options.method = method;
-      options.masking = masking;
-      options.samples = 4;
-      options.seed = 3;
+      poslsh::MultiHeadOptions options = multihead_options(method, masking, 4, 3);
       options.precision = Precision::float_products;
-      RowMatrix<float> expected(n, heads * d), mixed(n, heads * d), from_half(n, heads * d);
+      RowMatrix<float> mixed(n, heads * d), from_half(n, heads * d);
       RowMatrix<Half> half_out(n, heads * d);
-      poslsh::multihead_attention<float>(interleaved_heads<const float>(q.data(), n, heads, d),
-                                         interleaved_heads<const float>(k.data(), n, kv_heads, d),
-                                         interleaved_heads<const float>(v.data(), n, kv_heads, d),
-                                         interleaved_heads<float>(expected.data(), n, heads, d),
-                                         options);
+      const RowMatrix<float> expected = multihead_of(q, k, v, heads, kv_heads, options);
       // Float queries over a bfloat16 KV cache into a float output (ggml's layout).
       poslsh::multihead_attention(interleaved_heads<const float>(q.data(), n, heads, d),
                                   interleaved_heads<const Half>(kh.data(), n, kv_heads, d),
@@ -324,12 +302,8 @@ TEST_CASE(
                                   interleaved_heads<float>(mixed.data(), n, heads, d), options);
       CHECK(same_values(mixed, expected));
       // All bfloat16 against the float call on the rounded queries.
-      RowMatrix<float> expected_rounded(n, heads * d);
-      poslsh::multihead_attention<float>(
-          interleaved_heads<const float>(q_rounded.data(), n, heads, d),
-          interleaved_heads<const float>(k.data(), n, kv_heads, d),
-          interleaved_heads<const float>(v.data(), n, kv_heads, d),
-          interleaved_heads<float>(expected_rounded.data(), n, heads, d), options);
+      const RowMatrix<float> expected_rounded =
+          multihead_of(q_rounded, k, v, heads, kv_heads, options);
       poslsh::multihead_attention<Half, Half, float>(
           interleaved_heads<const Half>(qh.data(), n, heads, d),
           interleaved_heads<const Half>(kh.data(), n, kv_heads, d),
@@ -430,7 +404,6 @@ TEMPLATE_TEST_CASE("widening and rounding of rows: the bits of Eigen's conversio
 
 TEST_CASE("half-precision kernels name a bad argument as for float", "[half]") {
   using Half = Eigen::bfloat16;
-  using poslsh_test::require_invalid_argument;
   const Index n = 70, d = 16;
   const auto q = random_half<Half>(n, d, 71);
   const auto k = random_half<Half>(n, d, 72);

@@ -18,15 +18,7 @@
 #include "half_support.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::ConstMatrixRef;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::MatrixRef;
-using poslsh::RowMatrix;
 using poslsh_test::max_error;
-using poslsh_test::random_matrix;
 using poslsh_test::same_values;
 using poslsh_test::to_double;
 using poslsh_test::widened;
@@ -97,16 +89,10 @@ struct LogCounts {
 /// The kernels of attention/per_sample.hpp and interop/block_kernel.hpp, by name.
 enum class Kernel { per_sample, fixed_blocks, by_blocks };
 
-const char* name(Kernel kernel) {
-  switch (kernel) {
-    case Kernel::per_sample:
-      return "lsh_attention_per_sample";
-    case Kernel::fixed_blocks:
-      return "fixed_blocks_attention";
-    default:
-      return "lsh_attention_by_blocks";
-  }
-}
+constexpr poslsh::EnumName<Kernel> kernel_names[] = {
+    {Kernel::per_sample, "lsh_attention_per_sample"},
+    {Kernel::fixed_blocks, "fixed_blocks_attention"},
+    {Kernel::by_blocks, "lsh_attention_by_blocks"}};
 
 template <typename Scalar, typename KVScalar, typename OutScalar>
 RowMatrix<OutScalar> run(Kernel kernel, const RowMatrix<Scalar>& q, const RowMatrix<KVScalar>& k,
@@ -147,8 +133,9 @@ void check_prefill(Kernel kernel, const Shape& shape, Masking masking, std::uint
   const RowMatrix<double> q_rows = to_double(q)(rows, Eigen::all);
   const RowMatrix<double> reference =
       dense_rows(q_rows, to_double(k), to_double(v), tau, rows, LogCounts(hashes, n, masking));
-  INFO(name(kernel) << ", n " << n << ", d " << d << ", sigma " << shape.sigma << ", "
-                    << poslsh_test::masking_name(masking));
+  INFO(poslsh_test::name_in(kernel_names, kernel)
+       << ", n " << n << ", d " << d << ", sigma " << shape.sigma << ", "
+       << poslsh_test::masking_name(masking));
   const RowMatrix<float> float_out = run<float, float, float>(
       kernel, widened(q), widened(k), widened(v), hashes, shape.sigma, options);
   const RowMatrix<float> half_out =
@@ -374,7 +361,6 @@ TEMPLATE_TEST_CASE("half-precision decode at t = 100000: the bias is exact", "[h
 }
 
 TEST_CASE("half-precision kernels reject bad arguments by name", "[half][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const RowMatrix<bf16> k = random_matrix<float>(10, 4, 1).cast<bf16>();
   const RowMatrix<bf16> q = random_matrix<float>(1, 4, 2).cast<bf16>();
   const RowMatrix<bf16> wide_q = random_matrix<float>(10, 5, 2).cast<bf16>();

@@ -23,15 +23,7 @@
 #include "amx_emulation.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::MultiHeadOptions;
 using poslsh::PagedKV;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
 
 namespace {
 
@@ -91,6 +83,15 @@ poslsh::ConstMatrixRef<float> head_of(const Block& rows, Index h, Index width) {
   return rows.middleCols(h * width, width);
 }
 
+/// The queries (n x dim) and the keys and values of `heads` heads (n x heads dim and
+/// n x heads value_dim) of a paged test: random_matrix of seeds seed, seed + 1 and seed + 2.
+template <typename Scalar>
+poslsh_test::Qkv<Scalar> paged_inputs(Index n, Index heads, Index dim, Index value_dim,
+                                      std::uint64_t seed) {
+  return {random_matrix<Scalar>(n, dim, seed), random_matrix<Scalar>(n, heads * dim, seed + 1),
+          random_matrix<Scalar>(n, heads * value_dim, seed + 2)};
+}
+
 bool same(const RowMatrix<float>& a, const RowMatrix<float>& b) {
   return (a.array() == b.array()).all();
 }
@@ -99,9 +100,7 @@ bool same(const RowMatrix<float>& a, const RowMatrix<float>& b) {
 
 TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
   const Index n = 700;
-  const auto q = random_matrix<float>(n, paged_dim, 501);
-  const auto k = random_matrix<float>(n, paged_kv_heads * paged_dim, 502);
-  const auto v = random_matrix<float>(n, paged_kv_heads * paged_value_dim, 503);
+  const auto [q, k, v] = paged_inputs<float>(n, paged_kv_heads, paged_dim, paged_value_dim, 501);
   const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 5, 1);
   for (Index page_size : {16, 64, 100, 256}) {
     const PagedCache cache(k, v, page_size, 7 + static_cast<std::uint64_t>(page_size));
@@ -109,8 +108,7 @@ TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
       for (Index h = 0; h < paged_kv_heads; ++h) {
         INFO("page size " << page_size << ", head " << h << ", causal "
                           << (masking == Masking::causal));
-        AttentionOptions options;
-        options.masking = masking;
+        AttentionOptions options = with_masking(masking);
         const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(
             q, head_of(k, h, paged_dim), head_of(v, h, paged_value_dim), hashes, options);
         const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(
@@ -130,9 +128,7 @@ TEST_CASE("paged caches equal the contiguous kernels bitwise", "[paged]") {
 template <typename Scalar>
 void paged_check_in_place(Index dim, Index value_dim) {
   const Index n = 300, heads = 2;
-  const auto q = random_matrix<Scalar>(n, dim, 521);
-  const auto k = random_matrix<Scalar>(n, heads * dim, 522);
-  const auto v = random_matrix<Scalar>(n, heads * value_dim, 523);
+  const auto [q, k, v] = paged_inputs<Scalar>(n, heads, dim, value_dim, 521);
   const HashSet hashes = poslsh::rbf_hashes(30.0, 6, 7, 1);
   for (Index page_size : {1, 3, 16, 40, 64, 128}) {
     const PagedPool<Scalar> cache(k, v, heads, page_size,
@@ -142,8 +138,7 @@ void paged_check_in_place(Index dim, Index value_dim) {
         INFO("page size " << page_size << ", head " << h << ", causal "
                           << (masking == Masking::causal) << ", d " << dim << ", d_v "
                           << value_dim);
-        AttentionOptions options;
-        options.masking = masking;
+        AttentionOptions options = with_masking(masking);
         const auto k_h = k.middleCols(h * dim, dim);
         const auto v_h = v.middleCols(h * value_dim, value_dim);
         const RowMatrix<Scalar> fused =
@@ -173,9 +168,7 @@ TEST_CASE("paged caches read in place page by page, any page size", "[paged]") {
 
 TEST_CASE("chunked prefill and decode through a growing paged cache", "[paged][offsets]") {
   const Index n = 330;
-  const auto q = random_matrix<float>(n, paged_dim, 511);
-  const auto k = random_matrix<float>(n, paged_kv_heads * paged_dim, 512);
-  const auto v = random_matrix<float>(n, paged_kv_heads * paged_value_dim, 513);
+  const auto [q, k, v] = paged_inputs<float>(n, paged_kv_heads, paged_dim, paged_value_dim, 511);
   const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 6, 0);
   const Index h = 1;
   const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(
@@ -339,8 +332,8 @@ template <typename Q, typename KV, typename Out,
 void check_paged_batch(const PagedBatch<KV>& cache, const std::vector<std::int32_t>& cu_q,
                        const std::vector<Index>& offsets, const MultiHeadOptions& options) {
   using Compute = poslsh::compute_scalar_t<Q, KV, Out>;
-  constexpr bool native = std::is_same_v<Tiles<Eigen::bfloat16>,
-                                         poslsh::detail::AmxNativeTiles<Eigen::bfloat16>>;
+  constexpr bool native =
+      std::is_same_v<Tiles<Eigen::bfloat16>, poslsh::detail::AmxNativeTiles<Eigen::bfloat16>>;
   constexpr Index H = batch_q_heads, d = batch_dim, dv = batch_value_dim;
   const Index tokens = cu_q.back();
   const RowMatrix<Q> q = random_matrix<float>(tokens, H * d, 601).cast<Q>();
@@ -408,19 +401,15 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
           INFO("page size " << page_size << ", method " << poslsh::enum_name(method) << ", "
                             << poslsh_test::masking_name(masking) << ", window " << window
                             << ", offsets " << explicit_offsets);
-          MultiHeadOptions options;
-          options.method = method;
-          options.masking = masking;
-          options.samples = 3;
-          options.seed = 11;
+          MultiHeadOptions options = multihead_options(method, masking, 3, 11);
           options.precision = precision;
           options.sigmas = {3.0, 9.0, 40.0, 1e300};
           if (window) {
             options.window_left = 5;
             options.window_right = masking == Masking::causal ? -1 : 2;
           }
-          check_paged_batch<Q, KV, Out, Tiles>(cache, cu_q,
-                                        explicit_offsets ? offsets : std::vector<Index>{}, options);
+          check_paged_batch<Q, KV, Out, Tiles>(
+              cache, cu_q, explicit_offsets ? offsets : std::vector<Index>{}, options);
         }
       }
     }
@@ -431,7 +420,6 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
 
 TEST_CASE("multihead_attention_paged equals the gathered cache's call bitwise, every method",
           "[paged][multihead]") {
-  using poslsh::Precision;
   // Pages of one row, fewer rows than a register block, not dividing a key tile, a tile, more.
   for (Index page_size : {1, 5, 16, 64, 100}) {
     check_paged_methods<float, float, float>(page_size, Precision::float_products);
@@ -530,7 +518,6 @@ TEST_CASE("multihead_attention_paged: one sigma per sequence and head, and threa
 }
 
 TEST_CASE("multihead_attention_paged: bad arguments throw naming them", "[paged][bad_input]") {
-  using poslsh_test::require_invalid_argument;
   const std::vector<Index> lengths = {40, 20};
   PagedBatch<float> cache(lengths, batch_kv_heads, batch_dim, batch_value_dim, 16, 821);
   constexpr Index H = batch_q_heads, d = batch_dim, dv = batch_value_dim;

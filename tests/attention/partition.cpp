@@ -14,12 +14,7 @@
 #include <omp.h>
 #endif
 
-using poslsh::Index;
-using poslsh::Masking;
 using poslsh::PartitionSet;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-using poslsh_test::with_masking;
 
 namespace {
 
@@ -85,9 +80,7 @@ TEST_CASE("partition kernels are bitwise the hash-set kernels on partition_set(h
           "[partition_attention]") {
   const Index d = 16, dv = 12;
   for (Index n : {Index{1}, Index{63}, Index{300}, Index{520}}) {
-    const RowMatrix<float> q = random_matrix<float>(n, d, 11);
-    const RowMatrix<float> k = random_matrix<float>(n, d, 12);
-    const RowMatrix<float> v = random_matrix<float>(n, dv, 13);
+    const auto [q, k, v] = random_qkv<float>(n, d, dv, 11);
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {
       for (poslsh::Sampler sampler : {poslsh::Sampler::independent, poslsh::Sampler::antithetic,
                                       poslsh::Sampler::stratified, poslsh::Sampler::rqmc}) {
@@ -124,9 +117,7 @@ TEST_CASE("partition kernels are bitwise the hash-set kernels on partition_set(h
 TEST_CASE("partition kernels compute the count-weighted formula on Poisson cuts",
           "[partition_attention]") {
   const Index n = 350, d = 16, dv = 8;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 21);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 22);
-  const RowMatrix<float> v = random_matrix<float>(n, dv, 23);
+  const auto [q, k, v] = random_qkv<float>(n, d, dv, 21);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.8, 5.0, 60.0}) {
       for (Index s : {Index{1}, Index{6}}) {
@@ -164,9 +155,7 @@ TEST_CASE("partition kernels compute the count-weighted formula on Poisson cuts"
 
 TEST_CASE("partition kernels give the same output for any thread count", "[partition_attention]") {
   const Index n = 700, d = 16;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 31);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 32);
-  const RowMatrix<float> v = random_matrix<float>(n, d, 33);
+  const auto [q, k, v] = random_qkv<float>(n, d, d, 31);
   const PartitionSet set = poslsh::sample_partition_set(12.0, 9, n, 4, 0, poslsh::Sampler::poisson);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
 #ifdef _OPENMP
@@ -192,7 +181,6 @@ TEST_CASE("partition kernels give the same output for any thread count", "[parti
 }
 
 TEST_CASE("partition kernels name bad arguments", "[partition_attention]") {
-  using poslsh_test::require_invalid_argument;
   const Index n = 50, d = 8;
   const RowMatrix<float> q = random_matrix<float>(n, d, 41);
   const RowMatrix<float> k = random_matrix<float>(n, d, 42);

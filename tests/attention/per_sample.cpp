@@ -7,24 +7,14 @@
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 TEMPLATE_TEST_CASE("lsh_attention_per_sample equals the dense formula", "[per_sample]", float,
                    double) {
   const Index n = 300, d = 16, dv = 12;
-  const auto q = random_matrix<TestType>(n, d, 11);
-  const auto k = random_matrix<TestType>(n, d, 12);
-  const auto v = random_matrix<TestType>(n, dv, 13);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 11);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.7, 5.0, 60.0, 400.0}) {
       const HashSet hashes = poslsh::rbf_hashes(sigma, 9, 5, 1);
-      AttentionOptions options;
-      options.masking = masking;
+      AttentionOptions options = with_masking(masking);
       const RowMatrix<TestType> out =
           poslsh::lsh_attention_per_sample<TestType>(q, k, v, hashes, options);
       const RowMatrix<double> expected =
@@ -39,13 +29,10 @@ TEMPLATE_TEST_CASE("lsh_attention_per_sample equals the dense formula", "[per_sa
 TEMPLATE_TEST_CASE("one hash whose block covers the sequence gives plain softmax attention",
                    "[per_sample]", float, double) {
   const Index n = 200, d = 8;
-  const auto q = random_matrix<TestType>(n, d, 1);
-  const auto k = random_matrix<TestType>(n, d, 2);
-  const auto v = random_matrix<TestType>(n, d, 3);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, d, 1);
   const HashSet one_block{poslsh::BinHash{1e9, 0.5e9}};
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions options;
-    options.masking = masking;
+    AttentionOptions options = with_masking(masking);
     // Plain softmax attention is ALiBi attention with a vanishing slope: sigma = 1e30 makes
     // every bias |i-j|/sigma < 1e-27, far below rounding.
     const RowMatrix<TestType> plain =
@@ -59,9 +46,7 @@ TEMPLATE_TEST_CASE("one hash whose block covers the sequence gives plain softmax
 
 TEST_CASE("fixed_blocks_attention is plain attention inside blocks of 2 sigma", "[per_sample]") {
   const Index n = 50, d = 4;
-  const auto q = random_matrix<double>(n, d, 4);
-  const auto k = random_matrix<double>(n, d, 5);
-  const auto v = random_matrix<double>(n, d, 6);
+  const auto [q, k, v] = random_qkv<double>(n, d, d, 4);
   const RowMatrix<double> out = poslsh::fixed_blocks_attention<double>(q, k, v, 4.0);
   // Blocks [0, 8), [8, 16), ...: each block is its own causal softmax attention.
   for (Index begin = 0; begin < n; begin += 8) {
@@ -76,7 +61,6 @@ TEST_CASE("fixed_blocks_attention is plain attention inside blocks of 2 sigma", 
 }
 
 TEST_CASE("lsh_attention_per_sample rejects bad arguments", "[per_sample][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<float>(6, 4, 1);
   const auto short_k = random_matrix<float>(5, 4, 1);
   const HashSet hashes = poslsh::rbf_hashes(2.0, 3, 1);

@@ -26,14 +26,6 @@
 #include <type_traits>
 #include <vector>
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-using poslsh_test::with_masking;
-
 namespace per_sample_accuracy {
 
 constexpr double float_eps = std::numeric_limits<float>::epsilon();
@@ -118,8 +110,7 @@ Gradients per_sample_gradients(const RowMatrix<float>& q, const RowMatrix<float>
                                const Eigen::VectorXf& lse, const RowMatrix<float>& dout) {
   Gradients g{RowMatrix<float>(q.rows(), q.cols()), RowMatrix<float>(k.rows(), k.cols()),
               RowMatrix<float>(v.rows(), v.cols())};
-  AttentionOptions options;
-  options.masking = masking;
+  AttentionOptions options = with_masking(masking);
   options.scale = tau;
   HashSet set;
   if constexpr (std::is_same_v<Samples, HashSet>) {
@@ -137,9 +128,7 @@ Gradients per_sample_gradients(const RowMatrix<float>& q, const RowMatrix<float>
 void check_accuracy(Index length) {
   const Index d = 80, dv = 80, s = 200;
   const HashSet hashes = poslsh::rbf_hashes(1e4, s, 7, 3);
-  const RowMatrix<float> q = random_matrix<float>(length, d, 1);
-  const RowMatrix<float> k = random_matrix<float>(length, d, 2);
-  const RowMatrix<float> v = random_matrix<float>(length, dv, 3);
+  const auto [q, k, v] = random_qkv<float>(length, d, dv, 1);
   const RowMatrix<float> dout = random_matrix<float>(length, dv, 4);
   // A scale that float holds exactly, so that the float kernels and the double formula
   // share it.
@@ -206,9 +195,7 @@ TEST_CASE("per-sample float error stays within the fused kernel's at s = 200, L 
 
 TEST_CASE("2^k copies of one hash give bitwise the one-hash per-sample output", "[per_sample]") {
   const Index n = 300, d = 16, dv = 12;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 21);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 22);
-  const RowMatrix<float> v = random_matrix<float>(n, dv, 23);
+  const auto [q, k, v] = random_qkv<float>(n, d, dv, 21);
   const poslsh::BinHash hash = poslsh::rbf_hashes(40.0, 1, 5, 0).front();
   for (Masking masking : {Masking::bidirectional, Masking::causal}) {
     const AttentionOptions options = with_masking(masking);
@@ -224,9 +211,7 @@ TEST_CASE("2^k copies of one hash give bitwise the one-hash per-sample output", 
 
 TEST_CASE("two copies of one hash give twice the one-hash gradients", "[per_sample]") {
   const Index n = 300, d = 16, dv = 12;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 41);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 42);
-  const RowMatrix<float> v = random_matrix<float>(n, dv, 43);
+  const auto [q, k, v] = random_qkv<float>(n, d, dv, 41);
   const RowMatrix<float> dout = random_matrix<float>(n, dv, 44);
   const auto tau = static_cast<float>(0.25);
   for (double sigma : {3.0, 40.0, 1e4}) {
@@ -255,9 +240,7 @@ TEST_CASE("per-sample gradients summed over the samples are bitwise the same for
           "[per_sample][determinism]") {
 #ifdef _OPENMP
   const Index n = 500, d = 16, dv = 8;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 31);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 32);
-  const RowMatrix<float> v = random_matrix<float>(n, dv, 33);
+  const auto [q, k, v] = random_qkv<float>(n, d, dv, 31);
   const RowMatrix<float> dout = random_matrix<float>(n, dv, 34);
   const HashSet hashes = poslsh::rbf_hashes(24.0, 7, 9, 1);  // levels 0, 1 and 2 left
   const auto tau = static_cast<float>(0.25);

@@ -11,33 +11,18 @@
 
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::ConstMatrixRef;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::MatrixRef;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
+/// The single-head kernels run at an offset (run_kind).
 enum class OffsetKind { tiled, banded, fused, per_sample, fixed_blocks };
 
-const char* offset_kind_name(OffsetKind kind) {
-  switch (kind) {
-    case OffsetKind::tiled:
-      return "tiled";
-    case OffsetKind::banded:
-      return "banded";
-    case OffsetKind::fused:
-      return "fused";
-    case OffsetKind::per_sample:
-      return "per_sample";
-    default:
-      return "fixed_blocks";
-  }
-}
+}  // namespace
+
+namespace poslsh {
+POSLSH_ENUM_NAMES(OffsetKind, tiled, banded, fused, per_sample, fixed_blocks);
+}  // namespace poslsh
+
+namespace {
 
 template <typename Scalar>
 void run_kind(OffsetKind kind, ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
@@ -66,19 +51,15 @@ bool offset_bitwise_equal(const RowMatrix<float>& a, const RowMatrix<float>& b) 
 
 TEST_CASE("chunked prefill equals one prefill bitwise, every method", "[offsets]") {
   const Index n = 1030, d = 16, dv = 24;
-  const auto q = random_matrix<float>(n, d, 301);
-  const auto k = random_matrix<float>(n, d, 302);
-  const auto v = random_matrix<float>(n, dv, 303);
+  const auto [q, k, v] = random_qkv<float>(n, d, dv, 301);
   const HashSet hashes = poslsh::rbf_hashes(24.0, 4, 9, 1);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
-                            OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
-      AttentionOptions options;
-      options.masking = masking;
+    for (OffsetKind kind : poslsh::enum_values<OffsetKind>()) {
+      AttentionOptions options = with_masking(masking);
       RowMatrix<float> full(n, dv);
       run_kind<float>(kind, q, k, v, hashes, full, options);
       for (Index chunk : {1, 7, 64, 1000}) {
-        INFO(offset_kind_name(kind)
+        INFO(poslsh::enum_name(kind)
              << (masking == Masking::causal ? " causal" : " bidirectional") << ", chunk " << chunk);
         RowMatrix<float> chunked = full;
         // Single-row chunks: every 5th (the others are the same computation at other rows).
@@ -136,9 +117,7 @@ TEST_CASE(
     "Q, K, V (the default matrix unit)",
     "[offsets][per_sample]") {
   const Index n = 300;
-  const auto q = random_matrix<double>(n, 8, 351);
-  const auto k = random_matrix<double>(n, 8, 352);
-  const auto v = random_matrix<double>(n, 16, 353);
+  const auto [q, k, v] = random_qkv<double>(n, 8, 16, 351);
   const HashSet hashes = poslsh::rbf_hashes(16.0, 3, 11, 2);
   const RowMatrix<float> q_float = q.cast<float>();
   const RowMatrix<Eigen::bfloat16> k_half = k.cast<Eigen::bfloat16>();
@@ -154,13 +133,10 @@ TEST_CASE(
 
 TEST_CASE("causal queries at an explicit offset ignore the later keys", "[offsets]") {
   const Index n = 300, d = 8;
-  const auto q = random_matrix<float>(n, d, 311);
-  const auto k = random_matrix<float>(n, d, 312);
-  const auto v = random_matrix<float>(n, d, 313);
+  const auto [q, k, v] = random_qkv<float>(n, d, d, 311);
   const HashSet hashes = poslsh::rbf_hashes(10.0, 8, 3, 0);
-  for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
-                          OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
-    INFO(offset_kind_name(kind));
+  for (OffsetKind kind : poslsh::enum_values<OffsetKind>()) {
+    INFO(poslsh::enum_name(kind));
     RowMatrix<float> full(n, d);
     run_kind<float>(kind, q, k, v, hashes, full, {});
     // An explicit offset with all n keys: the rows of the kernel on all n positions.
@@ -177,12 +153,9 @@ TEST_CASE("causal queries at an explicit offset ignore the later keys", "[offset
 
 TEST_CASE("tiled row ranges of queries at an offset", "[offsets]") {
   const Index n = 500, d = 8, p0 = 130, m = 200;
-  const auto q = random_matrix<double>(n, d, 321);
-  const auto k = random_matrix<double>(n, d, 322);
-  const auto v = random_matrix<double>(n, d, 323);
+  const auto [q, k, v] = random_qkv<double>(n, d, d, 321);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions options;
-    options.masking = masking;
+    AttentionOptions options = with_masking(masking);
     const RowMatrix<double> full = poslsh::alibi_attention_tiled<double>(q, k, v, 7.0, options);
     options.query_offset = p0;
     RowMatrix<double> rows(50, d);
@@ -191,20 +164,15 @@ TEST_CASE("tiled row ranges of queries at an offset", "[offsets]") {
     CHECK((rows.array() == full.middleRows(p0 + 20, 50).array()).all());
     poslsh::alibi_attention_banded_rows<double>(q.middleRows(p0, m), k, v, 7.0, 30, 20, 70, rows,
                                                 options);
-    const RowMatrix<double> banded = poslsh::alibi_attention_banded<double>(q, k, v, 7.0, 30, [&] {
-      AttentionOptions o;
-      o.masking = masking;
-      return o;
-    }());
+    const RowMatrix<double> banded =
+        poslsh::alibi_attention_banded<double>(q, k, v, 7.0, 30, with_masking(masking));
     CHECK((rows.array() == banded.middleRows(p0 + 20, 50).array()).all());
   }
 }
 
 TEST_CASE("multi-token decode: m query rows ending at t", "[offsets][decode]") {
   const Index n = 400, d = 16;
-  const auto q = random_matrix<float>(n, d, 331);
-  const auto k = random_matrix<float>(n, d, 332);
-  const auto v = random_matrix<float>(n, d, 333);
+  const auto [q, k, v] = random_qkv<float>(n, d, d, 331);
   const HashSet hashes = poslsh::rbf_hashes(16.0, 16, 4, 2);
   const RowMatrix<float> fused = poslsh::lsh_attention_fused<float>(q, k, v, hashes);
   const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(q, k, v, 16.0);
@@ -240,8 +208,7 @@ TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]")
   for (Index p0 : {-1, 11, 1000}) {
     AttentionOptions options;
     options.query_offset = p0;
-    for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
-                            OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
+    for (OffsetKind kind : poslsh::enum_values<OffsetKind>()) {
       poslsh_test::require_invalid_argument(
           [&] { run_kind<float>(kind, q, k, k, hashes, out, options); }, "options.query_offset");
     }
@@ -257,8 +224,7 @@ TEST_CASE("bad query offsets throw naming the argument", "[offsets][bad_input]")
       [&] { poslsh::lsh_attention_by_blocks<float>(k, k, k, hashes, wide, shifted); },
       "options.query_offset");
   // Unset offset: the queries are the last q.rows() keys, so k needs at least as many rows.
-  for (OffsetKind kind : {OffsetKind::tiled, OffsetKind::banded, OffsetKind::fused,
-                          OffsetKind::per_sample, OffsetKind::fixed_blocks}) {
+  for (OffsetKind kind : poslsh::enum_values<OffsetKind>()) {
     poslsh_test::require_invalid_argument([&] { run_kind<float>(kind, k, q, q, hashes, wide, {}); },
                                           "k");
   }

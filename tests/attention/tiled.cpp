@@ -8,14 +8,7 @@
 
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-using poslsh_test::relative_max_error;
 using poslsh_test::tolerance;
-using poslsh_test::with_masking;
 
 namespace {
 
@@ -32,9 +25,7 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled equals the dense reference", "[tiled]"
   const Index d = 8;
   for (Index n : {1, 2, 7, 63, 64, 65, 130, 200}) {
     for (Index dv : {5, 16}) {
-      const auto q = random_matrix<TestType>(n, d, 11, 2.0);
-      const auto k = random_matrix<TestType>(n, d, 12, 2.0);
-      const auto v = random_matrix<TestType>(n, dv, 13);
+      const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 11, 2.0);
       for (Masking masking : {Masking::causal, Masking::bidirectional}) {
         for (double sigma : {0.01, 0.7, 6.0, 50.0, 1e6}) {
           const auto options = with_masking(masking);
@@ -59,9 +50,7 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled handles d and d_v of any size", "[tile
   const Index n = 97;
   for (Index d : {1, 3, 64, 70}) {
     for (Index dv : {1, 33, 64, 80}) {
-      const auto q = random_matrix<TestType>(n, d, 21);
-      const auto k = random_matrix<TestType>(n, d, 22);
-      const auto v = random_matrix<TestType>(n, dv, 23);
+      const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 21);
       const RowMatrix<TestType> expected =
           poslsh::alibi_attention_reference<TestType>(q, k, v, 3.0);
       const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, 3.0);
@@ -104,9 +93,7 @@ TEST_CASE("alibi_attention_tiled reads and writes strided head views", "[tiled]"
 TEMPLATE_TEST_CASE("alibi_attention_tiled_rows equals the full call bit for bit", "[tiled]", float,
                    double) {
   const Index n = 300, d = 16, dv = 12;
-  const auto q = random_matrix<TestType>(n, d, 41, 1.5);
-  const auto k = random_matrix<TestType>(n, d, 42, 1.5);
-  const auto v = random_matrix<TestType>(n, dv, 43);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 41, 1.5);
   const Index tile = poslsh::tiled_query_tile;
   // Splits on multiples of the tile, and splits anywhere (each row depends on itself alone).
   const std::vector<std::vector<Index>> splits = {
@@ -189,7 +176,6 @@ TEST_CASE("alibi_attention_tiled: n = 0 gives an empty result", "[tiled]") {
 }
 
 TEST_CASE("alibi_attention_tiled rejects bad arguments", "[tiled][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<float>(5, 4, 1);
   const auto k3 = random_matrix<float>(5, 3, 1);
   const auto v6 = random_matrix<float>(6, 4, 1);

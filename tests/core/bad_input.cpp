@@ -10,14 +10,7 @@
 
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::BinHash;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
 using poslsh_test::infinity;
-using poslsh_test::random_matrix;
 
 namespace {
 
@@ -289,7 +282,6 @@ TEMPLATE_TEST_CASE("the decoders reject a bad position, query, cache and masking
 
 TEST_CASE("multihead_attention rejects bad views, head counts and options", "[bad_input]") {
   using poslsh::interleaved_heads;
-  using poslsh::MultiHeadOptions;
   const Index n = 5, heads = 4, d = 3;
   const auto q = random_matrix<double>(n, heads * d, 12);
   const auto kv = random_matrix<double>(n, 2 * d, 13);

@@ -49,13 +49,7 @@
 #include "half_support.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
 using poslsh::MatrixUnit;
-using poslsh::Precision;
-using poslsh::RowMatrix;
 using poslsh::detail::AmxNativeTiles;
 using poslsh_test::AmxEmulatedTiles;
 using poslsh_test::AmxTilesOff;
@@ -66,17 +60,8 @@ namespace {
 /// The inputs of the accuracy sweep.
 enum class Inputs { random, smooth, heavy_tailed };
 
-const char* inputs_name(Inputs inputs) {
-  switch (inputs) {
-    case Inputs::random:
-      return "random";
-    case Inputs::smooth:
-      return "smooth";
-    case Inputs::heavy_tailed:
-      return "heavy-tailed";
-  }
-  return "?";
-}
+constexpr poslsh::EnumName<Inputs> inputs_names[] = {
+    {Inputs::random, "random"}, {Inputs::smooth, "smooth"}, {Inputs::heavy_tailed, "heavy-tailed"}};
 
 /// An n x d matrix of the given kind rounded to Half (bfloat16 or float16): standard normal
 /// entries; smooth rows (sines of the position, a slowly turning direction); or Student-t entries
@@ -205,8 +190,7 @@ bool have_unit(MatrixUnit unit) {
 
 /// Options selecting the matrix unit (the default precision).
 AttentionOptions unit_options(Masking masking) {
-  AttentionOptions options;
-  options.masking = masking;
+  AttentionOptions options = with_masking(masking);
   options.precision = Precision::matrix_units;
   return options;
 }
@@ -228,6 +212,20 @@ void with_threads(int threads, Body&& body) {
 /// Whether Tiles is the library's tile layer (the one the public calls use).
 template <template <typename> class Tiles>
 constexpr bool native_tiles = std::is_same_v<Tiles<bf16>, AmxNativeTiles<bf16>>;
+
+/// The tile layer Tiles as a value (a check deduces Tiles from it).
+template <template <typename> class Tiles>
+struct TileLayer {};
+
+/// run(TileLayer<Tiles>{}) on the tile layer with which the tile engine takes the AVX512-BF16
+/// unit: the CPU's tiles turned off (AmxTilesOff) on a CPU with AMX, else the CPU's own.
+template <typename Run>
+void on_avx512_bf16_layer(Run&& run) {
+  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
+    run(TileLayer<AmxTilesOff>{});
+  else
+    run(TileLayer<AmxNativeTiles>{});
+}
 
 /// The unit calls on Half Q, K and V with `options` multiply on, AMX on the tile layer Tiles.
 template <template <typename> class Tiles, typename Half>
@@ -375,7 +373,7 @@ void on_emulated_tiles(Body&& body) {
 /// The accuracy sweep on `unit` (the unit Half calls use here with AMX on the tile layer Tiles,
 /// checked first).
 template <template <typename> class Tiles, typename Half = bf16>
-void accuracy_sweep(MatrixUnit unit) {
+void accuracy_sweep(MatrixUnit unit, TileLayer<Tiles> = {}) {
   REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == unit);
   std::uint64_t seed = 100;
   for (const Inputs inputs : {Inputs::random, Inputs::smooth, Inputs::heavy_tailed}) {
@@ -385,8 +383,9 @@ void accuracy_sweep(MatrixUnit unit) {
         // d_v over 64 value columns.
         for (const auto& size : {std::pair<Index, Index>{200, 64}, {77, 37}, {130, 81}}) {
           const Index n = size.first, d = size.second;
-          INFO(inputs_name(inputs) << ", n " << n << ", d " << d << ", sigma " << sigma
-                                   << (masking == Masking::causal ? ", causal" : ", bidir."));
+          INFO(poslsh_test::name_in(inputs_names, inputs)
+               << ", n " << n << ", d " << d << ", sigma " << sigma
+               << (masking == Masking::causal ? ", causal" : ", bidir."));
           const RowMatrix<Half> q = make_input<Half>(inputs, n, d, ++seed),
                                 k = make_input<Half>(inputs, n, d, ++seed),
                                 v = make_input<Half>(inputs, n, d + 3, ++seed);
@@ -441,7 +440,7 @@ template <typename Scalar, template <typename> class Tiles = AmxNativeTiles>
 void kept_key_tile_checks();
 
 template <template <typename> class Tiles, typename Half = bf16>
-void thread_and_chunk_checks(MatrixUnit unit) {
+void thread_and_chunk_checks(MatrixUnit unit, TileLayer<Tiles> = {}) {
   REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == unit);
   const Index n = 333, d = 64;
   const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, d, 1),
@@ -550,7 +549,7 @@ void kept_key_tile_checks() {
 /// the single-head call on the unit (one_head) and not bitwise the float products; ran() says
 /// whether the unit ran since it was last asked (checked after each call on the unit).
 template <template <typename> class Tiles, typename Half = bf16, typename Ran>
-void every_kernel_checks(MatrixUnit expected, Ran&& ran) {
+void every_kernel_checks(MatrixUnit expected, Ran&& ran, TileLayer<Tiles> = {}) {
   REQUIRE(unit_on<Tiles, Half>(unit_options(Masking::causal)) == expected);
   const Index n = 150, heads = 2, d = 32;
   const RowMatrix<Half> q = make_input<Half>(Inputs::random, n, heads * d, 11),
@@ -738,27 +737,21 @@ TEST_CASE("matrix units: the table, availability and the unit a call uses", "[un
 TEST_CASE("avx512_bf16: within 2x a plain bfloat16 attention's error against double",
           "[units][half]") {
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
-    accuracy_sweep<AmxTilesOff>(MatrixUnit::avx512_bf16);
-  else
-    accuracy_sweep<AmxNativeTiles>(MatrixUnit::avx512_bf16);
+  on_avx512_bf16_layer([](auto layer) { accuracy_sweep(MatrixUnit::avx512_bf16, layer); });
 }
 
 TEST_CASE("avx512_bf16: bitwise the same on 1 and 2 threads, chunked prefill one prefill",
           "[units][half]") {
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
-    thread_and_chunk_checks<AmxTilesOff>(MatrixUnit::avx512_bf16);
-  else
-    thread_and_chunk_checks<AmxNativeTiles>(MatrixUnit::avx512_bf16);
+  on_avx512_bf16_layer([](auto layer) { thread_and_chunk_checks(MatrixUnit::avx512_bf16, layer); });
 }
 
 TEST_CASE("avx512_bf16: every kernel on the tile engine uses the unit", "[units][half]") {
   if (!have_unit(MatrixUnit::avx512_bf16)) return;
-  if (poslsh::matrix_unit_available(MatrixUnit::amx_bf16))
-    every_kernel_checks<AmxTilesOff>(MatrixUnit::avx512_bf16, [] { return true; });
-  else
-    every_kernel_checks<AmxNativeTiles>(MatrixUnit::avx512_bf16, [] { return true; });
+  on_avx512_bf16_layer([](auto layer) {
+    every_kernel_checks(
+        MatrixUnit::avx512_bf16, [] { return true; }, layer);
+  });
 }
 
 TEST_CASE("float and double: key tiles kept for the next query tiles, bitwise read in place",
@@ -776,8 +769,7 @@ TEST_CASE("float_products: bitwise the float kernel on the widened inputs", "[un
                          vf = poslsh_test::widened(v);
   const HashSet hashes = poslsh::rbf_hashes(24.0, 8, 9, 0);
   for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions options;
-    options.masking = masking;
+    AttentionOptions options = with_masking(masking);
     options.precision = Precision::float_products;
     RowMatrix<float> half_in(n, d), float_in(n, d);
     poslsh::alibi_attention_tiled<bf16, bf16, float>(q, k, v, 16.0, half_in, options);

@@ -6,23 +6,13 @@
 #include "lsh_oracle.hpp"
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 TEMPLATE_TEST_CASE(
     "lsh_attention_by_blocks with the library's block kernel equals the fused kernel",
     "[block_kernel]", float, double) {
   const Index n = 260, d = 16;
-  const auto q = random_matrix<TestType>(n, d, 101);
-  const auto k = random_matrix<TestType>(n, d, 102);
-  const auto v = random_matrix<TestType>(n, d, 103);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, d, 101);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    AttentionOptions options;
-    options.masking = masking;
+    AttentionOptions options = with_masking(masking);
     const HashSet hashes = poslsh::rbf_hashes(20.0, 8, 6, 1);
     RowMatrix<TestType> out(n, d);
     poslsh::lsh_attention_by_blocks<TestType>(q, k, v, hashes, out, options);
@@ -40,9 +30,7 @@ TEMPLATE_TEST_CASE(
 TEST_CASE("a user block kernel is called once per block and its results are merged",
           "[block_kernel]") {
   const Index n = 90, d = 4;
-  const auto q = random_matrix<double>(n, d, 111);
-  const auto k = random_matrix<double>(n, d, 112);
-  const auto v = random_matrix<double>(n, d, 113);
+  const auto [q, k, v] = random_qkv<double>(n, d, d, 111);
   const HashSet hashes = poslsh::rbf_hashes(5.0, 6, 2, 0);
   Index calls = 0, rows_seen = 0;
   // A deliberately plain kernel: dense softmax by loops, written independently here.
@@ -72,7 +60,6 @@ TEST_CASE("a user block kernel is called once per block and its results are merg
 }
 
 TEST_CASE("lsh_attention_by_blocks rejects bad arguments", "[block_kernel][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<float>(6, 4, 1);
   RowMatrix<float> out(6, 4);
   require_invalid_argument([&] { poslsh::lsh_attention_by_blocks<float>(q, q, q, HashSet{}, out); },

@@ -7,7 +7,6 @@
 #include "test_support.hpp"
 
 using poslsh::BlockPlan;
-using poslsh::Index;
 
 TEST_CASE("block_plan of one sequence equals the block boundaries", "[plan]") {
   for (double sigma : {0.4, 3.0, 50.0}) {
@@ -59,7 +58,6 @@ TEST_CASE("fixed_blocks_plan cuts blocks of 2 sigma", "[plan]") {
 }
 
 TEST_CASE("block plans check lengths, int32 overflow and hashes", "[plan][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const poslsh::BinHash hash{4.0, 1.0};
   require_invalid_argument(
       [&] {

@@ -8,11 +8,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
 // Sample k of the estimator by dense loops: for each row, plain softmax over its block (causal)
@@ -49,9 +44,7 @@ void dense_sample(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
 TEMPLATE_TEST_CASE("merging per-sample (O_k, lse_k) gives the per-sample and fused kernels",
                    "[merge]", float, double) {
   const Index n = 150, d = 8;
-  const auto q = random_matrix<TestType>(n, d, 91);
-  const auto k = random_matrix<TestType>(n, d, 92);
-  const auto v = random_matrix<TestType>(n, d, 93);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, d, 91);
   const HashSet hashes = poslsh::rbf_hashes(6.0, 12, 4, 0);
   const double tau = 1.0 / std::sqrt(double(d));
   poslsh::LseMerger<TestType> merger(n, d);
@@ -102,7 +95,6 @@ TEST_CASE("rows with lse = -inf take nothing from that sample, even a NaN output
 }
 
 TEST_CASE("LseMerger rejects bad shapes and lse values", "[merge][invalid]") {
-  using poslsh_test::require_invalid_argument;
   poslsh::LseMerger<float> merger(4, 3);
   const RowMatrix<float> good = RowMatrix<float>::Zero(4, 3);
   const RowMatrix<float> bad = RowMatrix<float>::Zero(4, 2);

@@ -13,14 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-using poslsh::AttentionOptions;
-using poslsh::BinHash;
 using poslsh::HashKey;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
 
 TEST_CASE("philox4x32_10 gives the Random123 known answers", "[determinism]") {
   // Random123 1.09, tests/kat_vectors: philox4x32 10 (counter, key) -> output.
@@ -120,8 +113,7 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
                                           const RowMatrix<float>& v, Masking masking) {
   const double sigma = 24.0;
   const HashSet hashes = poslsh::rbf_hashes(sigma, 12, 2024, 1);
-  AttentionOptions options;
-  options.masking = masking;
+  AttentionOptions options = with_masking(masking);
   std::vector<RowMatrix<float>> outputs;
   outputs.push_back(poslsh::lsh_attention_fused<float>(q, k, v, hashes, options));
   outputs.push_back(poslsh::lsh_attention_per_sample<float>(q, k, v, hashes, options));
@@ -160,18 +152,8 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
   for (poslsh::Method method :
        {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
         poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
-    poslsh::MultiHeadOptions multi;
-    multi.method = method;
-    multi.masking = masking;
-    multi.samples = 6;
-    multi.seed = 9;
-    RowMatrix<float> out(q.rows(), heads * d);
-    poslsh::multihead_attention<float>(
-        poslsh::interleaved_heads<const float>(qh.data(), q.rows(), heads, d),
-        poslsh::interleaved_heads<const float>(kh.data(), k.rows(), kv_heads, d),
-        poslsh::interleaved_heads<const float>(vh.data(), v.rows(), kv_heads, d),
-        poslsh::interleaved_heads<float>(out.data(), q.rows(), heads, d), multi);
-    outputs.push_back(out);
+    outputs.push_back(
+        multihead_of(qh, kh, vh, heads, kv_heads, multihead_options(method, masking, 6, 9)));
   }
   return outputs;
 }
@@ -181,9 +163,7 @@ std::vector<RowMatrix<float>> all_outputs(const RowMatrix<float>& q, const RowMa
 TEST_CASE("every kernel gives the same bits on every run and thread count", "[determinism]") {
   // n = 300 spans several query tiles of every kernel, so the tiles are spread over threads.
   const Index n = 300, d = 16;
-  const auto q = random_matrix<float>(n, d, 301);
-  const auto k = random_matrix<float>(n, d, 302);
-  const auto v = random_matrix<float>(n, d, 303);
+  const auto [q, k, v] = random_qkv<float>(n, d, d, 301);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     INFO("causal " << (masking == Masking::causal));
 #ifdef _OPENMP

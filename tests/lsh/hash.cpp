@@ -7,7 +7,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::BinHash;
 using poslsh::HashKey;
 
 TEST_CASE("Philox4x32-10 reproduces the published known-answer vectors", "[hash]") {
@@ -92,7 +91,6 @@ TEST_CASE("fixed_blocks_hash has width 2 sigma and offset 0", "[hash]") {
 }
 
 TEST_CASE("hash functions reject bad sigma and s", "[hash][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::rbf_hash(0.0, HashKey{}); }, "sigma");
   require_invalid_argument([] { poslsh::rbf_hash(-1.0, HashKey{}); }, "sigma");
   require_invalid_argument([] { poslsh::rbf_hash(std::nan(""), HashKey{}); }, "sigma");

@@ -4,9 +4,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::BinHash;
-using poslsh::Index;
-
 namespace {
 
 // Checks the boundaries against bin() directly: a boundary exactly where bin changes.
@@ -78,7 +75,6 @@ TEST_CASE("block_containing near the top of the 32-bit index range", "[partition
 }
 
 TEST_CASE("block_boundaries rejects bad arguments", "[partition][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::block_boundaries(BinHash{4.0, 0.0}, -1); }, "n");
   require_invalid_argument([] { poslsh::block_boundaries(BinHash{-4.0, 0.0}, 5); }, "hash.width");
 }

@@ -14,8 +14,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::HashSet;
-using poslsh::Index;
 using poslsh::PartitionSet;
 using poslsh::Sampler;
 
@@ -427,7 +425,6 @@ TEST_CASE("antithetic widths pair u with 1 - u", "[samplers]") {
 }
 
 TEST_CASE("samplers reject bad arguments", "[samplers][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::sample_hashes(1.0, 4, 1, 0, Sampler::poisson); },
                            "sampler");
   require_invalid_argument([] { poslsh::sample_hashes(1.0, 0, 1, 0, Sampler::rqmc); }, "samples");
@@ -608,7 +605,6 @@ TEST_CASE("nested Poisson partitions are deterministic and reject bad arguments"
     CHECK(a[h].edges != other_stream[h].edges);
     CHECK(a[h].edges != other_seed[h].edges);
   }
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::sample_nested_poisson_partitions({}, 4, 10, 1, 0); },
                            "sigmas");
   for (double bad : {0.0, -1.0, std::nan(""), poslsh_test::infinity, 1e301}) {

@@ -15,13 +15,6 @@
 #include <stdexcept>
 #include <vector>
 
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Method;
-using poslsh::MultiHeadOptions;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
 // A buffer of H heads: as [n, H*d] (interleaved) it is an [n, H, d] tensor.
@@ -40,16 +33,8 @@ TEMPLATE_TEST_CASE("multihead_attention equals per-head calls, both layouts, wit
   const auto v = random_matrix<TestType>(n, kv_heads * d, 73);
   for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks,
                         Method::exact_tiled, Method::exact_banded, Method::mean_of_outputs}) {
-    MultiHeadOptions options;
-    options.method = method;
-    options.samples = 5;
-    options.seed = 17;
-    RowMatrix<TestType> out(n, heads * d);
-    poslsh::multihead_attention<TestType>(
-        poslsh::interleaved_heads<const TestType>(q.data(), n, heads, d),
-        poslsh::interleaved_heads<const TestType>(k.data(), n, kv_heads, d),
-        poslsh::interleaved_heads<const TestType>(v.data(), n, kv_heads, d),
-        poslsh::interleaved_heads<TestType>(out.data(), n, heads, d), options);
+    const MultiHeadOptions options = multihead_options(method, Masking::causal, 5, 17);
+    const RowMatrix<TestType> out = multihead_of(q, k, v, heads, kv_heads, options);
     // The same through [H, n, d] copies of the inputs and output.
     std::vector<TestType> q_planar(static_cast<std::size_t>(n * heads * d)),
         k_planar(static_cast<std::size_t>(n * kv_heads * d)), v_planar(k_planar.size()),
@@ -140,10 +125,7 @@ void check_streamed_output(Index n) {
     return poslsh::interleaved_heads<const Element>(m.data() + row0 * width, rows, heads, d);
   };
   for (Method method : {Method::lsh_fused, Method::exact_banded}) {
-    MultiHeadOptions options;
-    options.method = method;
-    options.samples = 4;
-    options.seed = 5;
+    const MultiHeadOptions options = multihead_options(method, Masking::causal, 4, 5);
     std::vector<Element> chunked;
     for (Index row_stride : {width, width + 8}) {
       for (Index shift : {Index{0}, Index{1}}) {
@@ -189,9 +171,7 @@ TEST_CASE("outputs too large to stay cached are stored non-temporally, with the 
 TEST_CASE("one and two threads give identical bits", "[multihead]") {
 #ifdef _OPENMP
   const Index n = 700, d = 16, heads = 4;
-  const auto q = random_matrix<float>(n, heads * d, 81);
-  const auto k = random_matrix<float>(n, heads * d, 82);
-  const auto v = random_matrix<float>(n, heads * d, 83);
+  const auto [q, k, v] = random_qkv<float>(n, heads * d, heads * d, 81);
   for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::mean_of_outputs}) {
     MultiHeadOptions options;
     options.method = method;
@@ -224,7 +204,6 @@ TEST_CASE("one and two threads give identical bits", "[multihead]") {
 }
 
 TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const Index n = 10, d = 4;
   const auto q = random_matrix<float>(n, 3 * d, 1);
   RowMatrix<float> out(n, 3 * d);

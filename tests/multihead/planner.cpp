@@ -12,11 +12,6 @@
 #include "test_support.hpp"
 
 using poslsh::HeadPlan;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
 
 namespace {
 
@@ -247,9 +242,7 @@ TEST_CASE("the banded error model bounds the measured output error", "[planner]"
 TEST_CASE("the LSH mean fit against measured errors and the paper's bound", "[planner]") {
   const Index n = 512, d = 16;
   const double sigma = 8.0;
-  const RowMatrix<float> q = random_matrix<float>(n, d, 4);
-  const RowMatrix<float> k = random_matrix<float>(n, d, 5);
-  const RowMatrix<float> v = random_matrix<float>(n, d, 6);
+  const auto [q, k, v] = random_qkv<float>(n, d, d, 4);
   const RowMatrix<float> exact = poslsh::alibi_attention_tiled<float>(q, k, v, sigma);
   for (const poslsh::LshErrorModel& model : poslsh::default_lsh_error_models()) {
     for (Index s : {Index{4}, Index{32}}) {
@@ -360,7 +353,6 @@ TEST_CASE("every head of a plan meets its predicted error", "[planner]") {
 }
 
 TEST_CASE("the planner names bad arguments", "[planner]") {
-  using poslsh_test::require_invalid_argument;
   const std::vector<double> sigmas{4.0, 16.0};
   require_invalid_argument([&] { poslsh::plan_heads(0, sigmas, Masking::causal, 0.1); }, "n");
   require_invalid_argument([&] { poslsh::plan_heads(100, {}, Masking::causal, 0.1); }, "sigmas");
@@ -380,37 +372,26 @@ TEST_CASE("the planner names bad arguments", "[planner]") {
     require_invalid_argument(
         [&] { poslsh::plan_head_candidates(100, 4.0, 0, Masking::causal, target); }, "target");
   }
-  poslsh::PlannerOptions options;
-  options.head_dim = 0;
-  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-                           "options.head_dim");
-  options = {};
-  options.banded_small_sigma = -1.0;
-  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-                           "options.banded_small_sigma");
-  options = {};
-  options.max_samples = 0;
-  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-                           "options.max_samples");
-  options = {};
-  options.lsh_sample_window = -1;
-  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-                           "options.lsh_sample_window");
-  options = {};
-  options.banded_factor = std::nan("");
-  require_invalid_argument([&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-                           "options.banded_factor");
+  // plan_heads with the default options changed by `set` (one bad field) names `argument`.
+  const auto rejects_options = [&](const auto& set, const std::string& argument) {
+    poslsh::PlannerOptions options;
+    set(options);
+    require_invalid_argument(
+        [&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); }, argument);
+  };
+  rejects_options([](auto& options) { options.head_dim = 0; }, "options.head_dim");
+  rejects_options([](auto& options) { options.banded_small_sigma = -1.0; },
+                  "options.banded_small_sigma");
+  rejects_options([](auto& options) { options.max_samples = 0; }, "options.max_samples");
+  rejects_options([](auto& options) { options.lsh_sample_window = -1; },
+                  "options.lsh_sample_window");
+  rejects_options([](auto& options) { options.banded_factor = std::nan(""); },
+                  "options.banded_factor");
   for (double bad : {0.0, -1.0, std::nan("")}) {
-    options = {};
-    options.lsh_models[1].upper_factor = bad;
-    require_invalid_argument(
-        [&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-        "options.lsh_models");
-    options = {};
-    options.lsh_models[0].exponent = bad;
-    require_invalid_argument(
-        [&] { poslsh::plan_heads(100, sigmas, Masking::causal, 0.1, options); },
-        "options.lsh_models");
+    rejects_options([&](auto& options) { options.lsh_models[1].upper_factor = bad; },
+                    "options.lsh_models");
+    rejects_options([&](auto& options) { options.lsh_models[0].exponent = bad; },
+                    "options.lsh_models");
   }
 }
 

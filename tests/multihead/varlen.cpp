@@ -4,13 +4,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::MultiHeadOptions;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
 constexpr Index varlen_q_heads = 4, varlen_kv_heads = 2, varlen_dim = 16;
@@ -60,23 +53,14 @@ TEST_CASE("packed batches equal per-sequence calls bitwise", "[varlen]") {
           INFO("method " << static_cast<int>(method) << ", causal " << (masking == Masking::causal)
                          << ", chunk " << (cu_q == &chunk) << ", explicit offsets "
                          << explicit_offsets);
-          MultiHeadOptions options;
-          options.masking = masking;
-          options.method = method;
-          options.samples = 4;
+          const MultiHeadOptions options = multihead_options(method, masking, 4, 0);
           RowMatrix<float> packed =
               RowMatrix<float>::Constant(q.rows(), varlen_q_heads * varlen_dim, -7.0f);
           RowMatrix<float> expected = packed;
           poslsh::multihead_attention_varlen<float>(
-              poslsh::interleaved_heads<const float>(q.data(), q.rows(), varlen_q_heads,
-                                                     varlen_dim),
-              poslsh::interleaved_heads<const float>(k.data(), k.rows(), varlen_kv_heads,
-                                                     varlen_dim),
-              poslsh::interleaved_heads<const float>(v.data(), v.rows(), varlen_kv_heads,
-                                                     varlen_dim),
-              poslsh::interleaved_heads<float>(packed.data(), packed.rows(), varlen_q_heads,
-                                               varlen_dim),
-              *cu_q, cu_k, options, offsets);
+              interleaved_view(q, varlen_q_heads), interleaved_view(k, varlen_kv_heads),
+              interleaved_view(v, varlen_kv_heads), interleaved_view(packed, varlen_q_heads), *cu_q,
+              cu_k, options, offsets);
           per_sequence(q, k, v, expected, *cu_q, cu_k, options, offsets);
           CHECK((packed.array() == expected.array()).all());
         }
@@ -89,19 +73,13 @@ TEST_CASE("varlen: one sequence equals multihead_attention", "[varlen]") {
   const Index n = 130;
   const auto q = random_matrix<double>(n, varlen_q_heads * varlen_dim, 411);
   const auto k = random_matrix<double>(n, varlen_kv_heads * varlen_dim, 412);
-  RowMatrix<double> a(n, varlen_q_heads * varlen_dim), b(n, varlen_q_heads * varlen_dim);
+  RowMatrix<double> a(n, varlen_q_heads * varlen_dim);
   MultiHeadOptions options;
   poslsh::multihead_attention_varlen<double>(
-      poslsh::interleaved_heads<const double>(q.data(), n, varlen_q_heads, varlen_dim),
-      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
-      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
-      poslsh::interleaved_heads<double>(a.data(), n, varlen_q_heads, varlen_dim),
+      interleaved_view(q, varlen_q_heads), interleaved_view(k, varlen_kv_heads),
+      interleaved_view(k, varlen_kv_heads), interleaved_view(a, varlen_q_heads),
       {0, static_cast<std::int32_t>(n)}, {0, static_cast<std::int32_t>(n)}, options);
-  poslsh::multihead_attention<double>(
-      poslsh::interleaved_heads<const double>(q.data(), n, varlen_q_heads, varlen_dim),
-      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
-      poslsh::interleaved_heads<const double>(k.data(), n, varlen_kv_heads, varlen_dim),
-      poslsh::interleaved_heads<double>(b.data(), n, varlen_q_heads, varlen_dim), options);
+  const RowMatrix<double> b = multihead_of(q, k, k, varlen_q_heads, varlen_kv_heads, options);
   CHECK((a.array() == b.array()).all());
 }
 

@@ -15,12 +15,6 @@
 #include <cstdint>
 #include <vector>
 
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
 /// The dense attention of one head and its gradient in the slope, from the definition:
@@ -117,18 +111,11 @@ ExactCall<Scalar> exact_call(const RowMatrix<Scalar>& qb, const RowMatrix<Scalar
 /// sum(out o G) of the exact call in double with slopes `slopes` (sigma = 1 / slope).
 double exact_loss(const RowMatrix<double>& qb, const RowMatrix<double>& kb,
                   const RowMatrix<double>& vb, const RowMatrix<double>& gb, Index heads,
-                  Index kv_heads, Index d, poslsh::MultiHeadOptions options,
+                  Index kv_heads, poslsh::MultiHeadOptions options,
                   const std::vector<double>& slopes) {
   options.sigmas.clear();
   for (double slope : slopes) options.sigmas.push_back(1.0 / slope);
-  const Index n = qb.rows();
-  RowMatrix<double> out(n, heads * d);
-  poslsh::multihead_attention<double>(
-      poslsh::interleaved_heads<const double>(qb.data(), n, heads, d),
-      poslsh::interleaved_heads<const double>(kb.data(), n, kv_heads, d),
-      poslsh::interleaved_heads<const double>(vb.data(), n, kv_heads, d),
-      poslsh::interleaved_heads<double>(out.data(), n, heads, d), options);
-  return out.cwiseProduct(gb).sum();
+  return multihead_of(qb, kb, vb, heads, kv_heads, options).cwiseProduct(gb).sum();
 }
 
 }  // namespace
@@ -185,8 +172,8 @@ TEST_CASE("exact windows and slope gradients match the dense attention",
         up[static_cast<std::size_t>(h)] += eps;
         down[static_cast<std::size_t>(h)] -= eps;
         up.back() = down.back() = 1e-300;  // the slope-0 head: sigma finite for the loss calls
-        const double difference = (exact_loss(qb, kb, vb, gb, heads, kv_heads, d, options, up) -
-                                   exact_loss(qb, kb, vb, gb, heads, kv_heads, d, options, down)) /
+        const double difference = (exact_loss(qb, kb, vb, gb, heads, kv_heads, options, up) -
+                                   exact_loss(qb, kb, vb, gb, heads, kv_heads, options, down)) /
                                   (2.0 * eps);
         CHECK(std::abs(difference - call.dslopes(h)) <= 1e-5 * (1.0 + std::abs(call.dslopes(h))));
       }

@@ -23,14 +23,8 @@
 using poslsh::ContextParallelChunk;
 using poslsh::ContextParallelPlan;
 using poslsh::HeadMethod;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::MultiHeadOptions;
 using poslsh::PositionRange;
-using poslsh::RowMatrix;
 using poslsh::ShardLayout;
-using poslsh_test::random_matrix;
 
 namespace {
 
@@ -373,7 +367,6 @@ TEMPLATE_TEST_CASE("the exact ring merged by lse equals the single-process call"
 }
 
 TEST_CASE("context parallel calls name their bad arguments", "[context_parallel][bad_input]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::shard_ranges(10, 0, 0); }, "ranks");
   require_invalid_argument([] { poslsh::shard_ranges(10, 2, 2); }, "rank");
   require_invalid_argument([] { poslsh::shard_ranges(-1, 2, 0); }, "n");
@@ -846,7 +839,6 @@ TEST_CASE("halo_traffic and ring_traffic count the messages the ranks pack", "[c
 
 TEST_CASE("context parallel ranks, halos, rings and slices name their bad arguments",
           "[context_parallel][bad_input]") {
-  using poslsh_test::require_invalid_argument;
   MultiHeadOptions options;
   options.method = Method::exact_tiled;
   options.sigmas = {2.0, 4.0, 8.0, 16.0};

@@ -4,9 +4,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::Index;
-using poslsh::Masking;
-
 TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lower",
                    "[alibi_kernel]", float, double) {
   const double sigma = 3.0;
@@ -27,7 +24,6 @@ TEMPLATE_TEST_CASE("alibi_kernel_dense is exp(-|i-j|/sigma), Toeplitz, causal lo
 }
 
 TEST_CASE("alibi_kernel_dense rejects bad n and sigma", "[alibi_kernel][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(-2, 1.0, Masking::causal); },
                            "n");
   require_invalid_argument([] { poslsh::alibi_kernel_dense<float>(4, 0.0, Masking::causal); },

@@ -5,12 +5,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::AttentionOptions;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-
 namespace {
 
 // T* = D^-1 (A o L*) V in long double, A = exp(tau Q K^T), straight from the definition.
@@ -31,13 +25,10 @@ RowMatrix<double> definition(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>
 TEMPLATE_TEST_CASE("alibi_attention_reference equals D^-1 (A o L*) V", "[reference]", float,
                    double) {
   const Index n = 40, d = 8, dv = 5;
-  const auto q = random_matrix<TestType>(n, d, 1);
-  const auto k = random_matrix<TestType>(n, d, 2);
-  const auto v = random_matrix<TestType>(n, dv, 3);
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 1);
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (double sigma : {0.5, 4.0, 100.0}) {
-      AttentionOptions options;
-      options.masking = masking;
+      AttentionOptions options = with_masking(masking);
       const RowMatrix<TestType> out =
           poslsh::alibi_attention_reference<TestType>(q, k, v, sigma, options);
       const RowMatrix<double> expected =
@@ -126,7 +117,6 @@ TEST_CASE("alibi_attention_reference: n = 0 gives an empty result", "[reference]
 }
 
 TEST_CASE("alibi_attention_reference rejects bad shapes and sigma", "[reference][invalid]") {
-  using poslsh_test::require_invalid_argument;
   const auto q = random_matrix<float>(5, 4, 1);
   const auto k3 = random_matrix<float>(5, 3, 1);
   const auto v6 = random_matrix<float>(6, 4, 1);

@@ -5,10 +5,6 @@
 
 #include "test_support.hpp"
 
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-
 TEMPLATE_TEST_CASE("bin_mask_dense is the indicator of bin(i) = bin(j)", "[masks]", float, double) {
   const poslsh::BinHash hash{5.5, 2.0};
   const Index n = 23;
@@ -66,7 +62,6 @@ TEST_CASE("causal mean mask is the lower triangle of the bidirectional one", "[m
 }
 
 TEST_CASE("masks reject an empty hash set and negative n", "[masks][invalid]") {
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument(
       [] { poslsh::mean_mask_dense<double>(poslsh::HashSet{}, 4, Masking::causal); },
       "hashes.size()");

@@ -16,25 +16,19 @@ using ColumnVector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 /// The single-head kernels with a backward pass.
 enum class BackwardKind { tiled, banded, fused, per_sample, fixed_blocks };
 
-inline constexpr BackwardKind all_backward_kinds[] = {BackwardKind::tiled, BackwardKind::banded,
-                                                      BackwardKind::fused, BackwardKind::per_sample,
-                                                      BackwardKind::fixed_blocks};
+}  // namespace poslsh_test
 
-inline const char* backward_kind_name(BackwardKind kind) {
-  switch (kind) {
-    case BackwardKind::tiled:
-      return "tiled";
-    case BackwardKind::banded:
-      return "banded";
-    case BackwardKind::fused:
-      return "fused";
-    case BackwardKind::per_sample:
-      return "per_sample";
-    case BackwardKind::fixed_blocks:
-      return "fixed_blocks";
-  }
-  return "?";
-}
+namespace poslsh {
+POSLSH_ENUM_NAMES(poslsh_test::BackwardKind, tiled, banded, fused, per_sample, fixed_blocks);
+}  // namespace poslsh
+
+namespace poslsh_test {
+
+/// Every BackwardKind, in declaration order.
+inline constexpr auto all_backward_kinds = poslsh::enum_values<BackwardKind>();
+
+/// The kind's enumerator as it is spelled ("per_sample").
+inline const char* backward_kind_name(BackwardKind kind) { return poslsh::enum_name(kind); }
 
 /// One kernel configuration: its kind, sigma, band and hashes, and the options.
 struct BackwardSetup {

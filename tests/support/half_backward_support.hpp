@@ -1,7 +1,8 @@
 // Helpers of the half-precision training tests (tests/training/half_precision_backward.cpp,
 // tests/training/half_precision_lse.cpp): bit equality of float results, the thread count in a
-// scope, the single-head configurations, and a plain bfloat16 backward (dense) to compare the
-// AVX512-BF16 unit's gradients with.
+// scope, the single-head configurations, the inputs and their double gradients, the all-heads
+// problem, and a plain bfloat16 backward (dense) to compare the AVX512-BF16 unit's gradients
+// with.
 #pragma once
 
 #include <cmath>
@@ -88,6 +89,17 @@ class Threads {
 #endif
 };
 
+/// Runs body(threads) with 1, then 2 OpenMP threads (a Threads scope each), the count in the
+/// test messages.
+template <typename Body>
+void for_one_and_two_threads(Body&& body) {
+  for (const int threads : {1, 2}) {
+    INFO(threads << " threads");
+    const Threads scope(threads);
+    body(threads);
+  }
+}
+
 /// The configurations of the single-head tests at n rows, with float products or the CPU's
 /// matrix unit (`precision`).
 inline std::vector<Config> configs(
@@ -103,6 +115,19 @@ inline std::vector<Config> configs(
     }
   }
   return result;
+}
+
+/// Runs body(c) on every configuration of configs(masking, n, precision), causal and
+/// bidirectional, c's kind, n, sigma and masking in the test messages.
+template <typename Body>
+void for_each_config(Index n, poslsh::Precision precision, Body&& body) {
+  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+    for (const Config& c : configs(masking, n, precision)) {
+      INFO(backward_kind_name(c.kind)
+           << ", n " << n << ", sigma " << c.sigma << ", " << masking_name(masking));
+      body(c);
+    }
+  }
 }
 
 /// The weights w_ij of c's probabilities P_ij = w_ij e^{x_ij - lse_i} (dense, n x n) and the
@@ -187,53 +212,86 @@ poslsh::HeadsView<Element> heads_of(Element* data, Index tokens, Index heads, In
   return poslsh::interleaved_heads<Element>(data, tokens, heads, dim);
 }
 
-/// The tensors of an all-heads test: Q (H_q heads of d), K (H_kv heads of d), V (H_kv of d_v),
-/// dO (H_q of d_v) stored as Half, their float copies, and out (H_q of d_v) and lse (H_q x n)
-/// of the float forward with lse on the copies, out also rounded to Half.
+/// The inputs of a half-precision test, n rows each: Q, K, V and dO stored as Half (random_half
+/// of seeds seed, seed + 1, seed + 2 and seed + 3) and their float copies (widened: exact).
 template <typename Half>
-struct HeadsProblem {
-  Index n, heads, kv_heads, d, dv;
-  RowMatrix<Half> q, k, v, dout, out;
-  RowMatrix<float> qf, kf, vf, doutf, outf, lse;
+struct HalfInputs {
+  RowMatrix<Half> q, k, v, dout;
+  RowMatrix<float> qf, kf, vf, doutf;
 
-  HeadsProblem(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
-               std::uint64_t seed)
-      : n(tokens),
-        heads(query_heads),
-        kv_heads(key_heads),
-        d(dim),
-        dv(value_dim),
-        q(random_half<Half>(tokens, query_heads * dim, seed)),
-        k(random_half<Half>(tokens, key_heads * dim, seed + 1)),
-        v(random_half<Half>(tokens, key_heads * value_dim, seed + 2)),
-        dout(random_half<Half>(tokens, query_heads * value_dim, seed + 3)),
+  /// Q and K of `q_cols` and `k_cols` columns, V of `v_cols`, dO of `dout_cols`.
+  HalfInputs(Index n, Index q_cols, Index k_cols, Index v_cols, Index dout_cols, std::uint64_t seed)
+      : q(random_half<Half>(n, q_cols, seed)),
+        k(random_half<Half>(n, k_cols, seed + 1)),
+        v(random_half<Half>(n, v_cols, seed + 2)),
+        dout(random_half<Half>(n, dout_cols, seed + 3)),
         qf(widened(q)),
         kf(widened(k)),
         vf(widened(v)),
         doutf(widened(dout)) {}
+  /// One head: Q and K n x d, V and dO n x d_v.
+  HalfInputs(Index n, Index d, Index dv, std::uint64_t seed) : HalfInputs(n, d, d, dv, dv, seed) {}
+};
+
+/// The double gradients of configuration c on `in` widened to double (exact): the double
+/// backward on the double forward's out and lse.
+template <typename Half>
+BackwardGradients<double> double_gradients(const Config& c, const HalfInputs<Half>& in) {
+  const RowMatrix<double> q = in.qf.template cast<double>(), k = in.kf.template cast<double>(),
+                          v = in.vf.template cast<double>(),
+                          dout = in.doutf.template cast<double>();
+  RowMatrix<double> out;
+  ColumnVector<double> lse;
+  setup_forward<double>(c, q, k, v, out, lse);
+  return setup_backward<double>(c, q, k, v, out, lse, dout);
+}
+
+/// The tensors of an all-heads test: the inputs Q (H_q heads of d), K (H_kv heads of d), V (H_kv
+/// of d_v), dO (H_q of d_v) and their float copies, and out (H_q of d_v) and lse (H_q x n) of the
+/// float forward with lse on the copies, out also rounded to Half.
+template <typename Half>
+struct HeadsProblem : HalfInputs<Half> {
+  Index n, heads, kv_heads, d, dv;
+  RowMatrix<Half> out;
+  RowMatrix<float> outf, lse;
+  /// cu_seqlens of the n tokens as one sequence and as two packed ones (130 tokens, the rest).
+  std::vector<std::int32_t> whole, packed;
+
+  HeadsProblem(Index tokens, Index query_heads, Index key_heads, Index dim, Index value_dim,
+               std::uint64_t seed)
+      : HalfInputs<Half>(tokens, query_heads * dim, key_heads * dim, key_heads * value_dim,
+                         query_heads * value_dim, seed),
+        n(tokens),
+        heads(query_heads),
+        kv_heads(key_heads),
+        d(dim),
+        dv(value_dim),
+        whole{0, static_cast<std::int32_t>(tokens)},
+        packed{0, 130, static_cast<std::int32_t>(tokens)} {}
 
   /// out, lse of multihead_attention_varlen with lse (one sequence: multihead_attention's).
   void forward(const poslsh::MultiHeadOptions& options, const std::vector<std::int32_t>& cu) {
     outf.resize(n, heads * dv);
     lse.resize(heads, n);
-    poslsh::multihead_attention_varlen<float>(heads_of<const float>(qf.data(), n, heads, d),
-                                              heads_of<const float>(kf.data(), n, kv_heads, d),
-                                              heads_of<const float>(vf.data(), n, kv_heads, dv),
-                                              heads_of<float>(outf.data(), n, heads, dv), lse, cu,
-                                              options);
+    poslsh::multihead_attention_varlen<float>(
+        heads_of<const float>(this->qf.data(), n, heads, d),
+        heads_of<const float>(this->kf.data(), n, kv_heads, d),
+        heads_of<const float>(this->vf.data(), n, kv_heads, dv),
+        heads_of<float>(outf.data(), n, heads, dv), lse, cu, options);
     out = outf.template cast<Half>();
   }
 };
+
+/// The methods of the all-heads half-precision tests: every Method but mean_of_outputs.
+inline constexpr poslsh::Method heads_methods[] = {
+    poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
+    poslsh::Method::exact_tiled, poslsh::Method::exact_banded};
 
 /// The options of the all-heads tests: `method`, `masking` and `precision`, 3 samples of seed
 /// 5, band error 1e-2.
 inline poslsh::MultiHeadOptions heads_options(poslsh::Method method, Masking masking,
                                               poslsh::Precision precision) {
-  poslsh::MultiHeadOptions options;
-  options.method = method;
-  options.masking = masking;
-  options.samples = 3;
-  options.seed = 5;
+  poslsh::MultiHeadOptions options = multihead_options(method, masking, 3, 5);
   options.band_error = 1e-2;
   options.precision = precision;
   return options;

@@ -1,6 +1,6 @@
-// Helpers of the half-precision tests (test_half_precision*.cpp): random matrices rounded to a
-// half-precision type, exact widening to float and double, the max-norm error against a double
-// reference and value equality.
+// Helpers of the half-precision tests (half_precision*.cpp): random matrices rounded to a
+// half-precision type (one, or the q, k, v of a test), exact widening to float and double, the
+// max-norm error against a double reference and value equality.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,13 @@ namespace poslsh_test {
 template <typename Half>
 poslsh::RowMatrix<Half> random_half(poslsh::Index rows, poslsh::Index cols, std::uint64_t seed) {
   return random_matrix<float>(rows, cols, seed).template cast<Half>();
+}
+
+/// q, k (n x d) and v (n x dv) of random_half, seeds `seed`, `seed + 1` and `seed + 2`.
+template <typename Half>
+Qkv<Half> random_half_qkv(poslsh::Index n, poslsh::Index d, poslsh::Index dv, std::uint64_t seed) {
+  return {random_half<Half>(n, d, seed), random_half<Half>(n, d, seed + 1),
+          random_half<Half>(n, dv, seed + 2)};
 }
 
 /// m widened to float (exact for float, bfloat16 and half).

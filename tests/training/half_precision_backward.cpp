@@ -28,31 +28,14 @@
 namespace {
 namespace half_backward {
 
-using poslsh::ConstMatrixRef;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::RowMatrix;
-using poslsh_test::random_half;
-using poslsh_test::widened;
-
-using poslsh_test::all_backward_kinds;
-using poslsh_test::BackwardKind;
-using poslsh_test::check_bitwise;
-using poslsh_test::check_threads;
-using poslsh_test::configs;
-using poslsh_test::has_bf16_unit;
-using poslsh_test::heads_of;
-using poslsh_test::heads_options;
-using poslsh_test::HeadsProblem;
-using poslsh_test::plain_bf16_backward;
-using poslsh_test::same_bits;
-using poslsh_test::setup_backward;
-using poslsh_test::setup_forward;
-using poslsh_test::Threads;
-using Config = poslsh_test::BackwardSetup;
-using Grads = poslsh_test::BackwardGradients<float>;
-using FloatVector = poslsh_test::ColumnVector<float>;
+using poslsh_test::BackwardKind, poslsh_test::Config, poslsh_test::FloatVector, poslsh_test::Grads;
+using poslsh_test::check_bitwise, poslsh_test::check_threads, poslsh_test::same_bits;
+using poslsh_test::for_each_config, poslsh_test::for_one_and_two_threads;
+using poslsh_test::has_bf16_unit, poslsh_test::plain_bf16_backward;
+using poslsh_test::heads_of, poslsh_test::heads_options, poslsh_test::HeadsProblem;
+using poslsh_test::random_half, poslsh_test::widened;
+using poslsh_test::setup_backward, poslsh_test::setup_forward;
+using bf16 = Eigen::bfloat16;
 
 /// A half-precision matrix stored with a row stride larger than its column count (`cols` of
 /// `cols + 5` columns), and its float copy (contiguous, the widened values).
@@ -79,19 +62,11 @@ Grads heads_grads(Index n, Index heads, Index kv_heads, Index d, Index dv) {
 /// What an all-heads backward call computes besides dq, dk, dv.
 enum class HeadsCall { whole, varlen, slopes, window };
 
-const char* heads_call_name(HeadsCall call) {
-  switch (call) {
-    case HeadsCall::whole:
-      return "multihead_attention_backward";
-    case HeadsCall::varlen:
-      return "multihead_attention_varlen_backward";
-    case HeadsCall::slopes:
-      return "multihead_attention_backward with dslopes";
-    case HeadsCall::window:
-      return "multihead_attention_window_backward";
-  }
-  return "?";
-}
+constexpr poslsh::EnumName<HeadsCall> heads_call_names[] = {
+    {HeadsCall::whole, "multihead_attention_backward"},
+    {HeadsCall::varlen, "multihead_attention_varlen_backward"},
+    {HeadsCall::slopes, "multihead_attention_backward with dslopes"},
+    {HeadsCall::window, "multihead_attention_window_backward"}};
 
 /// Tokens before the window of the window backward (a multiple of 64) and its length.
 constexpr Index window_start = 64, window_tokens = 150;
@@ -138,15 +113,11 @@ Grads heads_backward_of(HeadsCall call, const HeadsProblem<Half>& p, const Scala
   return g;
 }
 
-}  // namespace half_backward
-}  // namespace
-
 TEMPLATE_TEST_CASE(
     "half-precision backward passes are bitwise the float passes on the widened "
     "inputs",
     "[half][backward]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
   const Index d = 40, dv = 20;
   for (const Index n : {Index{77}, Index{300}}) {
     const auto seed = static_cast<std::uint64_t>(n) * 10;
@@ -154,28 +125,22 @@ TEMPLATE_TEST_CASE(
     const StridedInput<Half> k(random_half<Half>(n, d, seed + 2));
     const StridedInput<Half> v(random_half<Half>(n, dv, seed + 3));
     const StridedInput<Half> dout(random_half<Half>(n, dv, seed + 4));
-    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-      for (const Config& c : configs(masking, n)) {
-        INFO(poslsh_test::backward_kind_name(c.kind)
-             << ", n " << n << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
-        RowMatrix<float> out_float;
-        FloatVector lse;
-        setup_forward<float>(c, q.wide, k.wide, v.wide, out_float, lse);
-        // out as a half-precision forward writes it: the float output rounded once.
-        const StridedInput<Half> out(out_float.template cast<Half>());
-        Grads first;
-        for (const int threads : {1, 2}) {
-          INFO(threads << " threads");
-          const Threads scope(threads);
-          const Grads half =
-              setup_backward<Half>(c, q.view(), k.view(), v.view(), out.view(), lse, dout.view());
-          const Grads wide =
-              setup_backward<float>(c, q.wide, k.wide, v.wide, out.wide, lse, dout.wide);
-          check_bitwise(half, wide);
-          check_threads(threads, half, first);
-        }
-      }
-    }
+    for_each_config(n, poslsh::Precision::float_products, [&](const Config& c) {
+      RowMatrix<float> out_float;
+      FloatVector lse;
+      setup_forward<float>(c, q.wide, k.wide, v.wide, out_float, lse);
+      // out as a half-precision forward writes it: the float output rounded once.
+      const StridedInput<Half> out(out_float.template cast<Half>());
+      Grads first;
+      for_one_and_two_threads([&](int threads) {
+        const Grads half =
+            setup_backward<Half>(c, q.view(), k.view(), v.view(), out.view(), lse, dout.view());
+        const Grads wide =
+            setup_backward<float>(c, q.wide, k.wide, v.wide, out.wide, lse, dout.wide);
+        check_bitwise(half, wide);
+        check_threads(threads, half, first);
+      });
+    });
   }
 }
 
@@ -184,14 +149,9 @@ TEMPLATE_TEST_CASE(
     "widened inputs",
     "[half][backward]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
-  const Index n = 300, heads = 4, kv_heads = 2, d = 24, dv = 16;
-  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
-  const std::vector<std::int32_t> packed = {0, 130, static_cast<std::int32_t>(n)};
-  HeadsProblem<Half> p(n, heads, kv_heads, d, dv, 500);
-  for (const poslsh::Method method :
-       {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
-        poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
+  // n = 300 tokens, 4 query heads over 2 K/V heads, d = 24, d_v = 16.
+  HeadsProblem<Half> p(300, 4, 2, 24, 16, 500);
+  for (const poslsh::Method method : poslsh_test::heads_methods) {
     for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
       const poslsh::MultiHeadOptions options =
           heads_options(method, masking, poslsh::Precision::float_products);
@@ -200,15 +160,13 @@ TEMPLATE_TEST_CASE(
       for (const HeadsCall call :
            {HeadsCall::whole, HeadsCall::varlen, HeadsCall::slopes, HeadsCall::window}) {
         if (call == HeadsCall::slopes && !exact) continue;
-        INFO(poslsh::enum_name(method)
-             << ", " << poslsh_test::masking_name(masking) << ", " << heads_call_name(call));
-        const std::vector<std::int32_t>& cu = call == HeadsCall::varlen ? packed : whole;
+        INFO(poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking) << ", "
+                                       << poslsh_test::name_in(heads_call_names, call));
+        const std::vector<std::int32_t>& cu = call == HeadsCall::varlen ? p.packed : p.whole;
         p.forward(options, cu);
         Grads first;
         Eigen::VectorXd first_slopes;
-        for (const int threads : {1, 2}) {
-          INFO(threads << " threads");
-          const Threads scope(threads);
+        for_one_and_two_threads([&](int threads) {
           Eigen::VectorXd half_slopes, wide_slopes;
           const Grads half =
               heads_backward_of<Half>(call, p, p.q.data(), p.k.data(), p.v.data(), p.out.data(),
@@ -225,7 +183,7 @@ TEMPLATE_TEST_CASE(
           } else {
             CHECK(half_slopes == first_slopes);
           }
-        }
+        });
       }
     }
   }
@@ -235,51 +193,34 @@ TEST_CASE(
     "bfloat16 backward passes on the AVX512-BF16 unit: within twice a plain bfloat16 "
     "backward's error against double, the same bits for 1 and 2 threads, even and odd widths",
     "[half][backward][matrix_units]") {
-  using namespace half_backward;
-  using bf16 = Eigen::bfloat16;
   if (!has_bf16_unit()) return;
   const Index n = 300;
   for (const auto& [d, dv] : {std::pair<Index, Index>{40, 22}, std::pair<Index, Index>{33, 21}}) {
     INFO("d " << d << ", d_v " << dv);
-    const RowMatrix<bf16> q = random_half<bf16>(n, d, 71), k = random_half<bf16>(n, d, 72),
-                          v = random_half<bf16>(n, dv, 73), dout = random_half<bf16>(n, dv, 74);
-    const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);
-    const RowMatrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>(),
-                            doutd = doutf.cast<double>();
-    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-      for (const Config& c : configs(masking, n, poslsh::Precision::matrix_units)) {
-        INFO(poslsh_test::backward_kind_name(c.kind)
-             << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
-        REQUIRE(poslsh::detail::backward_on_bf16_unit<bf16>(c.options.precision));
-        RowMatrix<float> out_float;
-        FloatVector lse;
-        setup_forward<float>(c, qf, kf, vf, out_float, lse);
-        const RowMatrix<bf16> out = out_float.cast<bf16>();
-        // The double gradients of the same rounded inputs (the double backward on the double
-        // forward's out and lse).
-        RowMatrix<double> out_double;
-        poslsh_test::ColumnVector<double> lse_double;
-        setup_forward<double>(c, qd, kd, vd, out_double, lse_double);
-        const poslsh_test::BackwardGradients<double> exact =
-            setup_backward<double>(c, qd, kd, vd, out_double, lse_double, doutd);
-        const Grads plain = plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
-        Grads first;
-        for (const int threads : {1, 2}) {
-          INFO(threads << " threads");
-          const Threads scope(threads);
-          const Grads unit = setup_backward<bf16>(c, q, k, v, out, lse, dout);
-          const Grads widening = [&] {
-            Config float_products = c;
-            float_products.options.precision = poslsh::Precision::float_products;
-            return setup_backward<bf16>(float_products, q, k, v, out, lse, dout);
-          }();
-          // The unit is used: its roundings of P and dS change the bits.
-          CHECK_FALSE(same_bits(unit, widening));
-          poslsh_test::check_unit_accuracy(unit, plain, exact);
-          check_threads(threads, unit, first);
-        }
-      }
-    }
+    const poslsh_test::HalfInputs<bf16> in(n, d, dv, 71);
+    for_each_config(n, poslsh::Precision::matrix_units, [&](const Config& c) {
+      REQUIRE(poslsh::detail::backward_on_bf16_unit<bf16>(c.options.precision));
+      RowMatrix<float> out_float;
+      FloatVector lse;
+      setup_forward<float>(c, in.qf, in.kf, in.vf, out_float, lse);
+      const RowMatrix<bf16> out = out_float.cast<bf16>();
+      // The double gradients of the same rounded inputs.
+      const poslsh_test::BackwardGradients<double> exact = poslsh_test::double_gradients(c, in);
+      const Grads plain = plain_bf16_backward(c, in.qf, in.kf, in.vf, widened(out), lse, in.doutf);
+      Grads first;
+      for_one_and_two_threads([&](int threads) {
+        const Grads unit = setup_backward<bf16>(c, in.q, in.k, in.v, out, lse, in.dout);
+        const Grads widening = [&] {
+          Config float_products = c;
+          float_products.options.precision = poslsh::Precision::float_products;
+          return setup_backward<bf16>(float_products, in.q, in.k, in.v, out, lse, in.dout);
+        }();
+        // The unit is used: its roundings of P and dS change the bits.
+        CHECK_FALSE(same_bits(unit, widening));
+        poslsh_test::check_unit_accuracy(unit, plain, exact);
+        check_threads(threads, unit, first);
+      });
+    });
   }
 }
 
@@ -287,29 +228,21 @@ TEST_CASE(
     "all-heads bfloat16 backward passes on the AVX512-BF16 unit: the single-head passes "
     "of each head, the same bits for 1 and 2 threads",
     "[half][backward][matrix_units]") {
-  using namespace half_backward;
-  using bf16 = Eigen::bfloat16;
   if (!has_bf16_unit()) return;
   const Index n = 200, heads = 2, kv_heads = 1, d = 24, dv = 16;
-  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
   HeadsProblem<bf16> p(n, heads, kv_heads, d, dv, 900);
   for (const poslsh::Method method :
        {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::exact_tiled}) {
     INFO(poslsh::enum_name(method));
-    poslsh::MultiHeadOptions options;
-    options.method = method;
-    options.samples = 3;
-    options.seed = 5;
+    poslsh::MultiHeadOptions options = multihead_options(method, Masking::causal, 3, 5);
     options.precision = poslsh::Precision::matrix_units;
-    p.forward(options, whole);
+    p.forward(options, p.whole);
     Eigen::VectorXd unused;
     Grads first;
-    for (const int threads : {1, 2}) {
-      INFO(threads << " threads");
-      const Threads scope(threads);
+    for_one_and_two_threads([&](int threads) {
       const Grads unit =
           heads_backward_of<bf16>(HeadsCall::whole, p, p.q.data(), p.k.data(), p.v.data(),
-                                  p.out.data(), p.dout.data(), whole, options, unused);
+                                  p.out.data(), p.dout.data(), p.whole, options, unused);
       // Each query head is the single-head call on its views (dk, dv: the two heads' sum).
       const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
       const std::vector<HashSet> hashes = poslsh::multihead_hashes(sigmas, 3, 5);
@@ -337,15 +270,13 @@ TEST_CASE(
       CHECK(same_bits(unit.dk, dk_sum));
       CHECK(same_bits(unit.dv, dv_sum));
       check_threads(threads, unit, first);
-    }
+    });
   }
 }
 
 TEMPLATE_TEST_CASE("half-precision backward passes name a bad argument", "[half][backward]",
                    Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_backward;
-  using poslsh_test::require_invalid_argument;
   const Index n = 70, d = 8, dv = 6;
   const RowMatrix<Half> q = random_half<Half>(n, d, 1), k = random_half<Half>(n, d, 2),
                         v = random_half<Half>(n, dv, 3), out = random_half<Half>(n, dv, 4),
@@ -423,3 +354,6 @@ TEMPLATE_TEST_CASE("half-precision backward passes name a bad argument", "[half]
       },
       "dout");
 }
+
+}  // namespace half_backward
+}  // namespace

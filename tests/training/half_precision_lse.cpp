@@ -12,6 +12,7 @@
 #include <poslsh/attention/tiled.hpp>
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/training/backward.hpp>
+#include <utility>
 #include <vector>
 
 #include "backward_kernels.hpp"
@@ -22,17 +23,12 @@
 namespace {
 namespace half_lse {
 
-using poslsh::ConstMatrixRef;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Precision;
-using poslsh::RowMatrix;
-using poslsh_test::BackwardKind;
-using poslsh_test::random_half;
-using poslsh_test::widened;
+using poslsh_test::BackwardKind, poslsh_test::random_half, poslsh_test::widened;
+using poslsh_test::for_each_config, poslsh_test::for_one_and_two_threads;
 using LseConfig = poslsh_test::BackwardSetup;
 using LseGrads = poslsh_test::BackwardGradients<float>;
 using LseVector = poslsh_test::ColumnVector<float>;
+using bf16 = Eigen::bfloat16;
 
 /// True when two matrices of any scalar type have the same shape and the same bytes.
 template <typename A, typename B>
@@ -54,6 +50,15 @@ void check_lse_threads(int threads, const M& result, M& first) {
   } else {
     CHECK(same_bytes(result, first));
   }
+}
+
+/// out (in Half) and lse of the forward with lse of configuration c on in's Half inputs.
+template <typename Half>
+std::pair<RowMatrix<Half>, LseVector> forward_with_lse(const LseConfig& c,
+                                                       const poslsh_test::HalfInputs<Half>& in) {
+  std::pair<RowMatrix<Half>, LseVector> result;
+  poslsh_test::setup_forward<Half>(c, in.q, in.k, in.v, result.first, result.second);
+  return result;
 }
 
 /// The forward without lse of configuration c (out in Half): what the forward with lse must
@@ -105,17 +110,10 @@ LseVector dense_lse(const LseConfig& c, const RowMatrix<float>& q, const RowMatr
 /// What an all-heads forward with lse is.
 enum class LseCall { whole, varlen, varlen_with_lse };
 
-const char* lse_call_name(LseCall call) {
-  switch (call) {
-    case LseCall::whole:
-      return "multihead_attention with lse";
-    case LseCall::varlen:
-      return "multihead_attention_varlen with lse";
-    case LseCall::varlen_with_lse:
-      return "multihead_attention_varlen_with_lse";
-  }
-  return "?";
-}
+constexpr poslsh::EnumName<LseCall> lse_call_names[] = {
+    {LseCall::whole, "multihead_attention with lse"},
+    {LseCall::varlen, "multihead_attention_varlen with lse"},
+    {LseCall::varlen_with_lse, "multihead_attention_varlen_with_lse"}};
 
 /// out (n x H_q d_v, in Scalar) and lse (H_q x n, in backward_scalar_t<Scalar>) of `call` on
 /// q, k, v stored as Scalar with the shapes of p (packed batch cu; varlen_with_lse: the same
@@ -162,54 +160,39 @@ RowMatrix<Half> heads_without_lse(LseCall call, const poslsh_test::HeadsProblem<
   return out;
 }
 
-}  // namespace half_lse
-}  // namespace
-
 TEMPLATE_TEST_CASE(
     "half-precision forwards with lse under float products are bitwise the float forwards "
     "on the widened inputs, out rounded once",
     "[half][lse]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
   const Index d = 40, dv = 20;
   for (const Index n : {Index{77}, Index{300}}) {
     const auto seed = static_cast<std::uint64_t>(n) * 7;
-    const RowMatrix<Half> q = random_half<Half>(n, d, seed + 1),
-                          k = random_half<Half>(n, d, seed + 2),
-                          v = random_half<Half>(n, dv, seed + 3),
-                          dout = random_half<Half>(n, dv, seed + 4);
-    const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);
-    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-      for (const LseConfig& c : poslsh_test::configs(masking, n)) {
-        INFO(poslsh_test::backward_kind_name(c.kind)
-             << ", n " << n << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
-        RowMatrix<float> out_float;
-        LseVector lse_float;
-        poslsh_test::setup_forward<float>(c, qf, kf, vf, out_float, lse_float);
-        const RowMatrix<Half> out_rounded = out_float.template cast<Half>();
-        RowMatrix<Half> first_out;
-        LseVector first_lse;
-        for (const int threads : {1, 2}) {
-          INFO(threads << " threads");
-          const poslsh_test::Threads scope(threads);
-          RowMatrix<Half> out;
-          LseVector lse;
-          poslsh_test::setup_forward<Half>(c, q, k, v, out, lse);
-          CHECK(lse.allFinite());
-          CHECK(same_bytes(lse, lse_float));
-          CHECK(same_bytes(out, out_rounded));
-          CHECK(same_bytes(out, forward_without_lse<Half>(c, q, k, v)));
-          // The backward fed by this forward: bitwise the float backward on the widened
-          // inputs with the float forward's lse and the rounded out.
-          const LseGrads half = poslsh_test::setup_backward<Half>(c, q, k, v, out, lse, dout);
-          const LseGrads wide = poslsh_test::setup_backward<float>(
-              c, qf, kf, vf, widened(out_rounded), lse_float, doutf);
-          poslsh_test::check_bitwise(half, wide);
-          check_lse_threads(threads, out, first_out);
-          check_lse_threads(threads, lse, first_lse);
-        }
-      }
-    }
+    const poslsh_test::HalfInputs<Half> in(n, d, dv, seed + 1);
+    for_each_config(n, Precision::float_products, [&](const LseConfig& c) {
+      RowMatrix<float> out_float;
+      LseVector lse_float;
+      poslsh_test::setup_forward<float>(c, in.qf, in.kf, in.vf, out_float, lse_float);
+      const RowMatrix<Half> out_rounded = out_float.template cast<Half>();
+      RowMatrix<Half> first_out;
+      LseVector first_lse;
+      for_one_and_two_threads([&](int threads) {
+        const auto [out, lse] = forward_with_lse(c, in);
+        CHECK(lse.allFinite());
+        CHECK(same_bytes(lse, lse_float));
+        CHECK(same_bytes(out, out_rounded));
+        CHECK(same_bytes(out, forward_without_lse<Half>(c, in.q, in.k, in.v)));
+        // The backward fed by this forward: bitwise the float backward on the widened
+        // inputs with the float forward's lse and the rounded out.
+        const LseGrads half =
+            poslsh_test::setup_backward<Half>(c, in.q, in.k, in.v, out, lse, in.dout);
+        const LseGrads wide = poslsh_test::setup_backward<float>(
+            c, in.qf, in.kf, in.vf, widened(out_rounded), lse_float, in.doutf);
+        poslsh_test::check_bitwise(half, wide);
+        check_lse_threads(threads, out, first_out);
+        check_lse_threads(threads, lse, first_lse);
+      });
+    });
   }
 }
 
@@ -218,49 +201,32 @@ TEST_CASE(
     "lse, lse close to the dense log-sum-exp, the backward fed by them within twice a plain "
     "bfloat16 backward's error against double",
     "[half][lse][matrix_units]") {
-  using namespace half_lse;
-  using bf16 = Eigen::bfloat16;
   if (!poslsh_test::has_bf16_unit()) return;
   const Index n = 300, d = 40, dv = 22;
-  const RowMatrix<bf16> q = random_half<bf16>(n, d, 171), k = random_half<bf16>(n, d, 172),
-                        v = random_half<bf16>(n, dv, 173), dout = random_half<bf16>(n, dv, 174);
-  const RowMatrix<float> qf = widened(q), kf = widened(k), vf = widened(v), doutf = widened(dout);
-  const RowMatrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>(),
-                          doutd = doutf.cast<double>();
-  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (const LseConfig& c : poslsh_test::configs(masking, n, Precision::matrix_units)) {
-      INFO(poslsh_test::backward_kind_name(c.kind)
-           << ", sigma " << c.sigma << ", " << poslsh_test::masking_name(masking));
-      RowMatrix<double> out_double;
-      poslsh_test::ColumnVector<double> lse_double;
-      poslsh_test::setup_forward<double>(c, qd, kd, vd, out_double, lse_double);
-      const poslsh_test::BackwardGradients<double> exact =
-          poslsh_test::setup_backward<double>(c, qd, kd, vd, out_double, lse_double, doutd);
-      const LseVector reference_lse = dense_lse(c, qf, kf);
-      RowMatrix<bf16> first_out;
-      LseVector first_lse;
-      for (const int threads : {1, 2}) {
-        INFO(threads << " threads");
-        const poslsh_test::Threads scope(threads);
-        RowMatrix<bf16> out;
-        LseVector lse;
-        poslsh_test::setup_forward<bf16>(c, q, k, v, out, lse);
-        CHECK(same_bytes(out, forward_without_lse<bf16>(c, q, k, v)));
-        // Scores from bfloat16 inputs with float sums: the lse of the same scores to float
-        // rounding (a few ulp of its magnitude).
-        const double lse_error =
-            (lse.cast<double>() - reference_lse.cast<double>()).cwiseAbs().maxCoeff();
-        INFO("lse error " << lse_error);
-        CHECK(lse_error <= 1e-5 * (1.0 + reference_lse.cwiseAbs().maxCoeff()));
-        const LseGrads unit = poslsh_test::setup_backward<bf16>(c, q, k, v, out, lse, dout);
-        const LseGrads plain =
-            poslsh_test::plain_bf16_backward(c, qf, kf, vf, widened(out), lse, doutf);
-        poslsh_test::check_unit_accuracy(unit, plain, exact);
-        check_lse_threads(threads, out, first_out);
-        check_lse_threads(threads, lse, first_lse);
-      }
-    }
-  }
+  const poslsh_test::HalfInputs<bf16> in(n, d, dv, 171);
+  for_each_config(n, Precision::matrix_units, [&](const LseConfig& c) {
+    const poslsh_test::BackwardGradients<double> exact = poslsh_test::double_gradients(c, in);
+    const LseVector reference_lse = dense_lse(c, in.qf, in.kf);
+    RowMatrix<bf16> first_out;
+    LseVector first_lse;
+    for_one_and_two_threads([&](int threads) {
+      const auto [out, lse] = forward_with_lse(c, in);
+      CHECK(same_bytes(out, forward_without_lse<bf16>(c, in.q, in.k, in.v)));
+      // Scores from bfloat16 inputs with float sums: the lse of the same scores to float
+      // rounding (a few ulp of its magnitude).
+      const double lse_error =
+          (lse.cast<double>() - reference_lse.cast<double>()).cwiseAbs().maxCoeff();
+      INFO("lse error " << lse_error);
+      CHECK(lse_error <= 1e-5 * (1.0 + reference_lse.cwiseAbs().maxCoeff()));
+      const LseGrads unit =
+          poslsh_test::setup_backward<bf16>(c, in.q, in.k, in.v, out, lse, in.dout);
+      const LseGrads plain =
+          poslsh_test::plain_bf16_backward(c, in.qf, in.kf, in.vf, widened(out), lse, in.doutf);
+      poslsh_test::check_unit_accuracy(unit, plain, exact);
+      check_lse_threads(threads, out, first_out);
+      check_lse_threads(threads, lse, first_lse);
+    });
+  });
 }
 
 TEMPLATE_TEST_CASE(
@@ -268,32 +234,25 @@ TEMPLATE_TEST_CASE(
     "inputs under float products, out bitwise the forward without lse under either precision",
     "[half][lse]", Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
-  const Index n = 300, heads = 4, kv_heads = 2, d = 24, dv = 16;
-  const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(n)};
-  const std::vector<std::int32_t> packed = {0, 130, static_cast<std::int32_t>(n)};
-  const poslsh_test::HeadsProblem<Half> p(n, heads, kv_heads, d, dv, 600);
+  // n = 300 tokens, 4 query heads over 2 K/V heads, d = 24, d_v = 16.
+  const poslsh_test::HeadsProblem<Half> p(300, 4, 2, 24, 16, 600);
   for (const Precision precision : {Precision::float_products, Precision::matrix_units}) {
-    for (const poslsh::Method method :
-         {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
-          poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
+    for (const poslsh::Method method : poslsh_test::heads_methods) {
       for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
         const poslsh::MultiHeadOptions options =
             poslsh_test::heads_options(method, masking, precision);
         for (const LseCall call : {LseCall::whole, LseCall::varlen, LseCall::varlen_with_lse}) {
           INFO(poslsh::enum_name(precision)
                << ", " << poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking)
-               << ", " << lse_call_name(call));
-          const std::vector<std::int32_t>& cu = call == LseCall::whole ? whole : packed;
+               << ", " << poslsh_test::name_in(lse_call_names, call));
+          const std::vector<std::int32_t>& cu = call == LseCall::whole ? p.whole : p.packed;
           RowMatrix<float> out_float, lse_float;
           heads_forward_of<float>(call, p, p.qf.data(), p.kf.data(), p.vf.data(), cu, options,
                                   out_float, lse_float);
           const RowMatrix<Half> without = heads_without_lse(call, p, cu, options);
           RowMatrix<Half> first_out;
           RowMatrix<float> first_lse;
-          for (const int threads : {1, 2}) {
-            INFO(threads << " threads");
-            const poslsh_test::Threads scope(threads);
+          for_one_and_two_threads([&](int threads) {
             RowMatrix<Half> out;
             RowMatrix<float> lse;
             heads_forward_of<Half>(call, p, p.q.data(), p.k.data(), p.v.data(), cu, options, out,
@@ -306,7 +265,7 @@ TEMPLATE_TEST_CASE(
             }
             check_lse_threads(threads, out, first_out);
             check_lse_threads(threads, lse, first_lse);
-          }
+          });
         }
       }
     }
@@ -316,8 +275,6 @@ TEMPLATE_TEST_CASE(
 TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[half][lse]",
                    Eigen::bfloat16, Eigen::half) {
   using Half = TestType;
-  using namespace half_lse;
-  using poslsh_test::require_invalid_argument;
   const Index n = 70, d = 8, dv = 6;
   const RowMatrix<Half> q = random_half<Half>(n, d, 1), k = random_half<Half>(n, d, 2),
                         v = random_half<Half>(n, dv, 3), k_wide = random_half<Half>(n, d + 1, 4);
@@ -361,3 +318,6 @@ TEMPLATE_TEST_CASE("half-precision forwards with lse name a bad argument", "[hal
       },
       "lse");
 }
+
+}  // namespace half_lse
+}  // namespace

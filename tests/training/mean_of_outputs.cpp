@@ -16,17 +16,7 @@
 
 #include <cmath>
 #include <limits>
-
-using poslsh::AttentionOptions;
-using poslsh::HashSet;
-using poslsh::Index;
-using poslsh::Masking;
-using poslsh::Method;
-using poslsh::MultiHeadOptions;
-using poslsh::RowMatrix;
-using poslsh_test::random_matrix;
-using poslsh_test::relative_max_error;
-using poslsh_test::with_masking;
+#include <type_traits>
 
 namespace {
 
@@ -58,9 +48,7 @@ RowMatrix<double> dense_mean_of_outputs(const RowMatrix<double>& q, const RowMat
 TEST_CASE("mean of outputs matches the dense formula", "[mean_estimator]") {
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (Index n : {Index{1}, Index{70}, Index{130}}) {
-      const RowMatrix<double> q = random_matrix<double>(n, 6, 1);
-      const RowMatrix<double> k = random_matrix<double>(n, 6, 2);
-      const RowMatrix<double> v = random_matrix<double>(n, 5, 3);
+      const auto [q, k, v] = random_qkv<double>(n, 6, 5, 1);
       for (double sigma : {0.5, 16.0, 1e4}) {
         for (Index s : {Index{1}, Index{3}, Index{16}}) {
           INFO("n " << n << ", sigma " << sigma << ", s " << s);
@@ -79,9 +67,7 @@ TEST_CASE("mean of outputs backward matches central finite differences in double
   const double h = 1e-5;
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
     for (Index n : {Index{1}, Index{70}, Index{130}}) {
-      const RowMatrix<double> q = random_matrix<double>(n, 6, 4);
-      const RowMatrix<double> k = random_matrix<double>(n, 6, 5);
-      const RowMatrix<double> v = random_matrix<double>(n, 5, 6);
+      const auto [q, k, v] = random_qkv<double>(n, 6, 5, 4);
       const RowMatrix<double> dout = random_matrix<double>(n, 5, 7);
       for (double sigma : {0.5, 16.0, 1e4}) {
         for (Index s : {Index{1}, Index{3}, Index{16}}) {
@@ -121,9 +107,7 @@ TEST_CASE("mean of outputs backward matches central finite differences in double
 TEST_CASE("mean of outputs is bitwise the same for 1 and 2 threads", "[mean_estimator]") {
 #ifdef _OPENMP
   const Index n = 500;
-  const RowMatrix<float> q = random_matrix<float>(n, 16, 8);
-  const RowMatrix<float> k = random_matrix<float>(n, 16, 9);
-  const RowMatrix<float> v = random_matrix<float>(n, 8, 10);
+  const auto [q, k, v] = random_qkv<float>(n, 16, 8, 8);
   const RowMatrix<float> dout = random_matrix<float>(n, 8, 11);
   const HashSet hashes = poslsh::rbf_hashes(32.0, 4, 3, 0);
   const int restore = omp_get_max_threads();
@@ -154,46 +138,24 @@ TEST_CASE("mean of outputs: bad shapes throw naming the argument", "[mean_estima
   const HashSet hashes = poslsh::rbf_hashes(4.0, 2, 1);
   RowMatrix<float> dq(n, 4), dk(n, 4), dv(n, 3), bad_out(n, 4), bad_dout(n, 2), bad_dq(n + 1, 4),
       bad_dk(n, 5), bad_dv(n, 4);
-  using poslsh_test::require_invalid_argument;
   require_invalid_argument(
       [&] { poslsh::lsh_attention_mean_of_outputs<float>(q, k, v, hashes, bad_out); }, "out");
   require_invalid_argument(
       [&] { poslsh::lsh_attention_mean_of_outputs<float>(q, k, v, HashSet{}, dv); }, "hashes");
-  require_invalid_argument(
-      [&] {
-        poslsh::lsh_attention_mean_of_outputs_backward<float>(q, k, v, hashes, bad_dout, dq, dk,
-                                                              dv);
-      },
-      "dout");
-  require_invalid_argument(
-      [&] {
-        poslsh::lsh_attention_mean_of_outputs_backward<float>(q, k, v, hashes, dout, bad_dq, dk,
-                                                              dv);
-      },
-      "dq");
-  require_invalid_argument(
-      [&] {
-        poslsh::lsh_attention_mean_of_outputs_backward<float>(q, k, v, hashes, dout, dq, bad_dk,
-                                                              dv);
-      },
-      "dk");
-  require_invalid_argument(
-      [&] {
-        poslsh::lsh_attention_mean_of_outputs_backward<float>(q, k, v, hashes, dout, dq, dk,
-                                                              bad_dv);
-      },
-      "dv");
+  // The backward on q, k, v and `hashes` with the given dout and gradients.
+  const auto backward = [&](const RowMatrix<float>& g, RowMatrix<float>& gq, RowMatrix<float>& gk,
+                            RowMatrix<float>& gv) {
+    poslsh::lsh_attention_mean_of_outputs_backward<float>(q, k, v, hashes, g, gq, gk, gv);
+  };
+  require_invalid_argument([&] { backward(bad_dout, dq, dk, dv); }, "dout");
+  require_invalid_argument([&] { backward(dout, bad_dq, dk, dv); }, "dq");
+  require_invalid_argument([&] { backward(dout, dq, bad_dk, dv); }, "dk");
+  require_invalid_argument([&] { backward(dout, dq, dk, bad_dv); }, "dv");
 }
 
 namespace {
 
 constexpr Index mean_heads = 4, mean_kv_heads = 2, mean_dim = 8, mean_value_dim = 6;
-
-/// [tokens, H, d] views of a row-major tokens x (H d) matrix.
-template <typename Element, typename Matrix>
-poslsh::HeadsView<Element> heads_of(Matrix& m, Index heads) {
-  return poslsh::interleaved_heads<Element>(m.data(), m.rows(), heads, m.cols() / heads);
-}
 
 }  // namespace
 
@@ -209,22 +171,22 @@ TEST_CASE("mean of outputs in the method table: every head and sequence is the s
   const RowMatrix<double> q_all = random_matrix<double>(cu_k.back(), mean_heads * mean_dim, 33);
   const std::vector<double> sigmas = {1.5, 6.0, 20.0, 300.0};
   for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    MultiHeadOptions options;
-    options.method = Method::mean_of_outputs;
-    options.masking = masking;
+    MultiHeadOptions options = multihead_options(Method::mean_of_outputs, masking, 5, 9);
     options.sigmas = sigmas;
-    options.samples = 5;
-    options.seed = 9;
     for (const auto* cu_q : {&self, &tail}) {
-      RowMatrix<double> q(cu_q->back(), mean_heads * mean_dim);
-      for (std::size_t b = 0; b + 1 < cu_q->size(); ++b) {
-        const Index m = (*cu_q)[b + 1] - (*cu_q)[b];
-        q.middleRows((*cu_q)[b], m) = q_all.middleRows(cu_k[b + 1] - m, m);
-      }
+      // The last queries of each sequence.
+      const RowMatrix<double> q = [&] {
+        RowMatrix<double> rows(cu_q->back(), mean_heads * mean_dim);
+        for (std::size_t b = 0; b + 1 < cu_q->size(); ++b) {
+          const Index m = (*cu_q)[b + 1] - (*cu_q)[b];
+          rows.middleRows((*cu_q)[b], m) = q_all.middleRows(cu_k[b + 1] - m, m);
+        }
+        return rows;
+      }();
       RowMatrix<double> out(q.rows(), mean_heads * mean_value_dim);
       poslsh::multihead_attention_varlen<double>(
-          heads_of<const double>(q, mean_heads), heads_of<const double>(k, mean_kv_heads),
-          heads_of<const double>(v, mean_kv_heads), heads_of<double>(out, mean_heads), *cu_q, cu_k,
+          interleaved_view(q, mean_heads), interleaved_view(k, mean_kv_heads),
+          interleaved_view(v, mean_kv_heads), interleaved_view(out, mean_heads), *cu_q, cu_k,
           options);
       for (std::size_t b = 0; b + 1 < cu_q->size(); ++b) {
         const Index first = cu_k[b], n = cu_k[b + 1] - first, m = (*cu_q)[b + 1] - (*cu_q)[b];
@@ -266,18 +228,22 @@ TEST_CASE("mean of outputs in the method table: the backward of every head, half
       RowMatrix<float>::Constant(n, mean_heads * mean_value_dim, std::nanf(""));
   const RowMatrix<float> lse = RowMatrix<float>::Constant(mean_heads, n, std::nanf(""));
   const std::vector<double> sigmas = {2.0, 8.0, 30.0, 100.0};
-  MultiHeadOptions options;
-  options.method = Method::mean_of_outputs;
+  MultiHeadOptions options = multihead_options(Method::mean_of_outputs, Masking::causal, 3, 4);
   options.sigmas = sigmas;
-  options.samples = 3;
-  options.seed = 4;
+  // The all-heads backward on inputs stored as any one type, the gradients in float.
+  const auto backward = [&](const auto& qx, const auto& kx, const auto& vx, const auto& outx,
+                            const auto& doutx, RowMatrix<float>& gq, RowMatrix<float>& gk,
+                            RowMatrix<float>& gv) {
+    using Input = typename std::decay_t<decltype(qx)>::Scalar;
+    poslsh::multihead_attention_varlen_backward<Input>(
+        interleaved_view(qx, mean_heads), interleaved_view(kx, mean_kv_heads),
+        interleaved_view(vx, mean_kv_heads), interleaved_view(outx, mean_heads), lse,
+        interleaved_view(doutx, mean_heads), cu, interleaved_view(gq, mean_heads),
+        interleaved_view(gk, mean_kv_heads), interleaved_view(gv, mean_kv_heads), options);
+  };
   RowMatrix<float> dq(n, mean_heads * mean_dim), dk(n, mean_kv_heads * mean_dim),
       dv(n, mean_kv_heads * mean_value_dim);
-  poslsh::multihead_attention_varlen_backward<float>(
-      heads_of<const float>(q, mean_heads), heads_of<const float>(k, mean_kv_heads),
-      heads_of<const float>(v, mean_kv_heads), heads_of<const float>(out, mean_heads), lse,
-      heads_of<const float>(dout, mean_heads), cu, heads_of<float>(dq, mean_heads),
-      heads_of<float>(dk, mean_kv_heads), heads_of<float>(dv, mean_kv_heads), options);
+  backward(q, k, v, out, dout, dq, dk, dv);
   for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
     const Index first = cu[b], m = cu[b + 1] - first;
     RowMatrix<float> dk_sum(m, mean_kv_heads * mean_dim), dv_sum(m, mean_kv_heads * mean_value_dim);
@@ -315,26 +281,18 @@ TEST_CASE("mean of outputs in the method table: the backward of every head, half
   RowMatrix<Half> forward_half(n, mean_heads * mean_value_dim);
   RowMatrix<float> forward_wide(n, mean_heads * mean_value_dim);
   poslsh::multihead_attention_varlen<Half>(
-      heads_of<const Half>(qh, mean_heads), heads_of<const Half>(kh, mean_kv_heads),
-      heads_of<const Half>(vh, mean_kv_heads), heads_of<Half>(forward_half, mean_heads), cu, cu,
+      interleaved_view(qh, mean_heads), interleaved_view(kh, mean_kv_heads),
+      interleaved_view(vh, mean_kv_heads), interleaved_view(forward_half, mean_heads), cu, cu,
       options);
   poslsh::multihead_attention_varlen<float>(
-      heads_of<const float>(qw, mean_heads), heads_of<const float>(kw, mean_kv_heads),
-      heads_of<const float>(vw, mean_kv_heads), heads_of<float>(forward_wide, mean_heads), cu, cu,
+      interleaved_view(qw, mean_heads), interleaved_view(kw, mean_kv_heads),
+      interleaved_view(vw, mean_kv_heads), interleaved_view(forward_wide, mean_heads), cu, cu,
       options);
   CHECK(RowMatrix<Half>(forward_wide.cast<Half>()) == forward_half);
   RowMatrix<float> dq_half(n, mean_heads * mean_dim), dk_half(n, mean_kv_heads * mean_dim),
       dv_half(n, mean_kv_heads * mean_value_dim);
-  poslsh::multihead_attention_varlen_backward<Half>(
-      heads_of<const Half>(qh, mean_heads), heads_of<const Half>(kh, mean_kv_heads),
-      heads_of<const Half>(vh, mean_kv_heads), heads_of<const Half>(outh, mean_heads), lse,
-      heads_of<const Half>(douth, mean_heads), cu, heads_of<float>(dq_half, mean_heads),
-      heads_of<float>(dk_half, mean_kv_heads), heads_of<float>(dv_half, mean_kv_heads), options);
-  poslsh::multihead_attention_varlen_backward<float>(
-      heads_of<const float>(qw, mean_heads), heads_of<const float>(kw, mean_kv_heads),
-      heads_of<const float>(vw, mean_kv_heads), heads_of<const float>(out, mean_heads), lse,
-      heads_of<const float>(doutw, mean_heads), cu, heads_of<float>(dq, mean_heads),
-      heads_of<float>(dk, mean_kv_heads), heads_of<float>(dv, mean_kv_heads), options);
+  backward(qh, kh, vh, outh, douth, dq_half, dk_half, dv_half);
+  backward(qw, kw, vw, out, doutw, dq, dk, dv);
   CHECK(dq_half == dq);
   CHECK(dk_half == dk);
   CHECK(dv_half == dv);
@@ -342,12 +300,11 @@ TEST_CASE("mean of outputs in the method table: the backward of every head, half
 
 TEST_CASE("mean of outputs has no log-sum-exp: the calls with lse reject it by name",
           "[mean_estimator][multihead]") {
-  using poslsh_test::require_invalid_argument;
   const Index n = 20;
   const RowMatrix<float> q = random_matrix<float>(n, mean_heads * mean_dim, 51);
   RowMatrix<float> out(n, mean_heads * mean_dim), lse(mean_heads, n);
-  const auto view = heads_of<const float>(q, mean_heads);
-  const auto out_view = heads_of<float>(out, mean_heads);
+  const auto view = interleaved_view(q, mean_heads);
+  const auto out_view = interleaved_view(out, mean_heads);
   MultiHeadOptions options;
   options.method = Method::mean_of_outputs;
   CHECK_FALSE(poslsh::method_has_lse(Method::mean_of_outputs));

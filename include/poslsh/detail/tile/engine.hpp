@@ -241,14 +241,14 @@ struct PairTileRows {
 /// The key source of K and V stored in Half (the rows of the row source Rows) for a unit
 /// multiplying pairs of Half values: the AVX512-BF16 unit (Half = Eigen::bfloat16, Tiles void)
 /// or the AMX tiles of the tile layer Tiles (detail/tile/amx_kernels.hpp, e.g.
-/// AmxNativeTiles<Half>; Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16): pair_tile(j0, keys) packs the tile's values into pairs along keys (rows of
-/// ceil(d_v / 16) 16 words) and copies its key rows d + (d mod 2) apart (a zero appended when d
-/// is odd), so that the score products read them from one contiguous block whatever the row
-/// stride of K or the runs the rows come in (a pair whose two keys lie in two runs is joined
-/// word by word: the same words). For the AMX tiles the key rows are
-/// ceil(d / 32) 32 apart (zeros past column d - 1), the key rows from `keys` to the next
-/// multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2) to
-/// tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
+/// AmxNativeTiles<Half>; Half = Eigen::bfloat16 for AMX-BF16, Eigen::half for AMX-FP16):
+/// pair_tile(j0, keys) packs the tile's values into pairs along keys (rows of ceil(d_v / 16) 16
+/// words) and copies its key rows d + (d mod 2) apart (a zero appended when d is odd), so that the
+/// score products read them from one contiguous block whatever the row stride of K or the runs the
+/// rows come in (a pair whose two keys lie in two runs is joined word by word: the same words). For
+/// the AMX tiles the key rows are ceil(d / 32) 32 apart (zeros past column d - 1), the key rows
+/// from `keys` to the next multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2)
+/// to tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
 /// source holds) is packed once into the thread's KeyTileStore when buffers.keep_key_tiles is
 /// set (and the source's packed tiles fit in KeyTileStore::max_bytes), and read from there by
 /// the later query tiles; any other request (a tile cut by a

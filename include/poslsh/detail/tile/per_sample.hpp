@@ -231,9 +231,9 @@ void fold_block(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> k, KeyValueRef<K
                 bool causal, Index begin, Index end, const EngineState<C>& state,
                 TileBuffers<C>& buffers, Precision precision, Index rows_first = 0,
                 Index rows_last = std::numeric_limits<Index>::max(), Index key_offset = 0) {
-  fold_block<Scalar, StridedRows<KVScalar>, C, AmxTiles>(q, StridedRows<KVScalar>(k, v), tau, causal, begin,
-                                               end, state, buffers, precision, rows_first,
-                                               rows_last, key_offset);
+  fold_block<Scalar, StridedRows<KVScalar>, C, AmxTiles>(
+      q, StridedRows<KVScalar>(k, v), tau, causal, begin, end, state, buffers, precision,
+      rows_first, rows_last, key_offset);
 }
 
 /// Per-thread scratch of per_sample_rows: the engine's buffers and one partial result per
@@ -294,8 +294,8 @@ void per_sample_rows(const ConstMatrixRef<Scalar>& q, const Rows& rows, const Ha
           for (auto edge = std::upper_bound(edges.begin(), edges.end(), first) - 1; *edge < last;
                ++edge)
             fold_block<Scalar, Rows, C, AmxTiles>(tile_q, rows, tau, causal, edge[0], edge[1],
-                                        fresh.engine_state(first), work.buffers, precision, first,
-                                        last, k0);
+                                                  fresh.engine_state(first), work.buffers,
+                                                  precision, first, last, k0);
           for (std::size_t below = 0; below < level; ++below)
             fresh.merge(partials[below], 0, count);
         }
@@ -339,8 +339,8 @@ void mean_of_outputs_rows(const ConstMatrixRef<QScalar>& q, const Rows& rows, co
   RowMatrix<C> sum = RowMatrix<C>::Zero(m, dv), sample(m, dv);
   MatrixRef<C> sample_ref(sample);
   for (const BinHash& hash : hashes) {
-    per_sample_rows<QScalar, C, C, AmxTiles>(q, rows, HashSet{hash}, tau, causal, positions, precision,
-                                   sample_ref);
+    per_sample_rows<QScalar, C, C, AmxTiles>(q, rows, HashSet{hash}, tau, causal, positions,
+                                             precision, sample_ref);
     sum += sample;
   }
   sum /= static_cast<C>(hashes.size());
