@@ -655,8 +655,10 @@ TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
 namespace {
 
 // One backward pass of `rule` on outputs that start at `initial` (fresh: the pass writes every
-// row; the unreached dQ rows are zeroed first), in the given loop order.
-enum class PassOrder { parallel, serial_by_steps, serial_by_key_groups };
+// row; the unreached dQ rows are zeroed first), in the given loop order (serial_reserved: the
+// serial pass on scratch sized beforehand for this rule and a wider one, as the parallel loops
+// over blocks size it).
+enum class PassOrder { parallel, serial_by_steps, serial_by_key_groups, serial_reserved };
 
 template <typename Input, typename Rule>
 std::array<RowMatrix<float>, 3> pass_gradients(
@@ -680,6 +682,15 @@ std::array<RowMatrix<float>, 3> pass_gradients(
       pd::backward_serial(in, rule, out, work, static_cast<const pd::PackedSteps<float>*>(nullptr),
                           0);
       break;
+    case PassOrder::serial_reserved: {
+      const Index n = in.q.rows();
+      pd::BackwardSerialSize<float, Input> needs(in);
+      needs.add(rule);
+      needs.add(pd::WindowRule<float>(0, n, -n, n, 0.0f));
+      needs.reserve(work);
+      pd::backward_serial(in, rule, out, work);
+      break;
+    }
   }
   return grads;
 }
@@ -713,9 +724,11 @@ void loop_order_checks(Index n, bool paired) {
       const auto by_steps = pass_gradients(in, rule, PassOrder::serial_by_steps, fresh, initial);
       const auto by_groups =
           pass_gradients(in, rule, PassOrder::serial_by_key_groups, fresh, initial);
+      const auto reserved = pass_gradients(in, rule, PassOrder::serial_reserved, fresh, initial);
       for (std::size_t g = 0; g < 3; ++g) {
         CHECK(parallel[g] == by_steps[g]);
         CHECK(parallel[g] == by_groups[g]);
+        CHECK(parallel[g] == reserved[g]);
         CHECK(parallel[g].allFinite());
       }
       // Fresh outputs assigned with non-temporal stores (rows of 16 and 8 floats: in AVX-512

@@ -11,10 +11,6 @@
 #include <utility>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "poslsh/analysis/max_error.hpp"
 #include "poslsh/analysis/operators.hpp"
 #include "poslsh/core/types.hpp"
@@ -35,27 +31,32 @@ inline long long partition_pair_count(const PartitionSet& set, Masking masking) 
   const Index n = set.n;
   std::vector<Index> lo(static_cast<std::size_t>(n), n);
   std::vector<Index> hi(static_cast<std::size_t>(n), 0);
-  // Samples split over threads into private tables, merged by min / max (order-free).
+  // Samples split over threads into private tables (made before the loop), merged by min / max
+  // (order-free).
   const bool parallel = set.edges.size() > detail::analysis_parallel_edges;
-#pragma omp parallel if (parallel)
-  {
-    std::vector<Index> my_lo(static_cast<std::size_t>(n), n);
-    std::vector<Index> my_hi(static_cast<std::size_t>(n), 0);
-#pragma omp for schedule(static) nowait
-    for (Index k = 0; k < set.samples(); ++k) {
-      for (const Index* edge = set.begin(k); edge + 1 < set.end(k); ++edge) {
-        Index& start = my_lo[static_cast<std::size_t>(edge[1] - 1)];
-        start = std::min(start, edge[0]);
-        Index& end = my_hi[static_cast<std::size_t>(edge[0])];
-        end = std::max(end, edge[1]);
-      }
+  struct Table {
+    std::vector<Index> lo, hi;
+  };
+  const auto samples = static_cast<long>(set.samples());
+  detail::PerThread<Table> tables(samples, parallel);
+  tables.each([&](Table& table) {
+    table.lo.assign(static_cast<std::size_t>(n), n);
+    table.hi.assign(static_cast<std::size_t>(n), 0);
+  });
+  detail::parallel_loop(samples, detail::LoopSchedule::blocks(), tables, [&](long k, Table& table) {
+    for (const Index* edge = set.begin(k); edge + 1 < set.end(k); ++edge) {
+      Index& start = table.lo[static_cast<std::size_t>(edge[1] - 1)];
+      start = std::min(start, edge[0]);
+      Index& end = table.hi[static_cast<std::size_t>(edge[0])];
+      end = std::max(end, edge[1]);
     }
-#pragma omp critical(poslsh_partition_pair_count)
+  });
+  tables.each([&](const Table& table) {
     for (std::size_t i = 0; i < lo.size(); ++i) {
-      lo[i] = std::min(lo[i], my_lo[i]);
-      hi[i] = std::max(hi[i], my_hi[i]);
+      lo[i] = std::min(lo[i], table.lo[i]);
+      hi[i] = std::max(hi[i], table.hi[i]);
     }
-  }
+  });
   for (Index i = n - 2; i >= 0; --i) {
     lo[static_cast<std::size_t>(i)] =
         std::min(lo[static_cast<std::size_t>(i)], lo[static_cast<std::size_t>(i) + 1]);
@@ -193,8 +194,8 @@ class BandCountOperator {
     constexpr Index rows_per_task = 512;
     const Index tasks = (n_ + rows_per_task - 1) / rows_per_task;
     std::vector<MaxError> results(static_cast<std::size_t>(tasks));
-#pragma omp parallel for schedule(dynamic, 1) if (entries_ > parallel_product_entries)
-    for (Index task = 0; task < tasks; ++task) {
+    const auto scan = [&](long job) {
+      const auto task = static_cast<Index>(job);
       MaxError best;
       const auto consider = [&best](double value, Index i, Index j) {
         if (best.row < 0 || value > best.value) best = MaxError{value, i, j};
@@ -213,7 +214,9 @@ class BandCountOperator {
         if (!causal && hi < n_) consider(kernel[static_cast<std::size_t>(hi - i)], i, hi);
       }
       results[static_cast<std::size_t>(task)] = best;
-    }
+    };
+    detail::parallel_loop(static_cast<long>(tasks), detail::LoopSchedule::dynamic(),
+                          entries_ > parallel_product_entries, scan);
     return detail::analysis_largest_error(results);
   }
 
@@ -235,17 +238,16 @@ class BandCountOperator {
     const Index chunks = (n_ + rows_per_chunk - 1) / rows_per_chunk;
     const Index b = band_;
     const bool parallel = set.edges.size() > detail::analysis_parallel_edges;
-#pragma omp parallel if (parallel)
-    {
-      Index threads = 1, thread = 0;
-#ifdef _OPENMP
-      threads = omp_get_num_threads();
-      thread = omp_get_thread_num();
-#endif
-      const Index chunk_begin = chunks * thread / threads;
-      const Index chunk_end = chunks * (thread + 1) / threads;
+    // One part of the rows per thread, with its cursors (made before the loop).
+    detail::PerThread<std::vector<const Index*>> cursors(static_cast<long>(chunks), parallel);
+    cursors.each([&](std::vector<const Index*>& cursor) {
+      cursor.resize(static_cast<std::size_t>(samples_));
+    });
+    const Index parts = cursors.threads();
+    const auto corners = [&](long part, std::vector<const Index*>& cursor) {
+      const Index chunk_begin = chunks * static_cast<Index>(part) / parts;
+      const Index chunk_end = chunks * (static_cast<Index>(part) + 1) / parts;
       if (chunk_begin < chunk_end) {
-        std::vector<const Index*> cursor(static_cast<std::size_t>(samples_));
         for (Index k = 0; k < samples_; ++k) {
           cursor[static_cast<std::size_t>(k)] =
               std::lower_bound(set.begin(k), set.end(k) - 1, chunk_begin * rows_per_chunk);
@@ -270,31 +272,34 @@ class BandCountOperator {
           }
         }
       }
-    }
-#pragma omp parallel for schedule(static) if (n_ * stride_ > parallel_product_entries)
-    for (Index i = 0; i < n_; ++i) {
-      double* row = table_.data() + static_cast<std::size_t>(i * stride_);
-      for (Index m = 1; m < stride_; ++m) row[m] += row[m - 1];
-    }
+    };
+    detail::parallel_loop(static_cast<long>(parts), detail::LoopSchedule::blocks(), cursors,
+                          corners);
+    detail::parallel_loop(static_cast<long>(n_), detail::LoopSchedule::blocks(),
+                          n_ * stride_ > parallel_product_entries, [&](Index i) {
+                            double* row = table_.data() + static_cast<std::size_t>(i * stride_);
+                            for (Index m = 1; m < stride_; ++m) row[m] += row[m - 1];
+                          });
     for (Index i = 1; i < n_; ++i) {
       double* row = table_.data() + static_cast<std::size_t>(i * stride_);
       const double* above = row - stride_;
       for (Index m = 0; m + 1 < stride_; ++m) row[m] += above[m + 1];
     }
     const double s = static_cast<double>(samples_);
+    detail::parallel_loop(static_cast<long>(n_), detail::LoopSchedule::blocks(),
+                          n_ * stride_ > parallel_product_entries, [&](Index i) {
+                            double* row = table_.data() + static_cast<std::size_t>(i * stride_);
+                            Index lo = b, hi = b + 1;  // C_ii = s > 0
+                            while (lo > 0 && row[lo - 1] > 0.0) --lo;
+                            while (hi < stride_ && row[hi] > 0.0) ++hi;
+                            // As mean_mask_dense: c / s.
+                            for (Index m = 0; m < stride_; ++m) row[m] = row[m] / s;
+                            lo_[static_cast<std::size_t>(i)] = std::max<Index>(0, i - b + lo);
+                            hi_[static_cast<std::size_t>(i)] = std::min(n_, i - b + hi);
+                          });
     long long entries = 0;
-    const bool rows_parallel = n_ * stride_ > parallel_product_entries;
-#pragma omp parallel for schedule(static) reduction(+ : entries) if (rows_parallel)
-    for (Index i = 0; i < n_; ++i) {
-      double* row = table_.data() + static_cast<std::size_t>(i * stride_);
-      Index lo = b, hi = b + 1;  // C_ii = s > 0
-      while (lo > 0 && row[lo - 1] > 0.0) --lo;
-      while (hi < stride_ && row[hi] > 0.0) ++hi;
-      for (Index m = 0; m < stride_; ++m) row[m] = row[m] / s;  // as mean_mask_dense: c / s
-      lo_[static_cast<std::size_t>(i)] = std::max<Index>(0, i - b + lo);
-      hi_[static_cast<std::size_t>(i)] = std::min(n_, i - b + hi);
+    for (Index i = 0; i < n_; ++i)
       entries += hi_[static_cast<std::size_t>(i)] - lo_[static_cast<std::size_t>(i)];
-    }
     entries_ = entries;
   }
 
@@ -309,29 +314,30 @@ class BandCountOperator {
     const double* in = input_.data();
     double* out = output_.data();
     // Threads only for tables of more than parallel_product_entries entries.
-#pragma omp parallel for schedule(static) if (entries_ > parallel_product_entries)
-    for (Index i = 0; i < n_; ++i) {
-      Index lo = lo_[static_cast<std::size_t>(i)];
-      Index hi = hi_[static_cast<std::size_t>(i)];
-      if (causal) {
-        if (causal_transpose) {
-          lo = i;
-        } else {
-          hi = i + 1;
-        }
-      }
-      const double* row = table_.data() + static_cast<std::size_t>(i * stride_ - i + band_);
-      double sum[4] = {0.0, 0.0, 0.0, 0.0};
-      Index j = lo;
-      for (; j + 4 <= hi; j += 4) {
-        sum[0] += row[j] * in[j];
-        sum[1] += row[j + 1] * in[j + 1];
-        sum[2] += row[j + 2] * in[j + 2];
-        sum[3] += row[j + 3] * in[j + 3];
-      }
-      for (int r = 0; j < hi; ++j, ++r) sum[r] += row[j] * in[j];
-      out[i] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
-    }
+    detail::parallel_loop(static_cast<long>(n_), detail::LoopSchedule::blocks(),
+                          entries_ > parallel_product_entries, [&](Index i) {
+                            Index lo = lo_[static_cast<std::size_t>(i)];
+                            Index hi = hi_[static_cast<std::size_t>(i)];
+                            if (causal) {
+                              if (causal_transpose) {
+                                lo = i;
+                              } else {
+                                hi = i + 1;
+                              }
+                            }
+                            const double* row =
+                                table_.data() + static_cast<std::size_t>(i * stride_ - i + band_);
+                            double sum[4] = {0.0, 0.0, 0.0, 0.0};
+                            Index j = lo;
+                            for (; j + 4 <= hi; j += 4) {
+                              sum[0] += row[j] * in[j];
+                              sum[1] += row[j + 1] * in[j + 1];
+                              sum[2] += row[j + 2] * in[j + 2];
+                              sum[3] += row[j + 3] * in[j + 3];
+                            }
+                            for (int r = 0; j < hi; ++j, ++r) sum[r] += row[j] * in[j];
+                            out[i] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+                          });
     for (Index i = 0; i < n_; ++i) y[i] = static_cast<Scalar>(out[static_cast<std::size_t>(i)]);
   }
 

@@ -100,13 +100,12 @@ inline MaxError analysis_max_error_partitions(const PartitionSet& partitions, do
   const Index tasks = (n + analysis_rows_per_task - 1) / analysis_rows_per_task;
   std::vector<MaxError> results(static_cast<std::size_t>(tasks));
   const bool causal = masking == Masking::causal;
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
-  for (Index task = 0; task < tasks; ++task) {
-    const Index first = task * analysis_rows_per_task;
+  parallel_loop(static_cast<long>(tasks), LoopSchedule::dynamic(), true, [&](long task) {
+    const Index first = static_cast<Index>(task) * analysis_rows_per_task;
     const Index last = std::min(n, first + analysis_rows_per_task);
     results[static_cast<std::size_t>(task)] =
         analysis_max_error_rows(partitions, first, last, causal, kernel, mean);
-  }
+  });
   return analysis_largest_error(results);
 }
 

@@ -314,13 +314,13 @@ UnnormalizedOutputError unnormalized_output_error_dense(ConstMatrixRef<Scalar> q
   const Index tasks = (n + rows_per_task - 1) / rows_per_task;
   std::vector<detail::AnalysisErrorSums> sums(static_cast<std::size_t>(tasks));
   const bool causal = options.masking == Masking::causal;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (Index task = 0; task < tasks; ++task) {
-    const Index first = task * rows_per_task;
-    sums[static_cast<std::size_t>(task)] =
-        detail::analysis_unnormalized_rows(q_double, k_double, v_double, tau, causal, partitions,
-                                           kernel, first, std::min(n, first + rows_per_task));
-  }
+  detail::parallel_loop(static_cast<long>(tasks), detail::LoopSchedule::dynamic(), true,
+                        [&](long task) {
+                          const Index first = static_cast<Index>(task) * rows_per_task;
+                          sums[static_cast<std::size_t>(task)] = detail::analysis_unnormalized_rows(
+                              q_double, k_double, v_double, tau, causal, partitions, kernel, first,
+                              std::min(n, first + rows_per_task));
+                        });
   UnnormalizedOutputError error;
   double square_sum = 0.0;
   for (const detail::AnalysisErrorSums& part : sums) {

@@ -6,7 +6,9 @@
 /// poslsh/training/backward.hpp: lse_i = log sum_j w_ij e^{x_ij}, P_ij = w_ij e^{x_ij - lse_i},
 /// dV = P^T dO, dS_ij = P_ij (dO_i . v_j - D_i), dQ = tau dS K, dK = tau dS^T Q. These calls
 /// are self-attention: q, k and v hold the same tokens at positions 0 .. n - 1 of each
-/// sequence (options.query_offset unset or 0).
+/// sequence (options.query_offset unset or 0). Arguments are checked before any parallel work;
+/// an exception inside the parallel loops (std::bad_alloc) reaches the caller with its type,
+/// the outputs then partly written.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 
 #include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
@@ -291,12 +294,18 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   };
   if (one_thread_per_head) {
     const auto jobs = static_cast<long>(sequences.size()) * static_cast<long>(heads);
-    parallel_jobs<BackwardScratch<Scalar>>(jobs, [&](long j, BackwardScratch<Scalar>& scratch) {
-      const HeadsSequence& s = call.sequences[sequences[static_cast<std::size_t>(j / heads)]];
-      const Index h = heads - 1 - static_cast<Index>(j % heads);
-      head_job(s, h, token_range(dk, s.q_begin, s.q_end).head(h),
-               token_range(dv, s.q_begin, s.q_end).head(h), false, &scratch);
-    });
+    // Each thread's scratch sized for the head widths before the loop; what depends on a head's
+    // rule (the key tiles of a step, the packed steps, the count windows) grows on the thread's
+    // first head of each size.
+    PerThread<BackwardScratch<Scalar>> scratches(jobs);
+    scratches.each([&](BackwardScratch<Scalar>& scratch) { scratch.work.prepare(q.dim, v.dim); });
+    parallel_loop(
+        jobs, LoopSchedule::dynamic(), scratches, [&](long j, BackwardScratch<Scalar>& scratch) {
+          const HeadsSequence& s = call.sequences[sequences[static_cast<std::size_t>(j / heads)]];
+          const Index h = heads - 1 - static_cast<Index>(j % heads);
+          head_job(s, h, token_range(dk, s.q_begin, s.q_end).head(h),
+                   token_range(dv, s.q_begin, s.q_end).head(h), false, &scratch);
+        });
     sum_dslopes();
     return;
   }

@@ -16,6 +16,7 @@
 #include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
@@ -74,11 +75,14 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
         dslopes == nullptr ? nullptr : dslopes + h);
   };
   if (group == 1) {
-    // Heads write disjoint rows: one job per head, each pass on its thread.
-    parallel_jobs<BackwardWork<Compute>>(
-        static_cast<long>(q.heads), [&](long j, BackwardWork<Compute>& work) {
-          head_pass(q.heads - 1 - static_cast<Index>(j), false, &work);
-        });
+    // Heads write disjoint rows: one job per head, each pass on its thread, with the thread's
+    // scratch sized for the head widths before the loop (detail/parallel.hpp).
+    const auto jobs = static_cast<long>(q.heads);
+    PerThread<BackwardWork<Compute>> works(jobs);
+    works.each([&](BackwardWork<Compute>& work) { work.prepare(q.dim, v.dim); });
+    parallel_loop(jobs, LoopSchedule::dynamic(), works, [&](long j, BackwardWork<Compute>& work) {
+      head_pass(q.heads - 1 - static_cast<Index>(j), false, &work);
+    });
     return;
   }
   // The heads of a group add to one dk, dv: in increasing order, each pass parallel inside.

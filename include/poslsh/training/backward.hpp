@@ -16,7 +16,9 @@
 // Checked (std::invalid_argument naming the argument): the kernel's own arguments, lse of size
 // n, out and dout n x d_v, dq and dk n x d, dv n x d_v (output rows must not overlap). Not
 // checked: the values, that lse and out come from the forward of the same inputs, and that the
-// gradient outputs overlap neither each other nor the inputs.
+// gradient outputs overlap neither each other nor the inputs. An allocation that fails, on the
+// calling thread or inside the passes' parallel loops (detail/parallel.hpp), reaches the caller
+// as std::bad_alloc; the gradient outputs are then partly written.
 //
 // Scalar types of the backward passes: q, k, v, out and dout stored in one type Scalar (float,
 // double, Eigen::bfloat16 or Eigen::half); lse and the gradients dq, dk, dv in

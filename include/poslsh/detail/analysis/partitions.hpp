@@ -13,6 +13,7 @@
 #include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/parallel.hpp"
 
 namespace poslsh::detail {
 
@@ -69,7 +70,7 @@ inline void analysis_write_block_edges(const BinHash& hash, Index n, Index* out)
 
 /// The stored edges of a hash set (a HashSet or any container of BinHash) on [0, n). Throws
 /// std::invalid_argument (messages from `function`) if the set is empty, a hash is invalid or
-/// n < 0. Samples in parallel (OpenMP); the same table whatever the thread count.
+/// n < 0. Samples in parallel (parallel_loop); the same table whatever the thread count.
 template <typename Hashes = HashSet>
 PartitionSet analysis_partitions(const Hashes& hash_set, Index n, const char* function) {
   const HashSet& hashes = analysis_hash_set(hash_set);
@@ -78,7 +79,7 @@ PartitionSet analysis_partitions(const Hashes& hash_set, Index n, const char* fu
   PartitionSet partitions;
   partitions.n = n;
   // Edge counts first (analysis_edge_count), then every sample's edges written in parallel
-  // (OpenMP) at its offset.
+  // at its offset.
   const auto samples = static_cast<Index>(hashes.size());
   partitions.offsets.resize(static_cast<std::size_t>(samples) + 1);
   for (Index k = 0; k < samples; ++k) {
@@ -87,11 +88,10 @@ PartitionSet analysis_partitions(const Hashes& hash_set, Index n, const char* fu
   }
   partitions.edges.resize(partitions.offsets.back());
   const bool parallel = partitions.edges.size() > analysis_parallel_edges;
-#pragma omp parallel for schedule(dynamic, 256) if (parallel)
-  for (Index k = 0; k < samples; ++k) {
+  parallel_loop(static_cast<long>(samples), LoopSchedule::dynamic(256), parallel, [&](long k) {
     const auto uk = static_cast<std::size_t>(k);
     analysis_write_block_edges(hashes[uk], n, partitions.edges.data() + partitions.offsets[uk]);
-  }
+  });
   return partitions;
 }
 

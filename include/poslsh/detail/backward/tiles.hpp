@@ -70,6 +70,7 @@
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/backward/kernels.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
@@ -127,8 +128,10 @@ class PackedSteps;
 /// Per-thread scratch of the backward pass (O(64 (d + d_v)) scalars per key tile of a group,
 /// aligned; they only grow): P^T and dS^T of a step (key b, row a at b * backward_query_rows +
 /// a), a count tile, the K and V rows of each key tile of the group and their dK, dV sums, the
-/// step's dQ contribution (rows padded to whole packets with zeros), D of the step, and the
-/// packed query steps (packed_steps).
+/// step's dQ contribution (rows padded to whole packets with zeros), D of the step, the
+/// packed query steps (packed_steps) and the slots of backward_by_steps. Sized before a
+/// parallel loop (prepare, BackwardSerialSize), a pass allocates nothing; its contents never
+/// reach the gradients (each pass writes what it reads, the padding stays zero).
 template <typename Scalar>
 struct BackwardWork {
   using Buffer = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
@@ -149,6 +152,9 @@ struct BackwardWork {
   Index pair_d = 0, pair_dv = 0, pair_key_tiles = 0;
   /// The thread's packed query steps (packed_steps).
   std::unique_ptr<PackedSteps<Scalar>> steps;
+  /// backward_by_steps: the key tile in each slot and whether a pair has run on it.
+  std::vector<Index> slot_tile;
+  std::vector<char> slot_touched;
 
   BackwardWork()
       : probabilities(Buffer::Zero(backward_query_rows * backward_tile)),
@@ -253,7 +259,7 @@ struct BackwardKeyTile {
 /// 2^-126 |g| for every gradient entry g of order 1).
 class FlushSubnormals {
  public:
-  FlushSubnormals() {
+  FlushSubnormals() noexcept {
 #if defined(__SSE__) || defined(_M_X64)
     saved_ = _mm_getcsr();
     _mm_setcsr(saved_ | flush_bits);
@@ -491,21 +497,22 @@ struct CountWindows {
   std::vector<TileCounts> tiles;
   std::vector<Index> lo, hi;
 
+  /// The tiles in parallel (parallel_loop), each tile's counts growing their own buffers (the
+  /// tile's output: they only grow, so a CountWindows reused for heads of the same length
+  /// allocates on its first head only).
   void build(const HashSet& hashes, Index n, bool causal, Index origin = 0) {
     const Index count = (n + tile_query_rows - 1) / tile_query_rows;
     tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
     lo.resize(static_cast<std::size_t>(n));
     hi.resize(static_cast<std::size_t>(n));
-    const auto tile_count = static_cast<long>(count);
-#pragma omp parallel for schedule(dynamic, 4)
-    for (long t = 0; t < tile_count; ++t) {
+    parallel_loop(static_cast<long>(count), LoopSchedule::dynamic(4), true, [&](long t) {
       const Index i0 = static_cast<Index>(t) * tile_query_rows;
       const Index rows = std::min(tile_query_rows, n - i0);
       TileCounts& counts = tiles[static_cast<std::size_t>(t)];
       counts.build(hashes, i0, rows, n, causal, origin);
       std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
       std::copy(counts.hi.begin(), counts.hi.end(), hi.begin() + i0);
-    }
+    });
   }
 };
 
@@ -661,7 +668,8 @@ struct InOrder {
 /// intervals with non-decreasing ends), so next[I] counts them off. The thread holding key
 /// group G waits until next[I] = G, adds, and sets next[I] = G + 1. Key groups are handed out
 /// in increasing order and the thread holding the smallest unfinished one never waits, so
-/// every thread makes progress.
+/// every thread makes progress. When a key group's job fails, abandon() makes every waiting
+/// thread (and every later add) throw LoopStopped, since the group's additions will not come.
 class KeyGroupOrder {
  public:
   template <typename Rule>
@@ -681,14 +689,19 @@ class KeyGroupOrder {
   void add(Index query_tile, Index key_group, Add&& add_to_dq) const {
     std::atomic<Index>& next = next_[static_cast<std::size_t>(query_tile)];
     for (int spin = 0; next.load(std::memory_order_acquire) != key_group; ++spin) {
+      if (abandoned_.load(std::memory_order_relaxed)) throw LoopStopped{};
       if (spin >= 64) std::this_thread::yield();
     }
     add_to_dq();
     next.store(key_group + 1, std::memory_order_release);
   }
 
+  /// A key group's job failed: the waits end (add throws LoopStopped).
+  void abandon() const { abandoned_.store(true, std::memory_order_relaxed); }
+
  private:
   std::unique_ptr<std::atomic<Index>[]> next_;
+  mutable std::atomic<bool> abandoned_{false};
 };
 
 #if POSLSH_X86_UNITS
@@ -1061,22 +1074,26 @@ template <typename Scalar>
 class PackedSteps {
  public:
   /// Packs every step of the rows [begin_row, end_row) of in.q and in.dout, in parallel
-  /// (OpenMP) when `parallel`: for the float products (pack_step: rows of Input widened to
-  /// Scalar) or, with in.paired, for the AVX512-BF16 ones (pack_pair_step).
+  /// (parallel_loop) when `parallel`: for the float products (pack_step: rows of Input widened
+  /// to Scalar) or, with in.paired, for the AVX512-BF16 ones (pack_pair_step). The buffers
+  /// grow (the only allocation) before the loop.
   template <typename Input>
   void pack(const BackwardInputs<Scalar, Input>& in, Index begin_row, Index end_row,
             bool parallel) {
     constexpr Index Bq = backward_query_rows;
     const auto count = static_cast<long>(layout(in, begin_row, end_row));
-#pragma omp parallel if (parallel)
-    {
-      const FlushSubnormals flush;  // the packing multiplies by 1: rounded as the passes round
-#pragma omp for schedule(static)
-      for (long t = 0; t < count; ++t) {
-        const Index i0 = begin_ + static_cast<Index>(t) * Bq;
-        pack_one(in, static_cast<Index>(t), i0, std::min(Bq, end_row - i0));
-      }
-    }
+    // The packing multiplies by 1: its threads flush subnormals, rounding as the passes round.
+    parallel_loop<FlushSubnormals>(count, LoopSchedule::blocks(), parallel, [&](long t) {
+      const Index i0 = begin_ + static_cast<Index>(t) * Bq;
+      pack_one(in, static_cast<Index>(t), i0, std::min(Bq, end_row - i0));
+    });
+  }
+
+  /// Grows the buffers to hold the steps of the rows [begin_row, end_row) (what pack() of them
+  /// would allocate).
+  template <typename Input>
+  void reserve(const BackwardInputs<Scalar, Input>& in, Index begin_row, Index end_row) {
+    layout(in, begin_row, end_row);
   }
 
   /// Packs the one step of the rows [i0, i0 + rows) (rows <= backward_query_rows) in place of
@@ -1378,11 +1395,13 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
   }
 }
 
-/// One pass over the key tiles of the rule's domain, in parallel (OpenMP; call it outside a
-/// parallel region) by groups of backward_group_tiles key tiles: dK, dV of a key tile by its
-/// thread summing over query steps in increasing order, dQ of a query step summed over key
-/// groups in increasing order (KeyGroupOrder). Q^T and dO^T of every step are packed first
-/// (O(n (d + d_v)) memory). Outputs are accumulated into.
+/// One pass over the key tiles of the rule's domain, in parallel (parallel_loop) by groups of
+/// backward_group_tiles key tiles: dK, dV of a key tile by its thread summing over query steps
+/// in increasing order, dQ of a query step summed over key groups in increasing order
+/// (KeyGroupOrder). Q^T and dO^T of every step are packed first (O(n (d + d_v)) memory), and
+/// each thread's BackwardWork is sized before the loop, so the loop allocates nothing. A
+/// failed key group abandons the order (the threads waiting on it leave) and its exception
+/// reaches the caller; the outputs are then partly written. Outputs are accumulated into.
 template <typename Scalar, typename Input, typename Rule>
 void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                        BackwardOutputs<Scalar>& out) {
@@ -1394,16 +1413,21 @@ void backward_parallel(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   PackedSteps<Scalar> packed;
   packed.pack(in, begin, rule.end(), true);
   const auto group_count = static_cast<long>((end - begin + group - 1) / group);
-#pragma omp parallel
-  {
-    const FlushSubnormals flush;
-    BackwardWork<Scalar> work;
-#pragma omp for schedule(dynamic, 1)
-    for (long t = 0; t < group_count; ++t) {
-      const Index j0 = begin + static_cast<Index>(t) * group;
-      backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, packed);
-    }
-  }
+  PerThread<BackwardWork<Scalar>> works(group_count);
+  works.each([&](BackwardWork<Scalar>& work) {
+    work.prepare(in.q.cols(), in.v.cols());
+    if (in.paired) work.prepare_pairs(backward_group_tiles);
+  });
+  parallel_loop<FlushSubnormals>(
+      group_count, LoopSchedule::dynamic(), works, [&](long t, BackwardWork<Scalar>& work) {
+        const Index j0 = begin + static_cast<Index>(t) * group;
+        try {
+          backward_key_group(in, rule, j0, std::min(end, j0 + group), out, work, order, packed);
+        } catch (...) {
+          order.abandon();
+          throw;
+        }
+      });
 }
 
 /// The most key tiles (backward_tile keys, aligned from the rule's first row) that the rows of
@@ -1444,8 +1468,10 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   const Index d = work.d, dp = work.dp, dvp = work.dvp;
   const Index base = rule.begin(), end = rule.end(), key_end = rule.key_end();
   const Index tiles = (key_end - base + Bk - 1) / Bk;
-  std::vector<Index> owner(static_cast<std::size_t>(span), -1);  // the tile in each slot
-  std::vector<char> touched(static_cast<std::size_t>(span), 0);  // a pair has run on it
+  std::vector<Index>& owner = work.slot_tile;      // the tile in each slot
+  std::vector<char>& touched = work.slot_touched;  // a pair has run on it
+  owner.assign(static_cast<std::size_t>(span), -1);
+  touched.assign(static_cast<std::size_t>(span), 0);
   const auto slot_rows = [&](Index tile) { return backward_key_tile(in, tile % span, work); };
   // Writes key tile `tile` to the outputs (0 with fresh outputs if no pair ran on it).
   const auto finish = [&](Index tile) {
@@ -1535,23 +1561,34 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
   for (; finished < tiles; ++finished) finish(finished);
 }
 
+/// The key tiles one step of backward_serial's pass on `rule` keeps (backward_step_span) when
+/// it goes by steps (their K, V rows and dK, dV sums fit in `window_bytes`), or 0 when it goes
+/// by groups of key tiles.
+template <typename Scalar, typename Input, typename Rule>
+Index backward_serial_span(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
+                           std::size_t window_bytes = backward_step_window_bytes) {
+  constexpr Index P = tile_packet_size<Scalar>;
+  const Index span = backward_step_span(rule);
+  const Index dp = (in.q.cols() + P - 1) / P * P, dvp = (in.v.cols() + P - 1) / P * P;
+  const auto span_bytes =
+      static_cast<std::size_t>(span * backward_tile * 2 * (dp + dvp)) * sizeof(Scalar);
+  return span > 0 && span_bytes <= window_bytes ? span : 0;
+}
+
 /// The same pass on the calling thread (a block of a per-sample hash, or one head of a
 /// parallel loop over heads), bitwise the same: backward_by_steps when the key tiles of one
-/// step fit in `window_bytes`, otherwise groups of key tiles in increasing order, the operands
-/// of the steps from `packed` (every step of the rule's domain) or, when it is null, packed
-/// first into work.packed_steps().
+/// step fit in `window_bytes` (backward_serial_span), otherwise groups of key tiles in
+/// increasing order, the operands of the steps from `packed` (every step of the rule's domain)
+/// or, when it is null, packed first into work.packed_steps(). Allocates nothing when `work`
+/// was sized for the rule (BackwardSerialSize).
 template <typename Scalar, typename Input, typename Rule>
 void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
                      BackwardOutputs<Scalar>& out, BackwardWork<Scalar>& work,
                      const PackedSteps<Scalar>* packed = nullptr,
                      std::size_t window_bytes = backward_step_window_bytes) {
   constexpr Index group = backward_group_keys;
-  constexpr Index P = tile_packet_size<Scalar>;
-  const Index span = backward_step_span(rule);
-  const Index dp = (in.q.cols() + P - 1) / P * P, dvp = (in.v.cols() + P - 1) / P * P;
-  const auto span_bytes =
-      static_cast<std::size_t>(span * backward_tile * 2 * (dp + dvp)) * sizeof(Scalar);
-  if (span > 0 && span_bytes <= window_bytes) {
+  const Index span = backward_serial_span(in, rule, window_bytes);
+  if (span > 0) {
     backward_by_steps(in, rule, span, out, work);
     return;
   }
@@ -1564,6 +1601,45 @@ void backward_serial(const BackwardInputs<Scalar, Input>& in, const Rule& rule,
     backward_key_group(in, rule, j0, std::min(rule.key_end(), j0 + group), out, work, InOrder{},
                        *packed);
 }
+
+/// The scratch that backward_serial (the steps packed by the pass itself) needs for a set of
+/// rules on inputs shaped as `in`: add() each rule, then reserve() sizes a thread's
+/// BackwardWork (before a parallel loop whose jobs run these passes: they then allocate
+/// nothing). The sizes only grow, and the contents of the scratch never reach the gradients.
+template <typename Scalar, typename Input>
+class BackwardSerialSize {
+ public:
+  explicit BackwardSerialSize(const BackwardInputs<Scalar, Input>& in,
+                              std::size_t window_bytes = backward_step_window_bytes)
+      : in_(in), window_bytes_(window_bytes) {}
+
+  template <typename Rule>
+  void add(const Rule& rule) {
+    const Index span = backward_serial_span(in_, rule, window_bytes_);
+    if (span > 0) {
+      span_ = std::max(span, span_);
+    } else {
+      group_rows_ = std::max(group_rows_, rule.end() - rule.begin());
+    }
+  }
+
+  void reserve(BackwardWork<Scalar>& work) const {
+    constexpr Index Bq = backward_query_rows;
+    work.prepare(in_.q.cols(), in_.v.cols());
+    work.reserve_key_tiles(span_);
+    if (in_.paired) work.prepare_pairs(std::max(span_, backward_group_tiles));
+    work.slot_tile.reserve(static_cast<std::size_t>(span_));
+    work.slot_touched.reserve(static_cast<std::size_t>(span_));
+    // By steps: one step packed at a time; by groups: every step of the widest domain.
+    work.packed_steps().reserve(in_, 0, std::max(group_rows_, span_ > 0 ? Bq : Index{0}));
+  }
+
+ private:
+  const BackwardInputs<Scalar, Input>& in_;
+  std::size_t window_bytes_;
+  Index span_ = 0;        // the most key tiles a pass by steps keeps
+  Index group_rows_ = 0;  // the most rows a pass by groups packs
+};
 
 /// D_i = dO_i . O_i for every row, accumulated exactly as the score kernel accumulates
 /// dP_ij = dO_i . v_j (tile_score_block: from zero, one multiply-add per column in increasing

@@ -1,24 +1,22 @@
-// poslsh internals: the one parallel loop of the library. Every kernel that runs on the tile
+// poslsh internals: the query tiles of the forward kernels. Every kernel that runs on the tile
 // engine (exact tiled, banded, fused LSH, paged, all heads, packed batches, plans) cuts its
-// query rows into tiles aligned in absolute positions and runs the (tile, head) jobs here; the
-// kernels that run whole heads (per-sample, fixed blocks, the backward passes of all heads) run
-// their head jobs through the same parallel_jobs.
+// query rows into tiles aligned in absolute positions and runs the (tile, head) jobs in one
+// parallel_jobs loop (detail/parallel.hpp), each thread with its TileWorkspace.
 //
 // Determinism: a job writes its own output rows with arithmetic that depends on the job alone,
 // so the result is bitwise the same for any thread count and any job order.
-// Errors: arguments are checked before the loop; an exception thrown by a job (std::bad_alloc)
-// is caught on its thread, the remaining jobs are skipped, and the first exception is rethrown
-// with its type after the loop. No exception leaves an OpenMP region.
+// Errors: arguments are checked before the loop; an exception thrown by a job (std::bad_alloc
+// from a workspace growing on a thread's first tiles) reaches the caller with its type, the
+// first one of the loop (parallel_loop: no exception leaves the OpenMP region).
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
-#include <exception>
 #include <vector>
 
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
 #include "poslsh/detail/tile/engine.hpp"
 #include "poslsh/detail/tile/stream_stores.hpp"
@@ -33,31 +31,6 @@ struct TileWorkspace {
   Eigen::Array<Scalar, Eigen::Dynamic, 1> count_tile;
   TileBuffers<Scalar> buffers;
 };
-
-/// Runs job(j, workspace) for j = 0 .. count - 1 in one OpenMP loop (dynamic schedule, one job
-/// at a time), each thread with its own default-constructed Workspace. The first exception a
-/// job throws is rethrown after the loop, with its type; jobs not yet started then are skipped.
-template <typename Workspace, typename Job>
-void parallel_jobs(long count, Job&& job) {
-  std::exception_ptr failure;
-  std::atomic<bool> failed{false};
-#pragma omp parallel
-  {
-    Workspace workspace;
-#pragma omp for schedule(dynamic, 1)
-    for (long j = 0; j < count; ++j) {
-      if (failed.load(std::memory_order_relaxed)) continue;
-      try {
-        job(j, workspace);
-      } catch (...) {
-#pragma omp critical(poslsh_parallel_jobs_failure)
-        if (!failure) failure = std::current_exception();
-        failed.store(true, std::memory_order_relaxed);
-      }
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
-}
 
 /// A query tile: rows at positions [row_begin, row_begin + rows) of row range `range`.
 struct QueryTile {
