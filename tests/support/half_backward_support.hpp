@@ -17,10 +17,6 @@
 #include "half_support.hpp"
 #include "test_support.hpp"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 namespace poslsh_test {
 
 using Config = BackwardSetup;
@@ -64,30 +60,6 @@ inline void check_threads(int threads, const Grads& result, Grads& first) {
     CHECK(same_bits(result, first));
   }
 }
-
-/// Sets the OpenMP thread count while in scope (no effect without OpenMP).
-class Threads {
- public:
-  explicit Threads(int count) {
-#ifdef _OPENMP
-    omp_set_num_threads(count);
-#else
-    static_cast<void>(count);
-#endif
-  }
-  ~Threads() {
-#ifdef _OPENMP
-    omp_set_num_threads(saved_);
-#endif
-  }
-  Threads(const Threads&) = delete;
-  Threads& operator=(const Threads&) = delete;
-
- private:
-#ifdef _OPENMP
-  int saved_ = omp_get_max_threads();
-#endif
-};
 
 /// Runs body(threads) with 1, then 2 OpenMP threads (a Threads scope each), the count in the
 /// test messages.

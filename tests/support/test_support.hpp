@@ -16,6 +16,10 @@
 #include "catch_compat.hpp"
 #include "kernel_instantiations.hpp"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace poslsh_test {
 
 using poslsh::Index;
@@ -132,6 +136,30 @@ void require_invalid_argument(Call&& call, const std::string& argument) {
     CHECK(message.find("'" + argument + "'") != std::string::npos);
   }
 }
+
+/// Sets the OpenMP thread count while in scope (no effect without OpenMP).
+class Threads {
+ public:
+  explicit Threads(int count) {
+#ifdef _OPENMP
+    omp_set_num_threads(count);
+#else
+    static_cast<void>(count);
+#endif
+  }
+  ~Threads() {
+#ifdef _OPENMP
+    omp_set_num_threads(saved_);
+#endif
+  }
+  Threads(const Threads&) = delete;
+  Threads& operator=(const Threads&) = delete;
+
+ private:
+#ifdef _OPENMP
+  int saved_ = omp_get_max_threads();
+#endif
+};
 
 }  // namespace poslsh_test
 

@@ -129,33 +129,6 @@ using poslsh::RowMatrix;
 using poslsh_test::random_matrix;
 namespace pd = poslsh::detail;
 
-/// Sets the number of OpenMP threads for a scope (more threads than cores: the jobs of one loop
-/// interleave), restoring the previous number at the end.
-class ThreadCount {
- public:
-  explicit ThreadCount(int threads) {
-#ifdef _OPENMP
-    omp_set_num_threads(threads);
-#else
-    static_cast<void>(threads);
-#endif
-  }
-  ~ThreadCount() {
-#ifdef _OPENMP
-    omp_set_num_threads(saved_);
-#endif
-  }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-#ifdef _OPENMP
-  int saved_ = omp_get_max_threads();
-#else
-  int saved_ = 1;
-#endif
-};
-
 /// What a sweep saw: the allocations of one call, the calls that threw std::bad_alloc, and the
 /// failures inside an OpenMP region.
 struct SweepResult {
@@ -219,7 +192,7 @@ bool same_bits(const Matrix& a, const Matrix& b) {
 TEST_CASE("parallel_loop hands a job's exception to the caller with its type",
           "[parallel][failures]") {
   for (const int threads : {1, 2, 4}) {
-    const ThreadCount scope(threads);
+    const poslsh_test::Threads scope(threads);
     for (const pd::LoopSchedule schedule :
          {pd::LoopSchedule::dynamic(), pd::LoopSchedule::dynamic(4), pd::LoopSchedule::blocks()}) {
       INFO(threads << " threads, dynamic " << schedule.is_dynamic << ", chunk " << schedule.chunk);
@@ -264,7 +237,7 @@ TEST_CASE("parallel_loop hands a job's exception to the caller with its type",
 
 TEST_CASE("after a job fails the threads leave the loop without starting jobs",
           "[parallel][failures]") {
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   // Job 0 fails at once; the others take 1 ms each. The loop ends after the jobs already
   // running: a handful, not the 2000 (2 s) of the whole loop.
   std::atomic<long> started{0};
@@ -285,7 +258,7 @@ TEST_CASE("after a job fails the threads leave the loop without starting jobs",
 
 TEST_CASE("each thread of a loop has its own scratch, made before the loop",
           "[parallel][failures]") {
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   struct Scratch {
     std::vector<long> jobs;
     std::atomic<int> users{0};
@@ -312,7 +285,7 @@ TEST_CASE("each thread of a loop has its own scratch, made before the loop",
 
 TEST_CASE("an exception from a loop inside a loop's job reaches the caller",
           "[parallel][failures]") {
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   CHECK_THROWS_AS(pd::parallel_loop(8, pd::LoopSchedule::dynamic(), true,
                                     [](long outer) {
                                       pd::parallel_loop(100, pd::LoopSchedule::blocks(), true,
@@ -334,7 +307,7 @@ TEST_CASE("threads waiting on the key group order leave when a key group fails",
   for (const int threads : {1, 2, 4}) {
     for (const Index failing : {Index{0}, groups - 1}) {
       INFO(threads << " threads, key group " << failing << " fails");
-      const ThreadCount scope(threads);
+      const poslsh_test::Threads scope(threads);
       const pd::KeyGroupOrder order(rule, steps);
       std::vector<std::vector<Index>> added(static_cast<std::size_t>(steps));
       // As backward_parallel: a failed group abandons the order before its exception leaves.
@@ -367,7 +340,7 @@ TEST_CASE("an allocation failing in a single-head backward reaches the caller as
           "[backward][failures]") {
   using poslsh_test::BackwardKind;
   using Setup = poslsh_test::BackwardSetup;
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   // n > 512: several key groups and count tiles; blocks of several widths.
   const Index n = 700, d = 16, dv = 8;
   const RowMatrix<float> q = random_matrix<float>(n, d, 11);
@@ -409,7 +382,7 @@ TEST_CASE("an allocation failing in a single-head backward reaches the caller as
 
 TEST_CASE("an allocation failing in multihead_attention_backward reaches the caller as bad_alloc",
           "[backward][failures]") {
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   const Index n = 600, heads = 4, d = 16;
   for (const Index kv_heads : {Index{4}, Index{2}}) {
     const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 21);
@@ -468,7 +441,7 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
 
 TEST_CASE("an allocation failing in multihead_attention_slice_backward reaches the caller",
           "[backward][failures][context_parallel]") {
-  const ThreadCount scope(4);
+  const poslsh_test::Threads scope(4);
   // The queries [256, 700) of a sequence of 900 tokens against the keys [128, 900).
   const Index n = 900, p0 = 256, m = 700 - p0, k0 = 128, L = n - k0, heads = 4, d = 16;
   for (const Index kv_heads : {Index{4}, Index{2}}) {
