@@ -90,7 +90,7 @@ import math
 import numpy as np
 import torch
 
-from . import _core, _methods
+from . import _core, _methods, _torch_version
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -482,35 +482,32 @@ def _widen(x):
     return x.float() if x.dtype in _HALF else x
 
 
-class _FlashPacked(torch.autograd.Function):
-    """Differentiable attention of packed sequences (the varlen form): out, lse. Half-precision
-    q, k, v (one dtype) are read in place by the half-precision forward (with lse) and backward
-    (float32 lse and gradients, cast once to their dtype)."""
+def _saved_lse(state, q):
+    """The lse the backward reads from a training forward's state (_compute with train): the
+    rows at their key positions, (nheads, total_k) in _lse_dtype(q); empty when there are no keys
+    or no queries, or for a method without lse (mean_of_outputs)."""
+    saved = state[2]
+    if saved is None or saved[2] is None:
+        return q.new_empty((0,), dtype=_lse_dtype(q))
+    return saved[2]
 
-    @staticmethod
-    def forward(ctx, q, k, v, slopes, cu_q, cu_k, config, want_lse):
-        dtype = q.dtype
-        qw, kw, vw = q.detach(), k.detach(), v.detach()
-        train = any(ctx.needs_input_grad[:4])
-        ctx.slopes_grad = slopes is not None and ctx.needs_input_grad[3]
-        out, lse, states = _compute(qw, kw, vw, cu_q, cu_k, config, train, want_lse)
-        ctx.config, ctx.states, ctx.dtype = config, states, dtype
-        ctx.slopes = None if slopes is None else slopes.detach()
-        ctx.save_for_backward(qw, kw, vw)
-        if lse is None:
-            lse = out.new_empty((0,), dtype=torch.float32)
-        ctx.mark_non_differentiable(lse)
-        return out.to(dtype), lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        qw, kw, vw = ctx.saved_tensors
-        dq, dk, dv, dslopes = _gradients(qw, kw, vw, ctx.states, ctx.config, dout.to(qw.dtype), ctx.slopes,
-                                         ctx.slopes_grad)
-        grad_slopes = None
-        if ctx.slopes_grad:
-            grad_slopes = torch.from_numpy(dslopes).to(ctx.slopes.dtype)
-        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), grad_slopes, None, None, None, None
+def _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, config, recompute, slopes_grad):
+    """(dq, dk, dv, dslopes or None) of packed sequences (the varlen form; float32 gradients of
+    half-precision q, k, v, read in place). From the training forward's out and saved_lse
+    (_saved_lse): the backward reads the rows at their key positions, where _pad_rows puts out;
+    rows without a query there are zero and get a zero incoming gradient, so they add exactly zero
+    to every gradient. With recompute (a forward run without its state, e.g. one recorded by
+    torch.jit.trace without gradients) the training forward runs again first."""
+    if recompute:
+        _, _, state = _compute(q, k, v, cu_q, cu_k, config, True, False)
+    else:
+        rows = _Rows(cu_q, cu_k)
+        saved = None
+        if rows.total_k and rows.total_q:
+            saved = (_pad_rows(q, rows), _pad_rows(out, rows), saved_lse if saved_lse.numel() else None)
+        state = (rows, _call_sigmas(config, len(cu_q) - 1, q.shape[1]), saved)
+    return _gradients(q, k, v, state, config, dout.to(q.dtype), slopes, slopes_grad)
 
 
 # The operators. ----------------------------------------------------------------------------
@@ -546,16 +543,21 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     return config
 
 
-def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse):
-    """out and lse (empty unless want_lse) of packed sequences: through _FlashPacked when a
-    gradient is recorded, else the forward alone."""
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, slopes)):
-        return _FlashPacked.apply(q, k, v, slopes, cu_q, cu_k, config, want_lse)
-    # Tensors of one dtype are read in place (half precision: the half-precision forward, with lse
-    # when want_lse); a float32 query over half-precision keys takes float32 copies of them.
-    in_place = q.dtype == k.dtype == v.dtype
-    read = (lambda x: x.detach()) if in_place else (lambda x: _widen(x.detach()))
-    out, lse, _ = _compute(read(q), read(k), read(v), cu_q, cu_k, config, False, want_lse)
+def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse, training=None):
+    """out and lse (empty unless want_lse) of packed sequences. With `training` (a list): the
+    forward the backward reads (q, k, v of one dtype read in place, half precision by the
+    half-precision forward with lse), its _saved_lse appended to `training`; else the forward
+    alone."""
+    if training is not None:
+        out, lse, state = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, True, want_lse)
+        training.append(_saved_lse(state, q))
+        lse = lse if want_lse else None
+    else:
+        # Tensors of one dtype are read in place (half precision: the half-precision forward, with
+        # lse when want_lse); a float32 query over half-precision keys takes float32 copies of them.
+        in_place = q.dtype == k.dtype == v.dtype
+        read = (lambda x: x.detach()) if in_place else (lambda x: _widen(x.detach()))
+        out, lse, _ = _compute(read(q), read(k), read(v), cu_q, cu_k, config, False, want_lse)
     if lse is None:
         lse = out.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype), lse
@@ -566,7 +568,7 @@ def _dense_cu(batch, seqlen):
 
 
 def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, method, samples, seed,
-                     band_error, return_lse, precision="matrix_units"):
+                     band_error, return_lse, precision="matrix_units", training=None):
     function = "flash_attn_func"
     _tensor(function, q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     _tensor(function, k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -585,7 +587,7 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
-    out, lse = _packed(*flat, alibi_slopes, cu_q, cu_k, config, return_lse)
+    out, lse = _packed(*flat, alibi_slopes, cu_q, cu_k, config, return_lse, training)
     out = out.reshape(batch, seqlen_q, heads, v.shape[3])
     if return_lse:
         lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
@@ -599,7 +601,8 @@ def _meta_out(q, v, out_shape, lse_shape, return_lse):
 
 
 def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, window_left,
-                            window_right, method, samples, seed, band_error, return_lse, precision="matrix_units"):
+                            window_right, method, samples, seed, band_error, return_lse, precision="matrix_units",
+                            training=None):
     function = "flash_attn_varlen_func"
     _tensor(function, q, "q", 3, "(total_q, nheads, headdim)")
     _tensor(function, k, "k", 3, "(total_k, nheads_k, headdim)")
@@ -616,7 +619,7 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
                       len(cu_q) - 1)
     if return_lse and not _core.method_has_lse(config.method):
         _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
-    return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse)
+    return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse, training)
 
 
 # flash_attn_with_kvcache. -------------------------------------------------------------------
@@ -813,50 +816,200 @@ def _cache_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
 
 
 # Registration. ------------------------------------------------------------------------------
+#
+# Each call is a torch.library custom operator (namespace poslsh) with a fake implementation
+# (output shapes and dtypes, for FakeTensor, meta tensors and torch.compile) and, for the
+# differentiable ones, an autograd formula whose backward is an operator too, so a compiled
+# graph calls it. The implementations check the arguments (with the library's validator).
+#
+#   flash_attn, flash_attn_varlen               forward; differentiable (the backward runs the
+#                                               training forward again: the state is not kept)
+#   flash_attn_train, flash_attn_varlen_train   forward that also returns the lse the backward
+#                                               reads: what the public calls use when autograd
+#                                               records
+#   flash_attn_varlen_backward                  dq, dk, dv, d alibi_slopes of both forms
+#   flash_attn_with_kvcache                     writes k_cache, v_cache (mutates_args); no gradients
+
+_torch_version.require("poslsh.flash")
 
 _EXTRAS_SCHEMA = ("Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, int window_right, "
                   "str method, int samples, int seed, float band_error, bool return_lse, "
                   "str precision=\"matrix_units\"")
-_LIBRARY = torch.library.Library("poslsh", "DEF")
-_LIBRARY.define(f"flash_attn(Tensor q, Tensor k, Tensor v, {_EXTRAS_SCHEMA}) -> (Tensor, Tensor)")
-_LIBRARY.define(f"flash_attn_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-                f"{_EXTRAS_SCHEMA}) -> (Tensor, Tensor)")
-_LIBRARY.define("flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
-                f"Tensor? cache_seqlens, Tensor? cache_batch_idx, Tensor? block_table, {_EXTRAS_SCHEMA}) "
-                "-> (Tensor, Tensor)")
+_VARLEN_ARGS = "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k"
 
 
-def _below_autograd(op, *args):
-    """Calls `op` below the Autograd key (the CPU or Meta kernel by the tensors' device)."""
-    guard = torch._C._AutoDispatchBelowAutograd()
-    try:
-        return op(*args)
-    finally:
-        del guard
+def _fake_heads(function, q, k, v, slopes, ndim, layout):
+    """The checks of the shapes and devices only (FakeTensor and meta tensors carry no values):
+    q, k, v of `ndim` dimensions, their heads, slopes on q's device; returns nheads."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _tensor(function, x, name, ndim, layout.replace("@", "q" if name == "q" else "k"))
+    heads, _ = _check_heads(function, q, k, v)
+    if slopes is not None and slopes.device != q.device:
+        _fail(function, "alibi_slopes", f"is on {slopes.device} while q is on {q.device}: must be a CPU tensor")
+    return heads
 
 
-def _autograd_kernel(op, impl):
-    def kernel(*args):
-        if args[0].device.type == "meta":
-            return _below_autograd(op, *args)
-        return impl(*args)
-    return kernel
+def _fake_saved_lse(q, k, method, total_q, total_k):
+    """The shape of _saved_lse for a call on (total_q, nheads) queries and total_k keys."""
+    if total_q == 0 or total_k == 0 or not _core.method_has_lse(_method("flash_attn_func", method)):
+        return q.new_empty((0,), dtype=_lse_dtype(q))
+    return q.new_empty((q.shape[-2], total_k), dtype=_lse_dtype(q))
 
 
-def _no_grad_kernel(impl):
-    def kernel(*args):
-        with torch.no_grad():
-            return impl(*args)
-    return kernel
+def _flash_attn_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, method, samples, seed,
+                     band_error, return_lse, precision="matrix_units"):
+    heads = _fake_heads("flash_attn_func", q, k, v, alibi_slopes, 4, "(batch, seqlen_@, nheads, headdim)")
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
 
 
-for _name, _impl in (("flash_attn", _flash_attn_impl), ("flash_attn_varlen", _flash_attn_varlen_impl)):
-    _op = getattr(torch.ops.poslsh, _name).default
-    _LIBRARY.impl(_name, _no_grad_kernel(_impl), "CPU")
-    _LIBRARY.impl(_name, _impl, "Meta")
-    _LIBRARY.impl(_name, _autograd_kernel(_op, _impl), "Autograd")
-_LIBRARY.impl("flash_attn_with_kvcache", _no_grad_kernel(_flash_attn_with_kvcache_impl), "CPU")
-_LIBRARY.impl("flash_attn_with_kvcache", _flash_attn_with_kvcache_impl, "Meta")
+def _flash_attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, window_left,
+                            window_right, method, samples, seed, band_error, return_lse, precision="matrix_units"):
+    heads = _fake_heads("flash_attn_varlen_func", q, k, v, alibi_slopes, 3, "(total_@, nheads, headdim)")
+    return _meta_out(q, v, (q.shape[0], heads), (heads, q.shape[0]), return_lse)
+
+
+def _unaliased(lse, saved_lse):
+    """lse, copied when it shares memory with saved_lse (an operator's outputs never alias)."""
+    if lse.numel() and saved_lse.numel() and lse.untyped_storage().data_ptr() == \
+            saved_lse.untyped_storage().data_ptr():
+        return lse.clone()
+    return lse
+
+
+def _flash_attn_train_impl(*args):
+    training = []
+    out, lse = _flash_attn_impl(*args, training=training)
+    return out, _unaliased(lse, training[0]), training[0]
+
+
+def _flash_attn_varlen_train_impl(*args):
+    training = []
+    out, lse = _flash_attn_varlen_impl(*args, training=training)
+    return out, _unaliased(lse, training[0]), training[0]
+
+
+def _flash_attn_train_fake(q, k, v, *args):
+    out, lse = _flash_attn_fake(q, k, v, *args)
+    method = args[5]
+    return out, lse, _fake_saved_lse(q, k, method, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
+
+
+def _flash_attn_varlen_train_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    out, lse = _flash_attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
+    method = args[5]
+    return out, lse, _fake_saved_lse(q, k, method, q.shape[0], k.shape[0])
+
+
+def _flash_backward_impl(dout, q, k, v, out, saved_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
+                         causal, window_left, window_right, method, samples, seed, band_error, precision, recompute,
+                         slopes_grad):
+    function = "flash_attn_varlen_func"
+    cu_q = _cu_seqlens(function, cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _cu_seqlens(function, cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    lengths = cu_k[1:] - cu_k[:-1]
+    config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], lengths, softmax_scale, causal,
+                      window_left, window_right, method, samples, seed, band_error, precision, len(cu_q) - 1)
+    slopes_grad = bool(slopes_grad) and alibi_slopes is not None
+    if slopes_grad:  # the method check of slopes that require grad (no grad mode here)
+        _normalize(function, config, int(lengths.max()) if len(lengths) else 0, True)
+    dq, dk, dv, dslopes = _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, alibi_slopes, config,
+                                            recompute, slopes_grad)
+    dslopes = torch.from_numpy(dslopes).to(alibi_slopes.dtype) if slopes_grad else \
+        q.new_empty((0,), dtype=torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes
+
+
+def _flash_backward_fake(dout, q, k, v, out, saved_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *args):
+    slopes_grad = args[-1] and alibi_slopes is not None
+    dslopes = alibi_slopes.new_empty(alibi_slopes.shape) if slopes_grad else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dslopes
+
+
+def _flash_setup_context(ctx, inputs, output):
+    """Saves what the backward needs: q, k, v, out, the saved lse (the _train forms) or nothing
+    (the backward runs the training forward again), the slopes and the options."""
+    ctx.dense = len(inputs) == 14
+    q, k, v = inputs[:3]
+    cu = (None, None) if ctx.dense else inputs[3:5]
+    slopes = inputs[3 if ctx.dense else 5]
+    ctx.options = tuple(inputs[4 if ctx.dense else 6:-2]) + (inputs[-1],)  # softmax_scale .. band_error, precision
+    ctx.recompute = len(output) == 2
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(q, k, v, output[0], None if ctx.recompute else output[2], slopes, *cu)
+
+
+def _flash_backward(ctx, dout, *_):
+    q, k, v, out, saved_lse, slopes, cu_q, cu_k = ctx.saved_tensors
+    shapes = q.shape, k.shape, v.shape
+    if ctx.dense:  # the varlen form of equal-length sequences
+        batch = q.shape[0]
+        cu_q = torch.arange(batch + 1, dtype=torch.int32) * q.shape[1]
+        cu_k = torch.arange(batch + 1, dtype=torch.int32) * k.shape[1]
+        q, k, v, out, dout = (x.reshape((-1,) + tuple(x.shape[2:])) for x in (q, k, v, out, dout))
+    if saved_lse is None:
+        saved_lse = q.new_empty((0,), dtype=_lse_dtype(q))
+    slopes_grad = slopes is not None and ctx.needs_input_grad[3 if ctx.dense else 5]
+    dq, dk, dv, dslopes = torch.ops.poslsh.flash_attn_varlen_backward(
+        dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, *ctx.options, ctx.recompute, slopes_grad)
+    dq, dk, dv = (g.reshape(shape) for g, shape in zip((dq, dk, dv), shapes))
+    slope_gradient = (dslopes if slopes_grad else None,)
+    if ctx.dense:
+        return (dq, dk, dv) + slope_gradient + (None,) * 10
+    return (dq, dk, dv, None, None) + slope_gradient + (None,) * 10
+
+
+def _with_kvcache_impl(*args):
+    with torch.no_grad():
+        return _flash_attn_with_kvcache_impl(*args)
+
+
+def _with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                       softmax_scale, causal, window_left, window_right, method, samples, seed, band_error, return_lse,
+                       precision="matrix_units"):
+    function = "flash_attn_with_kvcache"
+    heads = _fake_heads(function, q, k_cache, v_cache, alibi_slopes, 4, "(batch, seqlen_@, nheads, headdim)")
+    return _meta_out(q, v_cache, (q.shape[0], q.shape[1], heads), (q.shape[0], heads, q.shape[1]), return_lse)
+
+
+def _define(name, schema, impl, fake, mutates_args=()):
+    op = torch.library.custom_op(f"poslsh::{name}", impl, mutates_args=mutates_args, schema=schema)
+    op.register_fake(fake)
+    return op
+
+
+_EXTRAS = _EXTRAS_SCHEMA
+for _op in (_define("flash_attn", f"(Tensor q, Tensor k, Tensor v, {_EXTRAS}) -> (Tensor, Tensor)", _flash_attn_impl,
+                    _flash_attn_fake),
+            _define("flash_attn_varlen", f"({_VARLEN_ARGS}, {_EXTRAS}) -> (Tensor, Tensor)", _flash_attn_varlen_impl,
+                    _flash_attn_varlen_fake),
+            _define("flash_attn_train", f"(Tensor q, Tensor k, Tensor v, {_EXTRAS}) -> (Tensor, Tensor, Tensor)",
+                    _flash_attn_train_impl, _flash_attn_train_fake),
+            _define("flash_attn_varlen_train", f"({_VARLEN_ARGS}, {_EXTRAS}) -> (Tensor, Tensor, Tensor)",
+                    _flash_attn_varlen_train_impl, _flash_attn_varlen_train_fake)):
+    _op.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+_define("flash_attn_varlen_backward",
+        f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor saved_lse, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, "
+        "int window_right, str method, int samples, int seed, float band_error, str precision, bool recompute, "
+        "bool slopes_grad) -> (Tensor, Tensor, Tensor, Tensor)", _flash_backward_impl, _flash_backward_fake)
+_define("flash_attn_with_kvcache",
+        "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
+        f"Tensor? cache_batch_idx, Tensor? block_table, {_EXTRAS}) -> (Tensor, Tensor)", _with_kvcache_impl,
+        _with_kvcache_fake, mutates_args=("k_cache", "v_cache"))
+
+
+def _records(*tensors):
+    """Whether autograd records a call on `tensors` (grad mode on, one of them requiring grad)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
+def _slope_gradients(function, method, slopes):
+    """The methods without gradients in the slopes reject slopes that require grad while autograd
+    records (only the caller sees requires_grad: an operator's forward runs without grad mode)."""
+    if _records(slopes) and method in _METHODS and _METHODS[method] not in _SLOPE_GRADIENTS:
+        config = _Config(_METHODS[method], None, True, -1, -1, None, None, None, None)
+        _normalize(function, config, 0, True)
 
 
 # The public calls. ----------------------------------------------------------------------------
@@ -903,8 +1056,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
                 band_error, softmax_scale, precision)
-    out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method,
-                                           samples, seed, band_error, bool(return_attn_probs), precision)
+    _slope_gradients(function, method, alibi_slopes)
+    arguments = (q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method, samples, seed, band_error,
+                 bool(return_attn_probs), precision)
+    if _records(q, k, v, alibi_slopes):
+        out, lse, _ = torch.ops.poslsh.flash_attn_train(*arguments)
+    else:
+        out, lse = torch.ops.poslsh.flash_attn(*arguments)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -941,9 +1099,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             longest = int(torch.diff(cu.detach().cpu()).max())
             if longest > bound:
                 _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
-    out, lse = torch.ops.poslsh.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
-                                                  bool(causal), left, right, method, samples, seed, band_error,
-                                                  bool(return_attn_probs), precision)
+    _slope_gradients(function, method, alibi_slopes)
+    arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal), left, right, method,
+                 samples, seed, band_error, bool(return_attn_probs), precision)
+    if _records(q, k, v, alibi_slopes):
+        out, lse, _ = torch.ops.poslsh.flash_attn_varlen_train(*arguments)
+    else:
+        out, lse = torch.ops.poslsh.flash_attn_varlen(*arguments)
     return (out, lse, None) if return_attn_probs else out
 
 
