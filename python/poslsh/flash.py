@@ -1093,7 +1093,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
-        if torch.jit.is_tracing():  # the operator checks the cu_seqlens; the bound is not traced
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():  # the bound is not recorded (the operator
+            # checks the cu_seqlens; the kernels never read the bound)
             continue
         if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] > 1 and cu.dtype == torch.int32:
             longest = int(torch.diff(cu.detach().cpu()).max())
