@@ -16,8 +16,8 @@ multihead_attention_varlen also take float16 arrays and bfloat16 bit patterns
 CPU's matrix unit (AMX or AVX512-BF16 where present; float16 tiles to AMX-FP16);
 ``matrix_units()`` lists this CPU's units and ``matrix_unit(q_dtype, kv_dtype, precision=...)``
 names the one a call uses.
-See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch installed)
-has autograd Functions.
+See python/README.md for the rules and the API table. ``poslsh.torch`` (with PyTorch >= 2.13
+installed) has the same computations as differentiable torch operators.
 """
 
 from ._core import (  # noqa: F401

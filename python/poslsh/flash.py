@@ -75,14 +75,23 @@ Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernel
 padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
 output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; calls without
 gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
-query_offset) and skip the autograd Function.
+query_offset) in the operators flash_attn and flash_attn_varlen (no state kept for a backward).
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
 cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
 positions, which the kernels do not represent).
 
-The calls are the registered operators torch.ops.poslsh.flash_attn, flash_attn_varlen and
-flash_attn_with_kvcache (CPU, Autograd and Meta kernels), so torch.jit.trace records them.
+The calls are the registered operators (torch.library custom ops, torch >= 2.13; each with a
+fake implementation for meta tensors, FakeTensor and torch.compile) torch.ops.poslsh.flash_attn
+and flash_attn_varlen (without autograd recording), flash_attn_train and flash_attn_varlen_train
+(while autograd records: they also return the lse the backward reads), whose autograd formula
+calls the operator flash_attn_varlen_backward (dq, dk, dv, d alibi_slopes), and
+flash_attn_with_kvcache (mutates_args: k_cache, v_cache; no gradients). torch.compile(...,
+fullgraph=True) and torch.jit.trace record them; flash_attn and flash_attn_varlen recorded
+without gradients and called with them run the training forward again in their backward.
+The operators check their arguments; the public calls check what only Python sees (argument
+types, window_size, requires_grad of slopes under an LSH method). The LSH methods' hashes come
+from (samples, seed), arguments of the operators.
 """
 
 import math

@@ -15,7 +15,10 @@ the query at position i and the key at position j,
                (causal: only j <= i; scale = 1/sqrt(head_dim) by default)
 
 through ``flash_attn_func`` (training, prefill) and ``flash_attn_with_kvcache`` (decoding), so
-the ``method`` argument chooses exact ALiBi or one of poslsh's approximations as there.
+the ``method`` argument chooses exact ALiBi or one of poslsh's approximations as there. Both are
+torch operators (poslsh.flash): torch.compile(model, fullgraph=True) of a model of
+AlibiSelfAttention layers records forward and backward without a graph break; the cached path
+reads the cache lengths (a graph break: decode eagerly or without fullgraph).
 """
 
 import math

@@ -1,4 +1,4 @@
-"""PyTorch autograd Functions for exact ALiBi attention and LSH attention on CPU tensors.
+"""PyTorch operators for exact ALiBi attention and LSH attention on CPU tensors (torch >= 2.13).
 
 The tensors are handed to the C++ kernels through ``Tensor.numpy()``, which shares memory: no
 copy in either direction. Inputs are CPU float32 or float64 tensors (half precision: below)
@@ -40,7 +40,21 @@ to the kernels as poslsh.BFloat16Bits over ``tensor.view(torch.int16).numpy()``:
 memory. ``precision=`` ("matrix_units", default, or "float_products") is the kernels' keyword:
 bfloat16 q, k, v use the CPU's matrix unit under "matrix_units" where it has one.
 
-This module is imported only on request (``import poslsh.torch``) and needs PyTorch.
+The calls are the registered operators (torch.library custom ops, registered once at import)
+torch.ops.poslsh.alibi_attention, lsh_attention and multihead_attention, each returning (out,
+lse) with a fake implementation (shapes, for meta tensors, FakeTensor and torch.compile) and an
+autograd formula that calls the operator <name>_backward, and alibi_attention_forward,
+lsh_attention_forward and multihead_attention_forward, which write their argument ``out``
+(mutates_args) and have no gradients. torch.compile(..., fullgraph=True) records them without a
+graph break. The hashes are inputs of the operators: lsh_attention passes its HashSet's widths and
+offsets as float64 tensors, multihead_attention its (sigmas, samples, seed) (seed < 2**63). The
+operators check their arguments; the calls check what only Python sees (argument types,
+requires_grad). AlibiAttention, LshAttention and MultiheadAttention keep their ``apply``
+(``MultiheadAttention.apply(q, k, v, keywords, precision)`` with the kernels' keywords as a dict).
+The FlashAttention calls are poslsh.flash's operators.
+
+This module is imported only on request (``import poslsh.torch``) and needs PyTorch 2.13 or
+newer (ImportError naming the version otherwise).
 """
 
 import numpy as np
@@ -366,7 +380,8 @@ def alibi_attention(q, k, v, sigma, *, masking="causal", scale=None, precision="
     for bfloat16 inputs (module docstring); float32 and float64 inputs ignore it."""
     function = "alibi_attention"
     _tensors(function, q=q, k=k, v=v)
-    out, _ = torch.ops.poslsh.alibi_attention(q, k, v, _float(function, sigma, "sigma"), _str(function, masking, "masking"),
+    out, _ = torch.ops.poslsh.alibi_attention(q, k, v, _float(function, sigma, "sigma"),
+                                              _str(function, masking, "masking"),
                                               _float(function, scale, "scale", True),
                                               _str(function, precision, "precision"))
     return out
@@ -430,7 +445,8 @@ def _multihead_call(q, k, v, keywords, precision):
         q, k, v, _str(function, options["layout"], "layout"), _str(function, options["method"], "method"),
         _str(function, options["masking"], "masking"), _float(function, options["scale"], "scale", True), sigmas,
         _int(function, options["samples"], "samples"), _seed(function, options["seed"]),
-        _float(function, options["band_error"], "band_error"), window, cu_seqlens, _str(function, precision, "precision"))
+        _float(function, options["band_error"], "band_error"), window, cu_seqlens,
+        _str(function, precision, "precision"))
     return out
 
 

@@ -1,6 +1,6 @@
 // poslsh Python bindings: training support. The forwards with their log-sum-exp and the
 // gradients dQ, dK, dV, for the single-head kernels and for all heads (one sequence or a
-// packed batch), and the mean-of-outputs estimator; poslsh.torch builds autograd Functions on
+// packed batch), and the mean-of-outputs estimator; poslsh.torch builds its torch operators on
 // them. Self-attention only. The forwards with lse and the backward passes take float32,
 // float64, float16 or bfloat16 (poslsh.BFloat16Bits) q, k, v, out and dout of one dtype, with
 // lse and the gradients float32 for the half-precision dtypes (poslsh::backward_scalar_t) and a
