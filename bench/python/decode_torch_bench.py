@@ -66,6 +66,7 @@ def load_old(rev):
                             capture_output=True, text=True).stdout
     source = source.replace("from . import _core", "from poslsh import _core")
     source = source.replace('torch.library.Library("poslsh", "DEF")', 'torch.library.Library("poslsh_old", "DEF")')
+    source = source.replace('f"poslsh::{name}"', 'f"poslsh_old::{name}"')  # custom ops (torch.library.custom_op)
     source = source.replace("torch.ops.poslsh.", "torch.ops.poslsh_old.")
     source = source.replace("getattr(torch.ops.poslsh, ", "getattr(torch.ops.poslsh_old, ")
     path = os.path.join(tempfile.mkdtemp(), "poslsh_flash_old.py")
