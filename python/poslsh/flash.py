@@ -492,29 +492,46 @@ def _widen(x):
 
 
 def _saved_lse(state, q):
-    """The lse the backward reads from a training forward's state (_compute with train): the
-    rows at their key positions, (nheads, total_k) in _lse_dtype(q); empty when there are no keys
-    or no queries, or for a method without lse (mean_of_outputs)."""
-    saved = state[2]
+    """The lse the backward reads, from a training forward's state (_compute with train): one
+    entry per query row, (nheads, total_q) in _lse_dtype(q), +inf for rows without a key position;
+    empty when there are no keys or no queries, or for a method without lse (mean_of_outputs)."""
+    rows, _, saved = state
     if saved is None or saved[2] is None:
         return q.new_empty((0,), dtype=_lse_dtype(q))
-    return saved[2]
+    return saved[2] if saved[0] is None else _unpad_lse(saved[2], rows)
+
+
+def _pad_lse(lse, rows):
+    """The inverse of _unpad_lse: (nheads, total_k), +inf at the key positions without a query
+    (their probabilities exp(x - lse) are 0)."""
+    if rows.self_attention:
+        return lse
+    padded = torch.full((lse.shape[0], rows.total_k), math.inf, dtype=lse.dtype)
+    if len(rows.src):
+        padded[:, _index(rows.dst)] = lse[:, _index(rows.src)]
+    return padded
 
 
 def _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, config, recompute, slopes_grad):
     """(dq, dk, dv, dslopes or None) of packed sequences (the varlen form; float32 gradients of
-    half-precision q, k, v, read in place). From the training forward's out and saved_lse
-    (_saved_lse): the backward reads the rows at their key positions, where _pad_rows puts out;
-    rows without a query there are zero and get a zero incoming gradient, so they add exactly zero
-    to every gradient. With recompute (a forward run without its state, e.g. one recorded by
-    torch.jit.trace without gradients) the training forward runs again first."""
+    half-precision q, k, v, read in place), from the training forward's out and saved_lse
+    (_saved_lse). The backward reads the rows at their key positions (_pad_rows, _pad_lse): the
+    positions without a query get a zero query, a zero incoming gradient and probability 0, so
+    they add exactly zero to every gradient. When some rows have no key position (a non-causal
+    call with more queries than keys) the state stays per query row. With recompute (a forward
+    run without its state, e.g. one recorded by torch.jit.trace without gradients) the training
+    forward runs again first."""
     if recompute:
         _, _, state = _compute(q, k, v, cu_q, cu_k, config, True, False)
     else:
         rows = _Rows(cu_q, cu_k)
         saved = None
         if rows.total_k and rows.total_q:
-            saved = (_pad_rows(q, rows), _pad_rows(out, rows), saved_lse if saved_lse.numel() else None)
+            lse = saved_lse if saved_lse.numel() else None
+            if config.causal or rows.all_valid:
+                saved = (_pad_rows(q, rows), _pad_rows(out, rows), None if lse is None else _pad_lse(lse, rows))
+            else:
+                saved = (None, out, lse)
         state = (rows, _call_sigmas(config, len(cu_q) - 1, q.shape[1]), saved)
     return _gradients(q, k, v, state, config, dout.to(q.dtype), slopes, slopes_grad)
 
@@ -841,9 +858,8 @@ def _cache_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
 
 _torch_version.require("poslsh.flash")
 
-_EXTRAS_SCHEMA = ("Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, int window_right, "
-                  "str method, int samples, int seed, float band_error, bool return_lse, "
-                  "str precision=\"matrix_units\"")
+_EXTRAS = ("Tensor? alibi_slopes, float? softmax_scale, bool causal, int window_left, int window_right, "
+           "str method, int samples, int seed, float band_error, bool return_lse, str precision=\"matrix_units\"")
 _VARLEN_ARGS = "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k"
 
 
@@ -858,11 +874,11 @@ def _fake_heads(function, q, k, v, slopes, ndim, layout):
     return heads
 
 
-def _fake_saved_lse(q, k, method, total_q, total_k):
+def _fake_saved_lse(q, method, total_q, total_k):
     """The shape of _saved_lse for a call on (total_q, nheads) queries and total_k keys."""
     if total_q == 0 or total_k == 0 or not _core.method_has_lse(_method("flash_attn_func", method)):
         return q.new_empty((0,), dtype=_lse_dtype(q))
-    return q.new_empty((q.shape[-2], total_k), dtype=_lse_dtype(q))
+    return q.new_empty((q.shape[-2], total_q), dtype=_lse_dtype(q))
 
 
 def _flash_attn_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, method, samples, seed,
@@ -901,13 +917,13 @@ def _flash_attn_varlen_train_impl(*args):
 def _flash_attn_train_fake(q, k, v, *args):
     out, lse = _flash_attn_fake(q, k, v, *args)
     method = args[5]
-    return out, lse, _fake_saved_lse(q, k, method, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
+    return out, lse, _fake_saved_lse(q, method, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
 
 
 def _flash_attn_varlen_train_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     out, lse = _flash_attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
     method = args[5]
-    return out, lse, _fake_saved_lse(q, k, method, q.shape[0], k.shape[0])
+    return out, lse, _fake_saved_lse(q, method, q.shape[0], k.shape[0])
 
 
 def _flash_backward_impl(dout, q, k, v, out, saved_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
@@ -920,8 +936,8 @@ def _flash_backward_impl(dout, q, k, v, out, saved_lse, cu_seqlens_q, cu_seqlens
     config = _prepare(function, q, k, v, alibi_slopes, cu_q[1:] - cu_q[:-1], lengths, softmax_scale, causal,
                       window_left, window_right, method, samples, seed, band_error, precision, len(cu_q) - 1)
     slopes_grad = bool(slopes_grad) and alibi_slopes is not None
-    if slopes_grad:  # the method check of slopes that require grad (no grad mode here)
-        _normalize(function, config, int(lengths.max()) if len(lengths) else 0, True)
+    if slopes_grad:
+        _check_slope_gradients(function, config.method)
     dq, dk, dv, dslopes = _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, alibi_slopes, config,
                                             recompute, slopes_grad)
     dslopes = torch.from_numpy(dslopes).to(alibi_slopes.dtype) if slopes_grad else \
@@ -987,7 +1003,6 @@ def _define(name, schema, impl, fake, mutates_args=()):
     return op
 
 
-_EXTRAS = _EXTRAS_SCHEMA
 for _op in (_define("flash_attn", f"(Tensor q, Tensor k, Tensor v, {_EXTRAS}) -> (Tensor, Tensor)", _flash_attn_impl,
                     _flash_attn_fake),
             _define("flash_attn_varlen", f"({_VARLEN_ARGS}, {_EXTRAS}) -> (Tensor, Tensor)", _flash_attn_varlen_impl,
@@ -1013,12 +1028,19 @@ def _records(*tensors):
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
+def _check_slope_gradients(function, method):
+    """ValueError for gradients in the slopes under a method (poslsh's name) without them."""
+    if method not in _SLOPE_GRADIENTS:
+        _fail(function, "alibi_slopes", f"requires grad: method {method!r} samples position bins from the slopes, "
+              "which are not differentiable in the slope (gradients of alibi_slopes: "
+              f"{_methods.short_names(_SLOPE_GRADIENTS)})")
+
+
 def _slope_gradients(function, method, slopes):
     """The methods without gradients in the slopes reject slopes that require grad while autograd
     records (only the caller sees requires_grad: an operator's forward runs without grad mode)."""
-    if _records(slopes) and method in _METHODS and _METHODS[method] not in _SLOPE_GRADIENTS:
-        config = _Config(_METHODS[method], None, True, -1, -1, None, None, None, None)
-        _normalize(function, config, 0, True)
+    if _records(slopes) and method in _METHODS:
+        _check_slope_gradients(function, _METHODS[method])
 
 
 # The public calls. ----------------------------------------------------------------------------
