@@ -86,19 +86,20 @@ flash_attn_with_kvcache (CPU, Autograd and Meta kernels), so torch.jit.trace rec
 """
 
 import math
+import operator
 
 import numpy as np
 import torch
 
 from . import _core, _methods
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 # The accepted method names and poslsh's method of each: FlashAttention-style short names and
 # every name of the library's method table (poslsh.method_names()).
 _METHODS = _methods.accepted()
-# The methods that take a window, and those with gradients in the slopes (the table's traits).
-_WINDOWED = _core.method_names(takes_window=True)
+# The methods with gradients in the slopes (the table's trait).
 _SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
@@ -159,17 +160,35 @@ def _unsupported(function, dropout_p, softcap):
         _fail(function, "softcap", f"is {softcap!r}: logit soft-capping is not supported by poslsh (only 0.0)")
 
 
-def _window(function, window_size):
-    """(left, right) as two ints >= -1."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
-    left, right = window_size
-    for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
-            _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
-        if side < -1:
-            _fail(function, "window_size", f"is {window_size!r}: each side must be >= 0, or -1 (unbounded)")
-    return int(left), int(right)
+def _window(function, window_size, causal, seqlen_k):
+    """FlashAttention's window_size and causal as the kernels take them: (causal, left, right),
+    sides -1 (unbounded) or >= 0.
+
+    window_size is any pair of integers: a tuple or list of two ints (Python or numpy integers,
+    or 0-d integer tensors), or a 1-D integer tensor or numpy array of 2 (TypeError naming the
+    argument otherwise). FlashAttention-2's conversions: a negative side, or one >= seqlen_k
+    (the keys a row can reach; the cache's capacity for flash_attn_with_kvcache), is unbounded;
+    causal bounds the right side at 0, and a window (-1, 0) is causal (returned as causal True,
+    right -1: the kernels' causal mask). Whether the method takes a window is the library's one
+    check of the value (ValueError from the kernels' validator)."""
+    try:
+        if isinstance(window_size, (torch.Tensor, np.ndarray)):
+            if window_size.dtype in (torch.bool, np.bool_) or tuple(window_size.shape) != (2,):
+                raise TypeError
+            window_size = window_size.tolist()
+        if isinstance(window_size, (str, bytes)) or len(window_size) != 2:
+            raise TypeError
+        if any(isinstance(side, (bool, np.bool_)) for side in window_size):
+            raise TypeError
+        left, right = (operator.index(side) for side in window_size)
+    except (TypeError, ValueError, RuntimeError):
+        _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of integers (a tuple, "
+              "list, or 1-D integer tensor or array of 2)", TypeError)
+    left = -1 if left < 0 or left >= seqlen_k else left
+    right = 0 if causal else (-1 if right < 0 or right >= seqlen_k else right)
+    if left == -1 and right == 0:  # FlashAttention-2's causal call
+        return True, -1, -1
+    return bool(causal), left, right
 
 
 def _method(function, method):
@@ -266,15 +285,9 @@ class _Config:
         return keywords
 
 
-def _normalize(function, config, max_k, slopes_grad):
-    """The window as the kernels take it (FlashAttention's: a side >= seqlen_k is unbounded;
-    causal bounds the right side), checked against the method."""
-    left = -1 if config.left >= max_k else config.left
-    right = -1 if config.causal or config.right >= max_k else config.right
-    config.left, config.right = left, right
-    if (left, right) != (-1, -1) and config.method not in _WINDOWED:
-        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only "
-              f"{_methods.short_names(_WINDOWED)})")
+def _normalize(function, config, slopes_grad):
+    """Checks that a method with gradients in the slopes runs when alibi_slopes requires grad
+    (the window comes converted by _window, and the library checks its value)."""
     if slopes_grad and config.method not in _SLOPE_GRADIENTS:
         _fail(function, "alibi_slopes", f"requires grad: method {config.method!r} samples position bins from the "
               "slopes, which are not differentiable in the slope (gradients of alibi_slopes: "
@@ -388,6 +401,9 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
         lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
         return out, lse, None
+    if _shifted(rows, config):
+        out, lse = _shifted_forward(q, k, v, rows, sigmas, config)
+        return out, lse if (train or want_lse) else None, (None, out, lse) if train else None
     keywords = config.keywords(sigmas)
     if not train:  # only the query rows, at their key positions
         queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
@@ -431,6 +447,8 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
     if saved is None:  # no keys or no queries
         return tuple(torch.zeros(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v)) + (
             np.zeros(len(sigmas)) if slopes_grad else None,)
+    if _shifted(rows, config):
+        return _shifted_backward(q, k, v, rows, sigmas, config, saved[1], saved[2], dout, slopes_grad)
     padded, out, lse = saved
     dout_padded = _pad_rows(dout, rows)
     if lse is None:  # a method without lse (mean_of_outputs): its backward does not read it
@@ -446,6 +464,94 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
                                        dv=dv.numpy(), cu_seqlens=rows.cu_k, precision=config.precision,
                                        **config.keywords(sigmas), **extra)
     return _unpad_rows(dq, rows), dk, dv, dslopes
+
+
+def _shifted(rows, config):
+    """Whether a call is non-causal with a sequence of more queries than keys (its first rows sit
+    before the first key): such calls run sequence by sequence as slices (_shifted_forward)."""
+    return not config.causal and not rows.all_valid
+
+
+def _sequences(rows):
+    """(b, query slice, key slice, query_offset, key_offset) of the sequences with queries and
+    keys: query row i at position max(0, L - m) + i, key j at max(0, m - L) + j (positions from
+    the first query or the first key, whichever comes first: differences i + L - m - j, as
+    FlashAttention-2's bottom-right alignment)."""
+    for b, (m, length) in enumerate(zip(rows.m.tolist(), rows.lengths.tolist())):
+        if m and length:
+            q0, k0 = int(rows.cu_q[b]), int(rows.cu_k[b])
+            yield b, slice(q0, q0 + m), slice(k0, k0 + length), max(0, length - m), max(0, m - length)
+
+
+def _sequence_keywords(keywords, sigmas, heads, b):
+    """The kernel keywords of sequence b alone: its sigmas when there is one per sequence and head."""
+    if len(sigmas) == heads:
+        return keywords
+    return {**keywords, "sigmas": sigmas[b * heads:(b + 1) * heads]}
+
+
+def _shifted_forward(q, k, v, rows, sigmas, config):
+    """out (total_q, H, d_v) and lse (H, total_q) of a _shifted call: each sequence by the slice
+    call multihead_attention_with_lse(query_offset, key_offset) at the positions of _sequences
+    (the LSH bins are those of these positions), read in place. Rows without a visible key (no
+    keys, or a window before the first key) get out 0 and lse +inf."""
+    heads = q.shape[1]
+    out = q.new_zeros((rows.total_q, heads, v.shape[2]))
+    lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
+    keywords = config.keywords(sigmas)
+    for b, qs, ks, query_offset, key_offset in _sequences(rows):
+        _core.multihead_attention_with_lse(_kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]),
+                                           out=_kernel_view(out[qs]), lse=lse[:, qs].numpy(),
+                                           query_offset=query_offset, key_offset=key_offset,
+                                           precision=config.precision,
+                                           **_sequence_keywords(keywords, sigmas, heads, b))
+    lse.masked_fill_(lse == -math.inf, math.inf)
+    return out, lse
+
+
+def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
+    """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. The exact methods:
+    each sequence's multihead_attention_slice_backward (dslopes included). The others: the
+    self-attention backward of each sequence padded to max(m, L) tokens, queries and keys at the
+    end (the positions of _sequences), the padding rows zero: a zero key adds nothing to dq and
+    the real keys' P_ij are read from the real lse, so dq, dk, dv are the slice's."""
+    heads = q.shape[1]
+    keywords = config.keywords(sigmas)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=lse.dtype) for x in (q, k, v))
+    dslopes = np.zeros(len(sigmas)) if slopes_grad else None
+    if config.method in _SLOPE_GRADIENTS:
+        for b, qs, ks, query_offset, key_offset in _sequences(rows):
+            extra = {}
+            if slopes_grad:
+                extra["dslopes"] = dslopes if len(sigmas) == heads else dslopes[b * heads:(b + 1) * heads]
+            _core.multihead_attention_slice_backward(
+                _kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]), _kernel_view(out[qs]),
+                lse[:, qs].numpy(), _kernel_view(dout[qs]), query_offset, key_offset, dq=dq[qs].numpy(),
+                dk=dk[ks].numpy(), dv=dv[ks].numpy(), precision=config.precision,
+                **_sequence_keywords(keywords, sigmas, heads, b), **extra)
+        return dq, dk, dv, dslopes
+    m, lengths = rows.m, rows.lengths
+    n = np.maximum(m, lengths)
+    cu_n = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    total = int(cu_n[-1])
+
+    def targets(counts, cu):  # each token's row in the padded sequences (at their end)
+        seq = np.repeat(np.arange(len(counts)), counts)
+        return cu_n[:-1][seq] + (n - counts)[seq] + np.arange(int(counts.sum())) - cu[:-1][seq]
+
+    q_rows, k_rows = targets(m, rows.cu_q.astype(np.int64)), targets(lengths, rows.cu_k.astype(np.int64))
+    q_all, k_all = np.arange(rows.total_q), np.arange(rows.total_k)
+    padded_q, padded_out, padded_dout = (_moved_rows(x, total, q_rows, q_all) for x in (q, out, dout))
+    padded_k, padded_v = (_moved_rows(x, total, k_rows, k_all) for x in (k, v))
+    padded_lse = torch.zeros((heads, total), dtype=lse.dtype)  # padding queries: zero rows, zero dout
+    padded_lse[:, _index(q_rows)] = lse
+    grads = [torch.empty(x.shape, dtype=lse.dtype) for x in (padded_q, padded_k, padded_v)]
+    _core.multihead_attention_backward(_kernel_view(padded_q), _kernel_view(padded_k), _kernel_view(padded_v),
+                                       _kernel_view(padded_out), padded_lse.numpy(), _kernel_view(padded_dout),
+                                       dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
+                                       cu_seqlens=cu_n.astype(np.int32), precision=config.precision, **keywords)
+    return (grads[0].index_select(0, _index(q_rows)), grads[1].index_select(0, _index(k_rows)),
+            grads[2].index_select(0, _index(k_rows)), dslopes)
 
 
 def _call_sigmas(config, batch, heads):
@@ -530,19 +636,18 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     # library's to check (samples for the methods that draw hashes, band_error for exact_banded);
     # only the short method names are this module's.
     method = _method(function, method)
-    left, right = int(window_left), int(window_right)  # checked by the public call (_window)
+    left, right = int(window_left), int(window_right)  # converted by the public call (_window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     config = _Config(method, scale, bool(causal), left, right, samples, seed, band_error, precision)
     config.slope_values = slope_values
     config.slopes_per_row = slopes is not None and slopes.dim() == 2
-    if not causal:
-        longer = m > lengths
-        if bool(longer.any()):
-            b = int(np.nonzero(longer)[0][0])
-            _fail(function, "causal", f"is False with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence "
-                  f"{b}): the first rows sit at negative key positions, which poslsh's kernels do not represent")
+    if not causal and not _core.method_has_lse(method) and bool((m > lengths).any()):
+        b = int(np.nonzero(m > lengths)[0][0])
+        _fail(function, "method", f"is {method!r} with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence {b}, "
+              "not causal): keys before the first query are computed as a slice with its log-sum-exp, which this "
+              "method has not (every other method computes it)")
     slopes_grad = slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
-    _normalize(function, config, int(lengths.max()) if len(lengths) else 0, slopes_grad)
+    _normalize(function, config, slopes_grad)
     return config
 
 
@@ -721,8 +826,11 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         _fail(function, "return_softmax_lse", f"is True: method {config.method!r} has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v_cache, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        _fail(function, "k_cache", "must be contiguous (written in place)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # read and written in place
+        if cache.shape[-1] > 1 and cache.stride(-1) != 1 or any(
+                cache.shape[axis] > 1 and cache.stride(axis) <= 0 for axis in range(3)):
+            _fail(function, name, f"has strides {cache.stride()}: the last axis must be contiguous and the others "
+                  "have positive strides (the cache is read and written in place)")
     if new:
         _append(k_cache, v_cache, k, v, table if paged else rows_of, paged, cache_batch_idx is None, lengths)
     # A contiguous cache is the paged cache of one page (its row) per sequence.
@@ -733,19 +841,18 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
 
 
 def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):
-    """Writes k, v (batch, seqlen_new, nheads_k, headdim) into the cache at positions
-    lengths[b] .. of each sequence: of its cache row rows[b] (contiguous), or of the pages of its
-    block table row rows[b] (paged)."""
+    """Writes k, v (batch, seqlen_new, nheads_k, headdim) into the cache tensors in place (any
+    strides, e.g. views of a packed kv cache) at positions lengths[b] .. of each sequence: of its
+    cache row rows[b] (contiguous), or of the pages of its block table row rows[b] (paged)."""
     batch, new = k.shape[0], k.shape[1]
     with torch.no_grad():
         if paged:
             block_size = k_cache.shape[1]
             position = lengths[:, None] + np.arange(new)[None, :]  # (batch, new)
             pages = np.take_along_axis(rows.astype(np.int64), position // block_size, axis=1)
-            target = _index((pages * block_size + position % block_size).reshape(-1))
+            page, row = _index(pages.reshape(-1)), _index((position % block_size).reshape(-1))
             for cache, x in ((k_cache, k), (v_cache, v)):
-                cache.view((-1,) + tuple(cache.shape[2:])).index_copy_(0, target,
-                                                                      x.detach().reshape((-1,) + tuple(x.shape[2:])))
+                cache[page, row] = x.detach().reshape((-1,) + tuple(x.shape[2:]))
         elif in_order and batch and bool((lengths == lengths[0]).all()):
             start = int(lengths[0])
             k_cache.narrow(1, start, new).copy_(k.detach())
@@ -880,6 +987,26 @@ def _check_call(function, tensors, optional, method, samples, seed, band_error, 
     _string(function, precision, "precision")
 
 
+def _axis(x, axis):
+    """x.shape[axis] of a tensor with that axis (0 otherwise: the operator reports the shape)."""
+    return x.shape[axis] if isinstance(x, torch.Tensor) and x.dim() > axis else 0
+
+
+def _causal_lse(lse, slopes, slope_rows, positions):
+    """softmax_lse as FlashAttention-2 returns it for a causal call (window (-1, 0)) with ALiBi
+    slopes. Its causal kernels add +slope_h * j to the scores: the bias -slope_h (P_i - j) plus
+    the row constant slope_h P_i, the same softmax and out, so its lse is poslsh's plus
+    slope_h * P_i, P_i = i + seqlen_k - seqlen_q the row's key position (rows without a visible
+    key keep +inf). lse (..., H, rows) float32; slope_rows(s): the slopes (float64, detached)
+    broadcast to lse's shape; positions: P of each row, broadcast to lse's shape. Non-causal
+    calls return poslsh's lse unchanged: FlashAttention-2's non-causal bias is -slope_h |P_i - j|,
+    poslsh's. The gradients never read the value returned here (the operators keep their own)."""
+    if slopes is None:
+        return lse
+    shift = slope_rows(slopes.detach().to(device=lse.device, dtype=torch.float64)) * positions
+    return (lse.double() + shift).to(lse.dtype)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, method="exact", samples=16,
                     seed=0, band_error=1e-3, precision="matrix_units"):
@@ -898,14 +1025,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     docstring); float32 and float64 ignore it. deterministic is accepted and has no effect:
     every method is deterministic. Differentiable in q, k, v and (exact, banded)
     alibi_slopes."""
-    function = "flash_attn_func"
+    return _flash_attn("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                return_attn_probs, method, samples, seed, band_error, precision):
+    """flash_attn_func's body (also of the packed forms, `function` the public call's name)."""
     _unsupported(function, dropout_p, softcap)
-    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
                 band_error, softmax_scale, precision)
-    out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method,
+    seqlen_q, seqlen_k = _axis(q, 1), _axis(k, 1)
+    causal, left, right = _window(function, window_size, causal, seqlen_k)
+    out, lse = torch.ops.poslsh.flash_attn(q, k, v, alibi_slopes, softmax_scale, causal, left, right, method,
                                            samples, seed, band_error, bool(return_attn_probs), precision)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if causal and left == -1:  # rows (batch, nheads, seqlen_q)
+        positions = torch.arange(seqlen_q, dtype=torch.float64) + (seqlen_k - seqlen_q)
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[..., None], positions)
+    return out, lse, None
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -928,10 +1067,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(function, dropout_p, softcap)
     if block_table is not None:
         _fail(function, "block_table", "is given: a paged varlen call is not supported (use flash_attn_with_kvcache)")
-    left, right = _window(function, window_size)
     _check_call(function,
                 (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
                 (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale, precision)
+    # max_seqlen_k bounds the window as FlashAttention-2's (checked below).
+    seqlen_k = int(max_seqlen_k) if isinstance(max_seqlen_k, (int, np.integer)) else 0
+    causal, left, right = _window(function, window_size, causal, seqlen_k)
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
@@ -942,9 +1083,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             if longest > bound:
                 _fail(function, name, f"is {bound}: a sequence has {longest} tokens")
     out, lse = torch.ops.poslsh.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
-                                                  bool(causal), left, right, method, samples, seed, band_error,
+                                                  causal, left, right, method, samples, seed, band_error,
                                                   bool(return_attn_probs), precision)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if causal and left == -1:  # rows (nheads, total_q): token t of sequence b at t - cu_q[b] + L_b - m_b
+        token = torch.arange(q.shape[0])
+        b = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), token, right=True)
+        cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+        positions = (token - cu_q[b] + (cu_k[b + 1] - cu_k[b]) - (cu_q[b + 1] - cu_q[b])).double()
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[:, None] if m.dim() == 1 else m[b].t(), positions)
+    return out, lse, None
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -985,15 +1134,97 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
               "is given: rotary embeddings are not supported by poslsh (ALiBi models have none)")
     if cache_leftpad is not None:
         _fail(function, "cache_leftpad", "is given: left-padded caches are not supported")
-    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                 (("k", k), ("v", v), ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
                  ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale, precision)
+    # The cache's capacity per sequence bounds the window, as FlashAttention-2's seqlen_k.
+    capacity = _axis(k_cache, 1) * (_axis(block_table, 1) if block_table is not None else 1)
+    causal, left, right = _window(function, window_size, causal, capacity)
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else 1
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
     out, lse = torch.ops.poslsh.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                                        block_table, alibi_slopes, softmax_scale, bool(causal), left,
+                                                        block_table, alibi_slopes, softmax_scale, causal, left,
                                                         right, method, samples, seed, band_error,
                                                         bool(return_softmax_lse), precision)
-    return (out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    if causal and left == -1:  # rows (batch, nheads, seqlen_q) over total[b] = cache_seqlens[b] + seqlen_new keys
+        seqlen_q = q.shape[1]
+        total = (torch.full((q.shape[0],), capacity, dtype=torch.int64) if cache_seqlens is None
+                 else cache_seqlens.to(torch.int64)) + (0 if k is None else k.shape[1])
+        positions = (torch.arange(seqlen_q)[None, :] + (total - seqlen_q)[:, None]).double()[:, None, :]
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[None, :, None] if m.dim() == 1 else m[:, :, None],
+                          positions)
+    return out, lse
+
+
+# The packed forms. ----------------------------------------------------------------------------
+
+
+def _unpacked(function, packed, name, ndim, axis, count, shape_text):
+    """The `count` views packed.unbind(axis) of a packed tensor (q, k, v or k, v: views sharing its
+    memory, read in place; their gradients reach the packed tensor), after checking that it is
+    a CPU tensor of `ndim` dimensions with `count` entries on `axis`."""
+    _tensor(function, packed, name, ndim, shape_text)
+    if packed.shape[axis] != count:
+        _fail(function, name, f"has shape {tuple(packed.shape)}: must be {shape_text} (axis {axis} of size {count})")
+    return packed.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_qkvpacked_func: flash_attn_func on q, k, v =
+    qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] of qkv (batch, seqlen, 3, nheads, headdim), views read
+    in place (no copy), the gradients flowing to qkv. Arguments, keyword-only extras and returns
+    as flash_attn_func."""
+    function = "flash_attn_qkvpacked_func"
+    q, k, v = _unpacked(function, qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_kvpacked_func: flash_attn_func on q and k, v = kv[:, :, 0],
+    kv[:, :, 1] of kv (batch, seqlen_k, 2, nheads_k, headdim), views read in place (no copy), the
+    gradients flowing to kv. Arguments, keyword-only extras and returns as flash_attn_func."""
+    function = "flash_attn_kvpacked_func"
+    k, v = _unpacked(function, kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, method="exact", samples=16, seed=0, band_error=1e-3,
+                                     precision="matrix_units"):
+    """FlashAttention-2's flash_attn_varlen_qkvpacked_func: flash_attn_varlen_func on q, k, v =
+    qkv[:, 0], qkv[:, 1], qkv[:, 2] of qkv (total, 3, nheads, headdim), views read in place (no
+    copy), the gradients flowing to qkv, with cu_seqlens and max_seqlen for both the queries and
+    the keys (self-attention of each sequence). Arguments, keyword-only extras and returns as
+    flash_attn_varlen_func."""
+    function = "flash_attn_varlen_qkvpacked_func"
+    q, k, v = _unpacked(function, qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  method=method, samples=samples, seed=seed, band_error=band_error,
+                                  precision=precision)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_varlen_kvpacked_func: flash_attn_varlen_func on q and k, v =
+    kv[:, 0], kv[:, 1] of kv (total_k, 2, nheads_k, headdim), views read in place (no copy), the
+    gradients flowing to kv. Arguments, keyword-only extras and returns as
+    flash_attn_varlen_func."""
+    function = "flash_attn_varlen_kvpacked_func"
+    k, v = _unpacked(function, kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, method=method, samples=samples, seed=seed,
+                                  band_error=band_error, precision=precision)

@@ -46,12 +46,14 @@ This module is imported only on request (``import poslsh.torch``) and needs PyTo
 import torch
 
 from . import _core
-from .flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .modules import AlibiSelfAttention, KVCache, attention_forward, make_alibi_slopes
 
 __all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "alibi_attention_forward",
            "lsh_attention", "lsh_attention_forward", "multihead_attention", "multihead_attention_forward",
-           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
            "AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
 
 _DTYPES = (torch.float32, torch.float64)
