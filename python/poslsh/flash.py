@@ -12,6 +12,10 @@
                                   causal=False, window_size=(-1, -1), softcap=0.0,
                                   rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                                   return_softmax_lse=False, *, method=..., ...)
+    out = flash_attn_qkvpacked_func(qkv, ...), flash_attn_kvpacked_func(q, kv, ...),
+          flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, ...),
+          flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, ...)
 
 The positional order is FlashAttention 2.6's (softcap after window_size). Conventions, as
 FlashAttention-2 defines them:
@@ -25,9 +29,16 @@ FlashAttention-2 defines them:
 
       out_i = softmax_j(tau q_i . k_j - m_h |P_i - j|) V   over the visible keys j,
 
-  key j visible iff P_i - left <= j <= P_i + right for window_size = (left, right) (-1: that
-  side unbounded), and j <= P_i when causal (causal is window right = 0). A causal row with
-  no visible key (P_i < 0, seqlen_q > seqlen_k) has out 0 and softmax_lse +inf.
+  key j visible iff P_i - left <= j <= P_i + right for window_size = (left, right), and
+  j <= P_i when causal. window_size is any pair of integers (tuple, list, 1-D integer tensor or
+  numpy array of 2); as FlashAttention-2, a negative side or one >= seqlen_k (max_seqlen_k for
+  varlen, the cache's capacity for flash_attn_with_kvcache) is unbounded, causal sets the right
+  side to 0, and the window (-1, 0) is a causal call. A row with no visible key (causal with
+  P_i < 0, or a window before the first key) has out 0 and softmax_lse +inf.
+- seqlen_q > seqlen_k without causal: the first rows sit before the first key (P_i < 0) and
+  see every key (within their window) at distance |P_i - j|. The LSH methods count bins at the
+  positions i (query row) and seqlen_q - seqlen_k + j (key j), positions from the first query;
+  mean_of_outputs (no log-sum-exp) rejects these calls.
 - alibi_slopes: float32 (or float64) of shape (nheads,) or (batch, nheads), any values >= 0;
   None means plain softmax attention (slope 0). poslsh's kernels take sigma_h = 1 / m_h; a slope
   of 0 runs with sigma = 1e300 (the largest the hashes accept), where the bias
@@ -36,7 +47,10 @@ FlashAttention-2 defines them:
 - return_attn_probs=True returns (out, softmax_lse, None): softmax_lse float32
   (batch, nheads, seqlen_q) (varlen: (nheads, total_q)), lse_i = log sum_j e^{x_ij} over the
   visible keys (the LSH methods: log sum_j c_ij e^{tau q_i.k_j}); None for the dropout mask,
-  which poslsh never draws.
+  which poslsh never draws. As FlashAttention-2 returns it: its causal kernel (causal, no left
+  window) adds +m_h j to the scores instead of -m_h (P_i - j) (the same softmax), so for those
+  calls softmax_lse is lse_i + m_h P_i; the others' bias is -m_h |P_i - j| and softmax_lse is
+  lse_i. The gradients never read the returned value (the operators keep their own lse).
 
 Keyword-only extras: method "exact" (alibi_attention_tiled, every visible pair; a window skips
 the tiles outside it), "banded" (exact ALiBi on |P_i - j| <= W_h = band_for_bias_error(sigma_h,
@@ -75,11 +89,20 @@ Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernel
 padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
 output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; calls without
 gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
-query_offset) and skip the autograd Function.
+query_offset) and skip the autograd Function. Non-causal calls with seqlen_q > seqlen_k run
+sequence by sequence as slices (multihead_attention_with_lse with query_offset and
+key_offset); their gradients come from multihead_attention_slice_backward (exact methods,
+alibi_slopes included) or from the self-attention backward with the keys padded at the front
+by zero rows (the other methods: a zero key adds nothing to dq, and the real keys'
+probabilities come from the real lse).
+
+The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
+reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
+a packed cache; the last axis contiguous): flash_attn_with_kvcache reads and appends to them
+in place.
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
-cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
-positions, which the kernels do not represent).
+cache_leftpad, varlen block_table.
 
 The calls are the registered operators torch.ops.poslsh.flash_attn, flash_attn_varlen and
 flash_attn_with_kvcache (CPU, Autograd and Meta kernels), so torch.jit.trace records them.
@@ -1017,9 +1040,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
         out_i = softmax_j(softmax_scale q_i . k_j - alibi_slopes[h] |P_i - j|) v_j
 
-    over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), -1
-    unbounded; causal: j <= P_i). Returns out (batch, seqlen_q, nheads, headdim_v), or with
-    return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32, None). method,
+    over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), any pair
+    of integers, a negative side or one >= seqlen_k unbounded; causal: j <= P_i); seqlen_q >
+    seqlen_k is allowed with or without causal. Returns out (batch, seqlen_q, nheads,
+    headdim_v), or with return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32,
+    None), softmax_lse as FlashAttention-2's (causal: plus alibi_slopes[h] P_i; module
+    docstring). method,
     samples, seed, band_error: poslsh's estimator (module docstring). precision:
     "matrix_units" (default) or "float_products", how bfloat16 tensors are multiplied (module
     docstring); float32 and float64 ignore it. deterministic is accepted and has no effect:
@@ -1108,10 +1134,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, then q
     (batch, seqlen_q, nheads, headdim) attends to the cache_seqlens[b] + seqlen_new keys of
     its row with flash_attn_func's formula (bottom-right: query i at key position
-    i + seqlen_k - seqlen_q). The cache: contiguous (batch_cache, seqlen_cache, nheads_k,
-    headdim) (row cache_batch_idx[b], default b), or paged (num_blocks, block_size, nheads_k,
-    headdim) with block_table int32 (batch, max_num_blocks): token t of row b is row t %
-    block_size of block block_table[b, t // block_size]. Its dtype is q's, or bfloat16/float16
+    i + seqlen_k - seqlen_q). The cache: (batch_cache, seqlen_cache, nheads_k, headdim) (row
+    cache_batch_idx[b], default b), or paged (num_blocks, block_size, nheads_k, headdim) with
+    block_table int32 (batch, max_num_blocks): token t of row b is row t % block_size of block
+    block_table[b, t // block_size]; any strides with the last axis contiguous (e.g.
+    kv_cache[:, :, 0] of a packed cache), read and written in place. Its dtype is q's, or bfloat16/float16
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
     contiguous cache, nothing appended). The attention is one call of
     poslsh.multihead_attention_paged (with _with_lse for softmax_lse) on the caller's cache
