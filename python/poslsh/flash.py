@@ -1026,7 +1026,7 @@ def _causal_lse(lse, slopes, slope_rows, positions):
     poslsh's. The gradients never read the value returned here (the operators keep their own)."""
     if slopes is None:
         return lse
-    shift = slope_rows(slopes.detach().to(device=lse.device, dtype=torch.float64)) * positions
+    shift = slope_rows(slopes.detach().to(device=lse.device, dtype=torch.float64)) * positions.to(lse.device)
     return (lse.double() + shift).to(lse.dtype)
 
 

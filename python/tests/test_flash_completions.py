@@ -284,6 +284,36 @@ def test_more_queries_than_keys_lsh_positions(method):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-11, rtol=1e-11)
 
 
+def test_more_queries_than_keys_lsh_in_a_packed_batch():
+    """A varlen batch mixing sequences with more queries than keys, fewer, and none: each
+    sequence's LSH bins at its positions (from its first query when it has more queries, else
+    from its first key), out and gradients against the count-weighted reference."""
+    heads, d, samples, seed = 2, 4, 5, 9
+    lengths_q, lengths_k = [9, 3, 0, 2], [4, 6, 2, 0]
+    q = rand((sum(lengths_q), heads, d), seed=75)
+    k, v = rand((sum(lengths_k), heads, d), seed=76), rand((sum(lengths_k), heads, d), seed=77)
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    slopes = torch.tensor([0.3, 0.1], dtype=torch.float32)
+    inputs = leaves(q, k, v)
+    out = flash_attn_varlen_func(*inputs, cu_q, cu_k, 9, 6, alibi_slopes=slopes, method="lsh", samples=samples,
+                                 seed=seed)
+    grad = rand(out.shape, seed=78)
+    dq, dk, dv = torch.autograd.grad(out, inputs, grad)
+    for b, (m, length) in enumerate(zip(lengths_q, lengths_k)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if not (m and length):
+            assert not bool(out[qs].any()) and not bool(dk[ks].any()) and not bool(dv[ks].any())
+            continue
+        first = min(0, length - m)  # P of query row 0 when it sits before the first key
+        counts = _lsh_counts(slopes, samples, seed, np.arange(m) + length - m - first, np.arange(length) - first)
+        ref = leaves(q[None, qs], k[None, ks], v[None, ks])
+        expected, _ = reference(*ref, counts=counts)
+        np.testing.assert_allclose(out[qs].detach().numpy(), expected[0].detach().numpy(), atol=1e-12, rtol=0)
+        for got, want in zip((dq[qs], dk[ks], dv[ks]), torch.autograd.grad(expected, ref, grad[None, qs])):
+            np.testing.assert_allclose(got.numpy(), want[0].numpy(), atol=1e-11, rtol=1e-11)
+
+
 def test_more_queries_than_keys_in_bfloat16_reads_the_float32_result():
     """bfloat16 inputs: the float32 call on the widened inputs, rounded (float products)."""
     q, k, v = qkv(1, 8, 3, 2, 2, 16, torch.bfloat16, seed=80)
