@@ -859,8 +859,32 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
     # A contiguous cache is the paged cache of one page (its row) per sequence.
     if not paged:
         table = np.asarray(rows_of, dtype=np.int32).reshape(batch, 1)
-    return _cache_attention(q, k_cache, v_cache, np.ascontiguousarray(table, dtype=np.int32), total, config,
-                            return_lse)
+    table = np.ascontiguousarray(table, dtype=np.int32)
+    if not config.causal and bool((total < seqlen_q).any()):
+        return _cache_shifted_attention(q, k_cache, v_cache, table, total, config, return_lse)
+    return _cache_attention(q, k_cache, v_cache, table, total, config, return_lse)
+
+
+def _cache_shifted_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
+    """flash_attn_with_kvcache's attention when a non-causal call has a batch row with fewer
+    keys than queries (rows before the first key, which the paged kernels' offsets do not
+    represent): the rows' keys gathered from the cache (a copy of lengths[b] rows each; float32
+    under float32 queries over a half-precision cache), then the packed computation of
+    flash_attn_varlen_func (_shifted_forward: each sequence as a slice)."""
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    page_size = k_pages.shape[1]
+    position = np.concatenate([np.arange(length) for length in lengths.tolist()]).astype(np.int64)
+    sequence = np.repeat(np.arange(batch), lengths)
+    page, row = _index(table[sequence, position // page_size]), _index(position % page_size)
+    keys, values = (x.detach()[page, row].to(q.dtype) for x in (k_pages, v_pages))
+    cu_q = np.arange(batch + 1, dtype=np.int64) * seqlen_q
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out, lse, _ = _compute(q.detach().reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, cu_q, cu_k, config,
+                           False, want_lse)
+    out = out.reshape(batch, seqlen_q, heads, v_pages.shape[3])
+    if not want_lse:
+        return out, out.new_empty((0,), dtype=torch.float32)
+    return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):

@@ -20,11 +20,12 @@ flash_attn_varlen_func = ptorch.flash_attn_varlen_func
 flash_attn_with_kvcache = ptorch.flash_attn_with_kvcache
 
 
-def reference(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, counts=None):
+def reference(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, counts=None, bound=None):
     """FlashAttention-2's attention written out in float64: q (B, sq, H, d), k, v (B, sk, Hk, d),
     query head h reading K/V head h // (H / Hk); query i at key position P = i + sk - sq; the
     window (left, right) after FlashAttention-2's conversions (a negative side or one >= sk is
-    unbounded; causal sets right = 0) keeps P - left <= j <= P + right. The ALiBi bias of its
+    unbounded, or >= bound when given: flash_attn_with_kvcache's cache capacity; causal sets
+    right = 0) keeps P - left <= j <= P + right. The ALiBi bias of its
     kernels: +slope_h * j in the causal kernel (left unbounded, right = 0), -slope_h |P - j|
     otherwise. counts (H, sq, sk), when given, weights the keys (LSH: the scores plus log c_ij).
     Returns out (B, sq, H, d_v) and lse (B, H, sq), +inf for rows without a visible key (whose
@@ -35,8 +36,9 @@ def reference(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, c
     kx, vx = k.repeat_interleave(heads // heads_k, 2), v.repeat_interleave(heads // heads_k, 2)
     scores = torch.einsum("bihd,bjhd->bhij", q, kx) * (1.0 / math.sqrt(d) if scale is None else scale)
     left, right = window
-    left = -1 if left < 0 or left >= sk else left
-    right = 0 if causal else (-1 if right < 0 or right >= sk else right)
+    bound = sk if bound is None else bound
+    left = -1 if left < 0 or left >= bound else left
+    right = 0 if causal else (-1 if right < 0 or right >= bound else right)
     position = torch.arange(sq)[:, None] + sk - sq
     key = torch.arange(sk)[None, :]
     keep = torch.ones(sq, sk, dtype=torch.bool)
@@ -312,6 +314,39 @@ def test_more_queries_than_keys_lsh_in_a_packed_batch():
         np.testing.assert_allclose(out[qs].detach().numpy(), expected[0].detach().numpy(), atol=1e-12, rtol=0)
         for got, want in zip((dq[qs], dk[ks], dv[ks]), torch.autograd.grad(expected, ref, grad[None, qs])):
             np.testing.assert_allclose(got.numpy(), want[0].numpy(), atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_more_queries_than_keys_over_a_kv_cache(paged):
+    """flash_attn_with_kvcache without causal, a batch row with fewer keys (cache_seqlens + new)
+    than queries and one with more: out and softmax_lse against the reference on each row's
+    keys (the window bounded by the cache capacity, as FlashAttention-2); rows whose window holds
+    no key have out 0 and lse +inf."""
+    batch, sq, heads, d, new = 3, 6, 4, 8, 1
+    if paged:
+        k_cache, v_cache = rand((6, 4, 2, d), seed=85), rand((6, 4, 2, d), seed=86)
+        table = torch.tensor([[5, 1], [0, 2], [3, 4]], dtype=torch.int32)
+        extra = {"block_table": table}
+    else:
+        k_cache, v_cache = rand((batch, 8, 2, d), seed=85), rand((batch, 8, 2, d), seed=86)
+        extra = {}
+    q = rand((batch, sq, heads, d), seed=87)
+    k_new, v_new = rand((batch, new, 2, d), seed=88), rand((batch, new, 2, d), seed=89)
+    seqlens = torch.tensor([2, 7, 0], dtype=torch.int32)
+    slopes = slopes_of((batch, heads))
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, window_size=(2, 3),
+                                       alibi_slopes=slopes, return_softmax_lse=True, **extra)
+    for b in range(batch):
+        total = int(seqlens[b]) + new
+        if paged:
+            keys = torch.stack([k_cache[int(table[b, t // 4]), t % 4] for t in range(total)])
+            values = torch.stack([v_cache[int(table[b, t // 4]), t % 4] for t in range(total)])
+        else:
+            keys, values = k_cache[b, :total], v_cache[b, :total]
+        expected, expected_lse = reference(q[b:b + 1], keys[None], values[None], slopes[b:b + 1], window=(2, 3),
+                                           bound=8)
+        np.testing.assert_allclose(out[b].numpy(), expected[0].numpy(), atol=1e-12, rtol=0)
+        assert_lse(lse[b], expected_lse[0], 2e-6)
 
 
 def test_more_queries_than_keys_in_bfloat16_reads_the_float32_result():
