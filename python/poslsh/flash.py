@@ -1177,7 +1177,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     equals the rows of one longer prefill. precision as
     flash_attn_func: bfloat16 q over a bfloat16 cache reach the matrix unit under
     "matrix_units", and out and softmax_lse come from that one computation. rotary
-    embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""
+    embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect.
+    A non-causal call with more queries than a batch row's keys (rows before the first key) is
+    computed as flash_attn_varlen_func computes it, on the rows' keys gathered from the cache (a
+    copy, for those calls only). softmax_lse of causal calls with slopes as FlashAttention-2's
+    (module docstring); the window's sides are bounded by the cache's capacity per sequence."""
     function = "flash_attn_with_kvcache"
     _unsupported(function, 0.0, softcap)
     if rotary_cos is not None or rotary_sin is not None:
