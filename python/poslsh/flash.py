@@ -91,8 +91,8 @@ output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; 
 gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
 query_offset) and skip the autograd Function. Non-causal calls with seqlen_q > seqlen_k run
 sequence by sequence as slices (multihead_attention_with_lse with query_offset and
-key_offset); their gradients come from multihead_attention_slice_backward (exact methods,
-alibi_slopes included) or from the self-attention backward with the keys padded at the front
+key_offset); their gradients come from the slice backward (multihead_attention_backward with
+query_offset and key_offset: exact methods, alibi_slopes included) or from the self-attention backward with the keys padded at the front
 by zero rows (the other methods: a zero key adds nothing to dq, and the real keys'
 probabilities come from the real lse).
 
@@ -534,7 +534,8 @@ def _shifted_forward(q, k, v, rows, sigmas, config):
 
 def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
     """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. The exact methods:
-    each sequence's multihead_attention_slice_backward (dslopes included). The others: the
+    each sequence's slice backward (multihead_attention_backward with query_offset and
+    key_offset; dslopes included). The others: the
     self-attention backward of each sequence padded to max(m, L) tokens, queries and keys at the
     end (the positions of _sequences), the padding rows zero: a zero key adds nothing to dq and
     the real keys' P_ij are read from the real lse, so dq, dk, dv are the slice's."""
@@ -547,10 +548,10 @@ def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad
             extra = {}
             if slopes_grad:
                 extra["dslopes"] = dslopes if len(sigmas) == heads else dslopes[b * heads:(b + 1) * heads]
-            _core.multihead_attention_slice_backward(
+            _core.multihead_attention_backward(
                 _kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]), _kernel_view(out[qs]),
-                lse[:, qs].numpy(), _kernel_view(dout[qs]), query_offset, key_offset, dq=dq[qs].numpy(),
-                dk=dk[ks].numpy(), dv=dv[ks].numpy(), precision=config.precision,
+                lse[:, qs].numpy(), _kernel_view(dout[qs]), query_offset=query_offset, key_offset=key_offset,
+                dq=dq[qs].numpy(), dk=dk[ks].numpy(), dv=dv[ks].numpy(), precision=config.precision,
                 **_sequence_keywords(keywords, sigmas, heads, b), **extra)
         return dq, dk, dv, dslopes
     m, lengths = rows.m, rows.lengths

@@ -380,21 +380,19 @@ gives bitwise the rows of the whole sequence (context parallelism: poslsh.distri
 )doc";
 
 const char* const slice_backward_doc = R"doc(
-The gradients of one slice of exact ALiBi attention (methods 'exact_tiled' and
-'exact_banded', any window), poslsh::multihead_attention_slice_backward: the m queries of q at
-positions query_offset .. query_offset + m - 1 against the L keys of k and v at positions
-key_offset .. key_offset + L - 1 (both >= 0), with out and lse (H_q x m) the forward's rows over
-every key the rows see (multihead_attention_with_lse with the same offsets, or slices merged by
-lse):
+query_offset=, key_offset= (one sequence; methods 'exact_tiled' and 'exact_banded', any window):
+the gradients of a slice, poslsh::multihead_attention_slice_backward: the m queries of q at
+positions query_offset .. query_offset + m - 1 (unset: the last m of the keys' positions)
+against the L keys of k and v at positions key_offset .. key_offset + L - 1 (unset: 0), with
+out and lse (H_q x m) the forward's rows over every key the rows see
+(multihead_attention_with_lse with the same offsets, or slices merged by lse):
 
     P_ij = e^{x_ij - lse_i},  x_ij = tau q_i.k_j - |i - j| / sigma_h,  D_i = dout_i . out_i,
     dv_j += sum_i P_ij dout_i,  dS_ij = P_ij (dout_i . v_j - D_i),
     dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i,  dslopes[h] += -sum_ij dS_ij |i - j|
 
-(positions i, j; causal mask, band and window at those positions). Returns (dq, dk, dv): the
-given arrays with the slice's gradients added, or new arrays holding them (zero-initialized).
-dslopes: optional float64 array of H_q entries, added to. Over one slice with both offsets 0 the
-gradients equal multihead_attention_backward's. The keywords as multihead_attention_backward.
+(positions i, j; causal mask, band and window at those positions): added to the given dq=,
+dk=, dv= and dslopes= (H_q entries), new gradient arrays starting at zero.
 )doc";
 
 const char* const multihead_backward_doc = R"doc(
@@ -543,15 +541,23 @@ void register_training(py::module_& module) {
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
          py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
-         std::optional<Index> position, std::optional<int> threads, const std::string& precision) {
-        const Batch batch = batch_of(
-            cu_seqlens,
-            position ? "multihead_attention_window_backward" : "multihead_attention_backward",
-            "multihead_attention_varlen_backward");
+         std::optional<Index> position, std::optional<Index> query_offset,
+         std::optional<Index> key_offset, std::optional<int> threads,
+         const std::string& precision) {
+        const bool slice = query_offset || key_offset;
+        const Batch batch = batch_of(cu_seqlens,
+                                     position ? "multihead_attention_window_backward"
+                                     : slice  ? "multihead_attention_slice_backward"
+                                              : "multihead_attention_backward",
+                                     "multihead_attention_varlen_backward");
         const char* const function = batch.function;
-        if (position && (batch.cu_seqlens || !dslopes.is_none()))
+        if (position && (batch.cu_seqlens || !dslopes.is_none() || slice))
           throw py::value_error(argument(function, "position") +
-                                " (a window of one sequence) takes no cu_seqlens and no dslopes");
+                                " (a window of one sequence) takes no cu_seqlens, no dslopes and "
+                                "no query_offset/key_offset");
+        if (slice && batch.cu_seqlens)
+          throw py::value_error(argument(function, "query_offset") +
+                                "/key_offset take one sequence: give no cu_seqlens");
         threads = thread_count(threads, function);
         HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                 sigmas, samples, seed, band_error, window);
@@ -576,6 +582,15 @@ void register_training(py::module_& module) {
           inputs.emplace_back(dk_out.result, "dk");
           auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", like, inputs);
+          // A slice's gradients are added to dq, dk, dv: new arrays start at zero.
+          const auto zero_new = [&](const py::object& result, py::handle given) {
+            if (!slice || !given.is_none()) return;
+            py::array array = py::reinterpret_borrow<py::array>(result);
+            std::memset(array.mutable_data(), 0, static_cast<std::size_t>(array.nbytes()));
+          };
+          zero_new(dq_out.result, dq);
+          zero_new(dk_out.result, dk);
+          zero_new(dv_out.result, dv);
           const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
           // One slope per query head, or per sequence and query head with sigmas of each (the
           // library checks which).
@@ -586,11 +601,22 @@ void register_training(py::module_& module) {
               slope_gradients(dslopes, slopes, function);
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
           const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
+          // Unset query_offset: the last m positions of the keys (bottom-right).
+          const Index p0 =
+              query_offset.value_or(key_offset.value_or(0) + in.k.tokens - in.q.tokens);
           run_kernel(threads, [&] {
             if (position)
               poslsh::multihead_attention_window_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
                   dv_out.view, *position, keywords.options);
+            else if (slice && dslopes_map)
+              poslsh::multihead_attention_slice_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
+                  dv_out.view, *dslopes_map, p0, key_offset.value_or(0), keywords.options);
+            else if (slice)
+              poslsh::multihead_attention_slice_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
+                  dv_out.view, p0, key_offset.value_or(0), keywords.options);
             else if (dslopes_map)
               poslsh::multihead_attention_varlen_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, dq_out.view, dk_out.view,
@@ -612,76 +638,10 @@ void register_training(py::module_& module) {
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
                       py::arg("dslopes") = py::none(), py::arg("position") = py::none(),
+                      py::arg("query_offset") = py::none(), py::arg("key_offset") = py::none(),
                       py::arg("num_threads") = py::none(),
                       py::arg("precision") = default_precision()),
-      (std::string(multihead_backward_doc) + training_dtypes_doc).c_str());
-
-  def_multihead(
-      module, "multihead_attention_slice_backward",
-      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse, py::handle dout,
-         Index query_offset, Index key_offset, const std::string& layout_name,
-         const std::string& method, const std::string& masking, std::optional<double> scale,
-         std::optional<std::vector<double>> sigmas, Index samples, std::uint64_t seed,
-         double band_error, std::pair<Index, Index> window, py::handle dq, py::handle dk,
-         py::handle dv, py::handle dslopes, std::optional<int> threads,
-         const std::string& precision) {
-        constexpr const char* function = "multihead_attention_slice_backward";
-        threads = thread_count(threads, function);
-        HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
-                                                sigmas, samples, seed, band_error, window);
-        keywords.options.precision = precision_of(precision, function);
-        return dispatch<DtypeSet::with_half>(function, {q}, [&](auto types) -> py::object {
-          using T = typename decltype(types)::q;
-          using L = poslsh::backward_scalar_t<T>;
-          const HeadsInputs<Types<T>> in =
-              heads_inputs<Types<T>>(function, q, k, v, keywords.layout);
-          const auto out_view = heads_input<T>(out, keywords.layout, function, "out", "q");
-          const auto dout_view = heads_input<T>(dout, keywords.layout, function, "dout", "q");
-          const auto lse_map =
-              lse_matrix<T>(lse, in.q.heads, in.q.tokens, function, false, {}).second;
-          Inputs inputs = {{q, "q"},     {k, "k"},     {v, "v"},
-                           {out, "out"}, {lse, "lse"}, {dout, "dout"}};
-          const char* const like = lse_like<T>();
-          // New gradient arrays start at zero (the slice's gradients are added to them).
-          const auto zeroed = [](const py::object& result, py::handle given) {
-            if (!given.is_none()) return;
-            py::array array = py::reinterpret_borrow<py::array>(result);
-            std::memset(array.mutable_data(), 0, static_cast<std::size_t>(array.nbytes()));
-          };
-          auto dq_out = heads_output<L>(dq, keywords.layout, in.q.tokens, in.q.heads, in.q.dim,
-                                        function, "dq", like, inputs);
-          zeroed(dq_out.result, dq);
-          inputs.emplace_back(dq_out.result, "dq");
-          auto dk_out = heads_output<L>(dk, keywords.layout, in.k.tokens, in.k.heads, in.k.dim,
-                                        function, "dk", like, inputs);
-          zeroed(dk_out.result, dk);
-          inputs.emplace_back(dk_out.result, "dk");
-          auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
-                                        function, "dv", like, inputs);
-          zeroed(dv_out.result, dv);
-          const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
-          const std::optional<Eigen::Map<Eigen::VectorXd>> dslopes_map =
-              slope_gradients(dslopes, in.q.heads, function);
-          run_kernel(threads, [&] {
-            if (dslopes_map)
-              poslsh::multihead_attention_slice_backward<T>(
-                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
-                  dv_out.view, *dslopes_map, query_offset, key_offset, keywords.options);
-            else
-              poslsh::multihead_attention_slice_backward<T>(
-                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
-                  dv_out.view, query_offset, key_offset, keywords.options);
-          });
-          return py::make_tuple(dq_out.result, dk_out.result, dv_out.result);
-        });
-      },
-      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-                      py::arg("dout"), py::arg("query_offset"), py::arg("key_offset")),
-      std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
-                      py::arg("dv") = py::none(), py::arg("dslopes") = py::none(),
-                      py::arg("num_threads") = py::none(),
-                      py::arg("precision") = default_precision()),
-      (std::string(slice_backward_doc) + training_dtypes_doc).c_str());
+      (std::string(multihead_backward_doc) + slice_backward_doc + training_dtypes_doc).c_str());
 }
 
 }  // namespace poslsh_python
