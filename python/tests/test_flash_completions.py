@@ -422,6 +422,22 @@ def test_packed_kv_cache_is_read_and_written_in_place(monkeypatch, paged):
     assert int(changed.sum()) <= batch * new * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_half_precision_cache_equals_its_contiguous_copy(dtype):
+    """A half-precision packed kv cache read through its views: out, softmax_lse and the
+    appended rows bitwise those of the same cache as two contiguous tensors."""
+    kv_cache = rand((2, 8, 2, 2, 16), dtype, seed=97)
+    k_copy, v_copy = kv_cache[:, :, 0].contiguous(), kv_cache[:, :, 1].contiguous()
+    q = rand((2, 2, 4, 16), dtype, seed=98)
+    k_new, v_new = rand((2, 1, 2, 16), dtype, seed=99), rand((2, 1, 2, 16), dtype, seed=100)
+    keywords = dict(cache_seqlens=torch.tensor([2, 5], dtype=torch.int32), alibi_slopes=slopes_of((4,)),
+                    causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(q, kv_cache[:, :, 0], kv_cache[:, :, 1], k_new, v_new, **keywords)
+    want, want_lse = flash_attn_with_kvcache(q, k_copy, v_copy, k_new, v_new, **keywords)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(kv_cache[:, :, 0], k_copy) and torch.equal(kv_cache[:, :, 1], v_copy)
+
+
 def test_cache_with_a_strided_last_axis_is_rejected():
     cache = rand((2, 6, 2, 8), seed=95)
     for name, k_cache, v_cache in (("k_cache", cache[..., ::2], cache[..., :4]),
