@@ -12,6 +12,10 @@
                                   causal=False, window_size=(-1, -1), softcap=0.0,
                                   rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                                   return_softmax_lse=False, *, method=..., ...)
+    out = flash_attn_qkvpacked_func(qkv, ...), flash_attn_kvpacked_func(q, kv, ...),
+          flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, ...),
+          flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, ...)
 
 The positional order is FlashAttention 2.6's (softcap after window_size). Conventions, as
 FlashAttention-2 defines them:
@@ -25,9 +29,16 @@ FlashAttention-2 defines them:
 
       out_i = softmax_j(tau q_i . k_j - m_h |P_i - j|) V   over the visible keys j,
 
-  key j visible iff P_i - left <= j <= P_i + right for window_size = (left, right) (-1: that
-  side unbounded), and j <= P_i when causal (causal is window right = 0). A causal row with
-  no visible key (P_i < 0, seqlen_q > seqlen_k) has out 0 and softmax_lse +inf.
+  key j visible iff P_i - left <= j <= P_i + right for window_size = (left, right), and
+  j <= P_i when causal. window_size is any pair of integers (tuple, list, 1-D integer tensor or
+  numpy array of 2); as FlashAttention-2, a negative side or one >= seqlen_k (max_seqlen_k for
+  varlen, the cache's capacity for flash_attn_with_kvcache) is unbounded, causal sets the right
+  side to 0, and the window (-1, 0) is a causal call. A row with no visible key (causal with
+  P_i < 0, or a window before the first key) has out 0 and softmax_lse +inf.
+- seqlen_q > seqlen_k without causal: the first rows sit before the first key (P_i < 0) and
+  see every key (within their window) at distance |P_i - j|. The LSH methods count bins at the
+  positions i (query row) and seqlen_q - seqlen_k + j (key j), positions from the first query;
+  mean_of_outputs (no log-sum-exp) rejects these calls.
 - alibi_slopes: float32 (or float64) of shape (nheads,) or (batch, nheads), any values >= 0;
   None means plain softmax attention (slope 0). poslsh's kernels take sigma_h = 1 / m_h; a slope
   of 0 runs with sigma = 1e300 (the largest the hashes accept), where the bias
@@ -36,7 +47,10 @@ FlashAttention-2 defines them:
 - return_attn_probs=True returns (out, softmax_lse, None): softmax_lse float32
   (batch, nheads, seqlen_q) (varlen: (nheads, total_q)), lse_i = log sum_j e^{x_ij} over the
   visible keys (the LSH methods: log sum_j c_ij e^{tau q_i.k_j}); None for the dropout mask,
-  which poslsh never draws.
+  which poslsh never draws. As FlashAttention-2 returns it: its causal kernel (causal, no left
+  window) adds +m_h j to the scores instead of -m_h (P_i - j) (the same softmax), so for those
+  calls softmax_lse is lse_i + m_h P_i; the others' bias is -m_h |P_i - j| and softmax_lse is
+  lse_i. The gradients never read the returned value (the operators keep their own lse).
 
 Keyword-only extras: method "exact" (alibi_attention_tiled, every visible pair; a window skips
 the tiles outside it), "banded" (exact ALiBi on |P_i - j| <= W_h = band_for_bias_error(sigma_h,
@@ -76,10 +90,20 @@ padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they
 output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; calls without
 gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
 query_offset) in the operators flash_attn and flash_attn_varlen (no state kept for a backward).
+Non-causal calls with seqlen_q > seqlen_k run sequence by sequence as slices
+(multihead_attention_with_lse with query_offset and key_offset); their gradients come from the
+slice backward (multihead_attention_backward with query_offset and key_offset: exact methods,
+alibi_slopes included) or from the self-attention backward with the keys padded at the front
+by zero rows (the other methods: a zero key adds nothing to dq, and the real keys'
+probabilities come from the real lse).
+
+The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
+reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
+a packed cache; the last axis contiguous): flash_attn_with_kvcache reads and appends to them
+in place.
 
 Not supported, ValueError saying so: dropout_p > 0, softcap != 0, rotary embeddings,
-cache_leftpad, varlen block_table, and non-causal seqlen_q > seqlen_k (rows at negative key
-positions, which the kernels do not represent).
+cache_leftpad, varlen block_table.
 
 The calls are the registered operators (torch.library custom ops, torch >= 2.13; each with a
 fake implementation for meta tensors, FakeTensor and torch.compile) torch.ops.poslsh.flash_attn
@@ -95,19 +119,20 @@ from (samples, seed), arguments of the operators.
 """
 
 import math
+import operator
 
 import numpy as np
 import torch
 
 from . import _core, _methods, _torch_version
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 # The accepted method names and poslsh's method of each: FlashAttention-style short names and
 # every name of the library's method table (poslsh.method_names()).
 _METHODS = _methods.accepted()
-# The methods that take a window, and those with gradients in the slopes (the table's traits).
-_WINDOWED = _core.method_names(takes_window=True)
+# The methods with gradients in the slopes (the table's trait).
 _SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
@@ -168,17 +193,35 @@ def _unsupported(function, dropout_p, softcap):
         _fail(function, "softcap", f"is {softcap!r}: logit soft-capping is not supported by poslsh (only 0.0)")
 
 
-def _window(function, window_size):
-    """(left, right) as two ints >= -1."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
-    left, right = window_size
-    for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
-            _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of ints", TypeError)
-        if side < -1:
-            _fail(function, "window_size", f"is {window_size!r}: each side must be >= 0, or -1 (unbounded)")
-    return int(left), int(right)
+def _window(function, window_size, causal, seqlen_k):
+    """FlashAttention's window_size and causal as the kernels take them: (causal, left, right),
+    sides -1 (unbounded) or >= 0.
+
+    window_size is any pair of integers: a tuple or list of two ints (Python or numpy integers,
+    or 0-d integer tensors), or a 1-D integer tensor or numpy array of 2 (TypeError naming the
+    argument otherwise). FlashAttention-2's conversions: a negative side, or one >= seqlen_k
+    (the keys a row can reach; the cache's capacity for flash_attn_with_kvcache), is unbounded;
+    causal bounds the right side at 0, and a window (-1, 0) is causal (returned as causal True,
+    right -1: the kernels' causal mask). Whether the method takes a window is the library's one
+    check of the value (ValueError from the kernels' validator)."""
+    try:
+        if isinstance(window_size, (torch.Tensor, np.ndarray)):
+            if window_size.dtype in (torch.bool, np.bool_) or tuple(window_size.shape) != (2,):
+                raise TypeError
+            window_size = window_size.tolist()
+        if isinstance(window_size, (str, bytes)) or len(window_size) != 2:
+            raise TypeError
+        if any(isinstance(side, (bool, np.bool_)) for side in window_size):
+            raise TypeError
+        left, right = (operator.index(side) for side in window_size)
+    except (TypeError, ValueError, RuntimeError):
+        _fail(function, "window_size", f"is {window_size!r}: must be a pair (left, right) of integers (a tuple, "
+              "list, or 1-D integer tensor or array of 2)", TypeError)
+    left = -1 if left < 0 or left >= seqlen_k else left
+    right = 0 if causal else (-1 if right < 0 or right >= seqlen_k else right)
+    if left == -1 and right == 0:  # FlashAttention-2's causal call
+        return True, -1, -1
+    return bool(causal), left, right
 
 
 def _method(function, method):
@@ -273,21 +316,6 @@ class _Config:
         if (self.left, self.right) != (-1, -1):
             keywords["window"] = (self.left, self.right)
         return keywords
-
-
-def _normalize(function, config, max_k, slopes_grad):
-    """The window as the kernels take it (FlashAttention's: a side >= seqlen_k is unbounded;
-    causal bounds the right side), checked against the method."""
-    left = -1 if config.left >= max_k else config.left
-    right = -1 if config.causal or config.right >= max_k else config.right
-    config.left, config.right = left, right
-    if (left, right) != (-1, -1) and config.method not in _WINDOWED:
-        _fail(function, "window_size", f"is a window: method {config.method!r} has no window (only "
-              f"{_methods.short_names(_WINDOWED)})")
-    if slopes_grad and config.method not in _SLOPE_GRADIENTS:
-        _fail(function, "alibi_slopes", f"requires grad: method {config.method!r} samples position bins from the "
-              "slopes, which are not differentiable in the slope (gradients of alibi_slopes: "
-              f"{_methods.short_names(_SLOPE_GRADIENTS)})")
 
 
 def _sigmas(slopes_row, heads):
@@ -397,6 +425,9 @@ def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
         lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
         return out, lse, None
+    if _shifted(rows, config):
+        out, lse = _shifted_forward(q, k, v, rows, sigmas, config)
+        return out, lse if (train or want_lse) else None, (None, out, lse) if train else None
     keywords = config.keywords(sigmas)
     if not train:  # only the query rows, at their key positions
         queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
@@ -440,6 +471,8 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
     if saved is None:  # no keys or no queries
         return tuple(torch.zeros(x.shape, dtype=_lse_dtype(x)) for x in (q, k, v)) + (
             np.zeros(len(sigmas)) if slopes_grad else None,)
+    if _shifted(rows, config):
+        return _shifted_backward(q, k, v, rows, sigmas, config, saved[1], saved[2], dout, slopes_grad)
     padded, out, lse = saved
     dout_padded = _pad_rows(dout, rows)
     if lse is None:  # a method without lse (mean_of_outputs): its backward does not read it
@@ -455,6 +488,95 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
                                        dv=dv.numpy(), cu_seqlens=rows.cu_k, precision=config.precision,
                                        **config.keywords(sigmas), **extra)
     return _unpad_rows(dq, rows), dk, dv, dslopes
+
+
+def _shifted(rows, config):
+    """Whether a call is non-causal with a sequence of more queries than keys (its first rows sit
+    before the first key): such calls run sequence by sequence as slices (_shifted_forward)."""
+    return not config.causal and not rows.all_valid
+
+
+def _sequences(rows):
+    """(b, query slice, key slice, query_offset, key_offset) of the sequences with queries and
+    keys: query row i at position max(0, L - m) + i, key j at max(0, m - L) + j (positions from
+    the first query or the first key, whichever comes first: differences i + L - m - j, as
+    FlashAttention-2's bottom-right alignment)."""
+    for b, (m, length) in enumerate(zip(rows.m.tolist(), rows.lengths.tolist())):
+        if m and length:
+            q0, k0 = int(rows.cu_q[b]), int(rows.cu_k[b])
+            yield b, slice(q0, q0 + m), slice(k0, k0 + length), max(0, length - m), max(0, m - length)
+
+
+def _sequence_keywords(keywords, sigmas, heads, b):
+    """The kernel keywords of sequence b alone: its sigmas when there is one per sequence and head."""
+    if len(sigmas) == heads:
+        return keywords
+    return {**keywords, "sigmas": sigmas[b * heads:(b + 1) * heads]}
+
+
+def _shifted_forward(q, k, v, rows, sigmas, config):
+    """out (total_q, H, d_v) and lse (H, total_q) of a _shifted call: each sequence by the slice
+    call multihead_attention_with_lse(query_offset, key_offset) at the positions of _sequences
+    (the LSH bins are those of these positions), read in place. Rows without a visible key (no
+    keys, or a window before the first key) get out 0 and lse +inf."""
+    heads = q.shape[1]
+    out = q.new_zeros((rows.total_q, heads, v.shape[2]))
+    lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
+    keywords = config.keywords(sigmas)
+    for b, qs, ks, query_offset, key_offset in _sequences(rows):
+        _core.multihead_attention_with_lse(_kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]),
+                                           out=_kernel_view(out[qs]), lse=lse[:, qs].numpy(),
+                                           query_offset=query_offset, key_offset=key_offset,
+                                           precision=config.precision,
+                                           **_sequence_keywords(keywords, sigmas, heads, b))
+    lse.masked_fill_(lse == -math.inf, math.inf)
+    return out, lse
+
+
+def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
+    """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. The exact methods:
+    each sequence's slice backward (multihead_attention_backward with query_offset and
+    key_offset; dslopes included). The others: the
+    self-attention backward of each sequence padded to max(m, L) tokens, queries and keys at the
+    end (the positions of _sequences), the padding rows zero: a zero key adds nothing to dq and
+    the real keys' P_ij are read from the real lse, so dq, dk, dv are the slice's."""
+    heads = q.shape[1]
+    keywords = config.keywords(sigmas)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=lse.dtype) for x in (q, k, v))
+    dslopes = np.zeros(len(sigmas)) if slopes_grad else None
+    if config.method in _SLOPE_GRADIENTS:
+        for b, qs, ks, query_offset, key_offset in _sequences(rows):
+            extra = {}
+            if slopes_grad:
+                extra["dslopes"] = dslopes if len(sigmas) == heads else dslopes[b * heads:(b + 1) * heads]
+            _core.multihead_attention_backward(
+                _kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]), _kernel_view(out[qs]),
+                lse[:, qs].numpy(), _kernel_view(dout[qs]), query_offset=query_offset, key_offset=key_offset,
+                dq=dq[qs].numpy(), dk=dk[ks].numpy(), dv=dv[ks].numpy(), precision=config.precision,
+                **_sequence_keywords(keywords, sigmas, heads, b), **extra)
+        return dq, dk, dv, dslopes
+    m, lengths = rows.m, rows.lengths
+    n = np.maximum(m, lengths)
+    cu_n = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    total = int(cu_n[-1])
+
+    def targets(counts, cu):  # each token's row in the padded sequences (at their end)
+        seq = np.repeat(np.arange(len(counts)), counts)
+        return cu_n[:-1][seq] + (n - counts)[seq] + np.arange(int(counts.sum())) - cu[:-1][seq]
+
+    q_rows, k_rows = targets(m, rows.cu_q.astype(np.int64)), targets(lengths, rows.cu_k.astype(np.int64))
+    q_all, k_all = np.arange(rows.total_q), np.arange(rows.total_k)
+    padded_q, padded_out, padded_dout = (_moved_rows(x, total, q_rows, q_all) for x in (q, out, dout))
+    padded_k, padded_v = (_moved_rows(x, total, k_rows, k_all) for x in (k, v))
+    padded_lse = torch.zeros((heads, total), dtype=lse.dtype)  # padding queries: zero rows, zero dout
+    padded_lse[:, _index(q_rows)] = lse
+    grads = [torch.empty(x.shape, dtype=lse.dtype) for x in (padded_q, padded_k, padded_v)]
+    _core.multihead_attention_backward(_kernel_view(padded_q), _kernel_view(padded_k), _kernel_view(padded_v),
+                                       _kernel_view(padded_out), padded_lse.numpy(), _kernel_view(padded_dout),
+                                       dq=grads[0].numpy(), dk=grads[1].numpy(), dv=grads[2].numpy(),
+                                       cu_seqlens=cu_n.astype(np.int32), precision=config.precision, **keywords)
+    return (grads[0].index_select(0, _index(q_rows)), grads[1].index_select(0, _index(k_rows)),
+            grads[2].index_select(0, _index(k_rows)), dslopes)
 
 
 def _call_sigmas(config, batch, heads):
@@ -553,19 +675,18 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     # library's to check (samples for the methods that draw hashes, band_error for exact_banded);
     # only the short method names are this module's.
     method = _method(function, method)
-    left, right = int(window_left), int(window_right)  # checked by the public call (_window)
+    left, right = int(window_left), int(window_right)  # converted by the public call (_window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     config = _Config(method, scale, bool(causal), left, right, samples, seed, band_error, precision)
     config.slope_values = slope_values
     config.slopes_per_row = slopes is not None and slopes.dim() == 2
-    if not causal:
-        longer = m > lengths
-        if bool(longer.any()):
-            b = int(np.nonzero(longer)[0][0])
-            _fail(function, "causal", f"is False with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence "
-                  f"{b}): the first rows sit at negative key positions, which poslsh's kernels do not represent")
-    slopes_grad = slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
-    _normalize(function, config, int(lengths.max()) if len(lengths) else 0, slopes_grad)
+    if not causal and not _core.method_has_lse(method) and bool((m > lengths).any()):
+        b = int(np.nonzero(m > lengths)[0][0])
+        _fail(function, "method", f"is {method!r} with seqlen_q {int(m[b])} > seqlen_k {int(lengths[b])} (sequence {b}, "
+              "not causal): keys before the first query are computed as a slice with its log-sum-exp, which this "
+              "method has not (every other method computes it)")
+    if slopes is not None and slopes.requires_grad and torch.is_grad_enabled():
+        _check_slope_gradients(function, config.method)
     return config
 
 
@@ -750,31 +871,57 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
         _fail(function, "return_softmax_lse", f"is True: method {config.method!r} has no softmax_lse")
     if q.device.type == "meta":
         return _meta_out(q, v_cache, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        _fail(function, "k_cache", "must be contiguous (written in place)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # read and written in place
+        if cache.shape[-1] > 1 and cache.stride(-1) != 1 or any(
+                cache.shape[axis] > 1 and cache.stride(axis) <= 0 for axis in range(3)):
+            _fail(function, name, f"has strides {cache.stride()}: the last axis must be contiguous and the others "
+                  "have positive strides (the cache is read and written in place)")
     if new:
         _append(k_cache, v_cache, k, v, table if paged else rows_of, paged, cache_batch_idx is None, lengths)
     # A contiguous cache is the paged cache of one page (its row) per sequence.
     if not paged:
         table = np.asarray(rows_of, dtype=np.int32).reshape(batch, 1)
-    return _cache_attention(q, k_cache, v_cache, np.ascontiguousarray(table, dtype=np.int32), total, config,
-                            return_lse)
+    table = np.ascontiguousarray(table, dtype=np.int32)
+    if not config.causal and bool((total < seqlen_q).any()):
+        return _cache_shifted_attention(q, k_cache, v_cache, table, total, config, return_lse)
+    return _cache_attention(q, k_cache, v_cache, table, total, config, return_lse)
+
+
+def _cache_shifted_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
+    """flash_attn_with_kvcache's attention when a non-causal call has a batch row with fewer
+    keys than queries (rows before the first key, which the paged kernels' offsets do not
+    represent): the rows' keys gathered from the cache (a copy of lengths[b] rows each; float32
+    under float32 queries over a half-precision cache), then the packed computation of
+    flash_attn_varlen_func (_shifted_forward: each sequence as a slice)."""
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    page_size = k_pages.shape[1]
+    position = np.concatenate([np.arange(length) for length in lengths.tolist()]).astype(np.int64)
+    sequence = np.repeat(np.arange(batch), lengths)
+    page, row = _index(table[sequence, position // page_size]), _index(position % page_size)
+    keys, values = (x.detach()[page, row].to(q.dtype) for x in (k_pages, v_pages))
+    cu_q = np.arange(batch + 1, dtype=np.int64) * seqlen_q
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out, lse, _ = _compute(q.detach().reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, cu_q, cu_k, config,
+                           False, want_lse)
+    out = out.reshape(batch, seqlen_q, heads, v_pages.shape[3])
+    if not want_lse:
+        return out, out.new_empty((0,), dtype=torch.float32)
+    return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):
-    """Writes k, v (batch, seqlen_new, nheads_k, headdim) into the cache at positions
-    lengths[b] .. of each sequence: of its cache row rows[b] (contiguous), or of the pages of its
-    block table row rows[b] (paged)."""
+    """Writes k, v (batch, seqlen_new, nheads_k, headdim) into the cache tensors in place (any
+    strides, e.g. views of a packed kv cache) at positions lengths[b] .. of each sequence: of its
+    cache row rows[b] (contiguous), or of the pages of its block table row rows[b] (paged)."""
     batch, new = k.shape[0], k.shape[1]
     with torch.no_grad():
         if paged:
             block_size = k_cache.shape[1]
             position = lengths[:, None] + np.arange(new)[None, :]  # (batch, new)
             pages = np.take_along_axis(rows.astype(np.int64), position // block_size, axis=1)
-            target = _index((pages * block_size + position % block_size).reshape(-1))
+            page, row = _index(pages.reshape(-1)), _index((position % block_size).reshape(-1))
             for cache, x in ((k_cache, k), (v_cache, v)):
-                cache.view((-1,) + tuple(cache.shape[2:])).index_copy_(0, target,
-                                                                      x.detach().reshape((-1,) + tuple(x.shape[2:])))
+                cache[page, row] = x.detach().reshape((-1,) + tuple(x.shape[2:]))
         elif in_order and batch and bool((lengths == lengths[0]).all()):
             start = int(lengths[0])
             k_cache.narrow(1, start, new).copy_(k.detach())
@@ -1064,6 +1211,26 @@ def _check_call(function, tensors, optional, method, samples, seed, band_error, 
     _string(function, precision, "precision")
 
 
+def _axis(x, axis):
+    """x.shape[axis] of a tensor with that axis (0 otherwise: the operator reports the shape)."""
+    return x.shape[axis] if isinstance(x, torch.Tensor) and x.dim() > axis else 0
+
+
+def _causal_lse(lse, slopes, slope_rows, positions):
+    """softmax_lse as FlashAttention-2 returns it for a causal call (window (-1, 0)) with ALiBi
+    slopes. Its causal kernels add +slope_h * j to the scores: the bias -slope_h (P_i - j) plus
+    the row constant slope_h P_i, the same softmax and out, so its lse is poslsh's plus
+    slope_h * P_i, P_i = i + seqlen_k - seqlen_q the row's key position (rows without a visible
+    key keep +inf). lse (..., H, rows) float32; slope_rows(s): the slopes (float64, detached)
+    broadcast to lse's shape; positions: P of each row, broadcast to lse's shape. Non-causal
+    calls return poslsh's lse unchanged: FlashAttention-2's non-causal bias is -slope_h |P_i - j|,
+    poslsh's. The gradients never read the value returned here (the operators keep their own)."""
+    if slopes is None:
+        return lse
+    shift = slope_rows(slopes.detach().to(device=lse.device, dtype=torch.float64)) * positions.to(lse.device)
+    return (lse.double() + shift).to(lse.dtype)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, method="exact", samples=16,
                     seed=0, band_error=1e-3, precision="matrix_units"):
@@ -1074,27 +1241,42 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
         out_i = softmax_j(softmax_scale q_i . k_j - alibi_slopes[h] |P_i - j|) v_j
 
-    over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), -1
-    unbounded; causal: j <= P_i). Returns out (batch, seqlen_q, nheads, headdim_v), or with
-    return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32, None). method,
+    over the keys j with P_i - left <= j <= P_i + right (window_size = (left, right), any pair
+    of integers, a negative side or one >= seqlen_k unbounded; causal: j <= P_i); seqlen_q >
+    seqlen_k is allowed with or without causal. Returns out (batch, seqlen_q, nheads,
+    headdim_v), or with return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q) float32,
+    None), softmax_lse as FlashAttention-2's (causal: plus alibi_slopes[h] P_i; module
+    docstring). method,
     samples, seed, band_error: poslsh's estimator (module docstring). precision:
     "matrix_units" (default) or "float_products", how bfloat16 tensors are multiplied (module
     docstring); float32 and float64 ignore it. deterministic is accepted and has no effect:
     every method is deterministic. Differentiable in q, k, v and (exact, banded)
     alibi_slopes."""
-    function = "flash_attn_func"
+    return _flash_attn("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                return_attn_probs, method, samples, seed, band_error, precision):
+    """flash_attn_func's body (also of the packed forms, `function` the public call's name)."""
     _unsupported(function, dropout_p, softcap)
-    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
                 band_error, softmax_scale, precision)
     _slope_gradients(function, method, alibi_slopes)
+    seqlen_q, seqlen_k = _axis(q, 1), _axis(k, 1)
+    causal, left, right = _window(function, window_size, causal, seqlen_k)
     arguments = (q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method, samples, seed, band_error,
                  bool(return_attn_probs), precision)
     if _records(q, k, v, alibi_slopes):
         out, lse, _ = torch.ops.poslsh.flash_attn_train(*arguments)
     else:
         out, lse = torch.ops.poslsh.flash_attn(*arguments)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if causal and left == -1:  # rows (batch, nheads, seqlen_q)
+        positions = torch.arange(seqlen_q, dtype=torch.float64) + (seqlen_k - seqlen_q)
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[..., None], positions)
+    return out, lse, None
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -1117,10 +1299,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(function, dropout_p, softcap)
     if block_table is not None:
         _fail(function, "block_table", "is given: a paged varlen call is not supported (use flash_attn_with_kvcache)")
-    left, right = _window(function, window_size)
     _check_call(function,
                 (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)),
                 (("alibi_slopes", alibi_slopes),), method, samples, seed, band_error, softmax_scale, precision)
+    # max_seqlen_k bounds the window as FlashAttention-2's (checked below).
+    seqlen_k = int(max_seqlen_k) if isinstance(max_seqlen_k, (int, np.integer)) else 0
+    causal, left, right = _window(function, window_size, causal, seqlen_k)
     for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k,
                                                                            cu_seqlens_k)):
         _integer(function, bound, name, 0)
@@ -1138,7 +1322,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse, _ = torch.ops.poslsh.flash_attn_varlen_train(*arguments)
     else:
         out, lse = torch.ops.poslsh.flash_attn_varlen(*arguments)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if causal and left == -1:  # rows (nheads, total_q): token t of sequence b at t - cu_q[b] + L_b - m_b
+        token = torch.arange(q.shape[0])
+        b = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), token, right=True)
+        cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+        positions = (token - cu_q[b] + (cu_k[b + 1] - cu_k[b]) - (cu_q[b + 1] - cu_q[b])).double()
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[:, None] if m.dim() == 1 else m[b].t(), positions)
+    return out, lse, None
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -1153,10 +1345,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, then q
     (batch, seqlen_q, nheads, headdim) attends to the cache_seqlens[b] + seqlen_new keys of
     its row with flash_attn_func's formula (bottom-right: query i at key position
-    i + seqlen_k - seqlen_q). The cache: contiguous (batch_cache, seqlen_cache, nheads_k,
-    headdim) (row cache_batch_idx[b], default b), or paged (num_blocks, block_size, nheads_k,
-    headdim) with block_table int32 (batch, max_num_blocks): token t of row b is row t %
-    block_size of block block_table[b, t // block_size]. Its dtype is q's, or bfloat16/float16
+    i + seqlen_k - seqlen_q). The cache: (batch_cache, seqlen_cache, nheads_k, headdim) (row
+    cache_batch_idx[b], default b), or paged (num_blocks, block_size, nheads_k, headdim) with
+    block_table int32 (batch, max_num_blocks): token t of row b is row t % block_size of block
+    block_table[b, t // block_size]; any strides with the last axis contiguous (e.g.
+    kv_cache[:, :, 0] of a packed cache), read and written in place. Its dtype is q's, or bfloat16/float16
     under float32 q (computed in float32). cache_seqlens: int or int32 (batch,) (None: the whole
     contiguous cache, nothing appended). The attention is one call of
     poslsh.multihead_attention_paged (with _with_lse for softmax_lse) on the caller's cache
@@ -1171,7 +1364,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     equals the rows of one longer prefill. precision as
     flash_attn_func: bfloat16 q over a bfloat16 cache reach the matrix unit under
     "matrix_units", and out and softmax_lse come from that one computation. rotary
-    embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect."""
+    embeddings, cache_leftpad and softcap are not supported (ValueError); num_splits has no effect.
+    A non-causal call with more queries than a batch row's keys (rows before the first key) is
+    computed as flash_attn_varlen_func computes it, on the rows' keys gathered from the cache (a
+    copy, for those calls only). softmax_lse of causal calls with slopes as FlashAttention-2's
+    (module docstring); the window's sides are bounded by the cache's capacity per sequence."""
     function = "flash_attn_with_kvcache"
     _unsupported(function, 0.0, softcap)
     if rotary_cos is not None or rotary_sin is not None:
@@ -1179,15 +1376,97 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
               "is given: rotary embeddings are not supported by poslsh (ALiBi models have none)")
     if cache_leftpad is not None:
         _fail(function, "cache_leftpad", "is given: left-padded caches are not supported")
-    left, right = _window(function, window_size)
     _check_call(function, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                 (("k", k), ("v", v), ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
                  ("alibi_slopes", alibi_slopes)), method, samples, seed, band_error, softmax_scale, precision)
+    # The cache's capacity per sequence bounds the window, as FlashAttention-2's seqlen_k.
+    capacity = _axis(k_cache, 1) * (_axis(block_table, 1) if block_table is not None else 1)
+    causal, left, right = _window(function, window_size, causal, capacity)
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else 1
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
     out, lse = torch.ops.poslsh.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                                        block_table, alibi_slopes, softmax_scale, bool(causal), left,
+                                                        block_table, alibi_slopes, softmax_scale, causal, left,
                                                         right, method, samples, seed, band_error,
                                                         bool(return_softmax_lse), precision)
-    return (out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    if causal and left == -1:  # rows (batch, nheads, seqlen_q) over total[b] = cache_seqlens[b] + seqlen_new keys
+        seqlen_q = q.shape[1]
+        total = (torch.full((q.shape[0],), capacity, dtype=torch.int64) if cache_seqlens is None
+                 else cache_seqlens.to(torch.int64)) + (0 if k is None else k.shape[1])
+        positions = (torch.arange(seqlen_q)[None, :] + (total - seqlen_q)[:, None]).double()[:, None, :]
+        lse = _causal_lse(lse, alibi_slopes, lambda m: m[None, :, None] if m.dim() == 1 else m[:, :, None],
+                          positions)
+    return out, lse
+
+
+# The packed forms. ----------------------------------------------------------------------------
+
+
+def _unpacked(function, packed, name, ndim, axis, count, shape_text):
+    """The `count` views packed.unbind(axis) of a packed tensor (q, k, v or k, v: views sharing its
+    memory, read in place; their gradients reach the packed tensor), after checking that it is
+    a CPU tensor of `ndim` dimensions with `count` entries on `axis`."""
+    _tensor(function, packed, name, ndim, shape_text)
+    if packed.shape[axis] != count:
+        _fail(function, name, f"has shape {tuple(packed.shape)}: must be {shape_text} (axis {axis} of size {count})")
+    return packed.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_qkvpacked_func: flash_attn_func on q, k, v =
+    qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] of qkv (batch, seqlen, 3, nheads, headdim), views read
+    in place (no copy), the gradients flowing to qkv. Arguments, keyword-only extras and returns
+    as flash_attn_func."""
+    function = "flash_attn_qkvpacked_func"
+    q, k, v = _unpacked(function, qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_kvpacked_func: flash_attn_func on q and k, v = kv[:, :, 0],
+    kv[:, :, 1] of kv (batch, seqlen_k, 2, nheads_k, headdim), views read in place (no copy), the
+    gradients flowing to kv. Arguments, keyword-only extras and returns as flash_attn_func."""
+    function = "flash_attn_kvpacked_func"
+    k, v = _unpacked(function, kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, method, samples, seed, band_error, precision)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, method="exact", samples=16, seed=0, band_error=1e-3,
+                                     precision="matrix_units"):
+    """FlashAttention-2's flash_attn_varlen_qkvpacked_func: flash_attn_varlen_func on q, k, v =
+    qkv[:, 0], qkv[:, 1], qkv[:, 2] of qkv (total, 3, nheads, headdim), views read in place (no
+    copy), the gradients flowing to qkv, with cu_seqlens and max_seqlen for both the queries and
+    the keys (self-attention of each sequence). Arguments, keyword-only extras and returns as
+    flash_attn_varlen_func."""
+    function = "flash_attn_varlen_qkvpacked_func"
+    q, k, v = _unpacked(function, qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  method=method, samples=samples, seed=seed, band_error=band_error,
+                                  precision=precision)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    method="exact", samples=16, seed=0, band_error=1e-3, precision="matrix_units"):
+    """FlashAttention-2's flash_attn_varlen_kvpacked_func: flash_attn_varlen_func on q and k, v =
+    kv[:, 0], kv[:, 1] of kv (total_k, 2, nheads_k, headdim), views read in place (no copy), the
+    gradients flowing to kv. Arguments, keyword-only extras and returns as
+    flash_attn_varlen_func."""
+    function = "flash_attn_varlen_kvpacked_func"
+    k, v = _unpacked(function, kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, method=method, samples=samples, seed=seed,
+                                  band_error=band_error, precision=precision)

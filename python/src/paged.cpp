@@ -37,7 +37,33 @@ py::array int32_array(py::handle object, int ndim, const char* function, const c
   return array;
 }
 
-/// The paged cache of the arrays (checked: storage T like the argument `like`, 4-D C-contiguous
+/// The element strides of a 4-D cache array [num_pages, page_size, H_kv, d] (read in place, any
+/// layout with a contiguous last axis and positive strides on the other axes: e.g.
+/// kv_cache[:, :, 0] of a packed cache); ValueError naming the argument otherwise. An axis of
+/// extent 1 takes any stride (never stepped).
+poslsh::PagedStrides page_strides(const py::array& array, const char* function, const char* name) {
+  const auto item = static_cast<py::ssize_t>(array.itemsize());
+  if (array.shape(3) > 1 && array.strides(3) != item) {
+    throw py::value_error(argument(function, name) + " must have a contiguous last axis (stride " +
+                          std::to_string(item) + " bytes, got " + std::to_string(array.strides(3)) +
+                          ")");
+  }
+  Index steps[3] = {0, 0, 0};
+  for (int axis = 0; axis < 3; ++axis) {
+    if (array.shape(axis) <= 1) continue;
+    const py::ssize_t stride = array.strides(axis);
+    if (stride <= 0 || stride % item != 0) {
+      throw py::value_error(argument(function, name) + " has stride " + std::to_string(stride) +
+                            " bytes on axis " + std::to_string(axis) +
+                            ": the first three axes must have positive strides, multiples of "
+                            "the element size (np.ascontiguousarray() copies it)");
+    }
+    steps[axis] = static_cast<Index>(stride / item);
+  }
+  return {steps[0], steps[1], steps[2]};
+}
+
+/// The paged cache of the arrays (checked: storage T like the argument `like`, 4-D (page_strides)
 /// pages whose page count, page size and heads agree, block table rows = seq_lens entries). The
 /// arrays must outlive the view.
 template <typename T>
@@ -52,7 +78,6 @@ poslsh::PagedKV<T> paged_cache(py::handle k_object, py::handle v_object,
       throw py::value_error(argument(function, name) + " has " + std::to_string(array.ndim()) +
                             " dimensions: must be 4-D [num_pages, page_size, H_kv, d]");
     }
-    require_c_contiguous(array, function, name);
   }
   if (v_pages.shape(0) != k_pages.shape(0) || v_pages.shape(1) != k_pages.shape(1) ||
       v_pages.shape(2) != k_pages.shape(2)) {
@@ -78,6 +103,8 @@ poslsh::PagedKV<T> paged_cache(py::handle k_object, py::handle v_object,
   cache.batch = static_cast<Index>(block_table.shape(0));
   cache.max_pages = static_cast<Index>(block_table.shape(1));
   cache.seq_lens = static_cast<const std::int32_t*>(seq_lens.data());
+  cache.k_strides = page_strides(k_pages, function, "k_pages");
+  cache.v_strides = page_strides(v_pages, function, "v_pages");
   return cache;
 }
 
@@ -107,8 +134,10 @@ py::object paged_call(const char* function, py::handle q, py::handle k_pages, py
 
 const char* const paged_doc_tail = R"doc(
 The cache (FlashAttention's paged layout, read in place, never copied): k_pages
-[num_pages, page_size, H_kv, d] and v_pages [num_pages, page_size, H_kv, d_v], C-contiguous,
-the dtype of q; block_table int32 [batch, max_pages] and seq_lens int32 [batch], C-contiguous:
+[num_pages, page_size, H_kv, d] and v_pages [num_pages, page_size, H_kv, d_v], any strides
+on the first three axes (positive; e.g. kv_cache[:, :, 0] of a packed cache) with the last
+axis contiguous, the dtype of q; block_table int32 [batch, max_pages] and seq_lens int32
+[batch], C-contiguous:
 token j of sequence b is row j % page_size of page block_table[b, j // page_size], and the
 sequence has L = seq_lens[b] tokens. Only the pages of those tokens are read; their indices are
 checked against num_pages. sequence: b; kv_head: the KV head read.
@@ -212,7 +241,8 @@ cache, every method of multihead_attention, the cache read in place (never gathe
 Sequence b (one per block table row) owns the query tokens cu_seqlens_q[b] ..
 cu_seqlens_q[b+1] - 1 of q and out and the L_b = seq_lens[b] tokens of the cache: token j is
 row j % page_size of page block_table[b, j // page_size] of k_pages [num_pages, page_size,
-H_kv, d] and v_pages [num_pages, page_size, H_kv, d_v] (C-contiguous). Its m_b queries sit at
+H_kv, d] and v_pages [num_pages, page_size, H_kv, d_v] (any positive strides on the first
+three axes, last axis contiguous: read in place). Its m_b queries sit at
 positions p_b .. p_b + m_b - 1, p_b = query_offsets[b] when given (0 <= p_b <= L_b - m_b), else
 L_b - m_b (bottom-right: decode and prefill chunks append their queries at the cache's end).
 block_table: int32 [batch, max_pages], C-contiguous (entries past a sequence's pages are not

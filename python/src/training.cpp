@@ -7,6 +7,8 @@
 // `precision` keyword; the mean-of-outputs estimator float32 or float64 only.
 #include "poslsh/multihead/training.hpp"
 
+#include <cstring>
+
 #include "arrays.hpp"
 #include "multihead.hpp"
 #include "poslsh/multihead/single_head.hpp"
@@ -377,6 +379,22 @@ Results over disjoint key slices merge exactly by lse; a slice holding every key
 gives bitwise the rows of the whole sequence (context parallelism: poslsh.distributed).
 )doc";
 
+const char* const slice_backward_doc = R"doc(
+query_offset=, key_offset= (one sequence; methods 'exact_tiled' and 'exact_banded', any window):
+the gradients of a slice, poslsh::multihead_attention_slice_backward: the m queries of q at
+positions query_offset .. query_offset + m - 1 (unset: the last m of the keys' positions)
+against the L keys of k and v at positions key_offset .. key_offset + L - 1 (unset: 0), with
+out and lse (H_q x m) the forward's rows over every key the rows see
+(multihead_attention_with_lse with the same offsets, or slices merged by lse):
+
+    P_ij = e^{x_ij - lse_i},  x_ij = tau q_i.k_j - |i - j| / sigma_h,  D_i = dout_i . out_i,
+    dv_j += sum_i P_ij dout_i,  dS_ij = P_ij (dout_i . v_j - D_i),
+    dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i,  dslopes[h] += -sum_ij dS_ij |i - j|
+
+(positions i, j; causal mask, band and window at those positions): added to the given dq=,
+dk=, dv= and dslopes= (H_q entries), new gradient arrays starting at zero.
+)doc";
+
 const char* const multihead_backward_doc = R"doc(
 Gradients of multihead_attention, (dq, dk, dv), from the forward's out and lse
 (multihead_attention_with_lse with the same inputs and keywords) and dout = dL/dout. For each
@@ -523,15 +541,23 @@ void register_training(py::module_& module) {
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
          py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
-         std::optional<Index> position, std::optional<int> threads, const std::string& precision) {
-        const Batch batch = batch_of(
-            cu_seqlens,
-            position ? "multihead_attention_window_backward" : "multihead_attention_backward",
-            "multihead_attention_varlen_backward");
+         std::optional<Index> position, std::optional<Index> query_offset,
+         std::optional<Index> key_offset, std::optional<int> threads,
+         const std::string& precision) {
+        const bool slice = query_offset || key_offset;
+        const Batch batch = batch_of(cu_seqlens,
+                                     position ? "multihead_attention_window_backward"
+                                     : slice  ? "multihead_attention_slice_backward"
+                                              : "multihead_attention_backward",
+                                     "multihead_attention_varlen_backward");
         const char* const function = batch.function;
-        if (position && (batch.cu_seqlens || !dslopes.is_none()))
+        if (position && (batch.cu_seqlens || !dslopes.is_none() || slice))
           throw py::value_error(argument(function, "position") +
-                                " (a window of one sequence) takes no cu_seqlens and no dslopes");
+                                " (a window of one sequence) takes no cu_seqlens, no dslopes and "
+                                "no query_offset/key_offset");
+        if (slice && batch.cu_seqlens)
+          throw py::value_error(argument(function, "query_offset") +
+                                "/key_offset take one sequence: give no cu_seqlens");
         threads = thread_count(threads, function);
         HeadsKeywords keywords = heads_keywords(function, layout_name, method, masking, scale,
                                                 sigmas, samples, seed, band_error, window);
@@ -556,6 +582,15 @@ void register_training(py::module_& module) {
           inputs.emplace_back(dk_out.result, "dk");
           auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", like, inputs);
+          // A slice's gradients are added to dq, dk, dv: new arrays start at zero.
+          const auto zero_new = [&](const py::object& result, py::handle given) {
+            if (!slice || !given.is_none()) return;
+            py::array array = py::reinterpret_borrow<py::array>(result);
+            std::memset(array.mutable_data(), 0, static_cast<std::size_t>(array.nbytes()));
+          };
+          zero_new(dq_out.result, dq);
+          zero_new(dk_out.result, dk);
+          zero_new(dv_out.result, dv);
           const poslsh::ConstMatrixRef<L> lse_ref(lse_map);
           // One slope per query head, or per sequence and query head with sigmas of each (the
           // library checks which).
@@ -566,11 +601,22 @@ void register_training(py::module_& module) {
               slope_gradients(dslopes, slopes, function);
           const std::vector<std::int32_t> whole = {0, static_cast<std::int32_t>(in.q.tokens)};
           const std::vector<std::int32_t>& cu = batch.cu_seqlens ? *batch.cu_seqlens : whole;
+          // Unset query_offset: the last m positions of the keys (bottom-right).
+          const Index p0 =
+              query_offset.value_or(key_offset.value_or(0) + in.k.tokens - in.q.tokens);
           run_kernel(threads, [&] {
             if (position)
               poslsh::multihead_attention_window_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
                   dv_out.view, *position, keywords.options);
+            else if (slice && dslopes_map)
+              poslsh::multihead_attention_slice_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
+                  dv_out.view, *dslopes_map, p0, key_offset.value_or(0), keywords.options);
+            else if (slice)
+              poslsh::multihead_attention_slice_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
+                  dv_out.view, p0, key_offset.value_or(0), keywords.options);
             else if (dslopes_map)
               poslsh::multihead_attention_varlen_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, dq_out.view, dk_out.view,
@@ -592,9 +638,10 @@ void register_training(py::module_& module) {
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
                       py::arg("dslopes") = py::none(), py::arg("position") = py::none(),
+                      py::arg("query_offset") = py::none(), py::arg("key_offset") = py::none(),
                       py::arg("num_threads") = py::none(),
                       py::arg("precision") = default_precision()),
-      (std::string(multihead_backward_doc) + training_dtypes_doc).c_str());
+      (std::string(multihead_backward_doc) + slice_backward_doc + training_dtypes_doc).c_str());
 }
 
 }  // namespace poslsh_python

@@ -27,8 +27,11 @@ def dense(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, bands
     """FlashAttention-2's ALiBi attention written out: q (B, sq, H, d), k, v (B, sk, Hk, d);
     query i at key position P = i + sk - sq, bias -slope_h |P - j|, key j kept iff
     P - left <= j <= P + right (-1 unbounded), j <= P when causal, |P - j| <= bands[h] when
-    given. Returns out (B, sq, H, d_v) and lse (B, H, sq) (-inf for rows without keys, whose
-    out is 0). Differentiable (torch autograd) in every tensor argument."""
+    given. Returns out (B, sq, H, d_v) and lse (B, H, sq) as FlashAttention-2 returns it (-inf
+    for rows without keys, whose out is 0): its causal kernels (causal, or the window (-1, 0),
+    with no left bound) add +slope_h j to the scores instead of -slope_h |P - j| (the same
+    softmax), so their lse is the log-sum-exp of the scores plus slope_h P. Differentiable
+    (torch autograd) in every tensor argument."""
     batch, sq, heads, d = q.shape
     sk, heads_k = k.shape[1], k.shape[2]
     group = heads // heads_k
@@ -38,6 +41,7 @@ def dense(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, bands
     position = torch.arange(sq)[:, None] + sk - sq
     key = torch.arange(sk)[None, :]
     distance = (position - key).abs().to(q.dtype)
+    slope = None
     if slopes is not None:
         slope = slopes.to(q.dtype)
         slope = slope.expand(batch, heads) if slope.dim() == 1 else slope
@@ -54,6 +58,9 @@ def dense(q, k, v, slopes=None, causal=False, window=(-1, -1), scale=None, bands
         mask = mask & (distance[None] <= torch.tensor(bands, dtype=q.dtype)[:, None, None])
     scores = scores.masked_fill(~mask[None], -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
+    causal_kernel = (causal or window[1] == 0) and not 0 <= window[0] < sk
+    if causal_kernel and slope is not None:
+        lse = lse + slope[:, :, None].detach() * position[:, 0].to(q.dtype)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", probs, vx), lse
 
@@ -551,12 +558,13 @@ def _bad_calls():
         ("negative slope", lambda: flash_attn_func(q, k, v, alibi_slopes=-s), ValueError, "alibi_slopes"),
         ("dropout", lambda: flash_attn_func(q, k, v, 0.1), ValueError, "dropout_p"),
         ("softcap", lambda: flash_attn_func(q, k, v, softcap=30.0), ValueError, "softcap"),
-        ("window", lambda: flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
+        ("window", lambda: flash_attn_func(q, k, v, window_size=(2, 0, 1)), TypeError, "window_size"),
         ("window type", lambda: flash_attn_func(q, k, v, window_size=3), TypeError, "window_size"),
-        ("lsh window", lambda: flash_attn_func(q, k, v, window_size=(1, 1), method="lsh"), ValueError, "window_size"),
+        ("lsh window", lambda: flash_attn_func(q, k, v, window_size=(1, 1), method="lsh"), ValueError, "window"),
         ("method", lambda: flash_attn_func(q, k, v, method="flash"), ValueError, "method"),
         ("samples", lambda: flash_attn_func(q, k, v, method="lsh", samples=0), ValueError, "samples"),
-        ("non-causal sq > sk", lambda: flash_attn_func(q, k[:, :2], v[:, :2]), ValueError, "causal"),
+        ("non-causal sq > sk without lse", lambda: flash_attn_func(q, k[:, :2], v[:, :2], method="mean_of_outputs"),
+         ValueError, "method"),
         ("lse of mean_of_outputs",
          lambda: flash_attn_func(q, k, v, causal=True, method="mean_of_outputs", return_attn_probs=True),
          ValueError, "return_attn_probs"),
@@ -807,7 +815,7 @@ def test_slopes_not_finite_name_the_argument(bad):
 
 
 def test_noncontiguous_cache_names_the_argument():
-    cache = rand((2, 6, 2, 4), seed=170).transpose(0, 1).contiguous().transpose(0, 1)
+    cache = rand((2, 6, 2, 8), seed=170)[..., ::2]  # the last axis not contiguous
     with pytest.raises(ValueError, match="k_cache"):
         flash_attn_with_kvcache(rand((2, 1, 2, 4), seed=171), cache, cache.clone(), cache_seqlens=3)
 

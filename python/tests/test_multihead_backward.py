@@ -311,3 +311,33 @@ def test_window_and_slope_gradient_errors(rng):
     out, lse = poslsh.multihead_attention_with_lse(q, q, q, method="lsh_fused")
     with pytest.raises(ValueError, match="'dslopes'"):
         poslsh.multihead_attention_backward(q, q, q, out, lse, q, method="lsh_fused", dslopes=np.zeros(2))
+
+
+def test_slice_backward_by_offsets(rng):
+    """query_offset=, key_offset= select the library's slice backward: over the whole sequence
+    (both offsets 0) the gradients and dslopes equal the sequence's backward bitwise; the
+    gradients are added to given arrays; only the exact methods, one sequence."""
+    n, heads, kv_heads, d = 40, 4, 2, 8
+    q = rng.uniform(-1, 1, (n, heads, d))
+    k, v = rng.uniform(-1, 1, (n, kv_heads, d)), rng.uniform(-1, 1, (n, kv_heads, d))
+    dout = rng.uniform(-1, 1, (n, heads, d))
+    keywords = dict(method="exact_tiled", masking="causal", sigmas=[2.0, 5.0, 9.0, 30.0], window=(7, -1))
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **keywords)
+    whole_slopes, slice_slopes = np.zeros(heads), np.zeros(heads)
+    whole = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, dslopes=whole_slopes, **keywords)
+    sliced = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0,
+                                                 dslopes=slice_slopes, **keywords)
+    for a, b in zip(whole, sliced):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole_slopes, slice_slopes)
+    given = [np.ones_like(x) for x in whole]
+    added = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0,
+                                                dq=given[0], dk=given[1], dv=given[2], **keywords)
+    for a, b in zip(added, whole):
+        np.testing.assert_allclose(a, b + 1.0, rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="multihead_attention_slice_backward: argument 'options.method'"):
+        poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0,
+                                            **{**keywords, "method": "lsh_fused", "window": (-1, -1)})
+    cu = np.array([0, 20, 40], dtype=np.int32)
+    with pytest.raises(ValueError, match="query_offset"):
+        poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, cu_seqlens=cu, **keywords)

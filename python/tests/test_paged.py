@@ -83,7 +83,7 @@ def test_paged_errors(rng):
         fused(q, k_pages, v_pages, table.astype(np.int64), seq_lens, 0, 0, hashes)
     with pytest.raises(TypeError, match="argument 'k_pages' has dtype float64: must be float32 like 'q'"):
         fused(q, k_pages.astype(np.float64), v_pages, table, seq_lens, 0, 0, hashes)
-    with pytest.raises(ValueError, match="argument 'k_pages' must be C-contiguous"):
+    with pytest.raises(ValueError, match="argument 'k_pages' has stride -16 bytes on axis 1"):
         fused(q, k_pages[:, ::-1], v_pages, table, seq_lens, 0, 0, hashes)
     with pytest.raises(ValueError, match="argument 'v_pages' has shape"):
         fused(q, k_pages, v_pages[:-1], table, seq_lens, 0, 0, hashes)
@@ -172,6 +172,28 @@ def test_multihead_paged_is_bitwise_the_varlen_call_on_the_gathered_cache(rng, p
             np.testing.assert_array_equal(out.bits if dtype == "bfloat16" else out, paged)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_multihead_paged_reads_a_strided_cache_in_place(rng, dtype):
+    """k_pages and v_pages as views with strides (the halves of a packed [num_pages, page_size,
+    2, H_kv, d] cache; pages interleaved with rows), read in place: out and lse bitwise those
+    of the same cache copied C-contiguous, for every method."""
+    lengths, heads, kv_heads, d = [45, 0, 20], 4, 2, 8
+    _, _, k_pages, v_pages, table, seq_lens = paged_cache(rng, lengths, 8, kv_heads, d, d, dtype)
+    q = rng.uniform(-1, 1, (7, heads, d)).astype(dtype)
+    cu_q = np.array([0, 5, 5, 7], dtype=np.int32)
+    packed = np.stack([k_pages, v_pages], axis=2)
+    interleaved = np.ascontiguousarray(k_pages.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
+    for k_view, v_view in ((packed[:, :, 0], packed[:, :, 1]), (interleaved, v_pages)):
+        assert not k_view.flags.c_contiguous
+        for method in poslsh.method_names(has_lse=True):
+            keywords = dict(method=method, samples=3, seed=2, sigmas=[3.0, 9.0, 40.0, 1e300])
+            out, lse = poslsh.multihead_attention_paged_with_lse(q, k_view, v_view, table, seq_lens, cu_q, **keywords)
+            want, want_lse = poslsh.multihead_attention_paged_with_lse(q, k_pages, v_pages, table, seq_lens, cu_q,
+                                                                       **keywords)
+            np.testing.assert_array_equal(out, want, err_msg=method)
+            np.testing.assert_array_equal(lse, want_lse, err_msg=method)
+
+
 def test_multihead_paged_float32_queries_over_a_half_precision_cache(rng):
     """float32 q over a float16 or bfloat16 cache read in place: out and lse bitwise the float32
     call on the widened cache."""
@@ -231,8 +253,10 @@ def test_multihead_paged_bad_arguments_name_them(rng):
         call(q, k_pages.astype(np.float64), v_pages, table, seq_lens, cu_q)
     with pytest.raises(TypeError, match="argument 'v_pages' has dtype float32: must be float16 like 'k_pages'"):
         call(q, k_pages.astype(np.float16), v_pages, table, seq_lens, cu_q)
-    with pytest.raises(ValueError, match="argument 'k_pages' must be C-contiguous"):
+    with pytest.raises(ValueError, match="argument 'k_pages' has stride -16 bytes on axis 1"):
         call(q, k_pages[:, ::-1], v_pages, table, seq_lens, cu_q)
+    with pytest.raises(ValueError, match="argument 'v_pages' must have a contiguous last axis"):
+        call(q, k_pages, np.repeat(v_pages, 2, axis=3)[..., ::2], table, seq_lens, cu_q)
     with pytest.raises(ValueError, match="argument 'seq_lens' must be C-contiguous"):
         call(q, k_pages, v_pages, table, np.array([40, 0, 20, 0], np.int32)[::2], cu_q)
     with pytest.raises(ValueError, match="argument 'q' has stride"):

@@ -3,7 +3,8 @@
 // prefill with queries at an offset, chunked prefill and decode.
 //
 // Layout: FlashAttention's paged KV cache, k_pages [num_pages, page_size, H_kv, d] and
-// v_pages [num_pages, page_size, H_kv, d_v] (row-major), block_table int32 [batch, max_pages]
+// v_pages [num_pages, page_size, H_kv, d_v] (row-major, or any strides on the first three axes
+// with the last contiguous: PagedKV::k_strides, v_strides), block_table int32 [batch, max_pages]
 // (row b lists the physical pages of sequence b in order: its token j is row j % page_size of
 // page block_table[b][j / page_size]), seq_lens int32 [batch].
 //
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "poslsh/attention/fused.hpp"
@@ -31,6 +33,14 @@
 #include "poslsh/detail/tile/engine.hpp"
 
 namespace poslsh {
+
+/// Element strides of a paged cache's pages, rows and heads (PagedKV::k_strides, v_strides;
+/// 0: the row-major layout's).
+struct PagedStrides {
+  Index page = 0;
+  Index row = 0;
+  Index head = 0;
+};
 
 /// A paged KV cache (FlashAttention's layout, see the file comment). Views only: the caller
 /// owns the buffers.
@@ -48,9 +58,22 @@ struct PagedKV {
   Index batch = 0;
   Index max_pages = 0;
   const std::int32_t* seq_lens = nullptr;  ///< [batch]: tokens of each sequence
+  /// Element strides of k_pages and v_pages between pages, between the rows of a page and
+  /// between heads (the last axis is contiguous); a stride of 0 means the row-major layout's
+  /// (page: page_size H_kv d, row: H_kv d, head: d; d_v for v_pages). E.g. k_cache[:, :, 0] of
+  /// a packed [num_pages, page_size, 2, H_kv, d] cache: {page_size 2 H_kv d, 2 H_kv d, d}.
+  PagedStrides k_strides{};
+  PagedStrides v_strides{};
 
   /// Tokens of sequence b.
   Index length(Index b) const { return seq_lens[b]; }
+  /// The strides of k_pages (values: false) or v_pages (values: true), 0s resolved.
+  PagedStrides strides(bool values) const {
+    const PagedStrides& given = values ? v_strides : k_strides;
+    const Index width = values ? dim_v : dim;
+    return {given.page != 0 ? given.page : page_size * heads * width,
+            given.row != 0 ? given.row : heads * width, given.head != 0 ? given.head : width};
+  }
 
   /// Checks the cache and sequence b's pages (see the file comment), naming the argument.
   void validate(const char* function, Index b) const {
@@ -59,6 +82,13 @@ struct PagedKV {
     detail::require(heads >= 1, function, "cache.heads", heads, "must be >= 1");
     detail::require(dim >= 1, function, "cache.dim", dim, "must be >= 1");
     detail::require(dim_v >= 1, function, "cache.dim_v", dim_v, "must be >= 1");
+    for (const auto& [name, stride] : {std::pair{"cache.k_strides.page", k_strides.page},
+                                       {"cache.k_strides.row", k_strides.row},
+                                       {"cache.k_strides.head", k_strides.head},
+                                       {"cache.v_strides.page", v_strides.page},
+                                       {"cache.v_strides.row", v_strides.row},
+                                       {"cache.v_strides.head", v_strides.head}})
+      detail::require(stride >= 0, function, name, stride, "must be >= 0 (0: row-major)");
     detail::require(batch >= 1, function, "cache.batch", batch, "must be >= 1");
     detail::require(max_pages >= 0, function, "cache.max_pages", max_pages, "must be >= 0");
     detail::require(seq_lens != nullptr, function, "cache.seq_lens", "null",
@@ -92,22 +122,24 @@ namespace detail {
 
 /// The rows of head `head` of sequence `sequence` of a paged cache (stored as Storage), a row
 /// source of the tile engine (detail/tile/engine.hpp): key j is row j % P of page
-/// block_table[j / P], so the keys come in runs of P rows (row stride H_kv d for K, H_kv d_v for
-/// V). Stored in the engine's compute type, the rows are also its key source, read in place run
-/// by run (ReadsInRuns: tile, key_row, value_row, run_end); stored in a half-precision type,
-/// the engine's widening or paired key source reads them row by row (with_key_source). Nothing
-/// is copied beyond a key tile.
+/// block_table[j / P], so the keys come in runs of P rows (the cache's row strides: H_kv d for
+/// K, H_kv d_v for V when row-major). Stored in the engine's compute type, the rows are also its
+/// key source, read in place run by run (ReadsInRuns: tile, key_row, value_row, run_end); stored in
+/// a half-precision type, the engine's widening or paired key source reads them row by row
+/// (with_key_source). Nothing is copied beyond a key tile.
 template <typename Storage>
 class PagedRows {
  public:
   using storage = Storage;
   PagedRows(const PagedKV<Storage>& cache, Index sequence, Index head)
-      : k_(cache.k_pages + head * cache.dim),
-        v_(cache.v_pages + head * cache.dim_v),
+      : k_(cache.k_pages + head * cache.strides(false).head),
+        v_(cache.v_pages + head * cache.strides(true).head),
         table_(cache.block_table + sequence * cache.max_pages),
         page_size_(cache.page_size),
-        k_stride_(cache.heads * cache.dim),
-        v_stride_(cache.heads * cache.dim_v),
+        k_stride_(cache.strides(false).row),
+        v_stride_(cache.strides(true).row),
+        k_page_stride_(cache.strides(false).page),
+        v_page_stride_(cache.strides(true).page),
         d_(cache.dim),
         dv_(cache.dim_v),
         rows_(cache.length(sequence)) {}
@@ -125,8 +157,12 @@ class PagedRows {
 
   /// First key after the run (page) holding key j.
   Index run_end(Index j) const { return (j / page_size_ + 1) * page_size_; }
-  const Storage* key_row(Index j) const { return k_ + page_row(j) * k_stride_; }
-  const Storage* value_row(Index j) const { return v_ + page_row(j) * v_stride_; }
+  const Storage* key_row(Index j) const {
+    return k_ + page_of(j) * k_page_stride_ + (j % page_size_) * k_stride_;
+  }
+  const Storage* value_row(Index j) const {
+    return v_ + page_of(j) * v_page_stride_ + (j % page_size_) * v_stride_;
+  }
 
   void prefetch(Index first, Index last, Index d, Index dv) const {
     for (Index j = first; j < last; ++j) {
@@ -142,14 +178,12 @@ class PagedRows {
   PagedRows in_place(TileBuffers<Storage>&, Index) const { return *this; }
 
  private:
-  Index page_row(Index j) const {
-    return static_cast<Index>(table_[j / page_size_]) * page_size_ + j % page_size_;
-  }
+  Index page_of(Index j) const { return static_cast<Index>(table_[j / page_size_]); }
 
   const Storage* k_;
   const Storage* v_;
   const std::int32_t* table_;
-  Index page_size_, k_stride_, v_stride_, d_, dv_, rows_;
+  Index page_size_, k_stride_, v_stride_, k_page_stride_, v_page_stride_, d_, dv_, rows_;
 };
 
 /// Checks of the paged kernels: the cache, sequence b's pages, the KV head, q (m x d) against
