@@ -76,7 +76,8 @@ classes' forward). No parameter or buffer is added: ``state_dict()`` is unchange
 ``save_pretrained`` writes the model as transformers would (``_attn_implementation`` is not
 saved) and keeps poslsh attention working on the saved model; ``from_pretrained`` gives
 transformers' own attention, and use_poslsh must be applied again to the loaded model
-(``attn_implementation="poslsh"`` alone raises ValueError when the model runs).
+(``attn_implementation="poslsh"`` alone raises ValueError when the model runs); so must it to a
+``copy.deepcopy`` of a model set up (the copy raises ValueError until then).
 
 This module needs PyTorch and transformers; it is imported only on request.
 """
@@ -502,7 +503,9 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     if model in _MODELS:
         restore(model)
     state = _State(kind, base, slopes, method, int(samples), int(seed), float(band_error), float(error), precision)
-    state.saved["attn_implementation"] = config._attn_implementation
+    # A model copied (copy.deepcopy) or loaded with attn_implementation="poslsh" goes back to eager.
+    previous = config._attn_implementation
+    state.saved["attn_implementation"] = "eager" if previous == IMPLEMENTATION else previous
     attention_class = _families()[kind][1]
     modules = [m for m in base.modules() if isinstance(m, attention_class)]
     for module in modules:
@@ -510,7 +513,7 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
         if kind in _FORWARDS:
             module.forward = types.MethodType(_FORWARDS[kind], module)
     if kind == "falcon":
-        state.saved["use_alibi"] = base.use_alibi
+        state.saved["use_alibi"] = bool(config.alibi)  # FalconModel's own value
         base.use_alibi = False
     state.modules = modules
     state.base = base

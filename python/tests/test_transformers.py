@@ -327,6 +327,14 @@ def test_save_load_and_restore(kind, tmp_path):
     alone = type(reference).from_pretrained(tmp_path, attn_implementation="poslsh").eval()
     with pytest.raises(ValueError, match="use_poslsh"):
         alone(ids, attention_mask=mask)
+    copied = copy.deepcopy(loaded)
+    with pytest.raises(ValueError, match="use_poslsh"):
+        copied(ids, attention_mask=mask)
+    with torch.no_grad():
+        assert torch.equal(pt.use_poslsh(copied)(ids, attention_mask=mask).logits, before)
+        assert torch.equal(pt.restore(copied)(ids, attention_mask=mask).logits, eager)
+        assert torch.equal(pt.use_poslsh(alone)(ids, attention_mask=mask).logits, before)
+        assert torch.equal(pt.restore(alone)(ids, attention_mask=mask).logits, eager)
 
 
 # Errors. --------------------------------------------------------------------------------------
