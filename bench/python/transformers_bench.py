@@ -167,7 +167,8 @@ def main():
         except RuntimeError as error:
             message = str(error)
             oom = "not enough memory" in message or "DefaultCPUAllocator" in message
-            result = {"status": "out of memory"} if oom else {"status": "failed", "error": message.splitlines()[0][:160]}
+            first = message.splitlines()[0][:160] if message else type(error).__name__
+            result = {"status": "out of memory"} if oom else {"status": "failed", "error": first}
         print(json.dumps(result), flush=True)
         return
     if args.quick:

@@ -66,19 +66,21 @@ not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 
 How: the attention modules of BLOOM and MPT compute attention inline, so use_poslsh sets their
 ``forward`` as an instance attribute (the class's forward is untouched); Falcon calls
-transformers' attention interface, where this module registers "poslsh" (``AttentionInterface``
-and ``AttentionMaskInterface``, at import), and use_poslsh sets ``use_alibi = False`` on the
-``FalconModel`` so that it builds no dense bias. For all three, use_poslsh sets
-``config._attn_implementation = "poslsh"``: ``create_causal_mask`` then returns the 2-D padding
-mask (batch, L) instead of a (batch, 1, L, L) mask, and the layers receive it.
-``restore(model)`` undoes all of it (the previous implementation, ``use_alibi`` and the
-classes' forward). No parameter or buffer is added: ``state_dict()`` is unchanged,
-``save_pretrained`` writes the model as transformers would (``_attn_implementation`` is not
-saved) and keeps poslsh attention working on the saved model; ``from_pretrained`` gives
-transformers' own attention, and use_poslsh must be applied again to the loaded model
-(``attn_implementation="poslsh"`` alone raises ValueError when the model runs); so must it to a
-``copy.deepcopy`` of a model set up (the copy raises ValueError until then).
+transformers' attention interface, where this module registers "poslsh_alibi"
+(``IMPLEMENTATION``, in ``AttentionInterface`` and ``AttentionMaskInterface``, at import), and
+use_poslsh sets ``use_alibi = False`` on the ``FalconModel`` so that it builds no dense bias.
+For all three, use_poslsh sets ``config._attn_implementation = "poslsh_alibi"``:
+``create_causal_mask`` then returns the 2-D padding mask (batch, L) instead of a
+(batch, 1, L, L) mask, and the layers receive it. ``restore(model)`` undoes all of it (the
+previous implementation, ``use_alibi`` and the classes' forward). No parameter or buffer is
+added: ``state_dict()`` is unchanged, ``save_pretrained`` writes the model as transformers would
+(``_attn_implementation`` is not saved) and keeps poslsh attention working on the saved model;
+``from_pretrained`` gives transformers' own attention, and use_poslsh must be applied again to
+the loaded model (``attn_implementation="poslsh_alibi"`` alone raises ValueError when the model
+runs), as to a ``copy.deepcopy`` of a model set up (the copy raises ValueError until then).
 
+For other models whose attention goes through ``AttentionInterface`` (unpadded batches, the
+slopes on the modules), ``poslsh.torch.attention_forward`` is the generic attention function.
 This module needs PyTorch and transformers; it is imported only on request.
 """
 
@@ -96,8 +98,9 @@ from .flash import flash_attn_func
 
 __all__ = ["use_poslsh", "restore", "is_poslsh", "attention_forward", "IMPLEMENTATION"]
 
-# The name registered in transformers' attention and mask interfaces.
-IMPLEMENTATION = "poslsh"
+# The name registered in transformers' attention and mask interfaces ("poslsh" is left to
+# poslsh.torch.attention_forward, the generic function a user registers for other models).
+IMPLEMENTATION = "poslsh_alibi"
 
 _FUNCTION = "poslsh.transformers.use_poslsh"
 _PLAN = "plan"
@@ -321,7 +324,7 @@ def _heads_call(state, q, k, v, scale):
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The "poslsh" entry of transformers' AttentionInterface (the signature of
+    """The "poslsh_alibi" entry of transformers' AttentionInterface (the signature of
     ``eager_attention_forward``): query (B, H, m, d), key and value (B, H_kv, L, d) after the
     cache update, attention_mask the (B, L) bool padding mask this module's mask function returns
     (True for tokens) or None; returns (output (B, m, H, d_v), None). The module must belong to a
@@ -329,8 +332,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     state = _LAYERS.get(module)
     if state is None:
         raise ValueError(f"poslsh.transformers.attention_forward: argument 'module' is a {type(module).__name__} "
-                         "that poslsh.transformers.use_poslsh(model) has not set up (attn_implementation='poslsh' "
-                         "alone does not: call use_poslsh on the model)")
+                         "that poslsh.transformers.use_poslsh(model) has not set up (attn_implementation="
+                         f"'{IMPLEMENTATION}' alone does not: call use_poslsh on the model)")
     if dropout:
         raise ValueError(f"poslsh.transformers: attention dropout {dropout} in training is not supported by poslsh; "
                          "set the model's attention dropout to 0")
@@ -370,13 +373,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
                   attention_mask=None, config=None, **kwargs):
-    """The "poslsh" entry of transformers' AttentionMaskInterface: the (batch, kv_length) bool
+    """The "poslsh_alibi" entry of transformers' AttentionMaskInterface: the (batch, kv_length) bool
     padding mask (True for tokens; all True without attention_mask), which the layers of a model
     set up by use_poslsh receive in place of a 4-D mask."""
     if config is not None:
         ref = _CONFIGS.get(id(config))
         if ref is None or ref() is not config:
-            raise ValueError("poslsh.transformers: attn_implementation 'poslsh' is set on a model that "
+            raise ValueError(f"poslsh.transformers: attn_implementation '{IMPLEMENTATION}' is set on a model that "
                              "poslsh.transformers.use_poslsh has not set up: call use_poslsh(model)")
     if mask_function is not causal_mask_function:
         raise ValueError("poslsh.transformers: the model asks for a mask other than causal with padding (packed "
@@ -492,9 +495,9 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
         _fail("model", "is a Falcon with alibi=False (rotary embeddings): poslsh computes ALiBi attention only")
     slopes = model_slopes(base)
     method = _check_method(method, slopes.shape[0])
-    for name, value in (("samples", samples), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < (1 if name == "samples" else 0):
-            _fail(name, f"is {value!r}: must be an int >= {1 if name == 'samples' else 0}")
+    for name, value, low in (("samples", samples, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            _fail(name, f"is {value!r}: must be an int >= {low}")
     for name, value in (("band_error", band_error), ("error", error)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
             _fail(name, f"is {value!r}: must be a float in (0, 1)")

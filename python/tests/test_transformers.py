@@ -324,7 +324,7 @@ def test_save_load_and_restore(kind, tmp_path):
         assert not pt.is_poslsh(model)
         assert model.config._attn_implementation == "eager"
         assert torch.equal(model(ids, attention_mask=mask).logits, eager)
-    alone = type(reference).from_pretrained(tmp_path, attn_implementation="poslsh").eval()
+    alone = type(reference).from_pretrained(tmp_path, attn_implementation=pt.IMPLEMENTATION).eval()
     with pytest.raises(ValueError, match="use_poslsh"):
         alone(ids, attention_mask=mask)
     copied = copy.deepcopy(loaded)
