@@ -96,7 +96,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from . import _core, _methods
 from .flash import flash_attn_func
 
-__all__ = ["use_poslsh", "restore", "is_poslsh", "attention_forward", "IMPLEMENTATION"]
+__all__ = ["use_poslsh", "restore", "is_poslsh", "model_slopes", "attention_forward", "IMPLEMENTATION"]
 
 # The name registered in transformers' attention and mask interfaces ("poslsh" is left to
 # poslsh.torch.attention_forward, the generic function a user registers for other models).
