@@ -11,7 +11,9 @@ sequence of every --lengths value, per --dtypes and --impls:
   eager         transformers' eager attention (BLOOM: baddbmm with the (batch*heads, 1, L) alibi
                 tensor, the (batch, 1, L, L) mask, softmax, bmm);
   sdpa          transformers' scaled_dot_product_attention path, where the model has one
-                (BloomModel has none: reported as unsupported);
+                (BloomModel has none: reported as unsupported; --model falcon, Falcon-RW's
+                layout of the same shape with alibi=True, has one: a dense (1, H, L, L) bias
+                mask);
   poslsh-exact  poslsh.transformers.use_poslsh(model, method="exact");
   poslsh-plan   use_poslsh(model, method="plan", error=0.01) (the planner per head at 1%
                 predicted relative output error).
@@ -47,9 +49,17 @@ def build_model(args, dtype_name, impl):
     import transformers
     torch.manual_seed(0)
     attn = "sdpa" if impl == "sdpa" else "eager"
-    config = transformers.BloomConfig(vocab_size=args.vocab, hidden_size=args.hidden, n_layer=args.layers,
-                                      n_head=args.heads, attn_implementation=attn)
-    model = transformers.BloomForCausalLM(config).to(getattr(torch, dtype_name)).eval()
+    if args.model == "bloom":
+        config = transformers.BloomConfig(vocab_size=args.vocab, hidden_size=args.hidden, n_layer=args.layers,
+                                          n_head=args.heads, attn_implementation=attn)
+        model = transformers.BloomForCausalLM(config)
+    else:  # Falcon-RW's layout with the same shape
+        config = transformers.FalconConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                           num_hidden_layers=args.layers, num_attention_heads=args.heads, alibi=True,
+                                           multi_query=False, new_decoder_architecture=False, parallel_attn=False,
+                                           bias=True, attn_implementation=attn)
+        model = transformers.FalconForCausalLM(config)
+    model = model.to(getattr(torch, dtype_name)).eval()
     if impl.startswith("poslsh"):
         import poslsh.transformers
         if impl == "poslsh-exact":
@@ -148,6 +158,9 @@ def main():
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=["bloom", "falcon"], default="bloom",
+                        help="BLOOM (default; transformers has no sdpa path for it) or Falcon-RW's layout "
+                        "(alibi=True, with an sdpa path) of the same shape")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -174,7 +187,7 @@ def main():
     if args.quick:
         args.layers, args.lengths, args.contexts, args.gen_tokens = 2, [256, 512], [512], 4
 
-    shape = (f"BLOOM-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
+    shape = (f"{'BLOOM' if args.model == 'bloom' else 'Falcon-RW'}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
              f"{args.vocab}, random weights; {args.threads} threads; limit {args.memory_limit_gib:g} GiB")
     lines = [f"Prefill ({shape}): seconds (min of {args.repeats}), peak RSS and the RSS with the model built",
              "", "| dtype | tokens | attention | seconds | peak RSS [GiB] | model RSS [GiB] | status |",

@@ -357,6 +357,10 @@ def test_errors():
     mask[0, 5] = 0  # padding between tokens: MPT's slot positions cannot be packed
     with pytest.raises(ValueError, match="between tokens"), torch.no_grad():
         mpt(ids, attention_mask=mask)
+    falcon = pt.use_poslsh(make_model("falcon"))
+    positions = torch.cat([torch.arange(6), torch.arange(6)])[None]  # two packed sequences
+    with pytest.raises(ValueError, match="packed"), torch.no_grad():
+        falcon(ids, position_ids=positions, use_cache=False)  # transformers packs without a cache
     bloom = pt.use_poslsh(make_model("bloom"))
     bloom.transformer.h[0].self_attention.attention_dropout.p = 0.1
     bloom.train()
