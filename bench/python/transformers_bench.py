@@ -109,14 +109,14 @@ def child(case):
             out = model(ids, use_cache=True, logits_to_keep=1)
             if not measured.startswith("poslsh"):
                 poslsh.transformers.restore(model)
-            cache = out.past_key_values
+            cache = out.cache
             token = out.logits[:, -1:].argmax(-1)
-            out = model(token, past_key_values=cache, use_cache=True)  # one warm-up step
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(token, cache=cache, use_cache=True)  # one warm-up step
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
             start = time.perf_counter()
             for _ in range(args.gen_tokens):
-                out = model(token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(token, cache=cache, use_cache=True)
+                cache, token = out.cache, out.logits[:, -1:].argmax(-1)
             result["tokens_per_second"] = args.gen_tokens / (time.perf_counter() - start)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result

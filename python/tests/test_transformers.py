@@ -110,6 +110,37 @@ def test_logits_float32_equal_eager(kind, padding):
     assert relative_error(got, expected, mask.bool()) <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["bloom", "falcon"])
+def test_padding_between_tokens(kind):
+    # BLOOM's and Falcon's positions count the tokens before a key, padding excluded, wherever
+    # the padding is.
+    reference, model = pair(kind)
+    ids, mask = batch([30, 30], 30, seed=14)
+    mask[0, 10:14] = 0
+    mask[1, 3] = 0
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+    assert relative_error(got, expected, mask.bool()) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_decoding_of_a_batch_equals_one_prefill(kind):
+    # Prefill 14 tokens, then 6 single-token steps on the DynamicCache: transformers' logits of
+    # the 20 tokens at once (a batch of 2 without padding, no mask).
+    reference, model = pair(kind)
+    ids, _ = batch([20, 20], 20, seed=15)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        out = model(ids[:, :14], use_cache=True)
+        steps, cache = [out.logits], out.cache
+        for t in range(14, 20):
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.cache
+    assert relative_error(torch.cat(steps, dim=1), expected) <= 1e-5
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_bfloat16_within_twice_transformers_error(kind):
     # Right padding: transformers' float64 eager run gives NaN in left-padded rows (its mask's
@@ -276,10 +307,10 @@ def test_lsh_decode_equals_rows_of_the_prefill():
         whole = model(ids).logits
         out = model(ids[:, :14], use_cache=True)
         steps = [out.logits]
-        cache = out.past_key_values
+        cache = out.cache
         for t in range(14, 20):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out.cache
             steps.append(out.logits)
     assert relative_error(torch.cat(steps, dim=1), whole) <= 1e-5
     model.train()
