@@ -14,6 +14,15 @@ import poslsh  # noqa: E402
 import poslsh.transformers as pt  # noqa: E402
 
 KINDS = ("bloom", "mpt", "falcon")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The models are tiny: torch's own operators on one thread (poslsh's kernels keep theirs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 VOCAB = 97
 
 
