@@ -23,10 +23,10 @@ Methods (``method=``): a name of ``poslsh.torch.flash_attn_func``'s ``method`` (
 per head the cheapest method ``poslsh.plan_heads(L, 1 / m_h, error, head_dim=d,
 lsh_samplers=["independent"])`` predicts within relative output error ``error`` for the L keys
 of the call (exact heads in one call; a banded head with band W as "banded" with its own
-``band_error = exp(-(W - 1/2) m_h)``, so ``band_for_bias_error`` gives W; LSH heads with the
-plan's sample count, hashes of the same law as the plan's). samples, seed, band_error,
-precision: as flash_attn_func. Every method trains (gradients of q, k, v, hence of every
-parameter); the slopes are constants.
+``band_error = exp(-(W - 1/2) m_h)``, so that ``band_for_bias_error`` gives W, or band 0 as
+"exact" in the window (0, 0); LSH heads with the plan's sample count, hashes of the same law as
+the plan's). samples, seed, band_error, precision: as flash_attn_func. Every method trains
+(gradients of q, k, v, hence of every parameter); the slopes are constants.
 
 Conventions, as transformers 5.x computes them (read from each model's code):
 
@@ -180,6 +180,17 @@ class _Group:
         self.slopes, self.samples, self.band_error, self.window = slopes, samples, band_error, window
 
 
+def _band_error(sigma, band):
+    """The band_error for which band_for_bias_error(sigma, band_error) = ceil(sigma ln(1 /
+    band_error)) is `band`: exp(-(band - 1/2) / sigma), nudged within the band's interval should
+    rounding move the ceiling; None when there is none (band 0)."""
+    for offset in (0.5, 0.25, 0.75, 0.1, 0.9):
+        error = math.exp(-(band - offset) / sigma)
+        if 0.0 < error < 1.0 and _core.band_for_bias_error(sigma, error) == band:
+            return error
+    return None
+
+
 def _selection(indices, total):
     """None (all of `total`), a slice (a contiguous run) or an int64 index tensor."""
     indices = list(indices)
@@ -229,37 +240,41 @@ class _State:
     def _make_groups(self, length, kv_heads, head_dim):
         heads = self.heads
         size = heads // kv_heads
-        # (heads, method, samples, band_error) of every call.
+        # (heads, method, samples, band_error, window) of every call.
         calls = []
         if isinstance(self.method, str) and self.method != _PLAN:
-            calls.append((list(range(heads)), self.method, self.samples, self.band_error))
+            calls.append((list(range(heads)), self.method, self.samples, self.band_error, (-1, -1)))
         elif isinstance(self.method, str):
             plans = _core.plan_heads(max(length, 1), self.sigmas, self.error, head_dim=head_dim, seed=self.seed,
                                      lsh_samplers=["independent"])
             exact = [h for h, p in enumerate(plans) if p.method == "exact_tiled"]
             if exact:
-                calls.append((exact, "exact", self.samples, self.band_error))
+                calls.append((exact, "exact", self.samples, self.band_error, (-1, -1)))
             by_samples = {}
             for h, p in enumerate(plans):
                 if p.method == "exact_banded":
-                    # band_for_bias_error(sigma, eps) = ceil(sigma ln(1/eps)) = W.
-                    calls.append(([h], "banded", self.samples, math.exp(-(p.band - 0.5) / self.sigmas[h])))
+                    error = _band_error(self.sigmas[h], p.band)
+                    if error is None:  # the keys within the band: exact attention in that window
+                        calls.append(([h], "exact", self.samples, self.band_error, (p.band, 0)))
+                    else:
+                        calls.append(([h], "banded", self.samples, error, (-1, -1)))
                 elif p.method == "lsh_fused":
                     by_samples.setdefault(p.samples, []).append(h)
             for samples, members in by_samples.items():
-                calls.append((members, "lsh", samples, self.band_error))
+                calls.append((members, "lsh", samples, self.band_error, (-1, -1)))
         else:
             by_method = {}
             for h, name in enumerate(self.method):
                 by_method.setdefault(name, []).append(h)
-            calls.extend((members, name, self.samples, self.band_error) for name, members in by_method.items())
+            calls.extend((members, name, self.samples, self.band_error, (-1, -1))
+                         for name, members in by_method.items())
         calls.sort(key=lambda call: call[0][0])
         groups = []
-        for members, method, samples, band_error in calls:
+        for members, method, samples, band_error, window in calls:
             selection = _selection(members, heads)
             slopes = self.slopes if selection is None else self.slopes[torch.tensor(members)].contiguous()
             groups.append(_Group(selection, _kv_selection(members, size, kv_heads), method, slopes, samples,
-                                 band_error))
+                                 band_error, window))
         order = [h for members, *_ in calls for h in members]
         inverse = None if order == list(range(heads)) else torch.from_numpy(np.argsort(order))
         return groups, inverse
