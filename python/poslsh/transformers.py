@@ -324,12 +324,50 @@ def _take(x, axis, selection):
 # The attention. -------------------------------------------------------------------------------
 
 
+# Decoding (at most this many query rows, no gradients) with the exact method goes to the
+# library's decode kernel, head by head: flash_attn_func's tiled path costs about as much for one
+# query row as for a tile of them.
+_DECODE_ROWS = 16
+_DECODE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _kernel_argument(x):
+    """A CPU tensor as the library's functions read it in place (bfloat16: BFloat16Bits)."""
+    x = x.detach()
+    return _core.BFloat16Bits(x.view(torch.int16).numpy()) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _decodes(group, q, k, v):
+    return (group.method in ("exact", "exact_tiled") and group.window == (-1, -1) and q.shape[0] == 1
+            and q.shape[1] <= _DECODE_ROWS and q.dtype in _DECODE_DTYPES and q.dtype == k.dtype == v.dtype
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
+
+
+def _decode_exact(state, group, q, k, v, scale):
+    """The heads of `group` for q (1, m, H, d) over k, v (1, L, H_kv, d) by
+    poslsh.alibi_attention_decode_exact (queries at positions L - m .. L - 1): (1, m, H_g, d_v)."""
+    heads = list(range(state.heads)) if group.heads is None else (
+        list(range(group.heads.start, group.heads.stop)) if isinstance(group.heads, slice) else group.heads.tolist())
+    size = state.heads // k.shape[2]
+    length = k.shape[1]
+    out = torch.empty((1, q.shape[1], len(heads), v.shape[3]), dtype=q.dtype)
+    for column, h in enumerate(heads):
+        _core.alibi_attention_decode_exact(
+            _kernel_argument(q[0, :, h]), _kernel_argument(k[0, :, h // size]), _kernel_argument(v[0, :, h // size]),
+            length - 1, state.sigmas[h], scale=scale, out=_kernel_argument(out[0, :, column]))
+    return out
+
+
 def _heads_call(state, q, k, v, scale):
     """Attention of q (B, m, H, d) over k, v (B, n, H_kv, d) (no padding, queries bottom-right),
-    every group of heads in one flash_attn_func call: (B, m, H, d_v)."""
+    every group of heads in one flash_attn_func call (a decoding step of the exact method: the
+    decode kernel): (B, m, H, d_v)."""
     groups, inverse = state.groups(k.shape[1], k.shape[2], q.shape[3])
     pieces = []
     for group in groups:
+        if _decodes(group, q, k, v):
+            pieces.append(_decode_exact(state, group, q, k, v, scale))
+            continue
         pieces.append(flash_attn_func(
             _take(q, 2, group.heads), _take(k, 2, group.kv), _take(v, 2, group.kv), 0.0, scale, True,
             group.window, 0.0, group.slopes, method=group.method, samples=group.samples, seed=state.seed,

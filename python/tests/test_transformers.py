@@ -141,13 +141,29 @@ def test_cached_decoding_of_a_batch_equals_one_prefill(kind):
     ids, _ = batch([20, 20], 20, seed=15)
     with torch.no_grad():
         expected = reference(ids).logits
-        out = model(ids[:, :14], use_cache=True)
+    assert relative_error(cached_logits(model, ids, 14), expected) <= 1e-5
+
+
+def cached_logits(model, ids, prefix):
+    """Logits of `prefix` tokens at once, then of the others one at a time on the cache."""
+    with torch.no_grad():
+        out = model(ids[:, :prefix], use_cache=True)
         steps, cache = [out.logits], out.cache
-        for t in range(14, 20):
+        for t in range(prefix, ids.shape[1]):
             out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
             cache = out.cache
-    assert relative_error(torch.cat(steps, dim=1), expected) <= 1e-5
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_decoding_bfloat16_within_twice_transformers_error(kind):
+    ids, _ = batch([24], 24, seed=16)
+    with torch.no_grad():
+        truth = make_model(kind, torch.float64, init=0.1)(ids).logits
+    theirs = relative_error(cached_logits(make_model(kind, torch.bfloat16, init=0.1), ids, 8), truth)
+    ours = relative_error(cached_logits(pt.use_poslsh(make_model(kind, torch.bfloat16, init=0.1)), ids, 8), truth)
+    assert ours <= 2 * theirs, (ours, theirs)
 
 
 @pytest.mark.parametrize("kind", KINDS)
