@@ -14,8 +14,10 @@ effective slope m_h (below),
     out_i = softmax_j(tau q_i . k_j - m_h (P_i - P_j)) v_j   over the keys j <= i that are not padding,
 
 computed by ``poslsh.torch.flash_attn_func`` (FlashAttention-2's call: causal, ``alibi_slopes``,
-bottom-right aligned queries), so no (heads, L, L) score or bias tensor is formed. Because
-softmax is invariant to a per-row constant, this is the models' ``+ m_h P_j`` key bias.
+bottom-right aligned queries; decoding steps of the exact method, up to 16 query rows without
+gradients, by ``poslsh.alibi_attention_decode_exact`` head by head), so no (heads, L, L) score or
+bias tensor is formed. Because softmax is invariant to a per-row constant, this is the models'
+``+ m_h P_j`` key bias.
 
 Methods (``method=``): a name of ``poslsh.torch.flash_attn_func``'s ``method`` ("exact",
 "banded", "lsh", "lsh_per_sample", "fixed_blocks", "mean_of_outputs" or a table name of
