@@ -3,7 +3,9 @@
 a reduced vocabulary; random weights) with transformers' attention and with poslsh's.
 
     PYTHONPATH=python python3 bench/python/transformers_bench.py --markdown out.md
-    ... --quick                                   # a few seconds: 2 layers, short lengths
+    ... --quick                                   # a check of the script: 2 layers, short lengths
+    ... --parts generate --contexts 4096           # generation only (--parts prefill: prefill only)
+    ... --model falcon --impls eager sdpa poslsh-exact   # Falcon-RW's layout, which has an sdpa path
     ... --lengths 2048 4096 --dtypes bfloat16 --impls eager poslsh-exact
 
 Prefill: ``model(ids, use_cache=False, logits_to_keep=1)`` under ``torch.no_grad()`` on one
@@ -155,6 +157,7 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--parts", nargs="+", default=["prefill", "generate"], choices=["prefill", "generate"])
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
@@ -192,8 +195,10 @@ def main():
     lines = [f"Prefill ({shape}): seconds (min of {args.repeats}), peak RSS and the RSS with the model built",
              "", "| dtype | tokens | attention | seconds | peak RSS [GiB] | model RSS [GiB] | status |",
              "|---|---:|---|---:|---:|---:|---|"]
+    if "prefill" not in args.parts:
+        lines = [shape]
     print("\n".join(lines), flush=True)
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if "prefill" in args.parts else []:
         for length in args.lengths:
             for impl in args.impls:
                 r = run_case(args, dict(kind="prefill", dtype=dtype, impl=impl, length=length))
@@ -207,7 +212,7 @@ def main():
               "| dtype | context | attention | tokens/s | peak RSS [GiB] | status |", "|---|---:|---|---:|---:|---|"]
     print("\n".join(header), flush=True)
     lines += header
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if "generate" in args.parts else []:
         for context in args.contexts:
             for impl in args.impls:
                 r = run_case(args, dict(kind="generate", dtype=dtype, impl=impl, length=context))

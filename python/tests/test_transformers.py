@@ -14,6 +14,7 @@ import poslsh  # noqa: E402
 import poslsh.transformers as pt  # noqa: E402
 
 KINDS = ("bloom", "mpt", "falcon")
+VOCAB = 97
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,7 +24,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-VOCAB = 97
 
 
 def make_model(kind, dtype=torch.float32, init=0.5, **overrides):
