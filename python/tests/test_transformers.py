@@ -19,7 +19,9 @@ VOCAB = 97
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
-    """The models are tiny: torch's own operators on one thread (poslsh's kernels keep theirs)."""
+    """The models are tiny: one thread (torch's and, as they share the OpenMP runtime, poslsh's;
+    the kernels give the same bits on any thread count). Spinning threads of tiny operators made
+    the file 6x slower on a loaded machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
