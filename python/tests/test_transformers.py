@@ -36,10 +36,10 @@ def make_model(kind, dtype=torch.float32, init=0.5, **overrides):
     torch.manual_seed(1234)
     common = dict(vocab_size=VOCAB, initializer_range=init, attn_implementation="eager")
     if kind == "bloom":  # 6 heads: Press et al.'s interleaved slopes
-        config = transformers.BloomConfig(hidden_size=96, n_layer=2, n_head=6, **common)
+        config = transformers.BloomConfig(hidden_size=96, n_layer=2, n_head=6, **overrides, **common)
         model = transformers.BloomForCausalLM(config)
     elif kind == "mpt":
-        config = transformers.MptConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=128, **common)
+        config = transformers.MptConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=128, **overrides, **common)
         model = transformers.MptForCausalLM(config)
     else:  # Falcon-RW's layout: alibi, no multi-query, sequential attention and MLP
         options = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=False,
@@ -50,10 +50,11 @@ def make_model(kind, dtype=torch.float32, init=0.5, **overrides):
     return model.to(dtype).eval()
 
 
-def pair(kind, dtype=torch.float32, method="exact", init=0.5, **options):
-    """(transformers eager, poslsh) models with the same weights."""
-    reference = make_model(kind, dtype, init)
-    model = pt.use_poslsh(make_model(kind, dtype, init), method=method, **options)
+def pair(kind, dtype=torch.float32, method="exact", init=0.5, config=None, **options):
+    """(transformers eager, poslsh) models with the same weights (`config`: options of the
+    model's config)."""
+    reference = make_model(kind, dtype, init, **(config or {}))
+    model = pt.use_poslsh(make_model(kind, dtype, init, **(config or {})), method=method, **options)
     return reference, model
 
 
@@ -118,6 +119,23 @@ def test_logits_float32_equal_eager(kind, padding):
     with torch.no_grad():
         expected = reference(ids, attention_mask=mask_arg).logits
         got = model(ids, attention_mask=mask_arg).logits
+    assert relative_error(got, expected, mask.bool()) <= 1e-5
+
+
+@pytest.mark.parametrize("kind, config", [
+    # MPT: its own softmax scale, clipped q/k/v, and an alibi_bias_max that transformers does
+    # not pass to build_mpt_alibi_tensor (the slopes stay those of 8).
+    ("mpt", dict(attn_config=dict(softmax_scale=0.3, clip_qkv=0.5, alibi_bias_max=16))),
+    ("bloom", dict(pretraining_tp=2, slow_but_exact=True)),  # the tensor-parallel output slices
+])
+def test_model_options(kind, config):
+    reference, model = pair(kind, config=config)
+    if kind == "mpt":
+        assert torch.allclose(pt.model_slopes(model), torch.tensor(press_slopes(4)), rtol=1e-7, atol=0)
+    ids, mask = batch([30, 21], 30, seed=17)
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
     assert relative_error(got, expected, mask.bool()) <= 1e-5
 
 
