@@ -147,6 +147,21 @@ def run_case(args, case):
     return {"status": "failed", "error": last[0][:160]}
 
 
+def machine():
+    """One line: the CPU, its logical CPUs, and the versions of torch, transformers and poslsh."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = subprocess.run([sys.executable, "-c", "import torch, transformers, poslsh; print(torch.__version__, "
+                               "transformers.__version__, poslsh.__version__, poslsh.matrix_unit('bfloat16', "
+                               "'bfloat16'))"], capture_output=True, text=True).stdout.split()
+    names = ("torch", "transformers", "poslsh", "bfloat16 unit")
+    return f"{cpu}, {os.cpu_count()} logical CPUs; " + ", ".join(f"{n} {v}" for n, v in zip(names, versions))
+
+
 def gib(value):
     return f"{value / GIB:.2f}" if value else "-"
 
@@ -190,6 +205,8 @@ def main():
     if args.quick:
         args.layers, args.lengths, args.contexts, args.gen_tokens = 2, [256, 512], [512], 4
 
+    machine_line = machine()
+    print(machine_line, flush=True)
     shape = (f"{'BLOOM' if args.model == 'bloom' else 'Falcon-RW'}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
              f"{args.vocab}, random weights; {args.threads} threads; limit {args.memory_limit_gib:g} GiB")
     lines = [f"Prefill ({shape}): seconds (min of {args.repeats}), peak RSS and the RSS with the model built",
@@ -197,6 +214,7 @@ def main():
              "|---|---:|---|---:|---:|---:|---|"]
     if "prefill" not in args.parts:
         lines = [shape]
+    lines = [machine_line, ""] + lines
     print("\n".join(lines), flush=True)
     for dtype in args.dtypes if "prefill" in args.parts else []:
         for length in args.lengths:

@@ -558,8 +558,9 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
             _fail(name, f"is {value!r}: must be a float in (0, 1)")
     if precision not in _core.precision_names():
         _fail("precision", f"is {precision!r}: must be one of {', '.join(map(repr, _core.precision_names()))}")
-    if model in _MODELS:
-        restore(model)
+    for key in (model, base):
+        if key in _MODELS:
+            restore(key)
     state = _State(kind, base, slopes, method, int(samples), int(seed), float(band_error), float(error), precision)
     # A model copied (copy.deepcopy) or loaded with attn_implementation="poslsh" goes back to eager.
     previous = config._attn_implementation
