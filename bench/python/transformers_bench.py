@@ -228,8 +228,9 @@ def main():
                 lines.append(line)
     header = ["", f"Generation ({args.gen_tokens} greedy tokens after the context, DynamicCache): tokens/s", "",
               "| dtype | context | attention | tokens/s | peak RSS [GiB] | status |", "|---|---:|---|---:|---:|---|"]
-    print("\n".join(header), flush=True)
-    lines += header
+    if "generate" in args.parts:
+        print("\n".join(header), flush=True)
+        lines += header
     for dtype in args.dtypes if "generate" in args.parts else []:
         for context in args.contexts:
             for impl in args.impls:
