@@ -65,6 +65,8 @@ model passes it (``DynamicCache``: its keys are every token so far); caches whos
 not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 ``position_ids`` and attention dropout in training (``p > 0``) raise ValueError.
 ``output_attentions`` gives None for the attention weights (no probability matrix is formed).
+``torch.compile(model)`` runs with graph breaks (the padding bookkeeping reads the mask, the
+decode kernel is not an operator); ``fullgraph=True`` is not supported.
 
 How: the attention modules of BLOOM and MPT compute attention inline, so use_poslsh sets their
 ``forward`` as an instance attribute (the class's forward is untouched); Falcon calls
