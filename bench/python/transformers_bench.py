@@ -207,7 +207,8 @@ def main():
 
     machine_line = machine()
     print(machine_line, flush=True)
-    shape = (f"{'BLOOM' if args.model == 'bloom' else 'Falcon-RW'}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
+    name = "BLOOM" if args.model == "bloom" else "Falcon-RW"
+    shape = (f"{name}-shaped: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary "
              f"{args.vocab}, random weights; {args.threads} threads; limit {args.memory_limit_gib:g} GiB")
     lines = [f"Prefill ({shape}): seconds (min of {args.repeats}), peak RSS and the RSS with the model built",
              "", "| dtype | tokens | attention | seconds | peak RSS [GiB] | model RSS [GiB] | status |",
