@@ -60,7 +60,9 @@ Padding (``attention_mask``, 2-D, 1 for tokens, 0 for padding; left- or right-pa
 ``generate()`` with left padding): each batch row runs on its own non-padding keys with the
 queries bottom-right aligned, i.e. its positions from 0 (BLOOM, Falcon) or its slot distances
 (MPT), as above. Query rows at padding slots get zeros (transformers' values there are
-meaningless and masked from every other token). The cache: ``past_key_values``/``cache`` as the
+meaningless and masked from every other token; so the logits at padding slots differ, and a
+left-padded training batch whose labels make the last padding slot predict the first token has
+a different loss: set those labels to -100). The cache: ``past_key_values``/``cache`` as the
 model passes it (``DynamicCache``: its keys are every token so far); caches whose queries are
 not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 ``position_ids`` and attention dropout in training (``p > 0``) raise ValueError.
