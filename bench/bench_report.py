@@ -60,7 +60,7 @@ DECODE_PALETTE = [("#1f77b4", 7, 3), ("#d62728", 5, 2), ("#2ca02c", 13, 2), ("#f
 # and the row's time. The other numeric counters are read from the median (or an iteration) row.
 # peak_share (a kernel row's FLOP rate over its unit's peak measured right after it, peak_GFLOPs)
 # is such a rate too: recomputed from the kept time, over the peak of the median (or the one) row.
-RATE_COUNTERS = ("GFLOP", "exact_GFLOP", "pairs", "tokens", "peak_share")
+RATE_COUNTERS = ("GFLOP", "exact_GFLOP", "pairs", "tokens", "peak_share", "GB")
 # The peak units of the counter peak_unit (bench/peak.hpp, PeakUnit), in order.
 PEAK_UNITS = ("fma_f32", "avx512_bf16", "amx_bf16")
 # Numeric fields of a JSON row that are not counters.
@@ -218,9 +218,8 @@ def _percent_of_sgemm(name):
 def _share_of_peak(name):
     """(value, measured) of a target on a row's share of the peak measured after it."""
     return (lambda rows: rows.share(name),
-            lambda rows, x: "%.2f (%s of %s GFLOP/s; over wall time %s)" % (
-                x, fmt(x * rows.peak(name)), fmt(rows.peak(name)),
-                "%.2f" % rows.wall_share(name) if rows.wall_share(name) is not None else "-"))
+            lambda rows, x: "%.2f (%s of %s GFLOP/s)" % (x, fmt(x * rows.peak(name)),
+                                                        fmt(rows.peak(name))))
 
 
 # ggml's CPU flash attention (ggml_flash_attn_ext, F32 K and V, 2 threads) on the default problem
@@ -920,11 +919,14 @@ def table_peak(rows, stamp):
     for name in units:
         label = rows.labels.get(name, "")
         counters = rows.counters.get(name, {})
-        cells.append(["`%s`" % name, label.replace("unit=", "").replace(",isa=", ", "),
-                      "%d" % counters.get("threads_used", 0),
-                      fmt(rows.gflops[name]) if name in rows.gflops else "-",
+        bandwidth = rows.rates.get(name, {}).get("GB")
+        cells.append(["`%s`" % name, label.replace("unit=", "").replace(",isa=", ", ") or
+                      "memory reads", "%d" % counters.get("threads_used", 0),
+                      fmt(rows.gflops[name]) if name in rows.gflops else
+                      "%s GB/s" % fmt(bandwidth) if bandwidth else "-",
                       fmt(counters["cpu_GFLOPs"]) if "cpu_GFLOPs" in counters else "-"])
-    out = _table(["row", "unit", "threads", "GFLOP/s over wall time (best run)",
+    out = _table(["row", "unit", "threads",
+                  "GFLOP/s over wall time (mean of a repetition's runs)",
                   "GFLOP/s over the threads' CPU time (best run)"], cells)
     kernels = [name for name in rows.order if rows.counters.get(name, {}).get("row_threads", 0) > 1
                and rows.peak_unit(name) == "fma_f32" and name != "sgemm"
@@ -963,13 +965,12 @@ def table_shares(rows, stamp):
             continue
         cells.append(["`%s`" % name, rows.peak_unit(name) or "fma_f32",
                       "2 n^3 a call" if name == "sgemm" else "10 d" if "backward" in name
-                      else "4 d", fmt(share * rows.peak(name)), fmt(rows.peak(name)), "%.2f" % share,
-                      "%.2f" % rows.wall_share(name) if rows.wall_share(name) is not None
-                      else "-"])
+                      else "4 d", fmt(share * rows.peak(name)), fmt(rows.peak(name)),
+                      "%.2f" % share])
     if not cells:
         raise MissingRow("kernel rows with peak counters (peak_cpu_GFLOPs)")
     return _table(["row", "peak of", "FLOPs per pair", "GFLOP/s", "peak (GFLOP/s)",
-                   "share of the peak", "share over wall time"], cells)
+                   "share of the peak"], cells)
 
 
 def table_phases(rows, stamp):
