@@ -790,7 +790,8 @@ def table_by_sigma(rows, stamp):
         keys = rows.counters.get(name, {}).get("keys_per_query")
         cells.append([str(sigma), fmt(rows.ms[name]), fmt(rows.ms[name] / 8),
                       fmt(keys) if keys is not None else "-",
-                      fmt(rows.gflops[name]) if name in rows.gflops else "-", _share_text(rows, name)])
+                      fmt(rows.gflops[name]) if name in rows.gflops else "-",
+                      _share_text(rows, name)])
     out = _table(["sigma", "8 heads (ms)", "one head: 1/8 (ms)", "keys per query", "GFLOP/s",
                   "share of FMA peak"], cells)
     if rows.has("lsh_fused/16384") and len(sigmas) == 8:

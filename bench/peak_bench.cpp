@@ -376,10 +376,11 @@ void run_peak(benchmark::State& state, PeakUnit unit) {
 }
 
 /// The memory read rate for the roofline of the kernels: every thread sums its contiguous
-/// share of 512 MiB of floats (far larger than the caches), GB per second over wall time.
+/// share of 512 MiB of floats (far larger than the caches; filled before the timed loop, freed
+/// after it), GB per second over wall time.
 void run_read_bandwidth(benchmark::State& state) {
   constexpr long count = 128L << 20;
-  static std::vector<float> data(count, 1.0f);
+  const std::vector<float> data(static_cast<std::size_t>(count), 1.0f);
   for (auto _ : state) {
     float total = 0.0f;
 #pragma omp parallel for schedule(static) reduction(+ : total)
