@@ -5,7 +5,8 @@
 // One multihead_attention_backward call per iteration from the out and lse of one float forward
 // with lse on the float tensors (computed before the timed loop; out rounded for the bfloat16
 // rows); dout is the shared v tensor. Counters as the forward rows (pairs of the forward, 4 d
-// FLOPs per pair), so GFLOP/s compare with the forward rows.
+// FLOPs per pair), so GFLOP/s compare with the forward rows; peak_share counts the backward's
+// own 10 d FLOPs per pair (five d-long products) against the peak of its products' unit.
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/training/backward.hpp>
 #include <string>
@@ -56,7 +57,13 @@ void run_backward(benchmark::State& state, Index n, Method method) {
       method == Method::exact_tiled
           ? heads * causal_pairs(n)
           : lsh_pairs(alibi_sigmas(static_cast<int>(heads)), default_samples, n);
-  set_kernel_counters(state, pairs, n * heads);
+  // The share of the peak at the backward's 10 d FLOPs a pair (five d-long products), on the
+  // peak of the unit the products ran on (AVX512-BF16 for bfloat16 inputs where the CPU has
+  // it, also where it has AMX).
+  const PeakUnit unit = detail::backward_on_bf16_unit<Input>(options.precision)
+                            ? PeakUnit::avx512_bf16
+                            : PeakUnit::fma_f32;
+  set_kernel_counters(state, pairs, n * heads, PeakOf{unit, 10.0 * static_cast<double>(dim)});
 }
 
 /// Registered at start-up (before the families of poslsh_bench.cpp), ordered by n so that the

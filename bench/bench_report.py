@@ -58,7 +58,11 @@ DECODE_PALETTE = [("#1f77b4", 7, 3), ("#d62728", 5, 2), ("#2ca02c", 13, 2), ("#f
 # Counters that Google Benchmark reports per second (kIsIterationInvariantRate): an aggregate
 # row's value is recomputed from the amount per call (rate x time of an iteration or the median)
 # and the row's time. The other numeric counters are read from the median (or an iteration) row.
-RATE_COUNTERS = ("GFLOP", "exact_GFLOP", "pairs", "tokens")
+# peak_share (a kernel row's FLOP rate over its unit's peak measured right after it, peak_GFLOPs)
+# is such a rate too: recomputed from the kept time, over the peak of the median (or the one) row.
+RATE_COUNTERS = ("GFLOP", "exact_GFLOP", "pairs", "tokens", "peak_share", "GB")
+# The peak units of the counter peak_unit (bench/peak.hpp, PeakUnit), in order.
+PEAK_UNITS = ("fma_f32", "avx512_bf16", "amx_bf16")
 # Numeric fields of a JSON row that are not counters.
 ROW_FIELDS = {"family_index", "per_family_instance_index", "repetitions", "repetition_index",
               "threads", "iterations", "real_time", "cpu_time"}
@@ -69,6 +73,7 @@ class Rows:
 
     def __init__(self):
         self.ms = {}
+        self.cpu_ms = {}  # name -> CPU time per call of the whole process, ms
         self.gflops = {}
         self.rates = {}  # name -> {rate counter: per second}, from the kept time
         self.counters = {}  # name -> {counter: value} of the other counters
@@ -115,6 +120,9 @@ class Rows:
             if rank >= self._rank.get(name, 0):
                 self._rank[name] = rank
                 self.ms[name] = ms
+                if "cpu_time" in row:
+                    self.cpu_ms[name] = float(row["cpu_time"]) * TIME_UNITS_MS.get(
+                        row.get("time_unit", "ns"), 1e-6)
         for name, ms in self.ms.items():
             if ms <= 0:
                 continue
@@ -125,6 +133,32 @@ class Rows:
 
     def has(self, *names):
         return all(name in self.ms for name in names)
+
+    def share(self, name):
+        """The row's share of its unit's peak over CPU time: its FLOPs (row_GFLOP) over the
+        process's CPU time per thread (row_threads), over peak_cpu_GFLOPs (measured right after
+        it); None without those counters. Other processes on the cores lower neither side: on a
+        quiet machine it is wall_share's figure."""
+        counters = self.counters.get(name, {})
+        if not all(counters.get(key) for key in ("row_GFLOP", "row_threads", "peak_cpu_GFLOPs")) \
+                or not self.cpu_ms.get(name):
+            return None
+        rate = counters["row_GFLOP"] / (self.cpu_ms[name] * 1e-3 / counters["row_threads"])
+        return rate / counters["peak_cpu_GFLOPs"]
+
+    def peak_unit(self, name):
+        """The unit whose peak the row is compared with (counter peak_unit), or None."""
+        index = self.counters.get(name, {}).get("peak_unit")
+        return None if index is None else PEAK_UNITS[int(index)]
+
+    def wall_share(self, name):
+        """The row's FLOP rate over wall time over its unit's peak over wall time measured right
+        after it (peak_share), or None."""
+        return self.rates.get(name, {}).get("peak_share")
+
+    def peak(self, name):
+        """The peak over CPU time (GFLOP/s) measured after the row (peak_cpu_GFLOPs), or None."""
+        return self.counters.get(name, {}).get("peak_cpu_GFLOPs")
 
     def statistic(self):
         """What a row's time is: "min", "median" or "one run"."""
@@ -181,6 +215,20 @@ def _percent_of_sgemm(name):
                                                          fmt(rows.gflops["sgemm"])))
 
 
+def _share_of_peak(name):
+    """(value, measured) of a target on a row's share of the peak measured after it."""
+    return (lambda rows: rows.share(name),
+            lambda rows, x: "%.2f (%s of %s GFLOP/s)" % (x, fmt(x * rows.peak(name)),
+                                                        fmt(rows.peak(name))))
+
+
+# ggml's CPU flash attention (ggml_flash_attn_ext, F32 K and V, 2 threads) on the default problem
+# at n = 16384 took 3.37x the time of exact_tiled/16384 in one run on this machine (6037 ms
+# against the slowest of the run's exact_tiled rows, 1793 ms; docs/benchmarks.md, "Against
+# ggml"); ggml is not run by the suite, so its time is this ratio times exact_tiled's.
+GGML_OVER_EXACT_TILED = 6037.0 / 1793.0
+
+
 def _times_text(rows, *names):
     """The rows' times, "a / b ms" (decode rows under 10 ms: "a / b us")."""
     scale, unit = (1e3, "us") if all(name.startswith("decode") and rows.ms[name] < 10
@@ -215,6 +263,29 @@ def _targets():
         share = 0.65 if n <= 65536 else 0.5
         targets.append(("lsh_fused/%d >= %d%% of sgemm GFLOP/s" % (n, round(100 * share)), value,
                         measured, lambda x, share=share: x >= share))
+    for name, share in (("exact_tiled/16384", 0.75), ("lsh_fused/16384", 0.65)):
+        value, measured = _share_of_peak(name)
+        targets.append(("%s >= %.2f of the FMA peak" % (name, share), value, measured,
+                        lambda x, share=share: x >= share))
+    for sigma in (4, 8, 16, 32, 64, 128, 256):
+        name = "lsh_fused_sigma/%d" % sigma
+        value, measured = _share_of_peak(name)
+        targets.append(("%s >= 0.55 of the FMA peak" % name, value, measured,
+                        lambda x: x >= 0.55))
+    value, measured = _share_of_peak("lsh_fused_bf16/16384")
+    targets.append(("lsh_fused_bf16/16384 >= 0.55 of its unit's peak (avx512_bf16)",
+                    lambda rows: value(rows) if rows.unit("lsh_fused_bf16/16384") ==
+                    "avx512_bf16" else None, measured, lambda x: x >= 0.55))
+    targets.append((
+        "lsh_fused >= 100x faster than ggml's flash attention at n = 16384 (ggml: %.2fx "
+        "exact_tiled's time)" % GGML_OVER_EXACT_TILED,
+        lambda rows: (_time_ratio(rows, "exact_tiled/16384", "lsh_fused/16384") *
+                      GGML_OVER_EXACT_TILED if rows.has("exact_tiled/16384", "lsh_fused/16384")
+                      else None),
+        lambda rows, x: "%.0fx (%s / %s ms)" % (
+            x, fmt(rows.ms["exact_tiled/16384"] * GGML_OVER_EXACT_TILED),
+            fmt(rows.ms["lsh_fused/16384"])),
+        lambda x: x >= 100))
     for s, ratio in ((16, 4), (100, 15)):
         time_ratio("sigma16_fused >= %dx faster than per-sample at s = %d" % (ratio, s),
                    "sigma16_per_sample/%d" % s, "sigma16_fused/%d" % s,
@@ -405,7 +476,8 @@ def write_report(rows, path, methods, decoders):
 # other. With --run the script runs poslsh_bench itself and stamps the JSON with the commit, the
 # machine and the command (context entries poslsh_run_*), which the `run` tables print.
 
-FILES = ("README.md", "docs/benchmarks.md", "docs/model_shapes.md")
+FILES = ("README.md", "docs/benchmarks.md", "docs/model_shapes.md",
+         "docs/lsh_fused_efficiency.md")
 # CPU flags named in the stamp, in this order: present ones listed, absent ones named as such.
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
@@ -599,6 +671,11 @@ VALUE_KINDS = {
 }
 
 
+def _share_text(rows, name):
+    share = rows.share(name)
+    return "%.2f" % share if share is not None else "-"
+
+
 def _table(header, rows_of_cells):
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(cells) + " |" for cells in rows_of_cells]
@@ -657,11 +734,14 @@ def table_gflops(rows, stamp):
     def cell(key):
         if key not in rows.gflops:
             return "-"
-        return "%s (%.0f%%)" % (fmt(rows.gflops[key]), 100 * rows.gflops[key] /
-                                rows.gflops["sgemm"])
+        share = rows.share(key)
+        return "%s (%s)" % (fmt(rows.gflops[key]), "%.2f" % share if share is not None else "-")
 
-    out = ["`sgemm` (Eigen, 2048^3): %s GFLOP/s. GFLOP/s of each row (%% of sgemm's):" %
-           fmt(rows.gflops["sgemm"]), ""]
+    sgemm_share = rows.share("sgemm")
+    out = ["`sgemm` (Eigen, 2048^3): %s GFLOP/s%s. GFLOP/s of each row (its share of the float32 "
+           "FMA peak measured right after it):" % (
+               fmt(rows.gflops["sgemm"]),
+               ", %.2f of the FMA peak" % sgemm_share if sgemm_share is not None else ""), ""]
     out += _table(["n"] + [label for _, label in methods],
                   [[str(n)] + [cell("%s/%d" % (name, n)) for name, _ in methods]
                    for n in _prefill_sizes(rows, methods)])
@@ -710,9 +790,10 @@ def table_by_sigma(rows, stamp):
         keys = rows.counters.get(name, {}).get("keys_per_query")
         cells.append([str(sigma), fmt(rows.ms[name]), fmt(rows.ms[name] / 8),
                       fmt(keys) if keys is not None else "-",
-                      fmt(rows.gflops[name]) if name in rows.gflops else "-"])
-    out = _table(["sigma", "8 heads (ms)", "one head: 1/8 (ms)", "keys per query", "GFLOP/s"],
-                 cells)
+                      fmt(rows.gflops[name]) if name in rows.gflops else "-",
+                      _share_text(rows, name)])
+    out = _table(["sigma", "8 heads (ms)", "one head: 1/8 (ms)", "keys per query", "GFLOP/s",
+                  "share of FMA peak"], cells)
     if rows.has("lsh_fused/16384") and len(sigmas) == 8:
         out += ["", "The eighths add up to %s ms; `lsh_fused/16384` (the eight sigmas, one head "
                 "each) took %s ms in this run." % (
@@ -745,7 +826,8 @@ def table_half(rows, stamp):
         base = "%s/%d" % (float_row, n)
         if base not in rows.ms:
             continue
-        cells.append(["`%s`" % base, "float", fmt(rows.ms[base]) + " ms", ""])
+        cells.append(["`%s`" % base, "float", fmt(rows.ms[base]) + " ms", "",
+                      _share_text(rows, base)])
         for variant in variants:
             name = "%s/%d" % (variant, n)
             if name in rows.ms:
@@ -753,7 +835,7 @@ def table_half(rows, stamp):
                                            else "float products, bfloat16 K, V"
                                            if variant.endswith("bf16kv") else "-")
                 cells.append(["`%s`" % name, unit, fmt(rows.ms[name]) + " ms",
-                              "%.2fx" % (rows.ms[base] / rows.ms[name])])
+                              "%.2fx" % (rows.ms[base] / rows.ms[name]), _share_text(rows, name)])
     for decoder in ("decode_lsh", "decode_exact"):
         for t in (65536, 1048576):
             base, name = "%s/%d" % (decoder, t), "%s_bf16/%d" % (decoder, t)
@@ -761,20 +843,22 @@ def table_half(rows, stamp):
                 cells.append(["`%s`" % name, "bfloat16 cache, float arithmetic",
                               _times_text(rows, name) + " per token",
                               "%.2fx (float: %s)" % (rows.ms[base] / rows.ms[name],
-                                                     _times_text(rows, base))])
+                                                     _times_text(rows, base)), "-"])
     if not cells:
         raise MissingRow("the half-precision rows at n = 16384")
-    return _table(["row", "unit", "time", "float time / this"], cells)
+    return _table(["row", "unit", "time", "float time / this",
+                   "share of the unit's peak (float: FMA)"], cells)
 
 
 def table_backward(rows, stamp):
     sizes = sorted(set(rows.sizes("exact_tiled_backward")) | set(rows.sizes("lsh_fused_backward")))
 
     def pair(forward, backward):
+        shares = "%s / %s" % (_share_text(rows, forward), _share_text(rows, backward))
         if not rows.has(forward, backward):
-            return [_ms(rows, forward), _ms(rows, backward), "-"]
+            return [_ms(rows, forward), _ms(rows, backward), "-", shares]
         return [fmt(rows.ms[forward]), fmt(rows.ms[backward]),
-                "%.2fx" % (rows.ms[backward] / rows.ms[forward])]
+                "%.2fx" % (rows.ms[backward] / rows.ms[forward]), shares]
 
     cells = []
     for n in sizes:
@@ -788,8 +872,9 @@ def table_backward(rows, stamp):
                 if rows.has(exact[1], fused[1]) else "-"])
     if not cells:
         raise MissingRow("<method>_backward/<n>")
-    return _table(["n", "exact fwd (ms)", "exact bwd (ms)", "bwd / fwd", "fused fwd (ms)",
-                   "fused bwd (ms)", "bwd / fwd", "exact bwd / fused bwd"], cells)
+    return _table(["n", "exact fwd (ms)", "exact bwd (ms)", "bwd / fwd",
+                   "exact share of peak: fwd / bwd", "fused fwd (ms)", "fused bwd (ms)",
+                   "bwd / fwd", "fused share of peak: fwd / bwd", "exact bwd / fused bwd"], cells)
 
 
 def table_paged(rows, stamp):
@@ -814,15 +899,101 @@ def table_single_head(rows, stamp):
     sizes = sorted({n for kernel in kernels for n in rows.sizes(kernel)})
     if not sizes:
         raise MissingRow("single_<kernel>/<n>")
-    header = ["row"] + ["n = %d (ms)" % n for n in sizes] + ["GFLOP/s at n = %d" % sizes[-1]]
+    header = ["row"] + ["n = %d (ms)" % n for n in sizes] + [
+        "GFLOP/s at n = %d" % sizes[-1], "share of FMA peak at n = %d" % sizes[-1]]
     cells = []
     for kernel in kernels:
         if not rows.sizes(kernel):
             continue
         last = "%s/%d" % (kernel, sizes[-1])
         cells.append(["`%s`" % kernel] + [_ms(rows, "%s/%d" % (kernel, n)) for n in sizes] +
-                     [fmt(rows.gflops[last]) if last in rows.gflops else "-"])
+                     [fmt(rows.gflops[last]) if last in rows.gflops else "-",
+                      _share_text(rows, last)])
     return _table(header, cells)
+
+
+def table_peak(rows, stamp):
+    units = [name for name in rows.order if name.startswith("peak/")]
+    if not units:
+        raise MissingRow("peak/<unit>")
+    cells = []
+    for name in units:
+        label = rows.labels.get(name, "")
+        counters = rows.counters.get(name, {})
+        bandwidth = rows.rates.get(name, {}).get("GB")
+        cells.append(["`%s`" % name, label.replace("unit=", "").replace(",isa=", ", ") or
+                      "memory reads", "%d" % counters.get("threads_used", 0),
+                      fmt(rows.gflops[name]) if name in rows.gflops else
+                      "%s GB/s" % fmt(bandwidth) if bandwidth else "-",
+                      fmt(counters["cpu_GFLOPs"]) if "cpu_GFLOPs" in counters else "-"])
+    out = _table(["row", "unit", "threads",
+                  "GFLOP/s over wall time (mean of a repetition's runs)",
+                  "GFLOP/s over the threads' CPU time (best run)"], cells)
+    kernels = [name for name in rows.order if rows.counters.get(name, {}).get("row_threads", 0) > 1
+               and rows.peak_unit(name) == "fma_f32" and name != "sgemm"
+               and rows.counters[name].get("peak_GFLOPs")]
+    if kernels:
+        wall = [rows.counters[name]["peak_GFLOPs"] for name in kernels]
+        cpu = [rows.peak(name) for name in kernels if rows.peak(name)]
+        out += ["", "Measured again after each of the %d float kernel rows on all threads: %s to "
+                "%s GFLOP/s over wall time, %s to %s over CPU time." % (
+                    len(kernels), fmt(min(wall)), fmt(max(wall)), fmt(min(cpu)), fmt(max(cpu)))]
+    return out
+
+
+def _thread_ms(rows, name):
+    """CPU time per call per thread of a row in ms (its wall time on a quiet machine)."""
+    threads = rows.counters.get(name, {}).get("row_threads")
+    if not threads or not rows.cpu_ms.get(name):
+        return "-"
+    return fmt(rows.cpu_ms[name] / threads)
+
+
+# The rows of the shares table, in order (those the run has).
+SHARE_ROWS = ("sgemm", "exact_tiled/16384", "exact_tiled_bf16/16384", "lsh_fused/16384",
+              "lsh_fused/65536", "lsh_fused_bf16/16384", "lsh_fused_f16/16384",
+              "lsh_fused_bf16kv/16384", "banded/16384", "exact_tiled_backward/16384",
+              "exact_tiled_bf16_backward/16384", "lsh_fused_backward/16384",
+              "lsh_fused_bf16_backward/16384", "single_exact_tiled/16384",
+              "single_lsh_fused/16384", "single_lsh_fused_sigma2/16384")
+
+
+def table_shares(rows, stamp):
+    cells = []
+    for name in SHARE_ROWS + tuple("lsh_fused_sigma/%d" % s for s in rows.sizes("lsh_fused_sigma")):
+        share = rows.share(name)
+        if share is None:
+            continue
+        cells.append(["`%s`" % name, rows.peak_unit(name) or "fma_f32",
+                      "2 n^3 a call" if name == "sgemm" else "10 d" if "backward" in name
+                      else "4 d", fmt(share * rows.peak(name)), fmt(rows.peak(name)),
+                      "%.2f" % share])
+    if not cells:
+        raise MissingRow("kernel rows with peak counters (peak_cpu_GFLOPs)")
+    return _table(["row", "peak of", "FLOPs per pair", "GFLOP/s", "peak (GFLOP/s)",
+                   "share of the peak"], cells)
+
+
+def table_phases(rows, stamp):
+    sigmas = rows.sizes("lsh_fused_phase/counts")
+    if not sigmas:
+        raise MissingRow("lsh_fused_phase/<phase>/<sigma>")
+    cells = []
+    for sigma in sigmas:
+        fused = "lsh_fused_sigma/%d" % sigma
+        window, counts, build, memory = ("lsh_fused_phase/%s/%d" % (phase, sigma)
+                                         for phase in ("window", "counts", "build", "memory"))
+        useful = rows.rates.get(counts, {}).get("pairs", 0) * rows.ms.get(counts, 0) * 1e-3
+        evaluated = rows.counters.get(counts, {}).get("evaluated_pairs")
+        cells.append([str(sigma), "%.0f" % (useful / (16384 * 8)) if useful else "-",
+                      _thread_ms(rows, fused), _share_text(rows, fused),
+                      _thread_ms(rows, window), _share_text(rows, window),
+                      _thread_ms(rows, counts), _thread_ms(rows, build), _thread_ms(rows, memory),
+                      "%.2f" % (evaluated / useful) if evaluated and useful else "-"])
+    return _table(["sigma", "keys per query", "fused (ms)", "fused share",
+                   "same pairs, no counts (ms)", "its share", "counts alone (ms)",
+                   "of which query tiles (ms)", "bytes alone (ms)", "evaluated / useful pairs"],
+                  cells)
 
 
 MODEL_NAMES = {"bloom-7b1": "BLOOM-7b1", "bloom-3b": "BLOOM-3b", "mpt-30b": "MPT-30B",
@@ -872,6 +1043,9 @@ def table_models(rows, stamp):
 # <!-- bench:table NAME -->: NAME -> function(rows, stamp) returning the block's lines.
 TABLES = {
     "run": table_run,
+    "peak": table_peak,
+    "shares": table_shares,
+    "phases": table_phases,
     "prefill": table_prefill,
     "prefill_short": table_prefill_short,
     "gflops": table_gflops,

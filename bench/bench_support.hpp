@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench_inputs.hpp"
+#include "peak.hpp"
 
 namespace poslsh::bench {
 
@@ -57,28 +58,68 @@ inline long long banded_pairs(Index n, Index band) {
   return (w + 1) * (w + 2) / 2 + (static_cast<long long>(n) - 1 - w) * (w + 1);
 }
 
+/// The peak a kernel row is compared with: the unit its products ran on, the FLOPs per pair
+/// counted against that peak (4 d forward; the backward's 10 d: its five d-long products per
+/// pair) and the threads it ran on (0: all_threads()).
+struct PeakOf {
+  PeakUnit unit = PeakUnit::fma_f32;
+  double flops_per_pair = bench::flops_per_pair;
+  int threads = 0;
+};
+
+/// The row's peak counters, its unit's peak measured right after its timed loop on its threads
+/// (measure_peak, best of 5 runs), so that the row and its peak see the same machine state:
+/// peak_GFLOPs (the peak over wall time, GFLOP/s; a plain value), peak_share (the row's FLOP
+/// rate over that peak, `flops` FLOPs per iteration; computed by Google Benchmark as a rate over
+/// the row's real time, reported as a plain number by ShortNameReporter), peak_cpu_GFLOPs (the
+/// peak over the threads' own CPU time, which other processes on the cores do not lower) and
+/// row_GFLOP (the FLOPs of one iteration counted against the peak, GFLOP; bench_report.py
+/// divides them by the row's CPU time for its share of peak_cpu_GFLOPs), row_threads and
+/// peak_unit (the PeakUnit measured: 0 fma_f32, 1 avx512_bf16, 2 amx_bf16).
+inline void set_peak_counters(benchmark::State& state, double flops, const PeakOf& peak) {
+  PeakUnit unit = peak_unit_available(peak.unit) ? peak.unit : PeakUnit::fma_f32;
+  const int threads = peak.threads > 0 ? peak.threads : all_threads();
+  const Peak measured = measure_peak(unit, threads);
+  state.counters["peak_GFLOPs"] = benchmark::Counter(measured.rate * 1e-9);
+  state.counters["peak_cpu_GFLOPs"] = benchmark::Counter(measured.cpu_rate * 1e-9);
+  state.counters["peak_share"] =
+      benchmark::Counter(flops / measured.rate, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["row_GFLOP"] = benchmark::Counter(flops * 1e-9);
+  state.counters["row_threads"] = threads;
+  state.counters["peak_unit"] = static_cast<double>(unit);
+}
+
 /// The counters of a kernel row, for `pairs` (query, key) pairs per iteration over `queries`
 /// query rows (all heads): pairs/s, GFLOP/s at 4 d FLOPs per pair (both rates over real
-/// time) and the mean keys per query row.
-inline void set_kernel_counters(benchmark::State& state, long long pairs, long long queries) {
+/// time), the mean keys per query row, and the share of the peak `peak` (set_peak_counters,
+/// at peak.flops_per_pair FLOPs a pair).
+inline void set_kernel_counters(benchmark::State& state, long long pairs, long long queries,
+                                const PeakOf& peak = {}) {
   const auto p = static_cast<double>(pairs);
   state.counters["pairs"] = benchmark::Counter(p, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOP"] =
       benchmark::Counter(p * flops_per_pair * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["keys_per_query"] = benchmark::Counter(p / static_cast<double>(queries));
+  set_peak_counters(state, p * peak.flops_per_pair, peak);
 }
 
 /// Adds the "min" aggregate to a benchmark (reported with --benchmark_repetitions=N > 1): on a
 /// shared machine the fastest repetition is the one least disturbed by other processes. Its
 /// rate counters are the smallest rates, not those of the fastest repetition;
-/// bench_report.py recomputes them from the time.
+/// bench_report.py recomputes them from the time. The row's CPU time is the whole process's
+/// (all its threads), which bench_report.py compares with the peak over CPU time.
 inline benchmark::internal::Benchmark* with_min_statistic(benchmark::internal::Benchmark* b) {
-  return b->ComputeStatistics("min", [](const std::vector<double>& values) {
-    return values.empty() ? 0.0 : *std::min_element(values.begin(), values.end());
-  });
+  return b
+      ->ComputeStatistics("min",
+                          [](const std::vector<double>& values) {
+                            return values.empty() ? 0.0
+                                                  : *std::min_element(values.begin(), values.end());
+                          })
+      ->MeasureProcessCPUTime();
 }
 
 /// Registration of the families, in the order they run.
+void register_peaks();
 void register_sgemm();
 void register_prefill(bool long_runs);
 void register_sigma16();

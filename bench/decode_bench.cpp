@@ -93,7 +93,7 @@ void run_decode(benchmark::State& state, Index t, Decoder decoder) {
     benchmark::DoNotOptimize(out.data);
     benchmark::ClobberMemory();
   }
-  set_kernel_counters(state, pairs, heads);
+  set_kernel_counters(state, pairs, heads, PeakOf{PeakUnit::fma_f32, flops_per_pair, 1});
   state.counters["tokens"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 

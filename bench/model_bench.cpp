@@ -131,8 +131,8 @@ void run_model(benchmark::State& state, ModelShape shape, Method method, bool bf
       pairs += lsh_fused_pair_count(hashes[static_cast<std::size_t>(h)], n, shape.masking);
     }
   }
-  set_kernel_counters(state, pairs, n * H);
   const double flops = 4.0 * static_cast<double>(d);
+  set_kernel_counters(state, pairs, n * H, PeakOf{PeakUnit::fma_f32, flops});
   state.counters["GFLOP"] = benchmark::Counter(static_cast<double>(pairs) * flops * 1e-9,
                                                benchmark::Counter::kIsIterationInvariantRate);
   state.counters["exact_GFLOP"] =
@@ -195,6 +195,7 @@ const bool registered = [] {
       benchmark::RegisterBenchmark(name.c_str(), run_model, shape, method, row.bf16_kv)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime()
+          ->MeasureProcessCPUTime()
           ->Iterations(method == Method::exact_tiled ? 1 : 3);
     }
   }

@@ -1,4 +1,9 @@
-// poslsh_bench: the benchmark suite (Google Benchmark). Rows, in the order they run:
+// poslsh_bench: the benchmark suite (Google Benchmark). Rows, in the order they run (the
+// families registered at start-up by the other files first):
+//   peak/<unit>                 the CPU's measured peaks (peak.hpp): fma_f32, and avx512_bf16,
+//                               amx_bf16 where the CPU has them; every kernel row also measures
+//                               its unit's peak right after its timed loop and reports its share
+//                               of it (set_peak_counters, bench_support.hpp)
 //   sgemm                       Eigen SGEMM 2048^3, the machine's practical GFLOP/s
 //   <method>/<n>                multi-head prefill, n = 1024 .. 65536 (exact_naive n <= 4096,
 //                               exact_tiled n <= 32768); with --long also exact_tiled/65536,
@@ -44,6 +49,7 @@ void run_sgemm(benchmark::State& state) {
   state.counters["GFLOP"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["eigen_threads"] = Eigen::nbThreads();
+  set_peak_counters(state, flops, PeakOf{PeakUnit::fma_f32, 0.0, Eigen::nbThreads()});
 }
 
 }  // namespace
@@ -105,6 +111,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("poslsh_version", std::to_string(POSLSH_VERSION_MAJOR) + "." +
                                                     std::to_string(POSLSH_VERSION_MINOR) + "." +
                                                     std::to_string(POSLSH_VERSION_PATCH));
+  benchmark::AddCustomContext("poslsh_fma_peak_isa", pb::fma_peak_isa());
   benchmark::AddCustomContext(
       "poslsh_problem",
       "float, H = 8, d = 64, causal, ALiBi sigma 2..256, s = 16, seed " + std::to_string(pb::seed));
@@ -113,6 +120,7 @@ int main(int argc, char** argv) {
 #else
   benchmark::AddCustomContext("omp_threads", "1 (built without OpenMP)");
 #endif
+  pb::register_peaks();
   pb::register_sgemm();
   pb::register_prefill(long_runs);
   pb::register_sigma16();

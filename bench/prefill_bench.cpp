@@ -114,9 +114,9 @@ void run_multihead_half(benchmark::State& state, Index n, const MultiHeadOptions
     benchmark::DoNotOptimize(out.data);
     benchmark::ClobberMemory();
   }
-  set_kernel_counters(state, pairs, n * heads);
-  state.SetLabel(std::string("unit=") +
-                 enum_name(detail::tile_engine_unit<Half, Half, AmxTiles>(options.precision)));
+  const MatrixUnit unit = detail::tile_engine_unit<Half, Half, AmxTiles>(options.precision);
+  set_kernel_counters(state, pairs, n * heads, PeakOf{peak_unit_for(unit)});
+  state.SetLabel(std::string("unit=") + enum_name(unit));
 }
 
 /// The same with float queries and output over bfloat16 K and V (a bfloat16 KV cache).

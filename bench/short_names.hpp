@@ -10,8 +10,9 @@ namespace poslsh::bench {
 
 /// Forwards every report to `inner` with the run-option suffixes that Google Benchmark appends
 /// to a name ("/min_time:0.500", "/iterations:1", "/real_time") removed, so rows read
-/// `<method>/<n>` as registered. Filters (--benchmark_filter) still match the full names.
-/// The stream set on this reporter (stdout, or the --benchmark_out file) is the inner one's.
+/// `<method>/<n>` as registered, and peak_share (a rate counter: FLOPs over the row's time over
+/// the peak) printed as the plain share it is. Filters (--benchmark_filter) still match the full
+/// names. The stream set on this reporter (stdout, or the --benchmark_out file) is the inner one's.
 class ShortNameReporter : public benchmark::BenchmarkReporter {
  public:
   /// `inner` is not owned (e.g. benchmark::CreateDefaultDisplayReporter()).
@@ -33,6 +34,12 @@ class ShortNameReporter : public benchmark::BenchmarkReporter {
       run.run_name.min_warmup_time.clear();
       run.run_name.iterations.clear();
       run.run_name.time_type.clear();
+      // A share, computed as a rate over the row's time: printed as a plain number.
+      const auto share = run.counters.find("peak_share");
+      if (share != run.counters.end()) {
+        share->second.flags = static_cast<benchmark::Counter::Flags>(share->second.flags &
+                                                                     ~benchmark::Counter::kIsRate);
+      }
     }
     inner_->ReportRuns(renamed);
   }
