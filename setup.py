@@ -88,10 +88,13 @@ class CMakeBuild(build_ext):
         shutil.copyfile(built[0], target)
 
 
+# Intermediate files in build-pip/ (relative to the source directory, where pip runs this file),
+# away from the CMake build directories; egg_info needs its directory to exist.
+os.makedirs("build-pip", exist_ok=True)
+
 setup(
     version=version(),
     ext_modules=[CMakeExtension("poslsh._core", target="poslsh_python")],
     cmdclass={"build_ext": CMakeBuild},
-    # Intermediate files in build-pip/, away from the CMake build directories.
     options={"build": {"build_base": "build-pip"}, "egg_info": {"egg_base": "build-pip"}},
 )
