@@ -121,6 +121,7 @@ void check_generation(const MultiHeadOptions& options, Index n, Index prefill, I
   INFO(poslsh::enum_name(options.method)
        << " " << poslsh_test::masking_name(options.masking) << " window " << options.window_left
        << " storage bytes " << sizeof(Storage) << " page " << page);
+  poslsh_test::Threads one(1);  // bitwise for any thread count; one is fastest for single rows
   const std::vector<HeadMethod> heads = poslsh::resolve_head_methods(cache_heads, options);
   const RowMatrix<Storage> q = random_rows<Storage>(n, cache_heads * cache_dim, seed);
   const RowMatrix<Storage> k = random_rows<Storage>(n, cache_kv_heads * cache_dim, seed + 1);
@@ -172,23 +173,35 @@ MultiHeadOptions generation_options(Method method, Masking masking, Index window
 
 }  // namespace
 
-TEST_CASE("a bounded cache gives every method's rows bitwise over thousands of decode steps",
+namespace {
+
+// Every method (exact attention with and without a local window, banded with and without one)
+// under `masking`, float storage.
+void check_every_method(Masking masking) {
+  const Index n = 3000, prefill = 600;
+  for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::mean_of_outputs,
+                        Method::fixed_blocks, Method::exact_banded, Method::exact_tiled})
+    check_generation<float>(generation_options(method, masking), n, prefill, 64, 1);
+  check_generation<float>(generation_options(Method::exact_tiled, masking, 100), n, prefill, 128,
+                          2);
+  check_generation<float>(generation_options(Method::exact_banded, masking, 70), n, prefill, 64, 3);
+}
+
+}  // namespace
+
+TEST_CASE("a bounded cache gives every method's causal rows bitwise over thousands of steps",
           "[cache][bounded]") {
-  const Index n = 2400, prefill = 600;
-  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
-    for (Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::mean_of_outputs,
-                          Method::fixed_blocks, Method::exact_banded, Method::exact_tiled})
-      check_generation<float>(generation_options(method, masking), n, prefill, 64, 1);
-    check_generation<float>(generation_options(Method::exact_tiled, masking, 100), n, prefill, 128,
-                            2);
-    check_generation<float>(generation_options(Method::exact_banded, masking, 70), n, prefill, 64,
-                            3);
-  }
+  check_every_method(Masking::causal);
+}
+
+TEST_CASE("a bounded cache gives every method's bidirectional rows bitwise",
+          "[cache][bounded][slow]") {
+  check_every_method(Masking::bidirectional);
 }
 
 TEST_CASE("a bounded cache of bfloat16 or float16 gives the rows of a full cache bitwise",
           "[cache][bounded]") {
-  const Index n = 1600, prefill = 500;
+  const Index n = 2500, prefill = 500;
   for (Method method : {Method::lsh_fused, Method::exact_banded, Method::lsh_per_sample}) {
     check_generation<Eigen::bfloat16>(generation_options(method, Masking::causal), n, prefill, 128,
                                       4);
@@ -201,6 +214,7 @@ TEST_CASE("a bounded cache of bfloat16 or float16 gives the rows of a full cache
 
 TEST_CASE("sequences sharing a pool reuse each other's pages and keep their rows bitwise",
           "[cache][bounded]") {
+  poslsh_test::Threads one(1);
   MultiHeadOptions options = generation_options(Method::lsh_fused, Masking::causal);
   options.sigmas = {2.0, 5.0, 10.0, 30.0};
   const std::vector<HeadMethod> heads = poslsh::resolve_head_methods(cache_heads, options);
