@@ -62,12 +62,22 @@
 #include "poslsh/detail/tile/types.hpp"
 #include "poslsh/multihead/attention.hpp"
 #include "poslsh/multihead/methods.hpp"
+#include "poslsh/multihead/planner.hpp"
 #include "poslsh/multihead/training.hpp"
 
 namespace poslsh {
 
 template <typename Storage>
 class BoundedKVCache;
+
+/// The query heads' methods of a plan (plan_heads: one HeadPlan per query head), as
+/// multihead_attention runs it: exact_tiled, exact_banded with its W, lsh_fused with the hashes
+/// sample_hashes(sigma, s, seed, stream, sampler). For a BoundedKVCache serving the plan.
+/// \throws std::invalid_argument naming 'plans' (empty, or a plan that is not valid).
+inline std::vector<HeadMethod> planned_heads(const std::vector<HeadPlan>& plans) {
+  detail::require(!plans.empty(), "planned_heads", "plans", 0, "must hold one plan per query head");
+  return detail::planned_head_methods("planned_heads", static_cast<Index>(plans.size()), plans);
+}
 
 namespace detail {
 
