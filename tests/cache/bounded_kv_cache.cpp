@@ -80,7 +80,7 @@ poslsh::HeadsView<const Storage> rows_view(const RowMatrix<Storage>& m, Index be
 }
 
 template <typename A, typename B>
-bool same_bits(const A& a, const B& b) {
+bool cache_same_bits(const A& a, const B& b) {
   return a.rows() == b.rows() && a.cols() == b.cols() &&
          std::memcmp(a.data(), b.data(),
                      static_cast<std::size_t>(a.size()) * sizeof(typename A::Scalar)) == 0;
@@ -148,7 +148,7 @@ void check_generation(const MultiHeadOptions& options, Index n, Index prefill, I
     poslsh::multihead_attention<Storage, Storage, Storage>(
         rows_view(q, a, b, cache_heads), rows_view(k, 0, b, cache_kv_heads),
         rows_view(v, 0, b, cache_kv_heads), interleaved_view(full, cache_heads), at);
-    REQUIRE(same_bits(bounded, full));
+    REQUIRE(cache_same_bits(bounded, full));
     Index in_use = 0;
     for (Index g = 0; g < cache_kv_heads; ++g) {
       check_retention(cache, sequence, g, last[static_cast<std::size_t>(g)], a,
@@ -275,7 +275,7 @@ TEST_CASE("sequences sharing a pool reuse each other's pages and keep their rows
           rows_view(v[static_cast<std::size_t>(s)], 0, t + 1, cache_kv_heads),
           interleaved_view(full, cache_heads), at);
       INFO("step " << step << " sequence " << s << " position " << t);
-      REQUIRE(same_bits(RowMatrix<float>(out.row(s)), full));
+      REQUIRE(cache_same_bits(RowMatrix<float>(out.row(s)), full));
     }
   }
   // The full caches would need sequences x K/V heads x positions / page pages.

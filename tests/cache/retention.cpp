@@ -1,7 +1,8 @@
 // The retention rule (first_live_key, kv_head_first_live_key) against a brute-force scan of
 // every method's weights: key j is live at t iff some query i >= t gives it a nonzero weight,
-// the live keys form a suffix, the first live key never decreases, it is the head's key range at
-// t (head_key_range), and a K/V head keeps the union of its query heads; bad input is named.
+// the live keys form a suffix, the first live key never decreases, it is the head's key
+// range at t (head_key_range), and a K/V head keeps the union of its query heads; bad input is
+// named.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -31,10 +32,10 @@ bool retention_weight(const HeadMethod& head, Index i, Index j) {
 }
 
 // The last query position (>= j) that reads key j, by a scan over the queries up to `horizon`
-// past j (beyond the widest bin, band or window); `never` when the head reads it forever.
-constexpr Index never = std::numeric_limits<Index>::max();
+// past j (beyond the widest bin, band or window); `retention_never` when the head reads it forever.
+constexpr Index retention_never = std::numeric_limits<Index>::max();
 Index last_reader(const HeadMethod& head, Index j, Index horizon) {
-  if (head.method == Method::exact_tiled && head.window_left < 0) return never;
+  if (head.method == Method::exact_tiled && head.window_left < 0) return retention_never;
   Index last = j;
   for (Index i = j; i <= j + horizon; ++i)
     if (retention_weight(head, i, j)) last = i;
