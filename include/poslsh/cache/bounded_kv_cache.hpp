@@ -51,6 +51,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "poslsh/attention/paged.hpp"
