@@ -5,8 +5,9 @@
 // keeps, per head, only the keys that head can still read. Tokens arrive in chunks (appended as
 // a prefill would; --attend-chunks also computes their queries); at each checkpoint t the last
 // --decode-steps tokens before it are decoded one by one (append, then attention of the new
-// query), timed. A progress line per power of two and per checkpoint shows the cache's bytes
-// against the full cache's and the time per decoded token; --csv writes the same rows.
+// query), timed. A progress line per power of two (after the release at the cache's length) and
+// per checkpoint shows the cache's bytes against the full cache's and the time per decoded
+// token; --csv writes the same rows.
 // --compare-full T also times the same decode steps at T on a full contiguous cache
 // (multihead_attention with the plan), the decoders' speed on the bounded cache against it.
 // Inputs are random (a pool of 4096 random tokens, token t takes row t mod 4096).
@@ -95,6 +96,8 @@ class Layer {
   }
 
   Index length() const { return cache_.length(sequence_); }
+  /// No query before the current length from now on: releases the pages dead there.
+  void advance() { cache_.advance(sequence_, length()); }
   const poslsh::BoundedKVCache<Storage>& cache() const { return cache_; }
   Index sequence() const { return sequence_; }
 
@@ -224,6 +227,8 @@ int run(const Settings& settings) {
     while (layer.length() < decode_from) {
       const Index m = std::min(settings.chunk, decode_from - layer.length());
       layer.append(m, settings.attend_chunks);
+      // The next query sits at the new length: the chunk's pages dead there go back now.
+      layer.advance();
       if (layer.length() >= next_report) {
         report(layer.length(), 0, 0);
         while (next_report <= layer.length()) next_report *= 2;
