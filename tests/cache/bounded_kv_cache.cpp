@@ -4,7 +4,7 @@
 // weights (shared bins, band, window) checks that no released key is read by any later query and
 // that the cache holds no page whose keys are all dead (the memory bound: the live keys' pages
 // plus at most one); sequences sharing a pool reuse each other's pages; bad input is named and
-// changes nothing.
+// changes nothing; a plan's heads (planned_heads) give the planned rows.
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <poslsh/cache/bounded_kv_cache.hpp>
 #include <poslsh/cache/retention.hpp>
 #include <poslsh/multihead/attention.hpp>
+#include <poslsh/multihead/planner.hpp>
 #include <poslsh/parallel/plan.hpp>
 #include <set>
 #include <string>
@@ -410,4 +411,38 @@ TEST_CASE("bad input to a bounded cache is named and changes nothing", "[cache][
       },
       "sequences");
   CHECK(cache.free_pages() == 4);
+}
+
+TEST_CASE("a bounded cache of a plan's heads gives the planned rows bitwise", "[cache][bounded]") {
+  poslsh_test::Threads one(1);
+  const Index n = 1400, page = 64;
+  const std::vector<double> sigmas = {2.0, 9.0, 24.0, 60.0};
+  for (double target : {0.05, 0.01}) {
+    poslsh::PlannerOptions planner;
+    planner.head_dim = cache_dim;
+    const std::vector<poslsh::HeadPlan> plans =
+        poslsh::plan_heads(4096, sigmas, Masking::causal, target, planner);
+    INFO("target " << target << "\n" << poslsh::format_plan(plans, 4096));
+    const RowMatrix<float> q = random_rows<float>(n, cache_heads * cache_dim, 60);
+    const RowMatrix<float> k = random_rows<float>(n, cache_kv_heads * cache_dim, 61);
+    const RowMatrix<float> v = random_rows<float>(n, cache_kv_heads * cache_dim_v, 62);
+    BoundedKVCache<float> cache(poslsh::planned_heads(plans), cache_kv_heads, cache_dim,
+                                cache_dim_v, page, cache_kv_heads * (n / page + 1));
+    const Index sequence = cache.open();
+    for (Index a = 0, b = 300; a < n; a = b, ++b) {
+      cache.append(sequence, a, rows_view(k, a, b, cache_kv_heads),
+                   rows_view(v, a, b, cache_kv_heads));
+      RowMatrix<float> bounded(b - a, cache_heads * cache_dim_v), full(b - a, bounded.cols());
+      poslsh::multihead_attention_bounded<float>(rows_view(q, a, b, cache_heads), cache, sequence,
+                                                 interleaved_view(bounded, cache_heads));
+      AttentionOptions at;
+      at.query_offset = a;
+      poslsh::multihead_attention<float>(
+          rows_view(q, a, b, cache_heads), rows_view(k, 0, b, cache_kv_heads),
+          rows_view(v, 0, b, cache_kv_heads), interleaved_view(full, cache_heads), plans, at);
+      INFO("positions [" << a << ", " << b << ")");
+      REQUIRE(cache_same_bits(bounded, full));
+    }
+  }
+  require_invalid_argument([] { poslsh::planned_heads({}); }, "plans");
 }
