@@ -83,9 +83,7 @@ template <typename Storage>
 class Layer {
  public:
   Layer(const Settings& settings, const std::vector<poslsh::HeadPlan>& plans, Index pages)
-      : settings_(settings),
-        plans_(plans),
-        cache_(poslsh::planned_heads(plans), heads, dim, dim, settings.page, pages) {
+      : plans_(plans), cache_(poslsh::planned_heads(plans), heads, dim, dim, settings.page, pages) {
     std::mt19937_64 engine(7);
     std::normal_distribution<double> normal(0.0, 1.0);
     for (RowMatrix<Storage>* m : {&q_, &k_, &v_}) {
@@ -148,7 +146,6 @@ class Layer {
     return poslsh::interleaved_heads<const Storage>(m.data() + row * m.cols(), count, heads, dim);
   }
 
-  const Settings& settings_;
   std::vector<poslsh::HeadPlan> plans_;
   poslsh::BoundedKVCache<Storage> cache_;
   Index sequence_ = 0;

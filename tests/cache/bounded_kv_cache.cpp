@@ -225,9 +225,12 @@ TEST_CASE("sequences sharing a pool reuse each other's pages and keep their rows
   std::vector<RowMatrix<float>> q, k, v;
   std::vector<Index> ids;
   for (Index s = 0; s < sequences; ++s) {
-    q.push_back(random_rows<float>(n, cache_heads * cache_dim, 40 + 3 * s));
-    k.push_back(random_rows<float>(n, cache_kv_heads * cache_dim, 41 + 3 * s));
-    v.push_back(random_rows<float>(n, cache_kv_heads * cache_dim_v, 42 + 3 * s));
+    q.push_back(
+        random_rows<float>(n, cache_heads * cache_dim, static_cast<std::uint64_t>(40 + 3 * s)));
+    k.push_back(
+        random_rows<float>(n, cache_kv_heads * cache_dim, static_cast<std::uint64_t>(41 + 3 * s)));
+    v.push_back(random_rows<float>(n, cache_kv_heads * cache_dim_v,
+                                   static_cast<std::uint64_t>(42 + 3 * s)));
     ids.push_back(cache.open());
   }
   // Prefills of different lengths, then one decode step of every sequence per call.
