@@ -282,6 +282,24 @@ TEST_CASE("sequences sharing a pool reuse each other's pages and keep their rows
       REQUIRE(cache_same_bits(RowMatrix<float>(out.row(s)), full));
     }
   }
+  // The same batched call on two threads: bitwise the one-thread rows.
+  {
+    RowMatrix<float> queries(sequences, cache_heads * cache_dim);
+    for (Index s = 0; s < sequences; ++s)
+      queries.row(s) =
+          q[static_cast<std::size_t>(s)].row(cache.length(ids[static_cast<std::size_t>(s)]) - 1);
+    const std::vector<std::int32_t> cu = {0, 1, 2, 3};
+    RowMatrix<float> one_thread(sequences, cache_heads * cache_dim_v),
+        two(one_thread.rows(), one_thread.cols());
+    poslsh::multihead_attention_bounded<float>(
+        interleaved_view(std::as_const(queries), cache_heads), cache, ids,
+        interleaved_view(one_thread, cache_heads), cu);
+    poslsh_test::Threads both(2);
+    poslsh::multihead_attention_bounded<float>(
+        interleaved_view(std::as_const(queries), cache_heads), cache, ids,
+        interleaved_view(two, cache_heads), cu);
+    CHECK(cache_same_bits(one_thread, two));
+  }
   // The full caches would need sequences x K/V heads x positions / page pages.
   INFO("most pages in use " << most_in_use);
   CHECK(most_in_use <= pool);
