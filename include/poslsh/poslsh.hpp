@@ -12,6 +12,8 @@
 ///               backward, packed batches, the per-head planner
 ///   training/   single-head forward with lse and backward, the mean-of-outputs estimator
 ///   interop/    block plans, the log-sum-exp merge, bring-your-own block kernel
+///   cache/      bounded KV caches for generation: the retention rule per head, the page pool
+///               and the all-heads attention over it
 ///   parallel/   context parallelism: the plan, halos, the K/V ring with its lse merge, the slice
 ///               backward, traffic
 ///   analysis/   error measurements of M~ against L* (operators, max error, block statistics)
@@ -29,6 +31,8 @@
 #include "poslsh/attention/partition.hpp"
 #include "poslsh/attention/per_sample.hpp"
 #include "poslsh/attention/tiled.hpp"
+#include "poslsh/cache/bounded_kv_cache.hpp"
+#include "poslsh/cache/retention.hpp"
 #include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/slopes.hpp"

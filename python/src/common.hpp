@@ -190,6 +190,7 @@ void register_paged(py::module_& module);
 void register_interop(py::module_& module);
 void register_planner(py::module_& module);
 void register_parallel(py::module_& module);
+void register_kv_cache(py::module_& module);
 void register_analysis(py::module_& module);
 
 }  // namespace poslsh_python

@@ -22,6 +22,7 @@ ALiBi attention is T~ = D~^-1 (A o M~) V, M~ the mean of s block masks.
   register_paged(module);
   register_interop(module);
   register_parallel(module);
+  register_kv_cache(module);
 #ifdef POSLSH_PYTHON_WITH_SPECTRA
   register_analysis(module);
   module.attr("has_spectra") = true;

@@ -252,6 +252,22 @@ struct ViewHeadsKeys {
   }
 };
 
+/// The position of the first key of a row source: rows.key_position() for a source that carries
+/// its own (one K/V head of a bounded cache: BoundedRows, poslsh/cache/bounded_kv_cache.hpp),
+/// else the sequence's k0.
+template <typename Rows, typename = void>
+struct CarriesKeyPosition : std::false_type {};
+template <typename Rows>
+struct CarriesKeyPosition<Rows, std::void_t<decltype(std::declval<const Rows&>().key_position())>>
+    : std::true_type {};
+template <typename Rows>
+Index row_source_key_position(const Rows& rows, Index sequence_k0) {
+  if constexpr (CarriesKeyPosition<Rows>::value)
+    return rows.key_position();
+  else
+    return sequence_k0;
+}
+
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
 /// head) jobs of all sequences, heads outermost when a method reads every key before its tiles
 /// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
@@ -288,7 +304,8 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
         keys.with_head(s, tile.range, h / group, [&](const auto& rows) {
           using Rows = std::decay_t<decltype(rows)>;
           const HeadForward<decltype(q_h), Rows, decltype(out_h)> f{
-              q_h, rows, out_h, call.tau, call.masking, s.p0, call.precision, s.k0};
+              q_h,          rows, out_h,          call.tau,
+              call.masking, s.p0, call.precision, row_source_key_position(rows, s.k0)};
           visit_method(head.method, [&](auto kernels) {
             using Kernels = decltype(kernels);
             if constexpr (Kernels::runs_by_query_tiles) {

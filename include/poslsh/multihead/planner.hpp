@@ -382,6 +382,8 @@ inline std::vector<HeadMethod> planned_head_methods(const char* function, Index 
 /// sample_hashes(sigma, s, seed, stream, sampler)), in the one parallel loop over (query tile,
 /// head) jobs of multihead_attention: bitwise the same for any thread count, and each head
 /// bitwise its single-head kernel. options: masking, scale, query offset as multihead_attention.
+/// Half-precision views (Eigen::bfloat16, Eigen::half) are computed in float, as
+/// multihead_attention's.
 /// \throws std::invalid_argument naming 'plans' (one per query head, each valid), a bad view
 ///   or option, before any head runs.
 template <typename Scalar>
@@ -389,9 +391,9 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                          HeadsView<const Scalar> v, HeadsView<Scalar> out,
                          const std::vector<HeadPlan>& plans, const AttentionOptions& options = {}) {
   constexpr const char* function = "multihead_attention";
-  detail::one_sequence_forward<Scalar>(function, q, k, v, out, options, [&] {
-    return detail::planned_head_methods(function, q.heads, plans);
-  });
+  detail::one_sequence_forward<compute_scalar_t<Scalar, Scalar, Scalar>>(
+      function, q, k, v, out, options,
+      [&] { return detail::planned_head_methods(function, q.heads, plans); });
 }
 
 }  // namespace poslsh
