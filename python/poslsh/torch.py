@@ -67,13 +67,13 @@ _torch_version.require("poslsh.torch")
 from .flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
                     flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                     flash_attn_with_kvcache)
-from .modules import AlibiSelfAttention, KVCache, attention_forward, make_alibi_slopes  # noqa: E402
+from .modules import AlibiSelfAttention, BoundedKVCache, KVCache, attention_forward, make_alibi_slopes  # noqa: E402
 
 __all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "alibi_attention_forward",
            "lsh_attention", "lsh_attention_forward", "multihead_attention", "multihead_attention_forward",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
-           "AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
+           "AlibiSelfAttention", "BoundedKVCache", "KVCache", "attention_forward", "make_alibi_slopes"]
 
 _DTYPES = (torch.float32, torch.float64)
 
