@@ -51,7 +51,9 @@ offsets as float64 tensors, multihead_attention its (sigmas, samples, seed) (see
 operators check their arguments; the calls check what only Python sees (argument types,
 requires_grad). AlibiAttention, LshAttention and MultiheadAttention keep their ``apply``
 (``MultiheadAttention.apply(q, k, v, keywords, precision)`` with the kernels' keywords as a dict).
-The FlashAttention calls are poslsh.flash's operators.
+The FlashAttention calls are poslsh.flash's operators. AlibiSelfAttention, KVCache and
+BoundedKVCache (a KV cache that keeps only the keys its heads can still read, with
+flash_attn_with_kvcache-style calls) are poslsh.modules'.
 
 This module is imported only on request (``import poslsh.torch``) and needs PyTorch 2.13 or
 newer (ImportError naming the version otherwise).
