@@ -319,7 +319,7 @@ class BoundedKVCache:
             _fail(function, "q", f"has dtype {q.dtype}: must be the cache's dtype {self.dtype} (or torch.float32 "
                   "over a bfloat16 or float16 cache)", TypeError)
         batch, seqlen_q = self.batch_size, q.shape[1]
-        if tuple(q.shape[::2]) != (batch, self.head_dim) or q.shape[2] != self.num_heads:
+        if (q.shape[0], q.shape[2], q.shape[3]) != (batch, self.num_heads, self.head_dim):
             _fail(function, "q", f"has shape {tuple(q.shape)}: must be (batch_size, seqlen_q, num_heads, head_dim) "
                   f"= ({batch}, *, {self.num_heads}, {self.head_dim})")
         new = k.shape[1]
