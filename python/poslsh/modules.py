@@ -177,9 +177,9 @@ class BoundedKVCache:
     windowed heads, batch_size * num_kv_heads * (ceil((W + chunk) / page_size) + 2) pages
     suffice, W the widest band or window and chunk the longest append.
 
-    Errors (TypeError or ValueError naming the argument) leave the cache unchanged; an append
-    that finds the pool too small for sequence b leaves sequences 0 .. b-1 appended (it raises
-    ValueError naming 'num_pages' ... from the binding). Inference only: no gradients."""
+    Errors (TypeError or ValueError naming the argument) leave the cache unchanged, but for one:
+    a pool too small for sequence b's append raises the binding's ValueError (naming 'keys' and
+    num_pages) after sequences 0 .. b-1 were appended. Inference only: no gradients."""
 
     def __init__(self, batch_size, num_heads, num_kv_heads, head_dim, *, head_dim_v=None, max_seqlen=None,
                  num_pages=None, page_size=256, dtype=torch.float32, alibi_slopes=None, method="exact", samples=16,

@@ -32,11 +32,12 @@ CASES = [("banded", (-1, -1)), ("lsh", (-1, -1)), ("lsh_per_sample", (-1, -1)), 
          ("mean_of_outputs", (-1, -1)), ("exact", (80, 0)), ("exact", (-1, -1))]
 
 
-@pytest.mark.parametrize("method,window", CASES)
-def test_prefill_then_decode_is_bitwise_flash_attn_with_kvcache(method, window):
+@pytest.mark.parametrize("method,window,causal", [case + (True,) for case in CASES]
+                         + [("banded", (-1, -1), False), ("lsh", (-1, -1), False)])
+def test_prefill_then_decode_is_bitwise_flash_attn_with_kvcache(method, window, causal):
     n, dtype = 300, torch.float32
     q, k, v = _inputs(n, 1, dtype)
-    keywords = dict(alibi_slopes=SLOPES, causal=True, window_size=window, method=method, samples=4, seed=3)
+    keywords = dict(alibi_slopes=SLOPES, causal=causal, window_size=window, method=method, samples=4, seed=3)
     cache = pt.BoundedKVCache(BATCH, HEADS, KV_HEADS, DIM, max_seqlen=n, page_size=PAGE, dtype=dtype, **keywords)
     k_full = torch.zeros(BATCH, n, KV_HEADS, DIM, dtype=dtype)
     v_full = torch.zeros_like(k_full)
@@ -139,6 +140,9 @@ def test_bad_input_is_named_and_changes_nothing():
     with pytest.raises(ValueError, match="'q'"):
         cache.attention(q[:1, 70:71], k[:, 70:71], v[:, 70:71])
     assert state == (cache.cache_seqlens.tolist(), cache.bytes_in_use)
+    small = pt.BoundedKVCache(BATCH, HEADS, KV_HEADS, DIM, num_pages=3, page_size=PAGE)  # 4 pages needed
+    with pytest.raises(ValueError, match="num_pages"):
+        small.attention(q[:, :1], k[:, :1], v[:, :1])
     out = cache.attention(q[:, 70:71], k[:, 70:71], v[:, 70:71], cache_seqlens=torch.tensor([70, 70],
                                                                                            dtype=torch.int32))
     assert out.shape == (BATCH, 1, HEADS, DIM) and bool(torch.isfinite(out).all())
