@@ -177,9 +177,9 @@ class BoundedKVCache:
     windowed heads, batch_size * num_kv_heads * (ceil((W + chunk) / page_size) + 2) pages
     suffice, W the widest band or window and chunk the longest append.
 
-    Errors (TypeError or ValueError naming the argument) leave the cache unchanged, but for one:
-    a pool too small for sequence b's append raises the binding's ValueError (naming 'keys' and
-    num_pages) after sequences 0 .. b-1 were appended. Inference only: no gradients."""
+    Errors (TypeError or ValueError naming the argument; a pool too small for the new tokens
+    of every sequence: ValueError naming 'k' and num_pages) leave the tokens of every sequence
+    unchanged (pages already dead may have been released). Inference only: no gradients."""
 
     def __init__(self, batch_size, num_heads, num_kv_heads, head_dim, *, head_dim_v=None, max_seqlen=None,
                  num_pages=None, page_size=256, dtype=torch.float32, alibi_slopes=None, method="exact", samples=16,
@@ -349,6 +349,15 @@ class BoundedKVCache:
             if given != lengths:
                 _fail(function, "cache_seqlens", f"is {given}: the bounded cache appends each sequence at its "
                       f"length, {lengths} (positions in order only; released keys cannot be rewritten)")
+        # All or nothing: the pages dead at the new tokens' first positions are released first
+        # (what each append does first), then the pool must hold every sequence's new pages.
+        for b, sequence in enumerate(self._sequences):
+            self.core.advance(sequence, lengths[b])
+        page = self.core.page_size
+        needed = sum(self.num_kv_heads * (-(-(length + new) // page) - -(-length // page)) for length in lengths)
+        if needed > self.core.free_pages:
+            _fail(function, "k", f"has {new} new tokens per sequence, which need {needed} new pages: the pool has "
+                  f"{self.core.free_pages} free of num_pages = {self.core.num_pages}")
         for b, sequence in enumerate(self._sequences):
             self.core.append(sequence, lengths[b], _binding_view(k[b]), _binding_view(v[b]))
         flat_q = q.detach().reshape(batch * seqlen_q, self.num_heads, self.head_dim)

@@ -140,9 +140,12 @@ def test_bad_input_is_named_and_changes_nothing():
     with pytest.raises(ValueError, match="'q'"):
         cache.attention(q[:1, 70:71], k[:, 70:71], v[:, 70:71])
     assert state == (cache.cache_seqlens.tolist(), cache.bytes_in_use)
-    small = pt.BoundedKVCache(BATCH, HEADS, KV_HEADS, DIM, num_pages=3, page_size=PAGE)  # 4 pages needed
-    with pytest.raises(ValueError, match="num_pages"):
+    # 2 pages per sequence (one per K/V head): the second sequence does not fit, the first is not
+    # appended either.
+    small = pt.BoundedKVCache(BATCH, HEADS, KV_HEADS, DIM, num_pages=3, page_size=PAGE)
+    with pytest.raises(ValueError, match="'k'.*num_pages"):
         small.attention(q[:, :1], k[:, :1], v[:, :1])
+    assert small.cache_seqlens.tolist() == [0, 0] and small.core.free_pages == 3
     out = cache.attention(q[:, 70:71], k[:, 70:71], v[:, 70:71], cache_seqlens=torch.tensor([70, 70],
                                                                                            dtype=torch.int32))
     assert out.shape == (BATCH, 1, HEADS, DIM) and bool(torch.isfinite(out).all())
