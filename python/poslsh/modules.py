@@ -279,6 +279,12 @@ class BoundedKVCache:
         return torch.tensor([self.core.length(s) for s in self._sequences], dtype=torch.int32)
 
     @property
+    def sequences(self):
+        """The binding's sequence ids of the batch rows (for ``core``'s per-sequence queries:
+        first_key, held_pages, frontier)."""
+        return list(self._sequences)
+
+    @property
     def bytes_in_use(self):
         """Bytes of the pages the sequences hold (keys and values)."""
         return self.core.bytes_in_use
