@@ -23,6 +23,7 @@ installed) has the same computations as differentiable torch operators.
 from ._core import (  # noqa: F401
     BFloat16Bits,
     BlockPlan,
+    BoundedKVCache,
     ContextParallelPlan,
     ContextParallelRank,
     HashSet,

@@ -5,6 +5,7 @@ attention function of the signature Hugging Face transformers registers.
     y = attn(x)                                           # x, y: (batch, seqlen, hidden_size)
     cache = poslsh.torch.KVCache.for_module(attn, batch_size=1, max_seqlen=2048)
     y = attn(prompt, cache=cache); y = attn(next_token, cache=cache)   # generation
+    cache = poslsh.torch.KVCache.for_module(attn, 1, 2048, bounded=True)  # memory bounded
 
     AttentionInterface.register("poslsh", poslsh.torch.attention_forward)   # transformers
 
@@ -23,13 +24,15 @@ reads the cache lengths (a graph break: decode eagerly or without fullgraph).
 
 import math
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from . import _core, _methods
+from .flash import _causal_lse, _fail, _method, _sigmas, _window
 from .flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
-__all__ = ["AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
+__all__ = ["AlibiSelfAttention", "BoundedKVCache", "KVCache", "attention_forward", "make_alibi_slopes"]
 
 
 def _positive_int(value, name):
@@ -87,9 +90,15 @@ class KVCache:
         self.cache_seqlens = torch.zeros(batch_size, dtype=torch.int32)
 
     @classmethod
-    def for_module(cls, module, batch_size, max_seqlen, *, dtype=None):
+    def for_module(cls, module, batch_size, max_seqlen, *, dtype=None, bounded=False, num_pages=None, page_size=256):
         """A cache shaped for `module` (an AlibiSelfAttention); dtype defaults to the dtype of
-        the module's projection weights."""
+        the module's projection weights. bounded=True returns a BoundedKVCache with the module's
+        heads instead (BoundedKVCache.for_module; num_pages and page_size are its pool), which
+        keeps only the keys the heads can still read; an exact head without a window keeps
+        every key there too."""
+        if bounded:
+            return BoundedKVCache.for_module(module, batch_size, max_seqlen, dtype=dtype, num_pages=num_pages,
+                                             page_size=page_size)
         if not isinstance(module, AlibiSelfAttention):
             raise TypeError(f"poslsh.torch: argument 'module' must be an AlibiSelfAttention, got "
                             f"{type(module).__name__}")
@@ -108,6 +117,272 @@ class KVCache:
     def reset(self):
         """Forgets every token (cache_seqlens = 0); the buffers are kept."""
         self.cache_seqlens.zero_()
+
+
+_BOUNDED_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+                   torch.float16: "float16"}
+
+# A window side bound for a cache without a capacity (FlashAttention-2 treats a side >= the
+# capacity as unbounded).
+_UNBOUNDED_CAPACITY = 2**62
+
+
+def _binding_view(x):
+    """A CPU tensor (last axis contiguous) as the binding reads it in place: a numpy view, or
+    poslsh.BFloat16Bits over the int16 view of a bfloat16 tensor."""
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return _core.BFloat16Bits(x.view(torch.int16).numpy())
+    return x.numpy()
+
+
+class BoundedKVCache:
+    """A KV cache for generation whose memory does not grow with the context: poslsh's
+    BoundedKVCache (the binding poslsh.BoundedKVCache, reachable as ``.core``) holding
+    ``batch_size`` sequences, each K/V head keeping only the keys its query heads can still read
+
+        banded head (method "banded", band W_h = band_for_bias_error(sigma_h, band_error)):
+                                           key j dropped once t - j > W_h
+        exact head with window_size (L, .): key j dropped once t - j > L
+        LSH heads ("lsh", "lsh_per_sample", "mean_of_outputs", "fixed_blocks"):
+                                           dropped once t is past the end of j's block in every
+                                           hash sample
+        exact head without a window:       never (the head keeps its full cache)
+
+    (t the position of the first token of the latest append; sigma_h = 1 / alibi_slopes[h]; a
+    K/V head keeps the union of its query heads' keys). Keys and values live in a pool of
+    ``num_pages`` pages of ``page_size`` positions of one K/V head, in ``dtype`` (float32,
+    bfloat16, float16 or float64); dropped pages return to the pool. Per K/V head of a sequence
+    at most ceil(live keys / page_size) + 1 pages are held, whatever the length.
+
+    The heads are fixed at construction with flash_attn_with_kvcache's keywords (alibi_slopes of
+    shape (num_heads,), method, samples, seed, band_error, window_size, causal, softmax_scale,
+    precision; window sides >= max_seqlen, or any side when max_seqlen is None, as
+    FlashAttention-2 bounds them by the capacity). Then, for each step,
+
+        out = cache.attention(q, k, v)            # or (out, softmax_lse) with return_softmax_lse
+
+    with q (batch_size, seqlen_q, num_heads, head_dim) and the new tokens' k, v (batch_size,
+    seqlen_new, num_kv_heads, head_dim / head_dim_v), seqlen_q <= seqlen_new: k and v are copied
+    into the pages at each sequence's length L_b (the only copy), then q attends with
+    flash_attn_with_kvcache's formula (query i at position L_b + seqlen_new - seqlen_q + i)
+    over the pages read in place. Every output is bitwise flash_attn_with_kvcache's over a cache
+    holding every key (same heads, dtypes and precision; finite keys and values), and
+    softmax_lse is FlashAttention-2's as there. q is of the cache's dtype, or float32 over a
+    bfloat16/float16 cache; out has q's dtype.
+
+    num_pages: the pool size; default, with max_seqlen given, the pages of full caches of
+    max_seqlen tokens (the pool's memory is committed only as pages are written, and released
+    pages are reused first). Sizing it smaller bounds the reservation too: for banded and
+    windowed heads, batch_size * num_kv_heads * (ceil((W + chunk) / page_size) + 2) pages
+    suffice, W the widest band or window and chunk the longest append.
+
+    Errors (TypeError or ValueError naming the argument; a pool too small for the new tokens
+    of every sequence: ValueError naming 'k' and num_pages) leave the tokens of every sequence
+    unchanged (pages already dead may have been released). Inference only: no gradients."""
+
+    def __init__(self, batch_size, num_heads, num_kv_heads, head_dim, *, head_dim_v=None, max_seqlen=None,
+                 num_pages=None, page_size=256, dtype=torch.float32, alibi_slopes=None, method="exact", samples=16,
+                 seed=0, band_error=1e-3, window_size=(-1, -1), causal=True, softmax_scale=None,
+                 precision="matrix_units"):
+        function = "BoundedKVCache"
+        _positive_int(batch_size, "batch_size")
+        _positive_int(num_heads, "num_heads")
+        _positive_int(num_kv_heads, "num_kv_heads")
+        _positive_int(head_dim, "head_dim")
+        head_dim_v = head_dim if head_dim_v is None else _positive_int(head_dim_v, "head_dim_v")
+        _positive_int(page_size, "page_size")
+        if max_seqlen is not None:
+            _positive_int(max_seqlen, "max_seqlen")
+        if num_heads % num_kv_heads:
+            _fail(function, "num_kv_heads", f"is {num_kv_heads}: must divide num_heads ({num_heads})")
+        if dtype not in _BOUNDED_DTYPES:
+            _fail(function, "dtype", f"is {dtype}: must be torch.float32, torch.bfloat16, torch.float16 or "
+                  "torch.float64", TypeError)
+        if not isinstance(causal, bool):
+            _fail(function, "causal", f"must be a bool, got {type(causal).__name__}", TypeError)
+        if num_pages is None:
+            if max_seqlen is None:
+                _fail(function, "num_pages", "is None without max_seqlen: give the pool size or max_seqlen")
+            num_pages = batch_size * num_kv_heads * (-(-max_seqlen // page_size) + 1)
+        _positive_int(num_pages, "num_pages")
+        if alibi_slopes is None:
+            slopes = None
+        else:
+            if not isinstance(alibi_slopes, torch.Tensor):
+                _fail(function, "alibi_slopes", f"must be a torch.Tensor or None, got {type(alibi_slopes).__name__}",
+                      TypeError)
+            if alibi_slopes.dtype not in (torch.float32, torch.float64):
+                _fail(function, "alibi_slopes", f"has dtype {alibi_slopes.dtype}: must be torch.float32 (or "
+                      "torch.float64)", TypeError)
+            if tuple(alibi_slopes.shape) != (num_heads,):
+                _fail(function, "alibi_slopes", f"has shape {tuple(alibi_slopes.shape)}: must be (num_heads,) = "
+                      f"({num_heads},) (the heads of every sequence of the cache are the same)")
+            slopes = alibi_slopes.detach().cpu().clone()
+            if not all(0.0 <= x < math.inf for x in slopes.tolist()):
+                _fail(function, "alibi_slopes", "must hold finite values >= 0 (the bias is -slope * |i - j|)")
+        capacity = _UNBOUNDED_CAPACITY if max_seqlen is None else max_seqlen
+        causal, left, right = _window(function, window_size, causal, capacity)
+        kernel_method = _method(function, method)
+        self.batch_size, self.num_heads, self.num_kv_heads = batch_size, num_heads, num_kv_heads
+        self.head_dim, self.head_dim_v, self.max_seqlen = head_dim, head_dim_v, max_seqlen
+        self.dtype, self.causal, self.window = dtype, causal, (left, right)
+        self.method, self.samples, self.seed, self.band_error = kernel_method, samples, seed, band_error
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        self.precision = precision
+        self.alibi_slopes = slopes
+        self.core = _core.BoundedKVCache(
+            num_kv_heads, head_dim, head_dim_v, page_size, num_pages, dtype=_BOUNDED_DTYPES[dtype],
+            query_heads=num_heads, method=kernel_method,
+            sigmas=_sigmas(None if slopes is None else slopes.tolist(), num_heads), samples=samples, seed=seed,
+            band_error=band_error, window=(left, right))
+        self._sequences = [self.core.open() for _ in range(batch_size)]
+
+    @classmethod
+    def for_module(cls, module, batch_size, max_seqlen=None, *, dtype=None, num_pages=None, page_size=256):
+        """A bounded cache with the heads of `module` (an AlibiSelfAttention: its slopes, method,
+        samples, seed, window_size, causal, softmax_scale and precision); dtype defaults to the
+        dtype of the module's projection weights. max_seqlen bounds the window as KVCache's
+        capacity does (and sizes the default pool)."""
+        if not isinstance(module, AlibiSelfAttention):
+            _fail("BoundedKVCache.for_module", "module", f"must be an AlibiSelfAttention, got "
+                  f"{type(module).__name__}", TypeError)
+        if dtype is None:
+            dtype = module.o_proj.weight.dtype
+        return cls(batch_size, module.num_heads, module.num_kv_heads, module.head_dim, max_seqlen=max_seqlen,
+                   num_pages=num_pages, page_size=page_size, dtype=dtype, alibi_slopes=module.alibi_slopes,
+                   method=module.method, samples=module.samples, seed=module.seed,
+                   band_error=getattr(module, "band_error", 1e-3), window_size=module.window_size,
+                   causal=module.causal, softmax_scale=module.softmax_scale, precision=module.precision)
+
+    def _matches(self, module):
+        """Whether `module` computes the heads this cache keeps keys for (ValueError otherwise)."""
+        slopes = module.alibi_slopes.detach().cpu()
+        capacity = _UNBOUNDED_CAPACITY if self.max_seqlen is None else self.max_seqlen
+        causal, left, right = _window("AlibiSelfAttention.forward", module.window_size, module.causal, capacity)
+        scale = 1.0 / math.sqrt(module.head_dim) if module.softmax_scale is None else float(module.softmax_scale)
+        mine = self.alibi_slopes
+        same = ((module.num_heads, module.num_kv_heads, module.head_dim) == (self.num_heads, self.num_kv_heads,
+                                                                          self.head_dim)
+                and _method("AlibiSelfAttention.forward", module.method) == self.method
+                and (module.samples, module.seed, causal, (left, right), scale, module.precision)
+                == (self.samples, self.seed, self.causal, self.window, self.softmax_scale, self.precision)
+                and mine is not None and slopes.tolist() == mine.tolist())
+        if not same:
+            _fail("AlibiSelfAttention.forward", "cache", "is a BoundedKVCache built for other heads (slopes, "
+                  "method, samples, seed, window, causal, scale, precision or shapes): the keys it keeps follow "
+                  "those heads; build it with BoundedKVCache.for_module(module, ...)")
+
+    @property
+    def cache_seqlens(self):
+        """The number of tokens appended to each sequence, int32 (batch_size,) (a new tensor)."""
+        return torch.tensor([self.core.length(s) for s in self._sequences], dtype=torch.int32)
+
+    @property
+    def sequences(self):
+        """The binding's sequence ids of the batch rows (for ``core``'s per-sequence queries:
+        first_key, held_pages, frontier)."""
+        return list(self._sequences)
+
+    @property
+    def bytes_in_use(self):
+        """Bytes of the pages the sequences hold (keys and values)."""
+        return self.core.bytes_in_use
+
+    def full_cache_bytes(self):
+        """Bytes a cache keeping every key of every sequence would take."""
+        return sum(self.core.full_cache_bytes(s) for s in self._sequences)
+
+    def reset(self):
+        """Forgets every token: the sequences' pages return to the pool."""
+        for s in self._sequences:
+            self.core.close(s)
+        self._sequences = [self.core.open() for _ in range(self.batch_size)]
+
+    def attention(self, q, k, v, *, cache_seqlens=None, return_softmax_lse=False, num_threads=None):
+        """Appends k, v (batch_size, seqlen_new, num_kv_heads, head_dim / head_dim_v) at each
+        sequence's length L_b, then returns flash_attn_with_kvcache's out (batch_size, seqlen_q,
+        num_heads, head_dim_v) of q (batch_size, seqlen_q, num_heads, head_dim), seqlen_q <=
+        seqlen_new, over the cache (class docstring), or (out, softmax_lse (batch_size,
+        num_heads, seqlen_q) float32) with return_softmax_lse. cache_seqlens (optional, int or
+        int32 tensor (batch_size,)): the positions the caller means to append at; ValueError
+        unless they are the sequences' lengths (the cache appends in order only)."""
+        function = "BoundedKVCache.attention"
+        dtypes = tuple(_BOUNDED_DTYPES)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                _fail(function, name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
+            if x.device.type != "cpu":
+                _fail(function, name, f"is on {x.device}: only CPU tensors are supported")
+            if x.dtype not in dtypes:
+                _fail(function, name, f"has dtype {x.dtype}: must be {self.dtype} like the cache", TypeError)
+            if x.dim() != 4:
+                _fail(function, name, f"has shape {tuple(x.shape)}: must be 4-D (batch, seqlen, heads, head_dim)")
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != self.dtype:
+                _fail(function, name, f"has dtype {x.dtype}: must be the cache's dtype {self.dtype}", TypeError)
+        if q.dtype != self.dtype and not (q.dtype == torch.float32 and self.dtype in (torch.bfloat16, torch.float16)):
+            _fail(function, "q", f"has dtype {q.dtype}: must be the cache's dtype {self.dtype} (or torch.float32 "
+                  "over a bfloat16 or float16 cache)", TypeError)
+        batch, seqlen_q = self.batch_size, q.shape[1]
+        if (q.shape[0], q.shape[2], q.shape[3]) != (batch, self.num_heads, self.head_dim):
+            _fail(function, "q", f"has shape {tuple(q.shape)}: must be (batch_size, seqlen_q, num_heads, head_dim) "
+                  f"= ({batch}, *, {self.num_heads}, {self.head_dim})")
+        new = k.shape[1]
+        for name, x, width in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
+            if tuple(x.shape) != (batch, new, self.num_kv_heads, width):
+                _fail(function, name, f"has shape {tuple(x.shape)}: must be (batch_size, seqlen_new, num_kv_heads, "
+                      f"{'head_dim' if name == 'k' else 'head_dim_v'}) = ({batch}, {new}, {self.num_kv_heads}, "
+                      f"{width})")
+            if width > 1 and x.stride(-1) != 1:
+                _fail(function, name, f"has strides {x.stride()}: the last axis must be contiguous")
+        if seqlen_q > new:
+            _fail(function, "q", f"has seqlen_q {seqlen_q} > seqlen_new {new}: the queries must be among the "
+                  "appended tokens (earlier positions' keys may have been released)")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            _fail(function, "q", "requires grad while autograd records: the bounded cache is inference only "
+                  "(call it under torch.no_grad())")
+        lengths = [self.core.length(s) for s in self._sequences]
+        if cache_seqlens is not None:
+            if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+                given = [int(cache_seqlens)] * batch
+            elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype in (torch.int32, torch.int64) \
+                    and tuple(cache_seqlens.shape) == (batch,):
+                given = cache_seqlens.tolist()
+            else:
+                _fail(function, "cache_seqlens", f"must be an int or an int32 tensor ({batch},), got "
+                      f"{cache_seqlens!r}", TypeError)
+            if given != lengths:
+                _fail(function, "cache_seqlens", f"is {given}: the bounded cache appends each sequence at its "
+                      f"length, {lengths} (positions in order only; released keys cannot be rewritten)")
+        # All or nothing: the pages dead at the new tokens' first positions are released first
+        # (what each append does first), then the pool must hold every sequence's new pages.
+        for b, sequence in enumerate(self._sequences):
+            self.core.advance(sequence, lengths[b])
+        page = self.core.page_size
+        needed = sum(self.num_kv_heads * (-(-(length + new) // page) - -(-length // page)) for length in lengths)
+        if needed > self.core.free_pages:
+            _fail(function, "k", f"has {new} new tokens per sequence, which need {needed} new pages: the pool has "
+                  f"{self.core.free_pages} free of num_pages = {self.core.num_pages}")
+        for b, sequence in enumerate(self._sequences):
+            self.core.append(sequence, lengths[b], _binding_view(k[b]), _binding_view(v[b]))
+        flat_q = q.detach().reshape(batch * seqlen_q, self.num_heads, self.head_dim)
+        if self.head_dim > 1 and flat_q.stride(-1) != 1:
+            flat_q = flat_q.contiguous()
+        out = torch.empty((batch * seqlen_q, self.num_heads, self.head_dim_v), dtype=q.dtype)
+        cu = np.arange(batch + 1, dtype=np.int32) * seqlen_q
+        keywords = dict(masking="causal" if self.causal else "bidirectional", scale=self.softmax_scale,
+                        out=_binding_view(out), num_threads=num_threads, precision=self.precision)
+        if not return_softmax_lse:
+            self.core.attention(_binding_view(flat_q), self._sequences, cu, **keywords)
+            return out.view(batch, seqlen_q, self.num_heads, self.head_dim_v)
+        _, lse = self.core.attention_with_lse(_binding_view(flat_q), self._sequences, cu, **keywords)
+        lse = torch.from_numpy(lse).float().reshape(self.num_heads, batch, seqlen_q).transpose(0, 1).contiguous()
+        if self.causal and self.window[0] == -1:  # FlashAttention-2's lse of causal calls with slopes
+            total = torch.tensor(lengths, dtype=torch.int64) + new
+            positions = (torch.arange(seqlen_q)[None, :] + (total - seqlen_q)[:, None]).double()[:, None, :]
+            lse = _causal_lse(lse, self.alibi_slopes, lambda m: m[None, :, None], positions)
+        return out.view(batch, seqlen_q, self.num_heads, self.head_dim_v), lse
 
 
 # The flash_attn_func methods that give gradients in alibi_slopes (short names included).
@@ -150,8 +425,11 @@ class AlibiSelfAttention(nn.Module):
     KVCache the tokens continue the cached ones: their keys and values are appended at
     cache.cache_seqlens, they attend to the cache (flash_attn_with_kvcache: bottom-right
     aligned, the new tokens are the last positions), and cache.cache_seqlens advances by
-    seqlen. The cached path is for inference: under torch.no_grad() (ValueError while autograd
-    records with parameters or x requiring grad)."""
+    seqlen. With a BoundedKVCache (KVCache.for_module(..., bounded=True)) the same tokens are
+    appended to its pages and attend through it, bitwise the KVCache path's outputs, while the
+    cache keeps only the keys the heads can still read (banded, LSH and windowed heads; an
+    exact head without a window keeps every key). The cached path is for inference: under
+    torch.no_grad() (ValueError while autograd records with parameters or x requiring grad)."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, head_dim=None, fused_qkv=False, bias=False,
                  slopes=None, max_bias=8.0, trainable_slopes=False, method="exact", samples=16, seed=0,
@@ -269,10 +547,24 @@ class AlibiSelfAttention(nn.Module):
                         precision=self.precision)
         if cache is None:
             out = flash_attn_func(q, k, v, **keywords)
+        elif isinstance(cache, BoundedKVCache):
+            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+                raise ValueError("poslsh.torch: argument 'cache' is given while autograd records: the cached path "
+                                 "is inference only; call it under torch.no_grad()")
+            if cache.batch_size != batch:
+                raise ValueError(f"poslsh.torch: argument 'cache' holds {cache.batch_size} sequences: x has batch "
+                                 f"{batch}")
+            cache._matches(self)
+            if cache.max_seqlen is not None:
+                free = cache.max_seqlen - int(cache.cache_seqlens.max())
+                if length > free:
+                    raise ValueError(f"poslsh.torch: argument 'cache' has room for {free} more tokens (max_seqlen "
+                                     f"{cache.max_seqlen}) in its fullest row: x has {length}")
+            out = cache.attention(q, k.to(cache.dtype), v.to(cache.dtype))
         else:
             if not isinstance(cache, KVCache):
-                raise TypeError(f"poslsh.torch: argument 'cache' must be a poslsh.torch.KVCache, got "
-                                f"{type(cache).__name__}")
+                raise TypeError(f"poslsh.torch: argument 'cache' must be a poslsh.torch.KVCache or "
+                                f"BoundedKVCache, got {type(cache).__name__}")
             if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
                 raise ValueError("poslsh.torch: argument 'cache' is given while autograd records: the cached path "
                                  "is inference only (flash_attn_with_kvcache has no gradients); call it under "

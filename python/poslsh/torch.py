@@ -51,7 +51,9 @@ offsets as float64 tensors, multihead_attention its (sigmas, samples, seed) (see
 operators check their arguments; the calls check what only Python sees (argument types,
 requires_grad). AlibiAttention, LshAttention and MultiheadAttention keep their ``apply``
 (``MultiheadAttention.apply(q, k, v, keywords, precision)`` with the kernels' keywords as a dict).
-The FlashAttention calls are poslsh.flash's operators.
+The FlashAttention calls are poslsh.flash's operators. AlibiSelfAttention, KVCache and
+BoundedKVCache (a KV cache that keeps only the keys its heads can still read, with
+flash_attn_with_kvcache-style calls) are poslsh.modules'.
 
 This module is imported only on request (``import poslsh.torch``) and needs PyTorch 2.13 or
 newer (ImportError naming the version otherwise).
@@ -67,13 +69,13 @@ _torch_version.require("poslsh.torch")
 from .flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
                     flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                     flash_attn_with_kvcache)
-from .modules import AlibiSelfAttention, KVCache, attention_forward, make_alibi_slopes  # noqa: E402
+from .modules import AlibiSelfAttention, BoundedKVCache, KVCache, attention_forward, make_alibi_slopes  # noqa: E402
 
 __all__ = ["AlibiAttention", "LshAttention", "MultiheadAttention", "alibi_attention", "alibi_attention_forward",
            "lsh_attention", "lsh_attention_forward", "multihead_attention", "multihead_attention_forward",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
-           "AlibiSelfAttention", "KVCache", "attention_forward", "make_alibi_slopes"]
+           "AlibiSelfAttention", "BoundedKVCache", "KVCache", "attention_forward", "make_alibi_slopes"]
 
 _DTYPES = (torch.float32, torch.float64)
 

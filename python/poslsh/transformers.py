@@ -66,6 +66,11 @@ a different loss: set those labels to -100). The cache: ``past_key_values``/``ca
 model passes it (``DynamicCache``: its keys are every token so far); caches whose queries are
 not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 ``position_ids`` and attention dropout in training (``p > 0``) raise ValueError.
+The memory of generation stays transformers': ``DynamicCache`` keeps the keys and values of
+every token, however far back the heads can read. poslsh's bounded cache (keys dropped once no
+later query reads them: ``poslsh.torch.BoundedKVCache``) is not a transformers ``Cache``; it is
+used through ``poslsh.torch.AlibiSelfAttention`` (``KVCache.for_module(..., bounded=True)``) or
+its own ``attention(q, k, v)`` calls.
 ``output_attentions`` gives None for the attention weights (no probability matrix is formed).
 ``torch.compile(model)`` runs with graph breaks (the padding bookkeeping reads the mask, the
 decode kernel is not an operator); ``fullgraph=True`` is not supported.
