@@ -398,13 +398,17 @@ def _unpad_rows(x, rows):
     return x if rows.self_attention else _moved_rows(x, rows.total_q, rows.src, rows.dst)
 
 
+def _moved_lse(lse, total, target, source):
+    """A new (nheads, total) lse, +inf (probability 0) but for columns `target`, which hold lse's
+    columns `source`."""
+    moved = torch.full((lse.shape[0], total), math.inf, dtype=lse.dtype)
+    if len(source):
+        moved[:, _index(target)] = lse[:, _index(source)]
+    return moved
+
+
 def _unpad_lse(lse, rows):
-    if rows.self_attention:
-        return lse
-    out = torch.full((lse.shape[0], rows.total_q), math.inf, dtype=lse.dtype)
-    if len(rows.src):
-        out[:, _index(rows.src)] = lse[:, _index(rows.dst)]
-    return out
+    return lse if rows.self_attention else _moved_lse(lse, rows.total_q, rows.src, rows.dst)
 
 
 def _lse_dtype(x):
@@ -626,12 +630,7 @@ def _saved_lse(state, q):
 def _pad_lse(lse, rows):
     """The inverse of _unpad_lse: (nheads, total_k), +inf at the key positions without a query
     (their probabilities exp(x - lse) are 0)."""
-    if rows.self_attention:
-        return lse
-    padded = torch.full((lse.shape[0], rows.total_k), math.inf, dtype=lse.dtype)
-    if len(rows.src):
-        padded[:, _index(rows.dst)] = lse[:, _index(rows.src)]
-    return padded
+    return lse if rows.self_attention else _moved_lse(lse, rows.total_k, rows.dst, rows.src)
 
 
 def _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, config, recompute, slopes_grad):

@@ -246,6 +246,30 @@ def _saved_inputs(ctx):
     return saved[:ctx.count], [next(tensors) if is_tensor else next(rest) for is_tensor in ctx.is_tensor]
 
 
+def _gradients_fake(dout, q, k, v, out, lse, *arguments):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    _save_inputs(ctx, tuple(inputs[:3]) + tuple(output), inputs[3:])
+
+
+def _define_differentiable(name, options_schema, forward, forward_fake, backward):
+    """poslsh::<name>(q, k, v, <options_schema>) -> (out, lse) and poslsh::<name>_backward(dout, q,
+    k, v, out, lse, <options_schema>) -> (dq, dk, dv), the first's autograd formula calling the
+    second (lse not differentiable; the other inputs get no gradient)."""
+    backward_op = _define(name + "_backward", f"({_BACKWARD}, {options_schema}) -> (Tensor, Tensor, Tensor)",
+                          backward, _gradients_fake)
+
+    def autograd(ctx, dout, _):
+        tensors, options = _saved_inputs(ctx)
+        return tuple(backward_op(dout, *tensors, *options)) + (None,) * len(options)
+
+    op = _define(name, f"({_QKV}, {options_schema}) -> (Tensor, Tensor)", forward, forward_fake)
+    op.register_autograd(autograd, setup_context=_setup_context)
+
+
 def _single_head(name, kernel, parameter_schema, parameter):
     """poslsh::<name>(q, k, v, <parameter_schema>, masking, scale, precision) -> (out, lse), the
     forward with lse of the single-head kernel `kernel` of the core module on [n, d] tensors read
@@ -284,22 +308,7 @@ def _single_head(name, kernel, parameter_schema, parameter):
             dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), precision=precision)
         return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
-    def backward_fake(dout, q, k, v, out, lse, *arguments):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-    def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(output[1])
-        _save_inputs(ctx, tuple(inputs[:3]) + tuple(output), inputs[3:])
-
-    def backward(ctx, dout, _):
-        tensors, options = _saved_inputs(ctx)
-        gradients = getattr(torch.ops.poslsh, name + "_backward")(dout, *tensors, *options)
-        return tuple(gradients) + (None,) * len(options)
-
-    op = _define(name, f"({_QKV}, {parameter_schema}, {_SINGLE_HEAD}) -> (Tensor, Tensor)", forward, forward_fake)
-    op.register_autograd(backward, setup_context=setup_context)
-    _define(name + "_backward", f"({_BACKWARD}, {parameter_schema}, {_SINGLE_HEAD}) -> (Tensor, Tensor, Tensor)",
-            backward_impl, backward_fake)
+    _define_differentiable(name, f"{parameter_schema}, {_SINGLE_HEAD}", forward, forward_fake, backward_impl)
 
 
 _single_head("alibi_attention", "alibi_attention_tiled", "float sigma", lambda sigma: sigma)
@@ -355,25 +364,8 @@ def _multihead_backward(dout, q, k, v, out, lse, layout, method, masking, scale,
     return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
 
-def _multihead_backward_fake(dout, q, k, v, out, lse, *arguments):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _multihead_setup_context(ctx, inputs, output):
-    ctx.mark_non_differentiable(output[1])
-    _save_inputs(ctx, tuple(inputs[:3]) + tuple(output), inputs[3:])
-
-
-def _multihead_autograd(ctx, dout, _):
-    tensors, options = _saved_inputs(ctx)
-    gradients = torch.ops.poslsh.multihead_attention_backward(dout, *tensors, *options)
-    return tuple(gradients) + (None,) * len(options)
-
-
-_define("multihead_attention", f"({_QKV}, {_MULTIHEAD}) -> (Tensor, Tensor)", _multihead_forward,
-        _multihead_forward_fake).register_autograd(_multihead_autograd, setup_context=_multihead_setup_context)
-_define("multihead_attention_backward", f"({_BACKWARD}, {_MULTIHEAD}) -> (Tensor, Tensor, Tensor)",
-        _multihead_backward, _multihead_backward_fake)
+_define_differentiable("multihead_attention", _MULTIHEAD, _multihead_forward, _multihead_forward_fake,
+                       _multihead_backward)
 
 
 # The differentiable calls. -------------------------------------------------------------------
