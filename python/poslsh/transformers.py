@@ -66,11 +66,43 @@ a different loss: set those labels to -100). The cache: ``past_key_values``/``ca
 model passes it (``DynamicCache``: its keys are every token so far); caches whose queries are
 not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 ``position_ids`` and attention dropout in training (``p > 0``) raise ValueError.
-The memory of generation stays transformers': ``DynamicCache`` keeps the keys and values of
-every token, however far back the heads can read. poslsh's bounded cache (keys dropped once no
-later query reads them: ``poslsh.torch.BoundedKVCache``) is not a transformers ``Cache``; it is
-used through ``poslsh.torch.AlibiSelfAttention`` (``KVCache.for_module(..., bounded=True)``) or
-its own ``attention(q, k, v)`` calls.
+
+**The bounded cache** (``BoundedCache``): ``DynamicCache`` keeps the keys and values of every
+token, however far back the heads can read. ``BoundedCache(model, max_length, page_size=256)``
+is a transformers ``Cache`` for a model set up by use_poslsh that keeps, per layer and batch
+row, only the keys its heads can still read, as ``poslsh.torch.BoundedKVCache``:
+
+    cache = poslsh.transformers.BoundedCache(model, max_length=prompt_length + 256)
+    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=256)
+
+(``past_key_values=cache`` too, transformers' deprecated name). A banded head with band W drops
+key j once t - j > W, an exact head with a window beyond it, an LSH head ("lsh",
+"lsh_per_sample", "fixed_blocks", "mean_of_outputs") once t is past the end of j's block in
+every sample (t the first position of the latest tokens); an exact head without a window keeps
+every key. Each call of a layer's heads whose keys are dropped (a group of heads with one
+method) stores its keys in a poslsh ``BoundedKVCache`` of pages of ``page_size`` positions
+(pages of dead keys return to the pool), read in place by the attention; the calls of exact
+heads without a window read a dense buffer, as over a full cache. Every output (prefill,
+chunked prefill with ``prefill_chunk_size``, decoding; left-padded batches; padding between
+tokens for BLOOM and Falcon) is bitwise the one over ``DynamicCache`` under the same use_poslsh
+settings. With method="plan" the cache's heads are fixed: those of the plan for
+``plan_length`` keys (use_poslsh's keyword) when given, else for ``max_length`` keys, in every
+call through the cache; give use_poslsh ``plan_length`` for a ``DynamicCache`` run with the same
+heads. ``cache.bytes_in_use`` gives the bytes held (pages and dense rows),
+``cache.full_cache_bytes()`` those of ``DynamicCache`` after the same calls.
+``max_length`` is the most tokens a batch row holds (padding excluded): it sizes the pools
+(reserved; memory is committed as pages are written) and the dense buffers; a row past it raises
+ValueError naming it. MPT's config sets ``use_cache=False``: pass ``use_cache=True`` to
+``generate()`` and to the model's calls (as with ``DynamicCache``; without it generate() feeds
+every token again: ValueError naming 'use_cache'). Grouped-query Falcon under per-head methods or the
+plan: a call whose heads do not span whole K/V groups stores its K/V head once per query head. Not supported (ValueError naming the argument): beam
+search (``num_beams`` > 1: the rows cannot be reordered), assisted decoding (a cache that cannot
+be cropped: transformers' own ValueError), selecting or repeating the rows of a filled cache, a
+cache used with another model or other use_poslsh settings, or with a batch of another shape,
+padding between tokens for MPT (``attention_mask``), gradients (inference only), and a model
+whose attention is not poslsh's (its first operation on the cache's keys raises ValueError
+naming 'cache': ``update`` returns markers, the keys are read through the cache).
+
 ``output_attentions`` gives None for the attention weights (no probability matrix is formed).
 ``torch.compile(model)`` runs with graph breaks (the padding bookkeeping reads the mask, the
 decode kernel is not an operator); ``fullgraph=True`` is not supported.
@@ -239,6 +271,7 @@ class _State:
         self.heads = slopes.shape[0]
         self.method, self.samples, self.seed = method, samples, seed
         self.band_error, self.error, self.precision = band_error, error, precision
+        self.use_cache = True
         self.sigmas = [1.0 / float(s) for s in slopes.tolist()]
         self._groups = {}
         self._rows = None
@@ -480,7 +513,11 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                          "tokens so far, the queries last (DynamicCache)")
     if attention_mask is None:
         return torch.ones((batch_size, kv_length), dtype=torch.bool)
-    return prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length].to(torch.bool)
+    mask = prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length].to(torch.bool)
+    # transformers pads a shorter mask with padding (zeros) on the right: marked for BoundedCache,
+    # whose new tokens would be taken for padding (e.g. generate() with use_cache=False).
+    mask._poslsh_padded = attention_mask.shape[-1] < kv_length
+    return mask
 
 
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
@@ -614,6 +651,7 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     if kind == "falcon":
         state.saved["use_alibi"] = bool(config.alibi)  # FalconModel's own value
         base.use_alibi = False
+    state.hook = base.register_forward_pre_hook(_note_use_cache, with_kwargs=True)
     state.modules = modules
     state.base = base
     _CONFIGS[id(config)] = weakref.ref(config)
@@ -622,6 +660,15 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     if base is not model:
         _MODELS[base] = state
     return model
+
+
+def _note_use_cache(base, args, kwargs):
+    """Forward pre-hook of the base model: whether this forward runs with use_cache (a
+    BoundedCache refuses a forward without it, where generate() feeds every token again)."""
+    state = _MODELS.get(base)
+    if state is not None:
+        use_cache = kwargs.get("use_cache")
+        state.use_cache = bool(base.config.use_cache if use_cache is None else use_cache)
 
 
 def restore(model):
@@ -635,6 +682,7 @@ def restore(model):
         _LAYERS.pop(module, None)
         module.__dict__.pop("forward", None)
     base = state.base
+    state.hook.remove()
     if "use_alibi" in state.saved:
         base.use_alibi = state.saved["use_alibi"]
     base.config._attn_implementation = state.saved["attn_implementation"]
@@ -828,6 +876,10 @@ class _BoundedLayer(CacheLayerMixin):
             raise ValueError(f"{_CACHE}: argument 'cache' was built for another model or other use_poslsh "
                              f"settings than the {type(module).__name__}'s: build a BoundedCache for this model")
         (key, value), self.pending = self.pending, None
+        if not state.use_cache:
+            _fail("use_cache", "is False in this forward: the tokens already in the cache would be appended again "
+                  "(generate() feeds every token without a cache); pass use_cache=True (MPT's config defaults to "
+                  "False)", function=_CACHE)
         if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
             raise ValueError(f"{_CACHE}: argument 'cache' is used while autograd records: the bounded cache is "
                              "inference only (generate(), or call the model under torch.no_grad())")
@@ -850,6 +902,10 @@ class _BoundedLayer(CacheLayerMixin):
             padded = False
         else:
             mask = attention_mask
+            if getattr(mask, "_poslsh_padded", False):
+                _fail("attention_mask", f"covers fewer slots than the cache's {length}: the new tokens would be "
+                      "taken for padding (generate() with use_cache=False feeds every token again: pass "
+                      "use_cache=True)", function=_CACHE)
             if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, length):
                 shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
                 _fail("attention_mask", f"has shape {shape}: the bounded cache takes the 2-D padding mask "
