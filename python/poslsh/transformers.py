@@ -793,7 +793,7 @@ class _LayerStore:
                       [where[g] for g in group.kv_of])
 
     def bytes_in_use(self):
-        batch, _, dim, dim_v, dtype = self.shape
+        _, _, dim, dim_v, dtype = self.shape
         size = torch.empty((), dtype=dtype).element_size()
         dense = sum(self.lengths) * len(self.dense_heads) * (dim + dim_v) * size
         return dense + sum(call.bytes_in_use for call in self.calls if isinstance(call, _PagedGroup))
@@ -907,8 +907,8 @@ class _BoundedLayer(CacheLayerMixin):
                       "taken for padding (generate() with use_cache=False feeds every token again: pass "
                       "use_cache=True)", function=_CACHE)
             if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, length):
-                shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-                _fail("attention_mask", f"has shape {shape}: the bounded cache takes the 2-D padding mask "
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                _fail("attention_mask", f"has shape {got}: the bounded cache takes the 2-D padding mask "
                       f"(batch, keys) = ({batch}, {length})", function=_CACHE)
             new = mask[:, length - m:].detach().cpu().numpy().astype(bool)
             padded = not bool(mask.all())
