@@ -80,9 +80,10 @@ key j once t - j > W, an exact head with a window beyond it, an LSH head ("lsh",
 "lsh_per_sample", "fixed_blocks", "mean_of_outputs") once t is past the end of j's block in
 every sample (t the first position of the latest tokens); an exact head without a window keeps
 every key. Each call of a layer's heads whose keys are dropped (a group of heads with one
-method) stores its keys in a poslsh ``BoundedKVCache`` of pages of ``page_size`` positions
-(pages of dead keys return to the pool), read in place by the attention; the calls of exact
-heads without a window read a dense buffer, as over a full cache. Every output (prefill,
+method; the plan's banded heads, one call each, together) stores its keys in a poslsh
+``BoundedKVCache`` of pages of ``page_size`` positions (pages of dead keys return to the pool),
+read in place by the attention; the calls of exact heads without a window read a dense buffer,
+as over a full cache. Every output (prefill,
 chunked prefill with ``prefill_chunk_size``, decoding; left-padded batches; padding between
 tokens for BLOOM and Falcon) is bitwise the one over ``DynamicCache`` under the same use_poslsh
 settings. With method="plan" the cache's heads are fixed: those of the plan for
@@ -95,7 +96,9 @@ heads. ``cache.bytes_in_use`` gives the bytes held (pages and dense rows),
 ValueError naming it. MPT's config sets ``use_cache=False``: pass ``use_cache=True`` to
 ``generate()`` and to the model's calls (as with ``DynamicCache``; without it generate() feeds
 every token again: ValueError naming 'use_cache'). Grouped-query Falcon under per-head methods or the
-plan: a call whose heads do not span whole K/V groups stores its K/V head once per query head. Not supported (ValueError naming the argument): beam
+plan: each call stores the K/V heads its query heads read (a K/V head read by calls of
+several methods is stored by each; once per query head where the call's query heads of one K/V
+head are not contiguous), so the bytes can exceed ``DynamicCache``'s. Not supported (ValueError naming the argument): beam
 search (``num_beams`` > 1: the rows cannot be reordered), assisted decoding (a cache that cannot
 be cropped: transformers' own ValueError), selecting or repeating the rows of a filled cache, a
 cache used with another model or other use_poslsh settings, or with a batch of another shape,
@@ -222,10 +225,10 @@ class _Group:
     for each of the call's query heads, its K/V head's index in the K/V tensor the call reads), the
     method and its keywords, the slopes of those heads."""
 
-    def __init__(self, heads, kv, method, slopes, samples, band_error, window, kv_of):
+    def __init__(self, heads, kv, method, slopes, samples, band_error, window, kv_of, plan=None):
         self.heads, self.kv, self.method = heads, kv, method
         self.slopes, self.samples, self.band_error, self.window = slopes, samples, band_error, window
-        self.kv_of = kv_of
+        self.kv_of, self.plan = kv_of, plan  # plan: the HeadPlan of a banded head of the plan
 
 
 def _band_error(sigma, band):
@@ -294,6 +297,7 @@ class _State:
         size = heads // kv_heads
         # (heads, method, samples, band_error, window) of every call.
         calls = []
+        banded = {}
         if isinstance(self.method, str) and self.method != _PLAN:
             calls.append((list(range(heads)), self.method, self.samples, self.band_error, (-1, -1)))
         elif isinstance(self.method, str):
@@ -302,7 +306,7 @@ class _State:
             exact = [h for h, p in enumerate(plans) if p.method == "exact_tiled"]
             if exact:
                 calls.append((exact, "exact", self.samples, self.band_error, (-1, -1)))
-            by_samples = {}
+            by_samples, banded = {}, {}
             for h, p in enumerate(plans):
                 if p.method == "exact_banded":
                     error = _band_error(self.sigmas[h], p.band)
@@ -310,6 +314,7 @@ class _State:
                         calls.append(([h], "exact", self.samples, self.band_error, (p.band, 0)))
                     else:
                         calls.append(([h], "banded", self.samples, error, (-1, -1)))
+                        banded[h] = p
                 elif p.method == "lsh_fused":
                     by_samples.setdefault(p.samples, []).append(h)
             for samples, members in by_samples.items():
@@ -326,7 +331,8 @@ class _State:
             selection = _selection(members, heads)
             slopes = self.slopes if selection is None else self.slopes[torch.tensor(members)].contiguous()
             groups.append(_Group(selection, _kv_selection(members, size, kv_heads), method, slopes, samples,
-                                 band_error, window, [h // size for h in members]))
+                                 band_error, window, [h // size for h in members],
+                                 banded.get(members[0]) if method == "banded" else None))
         order = [h for members, *_ in calls for h in members]
         inverse = None if order == list(range(heads)) else torch.from_numpy(np.argsort(order))
         return groups, inverse
@@ -724,25 +730,37 @@ def _marker(layer):
 
 
 class _PagedGroup:
-    """The keys of one call of a layer whose heads drop keys: a poslsh BoundedKVCache with the
-    call's heads (its query heads, the K/V heads it reads), one sequence per batch row."""
+    """The keys of calls of a layer whose heads drop keys: a poslsh BoundedKVCache with their heads
+    (their query heads, the K/V heads they read), one sequence per batch row. One call, or the
+    plan's banded heads of a layer (one call each, their bands differing) in one cache built from
+    their plans (planned_head_methods: the same band W, so the same outputs per head)."""
 
-    def __init__(self, state, group, batch, kv_heads, dim, dim_v, dtype, max_length, page_size):
-        members = _members(group, state.heads)
+    def __init__(self, state, groups, batch, kv_heads, dim, dim_v, dtype, max_length, page_size):
         function = "BoundedCache"
-        if group.kv is None:
-            self.kv_heads, self.kv = kv_heads, None
-        elif isinstance(group.kv, slice):
-            self.kv_heads, self.kv = group.kv.stop - group.kv.start, group.kv
-        else:  # one K/V head per query head
-            self.kv_heads, self.kv = len(members), group.kv
-        _, left, right = _window(function, group.window, True, _UNBOUNDED_CAPACITY)
+        members = [h for group in groups for h in _members(group, state.heads)]
+        self.heads = _selection(members, state.heads)
+        self.size = len(members)
+        # The K/V head of each query head, each K/V head once when they come in whole runs.
+        per_head = [g for group in groups for g in group.kv_of]
+        distinct = list(dict.fromkeys(per_head))
+        run = len(per_head) // len(distinct)
+        if per_head == [distinct[i // run] for i in range(len(per_head))]:
+            self.kv_heads = len(distinct)
+            self.kv = None if distinct == list(range(kv_heads)) else torch.tensor(distinct, dtype=torch.long)
+        else:
+            self.kv_heads, self.kv = len(per_head), torch.tensor(per_head, dtype=torch.long)
         pages = batch * self.kv_heads * (-(-max_length // page_size) + 1)
-        self.group = group
-        self.core = _core.BoundedKVCache(
-            self.kv_heads, dim, dim_v, page_size, pages, dtype=_BOUNDED_DTYPES[dtype], query_heads=len(members),
-            method=_flash_method(function, group.method), sigmas=_sigmas(group.slopes.tolist(), len(members)),
-            samples=group.samples, seed=state.seed, band_error=group.band_error, window=(left, right))
+        common = (self.kv_heads, dim, dim_v, page_size, pages)
+        if len(groups) > 1:
+            self.core = _core.BoundedKVCache(*common, dtype=_BOUNDED_DTYPES[dtype],
+                                             plans=[group.plan for group in groups])
+        else:
+            group = groups[0]
+            _, left, right = _window(function, group.window, True, _UNBOUNDED_CAPACITY)
+            self.core = _core.BoundedKVCache(
+                *common, dtype=_BOUNDED_DTYPES[dtype], query_heads=len(members),
+                method=_flash_method(function, group.method), sigmas=_sigmas(group.slopes.tolist(), len(members)),
+                samples=group.samples, seed=state.seed, band_error=group.band_error, window=(left, right))
         self.sequences = [self.core.open() for _ in range(batch)]
 
     @property
@@ -765,19 +783,24 @@ class _LayerStore:
         self.shape = (batch, kv_heads, dim, dim_v, dtype)
         self.lengths = [0] * batch           # tokens (non-padding) of each row
         self.runs = [0] * batch              # MPT: 0 no token yet, 1 in the tokens, 2 padding after them
-        groups, self.inverse = state.groups(max_length, kv_heads, dim)
+        groups, _ = state.groups(max_length, kv_heads, dim)
         dense = sorted({g for group in groups if _keeps_every_key(group) for g in group.kv_of})
         self.dense_heads = dense
         if dense:
             self.keys = torch.empty((batch, max_length, len(dense), dim), dtype=dtype)
             self.values = torch.empty((batch, max_length, len(dense), dim_v), dtype=dtype)
-        self.calls = []
+        banded = [group for group in groups if group.plan is not None]
+        if len(banded) < 2:
+            banded = []
+        shape = (batch, kv_heads, dim, dim_v, dtype, max_length, page_size)
+        self.calls = [_PagedGroup(state, banded, *shape)] if banded else []
         for group in groups:
             if _keeps_every_key(group):
                 self.calls.append(self._local(group, dense, kv_heads))
-            else:
-                self.calls.append(_PagedGroup(state, group, batch, kv_heads, dim, dim_v, dtype, max_length,
-                                              page_size))
+            elif not any(group is other for other in banded):
+                self.calls.append(_PagedGroup(state, [group], *shape))
+        order = [h for call in self.calls for h in _members(call, state.heads)]
+        self.inverse = None if order == list(range(state.heads)) else torch.from_numpy(np.argsort(order))
 
     @staticmethod
     def _local(group, dense, kv_heads):
@@ -950,15 +973,14 @@ def _mpt_run(run, slots, m, row):
 
 def _paged_call(call, state, q, k, v, rows, takes, lengths, scale):
     """Appends the new tokens of the rows to call's bounded cache and attends: (B, m, H_g, d_v)."""
-    group = call.group
-    out = q.new_zeros((q.shape[0], q.shape[1], len(_members(group, state.heads)), v.shape[3]))
+    out = q.new_zeros((q.shape[0], q.shape[1], call.size, v.shape[3]))
     if not rows:
         return out
     for b in rows:
         k_b = _take(_take(k[b], 0, takes[b]), 1, call.kv).contiguous()
         v_b = _take(_take(v[b], 0, takes[b]), 1, call.kv).contiguous()
         call.core.append(call.sequences[b], lengths[b], _binding_view(k_b), _binding_view(v_b))
-    flat = torch.cat([_take(_take(q[b], 0, takes[b]), 1, group.heads) for b in rows]).contiguous()
+    flat = torch.cat([_take(_take(q[b], 0, takes[b]), 1, call.heads) for b in rows]).contiguous()
     counts = [_count(takes[b]) for b in rows]
     cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     result = torch.empty((flat.shape[0], out.shape[2], out.shape[3]), dtype=q.dtype)

@@ -144,6 +144,28 @@ def test_padding_between_tokens(kind):
     assert_same_run(bounded, full)
 
 
+@pytest.mark.parametrize("options", [dict(multi_query=True),
+                                     dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True)])
+def test_grouped_query_falcon(options):
+    # A K/V head keeps the union of its query heads' keys: those of its widest band.
+    ids, mask = batch([PROMPT, 300], PROMPT, seed=27)
+    for method in (["banded", "lsh", "exact", "banded"], "banded"):
+        model = pt.use_poslsh(make_model("falcon", **options), method=method, samples=SAMPLES,
+                              band_error=BAND_ERROR)
+        full = generate(model, ids, mask, new=16)
+        cache = pt.BoundedCache(model, PROMPT + 16, page_size=PAGE)
+        assert_same_run(generate(model, ids, mask, cache, new=16), full)
+    kv_heads = 1 if options.get("multi_query") else options["num_kv_heads"]
+    bands = [poslsh.band_for_bias_error(s, BAND_ERROR) for s in sigmas_of(model)]
+    group = len(bands) // kv_heads
+    expected = 0
+    for length in (PROMPT + 15, 300 + 15):
+        for g in range(kv_heads):
+            first = max(0, length - 1 - max(bands[g * group:(g + 1) * group]))
+            expected += (-(-length // PAGE) - first // PAGE) * PAGE * 2 * head_dim_of(model) * 4
+    assert cache.bytes_in_use == len(cache.layers) * expected < cache.full_cache_bytes()
+
+
 def test_exact_heads_without_window_keep_every_key():
     # Exact heads keep their rows (the full cache's bytes); banded heads next to them drop keys.
     model = pt.use_poslsh(make_model("bloom"), method="exact")
