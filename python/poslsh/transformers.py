@@ -66,11 +66,46 @@ a different loss: set those labels to -100). The cache: ``past_key_values``/``ca
 model passes it (``DynamicCache``: its keys are every token so far); caches whose queries are
 not the last slots (e.g. ``StaticCache``), 4-D masks, packed sequences given by
 ``position_ids`` and attention dropout in training (``p > 0``) raise ValueError.
-The memory of generation stays transformers': ``DynamicCache`` keeps the keys and values of
-every token, however far back the heads can read. poslsh's bounded cache (keys dropped once no
-later query reads them: ``poslsh.torch.BoundedKVCache``) is not a transformers ``Cache``; it is
-used through ``poslsh.torch.AlibiSelfAttention`` (``KVCache.for_module(..., bounded=True)``) or
-its own ``attention(q, k, v)`` calls.
+
+**The bounded cache** (``BoundedCache``): ``DynamicCache`` keeps the keys and values of every
+token, however far back the heads can read. ``BoundedCache(model, max_length, page_size=256)``
+is a transformers ``Cache`` for a model set up by use_poslsh that keeps, per layer and batch
+row, only the keys its heads can still read, as ``poslsh.torch.BoundedKVCache``:
+
+    cache = poslsh.transformers.BoundedCache(model, max_length=prompt_length + 256)
+    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=256)
+
+(``past_key_values=cache`` too, transformers' deprecated name). A banded head with band W drops
+key j once t - j > W, an exact head with a window beyond it, an LSH head ("lsh",
+"lsh_per_sample", "fixed_blocks", "mean_of_outputs") once t is past the end of j's block in
+every sample (t the first position of the latest tokens); an exact head without a window keeps
+every key. Each call of a layer's heads whose keys are dropped (a group of heads with one
+method; the plan's banded heads, one call each, together) stores its keys in a poslsh
+``BoundedKVCache`` of pages of ``page_size`` positions (pages of dead keys return to the pool),
+read in place by the attention; the calls of exact heads without a window read a dense buffer,
+as over a full cache. Every output (prefill,
+chunked prefill with ``prefill_chunk_size``, decoding; left-padded batches; padding between
+tokens for BLOOM and Falcon) is bitwise the one over ``DynamicCache`` under the same use_poslsh
+settings. With method="plan" the cache's heads are fixed: those of the plan for
+``plan_length`` keys (use_poslsh's keyword) when given, else for ``max_length`` keys, in every
+call through the cache; give use_poslsh ``plan_length`` for a ``DynamicCache`` run with the same
+heads. ``cache.bytes_in_use`` gives the bytes held (pages and dense rows),
+``cache.full_cache_bytes()`` those of ``DynamicCache`` after the same calls.
+``max_length`` is the most tokens a batch row holds (padding excluded): it sizes the pools
+(reserved; memory is committed as pages are written) and the dense buffers; a row past it raises
+ValueError naming it. MPT's config sets ``use_cache=False``: pass ``use_cache=True`` to
+``generate()`` and to the model's calls (as with ``DynamicCache``; without it generate() feeds
+every token again: ValueError naming 'use_cache'). Grouped-query Falcon under per-head methods or the
+plan: each call stores the K/V heads its query heads read (a K/V head read by calls of
+several methods is stored by each; once per query head where the call's query heads of one K/V
+head are not contiguous), so the bytes can exceed ``DynamicCache``'s. Not supported (ValueError naming the argument): beam
+search (``num_beams`` > 1: the rows cannot be reordered), assisted decoding (a cache that cannot
+be cropped: transformers' own ValueError), selecting or repeating the rows of a filled cache, a
+cache used with another model or other use_poslsh settings, or with a batch of another shape,
+padding between tokens for MPT (``attention_mask``), gradients (inference only), and a model
+whose attention is not poslsh's (its first operation on the cache's keys raises ValueError
+naming 'cache': ``update`` returns markers, the keys are read through the cache).
+
 ``output_attentions`` gives None for the attention weights (no probability matrix is formed).
 ``torch.compile(model)`` runs with graph breaks (the padding bookkeeping reads the mask, the
 decode kernel is not an operator); ``fullgraph=True`` is not supported.
@@ -102,12 +137,15 @@ import weakref
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask
 
 from . import _core, _methods
-from .flash import flash_attn_func
+from .flash import _method as _flash_method, _sigmas, _window, flash_attn_func
+from .modules import _BOUNDED_DTYPES, _UNBOUNDED_CAPACITY, _binding_view
 
-__all__ = ["use_poslsh", "restore", "is_poslsh", "model_slopes", "attention_forward", "IMPLEMENTATION"]
+__all__ = ["use_poslsh", "restore", "is_poslsh", "model_slopes", "attention_forward", "BoundedCache",
+           "IMPLEMENTATION"]
 
 # The name registered in transformers' attention and mask interfaces ("poslsh" is left to
 # poslsh.torch.attention_forward, the generic function a user registers for other models).
@@ -183,12 +221,14 @@ def model_slopes(model):
 
 class _Group:
     """One flash_attn_func call of a layer: query heads `heads` (None: all), the K/V heads they
-    read (`kv`: None for all, a slice, or an index tensor of one K/V head per query head), the
+    read (`kv`: None for all, a slice, or an index tensor of one K/V head per query head; `kv_of`:
+    for each of the call's query heads, its K/V head's index in the K/V tensor the call reads), the
     method and its keywords, the slopes of those heads."""
 
-    def __init__(self, heads, kv, method, slopes, samples, band_error, window=(-1, -1)):
+    def __init__(self, heads, kv, method, slopes, samples, band_error, window, kv_of, plan=None):
         self.heads, self.kv, self.method = heads, kv, method
         self.slopes, self.samples, self.band_error, self.window = slopes, samples, band_error, window
+        self.kv_of, self.plan = kv_of, plan  # plan: the HeadPlan of a banded head of the plan
 
 
 def _band_error(sigma, band):
@@ -228,11 +268,13 @@ def _kv_selection(heads, group_size, kv_heads):
 class _State:
     """What a model's attention layers share: slopes, methods, options and small caches."""
 
-    def __init__(self, kind, base, slopes, method, samples, seed, band_error, error, precision):
+    def __init__(self, kind, base, slopes, method, samples, seed, band_error, error, precision, plan_length):
         self.kind, self.slopes = kind, slopes
+        self.plan_length = plan_length
         self.heads = slopes.shape[0]
         self.method, self.samples, self.seed = method, samples, seed
         self.band_error, self.error, self.precision = band_error, error, precision
+        self.use_cache = True
         self.sigmas = [1.0 / float(s) for s in slopes.tolist()]
         self._groups = {}
         self._rows = None
@@ -240,7 +282,9 @@ class _State:
 
     def groups(self, length, kv_heads, head_dim):
         """The calls of a layer over `length` keys with `kv_heads` K/V heads: a list of _Group,
-        and the head order of their concatenated outputs (None when it is 0..H-1)."""
+        and the head order of their concatenated outputs (None when it is 0..H-1). The plan is made
+        for plan_length keys when use_poslsh was given one."""
+        length = self.plan_length or length
         key = (length, kv_heads, head_dim) if self.method == _PLAN else (kv_heads,)
         if key not in self._groups:
             if len(self._groups) > 256:
@@ -253,6 +297,7 @@ class _State:
         size = heads // kv_heads
         # (heads, method, samples, band_error, window) of every call.
         calls = []
+        banded = {}
         if isinstance(self.method, str) and self.method != _PLAN:
             calls.append((list(range(heads)), self.method, self.samples, self.band_error, (-1, -1)))
         elif isinstance(self.method, str):
@@ -261,7 +306,7 @@ class _State:
             exact = [h for h, p in enumerate(plans) if p.method == "exact_tiled"]
             if exact:
                 calls.append((exact, "exact", self.samples, self.band_error, (-1, -1)))
-            by_samples = {}
+            by_samples, banded = {}, {}
             for h, p in enumerate(plans):
                 if p.method == "exact_banded":
                     error = _band_error(self.sigmas[h], p.band)
@@ -269,6 +314,7 @@ class _State:
                         calls.append(([h], "exact", self.samples, self.band_error, (p.band, 0)))
                     else:
                         calls.append(([h], "banded", self.samples, error, (-1, -1)))
+                        banded[h] = p
                 elif p.method == "lsh_fused":
                     by_samples.setdefault(p.samples, []).append(h)
             for samples, members in by_samples.items():
@@ -285,7 +331,8 @@ class _State:
             selection = _selection(members, heads)
             slopes = self.slopes if selection is None else self.slopes[torch.tensor(members)].contiguous()
             groups.append(_Group(selection, _kv_selection(members, size, kv_heads), method, slopes, samples,
-                                 band_error, window))
+                                 band_error, window, [h // size for h in members],
+                                 banded.get(members[0]) if method == "banded" else None))
         order = [h for members, *_ in calls for h in members]
         inverse = None if order == list(range(heads)) else torch.from_numpy(np.argsort(order))
         return groups, inverse
@@ -357,16 +404,41 @@ def _decodes(group, q, k, v):
 def _decode_exact(state, group, q, k, v, scale):
     """The heads of `group` for q (1, m, H, d) over k, v (1, L, H_kv, d) by
     poslsh.alibi_attention_decode_exact (queries at positions L - m .. L - 1): (1, m, H_g, d_v)."""
-    heads = list(range(state.heads)) if group.heads is None else (
-        list(range(group.heads.start, group.heads.stop)) if isinstance(group.heads, slice) else group.heads.tolist())
-    size = state.heads // k.shape[2]
+    heads = _members(group, state.heads)
     length = k.shape[1]
     out = torch.empty((1, q.shape[1], len(heads), v.shape[3]), dtype=q.dtype)
-    for column, h in enumerate(heads):
+    for column, (h, g) in enumerate(zip(heads, group.kv_of)):
         _core.alibi_attention_decode_exact(
-            _kernel_argument(q[0, :, h]), _kernel_argument(k[0, :, h // size]), _kernel_argument(v[0, :, h // size]),
+            _kernel_argument(q[0, :, h]), _kernel_argument(k[0, :, g]), _kernel_argument(v[0, :, g]),
             length - 1, state.sigmas[h], scale=scale, out=_kernel_argument(out[0, :, column]))
     return out
+
+
+def _members(group, heads):
+    """The query heads of `group` (a list)."""
+    if group.heads is None:
+        return list(range(heads))
+    if isinstance(group.heads, slice):
+        return list(range(group.heads.start, group.heads.stop))
+    return group.heads.tolist()
+
+
+def _group_call(state, group, q, k, v, scale):
+    """The heads of `group` for q (B, m, H, d) over k, v (B, n, *, d) (queries bottom-right): one
+    flash_attn_func call, or the decode kernel for a decoding step of the exact method:
+    (B, m, H_g, d_v)."""
+    if _decodes(group, q, k, v):
+        return _decode_exact(state, group, q, k, v, scale)
+    return flash_attn_func(
+        _take(q, 2, group.heads), _take(k, 2, group.kv), _take(v, 2, group.kv), 0.0, scale, True,
+        group.window, 0.0, group.slopes, method=group.method, samples=group.samples, seed=state.seed,
+        band_error=group.band_error, precision=state.precision)
+
+
+def _joined(pieces, inverse):
+    """The outputs of a layer's calls (B, m, H_g, d_v each) as (B, m, H, d_v) in head order."""
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    return out if inverse is None else out.index_select(2, inverse)
 
 
 def _heads_call(state, q, k, v, scale):
@@ -374,17 +446,7 @@ def _heads_call(state, q, k, v, scale):
     every group of heads in one flash_attn_func call (a decoding step of the exact method: the
     decode kernel): (B, m, H, d_v)."""
     groups, inverse = state.groups(k.shape[1], k.shape[2], q.shape[3])
-    pieces = []
-    for group in groups:
-        if _decodes(group, q, k, v):
-            pieces.append(_decode_exact(state, group, q, k, v, scale))
-            continue
-        pieces.append(flash_attn_func(
-            _take(q, 2, group.heads), _take(k, 2, group.kv), _take(v, 2, group.kv), 0.0, scale, True,
-            group.window, 0.0, group.slopes, method=group.method, samples=group.samples, seed=state.seed,
-            band_error=group.band_error, precision=state.precision))
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
-    return out if inverse is None else out.index_select(2, inverse)
+    return _joined([_group_call(state, group, q, k, v, scale) for group in groups], inverse)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -402,6 +464,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError(f"poslsh.transformers: attention dropout {dropout} in training is not supported by poslsh; "
                          "set the model's attention dropout to 0")
     scale = (1.0 / math.sqrt(query.shape[-1])) if scaling is None else float(scaling)
+    if isinstance(key, _CachedKeys):  # a BoundedCache: its pages read in place
+        return key._layer.attend(module, state, query, attention_mask, scale), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     batch, m, length = q.shape[0], q.shape[1], k.shape[1]
     mask = attention_mask
@@ -455,7 +519,11 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                          "tokens so far, the queries last (DynamicCache)")
     if attention_mask is None:
         return torch.ones((batch_size, kv_length), dtype=torch.bool)
-    return prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length].to(torch.bool)
+    mask = prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length].to(torch.bool)
+    # transformers pads a shorter mask with padding (zeros) on the right: marked for BoundedCache,
+    # whose new tokens would be taken for padding (e.g. generate() with use_cache=False).
+    mask._poslsh_padded = attention_mask.shape[-1] < kv_length
+    return mask
 
 
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
@@ -544,13 +612,15 @@ def _check_method(method, heads):
     _fail("method", f"must be a str or a list of str, got {type(method).__name__}", TypeError)
 
 
-def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, error=1e-2, precision="matrix_units"):
+def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, error=1e-2, precision="matrix_units",
+               plan_length=None):
     """Runs the attention of a transformers BLOOM, MPT or Falcon (alibi=True) model on poslsh,
     in place, and returns the model (module docstring: formula, conventions, padding, caches).
 
     method: a flash_attn_func method name for every head ("exact", "banded", "lsh", ...), a list
     of names (one per query head), or "plan" (per head and key count, poslsh.plan_heads at
-    relative output error `error`). samples, seed, band_error, precision: flash_attn_func's
+    relative output error `error`; with plan_length, the plan for plan_length keys in every
+    call, as a BoundedCache runs it). samples, seed, band_error, precision: flash_attn_func's
     keywords. Calling it again replaces the settings; restore(model) undoes it. TypeError for
     other models, ValueError for a Falcon without ALiBi or a bad option."""
     kind, base = _find(model)
@@ -565,12 +635,16 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     for name, value in (("band_error", band_error), ("error", error)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
             _fail(name, f"is {value!r}: must be a float in (0, 1)")
+    if plan_length is not None and (isinstance(plan_length, bool) or not isinstance(plan_length, (int, np.integer))
+                                    or plan_length < 1):
+        _fail("plan_length", f"is {plan_length!r}: must be None or an int >= 1")
     if precision not in _core.precision_names():
         _fail("precision", f"is {precision!r}: must be one of {', '.join(map(repr, _core.precision_names()))}")
     for key in (model, base):
         if key in _MODELS:
             restore(key)
-    state = _State(kind, base, slopes, method, int(samples), int(seed), float(band_error), float(error), precision)
+    state = _State(kind, base, slopes, method, int(samples), int(seed), float(band_error), float(error), precision,
+                   None if plan_length is None else int(plan_length))
     # A model copied (copy.deepcopy) or loaded with attn_implementation="poslsh" goes back to eager.
     previous = config._attn_implementation
     state.saved["attn_implementation"] = "eager" if previous == IMPLEMENTATION else previous
@@ -583,6 +657,7 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     if kind == "falcon":
         state.saved["use_alibi"] = bool(config.alibi)  # FalconModel's own value
         base.use_alibi = False
+    state.hook = base.register_forward_pre_hook(_note_use_cache, with_kwargs=True)
     state.modules = modules
     state.base = base
     _CONFIGS[id(config)] = weakref.ref(config)
@@ -591,6 +666,15 @@ def use_poslsh(model, method="exact", *, samples=16, seed=0, band_error=1e-3, er
     if base is not model:
         _MODELS[base] = state
     return model
+
+
+def _note_use_cache(base, args, kwargs):
+    """Forward pre-hook of the base model: whether this forward runs with use_cache (a
+    BoundedCache refuses a forward without it, where generate() feeds every token again)."""
+    state = _MODELS.get(base)
+    if state is not None:
+        use_cache = kwargs.get("use_cache")
+        state.use_cache = bool(base.config.use_cache if use_cache is None else use_cache)
 
 
 def restore(model):
@@ -604,6 +688,7 @@ def restore(model):
         _LAYERS.pop(module, None)
         module.__dict__.pop("forward", None)
     base = state.base
+    state.hook.remove()
     if "use_alibi" in state.saved:
         base.use_alibi = state.saved["use_alibi"]
     base.config._attn_implementation = state.saved["attn_implementation"]
@@ -616,3 +701,365 @@ def restore(model):
 def is_poslsh(model):
     """Whether use_poslsh has set up `model` (and restore has not undone it)."""
     return model in _MODELS
+
+
+# The bounded cache. ---------------------------------------------------------------------------
+
+_CACHE = "poslsh.transformers.BoundedCache"
+
+
+class _CachedKeys(torch.Tensor):
+    """What BoundedCache.update returns in place of the keys and of the values: a marker without
+    data that poslsh's attention reads the cache through. Any torch operation on it raises
+    ValueError: an attention other than poslsh's (a model use_poslsh has not set up) would
+    otherwise read the new tokens only."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__):
+            return f"<{_CACHE} keys of layer {args[0]._layer.index}>"
+        raise ValueError(f"{_CACHE}: argument 'cache' is read by an attention that is not poslsh's ({func.__name__}"
+                         " on its keys): use the cache with the model it was built for, set up by "
+                         "poslsh.transformers.use_poslsh")
+
+
+def _marker(layer):
+    marker = torch.Tensor._make_subclass(_CachedKeys, torch.empty(0))
+    marker._layer = layer
+    return marker
+
+
+class _PagedGroup:
+    """The keys of calls of a layer whose heads drop keys: a poslsh BoundedKVCache with their heads
+    (their query heads, the K/V heads they read), one sequence per batch row. One call, or the
+    plan's banded heads of a layer (one call each, their bands differing) in one cache built from
+    their plans (planned_head_methods: the same band W, so the same outputs per head)."""
+
+    def __init__(self, state, groups, batch, kv_heads, dim, dim_v, dtype, max_length, page_size):
+        function = "BoundedCache"
+        members = [h for group in groups for h in _members(group, state.heads)]
+        self.heads = _selection(members, state.heads)
+        self.size = len(members)
+        # The K/V head of each query head, each K/V head once when they come in whole runs.
+        per_head = [g for group in groups for g in group.kv_of]
+        distinct = list(dict.fromkeys(per_head))
+        run = len(per_head) // len(distinct)
+        if per_head == [distinct[i // run] for i in range(len(per_head))]:
+            self.kv_heads = len(distinct)
+            self.kv = None if distinct == list(range(kv_heads)) else torch.tensor(distinct, dtype=torch.long)
+        else:
+            self.kv_heads, self.kv = len(per_head), torch.tensor(per_head, dtype=torch.long)
+        pages = batch * self.kv_heads * (-(-max_length // page_size) + 1)
+        common = (self.kv_heads, dim, dim_v, page_size, pages)
+        if len(groups) > 1:
+            self.core = _core.BoundedKVCache(*common, dtype=_BOUNDED_DTYPES[dtype],
+                                             plans=[group.plan for group in groups])
+        else:
+            group = groups[0]
+            _, left, right = _window(function, group.window, True, _UNBOUNDED_CAPACITY)
+            self.core = _core.BoundedKVCache(
+                *common, dtype=_BOUNDED_DTYPES[dtype], query_heads=len(members),
+                method=_flash_method(function, group.method), sigmas=_sigmas(group.slopes.tolist(), len(members)),
+                samples=group.samples, seed=state.seed, band_error=group.band_error, window=(left, right))
+        self.sequences = [self.core.open() for _ in range(batch)]
+
+    @property
+    def bytes_in_use(self):
+        return self.core.bytes_in_use
+
+
+def _keeps_every_key(group):
+    """Whether the heads of a call read every key (exact attention without a window)."""
+    _, left, _ = _window("BoundedCache", group.window, True, _UNBOUNDED_CAPACITY)
+    return _flash_method("BoundedCache", group.method) == "exact_tiled" and left < 0
+
+
+class _LayerStore:
+    """The keys and values of one layer in a BoundedCache: a _PagedGroup per call whose heads drop
+    keys, and for the calls of exact heads without a window (they keep every key) one dense
+    (batch, max_length, K/V heads they read, d) buffer, read by the same calls as a full cache."""
+
+    def __init__(self, state, batch, kv_heads, dim, dim_v, dtype, max_length, page_size):
+        self.shape = (batch, kv_heads, dim, dim_v, dtype)
+        self.lengths = [0] * batch           # tokens (non-padding) of each row
+        self.runs = [0] * batch              # MPT: 0 no token yet, 1 in the tokens, 2 padding after them
+        groups, _ = state.groups(max_length, kv_heads, dim)
+        dense = sorted({g for group in groups if _keeps_every_key(group) for g in group.kv_of})
+        self.dense_heads = dense
+        if dense:
+            self.keys = torch.empty((batch, max_length, len(dense), dim), dtype=dtype)
+            self.values = torch.empty((batch, max_length, len(dense), dim_v), dtype=dtype)
+        banded = [group for group in groups if group.plan is not None]
+        if len(banded) < 2:
+            banded = []
+        shape = (batch, kv_heads, dim, dim_v, dtype, max_length, page_size)
+        self.calls = [_PagedGroup(state, banded, *shape)] if banded else []
+        for group in groups:
+            if _keeps_every_key(group):
+                self.calls.append(self._local(group, dense, kv_heads))
+            elif not any(group is other for other in banded):
+                self.calls.append(_PagedGroup(state, [group], *shape))
+        order = [h for call in self.calls for h in _members(call, state.heads)]
+        self.inverse = None if order == list(range(state.heads)) else torch.from_numpy(np.argsort(order))
+
+    @staticmethod
+    def _local(group, dense, kv_heads):
+        """The call `group` over the dense buffer's K/V heads `dense` (the same selection form)."""
+        where = {g: i for i, g in enumerate(dense)}
+        if group.kv is None:
+            kv = None if dense == list(range(kv_heads)) else torch.tensor([where[g] for g in range(kv_heads)])
+        elif isinstance(group.kv, slice):
+            kv = slice(where[group.kv.start], where[group.kv.start] + group.kv.stop - group.kv.start)
+        else:
+            kv = torch.tensor([where[int(g)] for g in group.kv.tolist()], dtype=torch.long)
+        return _Group(group.heads, kv, group.method, group.slopes, group.samples, group.band_error, group.window,
+                      [where[g] for g in group.kv_of])
+
+    def bytes_in_use(self):
+        _, _, dim, dim_v, dtype = self.shape
+        size = torch.empty((), dtype=dtype).element_size()
+        dense = sum(self.lengths) * len(self.dense_heads) * (dim + dim_v) * size
+        return dense + sum(call.bytes_in_use for call in self.calls if isinstance(call, _PagedGroup))
+
+
+class _BoundedLayer(CacheLayerMixin):
+    """One layer of a BoundedCache (transformers' cache layer interface)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache, index):
+        super().__init__()
+        self.cache, self.index = weakref.proxy(cache), index
+        self.slots = 0
+        self.pending = None
+        self.store = None
+        self.slot_bytes = 0  # bytes of one slot of every K/V head in a full cache
+
+    def lazy_initialization(self, key_states, value_states):
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Takes the new tokens' keys and values (batch, K/V heads, m, d), which poslsh's attention
+        appends to the cache and reads in place; returns markers (_CachedKeys) for both."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                _fail(name, f"must be a 4-D tensor (batch, heads, tokens, head_dim), got "
+                      f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}", function=_CACHE)
+        if self.pending is not None:
+            raise ValueError(f"{_CACHE}: argument 'cache' got new keys for layer {self.index} before poslsh's "
+                             "attention read the previous ones: the model does not run poslsh attention (use the "
+                             "cache with the model it was built for, set up by poslsh.transformers.use_poslsh)")
+        self.is_initialized = True
+        self.pending = (key_states, value_states)
+        return _marker(self), _marker(self)
+
+    def get_mask_sizes(self, query_length):
+        return self.slots + query_length, 0
+
+    def get_seq_length(self):
+        return self.slots
+
+    def get_max_length(self):
+        return -1
+
+    def reset(self):
+        self.slots, self.pending, self.store, self.is_initialized = 0, None, None, False
+
+    def reorder_cache(self, beam_idx):
+        raise ValueError(f"{_CACHE}: argument 'num_beams' > 1 (beam search) reorders the cache's rows, which a "
+                         "bounded cache cannot (the rows' dropped keys differ); use num_beams=1 or a DynamicCache")
+
+    def crop(self, tokens_to_remove):
+        if tokens_to_remove:
+            raise ValueError(f"{_CACHE}: argument 'tokens_to_remove' is {tokens_to_remove}: a bounded cache cannot "
+                             "be cropped (assisted decoding, rollbacks); use a DynamicCache")
+
+    def batch_repeat_interleave(self, repeats):
+        if repeats != 1 and self.store is not None:
+            raise ValueError(f"{_CACHE}: argument 'repeats' is {repeats}: a bounded cache holding tokens cannot "
+                             "repeat its rows (num_return_sequences > 1 from a filled cache); use a new cache")
+
+    def batch_select_indices(self, indices):
+        raise ValueError(f"{_CACHE}: argument 'indices': a bounded cache cannot select rows; use a DynamicCache")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def attend(self, module, state, query, attention_mask, scale):
+        """poslsh's attention of query (B, H, m, d) with the pending keys and values appended to the
+        cache: (B, m, H, d_v), each row as attention_forward computes it over a full cache."""
+        cache = self.cache
+        if cache.state is not state:
+            raise ValueError(f"{_CACHE}: argument 'cache' was built for another model or other use_poslsh "
+                             f"settings than the {type(module).__name__}'s: build a BoundedCache for this model")
+        (key, value), self.pending = self.pending, None
+        if not state.use_cache:
+            _fail("use_cache", "is False in this forward: the tokens already in the cache would be appended again "
+                  "(generate() feeds every token without a cache); pass use_cache=True (MPT's config defaults to "
+                  "False)", function=_CACHE)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            raise ValueError(f"{_CACHE}: argument 'cache' is used while autograd records: the bounded cache is "
+                             "inference only (generate(), or call the model under torch.no_grad())")
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        batch, m, kv_heads, dim, dim_v = q.shape[0], q.shape[1], k.shape[2], k.shape[3], v.shape[3]
+        length = self.slots + m
+        if k.dtype not in _BOUNDED_DTYPES or k.device.type != "cpu":
+            _fail("cache", f"holds keys of {k.dtype} on {k.device}: the bounded cache stores CPU float32, bfloat16, "
+                  "float16 or float64 keys", TypeError, _CACHE)
+        shape = (batch, kv_heads, dim, dim_v, k.dtype)
+        if self.store is None:
+            self.store = _LayerStore(state, batch, kv_heads, dim, dim_v, k.dtype, cache.max_length, cache.page_size)
+            self.slot_bytes = kv_heads * (dim + dim_v) * k.element_size()
+        elif self.store.shape != shape:
+            _fail("cache", f"holds rows of (batch, K/V heads, d, d_v, dtype) = {self.store.shape}: got {shape} (a "
+                  "cache is for one batch of one model; build a new one)", function=_CACHE)
+        store = self.store
+        if attention_mask is None:
+            new = np.ones((batch, m), dtype=bool)
+            padded = False
+        else:
+            mask = attention_mask
+            if getattr(mask, "_poslsh_padded", False):
+                _fail("attention_mask", f"covers fewer slots than the cache's {length}: the new tokens would be "
+                      "taken for padding (generate() with use_cache=False feeds every token again: pass "
+                      "use_cache=True)", function=_CACHE)
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, length):
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                _fail("attention_mask", f"has shape {got}: the bounded cache takes the 2-D padding mask "
+                      f"(batch, keys) = ({batch}, {length})", function=_CACHE)
+            new = mask[:, length - m:].detach().cpu().numpy().astype(bool)
+            padded = not bool(mask.all())
+        padded = padded or any(n != self.slots for n in store.lengths)
+        slots = [np.nonzero(new[b])[0] for b in range(batch)]
+        runs = list(store.runs)
+        for b in range(batch):
+            if state.kind == "mpt":
+                runs[b] = _mpt_run(runs[b], slots[b], m, b)
+            if store.lengths[b] + len(slots[b]) > cache.max_length:
+                _fail("max_length", f"is {cache.max_length}: batch row {b} would hold "
+                      f"{store.lengths[b] + len(slots[b])} tokens", function=_CACHE)
+        # Nothing has changed so far; now append, then attend.
+        rows = [b for b in range(batch) if len(slots[b])]
+        takes = [_slots(slots[b]) for b in range(batch)]
+        pieces = []
+        for call in store.calls:
+            if isinstance(call, _PagedGroup):
+                pieces.append(_paged_call(call, state, q, k, v, rows, takes, store.lengths, scale))
+            else:
+                pieces.append(_dense_call(store, call, state, q, k, v, rows, takes, padded, length, scale))
+        for b in rows:
+            store.lengths[b] += len(slots[b])
+        store.runs = runs
+        self.slots = length
+        return _joined(pieces, store.inverse)
+
+
+def _mpt_run(run, slots, m, row):
+    """MPT's token run state of a batch row after new slots (0 none yet, 1 in the tokens, 2
+    padding after them); ValueError for padding between tokens (MPT biases by slot)."""
+    if len(slots):
+        if run == 2 or slots[-1] - slots[0] + 1 != len(slots) or (run == 1 and slots[0] != 0):
+            _fail("attention_mask", f"has padding between tokens in batch row {row}: MPT biases by key slot, which "
+                  "the bounded cache represents only for contiguous tokens", function=_CACHE)
+        return 1 if slots[-1] == m - 1 else 2
+    return 2 if run == 1 else run
+
+
+def _paged_call(call, state, q, k, v, rows, takes, lengths, scale):
+    """Appends the new tokens of the rows to call's bounded cache and attends: (B, m, H_g, d_v)."""
+    out = q.new_zeros((q.shape[0], q.shape[1], call.size, v.shape[3]))
+    if not rows:
+        return out
+    for b in rows:
+        k_b = _take(_take(k[b], 0, takes[b]), 1, call.kv).contiguous()
+        v_b = _take(_take(v[b], 0, takes[b]), 1, call.kv).contiguous()
+        call.core.append(call.sequences[b], lengths[b], _binding_view(k_b), _binding_view(v_b))
+    flat = torch.cat([_take(_take(q[b], 0, takes[b]), 1, call.heads) for b in rows]).contiguous()
+    counts = [_count(takes[b]) for b in rows]
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    result = torch.empty((flat.shape[0], out.shape[2], out.shape[3]), dtype=q.dtype)
+    call.core.attention(_binding_view(flat), [call.sequences[b] for b in rows], cu, masking="causal", scale=scale,
+                        out=_binding_view(result), precision=state.precision)
+    for b, piece in zip(rows, torch.split(result, counts)):
+        out[b, takes[b]] = piece
+    return out
+
+
+def _count(take):
+    """The number of slots a _slots selection takes."""
+    return take.stop - take.start if isinstance(take, slice) else len(take)
+
+
+def _dense_call(store, group, state, q, k, v, rows, takes, padded, length, scale):
+    """Appends the new tokens of the rows to the dense buffer and attends as attention_forward
+    does over a full cache (one call for an unpadded batch's prefill or a batch of one, else row
+    by row): (B, m, H_g, d_v)."""
+    heads = store.dense_heads
+    select = None if heads == list(range(k.shape[2])) else torch.tensor(heads, dtype=torch.long)
+    for b in rows:
+        n, count = store.lengths[b], _count(takes[b])
+        store.keys[b, n:n + count] = _take(_take(k[b], 0, takes[b]), 1, select)
+        store.values[b, n:n + count] = _take(_take(v[b], 0, takes[b]), 1, select)
+    batch, m = q.shape[0], q.shape[1]
+    if not padded and (batch == 1 or m == length):
+        return _group_call(state, group, q, store.keys[:, :length], store.values[:, :length], scale)
+    out = q.new_zeros((batch, m, len(_members(group, state.heads)), v.shape[3]))
+    for b in rows:
+        n = store.lengths[b] + _count(takes[b])
+        out[b:b + 1, takes[b]] = _group_call(state, group, _take(q[b:b + 1], 1, takes[b]), store.keys[b:b + 1, :n],
+                                             store.values[b:b + 1, :n], scale)
+    return out
+
+
+class BoundedCache(Cache):
+    """A transformers ``Cache`` for generation with a model set up by use_poslsh that keeps, per
+    layer and batch row, only the keys and values the layer's heads can still read (module
+    docstring, "The bounded cache"):
+
+        cache = poslsh.transformers.BoundedCache(model, max_length=prompt + new_tokens)
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens)
+
+    max_length: the most tokens (non-padding) a batch row will hold; it sizes the page pools
+    (reserved, committed only as pages are written and reused once released) and the buffers of
+    exact heads without a window; a row past it raises ValueError naming it. page_size: positions
+    per page, a positive multiple of 64. With method="plan", the heads are those of the plan for
+    use_poslsh's plan_length keys when given, else for max_length keys, in every call through the
+    cache.
+
+    bytes_in_use: bytes of the keys and values held; full_cache_bytes(): what a DynamicCache
+    holds for the same calls. Inference only; one batch of one model per cache."""
+
+    def __init__(self, model, max_length, *, page_size=256):
+        state = _MODELS.get(model)
+        if state is None:
+            _find(model)  # TypeError for other models
+            _fail("model", "has not been set up by poslsh.transformers.use_poslsh (or was restored): the cache's "
+                  "heads are use_poslsh's", function=_CACHE)
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+            _fail("max_length", f"is {max_length!r}: must be an int >= 1 (the most tokens of a batch row)",
+                  function=_CACHE)
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 64 \
+                or page_size % 64:
+            _fail("page_size", f"is {page_size!r}: must be a positive multiple of 64", function=_CACHE)
+        self.state, self.max_length, self.page_size = state, int(max_length), int(page_size)
+        super().__init__(layers=[_BoundedLayer(self, i) for i in range(len(state.modules))])
+
+    def reorder_cache(self, beam_idx):
+        self.layers[0].reorder_cache(beam_idx)
+
+    @property
+    def bytes_in_use(self):
+        """Bytes of the keys and values the cache holds (pages of the bounded caches, rows of the
+        heads that keep every key)."""
+        return sum(layer.store.bytes_in_use() for layer in self.layers if layer.store is not None)
+
+    def full_cache_bytes(self):
+        """Bytes a DynamicCache holds after the same calls: every slot of every row and K/V head."""
+        return sum(layer.slots * layer.store.shape[0] * layer.slot_bytes for layer in self.layers
+                   if layer.store is not None)
