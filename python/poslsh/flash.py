@@ -1174,6 +1174,15 @@ def _records(*tensors):
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
+def _run_forward(operator, training_operator, arguments, records):
+    """(out, lse) of a forward operator, or of its training form when autograd records the call
+    (its third output, the state the backward reads, stays with autograd)."""
+    if records:
+        out, lse, _ = training_operator(*arguments)
+        return out, lse
+    return operator(*arguments)
+
+
 def _check_slope_gradients(function, method):
     """ValueError for gradients in the slopes under a method (poslsh's name) without them."""
     if method not in _SLOPE_GRADIENTS:
@@ -1266,10 +1275,8 @@ def _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size
     causal, left, right = _window(function, window_size, causal, seqlen_k)
     arguments = (q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method, samples, seed, band_error,
                  bool(return_attn_probs), precision)
-    if _records(q, k, v, alibi_slopes):
-        out, lse, _ = torch.ops.poslsh.flash_attn_train(*arguments)
-    else:
-        out, lse = torch.ops.poslsh.flash_attn(*arguments)
+    out, lse = _run_forward(torch.ops.poslsh.flash_attn, torch.ops.poslsh.flash_attn_train, arguments,
+                            _records(q, k, v, alibi_slopes))
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (batch, nheads, seqlen_q)
@@ -1317,10 +1324,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _slope_gradients(function, method, alibi_slopes)
     arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal), left, right, method,
                  samples, seed, band_error, bool(return_attn_probs), precision)
-    if _records(q, k, v, alibi_slopes):
-        out, lse, _ = torch.ops.poslsh.flash_attn_varlen_train(*arguments)
-    else:
-        out, lse = torch.ops.poslsh.flash_attn_varlen(*arguments)
+    out, lse = _run_forward(torch.ops.poslsh.flash_attn_varlen, torch.ops.poslsh.flash_attn_varlen_train,
+                            arguments, _records(q, k, v, alibi_slopes))
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (nheads, total_q): token t of sequence b at t - cu_q[b] + L_b - m_b

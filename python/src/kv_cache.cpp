@@ -120,12 +120,9 @@ py::object bounded_attend(const PyBoundedCache& self, py::handle q,
         return output.result;
       }
       inputs.emplace_back(output.result, "out");
-      Output lse_out = output_of<C>(lse, {q_view.heads, q_view.tokens}, function, "lse",
-                                    std::is_same_v<C, Q> ? "q" : "lse", inputs);
-      const Index stride = row_stride_of<C>(lse_out.array, function, "lse");
-      poslsh::MatrixRef<C> lse_map(OutputMap<C>(static_cast<C*>(lse_out.array.mutable_data()),
-                                                q_view.heads, q_view.tokens,
-                                                Eigen::OuterStride<>(stride)));
+      MatrixOutput<C> lse_out = output_matrix<C>(lse, q_view.heads, q_view.tokens, function, "lse",
+                                                 std::is_same_v<C, Q> ? "q" : "lse", inputs);
+      poslsh::MatrixRef<C> lse_map(lse_out.map);
       run_kernel(threads, [&] {
         poslsh::multihead_attention_bounded_with_lse<Q, KV, Q>(
             q_view, cache, sequences, output.view, lse_map, cu, options, offsets);

@@ -215,13 +215,10 @@ py::object paged_heads_call(const char* function, py::handle q, py::handle k_pag
           return output.result;
         }
         inputs.emplace_back(output.result, "out");
-        const char* const lse_like = std::is_same_v<C, Q> ? "q" : "lse";
-        Output lse_out =
-            output_of<C>(lse, {q_view.heads, q_view.tokens}, function, "lse", lse_like, inputs);
-        const Index stride = row_stride_of<C>(lse_out.array, function, "lse");
-        poslsh::MatrixRef<C> lse_map(OutputMap<C>(static_cast<C*>(lse_out.array.mutable_data()),
-                                                  q_view.heads, q_view.tokens,
-                                                  Eigen::OuterStride<>(stride)));
+        MatrixOutput<C> lse_out =
+            output_matrix<C>(lse, q_view.heads, q_view.tokens, function, "lse",
+                             std::is_same_v<C, Q> ? "q" : "lse", inputs);
+        poslsh::MatrixRef<C> lse_map(lse_out.map);
         run_kernel(threads, [&] {
           poslsh::multihead_attention_paged_with_lse<Q, KV, Out>(
               q_view, cache, output.view, lse_map, paged.cu_seqlens_q, keywords.options,
