@@ -190,9 +190,7 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
     call.sequences.push_back(
         {cu_seqlens[b], cu_seqlens[b + 1], cu_seqlens[b], cu_seqlens[b + 1], 0});
   }
-  call.tau = resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  resolve_call_options(call, function, options, q.dim);
   return call;
 }
 

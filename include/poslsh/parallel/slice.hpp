@@ -118,9 +118,7 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
   detail::HeadsCall call;
   call.heads = detail::head_methods(function, q.heads, options);
   call.sequences.push_back({0, q.tokens, 0, k.tokens, query_offset, key_offset});
-  call.tau = detail::resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  detail::resolve_call_options(call, function, options, q.dim);
   detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
 }
 
