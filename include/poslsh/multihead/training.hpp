@@ -335,7 +335,8 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   sum_dslopes();
 }
 
-/// The gradient views of a backward call: dout as out, dq as q, dk and dv as k and v.
+/// The gradient views of a backward call: dout as out (q.tokens x q.heads x v.dim), dq as q,
+/// dk as k and dv as v (k.tokens x k.heads x v.dim).
 template <typename Input, typename Scalar>
 void require_gradient_views(const char* function, const HeadsView<const Input>& q,
                             const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -343,8 +344,8 @@ void require_gradient_views(const char* function, const HeadsView<const Input>& 
                             const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv) {
   require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
   require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
-  require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
-  require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
+  require_view_shape(function, "dk", dk, k.tokens, k.heads, k.dim);
+  require_view_shape(function, "dv", dv, k.tokens, k.heads, v.dim);
 }
 
 /// The backward of a training call on the sequences [cu[b], cu[b + 1]) (every public

@@ -27,13 +27,22 @@ namespace poslsh {
 
 namespace detail {
 
-/// The offsets of a slice call: query_offset, key_offset >= 0 and options.query_offset unset.
-inline void require_slice_offsets(const char* function, Index query_offset, Index key_offset,
-                                  const MultiHeadOptions& options) {
+/// The arguments of a slice call (forward and backward): the offsets (query_offset,
+/// key_offset >= 0, options.query_offset unset), the inputs, out (q.tokens x q.heads x v.dim)
+/// and lse (q.heads x q.tokens).
+template <typename Scalar, typename OutElement, typename LseType>
+void require_slice_arguments(const char* function, const HeadsView<const Scalar>& q,
+                             const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                             const HeadsView<OutElement>& out, const LseType& lse,
+                             Index query_offset, Index key_offset,
+                             const MultiHeadOptions& options) {
   require(!options.query_offset, function, "options.query_offset", options.query_offset.value_or(0),
           "must be unset: the positions are the query_offset and key_offset arguments");
   require(query_offset >= 0, function, "query_offset", query_offset, "must be >= 0");
   require(key_offset >= 0, function, "key_offset", key_offset, "must be >= 0");
+  require_heads_inputs(function, q, k, v);
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  require_lse_shape(function, lse, q);
 }
 
 /// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
@@ -47,14 +56,8 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
                     Index query_offset, Index key_offset, const MultiHeadOptions& options,
                     double* dslopes) {
   using Compute = backward_scalar_t<Scalar>;
-  require_slice_offsets(function, query_offset, key_offset, options);
-  require_heads_inputs(function, q, k, v);
-  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  require_lse_shape(function, lse, q);
-  require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
-  require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
-  require_view_shape(function, "dk", dk, k.tokens, k.heads, k.dim);
-  require_view_shape(function, "dv", dv, k.tokens, k.heads, v.dim);
+  require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
+  require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
           "options.method", enum_name(options.method),
           "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
@@ -111,10 +114,7 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
                                HeadsLseRef<Scalar> lse, Index query_offset, Index key_offset,
                                const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice";
-  detail::require_slice_offsets(function, query_offset, key_offset, options);
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  detail::require_lse_shape(function, lse, q);
+  detail::require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
   detail::HeadsCall call;
   call.heads = detail::head_methods(function, q.heads, options);
   call.sequences.push_back({0, q.tokens, 0, k.tokens, query_offset, key_offset});
