@@ -198,14 +198,16 @@ struct PassInputs {
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
 /// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
 /// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
-/// (BackwardInputs::paired).
+/// (BackwardInputs::paired). When dslope is not null, the gradient in the ALiBi slope
+/// (x_ij = tau q_i.k_j - slope |i - j|), -sum_ij dS_ij |i - j| from the key tiles' sums added in
+/// key tile order, is written to *dslope (added to it with `accumulate`).
 template <typename Scalar, typename Input, typename Rule>
 void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
                        const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr,
+                       BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr,
                        bool accumulate = false) {
   const FlushSubnormals flush;
   if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
@@ -213,7 +215,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   BackwardOutputs<Scalar> grads =
       accumulate ? BackwardOutputs<Scalar>{dq, dk, dv} : fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
-  if (distance_sum != nullptr) {
+  if (dslope != nullptr) {
     tile_sums.assign(static_cast<std::size_t>((rule.key_end() - rule.begin() + backward_tile - 1) /
                                               backward_tile),
                      0.0);
@@ -225,9 +227,13 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
     BackwardWork<Scalar> own;
     backward_serial(pass.in, rule, grads, work != nullptr ? *work : own);
   }
-  if (distance_sum != nullptr) {
-    *distance_sum = 0.0;
-    for (const double tile_sum : tile_sums) *distance_sum += tile_sum;  // in key tile order
+  if (dslope != nullptr) {
+    double distance_sum = 0.0;
+    for (const double tile_sum : tile_sums) distance_sum += tile_sum;  // in key tile order
+    if (accumulate)
+      *dslope += -distance_sum;
+    else
+      *dslope = -distance_sum;
   }
 }
 
@@ -242,11 +248,8 @@ void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
-  double distance_sum = 0.0;
   windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, precision, parallel, work,
-                                   dslope == nullptr ? nullptr : &distance_sum);
-  if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
+                                   dv, precision, parallel, work, dslope);
 }
 
 /// Exact ALiBi backward of the m queries of q at positions p0 .. p0 + m - 1 over the L keys of k
@@ -268,11 +271,8 @@ void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<I
   if (q.rows() == 0 || k.rows() == 0) return;
   const WindowRule<Scalar> rule(0, q.rows(), k.rows(), window.lo, window.hi,
                                 finite_alibi_slope<Scalar>(sigma, extent), shift);
-  double distance_sum = 0.0;
   windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, precision, parallel, work,
-                                   dslope == nullptr ? nullptr : &distance_sum, true);
-  if (dslope != nullptr) *dslope += -distance_sum;
+                                   dv, precision, parallel, work, dslope, true);
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
