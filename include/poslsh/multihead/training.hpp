@@ -194,15 +194,17 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
   return call;
 }
 
-/// The forward with lse of a training call: run_heads_forward into out and lse (q, k, v and
-/// out stored as Input, computed and lse written in backward_scalar_t<Input>); a sequence
-/// whose values have no columns gets its lse from a column of zeros (the probabilities do not
-/// depend on V).
+/// The forward with lse of a training call: the methods checked (require_methods_with_lse),
+/// then run_heads_forward into out and lse (q, k, v and out stored as Input, computed and lse
+/// written in backward_scalar_t<Input>); a sequence whose values have no columns gets its lse
+/// from a column of zeros (the probabilities do not depend on V).
 template <typename Input>
-void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Input>& q,
-                            const HeadsView<const Input>& k, const HeadsView<const Input>& v,
-                            const HeadsView<Input>& out, MatrixRef<backward_scalar_t<Input>>& lse) {
+void heads_forward_with_lse(const char* function, const HeadsCall& call,
+                            const HeadsView<const Input>& q, const HeadsView<const Input>& k,
+                            const HeadsView<const Input>& v, const HeadsView<Input>& out,
+                            MatrixRef<backward_scalar_t<Input>>& lse) {
   using Compute = backward_scalar_t<Input>;
+  require_methods_with_lse(function, call);
   if (v.dim == 0 && q.tokens > 0) {
     const std::vector<Input> zeros(static_cast<std::size_t>(k.tokens * k.heads), Input(0));
     std::vector<Input> sink(static_cast<std::size_t>(q.tokens * q.heads));
@@ -399,8 +401,7 @@ void multihead_attention_with_lse(HeadsView<const Scalar> q, HeadsView<const Sca
   constexpr const char* function = "multihead_attention_with_lse";
   const detail::HeadsCall call = detail::training_call(
       function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// Gradients of multihead_attention for dO = dout, from its out and lse (H_q x n, the forward
@@ -465,8 +466,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
   constexpr const char* function = "multihead_attention_varlen";
   const detail::HeadsCall call =
       detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// The forward of FlashAttention's variable-length call with its softmax_lse: the packed
@@ -488,8 +488,7 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
   const detail::HeadsCall call = detail::varlen_call(function, q, k, v, out, cu_seqlens_q,
                                                      cu_seqlens_k, options, query_offsets);
   detail::require_lse_shape(function, lse, q);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// Gradients of the packed-batch multihead_attention_varlen for dO = dout, from its out and

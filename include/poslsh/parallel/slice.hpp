@@ -97,7 +97,8 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
 /// Attention of the queries at positions query_offset .. query_offset + m - 1 (the m tokens of
 /// q) over the keys at positions key_offset .. key_offset + L - 1 (the L tokens of k and v) of
 /// one sequence, every head by its method (as multihead_attention: sigmas, hashes, bands,
-/// GQA), with the log-sum-exp lse (H_q x m) of each row:
+/// GQA; every method but mean_of_outputs, which has no lse: std::invalid_argument naming
+/// 'options.method'), with the log-sum-exp lse (H_q x m) of each row:
 ///   out_i = sum_j w_ij e^{x_ij} v_j / sum_j w_ij e^{x_ij},  lse_i = log sum_j w_ij e^{x_ij},
 /// j over the slice's keys, w and x the method's weights and scores at the absolute positions
 /// (ALiBi bias -|i - j| / sigma, causal mask j <= i, LSH counts of the absolute bins). A row
@@ -119,7 +120,7 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
   call.heads = detail::head_methods(function, q.heads, options);
   call.sequences.push_back({0, q.tokens, 0, k.tokens, query_offset, key_offset});
   detail::resolve_call_options(call, function, options, q.dim);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// The gradients of one slice of exact ALiBi attention (methods exact_tiled and exact_banded,
