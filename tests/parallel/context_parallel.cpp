@@ -419,6 +419,20 @@ TEST_CASE("context parallel calls name their bad arguments", "[context_parallel]
         poslsh::multihead_attention_slice<double>(view, view, view, out_view, lse, 0, 0, offset);
       },
       "options.query_offset");
+  // mean_of_outputs has no lse: rejected by name before any head runs, naming the slice call.
+  MultiHeadOptions mean = options;
+  mean.method = poslsh::Method::mean_of_outputs;
+  mean.samples = 2;
+  try {
+    poslsh::multihead_attention_slice<double>(view, view, view, out_view, lse, 0, 0, mean);
+    FAIL("no exception thrown");
+  } catch (const std::invalid_argument& error) {
+    const std::string message = error.what();
+    INFO("message: " << message);
+    CHECK(message.find("multihead_attention_slice") != std::string::npos);
+    CHECK(message.find("'options.method'") != std::string::npos);
+    CHECK(message.find("call the form without lse") != std::string::npos);
+  }
   RowMatrix<double> grads(n, 4);
   const auto grad_view = poslsh::interleaved_heads<double>(grads.data(), n, 1, 4);
   require_invalid_argument(

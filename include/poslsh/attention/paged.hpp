@@ -16,11 +16,9 @@
 // that the buffers hold num_pages pages, and the values.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "poslsh/attention/fused.hpp"
 #include "poslsh/attention/tiled.hpp"

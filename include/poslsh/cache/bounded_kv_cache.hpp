@@ -459,41 +459,27 @@ HeadsCall bounded_call(const char* function, const HeadsView<const QScalar>& q,
   require(q.dim == cache.dim(), function, "q.dim", q.dim,
           "must equal cache.dim() = " + std::to_string(cache.dim()));
   require_view_shape(function, "out", out, q.tokens, q.heads, cache.dim_v());
-  require(!options.query_offset, function, "options.query_offset", options.query_offset.value_or(0),
-          "must be unset: per-sequence offsets are the query_offsets argument");
+  require_no_query_offset(function, options.query_offset);
   require(!sequences.empty(), function, "sequences", 0, "must name at least one sequence");
   for (Index id : sequences)
     require(cache.is_open(id), function, "sequences", id, "must be open sequences of the cache");
-  const std::size_t batch = sequences.size();
-  require(cu_seqlens_q.size() == batch + 1, function, "cu_seqlens_q", cu_seqlens_q.size(),
-          "must hold sequences.size() + 1 = " + std::to_string(batch + 1) + " entries");
-  require_cu_seqlens(function, "cu_seqlens_q", cu_seqlens_q, q.tokens);
-  require(query_offsets.empty() || query_offsets.size() == batch, function, "query_offsets",
-          query_offsets.size(),
-          "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")");
   HeadsCall call;
   call.heads = cache.heads();
-  call.sequences.resize(batch);
-  for (std::size_t b = 0; b < batch; ++b) {
-    const Index id = sequences[b], keys = cache.length(id), frontier = cache.frontier(id);
-    const Index m = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-    HeadsSequence& s = call.sequences[b];
-    s = {cu_seqlens_q[b], cu_seqlens_q[b + 1], 0, keys, 0, 0};
-    s.p0 = resolve_query_offset(
-        function,
-        query_offsets.empty() ? std::optional<Index>{} : std::optional<Index>{query_offsets[b]}, m,
-        keys, "cu_seqlens_q", "query_offsets");
-    if (m > 0)
+  call.sequences = cache_sequences(
+      function, cu_seqlens_q, q.tokens, sequences.size(), "sequences.size()",
+      [&](std::size_t b) { return cache.length(sequences[b]); }, query_offsets, "cu_seqlens_q");
+  for (std::size_t b = 0; b < sequences.size(); ++b) {
+    const HeadsSequence& s = call.sequences[b];
+    const Index frontier = cache.frontier(sequences[b]);
+    if (s.q_end > s.q_begin)
       require(s.p0 >= frontier, function, query_offsets.empty() ? "cu_seqlens_q" : "query_offsets",
               s.p0,
-              "puts the first query of sequence " + std::to_string(id) + " before its frontier " +
-                  std::to_string(frontier) +
+              "puts the first query of sequence " + std::to_string(sequences[b]) +
+                  " before its frontier " + std::to_string(frontier) +
                   " (the cache no longer holds the keys it may read): queries sit at positions "
                   ">= the first position of the last append");
   }
-  call.tau = resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  resolve_call_options(call, function, options, q.dim);
   return call;
 }
 

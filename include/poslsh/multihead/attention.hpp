@@ -140,6 +140,34 @@ inline void require_cu_seqlens(const char* function, const char* name,
           "last entry must equal the packed token count " + std::to_string(tokens));
 }
 
+/// options.query_offset of a packed batch's call: unset (the sequences' offsets are the
+/// query_offsets argument).
+inline void require_no_query_offset(const char* function,
+                                    const std::optional<Index>& query_offset) {
+  require(!query_offset, function, "options.query_offset", query_offset.value_or(0),
+          "must be unset: per-sequence offsets are the query_offsets argument");
+}
+
+/// The query offsets of a packed batch's sequences, into sequences[b].p0: query_offsets[b]
+/// (empty: each sequence bottom-right aligned, L_b - m_b), checked by resolve_query_offset on
+/// the sequence's m_b queries over its L_b keys. Checks that query_offsets is empty or holds one
+/// offset per sequence; `keys_name` names the argument that sets the key counts in messages.
+inline void resolve_query_offsets(const char* function, std::vector<HeadsSequence>& sequences,
+                                  const std::vector<Index>& query_offsets, const char* keys_name) {
+  const std::size_t batch = sequences.size();
+  require(query_offsets.empty() || query_offsets.size() == batch, function, "query_offsets",
+          query_offsets.size(),
+          "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")");
+  for (std::size_t b = 0; b < batch; ++b) {
+    HeadsSequence& sequence = sequences[b];
+    sequence.p0 = resolve_query_offset(
+        function,
+        query_offsets.empty() ? std::optional<Index>{} : std::optional<Index>{query_offsets[b]},
+        sequence.q_end - sequence.q_begin, sequence.k_end - sequence.k_begin, keys_name,
+        "query_offsets");
+  }
+}
+
 /// The sequences of a packed batch: sequence b has the query tokens [cu_q[b], cu_q[b+1]) and
 /// the key tokens [cu_k[b], cu_k[b+1]), its queries at offset query_offsets[b] (empty: each
 /// sequence bottom-right aligned). Checks cu_seqlens_q, cu_seqlens_k, query_offsets and that
@@ -150,26 +178,37 @@ inline std::vector<HeadsSequence> packed_sequences(const char* function,
                                                    Index q_tokens, Index k_tokens,
                                                    const std::optional<Index>& query_offset,
                                                    const std::vector<Index>& query_offsets) {
-  require(!query_offset, function, "options.query_offset", query_offset.value_or(0),
-          "must be unset: per-sequence offsets are the query_offsets argument");
+  require_no_query_offset(function, query_offset);
   require_cu_seqlens(function, "cu_seqlens_q", cu_q, q_tokens);
   require_cu_seqlens(function, "cu_seqlens_k", cu_k, k_tokens);
   require(cu_k.size() == cu_q.size(), function, "cu_seqlens_k", cu_k.size(),
           "must have as many entries as cu_seqlens_q (" + std::to_string(cu_q.size()) + ")");
-  const std::size_t batch = cu_q.size() - 1;
-  require(query_offsets.empty() || query_offsets.size() == batch, function, "query_offsets",
-          query_offsets.size(),
-          "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")");
+  std::vector<HeadsSequence> sequences(cu_q.size() - 1);
+  for (std::size_t b = 0; b < sequences.size(); ++b)
+    sequences[b] = {cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], 0};
+  resolve_query_offsets(function, sequences, query_offsets, "cu_seqlens_k");
+  return sequences;
+}
+
+/// The sequences of a call over a cache's `batch` sequences (paged, bounded): sequence b has
+/// the query tokens [cu_q[b], cu_q[b+1]) and the keys 0 .. keys_of(b) - 1 the cache holds for
+/// it, its queries at offset query_offsets[b] (resolve_query_offsets). Checks cu_seqlens_q
+/// (batch + 1 entries, `batch_name` naming what sets batch in the message; require_cu_seqlens
+/// against q_tokens) and the offsets (`keys_name`: the argument of the key counts).
+template <typename KeysOf>
+std::vector<HeadsSequence> cache_sequences(const char* function,
+                                           const std::vector<std::int32_t>& cu_q, Index q_tokens,
+                                           std::size_t batch, const char* batch_name,
+                                           KeysOf keys_of, const std::vector<Index>& query_offsets,
+                                           const char* keys_name) {
+  require(
+      cu_q.size() == batch + 1, function, "cu_seqlens_q", cu_q.size(),
+      "must hold " + std::string(batch_name) + " + 1 = " + std::to_string(batch + 1) + " entries");
+  require_cu_seqlens(function, "cu_seqlens_q", cu_q, q_tokens);
   std::vector<HeadsSequence> sequences(batch);
-  for (std::size_t b = 0; b < batch; ++b) {
-    HeadsSequence& sequence = sequences[b];
-    sequence = {cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], 0};
-    sequence.p0 = resolve_query_offset(
-        function,
-        query_offsets.empty() ? std::optional<Index>{} : std::optional<Index>{query_offsets[b]},
-        sequence.q_end - sequence.q_begin, sequence.k_end - sequence.k_begin, "cu_seqlens_k",
-        "query_offsets");
-  }
+  for (std::size_t b = 0; b < batch; ++b)
+    sequences[b] = {cu_q[b], cu_q[b + 1], 0, keys_of(b), 0, 0};
+  resolve_query_offsets(function, sequences, query_offsets, keys_name);
   return sequences;
 }
 
@@ -205,6 +244,15 @@ inline void resolve_heads(HeadsCall& call, const char* function, Index heads,
   call.per_sequence = static_cast<Index>(call.heads.size()) != heads;
 }
 
+/// The scale (resolve_scale: options.scale, else 1 / sqrt(dim) for queries of dim columns),
+/// masking and precision of a call, from its options.
+inline void resolve_call_options(HeadsCall& call, const char* function,
+                                 const AttentionOptions& options, Index dim) {
+  call.tau = resolve_scale(function, options, dim);
+  call.masking = options.masking;
+  call.precision = options.precision;
+}
+
 /// Checks that every head's method has a log-sum-exp (method_has_lse), for the calls with lse.
 inline void require_methods_with_lse(const char* function, const HeadsCall& call) {
   for (const HeadMethod& head : call.heads)
@@ -228,9 +276,7 @@ HeadsCall varlen_call(const char* function, const HeadsView<QElement>& q,
   call.sequences = packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options.query_offset,
                                     query_offsets);
   resolve_heads(call, function, q.heads, options, static_cast<Index>(call.sequences.size()));
-  call.tau = resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  resolve_call_options(call, function, options, q.dim);
   return call;
 }
 

@@ -195,57 +195,48 @@ struct MethodKernels<Method::lsh_fused> : QueryTileMethod<MethodKernels<Method::
   }
 };
 
-/// lsh_per_sample and fixed_blocks (the per-sample kernel on the single hash of fixed blocks).
+/// The methods that run a whole head per job on the samples of its hashes: lsh_per_sample and
+/// fixed_blocks (per_sample_rows; fixed_blocks on the single hash of fixed blocks), and
+/// mean_of_outputs, the mean of the s per-sample attentions (mean_of_outputs_rows). The latter
+/// has no log-sum-exp (poslsh/training/mean_of_outputs.hpp): the calls with lse reject it
+/// (require_methods_with_lse).
 template <Method M>
-struct PerSampleMethodKernels : WholeHeadMethod {
-  static constexpr bool draws_hashes = M == Method::lsh_per_sample;
+struct WholeHeadMethodKernels : WholeHeadMethod {
+  static constexpr bool draws_hashes = M != Method::fixed_blocks;
   static constexpr bool takes_window = false;
-  static constexpr bool has_lse = true;
+  static constexpr bool has_lse = M != Method::mean_of_outputs;
 
-  /// The head's rows at positions p0 .. p0 + q.rows() - 1 (per_sample_rows), and their lse
-  /// when lse is not null.
+  /// The head's rows at positions p0 .. p0 + q.rows() - 1, and their lse when lse is not null.
   template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
             typename QType, typename Rows, typename OutType>
   static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
                            Compute* lse) {
     using OutScalar = typename OutType::Scalar;
+    const ConstMatrixRef<QScalar> q(f.q);
     MatrixRef<OutScalar> out = f.out;
-    per_sample_rows<QScalar, OutScalar, Compute, AmxTiles>(
-        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
-        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision, out, lse);
+    const auto tau = static_cast<Compute>(f.tau);
+    const bool causal = f.masking == Masking::causal;
+    if constexpr (has_lse) {
+      per_sample_rows<QScalar, OutScalar, Compute, AmxTiles>(
+          q, f.keys, head.hashes, tau, causal, TilePositions(f.p0, f.k0), f.precision, out, lse);
+    } else {
+      // Reached only past a caller that skipped require_methods_with_lse: the parallel loop
+      // hands the exception to the caller.
+      if (lse != nullptr)
+        throw_invalid("multihead_attention", "options.method", enum_name(Method::mean_of_outputs),
+                      "has no log-sum-exp");
+      mean_of_outputs_rows<QScalar, OutScalar, Compute, AmxTiles>(
+          q, f.keys, head.hashes, tau, causal, TilePositions(f.p0, f.k0), f.precision, out);
+    }
   }
 };
 
 template <>
-struct MethodKernels<Method::lsh_per_sample> : PerSampleMethodKernels<Method::lsh_per_sample> {};
+struct MethodKernels<Method::lsh_per_sample> : WholeHeadMethodKernels<Method::lsh_per_sample> {};
 template <>
-struct MethodKernels<Method::fixed_blocks> : PerSampleMethodKernels<Method::fixed_blocks> {};
-
-/// mean_of_outputs: the mean of the s per-sample attentions (mean_of_outputs_rows), a whole
-/// head per job. No log-sum-exp (poslsh/training/mean_of_outputs.hpp): the calls with lse
-/// reject it (require_methods_with_lse).
+struct MethodKernels<Method::fixed_blocks> : WholeHeadMethodKernels<Method::fixed_blocks> {};
 template <>
-struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethod {
-  static constexpr bool draws_hashes = true;
-  static constexpr bool takes_window = false;
-  static constexpr bool has_lse = false;
-
-  template <typename Compute, typename QScalar, template <typename> class AmxTiles = AmxNativeTiles,
-            typename QType, typename Rows, typename OutType>
-  static void forward_head(const HeadMethod& head, const HeadForward<QType, Rows, OutType>& f,
-                           Compute* lse) {
-    using OutScalar = typename OutType::Scalar;
-    // Reached only past a caller that skipped require_methods_with_lse: the parallel loop
-    // hands the exception to the caller.
-    if (lse != nullptr)
-      throw_invalid("multihead_attention", "options.method", enum_name(Method::mean_of_outputs),
-                    "has no log-sum-exp");
-    mean_of_outputs_rows<QScalar, OutScalar, Compute, AmxTiles>(
-        ConstMatrixRef<QScalar>(f.q), f.keys, head.hashes, static_cast<Compute>(f.tau),
-        f.masking == Masking::causal, TilePositions(f.p0, f.k0), f.precision,
-        MatrixRef<OutScalar>(f.out));
-  }
-};
+struct MethodKernels<Method::mean_of_outputs> : WholeHeadMethodKernels<Method::mean_of_outputs> {};
 
 /// visitor(Table<method>{}): the one switch from a run-time Method to its row of a table
 /// (MethodKernels, the forward table; MethodBackward, the backward table).

@@ -15,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,30 +63,14 @@ HeadsCall paged_call(const char* function, const HeadsView<const QScalar>& q,
   require(q.heads % cache.heads == 0, function, "cache.heads", cache.heads,
           "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
   require_view_shape(function, "out", out, q.tokens, q.heads, cache.dim_v);
-  require(!options.query_offset, function, "options.query_offset", options.query_offset.value_or(0),
-          "must be unset: per-sequence offsets are the query_offsets argument");
-  const auto batch = static_cast<std::size_t>(cache.batch);
-  require(cu_seqlens_q.size() == batch + 1, function, "cu_seqlens_q", cu_seqlens_q.size(),
-          "must hold cache.batch + 1 = " + std::to_string(batch + 1) + " entries");
-  require_cu_seqlens(function, "cu_seqlens_q", cu_seqlens_q, q.tokens);
-  require(query_offsets.empty() || query_offsets.size() == batch, function, "query_offsets",
-          query_offsets.size(),
-          "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")");
+  require_no_query_offset(function, options.query_offset);
   HeadsCall call;
-  call.sequences.resize(batch);
-  for (std::size_t b = 0; b < batch; ++b) {
-    HeadsSequence& s = call.sequences[b];
-    const Index keys = cache.length(static_cast<Index>(b));
-    s = {cu_seqlens_q[b], cu_seqlens_q[b + 1], 0, keys, 0, 0};
-    s.p0 = resolve_query_offset(
-        function,
-        query_offsets.empty() ? std::optional<Index>{} : std::optional<Index>{query_offsets[b]},
-        s.q_end - s.q_begin, keys, "cache.seq_lens", "query_offsets");
-  }
+  call.sequences = cache_sequences(
+      function, cu_seqlens_q, q.tokens, static_cast<std::size_t>(cache.batch), "cache.batch",
+      [&](std::size_t b) { return cache.length(static_cast<Index>(b)); }, query_offsets,
+      "cache.seq_lens");
   resolve_heads(call, function, q.heads, options, cache.batch);
-  call.tau = resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  resolve_call_options(call, function, options, q.dim);
   return call;
 }
 

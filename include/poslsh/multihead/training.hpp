@@ -190,21 +190,21 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
     call.sequences.push_back(
         {cu_seqlens[b], cu_seqlens[b + 1], cu_seqlens[b], cu_seqlens[b + 1], 0});
   }
-  call.tau = resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
+  resolve_call_options(call, function, options, q.dim);
   return call;
 }
 
-/// The forward with lse of a training call: run_heads_forward into out and lse (q, k, v and
-/// out stored as Input, computed and lse written in backward_scalar_t<Input>); a sequence
-/// whose values have no columns gets its lse from a column of zeros (the probabilities do not
-/// depend on V).
+/// The forward with lse of a training call: the methods checked (require_methods_with_lse),
+/// then run_heads_forward into out and lse (q, k, v and out stored as Input, computed and lse
+/// written in backward_scalar_t<Input>); a sequence whose values have no columns gets its lse
+/// from a column of zeros (the probabilities do not depend on V).
 template <typename Input>
-void heads_forward_with_lse(const HeadsCall& call, const HeadsView<const Input>& q,
-                            const HeadsView<const Input>& k, const HeadsView<const Input>& v,
-                            const HeadsView<Input>& out, MatrixRef<backward_scalar_t<Input>>& lse) {
+void heads_forward_with_lse(const char* function, const HeadsCall& call,
+                            const HeadsView<const Input>& q, const HeadsView<const Input>& k,
+                            const HeadsView<const Input>& v, const HeadsView<Input>& out,
+                            MatrixRef<backward_scalar_t<Input>>& lse) {
   using Compute = backward_scalar_t<Input>;
+  require_methods_with_lse(function, call);
   if (v.dim == 0 && q.tokens > 0) {
     const std::vector<Input> zeros(static_cast<std::size_t>(k.tokens * k.heads), Input(0));
     std::vector<Input> sink(static_cast<std::size_t>(q.tokens * q.heads));
@@ -337,7 +337,8 @@ void heads_backward(const HeadsCall& call, const HeadsView<const Input>& q,
   sum_dslopes();
 }
 
-/// The gradient views of a backward call: dout as out, dq as q, dk and dv as k and v.
+/// The gradient views of a backward call: dout as out (q.tokens x q.heads x v.dim), dq as q,
+/// dk as k and dv as v (k.tokens x k.heads x v.dim).
 template <typename Input, typename Scalar>
 void require_gradient_views(const char* function, const HeadsView<const Input>& q,
                             const HeadsView<const Input>& k, const HeadsView<const Input>& v,
@@ -345,8 +346,8 @@ void require_gradient_views(const char* function, const HeadsView<const Input>& 
                             const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv) {
   require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
   require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
-  require_view_shape(function, "dk", dk, q.tokens, k.heads, k.dim);
-  require_view_shape(function, "dv", dv, q.tokens, k.heads, v.dim);
+  require_view_shape(function, "dk", dk, k.tokens, k.heads, k.dim);
+  require_view_shape(function, "dv", dv, k.tokens, k.heads, v.dim);
 }
 
 /// The backward of a training call on the sequences [cu[b], cu[b + 1]) (every public
@@ -400,8 +401,7 @@ void multihead_attention_with_lse(HeadsView<const Scalar> q, HeadsView<const Sca
   constexpr const char* function = "multihead_attention_with_lse";
   const detail::HeadsCall call = detail::training_call(
       function, q, k, v, lse, {0, static_cast<std::int32_t>(q.tokens)}, out, options);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// Gradients of multihead_attention for dO = dout, from its out and lse (H_q x n, the forward
@@ -466,8 +466,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
   constexpr const char* function = "multihead_attention_varlen";
   const detail::HeadsCall call =
       detail::training_call(function, q, k, v, lse, cu_seqlens, out, options);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// The forward of FlashAttention's variable-length call with its softmax_lse: the packed
@@ -489,8 +488,7 @@ void multihead_attention_varlen_with_lse(HeadsView<const Scalar> q, HeadsView<co
   const detail::HeadsCall call = detail::varlen_call(function, q, k, v, out, cu_seqlens_q,
                                                      cu_seqlens_k, options, query_offsets);
   detail::require_lse_shape(function, lse, q);
-  detail::require_methods_with_lse(function, call);
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// Gradients of the packed-batch multihead_attention_varlen for dO = dout, from its out and

@@ -136,10 +136,16 @@ void require_rank_tensors(const char* function, const ContextParallelRank& me,
           tensors.lse_stride, "must point at H_q rows of at least m = " + std::to_string(m));
 }
 
-/// Checks the received messages: one per rank, of the expected sizes (the own entry unread).
+/// Checks the inputs of a halo pass (halo_forward, halo_backward): a plan with halos (a ring
+/// plan has none), the rank's tensors (require_rank_tensors) and the received messages, one per
+/// rank, of the expected sizes (the own entry unread).
 template <typename Scalar>
-void require_messages(const char* function, const ContextParallelRank& me,
-                      const std::vector<MessageView<Scalar>>& messages, HaloPass pass) {
+void require_halo_inputs(const char* function, const ContextParallelRank& me,
+                         const RankTensors<Scalar>& tensors,
+                         const std::vector<MessageView<Scalar>>& messages, HaloPass pass) {
+  require(!me.plan().ring, function, "me", "a ring plan",
+          "must have halos (exact_tiled without a local window runs a ring)");
+  require_rank_tensors(function, me, tensors, pass);
   require(static_cast<Index>(messages.size()) == me.ranks(), function, "messages", messages.size(),
           "must hold one buffer per rank (" + std::to_string(me.ranks()) + ")");
   for (Index s = 0; s < me.ranks(); ++s) {
@@ -214,10 +220,7 @@ void halo_forward(const ContextParallelRank& me, const RankTensors<Scalar>& tens
                   HeadsLseRef<Scalar> lse) {
   constexpr const char* function = "halo_forward";
   const ContextParallelShapes& s = me.shapes();
-  detail::require(!me.plan().ring, function, "me", "a ring plan",
-                  "must have halos (exact_tiled without a local window runs a ring)");
-  detail::require_rank_tensors(function, me, tensors, HaloPass::forward);
-  detail::require_messages(function, me, messages, HaloPass::forward);
+  detail::require_halo_inputs(function, me, tensors, messages, HaloPass::forward);
   detail::require_view_shape(function, "out", out, me.rows(), s.query_heads, s.value_dim);
   detail::require_lse_shape(function, lse, tensors.q);
   const auto& chunks = me.chunks();
@@ -258,10 +261,7 @@ void halo_backward(const ContextParallelRank& me, const RankTensors<Scalar>& ten
                    HeadsView<Scalar> dk, HeadsView<Scalar> dv) {
   constexpr const char* function = "halo_backward";
   const ContextParallelShapes& s = me.shapes();
-  detail::require(!me.plan().ring, function, "me", "a ring plan",
-                  "must have halos (exact_tiled without a local window runs a ring)");
-  detail::require_rank_tensors(function, me, tensors, HaloPass::backward);
-  detail::require_messages(function, me, messages, HaloPass::backward);
+  detail::require_halo_inputs(function, me, tensors, messages, HaloPass::backward);
   const Index m_all = me.rows();
   detail::require_view_shape(function, "dq", dq, m_all, s.query_heads, s.head_dim);
   detail::require_view_shape(function, "dk", dk, m_all, s.kv_heads, s.head_dim);

@@ -13,7 +13,6 @@
 
 #include <array>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "poslsh/multihead/methods.hpp"

@@ -27,13 +27,22 @@ namespace poslsh {
 
 namespace detail {
 
-/// The offsets of a slice call: query_offset, key_offset >= 0 and options.query_offset unset.
-inline void require_slice_offsets(const char* function, Index query_offset, Index key_offset,
-                                  const MultiHeadOptions& options) {
+/// The arguments of a slice call (forward and backward): the offsets (query_offset,
+/// key_offset >= 0, options.query_offset unset), the inputs, out (q.tokens x q.heads x v.dim)
+/// and lse (q.heads x q.tokens).
+template <typename Scalar, typename OutElement, typename LseType>
+void require_slice_arguments(const char* function, const HeadsView<const Scalar>& q,
+                             const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                             const HeadsView<OutElement>& out, const LseType& lse,
+                             Index query_offset, Index key_offset,
+                             const MultiHeadOptions& options) {
   require(!options.query_offset, function, "options.query_offset", options.query_offset.value_or(0),
           "must be unset: the positions are the query_offset and key_offset arguments");
   require(query_offset >= 0, function, "query_offset", query_offset, "must be >= 0");
   require(key_offset >= 0, function, "key_offset", key_offset, "must be >= 0");
+  require_heads_inputs(function, q, k, v);
+  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  require_lse_shape(function, lse, q);
 }
 
 /// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
@@ -47,14 +56,8 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
                     Index query_offset, Index key_offset, const MultiHeadOptions& options,
                     double* dslopes) {
   using Compute = backward_scalar_t<Scalar>;
-  require_slice_offsets(function, query_offset, key_offset, options);
-  require_heads_inputs(function, q, k, v);
-  require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  require_lse_shape(function, lse, q);
-  require_view_shape(function, "dout", dout, q.tokens, q.heads, v.dim);
-  require_view_shape(function, "dq", dq, q.tokens, q.heads, q.dim);
-  require_view_shape(function, "dk", dk, k.tokens, k.heads, k.dim);
-  require_view_shape(function, "dv", dv, k.tokens, k.heads, v.dim);
+  require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
+  require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
           "options.method", enum_name(options.method),
           "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
@@ -94,7 +97,8 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
 /// Attention of the queries at positions query_offset .. query_offset + m - 1 (the m tokens of
 /// q) over the keys at positions key_offset .. key_offset + L - 1 (the L tokens of k and v) of
 /// one sequence, every head by its method (as multihead_attention: sigmas, hashes, bands,
-/// GQA), with the log-sum-exp lse (H_q x m) of each row:
+/// GQA; every method but mean_of_outputs, which has no lse: std::invalid_argument naming
+/// 'options.method'), with the log-sum-exp lse (H_q x m) of each row:
 ///   out_i = sum_j w_ij e^{x_ij} v_j / sum_j w_ij e^{x_ij},  lse_i = log sum_j w_ij e^{x_ij},
 /// j over the slice's keys, w and x the method's weights and scores at the absolute positions
 /// (ALiBi bias -|i - j| / sigma, causal mask j <= i, LSH counts of the absolute bins). A row
@@ -111,17 +115,12 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
                                HeadsLseRef<Scalar> lse, Index query_offset, Index key_offset,
                                const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice";
-  detail::require_slice_offsets(function, query_offset, key_offset, options);
-  detail::require_heads_inputs(function, q, k, v);
-  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
-  detail::require_lse_shape(function, lse, q);
+  detail::require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
   detail::HeadsCall call;
   call.heads = detail::head_methods(function, q.heads, options);
   call.sequences.push_back({0, q.tokens, 0, k.tokens, query_offset, key_offset});
-  call.tau = detail::resolve_scale(function, options, q.dim);
-  call.masking = options.masking;
-  call.precision = options.precision;
-  detail::heads_forward_with_lse<Scalar>(call, q, k, v, out, lse);
+  detail::resolve_call_options(call, function, options, q.dim);
+  detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
 /// The gradients of one slice of exact ALiBi attention (methods exact_tiled and exact_banded,

@@ -198,14 +198,16 @@ struct PassInputs {
 /// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
 /// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
 /// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
-/// (BackwardInputs::paired).
+/// (BackwardInputs::paired). When dslope is not null, the gradient in the ALiBi slope
+/// (x_ij = tau q_i.k_j - slope |i - j|), -sum_ij dS_ij |i - j| from the key tiles' sums added in
+/// key tile order, is written to *dslope (added to it with `accumulate`).
 template <typename Scalar, typename Input, typename Rule>
 void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
                        const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
                        MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr, double* distance_sum = nullptr,
+                       BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr,
                        bool accumulate = false) {
   const FlushSubnormals flush;
   if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
@@ -213,7 +215,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   BackwardOutputs<Scalar> grads =
       accumulate ? BackwardOutputs<Scalar>{dq, dk, dv} : fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
-  if (distance_sum != nullptr) {
+  if (dslope != nullptr) {
     tile_sums.assign(static_cast<std::size_t>((rule.key_end() - rule.begin() + backward_tile - 1) /
                                               backward_tile),
                      0.0);
@@ -225,9 +227,13 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
     BackwardWork<Scalar> own;
     backward_serial(pass.in, rule, grads, work != nullptr ? *work : own);
   }
-  if (distance_sum != nullptr) {
-    *distance_sum = 0.0;
-    for (const double tile_sum : tile_sums) *distance_sum += tile_sum;  // in key tile order
+  if (dslope != nullptr) {
+    double distance_sum = 0.0;
+    for (const double tile_sum : tile_sums) distance_sum += tile_sum;  // in key tile order
+    if (accumulate)
+      *dslope += -distance_sum;
+    else
+      *dslope = -distance_sum;
   }
 }
 
@@ -242,11 +248,8 @@ void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
   const Index n = q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
-  double distance_sum = 0.0;
   windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, precision, parallel, work,
-                                   dslope == nullptr ? nullptr : &distance_sum);
-  if (dslope != nullptr) *dslope = -distance_sum;  // x_ij = tau q_i.k_j - slope |i - j|
+                                   dv, precision, parallel, work, dslope);
 }
 
 /// Exact ALiBi backward of the m queries of q at positions p0 .. p0 + m - 1 over the L keys of k
@@ -268,11 +271,8 @@ void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<I
   if (q.rows() == 0 || k.rows() == 0) return;
   const WindowRule<Scalar> rule(0, q.rows(), k.rows(), window.lo, window.hi,
                                 finite_alibi_slope<Scalar>(sigma, extent), shift);
-  double distance_sum = 0.0;
   windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, precision, parallel, work,
-                                   dslope == nullptr ? nullptr : &distance_sum, true);
-  if (dslope != nullptr) *dslope += -distance_sum;
+                                   dv, precision, parallel, work, dslope, true);
 }
 
 /// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
@@ -331,9 +331,33 @@ double backward_scale(const char* function, const ConstMatrixRef<Input>& q,
   return resolve_scale(function, options, q.cols());
 }
 
-/// The two passes of the LSH backward entry points: count_backward (the fused kernel's
-/// structure) and per_sample_backward.
-enum class LshBackwardPass { counts, per_sample };
+/// The two evaluations of the LSH estimator in the forwards with lse and the backward entry
+/// points: the fused kernel's count tiles (fused_with_lse, count_backward) and the per-sample
+/// blocks (per_sample_forward, per_sample_backward).
+enum class LshPass { counts, per_sample };
+
+/// The body of an LSH forward with lse (fused, per-sample): the checks (self-attention from
+/// position 0, the views and hashes, lse of size n, the options), then the pass over the rows,
+/// if any.
+template <typename Input>
+void lsh_lse_call(const char* function, const ConstMatrixRef<Input>& q,
+                  const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v,
+                  const HashSet& hashes, MatrixRef<Input> out,
+                  VectorRef<backward_scalar_t<Input>>& lse, const AttentionOptions& options,
+                  LshPass pass) {
+  require_self_positions(function, options);
+  require_lsh_arguments(function, q, k, v, hashes, out);
+  require_lse_size(function, lse, q.rows());
+  const auto tau =
+      static_cast<backward_scalar_t<Input>>(resolve_scale(function, options, q.cols()));
+  if (q.rows() == 0) return;
+  const bool causal = options.masking == Masking::causal;
+  if (pass == LshPass::counts) {
+    fused_with_lse<Input>(q, k, v, hashes, tau, causal, out, lse.data(), options.precision);
+  } else {
+    per_sample_forward<Input>(q, k, v, hashes, tau, causal, out, lse.data(), options.precision);
+  }
+}
 
 /// The body of an LSH backward entry point: the checks (the hashes and backward_scale's), then
 /// the pass over the rows, if any.
@@ -343,13 +367,13 @@ void lsh_backward_call(const char* function, const ConstMatrixRef<Input>& q,
                        const HashSet& hashes, const ConstMatrixRef<Input>& out,
                        const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
                        MatrixRef<Scalar> dq, MatrixRef<Scalar> dk, MatrixRef<Scalar> dv,
-                       const AttentionOptions& options, LshBackwardPass pass) {
+                       const AttentionOptions& options, LshPass pass) {
   validate_hashes(hashes, function);
   const auto tau = static_cast<Scalar>(
       backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
   const bool causal = options.masking == Masking::causal;
-  if (pass == LshBackwardPass::counts) {
+  if (pass == LshPass::counts) {
     count_backward<Scalar, Input>(q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv,
                                   options.precision);
   } else {
@@ -447,16 +471,8 @@ void lsh_attention_fused_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
                                   ConstMatrixRef<Scalar> v, const HashSet& hashes,
                                   MatrixRef<Scalar> out, LseRef<Scalar> lse,
                                   const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_fused_with_lse";
-  detail::require_self_positions(function, options);
-  detail::require_lsh_arguments(function, q, k, v, hashes, out);
-  detail::require_lse_size(function, lse, q.rows());
-  const Index n = q.rows();
-  if (n == 0) return;
-  const auto tau =
-      static_cast<backward_scalar_t<Scalar>>(detail::resolve_scale(function, options, q.cols()));
-  detail::fused_with_lse<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
-                                 lse.data(), options.precision);
+  detail::lsh_lse_call<Scalar>("lsh_attention_fused_with_lse", q, k, v, hashes, out, lse, options,
+                               detail::LshPass::counts);
 }
 
 /// lsh_attention_per_sample_with_lse: lsh_attention_per_sample with the log-sum-exp: the same
@@ -468,15 +484,8 @@ void lsh_attention_per_sample_with_lse(ConstMatrixRef<Scalar> q, ConstMatrixRef<
                                        ConstMatrixRef<Scalar> v, const HashSet& hashes,
                                        MatrixRef<Scalar> out, LseRef<Scalar> lse,
                                        const AttentionOptions& options = {}) {
-  constexpr const char* function = "lsh_attention_per_sample_with_lse";
-  detail::require_self_positions(function, options);
-  detail::require_lsh_arguments(function, q, k, v, hashes, out);
-  detail::require_lse_size(function, lse, q.rows());
-  const auto tau =
-      static_cast<backward_scalar_t<Scalar>>(detail::resolve_scale(function, options, q.cols()));
-  if (q.rows() == 0) return;
-  detail::per_sample_forward<Scalar>(q, k, v, hashes, tau, options.masking == Masking::causal, out,
-                                     lse.data(), options.precision);
+  detail::lsh_lse_call<Scalar>("lsh_attention_per_sample_with_lse", q, k, v, hashes, out, lse,
+                               options, detail::LshPass::per_sample);
 }
 
 /// fixed_blocks_attention_with_lse: fixed_blocks_attention with the log-sum-exp:
@@ -556,7 +565,7 @@ void lsh_attention_fused_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scala
                                   const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_fused_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
-      detail::LshBackwardPass::counts);
+      detail::LshPass::counts);
 }
 
 /// Gradients of lsh_attention_per_sample, the same estimator as lsh_attention_fused, computed
@@ -577,7 +586,7 @@ void lsh_attention_per_sample_backward(ConstMatrixRef<Scalar> q, ConstMatrixRef<
                                        const AttentionOptions& options = {}) {
   detail::lsh_backward_call<backward_scalar_t<Scalar>, Scalar>(
       "lsh_attention_per_sample_backward", q, k, v, hashes, out, lse, dout, dq, dk, dv, options,
-      detail::LshBackwardPass::per_sample);
+      detail::LshPass::per_sample);
 }
 
 /// Gradients of fixed_blocks_attention: lsh_attention_per_sample_backward with the single hash
