@@ -73,11 +73,7 @@ const bool registered = [] {
     for (const auto& [name, method] : {std::pair{"exact_tiled", Method::exact_tiled},
                                        std::pair{"lsh_fused", Method::lsh_fused}}) {
       const auto add = [n, method = method](const std::string& row, auto run) {
-        with_min_statistic(
-            benchmark::RegisterBenchmark((row + std::to_string(n)).c_str(), run, n, method))
-            ->Unit(benchmark::kMillisecond)
-            ->UseRealTime()
-            ->MinTime(0.5);
+        register_timed(row + std::to_string(n), benchmark::kMillisecond, 0.5, run, n, method);
       };
       add(std::string(name) + "_backward/", run_backward<float>);
       if (n == 16384) add(std::string(name) + "_bf16_backward/", run_backward<Eigen::bfloat16>);

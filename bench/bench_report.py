@@ -598,6 +598,12 @@ def _need(rows, *names):
         raise MissingRow(", ".join(missing))
 
 
+def _need_any(items, missing):
+    """MissingRow(missing) when a table has nothing to show (no items)."""
+    if not items:
+        raise MissingRow(missing)
+
+
 def _ms(rows, name):
     return fmt(rows.ms[name]) if name in rows.ms else "-"
 
@@ -709,11 +715,16 @@ def _prefill_sizes(rows, methods):
     return sorted({n for name, _ in methods for n in rows.sizes(name)})
 
 
-def table_prefill(rows, stamp, max_n=None):
+def _prefill_methods(rows):
+    """The (name, label) of each method of poslsh_methods with prefill rows; MissingRow if none."""
     methods = [(name, label) for name, label in rows.families("poslsh_methods")
                if rows.sizes(name)]
-    if not methods:
-        raise MissingRow("the prefill rows (<method>/<n>)")
+    _need_any(methods, "the prefill rows (<method>/<n>)")
+    return methods
+
+
+def table_prefill(rows, stamp, max_n=None):
+    methods = _prefill_methods(rows)
     return _table(["n"] + [label for _, label in methods],
                   [[str(n)] + [_ms(rows, "%s/%d" % (name, n)) for name, _ in methods]
                    for n in _prefill_sizes(rows, methods) if max_n is None or n <= max_n])
@@ -725,11 +736,8 @@ def table_prefill_short(rows, stamp):
 
 
 def table_gflops(rows, stamp):
-    methods = [(name, label) for name, label in rows.families("poslsh_methods")
-               if rows.sizes(name)]
     _need(rows, "sgemm")
-    if not methods:
-        raise MissingRow("the prefill rows (<method>/<n>)")
+    methods = _prefill_methods(rows)
 
     def cell(key):
         if key not in rows.gflops:
@@ -761,15 +769,13 @@ def table_targets(rows, stamp):
         if x is None or not math.isfinite(x):
             continue
         cells.append([text, measured(rows, x), "met" if test(x) else "**not met**"])
-    if not cells:
-        raise MissingRow("the rows of every target")
+    _need_any(cells, "the rows of every target")
     return _table(["target", "measured", ""], cells)
 
 
 def table_sigma16(rows, stamp):
     counts = [s for s in rows.sizes("sigma16_fused") if rows.has("sigma16_per_sample/%d" % s)]
-    if not counts:
-        raise MissingRow("sigma16_per_sample/<s>, sigma16_fused/<s>")
+    _need_any(counts, "sigma16_per_sample/<s>, sigma16_fused/<s>")
     cells = []
     for s in counts:
         a, b = rows.ms["sigma16_per_sample/%d" % s], rows.ms["sigma16_fused/%d" % s]
@@ -782,8 +788,7 @@ def table_sigma16(rows, stamp):
 
 def table_by_sigma(rows, stamp):
     sigmas = rows.sizes("lsh_fused_sigma")
-    if not sigmas:
-        raise MissingRow("lsh_fused_sigma/<sigma>")
+    _need_any(sigmas, "lsh_fused_sigma/<sigma>")
     cells = []
     for sigma in sigmas:
         name = "lsh_fused_sigma/%d" % sigma
@@ -805,8 +810,7 @@ def table_by_sigma(rows, stamp):
 def table_decode(rows, stamp):
     decoders = [(name, label) for name, label in rows.families("poslsh_decoders")
                 if rows.sizes(name)]
-    if not decoders:
-        raise MissingRow("decode_<kernel>/<t>")
+    _need_any(decoders, "decode_<kernel>/<t>")
     sizes = sorted({t for name, _ in decoders for t in rows.sizes(name)})
     return _table(["t"] + [label + " (us)" for _, label in decoders],
                   [[str(t)] + [fmt(rows.ms["%s/%d" % (name, t)] * 1e3)
@@ -844,8 +848,7 @@ def table_half(rows, stamp):
                               _times_text(rows, name) + " per token",
                               "%.2fx (float: %s)" % (rows.ms[base] / rows.ms[name],
                                                      _times_text(rows, base)), "-"])
-    if not cells:
-        raise MissingRow("the half-precision rows at n = 16384")
+    _need_any(cells, "the half-precision rows at n = 16384")
     return _table(["row", "unit", "time", "float time / this",
                    "share of the unit's peak (float: FMA)"], cells)
 
@@ -870,8 +873,7 @@ def table_backward(rows, stamp):
             cells.append([label] + pair(*exact) + pair(*fused) + [
                 _ratio_text(rows.ms[exact[1]] / rows.ms[fused[1]])
                 if rows.has(exact[1], fused[1]) else "-"])
-    if not cells:
-        raise MissingRow("<method>_backward/<n>")
+    _need_any(cells, "<method>_backward/<n>")
     return _table(["n", "exact fwd (ms)", "exact bwd (ms)", "bwd / fwd",
                    "exact share of peak: fwd / bwd", "fused fwd (ms)", "fused bwd (ms)",
                    "bwd / fwd", "fused share of peak: fwd / bwd", "exact bwd / fused bwd"], cells)
@@ -888,8 +890,7 @@ def table_paged(rows, stamp):
                 "%.2fx" % (rows.ms[base] / rows.ms["paged/%s/page%d/%d" % (method, p, m)])
                 if rows.has("paged/%s/page%d/%d" % (method, p, m)) else "-"
                 for p in (16, 64, 256)])
-    if not cells:
-        raise MissingRow("paged/<method>/<layout>/<m>")
+    _need_any(cells, "paged/<method>/<layout>/<m>")
     return _table(["kernel, queries", "contiguous (ms)", "P = 16", "P = 64", "P = 256"], cells)
 
 
@@ -897,8 +898,7 @@ def table_single_head(rows, stamp):
     kernels = ("single_exact_tiled", "single_exact_banded", "single_lsh_fused",
                "single_lsh_fused_sigma2")
     sizes = sorted({n for kernel in kernels for n in rows.sizes(kernel)})
-    if not sizes:
-        raise MissingRow("single_<kernel>/<n>")
+    _need_any(sizes, "single_<kernel>/<n>")
     header = ["row"] + ["n = %d (ms)" % n for n in sizes] + [
         "GFLOP/s at n = %d" % sizes[-1], "share of FMA peak at n = %d" % sizes[-1]]
     cells = []
@@ -914,8 +914,7 @@ def table_single_head(rows, stamp):
 
 def table_peak(rows, stamp):
     units = [name for name in rows.order if name.startswith("peak/")]
-    if not units:
-        raise MissingRow("peak/<unit>")
+    _need_any(units, "peak/<unit>")
     cells = []
     for name in units:
         label = rows.labels.get(name, "")
@@ -968,16 +967,14 @@ def table_shares(rows, stamp):
                       "2 n^3 a call" if name == "sgemm" else "10 d" if "backward" in name
                       else "4 d", fmt(share * rows.peak(name)), fmt(rows.peak(name)),
                       "%.2f" % share])
-    if not cells:
-        raise MissingRow("kernel rows with peak counters (peak_cpu_GFLOPs)")
+    _need_any(cells, "kernel rows with peak counters (peak_cpu_GFLOPs)")
     return _table(["row", "peak of", "FLOPs per pair", "GFLOP/s", "peak (GFLOP/s)",
                    "share of the peak"], cells)
 
 
 def table_phases(rows, stamp):
     sigmas = rows.sizes("lsh_fused_phase/counts")
-    if not sigmas:
-        raise MissingRow("lsh_fused_phase/<phase>/<sigma>")
+    _need_any(sigmas, "lsh_fused_phase/<phase>/<sigma>")
     cells = []
     for sigma in sigmas:
         fused = "lsh_fused_sigma/%d" % sigma
@@ -1007,8 +1004,7 @@ def table_models(rows, stamp):
         parts = name.split("/")
         if len(parts) == 4 and parts[0] == "model" and (parts[1], parts[3]) not in models:
             models.append((parts[1], parts[3]))
-    if not models:
-        raise MissingRow("model/<name>/<method>/<n>")
+    _need_any(models, "model/<name>/<method>/<n>")
     cells = []
     for model, n in models:
         row = lambda method: "model/%s/%s/%s" % (model, method, n)

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <poslsh/poslsh.hpp>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -116,6 +117,18 @@ inline benchmark::internal::Benchmark* with_min_statistic(benchmark::internal::B
                                                   : *std::min_element(values.begin(), values.end());
                           })
       ->MeasureProcessCPUTime();
+}
+
+/// Registers the row `name`, run(state, args...), timed over wall time (UseRealTime) in `unit`
+/// with the "min" aggregate (with_min_statistic), repeated for at least `min_seconds` seconds.
+/// Returns the benchmark for further settings.
+template <typename Run, typename... Args>
+benchmark::internal::Benchmark* register_timed(const std::string& name, benchmark::TimeUnit unit,
+                                               double min_seconds, Run run, Args... args) {
+  return with_min_statistic(benchmark::RegisterBenchmark(name.c_str(), run, args...))
+      ->Unit(unit)
+      ->UseRealTime()
+      ->MinTime(min_seconds);
 }
 
 /// Registration of the families, in the order they run.

@@ -127,17 +127,11 @@ const bool registered = [] {
     for (Index t : {Index{4096}, Index{65536}, planned_tokens}) {
       if (mpt && t == planned_tokens) continue;
       const std::string row = std::string("bounded/") + model + "/decode/" + std::to_string(t);
-      with_min_statistic(benchmark::RegisterBenchmark(row.c_str(), run_bounded, mpt, t))
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime()
-          ->MinTime(0.5);
+      register_timed(row, benchmark::kMicrosecond, 0.5, run_bounded, mpt, t);
     }
     for (Index t : {Index{4096}, Index{65536}}) {
       const std::string row = std::string("bounded/") + model + "/full_decode/" + std::to_string(t);
-      with_min_statistic(benchmark::RegisterBenchmark(row.c_str(), run_full, mpt, t))
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime()
-          ->MinTime(0.5);
+      register_timed(row, benchmark::kMicrosecond, 0.5, run_full, mpt, t);
     }
   }
   return true;

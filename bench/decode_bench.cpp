@@ -119,12 +119,8 @@ void register_decode() {
   benchmark::AddCustomContext("poslsh_decoders", decoders);
   for (const DecoderRow& row : rows) {
     for (Index t = 4096; t <= max_cache; t *= 2) {
-      with_min_statistic(benchmark::RegisterBenchmark(
-                             (std::string(row.name) + "/" + std::to_string(t)).c_str(),
-                             row.bf16 ? run_decode<bf16> : run_decode<float>, t, row.decoder))
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime()
-          ->MinTime(0.3);
+      register_timed(std::string(row.name) + "/" + std::to_string(t), benchmark::kMicrosecond, 0.3,
+                     row.bf16 ? run_decode<bf16> : run_decode<float>, t, row.decoder);
     }
   }
 }

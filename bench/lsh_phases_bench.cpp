@@ -147,10 +147,7 @@ const bool registered = [] {
     for (const auto& [name, phase] : phases) {
       const std::string row =
           std::string("lsh_fused_phase/") + name + "/" + std::to_string(static_cast<int>(sigma));
-      with_min_statistic(benchmark::RegisterBenchmark(row.c_str(), run_phase, phase, sigma))
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime()
-          ->MinTime(0.5);
+      register_timed(row, benchmark::kMillisecond, 0.5, run_phase, phase, sigma);
     }
   }
   return true;

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <new>
@@ -27,6 +28,7 @@
 #include <poslsh/multihead/paged.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -177,39 +179,33 @@ void run_multihead_paged(benchmark::State& state, Method method, Index page_size
   set_kernel_counters(state, chunk_pairs(method == Method::lsh_fused, n, m), m * heads);
 }
 
+/// Registers <prefix><method>/<layout>/<m> for each method, m and page size P, in this order:
+/// run(state, method, P, m); layout contiguous for P = 0, page<P> otherwise.
+template <typename MethodKey, typename Run>
+void register_layouts(const std::string& prefix,
+                      std::initializer_list<std::pair<const char*, MethodKey>> methods,
+                      std::initializer_list<Index> query_counts,
+                      std::initializer_list<Index> page_sizes, Run run) {
+  for (const auto& [name, method] : methods) {
+    for (Index m : query_counts) {
+      for (Index page_size : page_sizes) {
+        const std::string layout =
+            page_size == 0 ? std::string("contiguous") : "page" + std::to_string(page_size);
+        register_timed(prefix + name + "/" + layout + "/" + std::to_string(m),
+                       benchmark::kMillisecond, 0.3, run, method, page_size, m);
+      }
+    }
+  }
+}
+
 const bool registered = [] {
-  for (const auto& [name, method] :
-       {std::pair{"lsh_fused", Method::lsh_fused}, std::pair{"exact_tiled", Method::exact_tiled}}) {
-    for (Index m : {paged_tokens, Index{1}}) {
-      for (Index page_size : {Index{0}, Index{16}, Index{256}}) {
-        const std::string layout =
-            page_size == 0 ? std::string("contiguous") : "page" + std::to_string(page_size);
-        const std::string row =
-            std::string("paged/multihead/") + name + "/" + layout + "/" + std::to_string(m);
-        with_min_statistic(
-            benchmark::RegisterBenchmark(row.c_str(), run_multihead_paged, method, page_size, m))
-            ->Unit(benchmark::kMillisecond)
-            ->UseRealTime()
-            ->MinTime(0.3);
-      }
-    }
-  }
-  for (const auto& [method, fused] :
-       {std::pair{"lsh_fused", true}, std::pair{"exact_tiled", false}}) {
-    for (Index m : {paged_tokens, Index{64}}) {
-      for (Index page_size : {Index{0}, Index{16}, Index{64}, Index{256}}) {
-        const std::string layout =
-            page_size == 0 ? std::string("contiguous") : "page" + std::to_string(page_size);
-        const std::string name =
-            std::string("paged/") + method + "/" + layout + "/" + std::to_string(m);
-        with_min_statistic(
-            benchmark::RegisterBenchmark(name.c_str(), run_paged, fused, page_size, m))
-            ->Unit(benchmark::kMillisecond)
-            ->UseRealTime()
-            ->MinTime(0.3);
-      }
-    }
-  }
+  register_layouts<Method>(
+      "paged/multihead/",
+      {std::pair{"lsh_fused", Method::lsh_fused}, std::pair{"exact_tiled", Method::exact_tiled}},
+      {paged_tokens, Index{1}}, {Index{0}, Index{16}, Index{256}}, run_multihead_paged);
+  register_layouts<bool>("paged/", {std::pair{"lsh_fused", true}, std::pair{"exact_tiled", false}},
+                         {paged_tokens, Index{64}}, {Index{0}, Index{16}, Index{64}, Index{256}},
+                         run_paged);
   return true;
 }();
 

@@ -41,58 +41,19 @@ volatile float peak_start = 0.5f;
 
 #if POSLSH_X86_UNITS
 
-/// 24 chains acc_i <- acc_i * m + acc_i of 16 lanes; returns their sum (kept by the caller).
+/// 24 chains acc_c <- acc_c * m + acc_c of 16 lanes; returns their sum (kept by the caller).
 __attribute__((target("avx512f"), noinline)) float fma_loop_avx512(long steps) {
   const __m512 m = _mm512_set1_ps(peak_multiplier);
   const float s = peak_start;
-  __m512 a0 = _mm512_set1_ps(s + 0.0f), a1 = _mm512_set1_ps(s + 1.0f),
-         a2 = _mm512_set1_ps(s + 2.0f), a3 = _mm512_set1_ps(s + 3.0f),
-         a4 = _mm512_set1_ps(s + 4.0f), a5 = _mm512_set1_ps(s + 5.0f),
-         a6 = _mm512_set1_ps(s + 6.0f), a7 = _mm512_set1_ps(s + 7.0f),
-         a8 = _mm512_set1_ps(s + 8.0f), a9 = _mm512_set1_ps(s + 9.0f),
-         a10 = _mm512_set1_ps(s + 10.0f), a11 = _mm512_set1_ps(s + 11.0f),
-         a12 = _mm512_set1_ps(s + 12.0f), a13 = _mm512_set1_ps(s + 13.0f),
-         a14 = _mm512_set1_ps(s + 14.0f), a15 = _mm512_set1_ps(s + 15.0f),
-         a16 = _mm512_set1_ps(s + 16.0f), a17 = _mm512_set1_ps(s + 17.0f),
-         a18 = _mm512_set1_ps(s + 18.0f), a19 = _mm512_set1_ps(s + 19.0f),
-         a20 = _mm512_set1_ps(s + 20.0f), a21 = _mm512_set1_ps(s + 21.0f),
-         a22 = _mm512_set1_ps(s + 22.0f), a23 = _mm512_set1_ps(s + 23.0f);
+  __m512 a[24];
+  for (int c = 0; c < 24; ++c) a[c] = _mm512_set1_ps(s + static_cast<float>(c));
   for (long i = 0; i < steps; ++i) {
-#define POSLSH_PEAK_FMA(a) a = _mm512_fmadd_ps(a, m, a)
-    POSLSH_PEAK_FMA(a0);
-    POSLSH_PEAK_FMA(a1);
-    POSLSH_PEAK_FMA(a2);
-    POSLSH_PEAK_FMA(a3);
-    POSLSH_PEAK_FMA(a4);
-    POSLSH_PEAK_FMA(a5);
-    POSLSH_PEAK_FMA(a6);
-    POSLSH_PEAK_FMA(a7);
-    POSLSH_PEAK_FMA(a8);
-    POSLSH_PEAK_FMA(a9);
-    POSLSH_PEAK_FMA(a10);
-    POSLSH_PEAK_FMA(a11);
-    POSLSH_PEAK_FMA(a12);
-    POSLSH_PEAK_FMA(a13);
-    POSLSH_PEAK_FMA(a14);
-    POSLSH_PEAK_FMA(a15);
-    POSLSH_PEAK_FMA(a16);
-    POSLSH_PEAK_FMA(a17);
-    POSLSH_PEAK_FMA(a18);
-    POSLSH_PEAK_FMA(a19);
-    POSLSH_PEAK_FMA(a20);
-    POSLSH_PEAK_FMA(a21);
-    POSLSH_PEAK_FMA(a22);
-    POSLSH_PEAK_FMA(a23);
-#undef POSLSH_PEAK_FMA
+    // Fully unrolled by the compiler (a fixed trip count), the accumulators in registers.
+#pragma GCC unroll 24
+    for (int c = 0; c < 24; ++c) a[c] = _mm512_fmadd_ps(a[c], m, a[c]);
   }
-  const __m512 sum = _mm512_add_ps(
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                    _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7))),
-      _mm512_add_ps(
-          _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)),
-                        _mm512_add_ps(_mm512_add_ps(a12, a13), _mm512_add_ps(a14, a15))),
-          _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a16, a17), _mm512_add_ps(a18, a19)),
-                        _mm512_add_ps(_mm512_add_ps(a20, a21), _mm512_add_ps(a22, a23)))));
+  __m512 sum = a[0];
+  for (int c = 1; c < 24; ++c) sum = _mm512_add_ps(sum, a[c]);
   return _mm512_reduce_add_ps(sum);
 }
 
@@ -101,43 +62,18 @@ __attribute__((target("avx512f"), noinline)) float fma_loop_avx512(long steps) {
 __attribute__((target("avx2,fma"), noinline)) float fma_loop_avx2(long steps) {
   const __m256 m = _mm256_set1_ps(peak_multiplier);
   const float s = peak_start;
-  __m256 a0 = _mm256_set1_ps(s + 0.0f), a1 = _mm256_set1_ps(s + 1.0f),
-         a2 = _mm256_set1_ps(s + 2.0f), a3 = _mm256_set1_ps(s + 3.0f),
-         a4 = _mm256_set1_ps(s + 4.0f), a5 = _mm256_set1_ps(s + 5.0f),
-         a6 = _mm256_set1_ps(s + 6.0f), a7 = _mm256_set1_ps(s + 7.0f),
-         a8 = _mm256_set1_ps(s + 8.0f), a9 = _mm256_set1_ps(s + 9.0f),
-         a10 = _mm256_set1_ps(s + 10.0f), a11 = _mm256_set1_ps(s + 11.0f),
-         a12 = _mm256_set1_ps(s + 12.0f), a13 = _mm256_set1_ps(s + 13.0f),
-         a14 = _mm256_set1_ps(s + 14.0f), a15 = _mm256_set1_ps(s + 15.0f);
+  __m256 a[16];
+  for (int c = 0; c < 16; ++c) a[c] = _mm256_set1_ps(s + static_cast<float>(c));
   for (long i = 0; i < 4 * steps; ++i) {
-#define POSLSH_PEAK_FMA(a) a = _mm256_fmadd_ps(a, m, a)
-    POSLSH_PEAK_FMA(a0);
-    POSLSH_PEAK_FMA(a1);
-    POSLSH_PEAK_FMA(a2);
-    POSLSH_PEAK_FMA(a3);
-    POSLSH_PEAK_FMA(a4);
-    POSLSH_PEAK_FMA(a5);
-    POSLSH_PEAK_FMA(a6);
-    POSLSH_PEAK_FMA(a7);
-    POSLSH_PEAK_FMA(a8);
-    POSLSH_PEAK_FMA(a9);
-    POSLSH_PEAK_FMA(a10);
-    POSLSH_PEAK_FMA(a11);
-    POSLSH_PEAK_FMA(a12);
-    POSLSH_PEAK_FMA(a13);
-    POSLSH_PEAK_FMA(a14);
-    POSLSH_PEAK_FMA(a15);
-#undef POSLSH_PEAK_FMA
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) a[c] = _mm256_fmadd_ps(a[c], m, a[c]);
   }
-  __m256 sum =
-      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                                  _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7))),
-                    _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)),
-                                  _mm256_add_ps(_mm256_add_ps(a12, a13), _mm256_add_ps(a14, a15))));
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
   float total = 0.0f;
-  for (float lane : lanes) total += lane;
+  for (int c = 0; c < 16; ++c) {
+    _mm256_store_ps(lanes, a[c]);
+    for (float lane : lanes) total += lane;
+  }
   return total;
 }
 

@@ -54,12 +54,7 @@ void run_sgemm(benchmark::State& state) {
 
 }  // namespace
 
-void register_sgemm() {
-  with_min_statistic(benchmark::RegisterBenchmark("sgemm", run_sgemm))
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime()
-      ->MinTime(1.0);
-}
+void register_sgemm() { register_timed("sgemm", benchmark::kMillisecond, 1.0, run_sgemm); }
 
 }  // namespace poslsh::bench
 

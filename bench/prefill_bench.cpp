@@ -137,10 +137,7 @@ void run_multihead_bf16_kv(benchmark::State& state, Index n, const MultiHeadOpti
 /// Rows of more than 0.5 s per call run once; shorter ones repeat for at least 0.5 s.
 template <typename Run>
 void register_row(const std::string& name, Index n, const MultiHeadOptions& options, Run run) {
-  with_min_statistic(benchmark::RegisterBenchmark(name.c_str(), run, n, options))
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime()
-      ->MinTime(0.5);
+  register_timed(name, benchmark::kMillisecond, 0.5, run, n, options);
 }
 
 void register_row(const std::string& name, Index n, const MultiHeadOptions& options) {

@@ -54,11 +54,8 @@ const bool registered = [] {
           std::tuple{"single_exact_banded/", Kernel::banded, single_head_sigma},
           std::tuple{"single_lsh_fused/", Kernel::fused, single_head_sigma},
           std::tuple{"single_lsh_fused_sigma2/", Kernel::fused, 2.0}}) {
-      with_min_statistic(benchmark::RegisterBenchmark((name + std::to_string(n)).c_str(),
-                                                      run_single_head, n, kernel, sigma))
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime()
-          ->MinTime(0.5);
+      register_timed(name + std::to_string(n), benchmark::kMillisecond, 0.5, run_single_head, n,
+                     kernel, sigma);
     }
   }
   return true;

@@ -11,7 +11,6 @@
 #include <poslsh/core/slopes.hpp>
 #include <poslsh/lsh/hash.hpp>
 #include <poslsh/lsh/samplers.hpp>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -80,20 +79,15 @@ struct Settings {
 Settings parse(int argc, char** argv) {
   Settings settings;
   for (cli::Args args(program, usage, argc, argv); args.next();) {
-    if (args.flag() == "--sampler") {
-      try {
-        settings.sampler = poslsh::enum_from_name<poslsh::Sampler>(args.value());
-      } catch (const std::invalid_argument&) {
-        cli::fail(program, "unknown sampler (see --help)");
-      }
-    } else if (!(args.number("--n", settings.n) || args.number("--sigma", settings.sigma) ||
-                 args.number("--heads", settings.heads) ||
-                 args.positive_list("--samples", settings.samples) ||
-                 args.set("--causal", settings.masking, poslsh::Masking::causal) ||
-                 args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
-                 args.number("--seed", settings.seed) || args.number("--group", settings.group) ||
-                 args.number("--max-restarts", settings.max_restarts) ||
-                 args.text("--csv", settings.csv))) {
+    if (!(args.enumerator("--sampler", settings.sampler, "sampler") ||
+          args.number("--n", settings.n) || args.number("--sigma", settings.sigma) ||
+          args.number("--heads", settings.heads) ||
+          args.positive_list("--samples", settings.samples) ||
+          args.set("--causal", settings.masking, poslsh::Masking::causal) ||
+          args.set("--bidirectional", settings.masking, poslsh::Masking::bidirectional) ||
+          args.number("--seed", settings.seed) || args.number("--group", settings.group) ||
+          args.number("--max-restarts", settings.max_restarts) ||
+          args.text("--csv", settings.csv))) {
       args.unknown();
     }
   }

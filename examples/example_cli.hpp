@@ -1,10 +1,12 @@
-// Command-line helpers shared by the example programs: the error exit, number and list
+// Command-line helpers shared by the example programs: the error exit, number, list and enum
 // parsing, and the flag loop with --help. Every error names the program and exits with 2.
 #pragma once
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <poslsh/core/names.hpp>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -114,6 +116,20 @@ class Args {
   bool text(const char* name, std::string& target) {
     if (flag_ != name) return false;
     target = value();
+    return true;
+  }
+
+  /// `name NAME`: target = the enumerator of T called NAME (poslsh::enum_from_name); fails with
+  /// "unknown <what>" for a name T does not have.
+  template <typename T>
+  bool enumerator(const char* name, T& target, const char* what) {
+    if (flag_ != name) return false;
+    const char* text = value();
+    try {
+      target = poslsh::enum_from_name<T>(text);
+    } catch (const std::invalid_argument&) {
+      fail(program_, std::string("unknown ") + what);
+    }
     return true;
   }
 

@@ -17,7 +17,6 @@
 #include <poslsh/lsh/hash.hpp>
 #include <poslsh/lsh/samplers.hpp>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -119,13 +118,8 @@ Settings parse(int argc, char** argv) {
         if (name != "random" && name != "smooth" && name != "heavy")
           cli::fail(program, "unknown data set '" + name + "'");
       }
-    } else if (args.flag() == "--sampler") {
-      try {
-        settings.sampler = poslsh::enum_from_name<poslsh::Sampler>(args.value());
-      } catch (const std::invalid_argument&) {
-        cli::fail(program, "unknown sampler (see --help)");
-      }
-    } else if (!(args.number("--n", settings.n) || args.number("--d", settings.d) ||
+    } else if (!(args.enumerator("--sampler", settings.sampler, "sampler") ||
+                 args.number("--n", settings.n) || args.number("--d", settings.d) ||
                  args.number("--sigma", settings.sigma) ||
                  args.positive_list("--samples", settings.samples) ||
                  args.set("--causal", settings.masking, poslsh::Masking::causal) ||

@@ -217,30 +217,30 @@ def main():
         lines = [shape]
     lines = [machine_line, ""] + lines
     print("\n".join(lines), flush=True)
-    for dtype in args.dtypes if "prefill" in args.parts else []:
-        for length in args.lengths:
-            for impl in args.impls:
-                r = run_case(args, dict(kind="prefill", dtype=dtype, impl=impl, length=length))
-                seconds = f"{r['seconds']:.3f}" if "seconds" in r else "-"
-                status = r["status"] + (f": {r['error']}" if r.get("error") else "")
-                line = (f"| {dtype} | {length} | {impl} | {seconds} | {gib(r.get('peak_rss'))} | "
-                        f"{gib(r.get('baseline_rss'))} | {status} |")
-                print(line, flush=True)
-                lines.append(line)
+
+    def run_rows(kind, lengths, cells):
+        """Runs each (dtype, length, impl) case of `kind` (a part of --parts) and prints and keeps
+        its table row: dtype, length, impl, cells(result) and the status."""
+        for dtype in args.dtypes if kind in args.parts else []:
+            for length in lengths:
+                for impl in args.impls:
+                    r = run_case(args, dict(kind=kind, dtype=dtype, impl=impl, length=length))
+                    status = r["status"] + (f": {r['error']}" if r.get("error") else "")
+                    line = "| " + " | ".join([dtype, str(length), impl, *cells(r), status]) + " |"
+                    print(line, flush=True)
+                    lines.append(line)
+
+    run_rows("prefill", args.lengths,
+             lambda r: [f"{r['seconds']:.3f}" if "seconds" in r else "-", gib(r.get("peak_rss")),
+                        gib(r.get("baseline_rss"))])
     header = ["", f"Generation ({args.gen_tokens} greedy tokens after the context, DynamicCache): tokens/s", "",
               "| dtype | context | attention | tokens/s | peak RSS [GiB] | status |", "|---|---:|---|---:|---:|---|"]
     if "generate" in args.parts:
         print("\n".join(header), flush=True)
         lines += header
-    for dtype in args.dtypes if "generate" in args.parts else []:
-        for context in args.contexts:
-            for impl in args.impls:
-                r = run_case(args, dict(kind="generate", dtype=dtype, impl=impl, length=context))
-                speed = f"{r['tokens_per_second']:.2f}" if "tokens_per_second" in r else "-"
-                status = r["status"] + (f": {r['error']}" if r.get("error") else "")
-                line = f"| {dtype} | {context} | {impl} | {speed} | {gib(r.get('peak_rss'))} | {status} |"
-                print(line, flush=True)
-                lines.append(line)
+    run_rows("generate", args.contexts,
+             lambda r: [f"{r['tokens_per_second']:.2f}" if "tokens_per_second" in r else "-",
+                        gib(r.get("peak_rss"))])
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")

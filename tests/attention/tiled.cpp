@@ -176,18 +176,14 @@ TEST_CASE("alibi_attention_tiled: n = 0 gives an empty result", "[tiled]") {
 }
 
 TEST_CASE("alibi_attention_tiled rejects bad arguments", "[tiled][invalid]") {
+  require_shape_checks([](const auto& q, const auto& k, const auto& v) {
+    poslsh::alibi_attention_tiled<float>(q, k, v, 1.0);
+  });
   const auto q = random_matrix<float>(5, 4, 1);
-  const auto k3 = random_matrix<float>(5, 3, 1);
-  const auto v6 = random_matrix<float>(6, 4, 1);
   const auto q6 = random_matrix<float>(6, 4, 1);
-  const RowMatrix<float> no_columns(5, 0);
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, k3, q, 1.0); }, "k");
   // Fewer keys than queries: the queries cannot be the last positions of the keys.
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q6, q, q, 1.0); }, "k");
-  require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, v6, 1.0); }, "v");
-  require_invalid_argument(
-      [&] { poslsh::alibi_attention_tiled<float>(no_columns, no_columns, q, 1.0); }, "q");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, 0.0); }, "sigma");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, -2.0); }, "sigma");
   require_invalid_argument([&] { poslsh::alibi_attention_tiled<float>(q, q, q, nan); }, "sigma");

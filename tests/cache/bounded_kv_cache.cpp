@@ -7,9 +7,7 @@
 // changes nothing; a plan's heads (planned_heads) give the planned rows.
 #include <Eigen/Core>
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <poslsh/cache/bounded_kv_cache.hpp>
 #include <poslsh/cache/retention.hpp>
 #include <poslsh/multihead/attention.hpp>
@@ -20,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "retention_oracle.hpp"
 #include "test_support.hpp"
 
 using poslsh::BoundedKVCache;
@@ -28,21 +27,8 @@ using poslsh::HeadMethod;
 namespace {
 
 constexpr Index cache_heads = 4, cache_kv_heads = 2, cache_dim = 16, cache_dim_v = 24;
-constexpr Index no_reader = std::numeric_limits<Index>::max();
-
-// Whether the query at i > j reads key j under `head`, from the weights' definitions.
-bool reads_key(const HeadMethod& head, Index i, Index j) {
-  if (poslsh::method_draws_hashes(head.method) || head.method == Method::fixed_blocks) {
-    for (const BinHash& hash : head.hashes)
-      if (hash.bin(i) == hash.bin(j)) return true;
-    return false;
-  }
-  if (head.method == Method::exact_banded && i - j > head.band) return false;
-  return head.window_left < 0 || i - j <= head.window_left;
-}
-
-// For each key j < n, the last query position that K/V head g's query heads read it from (a
-// scan over the queries j .. j + the widest bin, band or window), no_reader for never-ending.
+// For each key j < n, the last query position that K/V head g's query heads read it from
+// (poslsh_test::last_reader of each head, the latest), read_forever for never-ending.
 std::vector<std::vector<Index>> last_readers(const std::vector<HeadMethod>& heads, Index kv_heads,
                                              Index n) {
   const auto group = static_cast<Index>(heads.size()) / kv_heads;
@@ -51,18 +37,10 @@ std::vector<std::vector<Index>> last_readers(const std::vector<HeadMethod>& head
   for (Index h = 0; h < static_cast<Index>(heads.size()); ++h) {
     const HeadMethod& head = heads[static_cast<std::size_t>(h)];
     auto& mine = last[static_cast<std::size_t>(h / group)];
-    const bool forever = head.method == Method::exact_tiled && head.window_left < 0;
-    double reach = static_cast<double>(std::max(head.band, head.window_left));
-    for (const BinHash& hash : head.hashes) reach = std::max(reach, hash.width);
-    const auto horizon = static_cast<Index>(std::ceil(reach)) + 2;
+    const Index horizon = poslsh_test::widest_reach(head);
     for (Index j = 0; j < n; ++j) {
       Index& entry = mine[static_cast<std::size_t>(j)];
-      if (forever) {
-        entry = no_reader;
-        continue;
-      }
-      for (Index i = j; i <= j + horizon; ++i)
-        if (i > entry && reads_key(head, i, j)) entry = i;
+      entry = std::max(entry, poslsh_test::last_reader(head, j, horizon));
     }
   }
   return last;
@@ -344,7 +322,12 @@ TEST_CASE("bad input to a bounded cache is named and changes nothing", "[cache][
   const RowMatrix<float> q = random_rows<float>(n, cache_heads * cache_dim, 9);
   BoundedKVCache<float> cache = make(4);  // 64 positions of both heads, and two pages more
   const Index id = cache.open();
-  cache.append(id, 0, rows_view(k, 0, 64, cache_kv_heads), rows_view(v, 0, 64, cache_kv_heads));
+  // Appends the rows [begin, end) of k and v at `position`.
+  const auto append = [&](Index position, Index begin, Index end) {
+    cache.append(id, position, rows_view(k, begin, end, cache_kv_heads),
+                 rows_view(v, begin, end, cache_kv_heads));
+  };
+  append(0, 0, 64);
   const auto snapshot = [&] {
     std::vector<float> state = {static_cast<float>(cache.length(id)),
                                 static_cast<float>(cache.frontier(id)),
@@ -363,26 +346,11 @@ TEST_CASE("bad input to a bounded cache is named and changes nothing", "[cache][
   const std::vector<float> before = snapshot();
   const auto unchanged = [&] { CHECK(snapshot() == before); };
   // A position out of order (behind, or ahead of, the sequence's length).
-  require_invalid_argument(
-      [&] {
-        cache.append(id, 10, rows_view(k, 10, 11, cache_kv_heads),
-                     rows_view(v, 10, 11, cache_kv_heads));
-      },
-      "position");
-  require_invalid_argument(
-      [&] {
-        cache.append(id, 65, rows_view(k, 65, 66, cache_kv_heads),
-                     rows_view(v, 65, 66, cache_kv_heads));
-      },
-      "position");
+  require_invalid_argument([&] { append(10, 10, 11); }, "position");
+  require_invalid_argument([&] { append(65, 65, 66); }, "position");
   unchanged();
   // A pool too small: 2 more pages per head for 65 positions, 2 free.
-  require_invalid_argument(
-      [&] {
-        cache.append(id, 64, rows_view(k, 64, 129, cache_kv_heads),
-                     rows_view(v, 64, 129, cache_kv_heads));
-      },
-      "keys");
+  require_invalid_argument([&] { append(64, 64, 129); }, "keys");
   unchanged();
   // Shapes: keys of the wrong head count, values of another token count.
   require_invalid_argument(
@@ -397,7 +365,7 @@ TEST_CASE("bad input to a bounded cache is named and changes nothing", "[cache][
   unchanged();
   // Queries before the frontier (the first position of the last append), and advance behind it.
   RowMatrix<float> out(2, cache_heads * cache_dim_v);
-  cache.append(id, 64, rows_view(k, 64, 65, cache_kv_heads), rows_view(v, 64, 65, cache_kv_heads));
+  append(64, 64, 65);
   require_invalid_argument(
       [&] {
         poslsh::multihead_attention_bounded<float>(rows_view(q, 63, 65, cache_heads), cache,
@@ -417,12 +385,7 @@ TEST_CASE("bad input to a bounded cache is named and changes nothing", "[cache][
   require_invalid_argument([&] { cache.key_row(id, 0, 70); }, "position");
   // A closed sequence, and one never opened.
   cache.close(id);
-  require_invalid_argument(
-      [&] {
-        cache.append(id, 65, rows_view(k, 65, 66, cache_kv_heads),
-                     rows_view(v, 65, 66, cache_kv_heads));
-      },
-      "sequence");
+  require_invalid_argument([&] { append(65, 65, 66); }, "sequence");
   require_invalid_argument([&] { cache.length(5); }, "sequence");
   require_invalid_argument(
       [&] {

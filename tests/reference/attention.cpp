@@ -117,14 +117,10 @@ TEST_CASE("alibi_attention_reference: n = 0 gives an empty result", "[reference]
 }
 
 TEST_CASE("alibi_attention_reference rejects bad shapes and sigma", "[reference][invalid]") {
+  require_shape_checks([](const auto& q, const auto& k, const auto& v) {
+    poslsh::alibi_attention_reference<float>(q, k, v, 1.0);
+  });
   const auto q = random_matrix<float>(5, 4, 1);
-  const auto k3 = random_matrix<float>(5, 3, 1);
-  const auto v6 = random_matrix<float>(6, 4, 1);
-  const RowMatrix<float> no_columns(5, 0);
-  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, k3, q, 1.0); }, "k");
-  require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, v6, 1.0); }, "v");
-  require_invalid_argument(
-      [&] { poslsh::alibi_attention_reference<float>(no_columns, no_columns, q, 1.0); }, "q");
   require_invalid_argument([&] { poslsh::alibi_attention_reference<float>(q, q, q, -1.0); },
                            "sigma");
   RowMatrix<float> wrong(4, 4);

@@ -1,10 +1,12 @@
-// Helpers of the backward tests (tests/training/backward.cpp,
-// tests/training/half_precision_backward.cpp): one single-head kernel configuration, its forward
-// with lse, and its backward on inputs stored in any scalar type.
+// Helpers of the backward tests (tests/training/backward.cpp, backward_failures.cpp,
+// half_precision_backward.cpp): one single-head kernel configuration, its forward with lse, and
+// its backward on inputs stored in any scalar type; the random inputs of an all-heads backward.
 #pragma once
 
+#include <cstdint>
 #include <limits>
 #include <poslsh/training/backward.hpp>
+#include <utility>
 
 #include "test_support.hpp"
 
@@ -42,6 +44,28 @@ struct BackwardSetup {
 template <typename Scalar>
 struct BackwardGradients {
   RowMatrix<Scalar> dq, dk, dv;
+};
+
+/// The inputs of an all-heads backward of n tokens: row-major buffers of interleaved heads qb
+/// (heads heads of width d), kb (kv_heads of d), vb (kv_heads of dv) and doutb (heads of dv),
+/// random_matrix of seeds seed, seed + 1, seed + 2 and seed + 3, and their views q, k, v and
+/// dout. Not copied: the views point into the buffers.
+template <typename Scalar>
+struct HeadsBackwardInputs {
+  RowMatrix<Scalar> qb, kb, vb, doutb;
+  poslsh::HeadsView<const Scalar> q, k, v, dout;
+
+  HeadsBackwardInputs(Index n, Index heads, Index kv_heads, Index d, Index dv, std::uint64_t seed)
+      : qb(random_matrix<Scalar>(n, heads * d, seed)),
+        kb(random_matrix<Scalar>(n, kv_heads * d, seed + 1)),
+        vb(random_matrix<Scalar>(n, kv_heads * dv, seed + 2)),
+        doutb(random_matrix<Scalar>(n, heads * dv, seed + 3)),
+        q(interleaved_view(std::as_const(qb), heads)),
+        k(interleaved_view(std::as_const(kb), kv_heads)),
+        v(interleaved_view(std::as_const(vb), kv_heads)),
+        dout(interleaved_view(std::as_const(doutb), heads)) {}
+  HeadsBackwardInputs(const HeadsBackwardInputs&) = delete;
+  HeadsBackwardInputs& operator=(const HeadsBackwardInputs&) = delete;
 };
 
 /// out and lse of the forward with lse of `s` on q, k, v stored as Input (out in Input, lse in

@@ -1,7 +1,8 @@
 // Shared helpers for the tests: seeded random inputs (one matrix, or the q, k, v of a test),
 // single-head and all-heads options, views of interleaved heads and the all-heads call on them,
 // scalar-aware tolerances, enum names from a table, a check that a call throws
-// std::invalid_argument naming a given argument, and the names the test files use unqualified.
+// std::invalid_argument naming a given argument (and the shape checks of a single-head kernel), and
+// the names the test files use unqualified.
 #pragma once
 
 #include <cstddef>
@@ -137,6 +138,19 @@ void require_invalid_argument(Call&& call, const std::string& argument) {
   }
 }
 
+/// The shape checks of a single-head kernel, kernel(q, k, v) on float rows, q 5 x 4: keys of
+/// 3 columns name "k", values of 6 rows name "v", queries and keys of no columns name "q".
+template <typename Kernel>
+void require_shape_checks(Kernel&& kernel) {
+  const auto q = random_matrix<float>(5, 4, 1);
+  const auto k3 = random_matrix<float>(5, 3, 1);
+  const auto v6 = random_matrix<float>(6, 4, 1);
+  const RowMatrix<float> no_columns(5, 0);
+  require_invalid_argument([&] { kernel(q, k3, q); }, "k");
+  require_invalid_argument([&] { kernel(q, q, v6); }, "v");
+  require_invalid_argument([&] { kernel(no_columns, no_columns, q); }, "q");
+}
+
 /// Sets the OpenMP thread count while in scope (no effect without OpenMP).
 class Threads {
  public:
@@ -171,4 +185,5 @@ using poslsh::ConstMatrixRef, poslsh::MatrixRef, poslsh::RowMatrix;
 using poslsh::Method, poslsh::MultiHeadOptions, poslsh::Precision;
 using poslsh_test::interleaved_view, poslsh_test::multihead_of, poslsh_test::multihead_options;
 using poslsh_test::random_matrix, poslsh_test::random_qkv, poslsh_test::relative_max_error;
-using poslsh_test::require_invalid_argument, poslsh_test::with_masking;
+using poslsh_test::require_invalid_argument, poslsh_test::require_shape_checks;
+using poslsh_test::with_masking;

@@ -320,14 +320,7 @@ TEST_CASE("gradients are bitwise the same for 1 and 2 threads", "[backward][dete
 
 TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[backward]") {
   const Index n = 90, heads = 4, kv_heads = 2, d = 8, dv = 6;
-  const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 61);
-  const RowMatrix<float> kb = random_matrix<float>(n, kv_heads * d, 62);
-  const RowMatrix<float> vb = random_matrix<float>(n, kv_heads * dv, 63);
-  const RowMatrix<float> doutb = random_matrix<float>(n, heads * dv, 64);
-  const auto q = poslsh::interleaved_heads<const float>(qb.data(), n, heads, d);
-  const auto k = poslsh::interleaved_heads<const float>(kb.data(), n, kv_heads, d);
-  const auto v = poslsh::interleaved_heads<const float>(vb.data(), n, kv_heads, dv);
-  const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, dv);
+  const poslsh_test::HeadsBackwardInputs<float> in(n, heads, kv_heads, d, dv, 61);
   for (poslsh::Method method :
        {poslsh::Method::lsh_fused, poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
         poslsh::Method::exact_tiled, poslsh::Method::exact_banded}) {
@@ -339,14 +332,14 @@ TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[ba
     RowMatrix<float> outb(n, heads * dv), lse(heads, n), dqb(n, heads * d), dkb(n, kv_heads * d),
         dvb(n, kv_heads * dv);
     const auto out = poslsh::interleaved_heads<float>(outb.data(), n, heads, dv);
-    poslsh::multihead_attention_with_lse<float>(q, k, v, out, lse, options);
+    poslsh::multihead_attention_with_lse<float>(in.q, in.k, in.v, out, lse, options);
     RowMatrix<float> plain(n, heads * dv);
     poslsh::multihead_attention<float>(
-        q, k, v, poslsh::interleaved_heads<float>(plain.data(), n, heads, dv), options);
+        in.q, in.k, in.v, poslsh::interleaved_heads<float>(plain.data(), n, heads, dv), options);
     CHECK(outb == plain);
     poslsh::multihead_attention_backward<float>(
-        q, k, v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, dv), lse, dout,
-        poslsh::interleaved_heads<float>(dqb.data(), n, heads, d),
+        in.q, in.k, in.v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, dv), lse,
+        in.dout, poslsh::interleaved_heads<float>(dqb.data(), n, heads, d),
         poslsh::interleaved_heads<float>(dkb.data(), n, kv_heads, d),
         poslsh::interleaved_heads<float>(dvb.data(), n, kv_heads, dv), options);
     const std::vector<double> sigmas = poslsh::alibi_sigmas(static_cast<int>(heads));
@@ -367,9 +360,9 @@ TEST_CASE("multihead_attention_backward sums grouped-query heads in order", "[ba
                           ? hashes[index]
                           : HashSet{},
                       AttentionOptions{}};
-        const RowMatrix<float> q_h = qb.middleCols(h * d, d), k_g = kb.middleCols(g * d, d),
-                               v_g = vb.middleCols(g * dv, dv),
-                               dout_h = doutb.middleCols(h * dv, dv);
+        const RowMatrix<float> q_h = in.qb.middleCols(h * d, d), k_g = in.kb.middleCols(g * d, d),
+                               v_g = in.vb.middleCols(g * dv, dv),
+                               dout_h = in.doutb.middleCols(h * dv, dv);
         RowMatrix<float> out_h;
         ColumnVector<float> lse_h;
         forward<float>(s, q_h, k_g, v_g, out_h, lse_h);
@@ -614,14 +607,7 @@ TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
   const Index n = 400, heads = 4, d = 16;
   const int restore = omp_get_max_threads();
   for (Index kv_heads : {Index{4}, Index{2}}) {
-    const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 81);
-    const RowMatrix<float> kb = random_matrix<float>(n, kv_heads * d, 82);
-    const RowMatrix<float> vb = random_matrix<float>(n, kv_heads * d, 83);
-    const RowMatrix<float> doutb = random_matrix<float>(n, heads * d, 84);
-    const auto q = poslsh::interleaved_heads<const float>(qb.data(), n, heads, d);
-    const auto k = poslsh::interleaved_heads<const float>(kb.data(), n, kv_heads, d);
-    const auto v = poslsh::interleaved_heads<const float>(vb.data(), n, kv_heads, d);
-    const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, d);
+    const poslsh_test::HeadsBackwardInputs<float> in(n, heads, kv_heads, d, d, 81);
     for (poslsh::Method method : {poslsh::Method::lsh_fused, poslsh::Method::exact_tiled,
                                   poslsh::Method::exact_banded, poslsh::Method::lsh_per_sample}) {
       INFO("kv heads " << kv_heads << ", method " << static_cast<int>(method));
@@ -630,7 +616,8 @@ TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
       options.samples = 4;
       RowMatrix<float> outb(n, heads * d), lse(heads, n);
       poslsh::multihead_attention_with_lse<float>(
-          q, k, v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse, options);
+          in.q, in.k, in.v, poslsh::interleaved_heads<float>(outb.data(), n, heads, d), lse,
+          options);
       RowMatrix<float> grads[2][3];
       for (int t = 0; t < 2; ++t) {
         omp_set_num_threads(t + 1);
@@ -638,8 +625,8 @@ TEST_CASE("multi-head gradients are bitwise the same for 1 and 2 threads",
         grads[t][1].resize(n, kv_heads * d);
         grads[t][2].resize(n, kv_heads * d);
         poslsh::multihead_attention_backward<float>(
-            q, k, v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, d), lse, dout,
-            poslsh::interleaved_heads<float>(grads[t][0].data(), n, heads, d),
+            in.q, in.k, in.v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, d), lse,
+            in.dout, poslsh::interleaved_heads<float>(grads[t][0].data(), n, heads, d),
             poslsh::interleaved_heads<float>(grads[t][1].data(), n, kv_heads, d),
             poslsh::interleaved_heads<float>(grads[t][2].data(), n, kv_heads, d), options);
       }

@@ -385,14 +385,7 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
   const poslsh_test::Threads scope(4);
   const Index n = 600, heads = 4, d = 16;
   for (const Index kv_heads : {Index{4}, Index{2}}) {
-    const RowMatrix<float> qb = random_matrix<float>(n, heads * d, 21);
-    const RowMatrix<float> kb = random_matrix<float>(n, kv_heads * d, 22);
-    const RowMatrix<float> vb = random_matrix<float>(n, kv_heads * d, 23);
-    const RowMatrix<float> doutb = random_matrix<float>(n, heads * d, 24);
-    const auto q = poslsh::interleaved_heads<const float>(qb.data(), n, heads, d);
-    const auto k = poslsh::interleaved_heads<const float>(kb.data(), n, kv_heads, d);
-    const auto v = poslsh::interleaved_heads<const float>(vb.data(), n, kv_heads, d);
-    const auto dout = poslsh::interleaved_heads<const float>(doutb.data(), n, heads, d);
+    const poslsh_test::HeadsBackwardInputs<float> in(n, heads, kv_heads, d, d, 21);
     for (const poslsh::Method method :
          {poslsh::Method::lsh_fused, poslsh::Method::exact_tiled, poslsh::Method::exact_banded,
           poslsh::Method::lsh_per_sample, poslsh::Method::fixed_blocks,
@@ -404,10 +397,10 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
       RowMatrix<float> outb(n, heads * d), lse = RowMatrix<float>::Zero(heads, n);
       const auto out_view = poslsh::interleaved_heads<float>(outb.data(), n, heads, d);
       if (poslsh::method_has_lse(method)) {
-        poslsh::multihead_attention_with_lse<float>(q, k, v, out_view, lse, options);
+        poslsh::multihead_attention_with_lse<float>(in.q, in.k, in.v, out_view, lse, options);
       } else {
         // mean_of_outputs: no lse (its backward recomputes each sample's and reads neither).
-        poslsh::multihead_attention<float>(q, k, v, out_view, options);
+        poslsh::multihead_attention<float>(in.q, in.k, in.v, out_view, options);
       }
       RowMatrix<float> grads[2][3];
       const auto backward = [&](RowMatrix<float>(&g)[3]) {
@@ -416,8 +409,8 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
         g[2].resize(n, kv_heads * d);
         for (RowMatrix<float>& m : g) backward_failures::poison(m);
         poslsh::multihead_attention_backward<float>(
-            q, k, v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, d), lse, dout,
-            poslsh::interleaved_heads<float>(g[0].data(), n, heads, d),
+            in.q, in.k, in.v, poslsh::interleaved_heads<const float>(outb.data(), n, heads, d), lse,
+            in.dout, poslsh::interleaved_heads<float>(g[0].data(), n, heads, d),
             poslsh::interleaved_heads<float>(g[1].data(), n, kv_heads, d),
             poslsh::interleaved_heads<float>(g[2].data(), n, kv_heads, d), options);
       };
