@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Greedy generation of a random BLOOM-shaped transformers model under
-poslsh.transformers.use_poslsh(method="plan") with transformers' DynamicCache and with
+poslsh.transformers.use_poslsh(method=--method, "plan" by default) with transformers' DynamicCache and with
 poslsh.transformers.BoundedCache: --new tokens after a prompt of --prompt tokens, the two runs'
 ids compared; prints the cache bytes of each after generation and the median time per generated
 token (from a streamer's timestamps, the prefill excluded), min over --repeat runs of each,
 the runs alternating.
 
     PYTHONPATH=python OMP_NUM_THREADS=1 python3 bench/python/transformers_bounded_cache_bench.py
+    ... --method exact --prompt 16384 --layers 2   # exact heads: every key kept, no copy per token
 """
 
 import argparse
@@ -53,13 +54,15 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--method", default="plan",
+                        help="use_poslsh's method for every head ('plan': the planner at 1%% error for the run's keys)")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=1000, hidden_size=args.hidden, n_layer=args.layers,
                                       n_head=args.heads, initializer_range=0.5, attn_implementation="eager")
     model = transformers.BloomForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     total = args.prompt + args.new
-    pt.use_poslsh(model, method="plan", plan_length=total)
+    pt.use_poslsh(model, method=args.method, **({"plan_length": total} if args.method == "plan" else {}))
     ids = torch.randint(1, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     full_step = bounded_step = float("inf")
     for _ in range(args.repeat):
@@ -74,8 +77,8 @@ def main():
     assert full_bytes == cache.full_cache_bytes()
     plans = pt._MODELS[model].groups(total, args.heads, args.hidden // args.heads)[0]
     methods = ", ".join(f"{g.method} x{len(g.kv_of)}" for g in plans)
-    print(f"BLOOM-shaped: hidden {args.hidden}, {args.heads} heads, {args.layers} layers, {args.dtype}; plan for "
-          f"{total} keys: {methods}")
+    print(f"BLOOM-shaped: hidden {args.hidden}, {args.heads} heads, {args.layers} layers, {args.dtype}; method "
+          f"{args.method!r} for {total} keys: {methods}")
     print(f"after {args.prompt} + {args.new} tokens: DynamicCache {full_bytes / 2**20:.2f} MiB, BoundedCache "
           f"{cache.bytes_in_use / 2**20:.2f} MiB ({100 * cache.bytes_in_use / full_bytes:.1f}%)")
     print(f"median time per token (min of {args.repeat} runs): DynamicCache {1e3 * full_step:.2f} ms, BoundedCache "
