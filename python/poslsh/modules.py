@@ -127,6 +127,12 @@ _BOUNDED_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfl
 _UNBOUNDED_CAPACITY = 2**62
 
 
+def _pool_pages(sequences, kv_heads, max_length, page_size):
+    """Pages of a bounded cache's pool for `sequences` sequences of up to `max_length` tokens: a
+    sequence's K/V head holds at most ceil(live keys / page_size) + 1 pages at any time."""
+    return sequences * kv_heads * (-(-max_length // page_size) + 1)
+
+
 def _binding_view(x):
     """A CPU tensor (last axis contiguous) as the binding reads it in place: a numpy view, or
     poslsh.BFloat16Bits over the int16 view of a bfloat16 tensor."""
@@ -204,7 +210,7 @@ class BoundedKVCache:
         if num_pages is None:
             if max_seqlen is None:
                 _fail(function, "num_pages", "is None without max_seqlen: give the pool size or max_seqlen")
-            num_pages = batch_size * num_kv_heads * (-(-max_seqlen // page_size) + 1)
+            num_pages = _pool_pages(batch_size, num_kv_heads, max_seqlen, page_size)
         _positive_int(num_pages, "num_pages")
         if alibi_slopes is None:
             slopes = None

@@ -142,7 +142,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import _core, _methods
 from .flash import _method as _flash_method, _sigmas, _window, flash_attn_func
-from .modules import _BOUNDED_DTYPES, _UNBOUNDED_CAPACITY, _binding_view
+from .modules import _BOUNDED_DTYPES, _UNBOUNDED_CAPACITY, _binding_view, _pool_pages
 
 __all__ = ["use_poslsh", "restore", "is_poslsh", "model_slopes", "attention_forward", "BoundedCache",
            "IMPLEMENTATION"]
@@ -749,7 +749,7 @@ class _PagedGroup:
             self.kv = None if distinct == list(range(kv_heads)) else torch.tensor(distinct, dtype=torch.long)
         else:
             self.kv_heads, self.kv = len(per_head), torch.tensor(per_head, dtype=torch.long)
-        pages = batch * self.kv_heads * (-(-max_length // page_size) + 1)
+        pages = _pool_pages(batch, self.kv_heads, max_length, page_size)
         common = (self.kv_heads, dim, dim_v, page_size, pages)
         if len(groups) > 1:
             self.core = _core.BoundedKVCache(*common, dtype=_BOUNDED_DTYPES[dtype],
