@@ -1,4 +1,5 @@
-// poslsh benchmarks: multi-head prefill, <method>/<n>, sigma16_<kernel>/<s> and
+// poslsh benchmarks: multi-head prefill, <method>/<n>, exact_tiled_every_key/<n> (every head at
+// sigma 1e6, so that every causal pair is evaluated), sigma16_<kernel>/<s> and
 // lsh_fused_sigma/<sigma> (n = 16384, every head at one sigma of the default problem); the tile
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
@@ -191,6 +192,14 @@ void register_prefill(bool long_runs) {
       options.seed = seed;
       register_row(std::string(row.name) + "/" + std::to_string(n), n, options, row.run);
       if (row.run != run_multihead) continue;
+      if (row.method == Method::exact_tiled && (n == 4096 || n == 16384)) {
+        // The exact kernel on every causal pair: heads so flat (sigma 1e6) that no key is dead,
+        // the kernel's own throughput (the default slopes drop the keys a head can no longer
+        // read, so exact_tiled/<n> evaluates fewer pairs than its counter's n (n + 1) / 2).
+        MultiHeadOptions every_key = options;
+        every_key.sigmas.assign(static_cast<std::size_t>(heads), 1e6);
+        register_row("exact_tiled_every_key/" + std::to_string(n), n, every_key);
+      }
       // The half-precision rows of the tile methods right after their float row.
       const std::string suffix = "/" + std::to_string(n);
       if (row.method == Method::exact_tiled || row.method == Method::lsh_fused) {
@@ -225,10 +234,13 @@ void register_prefill(bool long_runs) {
     MultiHeadOptions options;
     options.samples = default_samples;
     options.seed = seed;
-    // The exact kernel at 65536 (about 16 times its 16384 row), for its ratio to sgemm there.
+    // The exact kernel at 65536 (about 16 times its 16384 row), with the default slopes and on
+    // every causal pair (for its ratio to sgemm there).
     MultiHeadOptions exact = options;
     exact.method = Method::exact_tiled;
     register_row("exact_tiled/65536", 65536, exact);
+    exact.sigmas.assign(static_cast<std::size_t>(heads), 1e6);
+    register_row("exact_tiled_every_key/65536", 65536, exact);
     for (Index n : {Index{262144}, Index{1048576}}) {
       register_row("lsh_fused/" + std::to_string(n), n, options);
     }

@@ -52,8 +52,9 @@ FlashAttention-2 defines them:
   calls softmax_lse is lse_i + m_h P_i; the others' bias is -m_h |P_i - j| and softmax_lse is
   lse_i. The gradients never read the returned value (the operators keep their own lse).
 
-Keyword-only extras: method "exact" (alibi_attention_tiled, every visible pair; a window skips
-the tiles outside it), "banded" (exact ALiBi on |P_i - j| <= W_h = band_for_bias_error(sigma_h,
+Keyword-only extras: method "exact" (alibi_attention_tiled, every visible pair but those whose
+weight is provably below the float's smallest normal, which it skips; a window skips the tiles
+outside it), "banded" (exact ALiBi on |P_i - j| <= W_h = band_for_bias_error(sigma_h,
 band_error), dropping entries whose bias weight is below band_error), "lsh" (the count-weighted
 Positional-LSH estimator, lsh_attention_fused), "lsh_per_sample" (the same estimator sample by
 sample), "fixed_blocks" (plain attention in blocks of width 2 sigma_h), "mean_of_outputs" (the

@@ -4,6 +4,7 @@
 #include <limits>
 #include <poslsh/attention/tiled.hpp>
 #include <poslsh/reference/attention.hpp>
+#include <type_traits>
 #include <vector>
 
 #include "test_support.hpp"
@@ -149,6 +150,67 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled keeps scores of magnitude 1e4 finite a
       CHECK((out.row(i).template cast<double>() - numerator / denominator).cwiseAbs().maxCoeff() <
             10 * tolerance<TestType>());
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled skips the keys a row can no longer read",
+                   "[tiled][dead_keys]", float, double) {
+  // sigma = 1: key j trails row i's own score by about |i - j| - |tau q_i| (|k_i| + |k_j|), so
+  // for |i - j| beyond T = 89 (float; 710 in double) plus a few norms its weight is below the
+  // smallest normal Scalar and the kernel drops it: a key tile dead for all the rows of a query
+  // tile is never read. A NaN value at key 0 shows it: the far rows stay finite and equal the
+  // call with a zero there, bit for bit, while the near rows (which read key 0) are NaN.
+  const Index n = 1100, d = 16, dv = 4;
+  const Index far = std::is_same_v<TestType, float> ? 300 : 850;
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 61);
+  RowMatrix<TestType> v_nan = v, v_zero = v;
+  v_nan.row(0).setConstant(std::numeric_limits<TestType>::quiet_NaN());
+  v_zero.row(0).setZero();
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const auto options = with_masking(masking);
+    INFO("causal " << (masking == Masking::causal));
+    const RowMatrix<TestType> with_nan =
+        poslsh::alibi_attention_tiled<TestType>(q, k, v_nan, 1.0, options);
+    const RowMatrix<TestType> with_zero =
+        poslsh::alibi_attention_tiled<TestType>(q, k, v_zero, 1.0, options);
+    CHECK(std::isnan(with_nan(0, 0)));
+    CHECK(bitwise_equal<TestType>(with_nan.bottomRows(n - far), with_zero.bottomRows(n - far)));
+    // And the far rows are the dense formula's.
+    const RowMatrix<double> expected = poslsh::alibi_attention_reference<double>(
+        q.template cast<double>(), k.template cast<double>(), v_zero.template cast<double>(), 1.0,
+        options);
+    CHECK(relative_max_error(with_zero.bottomRows(n - far).template cast<double>(),
+                             expected.bottomRows(n - far)) < tolerance<TestType>());
+  }
+}
+
+TEMPLATE_TEST_CASE("alibi_attention_tiled keeps a far key whose score carries it",
+                   "[tiled][dead_keys]", float, double) {
+  // Key 1 is row 1000's query scaled by 400: its score 0.25 * 400 |q|^2 (about 1600) beats the
+  // distance of 999, so the bound keeps it alive and it carries the row (out ~ v_1); the rows
+  // agree with the dense formula in double, and any split of the rows is the whole call bit
+  // for bit (the rule reads the row, its own key and the key alone).
+  const Index n = 1100, d = 16, dv = 4;
+  auto [q, k, v] = random_qkv<TestType>(n, d, dv, 62);
+  k.row(1) = TestType(400) * q.row(1000);
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const auto options = with_masking(masking);
+    INFO("causal " << (masking == Masking::causal));
+    const RowMatrix<TestType> out = poslsh::alibi_attention_tiled<TestType>(q, k, v, 1.0, options);
+    const RowMatrix<double> expected = poslsh::alibi_attention_reference<double>(
+        q.template cast<double>(), k.template cast<double>(), v.template cast<double>(), 1.0,
+        options);
+    CHECK(relative_max_error(out.template cast<double>(), expected) < 10 * tolerance<TestType>());
+    CHECK((out.row(1000) - v.row(1)).cwiseAbs().maxCoeff() < TestType(1e-3));
+    RowMatrix<TestType> pieces(n, dv);
+    const std::vector<Index> split = {0, 1, 300, 333, 700, 1000, n};
+    for (std::size_t s = 0; s + 1 < split.size(); ++s) {
+      RowMatrix<TestType> rows(split[s + 1] - split[s], dv);
+      poslsh::alibi_attention_tiled_rows<TestType>(q, k, v, 1.0, split[s], split[s + 1], rows,
+                                                   options);
+      pieces.middleRows(split[s], rows.rows()) = rows;
+    }
+    CHECK(bitwise_equal(pieces, out));
   }
 }
 

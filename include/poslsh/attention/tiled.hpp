@@ -1,5 +1,5 @@
 // poslsh: exact ALiBi attention, tiled and streaming (FlashAttention-style): the honest exact
-// competitor of the LSH kernels, O(n^2 d) time and O(tile (d + d_v)) extra memory (on a
+// competitor of the LSH kernels, O(n^2 d) time at most and O(tile (d + d_v)) extra memory (on a
 // bfloat16 matrix unit, also one head's keys and values packed for the unit, at most 64 MiB a
 // thread, each key tile packed once instead of once per query tile).
 //
@@ -84,7 +84,11 @@ void alibi_attention_tiled_rows(ConstMatrixRef<Scalar> q, KeyValueRef<KVScalar> 
 /// (running maximum over kept entries, running sum, accumulator) per query row, causal key
 /// tiles above the diagonal skipped. Q is n x d (d >= 1 if n > 0), K n x d, V n x d_v, `out`
 /// n x d_v; any row strides (e.g. heads of an [n, H, d] buffer). Query tiles run in parallel
-/// (OpenMP), each row computed by one thread: bitwise the same for any thread count. Matches
+/// (OpenMP), each row computed by one thread: bitwise the same for any thread count. Keys a row
+/// can no longer read are skipped: key j is dropped for row i when the Cauchy-Schwarz bound on
+/// its score, |tau q_i| (|k_i| + |k_j|) - |i - j| / sigma below the row's own score, puts its
+/// weight under the smallest normal Scalar (detail/tile/alibi_bias.hpp), which steep heads
+/// reach after a few hundred positions, so their cost grows as n sigma instead of n^2. Matches
 /// alibi_attention_reference to rounding. Throws std::invalid_argument naming a bad argument.
 /// Half-precision Q, K, V or output: see the file comment.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>

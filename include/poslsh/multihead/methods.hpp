@@ -41,7 +41,7 @@ enum class Method {
   lsh_fused,       ///< lsh_attention_fused: the count-weighted LSH estimator, each pair once
   lsh_per_sample,  ///< lsh_attention_per_sample: the same estimator, sample by sample
   fixed_blocks,    ///< fixed_blocks_attention: one deterministic hash of blocks 2 sigma long
-  exact_tiled,     ///< alibi_attention_tiled: exact ALiBi, every pair
+  exact_tiled,     ///< alibi_attention_tiled: exact ALiBi, every pair a row can still read
   exact_banded,    ///< alibi_attention_banded: exact ALiBi on |i - j| <= W
   /// lsh_attention_mean_of_outputs: the mean over samples of plain attention on each sample's
   /// blocks (a different estimator, without a log-sum-exp)

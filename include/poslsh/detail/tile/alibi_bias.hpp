@@ -1,11 +1,28 @@
 // poslsh internals: the exact ALiBi bias policy of the tile engine (detail/tile/engine.hpp):
 // scores x_ij = tau q_i.k_j - |i-j| / sigma with the bias computed on the fly from the integer
 // distance, weights 1, and keys restricted to a distance window lo <= i - j <= hi (causal:
-// lo = 0, banded: |i - j| <= band).
+// lo = 0, banded: |i - j| <= band), less the keys a row can no longer read (dead keys, below).
+//
+// Dead keys. The row at position i always sees its own position (0 is in every window), so
+// its largest score is at least x_ii = tau q_i.k_i >= -|tau q_i| |k_i|, while key j scores at
+// most tau q_i.k_j - |i - j| / sigma <= |tau q_i| |k_j| - |i - j| / sigma (Cauchy-Schwarz). Key
+// j is dead for row i when
+//   |i - j| / sigma > (1 + 2^-8) |tau q_i| (|k_j| + |k_i|) + T + 1,
+// T = -ln(smallest normal Scalar) rounded up plus one (89 for float, 710 for double): its weight
+// e^{x_ij - M_i} is then below e^-T, under the smallest normal Scalar, where the exponential
+// of the streaming softmax already returns 0 or a subnormal (the factor 2^-8 and the 1 cover
+// the rounding of the norms and of the score; key tiles are visited from the diagonal out, so
+// M_i >= x_ii whenever a dead key is met). Dead entries are masked (weight exactly 0), and a
+// key tile whose entries are all dead for the rows computed is skipped, which is the same:
+// the result is the computation over every key, less terms below its resolution. The rule
+// reads only the row's query, the key and the key at the row's own position (no dead keys for
+// a row whose position holds no key of the call), so a row's result still depends on its
+// position and the keys alone. Norms are read only when |i - j| / sigma can exceed T.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -24,16 +41,97 @@ struct ExactWindow {
   Index hi;
 };
 
-/// Tile engine policy of exact ALiBi attention over the window `window` (lo <= 0 <= hi).
+/// T of the dead-key rule (file comment): -ln of the smallest normal Scalar, rounded up, plus 1.
+template <typename Scalar>
+double dead_key_logit() {
+  return std::ceil(-std::log(static_cast<double>(std::numeric_limits<Scalar>::min()))) + 1.0;
+}
+
+/// Tile engine policy of exact ALiBi attention over the window `window` (lo <= 0 <= hi), less
+/// the dead keys (file comment). The engine reports the norms of the rows of each query tile
+/// (bound_rows) and, for a key tile where keys may be dead, the norms of its keys
+/// (drop_dead_keys).
 template <typename Scalar>
 class AlibiBias {
   using Packet = TilePacket<Scalar>;
   static constexpr Index Bq = tile_query_rows;
+  static constexpr Index Bk = tile_key_cols;
 
  public:
+  /// The engine calls bound_rows and drop_dead_keys.
+  static constexpr bool drops_dead_keys = true;
+
   AlibiBias(Index n, double sigma, ExactWindow window)
       : neg_inv_sigma_(-finite_alibi_slope<Scalar>(sigma, n)), window_(window) {
     for (Index a = 0; a < Bq; ++a) offsets_(a) = static_cast<Scalar>(a);
+  }
+
+  /// The rows [rows.first, rows.last) of the current query tile (tile-relative) reach the keys
+  /// [key_lo, key_hi] (positions). When some of those keys can be dead, reads for each row i
+  /// the norm |tau q_i| (query_norm(i)) and the norm of the key at position i
+  /// (diagonal_norm(i), +inf when the call has no key there) and keeps the row's bound.
+  template <typename QueryNorm, typename DiagonalNorm>
+  void bound_rows(KeyRange rows, Index key_lo, Index key_hi, QueryNorm&& query_norm,
+                  DiagonalNorm&& diagonal_norm) {
+    const double slope = -static_cast<double>(neg_inv_sigma_);
+    const Index reach = std::max(i0_ + rows.last - 1 - key_lo, key_hi - (i0_ + rows.first));
+    drop_ = slope * static_cast<double>(reach) > logit_;
+    if (!drop_) return;
+    rows_ = rows;
+    constexpr double margin = 1.0 + 1.0 / 256.0;
+    for (Index a = 0; a < Bq; ++a) {
+      row_norm_(a) = Scalar(0);
+      row_floor_(a) = std::numeric_limits<Scalar>::infinity();
+    }
+    for (Index a = rows.first; a < rows.last; ++a) {
+      const double q_norm = margin * query_norm(i0_ + a);
+      const double floor = q_norm * diagonal_norm(i0_ + a) + logit_ + 1.0;
+      if (!(std::isfinite(q_norm) && std::isfinite(floor))) continue;  // no dead keys
+      row_norm_(a) = static_cast<Scalar>(q_norm);
+      row_floor_(a) = static_cast<Scalar>(floor);
+    }
+  }
+
+  /// The cut of the key tile [j0, j0 + keys) (cut: key_tile's) with the dead keys of the rows
+  /// computed: skip when every entry of those rows is dead, masked when some are, else `cut`.
+  /// key_norms(norms) writes |k_j| of the tile's keys to norms[0 .. keys).
+  template <typename KeyNorms>
+  KeyTileCut drop_dead_keys(Index j0, Index keys, KeyTileCut cut, KeyNorms&& key_norms) {
+    masks_dead_ = false;
+    if (!drop_ || cut == KeyTileCut::skip) return cut;
+    const double slope = -static_cast<double>(neg_inv_sigma_);
+    const Index last_key = j0 + keys - 1;
+    const auto distance = [](Index i, Index j) { return static_cast<double>(std::abs(i - j)); };
+    const Index first_row = i0_ + rows_.first, last_row = i0_ + rows_.last - 1;
+    const double far = std::max({distance(first_row, j0), distance(first_row, last_key),
+                                 distance(last_row, j0), distance(last_row, last_key)});
+    if (slope * far <= logit_) return cut;  // no key can be dead (each row's floor > T + 1)
+    key_norms(key_norm_.data());
+    double largest = 0.0, smallest = std::numeric_limits<double>::infinity();
+    for (Index b = 0; b < keys; ++b) {
+      const double norm = static_cast<double>(key_norm_(b));
+      if (!std::isfinite(norm)) return cut;  // no bound: no key of the tile is dropped
+      largest = std::max(largest, norm);
+      smallest = std::min(smallest, norm);
+    }
+    // Both tests with a margin of 1 plus 2^-16 of the terms over the per-entry test of the
+    // scorer (whose rounding in Scalar is far below it): "all dead" implies every entry of the
+    // rows dead, "none dead" that none is.
+    bool all_dead = true, none_dead = true;
+    for (Index a = rows_.first; a < rows_.last && (all_dead || none_dead); ++a) {
+      const Index i = i0_ + a;
+      const double near = i < j0 ? distance(i, j0) : (i > last_key ? distance(i, last_key) : 0.0);
+      const double farthest = std::max(distance(i, j0), distance(i, last_key));
+      const double norm = static_cast<double>(row_norm_(a));
+      const double floor = static_cast<double>(row_floor_(a));
+      const double slack = 1.0 + 0x1p-16 * (norm * largest + floor + slope * farthest);
+      if (!(norm * largest + floor + slack < slope * near)) all_dead = false;
+      if (!(norm * smallest + floor - slack >= slope * farthest)) none_dead = false;
+    }
+    if (all_dead) return KeyTileCut::skip;
+    if (none_dead) return cut;
+    masks_dead_ = true;
+    return KeyTileCut::masked;
   }
 
   KeyRange query_tile(Index i0) {
@@ -43,6 +141,7 @@ class AlibiBias {
 
   KeyTileCut key_tile(Index j0, Index keys, KeyRange rows) {
     j0_ = j0;
+    masks_dead_ = false;
     const Index min_diff = i0_ + rows.first - (j0 + keys - 1);
     const Index max_diff = i0_ + rows.last - 1 - j0;
     if (max_diff < window_.lo || min_diff > window_.hi) return KeyTileCut::skip;
@@ -57,7 +156,8 @@ class AlibiBias {
     return {i0_ - j0_ + a0 - window_.hi, i0_ - j0_ + a1 - window_.lo};
   }
 
-  /// x = acc - |i - j| / sigma (-inf outside the window), p = e^{x - M} (0 outside it).
+  /// x = acc - |i - j| / sigma (-inf outside the window and for dead keys), p = e^{x - M} (0
+  /// there).
   class Scorer {
    public:
     explicit Scorer(const AlibiBias& bias)
@@ -65,6 +165,9 @@ class AlibiBias {
           lo_(Eigen::internal::pset1<Packet>(static_cast<Scalar>(bias.window_.lo))),
           hi_(Eigen::internal::pset1<Packet>(static_cast<Scalar>(bias.window_.hi))),
           offsets_(bias.offsets_.data()),
+          row_norm_(bias.masks_dead_ ? bias.row_norm_.data() : nullptr),
+          row_floor_(bias.row_floor_.data()),
+          key_norm_(bias.key_norm_.data()),
           distance_(bias.i0_ - bias.j0_) {}
 
     template <bool Masked>
@@ -75,7 +178,15 @@ class AlibiBias {
                                    ei::pload<Packet>(offsets_ + a));
       const Packet x = ei::pmadd(ei::pabs(diff), neg_inv_sigma_, acc);
       if constexpr (!Masked) return x;
-      const Packet keep = ei::pand(ei::pcmp_le(lo_, diff), ei::pcmp_le(diff, hi_));
+      Packet keep = ei::pand(ei::pcmp_le(lo_, diff), ei::pcmp_le(diff, hi_));
+      if (row_norm_ != nullptr) {  // dead: |tau q_i| |k_j| + floor_i - |i - j| / sigma < 0
+        const Packet bound =
+            ei::pmadd(ei::pload<Packet>(row_norm_ + a), ei::pset1<Packet>(key_norm_[b]),
+                      ei::pload<Packet>(row_floor_ + a));
+        const Packet live = ei::pcmp_le(ei::pset1<Packet>(Scalar(0)),
+                                        ei::pmadd(ei::pabs(diff), neg_inv_sigma_, bound));
+        keep = ei::pand(keep, live);
+      }
       return ei::pselect(keep, x, ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity()));
     }
 
@@ -90,6 +201,9 @@ class AlibiBias {
    private:
     Packet neg_inv_sigma_, lo_, hi_;
     const Scalar* offsets_;
+    const Scalar* row_norm_;  // null: no dead keys in this tile
+    const Scalar* row_floor_;
+    const Scalar* key_norm_;
     Index distance_;
   };
 
@@ -100,6 +214,14 @@ class AlibiBias {
   ExactWindow window_;
   Eigen::Array<Scalar, Bq, 1> offsets_;
   Index i0_ = 0, j0_ = 0;
+  // The dead-key rule: T, whether the query tile can drop keys, its computed rows, each row's
+  // (1 + 2^-8) |tau q_i| and floor (1 + 2^-8) |tau q_i| |k_i| + T + 1 (+inf: no dead keys),
+  // the key tile's norms, and whether the tile masks dead entries.
+  double logit_ = dead_key_logit<Scalar>();
+  bool drop_ = false, masks_dead_ = false;
+  KeyRange rows_{0, 0};
+  Eigen::Array<Scalar, Bq, 1> row_norm_, row_floor_;
+  Eigen::Array<Scalar, Bk, 1> key_norm_;
 };
 
 /// Rows at positions [row_begin, row_end) of exact ALiBi attention over `window`, written to

@@ -83,9 +83,10 @@ struct EngineState {
 
 /// The part every key source over row-strided K and V matrices shares. A key source provides
 /// rows() (the key count L), value_cols(), tile(j0, keys) (the KeyTileRows of keys
-/// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile) and
-/// prefetch(first, last, d, d_v) (a hint for rows [first, last)); a source whose rows come
-/// in runs (ReadsInRuns, below) also key_row, value_row and run_end. Paged caches: PagedRows
+/// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile),
+/// key_row(j) (key j's row as stored: the policy's key norms read it) and prefetch(first,
+/// last, d, d_v) (a hint for rows [first, last)); a source whose rows come in runs
+/// (ReadsInRuns, below) also value_row and run_end. Paged caches: PagedRows
 /// in poslsh/attention/paged.hpp.
 template <typename Storage>
 class StridedKV {
@@ -93,6 +94,7 @@ class StridedKV {
   StridedKV(const ConstMatrixRef<Storage>& k, const ConstMatrixRef<Storage>& v) : k_(k), v_(v) {}
   Index rows() const { return k_.rows(); }
   Index value_cols() const { return v_.cols(); }
+  const Storage* key_row(Index j) const { return k_.data() + j * k_.outerStride(); }
   void prefetch(Index first, Index last, Index d, Index dv) const {
     tile_prefetch_rows(k_.data(), k_.outerStride(), first, last, d);
     tile_prefetch_rows(v_.data(), v_.outerStride(), first, last, dv);
@@ -209,6 +211,7 @@ class WideningKV {
   }
   Index rows() const { return rows_.rows(); }
   Index value_cols() const { return rows_.value_cols(); }
+  const Storage* key_row(Index j) const { return rows_.key_row(j); }
   void prefetch(Index first, Index last, Index d, Index dv) const {
     rows_.prefetch(first, last, d, dv);
   }
@@ -281,6 +284,7 @@ class PairedHalfKV {
   }
   Index rows() const { return rows_.rows(); }
   Index value_cols() const { return rows_.value_cols(); }
+  const Half* key_row(Index j) const { return rows_.key_row(j); }
   void prefetch(Index first, Index last, Index d, Index dv) const {
     rows_.prefetch(first, last, d, dv);
   }
@@ -377,6 +381,27 @@ template <typename KV>
 struct ReadsInRuns<KV, std::void_t<decltype(std::declval<const KV&>().run_end(Index{0}))>>
     : std::true_type {};
 
+/// Whether a bias policy drops dead keys (AlibiBias: bound_rows and drop_dead_keys, given the
+/// norms of the queries and keys).
+template <typename Bias, typename = void>
+struct DropsDeadKeys : std::false_type {};
+template <typename Bias>
+struct DropsDeadKeys<Bias, std::void_t<decltype(Bias::drops_dead_keys)>>
+    : std::bool_constant<Bias::drops_dead_keys> {};
+
+/// The Euclidean norm of a row of d values stored as Storage, summed in float (in double for
+/// double rows; half precision widened) by Eigen's vectorized sum, which fixes the order: the
+/// same value for the same row wherever it is read.
+template <typename Storage>
+double tile_row_norm(const Storage* row, Index d) {
+  using Wide = std::conditional_t<std::is_same_v<Storage, double>, double, float>;
+  const Eigen::Map<const Eigen::Array<Storage, Eigen::Dynamic, 1>> x(row, d);
+  if constexpr (std::is_same_v<Storage, Wide>)
+    return std::sqrt(static_cast<double>(x.square().sum()));
+  else
+    return std::sqrt(static_cast<double>(x.template cast<Wide>().square().sum()));
+}
+
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
 /// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
 /// half-precision ones), queries stored as QScalar (Scalar or a half-precision type, widened
@@ -398,6 +423,7 @@ class TileEngine {
   static constexpr bool in_runs = ReadsInRuns<KV>::value;
   static constexpr bool pairs = MultipliesPairs<KV>::value;
   static constexpr bool amx = MultipliesAmxTiles<KV>::value;
+  static constexpr bool drops_dead_keys = DropsDeadKeys<Bias>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
   static_assert(!pairs || (std::is_same_v<Scalar, float> && sizeof(QScalar) == 2 && !in_runs),
@@ -545,6 +571,18 @@ class TileEngine {
     const Index key_lo = std::max(k0_, reach.first);
     const Index key_hi = std::min(n_, reach.last) - 1;
     if (key_lo > key_hi) return;
+    if constexpr (drops_dead_keys) {
+      bias_.bound_rows(
+          rows_, key_lo, key_hi,
+          [&](Index i) {
+            return static_cast<double>(tau_) *
+                   tile_row_norm(q_.data() + (i - p0_) * q_.outerStride(), d_);
+          },
+          [&](Index i) {
+            return i >= k0_ && i < n_ ? tile_row_norm(kv_.key_row(i - k0_), d_)
+                                      : std::numeric_limits<double>::infinity();
+          });
+    }
     // The next tile's queries, and the keys and values just past this tile's: their memory
     // latency then hides behind this tile's work (as this tile's output rows, prefetched by
     // run()).
@@ -568,7 +606,13 @@ class TileEngine {
   void key_tile(Index tile, Index key_lo, Index key_hi) {
     const Index j0 = std::max(tile * Bk, key_lo);
     const Index keys = std::min((tile + 1) * Bk, key_hi + 1) - j0;
-    const KeyTileCut cut = bias_.key_tile(j0, keys, packets_);
+    KeyTileCut cut = bias_.key_tile(j0, keys, packets_);
+    if constexpr (drops_dead_keys) {
+      cut = bias_.drop_dead_keys(j0, keys, cut, [&](Scalar* norms) {
+        for (Index b = 0; b < keys; ++b)
+          norms[b] = static_cast<Scalar>(tile_row_norm(kv_.key_row(j0 - k0_ + b), d_));
+      });
+    }
     if (cut == KeyTileCut::skip) return;
     j0_ = j0;
     if constexpr (pairs)
