@@ -1,7 +1,10 @@
 // poslsh benchmarks: multi-head backward passes, <method>_backward/<n> on the default problem
 // (float, H = 8, d = 64, causal, sigma = alibi_sigmas(8), s = 16), n = 1024, 4096, 16384, and
 // <method>_bf16_backward/16384 with q, k, v, out and dout in Eigen::bfloat16 (the float tensors
-// rounded; lse and the gradients in float), next to the forward rows <method>_bf16/<n>.
+// rounded; lse and the gradients in float), next to the forward rows <method>_bf16/<n>, and
+// exact_tiled_every_key_backward/16384 (every head at sigma 1e6: the exact backward on every
+// causal pair, as exact_tiled_every_key/<n> for the forward; with the default slopes the exact
+// backward skips the pairs whose probability is exactly 0).
 // One multihead_attention_backward call per iteration from the out and lse of one float forward
 // with lse on the float tensors (computed before the timed loop; out rounded for the bfloat16
 // rows); dout is the shared v tensor. Counters as the forward rows (pairs of the forward, 4 d
@@ -30,11 +33,12 @@ HeadsView<const Input> stored_view(Which which, Index n) {
 }
 
 template <typename Input>
-void run_backward(benchmark::State& state, Index n, Method method) {
+void run_backward(benchmark::State& state, Index n, Method method, bool every_key) {
   MultiHeadOptions options;
   options.method = method;
   options.samples = default_samples;
   options.seed = seed;
+  if (every_key) options.sigmas.assign(static_cast<std::size_t>(heads), 1e6);
   // The output and the gradients on the suite's memory (TypedTensor, zeros when made).
   Tensor out(Which::out, n), dq(Which::out, n), dk(Which::out, n), dv(Which::out, n);
   RowMatrix<float> lse(heads, n);
@@ -72,11 +76,15 @@ const bool registered = [] {
   for (Index n : {Index{1024}, Index{4096}, Index{16384}}) {
     for (const auto& [name, method] : {std::pair{"exact_tiled", Method::exact_tiled},
                                        std::pair{"lsh_fused", Method::lsh_fused}}) {
-      const auto add = [n, method = method](const std::string& row, auto run) {
-        register_timed(row + std::to_string(n), benchmark::kMillisecond, 0.5, run, n, method);
+      const auto add = [n, method = method](const std::string& row, auto run,
+                                            bool every_key = false) {
+        register_timed(row + std::to_string(n), benchmark::kMillisecond, 0.5, run, n, method,
+                       every_key);
       };
       add(std::string(name) + "_backward/", run_backward<float>);
       if (n == 16384) add(std::string(name) + "_bf16_backward/", run_backward<Eigen::bfloat16>);
+      if (n == 16384 && method == Method::exact_tiled)
+        add("exact_tiled_every_key_backward/", run_backward<float>, true);
     }
   }
   return true;

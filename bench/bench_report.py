@@ -955,6 +955,7 @@ def _thread_ms(rows, name):
 SHARE_ROWS = ("sgemm", "exact_tiled/16384", "exact_tiled_every_key/16384", "exact_tiled_bf16/16384",
               "lsh_fused/16384", "lsh_fused/65536", "lsh_fused_bf16/16384", "lsh_fused_f16/16384",
               "lsh_fused_bf16kv/16384", "banded/16384", "exact_tiled_backward/16384",
+              "exact_tiled_every_key_backward/16384",
               "exact_tiled_bf16_backward/16384", "lsh_fused_backward/16384",
               "lsh_fused_bf16_backward/16384", "single_exact_tiled/16384",
               "single_lsh_fused/16384", "single_lsh_fused_sigma2/16384")

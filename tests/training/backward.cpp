@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using poslsh::AttentionOptions;
@@ -757,5 +758,43 @@ TEST_CASE("the serial pass in either loop order has the parallel pass's bits",
     loop_order_checks<Eigen::bfloat16>(n, false);
     if (poslsh::matrix_unit_available(poslsh::MatrixUnit::avx512_bf16))
       loop_order_checks<Eigen::bfloat16>(n, true);
+  }
+}
+
+TEMPLATE_TEST_CASE("the exact backward skips the pairs whose probability is exactly 0",
+                   "[backward][dead_keys]", float, double) {
+  // sigma = 1: P_ij = e^{x_ij - lse_i} trails by about |i - j|, so far pairs are exactly 0 and
+  // the pass skips their blocks. A NaN value at key 0 shows it: dP = dO . v_0 would be NaN and
+  // 0 * NaN = NaN, yet the far rows of dq (and every dk, dv row but key 0's tile) are bitwise
+  // those of a zero value there; the near rows, whose P_i0 is not 0, are NaN.
+  using Scalar = TestType;
+  const Index n = 1100, d = 16, dv = 4;
+  const Index far = std::is_same_v<Scalar, float> ? 300 : 850;
+  const auto q = random_matrix<Scalar>(n, d, 71);
+  const auto k = random_matrix<Scalar>(n, d, 72);
+  RowMatrix<Scalar> v = random_matrix<Scalar>(n, dv, 73);
+  const auto dout = random_matrix<Scalar>(n, dv, 74);
+  v.row(0).setZero();
+  for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+    const auto options = with_masking(masking);
+    INFO("causal " << (masking == Masking::causal));
+    RowMatrix<Scalar> out(n, dv);
+    ColumnVector<Scalar> lse(n);
+    poslsh::alibi_attention_tiled_with_lse<Scalar>(q, k, v, 1.0, out, lse, options);
+    const auto gradients = [&](const RowMatrix<Scalar>& values) {
+      Gradients<Scalar> g{RowMatrix<Scalar>(n, d), RowMatrix<Scalar>(n, d),
+                          RowMatrix<Scalar>(n, dv)};
+      poslsh::alibi_attention_tiled_backward<Scalar>(q, k, values, 1.0, out, lse, dout, g.dq, g.dk,
+                                                     g.dv, options);
+      return g;
+    };
+    RowMatrix<Scalar> v_nan = v;
+    v_nan.row(0).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+    const Gradients<Scalar> zero = gradients(v), nan = gradients(v_nan);
+    CHECK(std::isnan(nan.dq(1, 0)));
+    CHECK((nan.dq.bottomRows(n - far).array() == zero.dq.bottomRows(n - far).array()).all());
+    CHECK((nan.dv.bottomRows(n - 64).array() == zero.dv.bottomRows(n - 64).array()).all());
+    CHECK(zero.dq.allFinite());
+    CHECK(zero.dk.allFinite());
   }
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "poslsh/core/types.hpp"
@@ -16,6 +17,15 @@ Scalar finite_alibi_slope(double sigma, Index distance) {
   const auto largest = static_cast<double>(std::numeric_limits<Scalar>::max());
   return static_cast<Scalar>(
       std::min(1.0 / sigma, largest / static_cast<double>(std::max<Index>(distance, 1))));
+}
+
+/// T of the dead-key rule of the exact kernels (detail/tile/alibi_bias.hpp, and the backward's
+/// WindowRule): -ln of the smallest normal Scalar, rounded up, plus 1 (89 for float, 710 for
+/// double). e^{-T} is below the smallest normal Scalar, where the exponentials of the softmax
+/// and of the backward's probabilities return 0 (or a subnormal, flushed in the backward).
+template <typename Scalar>
+double dead_key_logit() {
+  return std::ceil(-std::log(static_cast<double>(std::numeric_limits<Scalar>::min()))) + 1.0;
 }
 
 }  // namespace poslsh::detail

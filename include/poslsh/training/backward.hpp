@@ -190,28 +190,11 @@ struct PassInputs {
   PassInputs& operator=(const PassInputs&) = delete;
 };
 
-/// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
-/// every gradient row; with `accumulate`, it adds to them instead): in parallel, or on the
-/// calling thread (`parallel` false: one head of a parallel loop over heads, with the thread's
-/// scratch `work` when not null; the steps are packed as the groups of key tiles reach them;
-/// the same sums in the same order, so the same bits).
-/// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
-/// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
-/// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
-/// (BackwardInputs::paired). When dslope is not null, the gradient in the ALiBi slope
-/// (x_ij = tau q_i.k_j - slope |i - j|), -sum_ij dS_ij |i - j| from the key tiles' sums added in
-/// key tile order, is written to *dslope (added to it with `accumulate`).
+/// The pass of windowed_backward on its inputs (`pass`) under `rule`.
 template <typename Scalar, typename Input, typename Rule>
-void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
-                       const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
-                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
-                       Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                       MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                       BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr,
-                       bool accumulate = false) {
-  const FlushSubnormals flush;
-  if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
-  const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
+void windowed_pass(const PassInputs<Scalar, Input>& pass, const Rule& rule, MatrixRef<Scalar>& dq,
+                   MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv, bool parallel,
+                   BackwardWork<Scalar>* work, double* dslope, bool accumulate) {
   BackwardOutputs<Scalar> grads =
       accumulate ? BackwardOutputs<Scalar>{dq, dk, dv} : fresh_backward_outputs(dq, dk, dv);
   std::vector<double> tile_sums;
@@ -235,6 +218,52 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
     else
       *dslope = -distance_sum;
   }
+}
+
+/// Computes D and runs the pass of `rule` on fresh outputs (BackwardOutputs::fresh: it writes
+/// every gradient row; with `accumulate`, it adds to them instead): in parallel, or on the
+/// calling thread (`parallel` false: one head of a parallel loop over heads, with the thread's
+/// scratch `work` when not null; the steps are packed as the groups of key tiles reach them;
+/// the same sums in the same order, so the same bits).
+/// The backward passes below compute in Scalar on q, k, v, out and dout stored as Input
+/// (Scalar, or a half-precision type with Scalar float: rows widened as they are packed), with
+/// the products on the AVX512-BF16 unit where backward_on_bf16_unit<Input>(precision)
+/// (BackwardInputs::paired). When dslope is not null, the gradient in the ALiBi slope
+/// (x_ij = tau q_i.k_j - slope |i - j|), -sum_ij dS_ij |i - j| from the key tiles' sums added in
+/// key tile order, is written to *dslope (added to it with `accumulate`).
+template <typename Scalar, typename Input, typename Rule>
+void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
+                       const ConstMatrixRef<Input>& v, const ConstMatrixRef<Input>& out,
+                       const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
+                       Scalar tau, const Rule& rule, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
+                       MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
+                       BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr,
+                       bool accumulate = false) {
+  const FlushSubnormals flush;
+  if (!accumulate) backward_zero_unreached<Scalar>(rule, dq);  // the pass writes the others
+  const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
+  if constexpr (std::is_same_v<Rule, WindowRule<Scalar>>) {
+    // Dead pairs (WindowRule::dead_block) where some |i - j + shift| can exceed T / slope: the
+    // bounds (1 + 2^-8) tau |q_i| and |k_j|, read once here.
+    const Index reach = std::max(std::abs(rule.end() - 1 + rule.shift() - rule.begin()),
+                                 std::abs(rule.begin() + rule.shift() - (rule.key_end() - 1)));
+    if (static_cast<double>(rule.slope()) * static_cast<double>(reach) > dead_key_logit<Scalar>()) {
+      std::vector<Scalar> score_bound(static_cast<std::size_t>(q.rows()));
+      std::vector<Scalar> key_norm(static_cast<std::size_t>(k.rows()));
+      for (Index i = 0; i < q.rows(); ++i)
+        score_bound[static_cast<std::size_t>(i)] =
+            static_cast<Scalar>((1.0 + 1.0 / 256.0) * static_cast<double>(tau) *
+                                tile_row_norm(q.data() + i * q.outerStride(), q.cols()));
+      for (Index j = 0; j < k.rows(); ++j)
+        key_norm[static_cast<std::size_t>(j)] =
+            static_cast<Scalar>(tile_row_norm(k.data() + j * k.outerStride(), k.cols()));
+      Rule bounded = rule;
+      bounded.bound_scores(score_bound.data(), key_norm.data());
+      return windowed_pass<Scalar, Input>(pass, bounded, dq, dk, dv, parallel, work, dslope,
+                                          accumulate);
+    }
+  }
+  windowed_pass<Scalar, Input>(pass, rule, dq, dk, dv, parallel, work, dslope, accumulate);
 }
 
 /// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).

@@ -69,6 +69,7 @@
 
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/backward/kernels.hpp"
 #include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
@@ -450,6 +451,41 @@ class WindowRule {
   KeyRange keys_reached(Index i0, Index i1) const {
     return {std::max(begin_, i0 - hi_), std::min(key_end_, i1 - lo_)};
   }
+  /// Dead pairs, the backward's form of the forward's dead keys: with score_bound[i] >=
+  /// tau |q_i| and key_norm[j] = |k_j| (rows and keys of the rule; the callers keep both alive
+  /// while the rule is used), P_ij = e^{x_ij - lse_i} <= e^{score_bound_i key_norm_j - slope
+  /// |i - j + shift| - lse_i}. Without bounds no pair is dead.
+  void bound_scores(const Scalar* score_bound, const Scalar* key_norm) {
+    score_bound_ = score_bound;
+    key_norm_ = key_norm;
+  }
+
+  /// Whether every pair of rows [r0, r1) and keys [k0, k1) has that exponent below
+  /// -(T + 1) (T = dead_key_logit), with a margin of 1 plus 2^-16 of its terms: then every
+  /// P_ij is exactly 0 (the exponential returns 0 there, subnormals flushed) and the pairs add
+  /// nothing to any gradient.
+  bool dead_block(Index r0, Index r1, Index k0, Index k1, const Scalar* lse) const {
+    if (score_bound_ == nullptr || k0 >= k1) return false;
+    double largest = 0.0;
+    for (Index j = k0; j < k1; ++j) {
+      const auto norm = static_cast<double>(key_norm_[j]);
+      if (!(norm <= std::numeric_limits<double>::max())) return false;  // inf or NaN
+      largest = std::max(largest, norm);
+    }
+    const double limit = dead_key_logit<Scalar>() + 1.0;
+    const auto slope = static_cast<double>(slope_);
+    for (Index i = r0; i < r1; ++i) {
+      const Index p = i + shift_;  // the distance to key j is |p - j|
+      const Index near = p < k0 ? k0 - p : (p >= k1 ? p - (k1 - 1) : 0);
+      const double score = static_cast<double>(score_bound_[i]) * largest;
+      const double bias = slope * static_cast<double>(near);
+      const auto row_lse = static_cast<double>(lse[i]);
+      const double slack = 1.0 + 0x1p-16 * (score + bias + std::abs(row_lse));
+      if (!(score - bias - row_lse + slack < -limit)) return false;  // NaN: not dead
+    }
+    return true;
+  }
+
   /// The window's bounds on i - j + shift, the shift and the ALiBi slope.
   Index lo() const { return lo_ + shift_; }
   Index hi() const { return hi_ + shift_; }
@@ -487,6 +523,8 @@ class WindowRule {
   Index begin_, end_, key_end_, lo_, hi_, shift_;  // lo_, hi_: bounds on i - j
   Scalar slope_;
   Eigen::Array<Scalar, backward_query_rows, 1> offsets_;
+  const Scalar* score_bound_ = nullptr;  // bound_scores
+  const Scalar* key_norm_ = nullptr;
 };
 
 /// The count structure of every query tile of n rows (tiles of tile_query_rows from row 0) and
@@ -653,6 +691,18 @@ void backward_write_key_tile(BackwardOutputs<Scalar>& out, Index j0, Index keys,
 /// The dQ terms of a query step and a key group make one partial sum (work.dq_part), which is
 /// added to the step's dQ rows in increasing group order.
 inline constexpr Index backward_group_keys = backward_group_tiles * backward_tile;
+
+/// Whether the block of rows [r0, r1) and keys [k0, k1) has every P_ij exactly 0 under `rule`
+/// (WindowRule::dead_block; the count rule has none): the passes then skip its products and
+/// leave every sum as it is, which is what adding its zero terms gives (up to the sign of a zero).
+template <typename Rule, typename Scalar>
+bool backward_dead_block(const Rule& rule, Index r0, Index r1, Index k0, Index k1,
+                         const Scalar* lse) {
+  if constexpr (std::is_same_v<Rule, WindowRule<Scalar>>)
+    return rule.dead_block(r0, r1, k0, k1, lse);
+  else
+    return false;
+}
 
 /// No ordering of the dQ additions: the caller visits the key groups in increasing order on one
 /// thread.
@@ -1372,8 +1422,10 @@ void backward_key_group(const BackwardInputs<Scalar, Input>& in, const Rule& rul
         work.dq_part.setZero();
         prepared = true;
       }
-      backward_pair(in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work,
-                    out.distance_sums == nullptr ? nullptr : out.distance_sums + (j0 - base) / Bk);
+      if (!backward_dead_block(rule, r0, r1, k0, k1, in.lse))
+        backward_pair(
+            in, rule, j0, i0, r0, r1, k0, k1, step, rows[g], work,
+            out.distance_sums == nullptr ? nullptr : out.distance_sums + (j0 - base) / Bk);
       part_first = std::min(part_first, r0);
       part_last = std::max(part_last, r1);
     }
@@ -1548,8 +1600,9 @@ void backward_by_steps(const BackwardInputs<Scalar, Input>& in, const Rule& rule
         work.dq_part.setZero();
       }
       touched[static_cast<std::size_t>(tile % span)] = 1;
-      backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work,
-                    out.distance_sums == nullptr ? nullptr : out.distance_sums + tile);
+      if (!backward_dead_block(rule, rows.first, rows.last, k0, k1, in.lse))
+        backward_pair(in, rule, j0, i0, rows.first, rows.last, k0, k1, step, slot_rows(tile), work,
+                      out.distance_sums == nullptr ? nullptr : out.distance_sums + tile);
       part_first = std::min(part_first, rows.first);
       part_last = std::max(part_last, rows.last);
     }

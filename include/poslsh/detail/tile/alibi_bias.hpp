@@ -41,12 +41,6 @@ struct ExactWindow {
   Index hi;
 };
 
-/// T of the dead-key rule (file comment): -ln of the smallest normal Scalar, rounded up, plus 1.
-template <typename Scalar>
-double dead_key_logit() {
-  return std::ceil(-std::log(static_cast<double>(std::numeric_limits<Scalar>::min()))) + 1.0;
-}
-
 /// Tile engine policy of exact ALiBi attention over the window `window` (lo <= 0 <= hi), less
 /// the dead keys (file comment). The engine reports the norms of the rows of each query tile
 /// (bound_rows) and, for a key tile where keys may be dead, the norms of its keys

@@ -389,19 +389,6 @@ template <typename Bias>
 struct DropsDeadKeys<Bias, std::void_t<decltype(Bias::drops_dead_keys)>>
     : std::bool_constant<Bias::drops_dead_keys> {};
 
-/// The Euclidean norm of a row of d values stored as Storage, summed in float (in double for
-/// double rows; half precision widened) by Eigen's vectorized sum, which fixes the order: the
-/// same value for the same row wherever it is read.
-template <typename Storage>
-double tile_row_norm(const Storage* row, Index d) {
-  using Wide = std::conditional_t<std::is_same_v<Storage, double>, double, float>;
-  const Eigen::Map<const Eigen::Array<Storage, Eigen::Dynamic, 1>> x(row, d);
-  if constexpr (std::is_same_v<Storage, Wide>)
-    return std::sqrt(static_cast<double>(x.square().sum()));
-  else
-    return std::sqrt(static_cast<double>(x.template cast<Wide>().square().sum()));
-}
-
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
 /// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
 /// half-precision ones), queries stored as QScalar (Scalar or a half-precision type, widened

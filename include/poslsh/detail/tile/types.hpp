@@ -22,9 +22,11 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "poslsh/core/types.hpp"
@@ -34,6 +36,19 @@ namespace poslsh::detail {
 /// Query rows per tile (aligned to multiples of it from row 0) and keys per tile.
 inline constexpr Index tile_query_rows = 64;
 inline constexpr Index tile_key_cols = 64;
+
+/// The Euclidean norm of a row of d values stored as Storage, summed in float (in double for
+/// double rows; half precision widened) by Eigen's vectorized sum, which fixes the order: the
+/// same value for the same row wherever it is read.
+template <typename Storage>
+double tile_row_norm(const Storage* row, Index d) {
+  using Wide = std::conditional_t<std::is_same_v<Storage, double>, double, float>;
+  const Eigen::Map<const Eigen::Array<Storage, Eigen::Dynamic, 1>> x(row, d);
+  if constexpr (std::is_same_v<Storage, Wide>)
+    return std::sqrt(static_cast<double>(x.square().sum()));
+  else
+    return std::sqrt(static_cast<double>(x.template cast<Wide>().square().sum()));
+}
 
 /// Half-open range [first, last) of rows or keys.
 struct KeyRange {
