@@ -28,4 +28,11 @@ double dead_key_logit() {
   return std::ceil(-std::log(static_cast<double>(std::numeric_limits<Scalar>::min()))) + 1.0;
 }
 
+/// The dead-key rule's margins, one home for the forward and the backward: the query norm in
+/// each bound is scaled by dead_key_norm_margin (covering the rounding of the norms and of the
+/// scores), and a test of "dead" or "alive" on a block keeps dead_key_slack(terms) between its
+/// two sides (1 plus 2^-16 of the magnitude of the terms compared).
+inline constexpr double dead_key_norm_margin = 1.0 + 1.0 / 256.0;
+inline double dead_key_slack(double terms) { return 1.0 + 0x1p-16 * terms; }
+
 }  // namespace poslsh::detail

@@ -252,7 +252,7 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
       std::vector<Scalar> key_norm(static_cast<std::size_t>(k.rows()));
       for (Index i = 0; i < q.rows(); ++i)
         score_bound[static_cast<std::size_t>(i)] =
-            static_cast<Scalar>((1.0 + 1.0 / 256.0) * static_cast<double>(tau) *
+            static_cast<Scalar>(dead_key_norm_margin * static_cast<double>(tau) *
                                 tile_row_norm(q.data() + i * q.outerStride(), q.cols()));
       for (Index j = 0; j < k.rows(); ++j)
         key_norm[static_cast<std::size_t>(j)] =

@@ -458,6 +458,7 @@ class WindowRule {
   void bound_scores(const Scalar* score_bound, const Scalar* key_norm) {
     score_bound_ = score_bound;
     key_norm_ = key_norm;
+    dead_limit_ = dead_key_logit<Scalar>() + 1.0;
   }
 
   /// Whether every pair of rows [r0, r1) and keys [k0, k1) has that exponent below
@@ -472,7 +473,6 @@ class WindowRule {
       if (!(norm <= std::numeric_limits<double>::max())) return false;  // inf or NaN
       largest = std::max(largest, norm);
     }
-    const double limit = dead_key_logit<Scalar>() + 1.0;
     const auto slope = static_cast<double>(slope_);
     for (Index i = r0; i < r1; ++i) {
       const Index p = i + shift_;  // the distance to key j is |p - j|
@@ -480,8 +480,8 @@ class WindowRule {
       const double score = static_cast<double>(score_bound_[i]) * largest;
       const double bias = slope * static_cast<double>(near);
       const auto row_lse = static_cast<double>(lse[i]);
-      const double slack = 1.0 + 0x1p-16 * (score + bias + std::abs(row_lse));
-      if (!(score - bias - row_lse + slack < -limit)) return false;  // NaN: not dead
+      const double slack = dead_key_slack(score + bias + std::abs(row_lse));
+      if (!(score - bias - row_lse + slack < -dead_limit_)) return false;  // NaN: not dead
     }
     return true;
   }
@@ -525,6 +525,7 @@ class WindowRule {
   Eigen::Array<Scalar, backward_query_rows, 1> offsets_;
   const Scalar* score_bound_ = nullptr;  // bound_scores
   const Scalar* key_norm_ = nullptr;
+  double dead_limit_ = 0.0;  // T + 1
 };
 
 /// The count structure of every query tile of n rows (tiles of tile_query_rows from row 0) and

@@ -72,13 +72,12 @@ class AlibiBias {
     drop_ = slope * static_cast<double>(reach) > logit_;
     if (!drop_) return;
     rows_ = rows;
-    constexpr double margin = 1.0 + 1.0 / 256.0;
     for (Index a = 0; a < Bq; ++a) {
       row_norm_(a) = Scalar(0);
       row_floor_(a) = std::numeric_limits<Scalar>::infinity();
     }
     for (Index a = rows.first; a < rows.last; ++a) {
-      const double q_norm = margin * query_norm(i0_ + a);
+      const double q_norm = dead_key_norm_margin * query_norm(i0_ + a);
       const double floor = q_norm * diagonal_norm(i0_ + a) + logit_ + 1.0;
       if (!(std::isfinite(q_norm) && std::isfinite(floor))) continue;  // no dead keys
       row_norm_(a) = static_cast<Scalar>(q_norm);
@@ -118,7 +117,7 @@ class AlibiBias {
       const double farthest = std::max(distance(i, j0), distance(i, last_key));
       const double norm = static_cast<double>(row_norm_(a));
       const double floor = static_cast<double>(row_floor_(a));
-      const double slack = 1.0 + 0x1p-16 * (norm * largest + floor + slope * farthest);
+      const double slack = dead_key_slack(norm * largest + floor + slope * farthest);
       if (!(norm * largest + floor + slack < slope * near)) all_dead = false;
       if (!(norm * smallest + floor - slack >= slope * farthest)) none_dead = false;
     }
