@@ -7,7 +7,7 @@ runs the grid once with each build on PYTHONPATH (a child process each) and list
 whose bytes differ. The grid covers every method of the all-heads calls in float32, bfloat16 and
 float16 (float64 for the exact methods), causal and bidirectional, through FlashAttention's
 calls (forward, softmax_lse, varlen packed batches, KV caches contiguous and paged, one-token
-decode and chunked prefill) and through ``poslsh.torch.multihead_attention`` (forward and the
+decode and chunked prefill, sequences with more queries than keys) and through ``poslsh.torch.multihead_attention`` (forward and the
 gradients of q, k, v by autograd, grouped-query heads included). Inputs come from a fixed seed,
 so both builds see the same bytes. Exits 1 if any output differs.
 
@@ -53,7 +53,7 @@ def grid():
     for dtype_name, dtype in dtypes.items():
         methods = FLASH_METHODS if dtype_name != "float64" else ("exact", "banded")
         for causal in (True, False):
-            for seqlen_q, seqlen_k in ((200, 200), (37, 200)):
+            for seqlen_q, seqlen_k in ((200, 200), (37, 200), (200, 37)):
                 q = torch.randn(batch, seqlen_q, heads, d).to(dtype)
                 k = torch.randn(batch, seqlen_k, kv_heads, d).to(dtype)
                 v = torch.randn(batch, seqlen_k, kv_heads, d).to(dtype)
@@ -78,6 +78,15 @@ def grid():
                 attempt(f"varlen/{dtype_name}/causal={causal}/{method}/lse", lambda: pt.flash_attn_varlen_func(
                     q, k, v, cu, cu, 127, 127, causal=causal, alibi_slopes=slopes, method=method,
                     return_attn_probs=True)[:2])
+            # varlen with more queries than keys in a sequence (rows before its first key)
+            cu_k = torch.tensor([0, 40, 60, 260], dtype=torch.int32)
+            k_long = torch.randn(260, kv_heads, d).to(dtype)
+            v_long = torch.randn(260, kv_heads, d).to(dtype)
+            for method in methods:
+                attempt(f"varlen_rows_before_keys/{dtype_name}/causal={causal}/{method}/lse",
+                        lambda: pt.flash_attn_varlen_func(q, k_long, v_long, cu, cu_k, 127, 200, causal=causal,
+                                                          alibi_slopes=slopes, method=method,
+                                                          return_attn_probs=True)[:2])
         # KV caches: prefill in two chunks, then one-token decode steps, contiguous and paged.
         if dtype_name == "float64":
             continue
@@ -145,6 +154,14 @@ def grid():
                 return (out, *torch.autograd.grad(out, inputs, dout))
 
             attempt(f"flash_train/{dtype_name}/{method}", flash_train)
+            k_short, v_short = (x[:, :50].detach().clone().requires_grad_() for x in (k, v))
+
+            def flash_train_rows_before_keys():  # 120 queries over 50 keys, not causal
+                out = pt.flash_attn_func(q, k_short, v_short, alibi_slopes=trainable, method=method)
+                inputs = (q, k_short, v_short, trainable) if trainable.requires_grad else (q, k_short, v_short)
+                return (out, *torch.autograd.grad(out, inputs, dout))
+
+            attempt(f"flash_train_rows_before_keys/{dtype_name}/{method}", flash_train_rows_before_keys)
     return results
 
 

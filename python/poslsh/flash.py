@@ -86,17 +86,19 @@ bitwise the float32 backward's on the widened inputs and the rounded output. Met
 "mean_of_outputs" (which has no lse: its backward recomputes each sample's attention) takes the
 float32 backward of each head's inputs widened to float32.
 
-Calls that need gradients with seqlen_q < seqlen_k run the self-attention kernels with q
-padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
-output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows; calls without
-gradients (softmax_lse included) run only the seqlen_q rows (at their key positions, poslsh's
-query_offset) in the operators flash_attn and flash_attn_varlen (no state kept for a backward).
-Non-causal calls with seqlen_q > seqlen_k run sequence by sequence as slices
-(multihead_attention_with_lse with query_offset and key_offset); their gradients come from the
-slice backward (multihead_attention_backward with query_offset and key_offset: exact methods,
-alibi_slopes included) or from the self-attention backward with the keys padded at the front
-by zero rows (the other methods: a zero key adds nothing to dq, and the real keys'
-probabilities come from the real lse).
+A call without gradients (softmax_lse included) is one library call on the packed sequences,
+multihead_attention_varlen (with lse: multihead_attention_with_lse), in the operators
+flash_attn and flash_attn_varlen (no state kept for a backward); the library places the rows of
+a sequence with more queries than keys as above (causal: the rows before the first key see no
+key; not causal: every key, positions counted from the first query). Calls that need gradients
+with seqlen_q < seqlen_k run the self-attention kernels with q padded at the front to seqlen_k
+rows (zero queries, zero incoming gradient: they change no output row and add exactly zero to
+dk, dv), at the cost of seqlen_k query rows. Non-causal calls with seqlen_q > seqlen_k take
+their forward from the same library call; their gradients come from the slice backward
+(multihead_attention_backward with query_offset and key_offset: exact methods, alibi_slopes
+included) or from the self-attention backward with the keys padded at the front by zero rows
+(the other methods: a zero key adds nothing to dq, and the real keys' probabilities come from
+the real lse).
 
 The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
 reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
@@ -329,8 +331,7 @@ def _sigmas(slopes_row, heads):
 
 class _Rows:
     """Where each query row sits: P = i + L_b - m_b in its sequence. `src` are the rows with a
-    key position (P >= 0), `dst` their token index among the keys, cu_valid the cu_seqlens of
-    those rows."""
+    key position (P >= 0), `dst` their token index among the keys."""
 
     def __init__(self, cu_q, cu_k):
         m, lengths = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
@@ -358,12 +359,6 @@ class _Rows:
     @property
     def dst(self):
         return self._place()[1]
-
-    @property
-    def cu_valid(self):
-        if self.all_valid:
-            return self.cu_q.astype(np.int32)
-        return np.concatenate([[0], np.cumsum(np.minimum(self.m, self.lengths))]).astype(np.int32)
 
 
 def _kernel_view(x):
@@ -418,44 +413,23 @@ def _lse_dtype(x):
     return torch.float32 if x.dtype in _HALF else x.dtype
 
 
-def _forward_group(q, k, v, rows, sigmas, config, train, want_lse):
-    """out (total_q, H, d_v), lse (H, total_q) or None, and what the backward needs, for the
-    packed sequences of `rows` (sigmas: _call_sigmas). q, k, v: float32 or float64 tensors;
-    bfloat16 or float16 ones (one dtype) with train (the half-precision forward with lse, out in
-    their dtype, lse float32) or without train and want_lse (the half-precision kernels), all
-    under config.precision. A method without lse (mean_of_outputs) trains from its forward
-    alone."""
+def _training_forward(q, k, v, rows, sigmas, config):
+    """out (total_q, H, d_v), lse (H, total_q) and what the backward needs, for the packed
+    sequences of `rows` (sigmas: _call_sigmas). q, k, v: float32 or float64 tensors, or bfloat16
+    or float16 ones of one dtype (the half-precision forward with lse: out in their dtype, lse
+    float32), under config.precision. The rows run at their key positions (_pad_rows) so that
+    the backward is the self-attention backward; a _shifted call keeps them as they are (its
+    backward reads the rows of _forward). A method without lse (mean_of_outputs) trains from
+    its forward alone."""
     heads = q.shape[1]
     if rows.total_k == 0 or rows.total_q == 0:
         out = q.new_zeros((rows.total_q, heads, v.shape[2]))
         lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
         return out, lse, None
     if _shifted(rows, config):
-        out, lse = _shifted_forward(q, k, v, rows, sigmas, config)
-        return out, lse if (train or want_lse) else None, (None, out, lse) if train else None
+        out, lse = _forward(q, k, v, rows.cu_q, rows.cu_k, config, True)
+        return out, lse, (None, out, lse)
     keywords = config.keywords(sigmas)
-    if not train:  # only the query rows, at their key positions
-        queries = q if rows.all_valid else q.index_select(0, _index(rows.src))
-        out = torch.empty((queries.shape[0], heads, v.shape[2]), dtype=q.dtype)
-        lse = None
-        if want_lse:
-            lse = torch.empty((heads, queries.shape[0]), dtype=_lse_dtype(q))
-            _core.multihead_attention_with_lse(_kernel_view(queries), _kernel_view(k), _kernel_view(v),
-                                               out=_kernel_view(out), lse=lse.numpy(), cu_seqlens=rows.cu_valid,
-                                               cu_seqlens_k=rows.cu_k, precision=config.precision, **keywords)
-        else:
-            _core.multihead_attention_varlen(_kernel_view(queries), _kernel_view(k), _kernel_view(v), rows.cu_valid,
-                                             rows.cu_k, out=_kernel_view(out), precision=config.precision,
-                                             **keywords)
-        if not rows.all_valid:
-            full = q.new_zeros((rows.total_q, heads, v.shape[2]))
-            full.index_copy_(0, _index(rows.src), out)
-            out = full
-            if lse is not None:
-                full_lse = torch.full((heads, rows.total_q), math.inf, dtype=lse.dtype)
-                full_lse[:, _index(rows.src)] = lse
-                lse = full_lse
-        return out, lse, None
     padded = _pad_rows(q, rows)
     out = torch.empty((rows.total_k, heads, v.shape[2]), dtype=q.dtype)
     if not _core.method_has_lse(config.method):  # mean_of_outputs: its backward reads no lse
@@ -497,7 +471,8 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
 
 def _shifted(rows, config):
     """Whether a call is non-causal with a sequence of more queries than keys (its first rows sit
-    before the first key): such calls run sequence by sequence as slices (_shifted_forward)."""
+    before the first key): such calls keep their rows as _forward computes them, and their
+    backward runs sequence by sequence (_shifted_backward)."""
     return not config.causal and not rows.all_valid
 
 
@@ -517,25 +492,6 @@ def _sequence_keywords(keywords, sigmas, heads, b):
     if len(sigmas) == heads:
         return keywords
     return {**keywords, "sigmas": sigmas[b * heads:(b + 1) * heads]}
-
-
-def _shifted_forward(q, k, v, rows, sigmas, config):
-    """out (total_q, H, d_v) and lse (H, total_q) of a _shifted call: each sequence by the slice
-    call multihead_attention_with_lse(query_offset, key_offset) at the positions of _sequences
-    (the LSH bins are those of these positions), read in place. Rows without a visible key (no
-    keys, or a window before the first key) get out 0 and lse +inf."""
-    heads = q.shape[1]
-    out = q.new_zeros((rows.total_q, heads, v.shape[2]))
-    lse = torch.full((heads, rows.total_q), math.inf, dtype=_lse_dtype(q))
-    keywords = config.keywords(sigmas)
-    for b, qs, ks, query_offset, key_offset in _sequences(rows):
-        _core.multihead_attention_with_lse(_kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]),
-                                           out=_kernel_view(out[qs]), lse=lse[:, qs].numpy(),
-                                           query_offset=query_offset, key_offset=key_offset,
-                                           precision=config.precision,
-                                           **_sequence_keywords(keywords, sigmas, heads, b))
-    lse.masked_fill_(lse == -math.inf, math.inf)
-    return out, lse
 
 
 def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
@@ -594,16 +550,13 @@ def _call_sigmas(config, batch, heads):
     return [sigma for b in range(batch) for sigma in _sigmas(values[b], heads)]
 
 
-def _compute(q, k, v, cu_q, cu_k, config, train, want_lse):
-    """The packed computation of every sequence in one library call. q, k, v float32/float64, or
-    half precision as _forward_group takes them; returns out, lse (float32 (H, total_q) or None)
-    and the state of the backward."""
+def _training_compute(q, k, v, cu_q, cu_k, config):
+    """The training forward of every sequence (_training_forward): out, lse (float32 (H, total_q)
+    or None) and the state of the backward."""
     sigmas = _call_sigmas(config, len(cu_q) - 1, q.shape[1])
     rows = _Rows(cu_q, cu_k)
-    out, lse, saved = _forward_group(q, k, v, rows, sigmas, config, train, want_lse)
-    if want_lse:
-        lse = lse.float()
-    return out, lse, (rows, sigmas, saved)
+    out, lse, saved = _training_forward(q, k, v, rows, sigmas, config)
+    return out, None if lse is None else lse.float(), (rows, sigmas, saved)
 
 
 def _gradients(q, k, v, state, config, dout, slopes, slopes_grad):
@@ -619,7 +572,7 @@ def _widen(x):
 
 
 def _saved_lse(state, q):
-    """The lse the backward reads, from a training forward's state (_compute with train): one
+    """The lse the backward reads, from a training forward's state (_training_compute): one
     entry per query row, (nheads, total_q) in _lse_dtype(q), +inf for rows without a key position;
     empty when there are no keys or no queries, or for a method without lse (mean_of_outputs)."""
     rows, _, saved = state
@@ -644,7 +597,7 @@ def _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, config,
     run without its state, e.g. one recorded by torch.jit.trace without gradients) the training
     forward runs again first."""
     if recompute:
-        _, _, state = _compute(q, k, v, cu_q, cu_k, config, True, False)
+        _, _, state = _training_compute(q, k, v, cu_q, cu_k, config)
     else:
         rows = _Rows(cu_q, cu_k)
         saved = None
@@ -690,22 +643,43 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     return config
 
 
-def _packed(q, k, v, slopes, cu_q, cu_k, config, want_lse, training=None):
-    """out and lse (empty unless want_lse) of packed sequences. With `training` (a list): the
-    forward the backward reads (q, k, v of one dtype read in place, half precision by the
-    half-precision forward with lse), its _saved_lse appended to `training`; else the forward
-    alone."""
-    if training is not None:
-        out, lse, state = _compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config, True, want_lse)
-        training.append(_saved_lse(state, q))
-        lse = lse if want_lse else None
+def _forward(q, k, v, cu_q, cu_k, config, want_lse):
+    """out (total_q, H, d_v) in q's dtype and lse (H, total_q; empty unless want_lse) of packed
+    sequences, without autograd state: one library call, multihead_attention_varlen (with lse:
+    multihead_attention_with_lse), which places the rows of a sequence with more queries than
+    keys as FlashAttention-2 does. Tensors of one dtype are read in place (half precision: the
+    half-precision kernels under config.precision, lse float32); otherwise (a float32 query over
+    a half-precision cache) float32 copies. lse in _lse_dtype of the inputs read, +inf for the
+    rows that see no key (FlashAttention-2's value; the library's is -inf)."""
+    dtype = q.dtype
+    if not dtype == k.dtype == v.dtype:
+        q, k, v = (_widen(x) for x in (q, k, v))
+    q, k, v = (x.detach() for x in (q, k, v))
+    heads, total_q = q.shape[1], q.shape[0]
+    lse = torch.full((heads, total_q) if want_lse else (0,), math.inf, dtype=_lse_dtype(q))
+    if total_q == 0 or k.shape[0] == 0:
+        return q.new_zeros((total_q, heads, v.shape[2]), dtype=dtype), lse
+    out = torch.empty((total_q, heads, v.shape[2]), dtype=q.dtype)
+    views = [_kernel_view(x) for x in (q, k, v)]
+    keywords = config.keywords(_call_sigmas(config, len(cu_q) - 1, heads))
+    cu_q, cu_k = (np.asarray(cu, dtype=np.int32) for cu in (cu_q, cu_k))
+    if want_lse:
+        _core.multihead_attention_with_lse(*views, out=_kernel_view(out), lse=lse.numpy(), cu_seqlens=cu_q,
+                                           cu_seqlens_k=cu_k, precision=config.precision, **keywords)
+        lse.masked_fill_(lse == -math.inf, math.inf)
     else:
-        # Tensors of one dtype are read in place (half precision: the half-precision forward, with
-        # lse when want_lse); a float32 query over half-precision keys takes float32 copies of them.
-        in_place = q.dtype == k.dtype == v.dtype
-        read = (lambda x: x.detach()) if in_place else (lambda x: _widen(x.detach()))
-        out, lse, _ = _compute(read(q), read(k), read(v), cu_q, cu_k, config, False, want_lse)
-    if lse is None:
+        _core.multihead_attention_varlen(*views, cu_q, cu_k, out=_kernel_view(out), precision=config.precision,
+                                         **keywords)
+    return out.to(dtype), lse
+
+
+def _packed_training(q, k, v, cu_q, cu_k, config, want_lse, training):
+    """out and lse (empty unless want_lse) of packed sequences by the forward the backward reads
+    (q, k, v of one dtype read in place, half precision by the half-precision forward with lse),
+    its _saved_lse appended to the list `training`."""
+    out, lse, state = _training_compute(q.detach(), k.detach(), v.detach(), cu_q, cu_k, config)
+    training.append(_saved_lse(state, q))
+    if not want_lse or lse is None:
         lse = out.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype), lse
 
@@ -734,10 +708,13 @@ def _flash_attn_impl(q, k, v, alibi_slopes, softmax_scale, causal, window_left, 
     if q.device.type == "meta":
         return _meta_out(q, v, (batch, seqlen_q, heads), (batch, heads, seqlen_q), return_lse)
     flat = [x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in (q, k, v)]
-    out, lse = _packed(*flat, alibi_slopes, cu_q, cu_k, config, return_lse, training)
+    if training is None:
+        out, lse = _forward(*flat, cu_q, cu_k, config, return_lse)
+    else:
+        out, lse = _packed_training(*flat, cu_q, cu_k, config, return_lse, training)
     out = out.reshape(batch, seqlen_q, heads, v.shape[3])
     if return_lse:
-        lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+        lse = lse.float().reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return out, lse
 
 
@@ -766,7 +743,10 @@ def _flash_attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
                       len(cu_q) - 1)
     if return_lse and not _core.method_has_lse(config.method):
         _fail(function, "return_attn_probs", f"is True: method {config.method!r} has no softmax_lse")
-    return _packed(q, k, v, alibi_slopes, cu_q, cu_k, config, return_lse, training)
+    if training is None:
+        out, lse = _forward(q, k, v, cu_q, cu_k, config, return_lse)
+        return out, lse.float()
+    return _packed_training(q, k, v, cu_q, cu_k, config, return_lse, training)
 
 
 # flash_attn_with_kvcache. -------------------------------------------------------------------
@@ -892,7 +872,7 @@ def _cache_shifted_attention(q, k_pages, v_pages, table, lengths, config, want_l
     keys than queries (rows before the first key, which the paged kernels' offsets do not
     represent): the rows' keys gathered from the cache (a copy of lengths[b] rows each; float32
     under float32 queries over a half-precision cache), then the packed computation of
-    flash_attn_varlen_func (_shifted_forward: each sequence as a slice)."""
+    flash_attn_varlen_func (_forward)."""
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
     page_size = k_pages.shape[1]
     position = np.concatenate([np.arange(length) for length in lengths.tolist()]).astype(np.int64)
@@ -901,12 +881,11 @@ def _cache_shifted_attention(q, k_pages, v_pages, table, lengths, config, want_l
     keys, values = (x.detach()[page, row].to(q.dtype) for x in (k_pages, v_pages))
     cu_q = np.arange(batch + 1, dtype=np.int64) * seqlen_q
     cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    out, lse, _ = _compute(q.detach().reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, cu_q, cu_k, config,
-                           False, want_lse)
+    out, lse = _forward(q.reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, cu_q, cu_k, config, want_lse)
     out = out.reshape(batch, seqlen_q, heads, v_pages.shape[3])
     if not want_lse:
         return out, out.new_empty((0,), dtype=torch.float32)
-    return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    return out, lse.float().reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):
@@ -1175,15 +1154,6 @@ def _records(*tensors):
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
-def _run_forward(operator, training_operator, arguments, records):
-    """(out, lse) of a forward operator, or of its training form when autograd records the call
-    (its third output, the state the backward reads, stays with autograd)."""
-    if records:
-        out, lse, _ = training_operator(*arguments)
-        return out, lse
-    return operator(*arguments)
-
-
 def _check_slope_gradients(function, method):
     """ValueError for gradients in the slopes under a method (poslsh's name) without them."""
     if method not in _SLOPE_GRADIENTS:
@@ -1276,8 +1246,10 @@ def _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size
     causal, left, right = _window(function, window_size, causal, seqlen_k)
     arguments = (q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method, samples, seed, band_error,
                  bool(return_attn_probs), precision)
-    out, lse = _run_forward(torch.ops.poslsh.flash_attn, torch.ops.poslsh.flash_attn_train, arguments,
-                            _records(q, k, v, alibi_slopes))
+    if _records(q, k, v, alibi_slopes):  # the training form also returns the state the backward reads
+        out, lse, _ = torch.ops.poslsh.flash_attn_train(*arguments)
+    else:
+        out, lse = torch.ops.poslsh.flash_attn(*arguments)
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (batch, nheads, seqlen_q)
@@ -1325,8 +1297,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _slope_gradients(function, method, alibi_slopes)
     arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal), left, right, method,
                  samples, seed, band_error, bool(return_attn_probs), precision)
-    out, lse = _run_forward(torch.ops.poslsh.flash_attn_varlen, torch.ops.poslsh.flash_attn_varlen_train,
-                            arguments, _records(q, k, v, alibi_slopes))
+    if _records(q, k, v, alibi_slopes):  # the training form also returns the state the backward reads
+        out, lse, _ = torch.ops.poslsh.flash_attn_varlen_train(*arguments)
+    else:
+        out, lse = torch.ops.poslsh.flash_attn_varlen(*arguments)
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (nheads, total_q): token t of sequence b at t - cu_q[b] + L_b - m_b

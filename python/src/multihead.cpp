@@ -198,6 +198,10 @@ m_b queries are the tokens p_b .. p_b + m_b - 1 over its L_b keys, with
     out_{b,h} = method(Q_{b,h}, K_{b,h//G}, V_{b,h//G}; sigma_h)  at query offset p_b,
 
 p_b = query_offsets[b] when given (0 <= p_b <= L_b - m_b), else L_b - m_b (bottom-right).
+Without query_offsets a sequence may hold more queries than keys (m_b > L_b, FlashAttention's
+alignment: row i at key position i - (m_b - L_b)): causal rows before the first key see no key
+(out 0); bidirectional rows see every key at distance |i - (m_b - L_b) - j|, the LSH bins at
+positions counted from the first query.
 Bitwise equal to multihead_attention on each sequence's slices with query_offset=p_b (the same
 sigmas and hashes for every sequence). Empty sequences are allowed. The other keywords as
 multihead_attention (half precision included); the GIL is released during the computation.

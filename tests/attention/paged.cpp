@@ -361,7 +361,7 @@ void check_paged_batch(const PagedBatch<KV>& cache, const std::vector<std::int32
     detail::run_heads_forward<Compute, Tiles>(
         detail::varlen_call("multihead_attention_varlen", q_view, k_view, v_view, gathered_view,
                             cu_q, cache.cu_k, options, offsets),
-        q_view, k_view, v_view, gathered_view);
+        q_view, detail::ViewHeadsKeys<Dense>{k_view, v_view}, gathered_view);
   }
   CHECK(same_bits(paged, gathered));
   if (!native || !poslsh::method_has_lse(options.method)) return;

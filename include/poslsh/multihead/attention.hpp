@@ -10,8 +10,10 @@
 /// for any thread count.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -32,12 +34,15 @@ namespace detail {
 
 /// One sequence of an all-heads call: the query tokens [q_begin, q_end) of q and out sit at
 /// positions p0 .. p0 + (q_end - q_begin) - 1 over the key tokens [k_begin, k_end) of k and v
-/// at positions k0 .. k0 + (k_end - k_begin) - 1 (positions from 0 in each sequence).
+/// at positions k0 .. k0 + (k_end - k_begin) - 1 (positions from 0 in each sequence). The
+/// keyless_rows query tokens just before q_begin see no key (causal rows before a packed
+/// sequence's first key): out 0, lse -inf.
 struct HeadsSequence {
   Index q_begin = 0, q_end = 0;
   Index k_begin = 0, k_end = 0;
   Index p0 = 0;
   Index k0 = 0;
+  Index keyless_rows = 0;
 };
 
 /// Tokens [begin, end) of every head of a view (one sequence of a packed batch).
@@ -168,17 +173,33 @@ inline void resolve_query_offsets(const char* function, std::vector<HeadsSequenc
   }
 }
 
+/// A bottom-right aligned sequence with more queries than keys (m > L): query row i sits at key
+/// position P_i = i - (m - L), so its first m - L rows sit before the first key. Causal: those
+/// rows see no key (keyless_rows; out 0, lse -inf) and the others sit at positions
+/// 0 .. L - 1 over the keys at 0 .. L - 1. Bidirectional: every row sees every key at distance
+/// |P_i - j|, positions counted from the first query (query i at i, key j at m - L + j).
+inline void place_rows_before_first_key(HeadsSequence& sequence, Masking masking) {
+  const Index extra = (sequence.q_end - sequence.q_begin) - (sequence.k_end - sequence.k_begin);
+  if (masking == Masking::causal) {
+    sequence.keyless_rows = extra;
+    sequence.q_begin += extra;
+  } else {
+    sequence.k0 = extra;
+  }
+}
+
 /// The sequences of a packed batch: sequence b has the query tokens [cu_q[b], cu_q[b+1]) and
 /// the key tokens [cu_k[b], cu_k[b+1]), its queries at offset query_offsets[b] (empty: each
-/// sequence bottom-right aligned). Checks cu_seqlens_q, cu_seqlens_k, query_offsets and that
+/// sequence bottom-right aligned, a sequence with more queries than keys placed by
+/// place_rows_before_first_key). Checks cu_seqlens_q, cu_seqlens_k, query_offsets and that
 /// options.query_offset is unset.
 inline std::vector<HeadsSequence> packed_sequences(const char* function,
                                                    const std::vector<std::int32_t>& cu_q,
                                                    const std::vector<std::int32_t>& cu_k,
                                                    Index q_tokens, Index k_tokens,
-                                                   const std::optional<Index>& query_offset,
+                                                   const AttentionOptions& options,
                                                    const std::vector<Index>& query_offsets) {
-  require_no_query_offset(function, query_offset);
+  require_no_query_offset(function, options.query_offset);
   require_cu_seqlens(function, "cu_seqlens_q", cu_q, q_tokens);
   require_cu_seqlens(function, "cu_seqlens_k", cu_k, k_tokens);
   require(cu_k.size() == cu_q.size(), function, "cu_seqlens_k", cu_k.size(),
@@ -186,7 +207,17 @@ inline std::vector<HeadsSequence> packed_sequences(const char* function,
   std::vector<HeadsSequence> sequences(cu_q.size() - 1);
   for (std::size_t b = 0; b < sequences.size(); ++b)
     sequences[b] = {cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], 0};
-  resolve_query_offsets(function, sequences, query_offsets, "cu_seqlens_k");
+  if (!query_offsets.empty()) {
+    resolve_query_offsets(function, sequences, query_offsets, "cu_seqlens_k");
+    return sequences;
+  }
+  for (HeadsSequence& sequence : sequences) {
+    const Index m = sequence.q_end - sequence.q_begin, keys = sequence.k_end - sequence.k_begin;
+    if (m > keys)
+      place_rows_before_first_key(sequence, options.masking);
+    else
+      sequence.p0 = keys - m;
+  }
   return sequences;
 }
 
@@ -273,8 +304,8 @@ HeadsCall varlen_call(const char* function, const HeadsView<QElement>& q,
   require_heads_inputs(function, q, k, v);
   require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
   HeadsCall call;
-  call.sequences = packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options.query_offset,
-                                    query_offsets);
+  call.sequences =
+      packed_sequences(function, cu_q, cu_k, q.tokens, k.tokens, options, query_offsets);
   resolve_heads(call, function, q.heads, options, static_cast<Index>(call.sequences.size()));
   resolve_call_options(call, function, options, q.dim);
   return call;
@@ -314,6 +345,22 @@ Index row_source_key_position(const Rows& rows, Index sequence_k0) {
     return sequence_k0;
 }
 
+/// Writes the rows of `sequence` that see no key (HeadsSequence::keyless_rows) of every head:
+/// out 0 and, when lse is not null, lse -inf.
+template <typename OutScalar, typename Compute>
+void write_keyless_rows(const HeadsSequence& sequence, const HeadsView<OutScalar>& out,
+                        Compute* lse, Index lse_stride) {
+  if (sequence.keyless_rows == 0) return;
+  const Index first = sequence.q_begin - sequence.keyless_rows;
+  const auto rows = token_range(out, first, sequence.q_begin);
+  for (Index h = 0; h < out.heads; ++h) {
+    rows.head(h).setZero();
+    if (lse != nullptr)
+      std::fill_n(lse + h * lse_stride + first, sequence.keyless_rows,
+                  -std::numeric_limits<Compute>::infinity());
+  }
+}
+
 /// Runs the forward of every (sequence, query head): one parallel loop over the (query tile,
 /// head) jobs of all sequences, heads outermost when a method reads every key before its tiles
 /// (exact_tiled: one head's keys stay in cache), else innermost; a head whose method runs whole
@@ -331,6 +378,7 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
   for (std::size_t b = 0; b < call.sequences.size(); ++b) {
     const HeadsSequence& s = call.sequences[b];
     append_query_tiles(tiles, b, s.p0, s.p0 + (s.q_end - s.q_begin));
+    write_keyless_rows(s, out, lse, lse_stride);
   }
   const Index group = q.heads / keys.heads();
   bool reads_every_key = false;
@@ -366,17 +414,6 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
       });
 }
 
-/// run_heads_forward over K and V views (ViewHeadsKeys).
-template <typename Compute, template <typename> class AmxTiles = AmxNativeTiles, typename QScalar,
-          typename KVScalar, typename OutScalar>
-void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
-                       const HeadsView<const KVScalar>& k, const HeadsView<const KVScalar>& v,
-                       const HeadsView<OutScalar>& out, Compute* lse = nullptr,
-                       Index lse_stride = 0) {
-  run_heads_forward<Compute, AmxTiles>(call, q, ViewHeadsKeys<KVScalar>{k, v}, out, lse,
-                                       lse_stride);
-}
-
 /// The forward of an all-heads call on one sequence: checks the query offset
 /// (options.query_offset; unset: k.tokens - q.tokens) and the views, then resolves the methods
 /// (head_methods()) and runs every head, AMX products on the tile layer AmxTiles
@@ -396,7 +433,7 @@ void one_sequence_forward(const char* function, const HeadsView<const QScalar>& 
                        resolve_scale(function, options, q.dim),
                        options.masking,
                        options.precision};
-  run_heads_forward<Compute, AmxTiles>(call, q, k, v, out);
+  run_heads_forward<Compute, AmxTiles>(call, q, ViewHeadsKeys<KVScalar>{k, v}, out);
 }
 
 }  // namespace detail
@@ -440,7 +477,12 @@ void multihead_attention(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
 /// multihead_attention on each sequence's views with options.query_offset = p_b (the same
 /// sigmas and hashes for every sequence); one parallel loop over the (sequence, query tile,
 /// head) jobs, bitwise the same for any thread count. options.query_offset must be unset.
-/// Empty sequences are allowed. Scalar types as multihead_attention.
+/// Without query_offsets a sequence may hold more queries than keys (FlashAttention's
+/// bottom-right alignment, query row i at key position i - (m_b - L_b)): causal rows before the
+/// first key see no key and get out 0; bidirectional rows see every key at distance
+/// |i - (m_b - L_b) - j|, the positions (and so the LSH bins) counted from the first query
+/// (detail::place_rows_before_first_key). Empty sequences are allowed. Scalar types as
+/// multihead_attention.
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar, typename KVScalar = Scalar, typename OutScalar = Scalar>
 void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVScalar> k,
@@ -453,7 +495,7 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const KVSca
   const detail::HeadsCall call =
       detail::varlen_call("multihead_attention_varlen", q, k, v, out, cu_seqlens_q, cu_seqlens_k,
                           options, query_offsets);
-  detail::run_heads_forward<Compute>(call, q, k, v, out);
+  detail::run_heads_forward<Compute>(call, q, detail::ViewHeadsKeys<KVScalar>{k, v}, out);
 }
 
 }  // namespace poslsh

@@ -208,12 +208,14 @@ void heads_forward_with_lse(const char* function, const HeadsCall& call,
   if (v.dim == 0 && q.tokens > 0) {
     const std::vector<Input> zeros(static_cast<std::size_t>(k.tokens * k.heads), Input(0));
     std::vector<Input> sink(static_cast<std::size_t>(q.tokens * q.heads));
-    run_heads_forward<Compute>(call, q, k, interleaved_heads(zeros.data(), k.tokens, k.heads, 1),
+    const auto zero_values = interleaved_heads(zeros.data(), k.tokens, k.heads, 1);
+    run_heads_forward<Compute>(call, q, ViewHeadsKeys<Input>{k, zero_values},
                                interleaved_heads(sink.data(), q.tokens, q.heads, 1), lse.data(),
                                lse.outerStride());
     return;
   }
-  run_heads_forward<Compute>(call, q, k, v, out, lse.data(), lse.outerStride());
+  run_heads_forward<Compute>(call, q, ViewHeadsKeys<Input>{k, v}, out, lse.data(),
+                             lse.outerStride());
 }
 
 /// The backward of a training call. Without grouping (H_q = H_kv) and for methods whose passes
@@ -471,9 +473,10 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 
 /// The forward of FlashAttention's variable-length call with its softmax_lse: the packed
 /// batch of multihead_attention_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, options,
-/// query_offsets) (queries at offsets over their own keys, bottom-right by default; out bitwise
-/// that call's), and column t of lse (H_q x total query tokens) the log-sum-exp of query token
-/// t. Forward only: the backward passes take self-attention sequences. (A name of its own:
+/// query_offsets) (queries at offsets over their own keys, bottom-right by default, a sequence
+/// with more queries than keys as that call places it; out bitwise that call's), and column t
+/// of lse (H_q x total query tokens) the log-sum-exp of query token t (-inf for a row that sees
+/// no key). Forward only: the backward passes take self-attention sequences. (A name of its own:
 /// with braces for its last arguments a call would be ambiguous with the self-attention form.)
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>
