@@ -51,6 +51,7 @@
 
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/detected.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/amx_kernels.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
@@ -357,37 +358,33 @@ class PairedHalfKV {
 
 /// Whether the key source KV multiplies pairs of 16-bit values on a unit (AVX512-BF16, or the
 /// AMX tiles; provides pair_tile(j0, keys), a PairTileRows, instead of tile()).
-template <typename KV, typename = void>
-struct MultipliesPairs : std::false_type {};
 template <typename KV>
-struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
-    : std::true_type {};
+using pair_tile_t = decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}));
+template <typename KV>
+using MultipliesPairs = is_detected<pair_tile_t, KV>;
 
 /// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true; the tile layer
 /// is KV::tiles).
-template <typename KV, typename = void>
-struct MultipliesAmxTiles : std::false_type {};
 template <typename KV>
-struct MultipliesAmxTiles<KV, std::void_t<decltype(KV::amx_tiles)>>
-    : std::bool_constant<KV::amx_tiles> {};
+using amx_tiles_t = std::bool_constant<KV::amx_tiles>;
+template <typename KV>
+using MultipliesAmxTiles = detected_or_t<std::false_type, amx_tiles_t, KV>;
 
 /// Whether the key source KV reads its rows in runs (a paged cache): it then provides
 /// key_row(j) and value_row(j) (pointers to the K and V rows of key j; rows of one run are
 /// k_stride and v_stride apart, as in tile()) and run_end(j) (the first key after j's run),
 /// and the engine reads each run in place instead of the tile as one stretch of rows.
-template <typename KV, typename = void>
-struct ReadsInRuns : std::false_type {};
 template <typename KV>
-struct ReadsInRuns<KV, std::void_t<decltype(std::declval<const KV&>().run_end(Index{0}))>>
-    : std::true_type {};
+using run_end_t = decltype(std::declval<const KV&>().run_end(Index{0}));
+template <typename KV>
+using ReadsInRuns = is_detected<run_end_t, KV>;
 
 /// Whether a bias policy drops dead keys (AlibiBias: bound_rows and drop_dead_keys, given the
 /// norms of the queries and keys).
-template <typename Bias, typename = void>
-struct DropsDeadKeys : std::false_type {};
 template <typename Bias>
-struct DropsDeadKeys<Bias, std::void_t<decltype(Bias::drops_dead_keys)>>
-    : std::bool_constant<Bias::drops_dead_keys> {};
+using drops_dead_keys_t = std::bool_constant<Bias::drops_dead_keys>;
+template <typename Bias>
+using DropsDeadKeys = detected_or_t<std::false_type, drops_dead_keys_t, Bias>;
 
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
 /// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
