@@ -122,7 +122,7 @@ namespace detail {
 /// source of the tile engine (detail/tile/engine.hpp): key j is row j % P of page
 /// block_table[j / P], so the keys come in runs of P rows (the cache's row strides: H_kv d for
 /// K, H_kv d_v for V when row-major). Stored in the engine's compute type, the rows are also its
-/// key source, read in place run by run (ReadsInRuns: tile, key_row, value_row, run_end); stored in
+/// key source, read in place run by run (run_end_t: tile, key_row, value_row, run_end); stored in
 /// a half-precision type, the engine's widening or paired key source reads them row by row
 /// (with_key_source). Nothing is copied beyond a key tile.
 template <typename Storage>

@@ -63,12 +63,15 @@ struct BackwardScratch {
 template <Method M>
 struct MethodBackward;
 
-/// exact_tiled and exact_banded: exact_backward over the head's window.
-template <Method M>
-struct ExactMethodBackward {
-  static constexpr bool serial_backward = true;
-  static constexpr bool has_slope_gradients = true;
+/// The flags of a backward row: serial_backward and has_slope_gradients.
+template <bool SerialBackward, bool HasSlopeGradients>
+struct BackwardFlags {
+  static constexpr bool serial_backward = SerialBackward;
+  static constexpr bool has_slope_gradients = HasSlopeGradients;
+};
 
+/// exact_tiled and exact_banded: exact_backward over the head's window.
+struct ExactMethodBackward : BackwardFlags<true, true> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
@@ -81,16 +84,13 @@ struct ExactMethodBackward {
 };
 
 template <>
-struct MethodBackward<Method::exact_tiled> : ExactMethodBackward<Method::exact_tiled> {};
+struct MethodBackward<Method::exact_tiled> : ExactMethodBackward {};
 template <>
-struct MethodBackward<Method::exact_banded> : ExactMethodBackward<Method::exact_banded> {};
+struct MethodBackward<Method::exact_banded> : ExactMethodBackward {};
 
 /// lsh_fused: count_backward (the count-weighted estimator, each pair once).
 template <>
-struct MethodBackward<Method::lsh_fused> {
-  static constexpr bool serial_backward = true;
-  static constexpr bool has_slope_gradients = false;
-
+struct MethodBackward<Method::lsh_fused> : BackwardFlags<true, false> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
@@ -102,11 +102,7 @@ struct MethodBackward<Method::lsh_fused> {
 };
 
 /// lsh_per_sample and fixed_blocks: per_sample_backward (block by block, in parallel inside).
-template <Method M>
-struct PerSampleMethodBackward {
-  static constexpr bool serial_backward = false;
-  static constexpr bool has_slope_gradients = false;
-
+struct PerSampleMethodBackward : BackwardFlags<false, false> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
                        BackwardScratch<Scalar>*) {
@@ -117,19 +113,16 @@ struct PerSampleMethodBackward {
 };
 
 template <>
-struct MethodBackward<Method::lsh_per_sample> : PerSampleMethodBackward<Method::lsh_per_sample> {};
+struct MethodBackward<Method::lsh_per_sample> : PerSampleMethodBackward {};
 template <>
-struct MethodBackward<Method::fixed_blocks> : PerSampleMethodBackward<Method::fixed_blocks> {};
+struct MethodBackward<Method::fixed_blocks> : PerSampleMethodBackward {};
 
 /// mean_of_outputs: mean_of_outputs_backward_rows, which recomputes each sample's attention and
 /// lse (out and lse are not read). Half-precision inputs are widened to float copies of the head
 /// (O(n (2 d + 2 d_v)) scratch) and take the float backward, so their gradients are bitwise
 /// those of the float call on the widened inputs.
 template <>
-struct MethodBackward<Method::mean_of_outputs> {
-  static constexpr bool serial_backward = false;
-  static constexpr bool has_slope_gradients = false;
-
+struct MethodBackward<Method::mean_of_outputs> : BackwardFlags<false, false> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
                        BackwardScratch<Scalar>*) {

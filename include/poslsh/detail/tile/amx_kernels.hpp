@@ -239,6 +239,22 @@ std::uint16_t amx_round(float x) {
     return Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(x));
 }
 
+/// One step of the products of the kernels below: tile 4 <- the operand rows at `a` (rows
+/// a_stride values of type A apart), then for each accumulator t < blocks, tile 5 + t % 2 <- the
+/// pair rows at b + t * amx_rows (rows b_stride words apart) and accumulator t += tile 4 times
+/// that tile (the two B tiles alternate, so a load need not wait for the previous product). On
+/// the tile layer Tiles, its tiles configured.
+template <typename Tiles, typename A>
+POSLSH_AMX_BF16_INLINE void amx_dot_step(const A* a, Index a_stride, const std::uint32_t* b,
+                                         Index b_stride, int blocks) {
+  Tiles::load(4, a, a_stride * static_cast<Index>(sizeof(A)));
+  for (int t = 0; t < blocks; ++t) {
+    const int tile_b = 5 + t % 2;
+    Tiles::load(tile_b, b + t * amx_rows, b_stride * static_cast<Index>(sizeof(std::uint32_t)));
+    Tiles::dot(t, tile_b);
+  }
+}
+
 /// scores[key * tile + a] = tau C[key][a], C = the key rows times the query pairs, for keys in
 /// [b, end) of the tile and queries a in [lo, hi) (hi - lo <= 64, within one 64-row tile); the
 /// other entries are not written. keys: the key rows (the bits of 16-bit values, key_stride a
@@ -257,16 +273,9 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_score_tiles(
   alignas(64) float c_tile[amx_rows * amx_rows];
   for (Index k0 = b / amx_rows * amx_rows; k0 < end; k0 += amx_rows) {
     for (int q = 0; q < blocks; ++q) Tiles::zero(q);
-    for (Index c = 0; c < d_blocks; ++c) {
-      Tiles::load(4, keys + k0 * key_stride + c * 2 * amx_pairs,
-                  key_stride * static_cast<Index>(sizeof(std::uint16_t)));
-      for (int q = 0; q < blocks; ++q) {
-        const int t = 5 + q % 2;
-        Tiles::load(t, pair_q + c * amx_pairs * tile + start + q * amx_rows,
-                    tile * static_cast<Index>(sizeof(std::uint32_t)));
-        Tiles::dot(q, t);
-      }
-    }
+    for (Index c = 0; c < d_blocks; ++c)
+      amx_dot_step<Tiles>(keys + k0 * key_stride + c * 2 * amx_pairs, key_stride,
+                          pair_q + c * amx_pairs * tile + start, tile, blocks);
     const Index key_first = std::max(b, k0), key_last = std::min(end, k0 + amx_rows);
     const __m512 scale = _mm512_set1_ps(tau);
     for (int q = 0; q < blocks; ++q) {
@@ -301,16 +310,9 @@ POSLSH_AMX_BF16_TARGET __attribute__((noinline)) void amx_value_tiles(
   for (Index c0 = 0; c0 < cols; c0 += 4 * amx_rows) {
     const int blocks = static_cast<int>(std::min<Index>(4, (cols - c0) / amx_rows));
     for (int t = 0; t < blocks; ++t) Tiles::load(t, acc + c0 + t * amx_rows, acc_bytes);
-    for (Index block = first; block <= last; ++block) {
-      Tiles::load(4, probs + block * amx_pairs,
-                  probs_stride * static_cast<Index>(sizeof(std::uint32_t)));
-      for (int t = 0; t < blocks; ++t) {
-        const int b = 5 + t % 2;
-        Tiles::load(b, pair_v + block * amx_pairs * cols + c0 + t * amx_rows,
-                    cols * static_cast<Index>(sizeof(std::uint32_t)));
-        Tiles::dot(t, b);
-      }
-    }
+    for (Index block = first; block <= last; ++block)
+      amx_dot_step<Tiles>(probs + block * amx_pairs, probs_stride,
+                          pair_v + block * amx_pairs * cols + c0, cols, blocks);
     for (int t = 0; t < blocks; ++t) Tiles::store(t, acc + c0 + t * amx_rows, acc_bytes);
   }
 }

@@ -51,6 +51,7 @@
 
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/detected.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/amx_kernels.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
@@ -86,7 +87,7 @@ struct EngineState {
 /// [j0, j0 + keys), a tile of at most tile_key_cols keys inside one aligned key tile),
 /// key_row(j) (key j's row as stored: the policy's key norms read it) and prefetch(first,
 /// last, d, d_v) (a hint for rows [first, last)); a source whose rows come in runs
-/// (ReadsInRuns, below) also value_row and run_end. Paged caches: PagedRows
+/// (run_end_t, below) also value_row and run_end. Paged caches: PagedRows
 /// in poslsh/attention/paged.hpp.
 template <typename Storage>
 class StridedKV {
@@ -355,39 +356,25 @@ class PairedHalfKV {
 };
 #endif
 
-/// Whether the key source KV multiplies pairs of 16-bit values on a unit (AVX512-BF16, or the
-/// AMX tiles; provides pair_tile(j0, keys), a PairTileRows, instead of tile()).
-template <typename KV, typename = void>
-struct MultipliesPairs : std::false_type {};
+// What the engine asks of its key source and bias policy (is_detected, detected_or_t):
+// - pair_tile_t: a key source that multiplies pairs of 16-bit values on a unit (AVX512-BF16, or
+//   the AMX tiles) provides pair_tile(j0, keys), a PairTileRows, instead of tile();
+// - amx_tiles_t: of those, a source with KV::amx_tiles true multiplies on the AMX tiles (the
+//   tile layer is KV::tiles);
+// - run_end_t: a key source that reads its rows in runs (a paged cache) provides key_row(j) and
+//   value_row(j) (pointers to the K and V rows of key j; rows of one run are k_stride and
+//   v_stride apart, as in tile()) and run_end(j) (the first key after j's run), and the engine
+//   reads each run in place instead of the tile as one stretch of rows;
+// - drops_dead_keys_t: a bias policy with Bias::drops_dead_keys true drops dead keys
+//   (AlibiBias: bound_rows and drop_dead_keys, given the norms of the queries and keys).
 template <typename KV>
-struct MultipliesPairs<KV, std::void_t<decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}))>>
-    : std::true_type {};
-
-/// Whether the key source KV multiplies on the AMX tiles (KV::amx_tiles is true; the tile layer
-/// is KV::tiles).
-template <typename KV, typename = void>
-struct MultipliesAmxTiles : std::false_type {};
+using pair_tile_t = decltype(std::declval<KV&>().pair_tile(Index{0}, Index{0}));
 template <typename KV>
-struct MultipliesAmxTiles<KV, std::void_t<decltype(KV::amx_tiles)>>
-    : std::bool_constant<KV::amx_tiles> {};
-
-/// Whether the key source KV reads its rows in runs (a paged cache): it then provides
-/// key_row(j) and value_row(j) (pointers to the K and V rows of key j; rows of one run are
-/// k_stride and v_stride apart, as in tile()) and run_end(j) (the first key after j's run),
-/// and the engine reads each run in place instead of the tile as one stretch of rows.
-template <typename KV, typename = void>
-struct ReadsInRuns : std::false_type {};
+using amx_tiles_t = std::bool_constant<KV::amx_tiles>;
 template <typename KV>
-struct ReadsInRuns<KV, std::void_t<decltype(std::declval<const KV&>().run_end(Index{0}))>>
-    : std::true_type {};
-
-/// Whether a bias policy drops dead keys (AlibiBias: bound_rows and drop_dead_keys, given the
-/// norms of the queries and keys).
-template <typename Bias, typename = void>
-struct DropsDeadKeys : std::false_type {};
+using run_end_t = decltype(std::declval<const KV&>().run_end(Index{0}));
 template <typename Bias>
-struct DropsDeadKeys<Bias, std::void_t<decltype(Bias::drops_dead_keys)>>
-    : std::bool_constant<Bias::drops_dead_keys> {};
+using drops_dead_keys_t = std::bool_constant<Bias::drops_dead_keys>;
 
 /// One head's attention under the bias policy `Bias` (see the file comment), keys and values
 /// read through the key source `KV` (ContiguousKV: two row-strided matrices; WideningKV: two
@@ -407,10 +394,11 @@ class TileEngine {
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
   static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
   static constexpr int value_packets = 4;
-  static constexpr bool in_runs = ReadsInRuns<KV>::value;
-  static constexpr bool pairs = MultipliesPairs<KV>::value;
-  static constexpr bool amx = MultipliesAmxTiles<KV>::value;
-  static constexpr bool drops_dead_keys = DropsDeadKeys<Bias>::value;
+  static constexpr bool in_runs = is_detected<run_end_t, KV>::value;
+  static constexpr bool pairs = is_detected<pair_tile_t, KV>::value;
+  static constexpr bool amx = detected_or_t<std::false_type, amx_tiles_t, KV>::value;
+  static constexpr bool drops_dead_keys =
+      detected_or_t<std::false_type, drops_dead_keys_t, Bias>::value;
   static_assert(Bq % P == 0 && P % value_rows == 0,
                 "the query tile must be whole packets, a packet whole value blocks");
   static_assert(!pairs || (std::is_same_v<Scalar, float> && sizeof(QScalar) == 2 && !in_runs),

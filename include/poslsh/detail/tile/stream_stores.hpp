@@ -19,6 +19,7 @@
 #endif
 
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/detected.hpp"
 
 namespace poslsh::detail {
 
@@ -50,14 +51,12 @@ inline void stream_packet(double* p, __m512d x) { _mm512_stream_pd(p, x); }
 
 /// Whether stream_packet takes Scalar's packets (Eigen's, as the tile kernels use) in this
 /// build.
-template <typename Scalar, typename = void>
-struct has_stream_packet : std::false_type {};
 template <typename Scalar>
-struct has_stream_packet<
-    Scalar, std::void_t<decltype(stream_packet(
-                std::declval<Scalar*>(),
-                std::declval<typename Eigen::internal::packet_traits<Scalar>::type>()))>>
-    : std::true_type {};
+using stream_packet_t =
+    decltype(stream_packet(std::declval<Scalar*>(),
+                           std::declval<typename Eigen::internal::packet_traits<Scalar>::type>()));
+template <typename Scalar>
+using has_stream_packet = is_detected<stream_packet_t, Scalar>;
 
 /// Whether a row at dst of an output written with non-temporal stores (`stream`) takes them:
 /// when this build streams Scalar's packets and dst is aligned to one (other rows are stored
