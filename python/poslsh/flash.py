@@ -1231,13 +1231,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     docstring); float32 and float64 ignore it. deterministic is accepted and has no effect:
     every method is deterministic. Differentiable in q, k, v and (exact, banded)
     alibi_slopes."""
-    return _flash_attn("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, method, samples, seed, band_error, precision)
-
-
-def _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                return_attn_probs, method, samples, seed, band_error, precision):
-    """flash_attn_func's body (also of the packed forms, `function` the public call's name)."""
+    function = "flash_attn_func"
     _unsupported(function, dropout_p, softcap)
     _check_call(function, (("q", q), ("k", k), ("v", v)), (("alibi_slopes", alibi_slopes),), method, samples, seed,
                 band_error, softmax_scale, precision)
@@ -1402,8 +1396,9 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     as flash_attn_func."""
     function = "flash_attn_qkvpacked_func"
     q, k, v = _unpacked(function, qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, method, samples, seed, band_error, precision)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs, method=method, samples=samples, seed=seed, band_error=band_error,
+                           precision=precision)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -1414,8 +1409,9 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     gradients flowing to kv. Arguments, keyword-only extras and returns as flash_attn_func."""
     function = "flash_attn_kvpacked_func"
     k, v = _unpacked(function, kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    return _flash_attn(function, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, method, samples, seed, band_error, precision)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs, method=method, samples=samples, seed=seed, band_error=band_error,
+                           precision=precision)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -25,6 +25,7 @@
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
+#include "poslsh/detail/detected.hpp"
 #include "poslsh/detail/tile/query_tiles.hpp"
 #include "poslsh/multihead/methods.hpp"
 
@@ -332,14 +333,11 @@ struct ViewHeadsKeys {
 /// The position of the first key of a row source: rows.key_position() for a source that carries
 /// its own (one K/V head of a bounded cache: BoundedRows, poslsh/cache/bounded_kv_cache.hpp),
 /// else the sequence's k0.
-template <typename Rows, typename = void>
-struct CarriesKeyPosition : std::false_type {};
 template <typename Rows>
-struct CarriesKeyPosition<Rows, std::void_t<decltype(std::declval<const Rows&>().key_position())>>
-    : std::true_type {};
+using key_position_t = decltype(std::declval<const Rows&>().key_position());
 template <typename Rows>
 Index row_source_key_position(const Rows& rows, Index sequence_k0) {
-  if constexpr (CarriesKeyPosition<Rows>::value)
+  if constexpr (is_detected<key_position_t, Rows>::value)
     return rows.key_position();
   else
     return sequence_k0;
