@@ -121,6 +121,13 @@ def grid():
                         break
                     position += step
                 record(f"kvcache/{dtype_name}/paged={paged}/{method}", *outputs)
+                # more queries than cached tokens (rows before the first key), no append
+                for causal in (True, False):
+                    lengths = torch.tensor([25, 3], dtype=torch.int32)
+                    attempt(f"kvcache_rows_before_keys/{dtype_name}/paged={paged}/causal={causal}/{method}",
+                            lambda: pt.flash_attn_with_kvcache(
+                                q_all[:, :40], k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                causal=causal, alibi_slopes=slopes, method=method, return_softmax_lse=True))
     # Training: poslsh.torch.multihead_attention, forward and gradients by autograd.
     for dtype_name in ("float32", "bfloat16", "float16", "float64"):
         dtype = dtypes[dtype_name]

@@ -862,30 +862,7 @@ def _flash_attn_with_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cach
     if not paged:
         table = np.asarray(rows_of, dtype=np.int32).reshape(batch, 1)
     table = np.ascontiguousarray(table, dtype=np.int32)
-    if not config.causal and bool((total < seqlen_q).any()):
-        return _cache_shifted_attention(q, k_cache, v_cache, table, total, config, return_lse)
     return _cache_attention(q, k_cache, v_cache, table, total, config, return_lse)
-
-
-def _cache_shifted_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
-    """flash_attn_with_kvcache's attention when a non-causal call has a batch row with fewer
-    keys than queries (rows before the first key, which the paged kernels' offsets do not
-    represent): the rows' keys gathered from the cache (a copy of lengths[b] rows each; float32
-    under float32 queries over a half-precision cache), then the packed computation of
-    flash_attn_varlen_func (_forward)."""
-    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
-    page_size = k_pages.shape[1]
-    position = np.concatenate([np.arange(length) for length in lengths.tolist()]).astype(np.int64)
-    sequence = np.repeat(np.arange(batch), lengths)
-    page, row = _index(table[sequence, position // page_size]), _index(position % page_size)
-    keys, values = (x.detach()[page, row].to(q.dtype) for x in (k_pages, v_pages))
-    cu_q = np.arange(batch + 1, dtype=np.int64) * seqlen_q
-    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    out, lse = _forward(q.reshape(batch * seqlen_q, heads, q.shape[3]), keys, values, cu_q, cu_k, config, want_lse)
-    out = out.reshape(batch, seqlen_q, heads, v_pages.shape[3])
-    if not want_lse:
-        return out, out.new_empty((0,), dtype=torch.float32)
-    return out, lse.float().reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _append(k_cache, v_cache, k, v, rows, paged, in_order, lengths):
@@ -925,46 +902,26 @@ def _cache_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
     """flash_attn_with_kvcache's attention after the append: q (batch, seqlen_q, nheads, d) over
     the lengths[b] tokens of sequence b of the paged cache k_pages, v_pages (num_pages,
     page_size, nheads_k, d) with block table `table` (int32 numpy (batch, max_pages)), in one
-    multihead_attention_paged call that reads the caller's cache tensors in place (q and a
+    multihead_attention_paged call that reads q and the caller's cache tensors in place (q and a
     half-precision cache of one dtype on the unit config.precision selects; a float32 query over
-    a half-precision cache in float32). Query rows before the first key (causal, seqlen_q >
-    lengths[b]) get out 0 and softmax_lse +inf; the others are passed to the call alone (a copy
-    of those query rows) only when there are such rows."""
+    a half-precision cache in float32). The library places the rows of a sequence with more
+    queries than cached tokens as flash_attn_varlen_func's (causal: out 0 and softmax_lse +inf
+    for the rows before the first key)."""
     batch, seqlen_q, heads, d = q.shape
-    dv = v_pages.shape[3]
-    out = torch.zeros((batch, seqlen_q, heads, dv), dtype=q.dtype)
-    lse = torch.full((batch, heads, seqlen_q), math.inf, dtype=torch.float32) if want_lse else None
-    valid = np.minimum(seqlen_q, lengths)
-    flat_q = q.detach().reshape(batch * seqlen_q, heads, d)
-    every_row = bool((valid == seqlen_q).all())
-    if every_row:
-        queries, rows_out, src = flat_q, out.view(batch * seqlen_q, heads, dv), None
-    else:
-        src = np.nonzero((np.arange(seqlen_q)[None, :] >= (seqlen_q - valid)[:, None]).reshape(-1))[0]
-        queries = flat_q.index_select(0, _index(src))
-        rows_out = torch.empty((len(src), heads, dv), dtype=q.dtype)
-    if len(queries):
-        cu_q = np.concatenate([[0], np.cumsum(valid)]).astype(np.int32)
-        arguments = (_kernel_view(queries), _cache_view(k_pages), _cache_view(v_pages), table,
-                     lengths.astype(np.int32), cu_q)
-        keywords = config.keywords(_call_sigmas(config, batch, heads))
-        if want_lse:
-            _, rows_lse = _core.multihead_attention_paged_with_lse(*arguments, out=_kernel_view(rows_out),
-                                                                   precision=config.precision, **keywords)
-            rows_lse = torch.from_numpy(rows_lse).float()
-        else:
-            _core.multihead_attention_paged(*arguments, out=_kernel_view(rows_out), precision=config.precision,
-                                            **keywords)
-        if every_row:
-            if want_lse:
-                lse = rows_lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
-        else:
-            out.view(batch * seqlen_q, heads, dv).index_copy_(0, _index(src), rows_out)
-            if want_lse:  # rows (b, i) of a (batch * seqlen_q, heads) copy, then (batch, heads, seqlen_q)
-                flat = torch.full((batch * seqlen_q, heads), math.inf, dtype=torch.float32)
-                flat[_index(src)] = rows_lse.t()
-                lse = flat.reshape(batch, seqlen_q, heads).transpose(1, 2).contiguous()
-    return out, lse if want_lse else out.new_empty((0,), dtype=torch.float32)
+    out = torch.empty((batch, seqlen_q, heads, v_pages.shape[3]), dtype=q.dtype)
+    cu_q = (np.arange(batch + 1) * seqlen_q).astype(np.int32)
+    arguments = (_kernel_view(q.detach().reshape(batch * seqlen_q, heads, d)), _cache_view(k_pages),
+                 _cache_view(v_pages), table, lengths.astype(np.int32), cu_q)
+    keywords = config.keywords(_call_sigmas(config, batch, heads))
+    rows_out = _kernel_view(out.view(batch * seqlen_q, heads, -1))
+    if not want_lse:
+        _core.multihead_attention_paged(*arguments, out=rows_out, precision=config.precision, **keywords)
+        return out, out.new_empty((0,), dtype=torch.float32)
+    _, lse = _core.multihead_attention_paged_with_lse(*arguments, out=rows_out, precision=config.precision,
+                                                      **keywords)
+    lse = torch.from_numpy(lse).float()
+    lse.masked_fill_(lse == -math.inf, math.inf)
+    return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 # Registration. ------------------------------------------------------------------------------

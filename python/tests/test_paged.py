@@ -266,7 +266,10 @@ def test_multihead_paged_bad_arguments_name_them(rng):
     with pytest.raises(ValueError, match=r"multihead_attention_paged: argument 'cache.block_table' = \[1\]\[1\] = "):
         call(q, k_pages, v_pages, bad, seq_lens, cu_q)
     with pytest.raises(ValueError, match="argument 'cache.seq_lens'"):
-        call(q, k_pages, v_pages, table, np.array([40, 0], np.int32), cu_q)
+        call(q, k_pages, v_pages, table, np.array([40, -1], np.int32), cu_q)
+    # A query over no cached key is valid: it sees no key (FlashAttention's alignment), out 0.
+    out = call(q, k_pages, v_pages, table, np.array([40, 0], np.int32), cu_q)
+    assert np.isfinite(out).all() and (out[2] == 0).all()
     with pytest.raises(ValueError, match="argument 'cu_seqlens_q' = 2: must hold cache.batch \\+ 1 = 3 entries"):
         call(q, k_pages, v_pages, table, seq_lens, np.array([0, 3], np.int32))
     with pytest.raises(ValueError, match="argument 'query_offsets'"):

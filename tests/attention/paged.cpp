@@ -3,6 +3,7 @@
 // all-heads multihead_attention_paged of every method and cache dtype equals the same call on
 // the gathered cache bitwise for any page size; bad caches are rejected by name.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -388,8 +389,10 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
   const std::vector<Index> lengths = {150, 37, 0, 70, 1};
   const PagedBatch<KV> cache(lengths, batch_kv_heads, batch_dim, batch_value_dim, page_size,
                              700 + static_cast<std::uint64_t>(page_size));
-  // A prefill chunk, a whole prefill, nothing, a decode step of 3 tokens, one token.
+  // A prefill chunk, a whole prefill, nothing, a decode step of 3 tokens, one token; then more
+  // queries than cached tokens (45 over 37, 2 over none, 3 over 1), bottom-right aligned.
   const std::vector<std::int32_t> cu_q = {0, 70, 107, 107, 110, 111};
+  const std::vector<std::int32_t> cu_q_longer = {0, 70, 115, 117, 120, 123};
   const std::vector<Index> offsets = {40, 0, 0, 60, 0};
   for (Method method : {Method::exact_tiled, Method::exact_banded, Method::lsh_fused,
                         Method::lsh_per_sample, Method::fixed_blocks, Method::mean_of_outputs}) {
@@ -410,6 +413,8 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
           }
           check_paged_batch<Q, KV, Out, Tiles>(
               cache, cu_q, explicit_offsets ? offsets : std::vector<Index>{}, options);
+          if (!explicit_offsets)
+            check_paged_batch<Q, KV, Out, Tiles>(cache, cu_q_longer, {}, options);
         }
       }
     }
@@ -547,8 +552,11 @@ TEST_CASE("multihead_attention_paged: bad arguments throw naming them", "[paged]
     require_invalid_argument(call(bad), "cache.block_table");
     long_lengths[1] = -2;
     require_invalid_argument(call(bad), "cache.seq_lens");
-    long_lengths[1] = 0;  // one query over no key
-    require_invalid_argument(call(bad), "cache.seq_lens");
+    long_lengths[1] = 0;  // one query over no key: valid, it sees no key (out 0)
+    out.setConstant(-7.0f);
+    call(bad)();
+    CHECK((out.row(2).array() == 0.0f).all());
+    CHECK(std::isfinite(out(0, 0)));
     bad = cache.view;
     bad.heads = 3;
     require_invalid_argument(call(bad), "cache.heads");

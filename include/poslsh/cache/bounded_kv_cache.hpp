@@ -465,9 +465,10 @@ HeadsCall bounded_call(const char* function, const HeadsView<const QScalar>& q,
     require(cache.is_open(id), function, "sequences", id, "must be open sequences of the cache");
   HeadsCall call;
   call.heads = cache.heads();
-  call.sequences = cache_sequences(
-      function, cu_seqlens_q, q.tokens, sequences.size(), "sequences.size()",
-      [&](std::size_t b) { return cache.length(sequences[b]); }, query_offsets, "cu_seqlens_q");
+  call.sequences =
+      cache_sequences(function, cu_seqlens_q, q.tokens, sequences.size(), "sequences.size()",
+                      [&](std::size_t b) { return cache.length(sequences[b]); });
+  resolve_query_offsets(function, call.sequences, query_offsets, "cu_seqlens_q");
   for (std::size_t b = 0; b < sequences.size(); ++b) {
     const HeadsSequence& s = call.sequences[b];
     const Index frontier = cache.frontier(sequences[b]);

@@ -189,11 +189,28 @@ inline void place_rows_before_first_key(HeadsSequence& sequence, Masking masking
   }
 }
 
+/// The query offsets of a call's sequences: query_offsets[b] when given (resolve_query_offsets;
+/// `keys_name` names the argument of the key counts), else each sequence bottom-right aligned,
+/// p0 = L - m, a sequence with more queries than keys placed by place_rows_before_first_key.
+inline void align_queries(const char* function, std::vector<HeadsSequence>& sequences,
+                          const std::vector<Index>& query_offsets, const char* keys_name,
+                          Masking masking) {
+  if (!query_offsets.empty()) {
+    resolve_query_offsets(function, sequences, query_offsets, keys_name);
+    return;
+  }
+  for (HeadsSequence& sequence : sequences) {
+    const Index m = sequence.q_end - sequence.q_begin, keys = sequence.k_end - sequence.k_begin;
+    if (m > keys)
+      place_rows_before_first_key(sequence, masking);
+    else
+      sequence.p0 = keys - m;
+  }
+}
+
 /// The sequences of a packed batch: sequence b has the query tokens [cu_q[b], cu_q[b+1]) and
-/// the key tokens [cu_k[b], cu_k[b+1]), its queries at offset query_offsets[b] (empty: each
-/// sequence bottom-right aligned, a sequence with more queries than keys placed by
-/// place_rows_before_first_key). Checks cu_seqlens_q, cu_seqlens_k, query_offsets and that
-/// options.query_offset is unset.
+/// the key tokens [cu_k[b], cu_k[b+1]), its queries at offset query_offsets[b] (align_queries).
+/// Checks cu_seqlens_q, cu_seqlens_k, query_offsets and that options.query_offset is unset.
 inline std::vector<HeadsSequence> packed_sequences(const char* function,
                                                    const std::vector<std::int32_t>& cu_q,
                                                    const std::vector<std::int32_t>& cu_k,
@@ -208,31 +225,19 @@ inline std::vector<HeadsSequence> packed_sequences(const char* function,
   std::vector<HeadsSequence> sequences(cu_q.size() - 1);
   for (std::size_t b = 0; b < sequences.size(); ++b)
     sequences[b] = {cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], 0};
-  if (!query_offsets.empty()) {
-    resolve_query_offsets(function, sequences, query_offsets, "cu_seqlens_k");
-    return sequences;
-  }
-  for (HeadsSequence& sequence : sequences) {
-    const Index m = sequence.q_end - sequence.q_begin, keys = sequence.k_end - sequence.k_begin;
-    if (m > keys)
-      place_rows_before_first_key(sequence, options.masking);
-    else
-      sequence.p0 = keys - m;
-  }
+  align_queries(function, sequences, query_offsets, "cu_seqlens_k", options.masking);
   return sequences;
 }
 
-/// The sequences of a call over a cache's `batch` sequences (paged, bounded): sequence b has
-/// the query tokens [cu_q[b], cu_q[b+1]) and the keys 0 .. keys_of(b) - 1 the cache holds for
-/// it, its queries at offset query_offsets[b] (resolve_query_offsets). Checks cu_seqlens_q
-/// (batch + 1 entries, `batch_name` naming what sets batch in the message; require_cu_seqlens
-/// against q_tokens) and the offsets (`keys_name`: the argument of the key counts).
+/// The sequences of a call over a cache's `batch` sequences (paged, bounded), their query
+/// offsets not yet set: sequence b has the query tokens [cu_q[b], cu_q[b+1]) and the keys
+/// 0 .. keys_of(b) - 1 the cache holds for it. Checks cu_seqlens_q (batch + 1 entries,
+/// `batch_name` naming what sets batch in the message; require_cu_seqlens against q_tokens).
 template <typename KeysOf>
 std::vector<HeadsSequence> cache_sequences(const char* function,
                                            const std::vector<std::int32_t>& cu_q, Index q_tokens,
                                            std::size_t batch, const char* batch_name,
-                                           KeysOf keys_of, const std::vector<Index>& query_offsets,
-                                           const char* keys_name) {
+                                           KeysOf keys_of) {
   require(
       cu_q.size() == batch + 1, function, "cu_seqlens_q", cu_q.size(),
       "must hold " + std::string(batch_name) + " + 1 = " + std::to_string(batch + 1) + " entries");
@@ -240,7 +245,6 @@ std::vector<HeadsSequence> cache_sequences(const char* function,
   std::vector<HeadsSequence> sequences(batch);
   for (std::size_t b = 0; b < batch; ++b)
     sequences[b] = {cu_q[b], cu_q[b + 1], 0, keys_of(b), 0, 0};
-  resolve_query_offsets(function, sequences, query_offsets, keys_name);
   return sequences;
 }
 

@@ -67,8 +67,8 @@ HeadsCall paged_call(const char* function, const HeadsView<const QScalar>& q,
   HeadsCall call;
   call.sequences = cache_sequences(
       function, cu_seqlens_q, q.tokens, static_cast<std::size_t>(cache.batch), "cache.batch",
-      [&](std::size_t b) { return cache.length(static_cast<Index>(b)); }, query_offsets,
-      "cache.seq_lens");
+      [&](std::size_t b) { return cache.length(static_cast<Index>(b)); });
+  align_queries(function, call.sequences, query_offsets, "cache.seq_lens", options.masking);
   resolve_heads(call, function, q.heads, options, cache.batch);
   resolve_call_options(call, function, options, q.dim);
   return call;
@@ -81,7 +81,8 @@ HeadsCall paged_call(const char* function, const HeadsView<const QScalar>& q,
 /// and the L_b = cache.seq_lens[b] tokens of the cache (token j: row j % page_size of page
 /// block_table[b][j / page_size]); its m_b queries sit at positions p_b .. p_b + m_b - 1,
 /// p_b = query_offsets[b] when given (0 <= p_b <= L_b - m_b), else L_b - m_b (bottom-right:
-/// prefill chunks and decode append their queries at the cache's end). For each query head h
+/// prefill chunks and decode append their queries at the cache's end; a sequence with more
+/// queries than cached tokens as multihead_attention_varlen places it). For each query head h
 /// (K/V head h / G, G = H_q / H_kv):
 ///   out_{b,h} = method(Q_{b,h}, K_{b,h/G}, V_{b,h/G}; sigma_h)   at query offset p_b,
 /// the method, sigmas (one per query head, or one per sequence and query head:
