@@ -1111,6 +1111,13 @@ def _records(*tensors):
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
+def _forward_operator(operator, training_operator, *tensors):
+    """The forward operator of a call: its training form (which also returns the state the
+    backward reads, kept by autograd) when autograd records the call on `tensors`, else the
+    plain form."""
+    return training_operator if _records(*tensors) else operator
+
+
 def _check_slope_gradients(function, method):
     """ValueError for gradients in the slopes under a method (poslsh's name) without them."""
     if method not in _SLOPE_GRADIENTS:
@@ -1197,10 +1204,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal, left, right = _window(function, window_size, causal, seqlen_k)
     arguments = (q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right, method, samples, seed, band_error,
                  bool(return_attn_probs), precision)
-    if _records(q, k, v, alibi_slopes):  # the training form also returns the state the backward reads
-        out, lse, _ = torch.ops.poslsh.flash_attn_train(*arguments)
-    else:
-        out, lse = torch.ops.poslsh.flash_attn(*arguments)
+    operator = _forward_operator(torch.ops.poslsh.flash_attn, torch.ops.poslsh.flash_attn_train, q, k, v,
+                                 alibi_slopes)
+    out, lse = operator(*arguments)[:2]
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (batch, nheads, seqlen_q)
@@ -1248,10 +1254,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _slope_gradients(function, method, alibi_slopes)
     arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal), left, right, method,
                  samples, seed, band_error, bool(return_attn_probs), precision)
-    if _records(q, k, v, alibi_slopes):  # the training form also returns the state the backward reads
-        out, lse, _ = torch.ops.poslsh.flash_attn_varlen_train(*arguments)
-    else:
-        out, lse = torch.ops.poslsh.flash_attn_varlen(*arguments)
+    operator = _forward_operator(torch.ops.poslsh.flash_attn_varlen, torch.ops.poslsh.flash_attn_varlen_train, q, k,
+                                 v, alibi_slopes)
+    out, lse = operator(*arguments)[:2]
     if not return_attn_probs:
         return out
     if causal and left == -1:  # rows (nheads, total_q): token t of sequence b at t - cu_q[b] + L_b - m_b
