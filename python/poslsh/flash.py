@@ -643,6 +643,12 @@ def _prepare(function, q, k, v, slopes, m, lengths, softmax_scale, causal, windo
     return config
 
 
+def _flash_lse(lse):
+    """lse in FlashAttention-2's convention, in place: +inf for the rows that see no key, where
+    the library writes -inf."""
+    return lse.masked_fill_(lse == -math.inf, math.inf)
+
+
 def _forward(q, k, v, cu_q, cu_k, config, want_lse):
     """out (total_q, H, d_v) in q's dtype and lse (H, total_q; empty unless want_lse) of packed
     sequences, without autograd state: one library call, multihead_attention_varlen (with lse:
@@ -650,23 +656,25 @@ def _forward(q, k, v, cu_q, cu_k, config, want_lse):
     keys as FlashAttention-2 does. Tensors of one dtype are read in place (half precision: the
     half-precision kernels under config.precision, lse float32); otherwise (a float32 query over
     a half-precision cache) float32 copies. lse in _lse_dtype of the inputs read, +inf for the
-    rows that see no key (FlashAttention-2's value; the library's is -inf)."""
+    rows that see no key (_flash_lse)."""
     dtype = q.dtype
     if not dtype == k.dtype == v.dtype:
         q, k, v = (_widen(x) for x in (q, k, v))
     q, k, v = (x.detach() for x in (q, k, v))
     heads, total_q = q.shape[1], q.shape[0]
-    lse = torch.full((heads, total_q) if want_lse else (0,), math.inf, dtype=_lse_dtype(q))
+    lse_shape = (heads, total_q) if want_lse else (0,)
     if total_q == 0 or k.shape[0] == 0:
-        return q.new_zeros((total_q, heads, v.shape[2]), dtype=dtype), lse
+        return q.new_zeros((total_q, heads, v.shape[2]), dtype=dtype), torch.full(lse_shape, math.inf,
+                                                                                  dtype=_lse_dtype(q))
     out = torch.empty((total_q, heads, v.shape[2]), dtype=q.dtype)
+    lse = torch.empty(lse_shape, dtype=_lse_dtype(q))
     views = [_kernel_view(x) for x in (q, k, v)]
     keywords = config.keywords(_call_sigmas(config, len(cu_q) - 1, heads))
     cu_q, cu_k = (np.asarray(cu, dtype=np.int32) for cu in (cu_q, cu_k))
     if want_lse:
         _core.multihead_attention_with_lse(*views, out=_kernel_view(out), lse=lse.numpy(), cu_seqlens=cu_q,
                                            cu_seqlens_k=cu_k, precision=config.precision, **keywords)
-        lse.masked_fill_(lse == -math.inf, math.inf)
+        _flash_lse(lse)
     else:
         _core.multihead_attention_varlen(*views, cu_q, cu_k, out=_kernel_view(out), precision=config.precision,
                                          **keywords)
@@ -919,8 +927,7 @@ def _cache_attention(q, k_pages, v_pages, table, lengths, config, want_lse):
         return out, out.new_empty((0,), dtype=torch.float32)
     _, lse = _core.multihead_attention_paged_with_lse(*arguments, out=rows_out, precision=config.precision,
                                                       **keywords)
-    lse = torch.from_numpy(lse).float()
-    lse.masked_fill_(lse == -math.inf, math.inf)
+    lse = _flash_lse(torch.from_numpy(lse).float())
     return out, lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
