@@ -963,7 +963,9 @@ SHARE_ROWS = ("sgemm", "exact_tiled/16384", "exact_tiled_every_key/16384", "exac
 
 def table_shares(rows, stamp):
     cells = []
-    for name in SHARE_ROWS + tuple("lsh_fused_sigma/%d" % s for s in rows.sizes("lsh_fused_sigma")):
+    by_sigma = tuple("%s/%d" % (family, s) for family in ("lsh_fused_sigma", "lsh_fused_bf16_sigma")
+                     for s in rows.sizes(family))
+    for name in SHARE_ROWS + by_sigma:
         share = rows.share(name)
         if share is None:
             continue

@@ -11,6 +11,7 @@
 //   sigma16_<kernel>/<s>        n = 16384, every head sigma = 16, s = 1, 4, 16, 64, 100
 //   lsh_fused_sigma/<sigma>     n = 16384, every head at sigma = 2, 4, .., 256 (one head of the
 //                               default problem each: 1/8 of a row's time is that head's share)
+//   lsh_fused_bf16_sigma/<sigma>  the same in bfloat16 (Q, K, V and out), on the CPU's best unit
 //   decode_<kernel>/<t>         one token (8 heads) over a KV cache of t = 4096 .. 1048576
 // Default problem: float, H = 8, d = 64, causal, ALiBi slopes, s = 16, all threads.
 //   poslsh_bench [--long] [--benchmark_...]   (or POSLSH_BENCH_LONG=1 for --long)

@@ -1,6 +1,7 @@
 // poslsh benchmarks: multi-head prefill, <method>/<n>, exact_tiled_every_key/<n> (every head at
 // sigma 1e6, so that every causal pair is evaluated), sigma16_<kernel>/<s> and
-// lsh_fused_sigma/<sigma> (n = 16384, every head at one sigma of the default problem); the tile
+// lsh_fused_sigma/<sigma> and lsh_fused_bf16_sigma/<sigma> (n = 16384, every head at one sigma of
+// the default problem; float, and bfloat16 as <method>_bf16/<n>); the tile
 // methods on half-precision tensors, <method>_bf16/<n> and <method>_f16/<n> (Q, K, V and out in
 // Eigen::bfloat16 or Eigen::half) and lsh_fused_bf16kv/<n> (float Q and out, bfloat16 K, V).
 // The half-precision rows run on the best unit of the CPU (the default precision) and name it
@@ -274,6 +275,8 @@ void register_by_sigma() {
     options.samples = default_samples;
     options.seed = seed;
     register_row("lsh_fused_sigma/" + std::to_string(static_cast<int>(sigma)), n, options);
+    register_row("lsh_fused_bf16_sigma/" + std::to_string(static_cast<int>(sigma)), n, options,
+                 run_multihead_half<Eigen::bfloat16>);
   }
 }
 
