@@ -67,7 +67,7 @@ void run_phase(benchmark::State& state, Phase phase, double sigma) {
   detail::append_query_tiles(tiles, 0, 0, n);
   const auto jobs = [&](auto&& job) {
     detail::parallel_query_tiles<float>(
-        tiles, heads, detail::JobOrder::heads_inner, 0,
+        tiles, heads, detail::JobOrder::head_runs, 0,
         [&](const detail::QueryTile& tile, Index h, detail::TileWorkspace<float>& work) {
           job(tile.row_begin, tile.rows, h, work);
         });

@@ -496,12 +496,12 @@ void thread_and_chunk_checks(MatrixUnit unit, TileLayer<Tiles> = {}) {
   kept_key_tile_checks<Half, Tiles>();
 }
 
-/// Key tiles kept for the next query tiles (TileBuffers::keep_key_tiles: each key tile copied
-/// or packed once, read from the thread's store) against key tiles read in place or packed at
-/// each visit: bitwise the same, for whole windows and bands (tiles cut by the window), keys at
-/// an odd position, and odd and even widths. The store of one call serves both heads' sources
-/// in turn. Scalar: bfloat16 or float16 inputs (on the chosen unit, AMX on the tile layer Tiles),
-/// or float and double (read in place).
+/// Key tiles kept for the next query tiles (TileBuffers::keep_key_rows and keep_packed_tiles:
+/// each key tile copied or packed once, read from the thread's store) against key tiles read in
+/// place or packed at each visit: bitwise the same, for whole windows and bands (tiles cut by the
+/// window), keys at an odd position, and odd and even widths. The store of one call serves both
+/// heads' sources in turn. Scalar: bfloat16 or float16 inputs (on the chosen unit, AMX on the tile
+/// layer Tiles), or float and double (read in place).
 template <typename Scalar, template <typename> class Tiles>
 void kept_key_tile_checks() {
   using poslsh::detail::AlibiBias;
@@ -521,7 +521,8 @@ void kept_key_tile_checks() {
         RowMatrix<Compute> kept(2 * n, d + 3), visited(2 * n, d + 3);
         for (const bool keep : {true, false}) {
           TileBuffers<Compute> buffers;
-          buffers.keep_key_tiles = keep;
+          buffers.keep_key_rows = keep;
+          buffers.keep_packed_tiles = keep;
           RowMatrix<Compute>& out = keep ? kept : visited;
           // Two heads' sources (the two halves of K and V) alternating query tile by query
           // tile, as two calls sharing one thread's buffers would meet them.

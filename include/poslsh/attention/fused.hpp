@@ -47,7 +47,7 @@ void fused_attention(const char* function, ConstMatrixRef<Scalar> q, ConstMatrix
   if (m == 0) return;
   const auto tau = static_cast<Compute>(resolve_scale(function, options, q.cols()));
   const bool causal = options.masking == Masking::causal;
-  parallel_query_tiles<Compute>(1, p0, p0 + m, JobOrder::heads_inner, output_bytes(out),
+  parallel_query_tiles<Compute>(1, p0, p0 + m, JobOrder::head_runs, output_bytes(out),
                                 [&](Index, Index i0, Index rows, TileWorkspace<Compute>& work) {
                                   fused_tile<Compute, Scalar, KVScalar>(q, k, v, counts, tau,
                                                                         causal, i0, rows, out, work,

@@ -229,7 +229,7 @@ void lsh_attention_fused_paged(ConstMatrixRef<Scalar> q, const PagedKV<Scalar>& 
   const bool causal = options.masking == Masking::causal;
   const Index n = cache.length(sequence);
   detail::parallel_query_tiles<Scalar>(
-      1, p0, p0 + m, detail::JobOrder::heads_inner, detail::output_bytes(out),
+      1, p0, p0 + m, detail::JobOrder::head_runs, detail::output_bytes(out),
       [&](Index, Index i0, Index rows, detail::TileWorkspace<Scalar>& work) {
         detail::CountBias<Scalar> bias(hashes, n, causal, work.counts, work.count_tile);
         detail::TileEngine<Scalar, detail::CountBias<Scalar>, detail::PagedRows<Scalar>> engine(

@@ -389,8 +389,8 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
   const auto written_bytes = static_cast<std::size_t>(out.tokens) *
                              static_cast<std::size_t>(out.heads * out.dim) * sizeof(OutScalar);
   parallel_query_tiles<Compute>(
-      tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::heads_inner,
-      written_bytes, [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
+      tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::head_runs, written_bytes,
+      [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
         const HeadsSequence& s = call.sequences[tile.range];
         const HeadMethod& head = call.method(tile.range, h);
         if (!method_runs_by_query_tiles(head.method) && tile.row_begin != s.p0) return;

@@ -146,7 +146,7 @@ void fused_with_lse(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>&
                     const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau, bool causal,
                     MatrixRef<Input> out, Scalar* lse, Precision precision) {
   with_value_columns<Input>(v, out, [&](const ConstMatrixRef<Input>& values, MatrixRef<Input> o) {
-    parallel_query_tiles<Scalar>(1, 0, q.rows(), JobOrder::heads_inner, output_bytes(o),
+    parallel_query_tiles<Scalar>(1, 0, q.rows(), JobOrder::head_runs, output_bytes(o),
                                  [&](Index, Index i0, Index rows, TileWorkspace<Scalar>& work) {
                                    fused_tile<Scalar, Input, Input>(q, k, values, hashes, tau,
                                                                     causal, i0, rows, o, work, 0,

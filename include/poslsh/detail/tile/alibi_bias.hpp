@@ -232,7 +232,7 @@ void exact_alibi_rows(const ConstMatrixRef<nondeduced_t<QScalar>>& q,
                       double tau, ExactWindow window, Index row_begin, Index row_end, OutType&& out,
                       Index query_offset, Precision precision, Scalar* lse = nullptr) {
   // A window reaching back to key 0 (window.hi >= k.rows()) reads every key before the row.
-  const JobOrder order = window.hi >= k.rows() ? JobOrder::heads_outer : JobOrder::heads_inner;
+  const JobOrder order = window.hi >= k.rows() ? JobOrder::heads_outer : JobOrder::head_runs;
   parallel_query_tiles<Scalar>(1, row_begin, row_end, order, output_bytes(out),
                                [&](Index, Index r0, Index rows, TileWorkspace<Scalar>& work) {
                                  AlibiBias<Scalar> bias(k.rows(), sigma, window);

@@ -107,7 +107,7 @@ class StridedKV {
 };
 
 /// The engine's default key source: K and V in the compute type. tile(j0, keys) points into
-/// them, or, when buffers.keep_key_tiles is set, to a copy of a whole key tile's K and V rows
+/// them, or, when buffers.keep_key_rows is set, to a copy of a whole key tile's K and V rows
 /// (d and d_v apart) in the thread's KeyTileStore, made at the first visit: the later query
 /// tiles read the tile from one contiguous block instead of rows a whole token apart. The
 /// values are the same either way, so the copy never changes a result.
@@ -120,7 +120,7 @@ class ContiguousKV : public StridedKV<Scalar> {
   ContiguousKV(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v,
                TileBuffers<Scalar>& buffers, Index key_position)
       : StridedKV<Scalar>(k, v) {
-    if (buffers.keep_key_tiles &&
+    if (buffers.keep_key_rows &&
         buffers.key_rows.hold({k.data(), v.data(), k.rows(), k.outerStride(), v.outerStride(),
                                k.cols(), v.cols(), key_position},
                               tile_key_cols * k.cols(), tile_key_cols * v.cols()))
@@ -253,7 +253,7 @@ struct PairTileRows {
 /// the AMX tiles the key rows are ceil(d / 32) 32 apart (zeros past column d - 1), the key rows
 /// from `keys` to the next multiple of 16 are zeros, and so are the value pairs from ceil(keys / 2)
 /// to tile_key_cols / 2. A request for a whole key tile (all the keys of [t Bk, (t + 1) Bk) the
-/// source holds) is packed once into the thread's KeyTileStore when buffers.keep_key_tiles is
+/// source holds) is packed once into the thread's KeyTileStore when buffers.keep_packed_tiles is
 /// set (and the source's packed tiles fit in KeyTileStore::max_bytes), and read from there by
 /// the later query tiles; any other request (a tile cut by a
 /// window) is packed into the buffers pair_k and pair_v. Both packings are the same function
@@ -276,7 +276,7 @@ class PairedHalfKV {
     if (pair_v_.size() < v_words()) pair_v_.resize(v_words());
     if (pair_k_.size() < k_words()) pair_k_.resize(k_words());
     const RowsIdentity identity = rows.identity();
-    if (buffers.keep_key_tiles &&
+    if (buffers.keep_packed_tiles &&
         buffers.key_pairs.hold(
             {identity.first, identity.second, rows.rows(), rows.k_stride(), rows.v_stride(),
              rows.key_cols(), rows.value_cols(), key_position, amx_tiles ? 2 : 1},

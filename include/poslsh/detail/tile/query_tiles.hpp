@@ -51,18 +51,24 @@ inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range,
   }
 }
 
-/// The order of the (query tile, head) jobs of parallel_query_tiles, and whether the engines
-/// keep the key tiles they read (TileBuffers::keep_key_tiles).
+/// The query tiles of one head that JobOrder::head_runs gives the threads one after the other.
+inline constexpr long tiles_per_head_run = 8;
+
+/// The order of the (query tile, head) jobs of parallel_query_tiles, and which key tiles the
+/// engines keep for the thread's next jobs (TileBuffers::keep_key_rows, keep_packed_tiles).
 enum class JobOrder {
-  /// Job j is head j % heads of tile j / heads: the jobs in flight read the same token rows of
-  /// every head (with [n, H, d] inputs each row is one stretch of memory, fetched once for all
-  /// heads). For kernels whose tiles read a short key range near their rows (LSH, banded, a
-  /// local window): each key tile is read by a few query tiles, so it is read in place.
-  heads_inner,
+  /// The query tiles in groups of tiles_per_head_run, each group's jobs head by head: job j is
+  /// in group j / (tiles_per_head_run * heads), and within it the heads are outer, the tiles
+  /// inner. For kernels whose tiles read a short key range near their rows (LSH, banded, a
+  /// local window): the jobs in flight are a few neighbouring tiles of one head, whose key
+  /// bands overlap and stay in cache from one job to the next (the bands of all heads at once
+  /// may not: 32 heads of about 1000 keys at d = 128 are 32 MiB of K and V). Key tiles packed
+  /// for a unit are kept for the next jobs; K and V in the compute type are read in place.
+  head_runs,
   /// Job j is tile j % tiles of head j / tiles: the jobs in flight read one head's keys, which
   /// stay in cache from one tile to the next. For kernels whose tiles read every key before
   /// them (exact tiled), where the keys of all heads would not fit in cache; each key tile,
-  /// read by every later query tile, is copied once into the thread's KeyTileStore.
+  /// read by every later query tile, is copied or packed once into the thread's KeyTileStore.
   heads_outer
 };
 
@@ -83,13 +89,21 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
   const auto jobs = count * static_cast<long>(heads);
   const bool stream = streams_output(written_bytes);
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
-    const bool inner = order == JobOrder::heads_inner;
     workspace.buffers.stream_output = stream;
-    // A thread's jobs come one head's tiles in a row, each reading every key before it: key
-    // tiles packed once are kept.
-    workspace.buffers.keep_key_tiles = !inner;
-    const long tile = inner ? j / heads : j % count;
-    const long head = inner ? j % heads : j / count;
+    workspace.buffers.keep_packed_tiles = true;
+    long tile = 0, head = 0;
+    if (order == JobOrder::head_runs) {
+      const long group = j / (tiles_per_head_run * heads);
+      const long first = group * tiles_per_head_run, job = j - first * heads;
+      const long run = std::min(tiles_per_head_run, count - first);
+      tile = first + job % run;
+      head = job / run;
+    } else {
+      // Each tile reads every key before it: copies of the key rows are kept too.
+      workspace.buffers.keep_key_rows = true;
+      tile = j % count;
+      head = j / count;
+    }
     tile_job(tiles[static_cast<std::size_t>(tile)], static_cast<Index>(head), workspace);
   });
 }

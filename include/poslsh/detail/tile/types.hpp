@@ -175,13 +175,15 @@ struct TileBuffers {
   Buffer wide_q, wide_k, wide_v, wide_out;
   Words pair_q, pair_p, pair_v;
   Eigen::Array<std::uint16_t, Eigen::Dynamic, 1> pair_k;
-  /// Whether the loop running this thread's jobs gives it one head's query tiles in a row, each
-  /// reading every key before it (parallel_query_tiles, JobOrder::heads_outer), so that key
-  /// tiles are kept for the next job: K and V rows in
-  /// `key_rows` (ContiguousKV), packed for the units in `key_pairs` (PairedHalfKV).
-  /// A kept tile is known by the address and shape of its K and V, not by their values: set
-  /// only for buffers that live within one call (whose inputs do not change).
-  bool keep_key_tiles = false;
+  /// Whether the engines keep the whole key tiles they prepare for the thread's next jobs
+  /// (parallel_query_tiles sets them from its JobOrder): `keep_key_rows`, copies of K and V
+  /// rows in the compute type in `key_rows` (ContiguousKV; for jobs that read every key before
+  /// them, JobOrder::heads_outer), and `keep_packed_tiles`, key tiles packed for a unit in
+  /// `key_pairs` (PairedHalfKV). A kept tile is known by the address and shape of its K and V,
+  /// not by their values: set only for buffers that live within one call (whose inputs do not
+  /// change).
+  bool keep_key_rows = false;
+  bool keep_packed_tiles = false;
   /// Whether TileEngine::run stores output rows non-temporally: set by parallel_query_tiles
   /// for a loop whose outputs are too large to stay cached (streams_output).
   bool stream_output = false;
