@@ -253,20 +253,24 @@ TEST_CASE("multihead_attention rejects bad arguments", "[multihead][invalid]") {
   poslsh::multihead_attention<float>(q3, q3, q3, out3, options);  // self-attention: accepted
 }
 
-TEST_CASE("both job orders run every (query tile, head) job once, in their order", "[multihead]") {
-  // 21 query tiles (not a multiple of a run) of rows [5, 1300), 3 heads.
+namespace {
+
+// Every (query tile, head) job of parallel_query_tiles<float, Input> run once (21 query tiles,
+// not a multiple of a run, of rows [5, 1300); 3 heads), and on one thread in its order:
+// head_runs takes groups of `run` tiles (the last one shorter), each group head by head;
+// heads_outer head by head.
+template <typename Input>
+void check_job_orders(Index run_length) {
   using poslsh::detail::JobOrder;
-  using poslsh::detail::tiles_per_head_run;
   constexpr Index heads = 3, tile = poslsh::detail::tile_query_rows;
   std::vector<poslsh::detail::QueryTile> tiles;
   poslsh::detail::append_query_tiles(tiles, 0, 5, 1300);
   REQUIRE(tiles.size() == 21);
   const auto tile_index = [](Index row_begin) { return row_begin / tile; };
   for (const JobOrder order : {JobOrder::head_runs, JobOrder::heads_outer}) {
-    INFO("order " << static_cast<int>(order));
-    // Every job once, with any thread count.
+    INFO("order " << static_cast<int>(order) << ", runs of " << run_length);
     std::vector<int> runs(tiles.size() * heads, 0);
-    poslsh::detail::parallel_query_tiles<float>(
+    poslsh::detail::parallel_query_tiles<float, Input>(
         tiles, heads, order, 0,
         [&](const poslsh::detail::QueryTile& t, Index h, poslsh::detail::TileWorkspace<float>& w) {
           CHECK(w.buffers.keep_packed_tiles);
@@ -278,11 +282,9 @@ TEST_CASE("both job orders run every (query tile, head) job once, in their order
         });
     CHECK(std::count(runs.begin(), runs.end(), 1) == static_cast<long>(runs.size()));
 #ifdef _OPENMP
-    // On one thread, the jobs in their order: head_runs takes groups of tiles_per_head_run
-    // tiles (the last one shorter), each group head by head; heads_outer head by head.
     omp_set_num_threads(1);
     std::vector<std::pair<Index, Index>> seen;
-    poslsh::detail::parallel_query_tiles<float>(
+    poslsh::detail::parallel_query_tiles<float, Input>(
         tiles, heads, order, 0,
         [&](const poslsh::detail::QueryTile& t, Index h, poslsh::detail::TileWorkspace<float>&) {
           seen.emplace_back(tile_index(t.row_begin), h);
@@ -290,13 +292,21 @@ TEST_CASE("both job orders run every (query tile, head) job once, in their order
     omp_set_num_threads(omp_get_num_procs());
     std::vector<std::pair<Index, Index>> expected;
     const auto count = static_cast<Index>(tiles.size());
-    const Index run = order == JobOrder::head_runs ? tiles_per_head_run : count;
+    const Index run = order == JobOrder::head_runs ? run_length : count;
     for (Index first = 0; first < count; first += run)
       for (Index h = 0; h < heads; ++h)
         for (Index t = first; t < std::min(first + run, count); ++t) expected.emplace_back(t, h);
     CHECK(seen == expected);
 #endif
   }
+}
+
+}  // namespace
+
+TEST_CASE("both job orders run every (query tile, head) job once, in their order", "[multihead]") {
+  // Head runs of 4 tiles for float inputs, 8 for half-precision ones.
+  check_job_orders<float>(4);
+  check_job_orders<Eigen::bfloat16>(8);
 }
 
 TEST_CASE("the parallel job loop carries a job's exception out with its type", "[multihead]") {

@@ -388,7 +388,7 @@ void run_heads_forward(const HeadsCall& call, const HeadsView<const QScalar>& q,
     reads_every_key = reads_every_key || method_reads_every_key(head.method);
   const auto written_bytes = static_cast<std::size_t>(out.tokens) *
                              static_cast<std::size_t>(out.heads * out.dim) * sizeof(OutScalar);
-  parallel_query_tiles<Compute>(
+  parallel_query_tiles<Compute, QScalar>(
       tiles, q.heads, reads_every_key ? JobOrder::heads_outer : JobOrder::head_runs, written_bytes,
       [&](const QueryTile& tile, Index h, TileWorkspace<Compute>& work) {
         const HeadsSequence& s = call.sequences[tile.range];
