@@ -55,15 +55,15 @@ inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range,
 /// for inputs of type Input: 8 for the half-precision types (the runs reuse the key tiles
 /// packed for a matrix unit, as well as the band in cache), 4 for the others (K and V read in
 /// place: a run reuses the band in cache, and shorter runs keep the heads' rows of a token
-/// closer together in time; 8 was 1-3% slower for 24-32 narrow heads of d = 80-128).
+/// closer together in time).
 template <typename Input>
-inline constexpr long tiles_per_head_run = sizeof(Input) == 2 ? 8 : 4;
+inline constexpr long tiles_per_head_run = is_half_precision_v<Input> ? 8 : 4;
 
 /// The order of the (query tile, head) jobs of parallel_query_tiles, and which key tiles the
 /// engines keep for the thread's next jobs (TileBuffers::keep_key_rows, keep_packed_tiles).
 enum class JobOrder {
   /// The query tiles in groups of R = tiles_per_head_run, each group's jobs head by head: job j
-  /// is in group j / (R heads), and within it the heads are outer, the tiles
+  /// is in group j / (R * heads), and within it the heads are outer, the tiles
   /// inner. For kernels whose tiles read a short key range near their rows (LSH, banded, a
   /// local window): the jobs in flight are a few neighbouring tiles of one head, whose key
   /// bands overlap and stay in cache from one job to the next (the bands of all heads at once
@@ -96,7 +96,10 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
   const bool stream = streams_output(written_bytes);
   parallel_jobs<TileWorkspace<Scalar>>(jobs, [&](long j, TileWorkspace<Scalar>& workspace) {
     workspace.buffers.stream_output = stream;
+    // Packed key tiles are kept in both orders; copies of the key rows only where each tile
+    // reads every key before it.
     workspace.buffers.keep_packed_tiles = true;
+    workspace.buffers.keep_key_rows = order == JobOrder::heads_outer;
     long tile = 0, head = 0;
     if (order == JobOrder::head_runs) {
       constexpr long length = tiles_per_head_run<Input>;
@@ -106,8 +109,6 @@ void parallel_query_tiles(const std::vector<QueryTile>& tiles, Index heads, JobO
       tile = first + job % run;
       head = job / run;
     } else {
-      // Each tile reads every key before it: copies of the key rows are kept too.
-      workspace.buffers.keep_key_rows = true;
       tile = j % count;
       head = j / count;
     }
