@@ -131,7 +131,8 @@ TEST_CASE(
   // partitions of the same hashes (the same rectangles in the same order), and (3) the
   // counts c_ij summed from the rectangles against #{k : bin_k(i) = bin_k(j)}.
   const Index n = 300;
-  for (const double sigma : {0.4, 2.0, 7.0, 50.0, 1e4}) {
+  // sigma 16: widths on both sides of TileCounts::walk_width in one hash set.
+  for (const double sigma : {0.4, 2.0, 7.0, 16.0, 50.0, 1e4}) {
     const HashSet hashes = poslsh::rbf_hashes(sigma, 6, 11, 3);
     const auto partitions = poslsh::detail::analysis_partitions(hashes, n, "test");
     for (const bool causal : {true, false}) {

@@ -61,26 +61,43 @@ struct Block {
   Index size() const { return end - begin; }
 };
 
+namespace detail {
+
+/// The first position of the block of `hash` holding position i, whose bin is b = bin(i):
+/// block_containing's begin, estimated from the width and offset, then corrected against
+/// bin().
+inline Index block_begin(const BinHash& hash, std::int64_t b, Index i) {
+  if (hash.width < 1.0) return i;  // no two integer positions share a bin
+  const double first = std::ceil(static_cast<double>(b) * hash.width + hash.offset);
+  Index begin =
+      first <= 0.0 ? 0 : (first >= static_cast<double>(i) ? i : static_cast<Index>(first));
+  while (begin > 0 && hash.bin(begin - 1) == b) --begin;
+  while (hash.bin(begin) < b) ++begin;
+  return begin;
+}
+
+/// The end, cut to n, of the block of `hash` holding position i < n, whose bin is b = bin(i):
+/// block_containing's end, estimated, then corrected against bin().
+inline Index block_end(const BinHash& hash, std::int64_t b, Index i, Index n) {
+  if (hash.width < 1.0) return i + 1;
+  const double next = std::ceil(static_cast<double>(b + 1) * hash.width + hash.offset);
+  Index end = next >= static_cast<double>(n)
+                  ? n
+                  : (next <= static_cast<double>(i + 1) ? i + 1 : static_cast<Index>(next));
+  while (end < n && hash.bin(end) == b) ++end;
+  while (hash.bin(end - 1) > b) --end;
+  return end;
+}
+
+}  // namespace detail
+
 /// The block of `hash` that holds position i, cut to [0, n): the largest [b, e) with
 /// bin(b) = ... = bin(e-1) = bin(i). O(1): the edges are estimated from the width and offset,
 /// then corrected against bin() so they agree with it exactly. Requires 0 <= i < n (unchecked:
 /// an internal building block of the kernels; use block_boundaries for a checked call).
 inline Block block_containing(const BinHash& hash, Index i, Index n) {
   const std::int64_t b = hash.bin(i);
-  Block block;
-  if (hash.width < 1.0) return Block{i, i + 1};  // no two integer positions share a bin
-  const double first = std::ceil(static_cast<double>(b) * hash.width + hash.offset);
-  block.begin =
-      first <= 0.0 ? 0 : (first >= static_cast<double>(i) ? i : static_cast<Index>(first));
-  while (block.begin > 0 && hash.bin(block.begin - 1) == b) --block.begin;
-  while (hash.bin(block.begin) < b) ++block.begin;
-  const double next = std::ceil(static_cast<double>(b + 1) * hash.width + hash.offset);
-  block.end = next >= static_cast<double>(n)
-                  ? n
-                  : (next <= static_cast<double>(i + 1) ? i + 1 : static_cast<Index>(next));
-  while (block.end < n && hash.bin(block.end) == b) ++block.end;
-  while (hash.bin(block.end - 1) > b) --block.end;
-  return block;
+  return {detail::block_begin(hash, b, i), detail::block_end(hash, b, i, n)};
 }
 
 namespace detail {

@@ -40,10 +40,14 @@ struct TileCounts {
     for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(origin + i0 + r);
     block_ends_.resize(static_cast<std::size_t>(rows) + 1);
     for (const BinHash& hash : hashes) {
+      if (hash.width >= walk_width) {
+        add_blocks_walked(hash, i0, rows, n, origin);
+        continue;
+      }
       // The bins of the tile's rows, all at once (the same rounding as BinHash::bin); a block
       // starts inside the tile where the bin changes (a branch-free scan lists those rows).
-      // The first and the last block reach beyond the tile: block_containing finds their
-      // outer ends.
+      // The first and the last block reach beyond the tile: block_begin and block_end find
+      // their outer ends from the bins of the first and the last row.
       bins_ = ((positions_ - hash.offset) / hash.width).floor();
       const double* bins = bins_.data();
       Index* block_ends = block_ends_.data();
@@ -54,8 +58,11 @@ struct TileCounts {
       }
       block_ends[cuts] = rows;
       const Index first_begin =
-          std::max(origin, block_containing(hash, origin + i0, origin + n).begin) - origin;
-      const Index last_end = block_containing(hash, origin + i1 - 1, origin + n).end - origin;
+          std::max(origin, block_begin(hash, static_cast<std::int64_t>(bins[0]), origin + i0)) -
+          origin;
+      const Index last_end =
+          block_end(hash, static_cast<std::int64_t>(bins[rows - 1]), origin + i1 - 1, origin + n) -
+          origin;
       Index row_begin = 0;
       for (Index block = 0; block <= cuts; ++block) {
         const Index row_end = block_ends[block];
@@ -88,6 +95,11 @@ struct TileCounts {
     if (causal) cut_at_queries(i0);
   }
 
+  /// Hashes at least this wide (in positions) have their blocks found one after the other
+  /// (add_blocks_walked: a few bins each); narrower ones have the bins of every row of the
+  /// tile computed at once. Both give the same blocks.
+  static constexpr double walk_width = 32.0;
+
   /// Keys of the tile's band: [min lo, max hi).
   Index band_begin() const { return lo.front(); }
   Index band_end() const { return *std::max_element(hi.begin(), hi.end()); }
@@ -99,14 +111,36 @@ struct TileCounts {
     lo.assign(static_cast<std::size_t>(rows), n);
     hi.assign(static_cast<std::size_t>(rows), 0);
   }
-  // One more block: its rectangle, and the windows of its rows widened to its keys.
+  // One more block: its rectangle, and the windows of its rows widened to its keys. The
+  // samples' blocks come sample by sample, each sample's left to right, so lo and hi of the
+  // samples done are non-decreasing in r (a minimum and a maximum of non-decreasing steps):
+  // the rows whose lo exceeds key_begin end the block, those whose hi is below key_end begin
+  // it, and only those are written.
   void add(const CountRectangle& rect) {
     rectangles.push_back(rect);
-    for (Index r = rect.row_begin; r < rect.row_end; ++r) {
-      const auto index = static_cast<std::size_t>(r);
-      lo[index] = std::min(lo[index], rect.key_begin);
-      hi[index] = std::max(hi[index], rect.key_end);
+    Index* lows = lo.data();
+    Index* highs = hi.data();
+    for (Index r = rect.row_end; r > rect.row_begin && lows[r - 1] > rect.key_begin; --r)
+      lows[r - 1] = rect.key_begin;
+    for (Index r = rect.row_begin; r < rect.row_end && highs[r] < rect.key_end; ++r)
+      highs[r] = rect.key_end;
+  }
+  // The blocks of `hash` meeting rows [i0, i0 + rows), from the first (block_containing),
+  // each next one from the last one's end (block_end): exact against bin(), so the rectangles
+  // are those of the bins of every row.
+  void add_blocks_walked(const BinHash& hash, Index i0, Index rows, Index n, Index origin) {
+    const Index i1 = i0 + rows;
+    Block block = block_containing(hash, origin + i0, origin + n);
+    Index row_begin = 0;
+    Index key_begin = std::max(origin, block.begin) - origin;
+    while (block.end - origin < i1) {
+      const Index row_end = block.end - origin - i0;
+      add({row_begin, row_end, key_begin, i0 + row_end});
+      row_begin = row_end;
+      key_begin = i0 + row_end;
+      block = {block.end, block_end(hash, hash.bin(block.end), block.end, origin + n)};
     }
+    add({row_begin, rows, key_begin, block.end - origin});
   }
   // Causal: row r (position i0 + r) sees no key past its own position.
   void cut_at_queries(Index i0) {
