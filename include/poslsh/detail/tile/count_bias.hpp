@@ -152,6 +152,14 @@ class CountBias {
       if (!causal_ && rect.key_end < j0 + keys)
         count_column_add(counts + (rect.key_end - j0) * Bq, first, last, Scalar(-1));
     }
+    if constexpr (!Hidden) {
+      // Every row of the tile, all reaching the same keys (windows are non-decreasing, so the
+      // first and the last packet's tell): the packets' running sums side by side, each in
+      // increasing b as below.
+      const KeyRange reach = packet_keys(0, keys), last = packet_keys(Bq - P, keys);
+      if (r0 == 0 && r1 == Bq && reach.first == last.first && reach.last == last.last)
+        return running_counts(counts, reach);
+    }
     for (Index a = r0; a < r1; a += P) {
       // Row i0 + a + r sees key j0 + b iff r >= j0 + b - i0 - a (distances clamped to
       // [-1, P], exact in Scalar).
@@ -167,6 +175,23 @@ class CountBias {
         } else {
           ei::pstore(entry, count);
         }
+      }
+    }
+  }
+
+  // counts[b][a] <- the sum of its entries of keys reach.first .. b, for every row a and the
+  // keys b of `reach` (the packets' chains interleaved).
+  void running_counts(Scalar* counts, KeyRange reach) {
+    namespace ei = Eigen::internal;
+    constexpr int Packets = static_cast<int>(Bq / P);
+    Packet count[Packets];
+    for (int p = 0; p < Packets; ++p) count[p] = ei::pset1<Packet>(Scalar(0));
+    for (Index b = reach.first; b < reach.last; ++b) {
+      Scalar* entry = counts + b * Bq;
+      POSLSH_TILE_UNROLL
+      for (int p = 0; p < Packets; ++p) {
+        count[p] = ei::padd(count[p], ei::pload<Packet>(entry + p * P));
+        ei::pstore(entry + p * P, count[p]);
       }
     }
   }
