@@ -214,6 +214,43 @@ TEMPLATE_TEST_CASE("alibi_attention_tiled keeps a far key whose score carries it
   }
 }
 
+TEMPLATE_TEST_CASE("the dead-key bound holds for a negative score scale", "[tiled][dead_keys]",
+                   float, double) {
+  // With tau < 0 the bound on |tau q_i . k_j| is |tau| |q_i| |k_j|; a bound built from tau
+  // itself is negative and marks even a row's own key dead (the row then returns 0). Large
+  // scores (|q|, |k| about 30 sqrt(d)) and steep slopes (sigma 1e-3: every other key is dead)
+  // make the rule decide every tile; the exact and banded kernels must equal the dense formula.
+  // |tau| |q_i| |k_i| is about 0.5 * 600 here, above T + 1 (90 in float, 711 in double) for the
+  // larger scales.
+  const Index n = 150, d = 24, dv = 4;
+  const auto [q, k, v] = random_qkv<TestType>(n, d, dv, 63, 5.0);
+  const RowMatrix<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                          vd = v.template cast<double>();
+  for (const double scale : {-2.0, -0.5, -0.2, 0.2, 0.5, 2.0}) {
+    for (const double sigma : {1e-3, 0.05, 2.0}) {
+      for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+        auto options = with_masking(masking);
+        options.scale = scale;
+        INFO("scale " << scale << ", sigma " << sigma << ", causal "
+                      << (masking == Masking::causal));
+        const RowMatrix<double> expected =
+            poslsh::alibi_attention_reference<double>(qd, kd, vd, sigma, options);
+        const RowMatrix<TestType> tiled =
+            poslsh::alibi_attention_tiled<TestType>(q, k, v, sigma, options);
+        const RowMatrix<TestType> banded =
+            poslsh::alibi_attention_banded<TestType>(q, k, v, sigma, n, options);
+        // The logits reach a few hundred: their rounding in float (about d eps |tau| |q| |k|,
+        // up to 4e-3 at |tau| = 2) moves the output by that much relative to |v| <= 4.
+        const double limit = std::is_same_v<TestType, float> ? 0.05 : 1e-9;
+        CHECK((tiled.template cast<double>() - expected).cwiseAbs().maxCoeff() < limit);
+        CHECK((banded.template cast<double>() - expected).cwiseAbs().maxCoeff() < limit);
+        // Row 0 of a causal call reads key 0 alone: out_0 = v_0 exactly.
+        if (masking == Masking::causal) CHECK(bitwise_equal<TestType>(tiled.row(0), v.row(0)));
+      }
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("alibi_attention_tiled with a vanishing sigma returns V", "[tiled]", float,
                    double) {
   // sigma -> 0 (1/sigma overflows Scalar): every key but j = i gets weight 0, so out = V.

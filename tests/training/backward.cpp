@@ -798,3 +798,73 @@ TEMPLATE_TEST_CASE("the exact backward skips the pairs whose probability is exac
     CHECK(zero.dk.allFinite());
   }
 }
+
+TEMPLATE_TEST_CASE("the backward's dead-pair bound holds for a negative score scale",
+                   "[backward][dead_keys]", float, double) {
+  // The bound on |tau q_i . k_j| is |tau| |q_i| |k_j|; one built from tau < 0 is negative and
+  // calls live pairs dead. Steep slopes and large scores make the rule decide the blocks; the
+  // gradients must equal the dense formula in double: P = softmax(tau Q K^T - |i - j| / sigma),
+  // dV = P^T dO, dS = P o (dO V^T - rowsum(dO o O)), dQ = tau dS K, dK = tau dS^T Q.
+  using Scalar = TestType;
+  const Index n = 150, d = 24, dv = 4;
+  const RowMatrix<Scalar> q = random_matrix<Scalar>(n, d, 91, 5.0);
+  const RowMatrix<Scalar> k = random_matrix<Scalar>(n, d, 92, 5.0);
+  const RowMatrix<Scalar> v = random_matrix<Scalar>(n, dv, 93);
+  const RowMatrix<Scalar> dout = random_matrix<Scalar>(n, dv, 94);
+  const RowMatrix<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                          vd = v.template cast<double>(), dod = dout.template cast<double>();
+  for (const double scale : {-2.0, -0.5, 0.5}) {
+    for (const double sigma : {1e-3, 0.05}) {
+      for (Masking masking : {Masking::causal, Masking::bidirectional}) {
+        AttentionOptions options = with_masking(masking);
+        options.scale = scale;
+        INFO("scale " << scale << ", sigma " << sigma << ", causal "
+                      << (masking == Masking::causal));
+        RowMatrix<double> p(n, n);
+        for (Index i = 0; i < n; ++i) {
+          for (Index j = 0; j < n; ++j) {
+            p(i, j) = masking == Masking::causal && j > i
+                          ? -std::numeric_limits<double>::infinity()
+                          : scale * qd.row(i).dot(kd.row(j)) -
+                                static_cast<double>(std::abs(i - j)) / sigma;
+          }
+          const double top = p.row(i).maxCoeff();
+          p.row(i) = (p.row(i).array() - top).exp().matrix();
+          p.row(i) /= p.row(i).sum();
+        }
+        const RowMatrix<double> o = p * vd;
+        const RowMatrix<double> dp = dod * vd.transpose();
+        const Eigen::VectorXd delta = (dod.array() * o.array()).rowwise().sum().matrix();
+        const RowMatrix<double> ds = p.array() * (dp.colwise() - delta).array();
+        const RowMatrix<double> dq_expected = scale * ds * kd;
+        const RowMatrix<double> dk_expected = scale * ds.transpose() * qd;
+        const RowMatrix<double> dv_expected = p.transpose() * dod;
+
+        RowMatrix<Scalar> out(n, dv);
+        ColumnVector<Scalar> lse(n);
+        poslsh::alibi_attention_tiled_with_lse<Scalar>(q, k, v, sigma, out, lse, options);
+        RowMatrix<Scalar> dq(n, d), dk(n, d), dvalues(n, dv);
+        poslsh::alibi_attention_tiled_backward<Scalar>(q, k, v, sigma, out, lse, dout, dq, dk,
+                                                       dvalues, options);
+        // Relative to the larger of the gradient's largest entry and its natural size (dV:
+        // |dO|; dQ, dK: |tau| |dO| |v| times |k| or |q|, the size of dS times the inputs): at
+        // sigma = 1e-3 every row reads its own key alone, dS is 0 up to rounding and so are dQ
+        // and dK. The logits' rounding in float (about d eps |tau| |q| |k|, up to 4e-3) moves
+        // the probabilities by that much.
+        const double limit = std::is_same_v<Scalar, float> ? 0.05 : 1e-8;
+        const auto largest_norm = [](const RowMatrix<double>& x) {
+          return x.rowwise().norm().maxCoeff();
+        };
+        const double ds_size = std::abs(scale) * largest_norm(dod) * largest_norm(vd);
+        const auto error = [](const RowMatrix<Scalar>& got, const RowMatrix<double>& expected,
+                              double size) {
+          return (got.template cast<double>() - expected).cwiseAbs().maxCoeff() /
+                 std::max(expected.cwiseAbs().maxCoeff(), size);
+        };
+        CHECK(error(dvalues, dv_expected, largest_norm(dod)) < limit);
+        CHECK(error(dq, dq_expected, ds_size * largest_norm(kd)) < limit);
+        CHECK(error(dk, dk_expected, ds_size * largest_norm(qd)) < limit);
+      }
+    }
+  }
+}

@@ -28,11 +28,15 @@ double dead_key_logit() {
   return std::ceil(-std::log(static_cast<double>(std::numeric_limits<Scalar>::min()))) + 1.0;
 }
 
-/// The dead-key rule's margins, one home for the forward and the backward: the query norm in
-/// each bound is scaled by dead_key_norm_margin (covering the rounding of the norms and of the
-/// scores), and a test of "dead" or "alive" on a block keeps dead_key_slack(terms) between its
-/// two sides (1 plus 2^-16 of the magnitude of the terms compared).
-inline constexpr double dead_key_norm_margin = 1.0 + 1.0 / 256.0;
+/// The dead-key rule's bounds and margins, one home for the forward and the backward.
+/// dead_key_query_bound(tau, |q_i|) = (1 + 2^-8) |tau| |q_i|: with it, |tau q_i . k_j| <= bound
+/// |k_j| for either sign of the score scale tau (Cauchy-Schwarz), the factor covering the
+/// rounding of the norms and of the scores. A test of "dead" or "alive" on a block keeps
+/// dead_key_slack(terms) between its two sides (1 plus 2^-16 of the magnitude of the terms
+/// compared).
+inline double dead_key_query_bound(double tau, double query_norm) {
+  return (1.0 + 1.0 / 256.0) * std::abs(tau) * query_norm;
+}
 inline double dead_key_slack(double terms) { return 1.0 + 0x1p-16 * terms; }
 
 }  // namespace poslsh::detail

@@ -244,16 +244,15 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
   if constexpr (std::is_same_v<Rule, WindowRule<Scalar>>) {
     // Dead pairs (WindowRule::dead_block) where some |i - j + shift| can exceed T / slope: the
-    // bounds (1 + 2^-8) tau |q_i| and |k_j|, read once here.
+    // bounds (1 + 2^-8) |tau| |q_i| and |k_j|, read once here.
     const Index reach = std::max(std::abs(rule.end() - 1 + rule.shift() - rule.begin()),
                                  std::abs(rule.begin() + rule.shift() - (rule.key_end() - 1)));
     if (static_cast<double>(rule.slope()) * static_cast<double>(reach) > dead_key_logit<Scalar>()) {
       std::vector<Scalar> score_bound(static_cast<std::size_t>(q.rows()));
       std::vector<Scalar> key_norm(static_cast<std::size_t>(k.rows()));
       for (Index i = 0; i < q.rows(); ++i)
-        score_bound[static_cast<std::size_t>(i)] =
-            static_cast<Scalar>(dead_key_norm_margin * static_cast<double>(tau) *
-                                tile_row_norm(q.data() + i * q.outerStride(), q.cols()));
+        score_bound[static_cast<std::size_t>(i)] = static_cast<Scalar>(dead_key_query_bound(
+            static_cast<double>(tau), tile_row_norm(q.data() + i * q.outerStride(), q.cols())));
       for (Index j = 0; j < k.rows(); ++j)
         key_norm[static_cast<std::size_t>(j)] =
             static_cast<Scalar>(tile_row_norm(k.data() + j * k.outerStride(), k.cols()));

@@ -452,7 +452,7 @@ class WindowRule {
     return {std::max(begin_, i0 - hi_), std::min(key_end_, i1 - lo_)};
   }
   /// Dead pairs, the backward's form of the forward's dead keys: with score_bound[i] >=
-  /// tau |q_i| and key_norm[j] = |k_j| (rows and keys of the rule; the callers keep both alive
+  /// |tau| |q_i| and key_norm[j] = |k_j| (rows and keys of the rule; the callers keep both alive
   /// while the rule is used), P_ij = e^{x_ij - lse_i} <= e^{score_bound_i key_norm_j - slope
   /// |i - j + shift| - lse_i}. Without bounds no pair is dead.
   void bound_scores(const Scalar* score_bound, const Scalar* key_norm) {

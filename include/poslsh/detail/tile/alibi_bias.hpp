@@ -62,10 +62,10 @@ class AlibiBias {
 
   /// The rows [rows.first, rows.last) of the current query tile (tile-relative) reach the keys
   /// [key_lo, key_hi] (positions). When some of those keys can be dead, reads for each row i
-  /// the norm |tau q_i| (query_norm(i)) and the norm of the key at position i
-  /// (diagonal_norm(i), +inf when the call has no key there) and keeps the row's bound.
-  template <typename QueryNorm, typename DiagonalNorm>
-  void bound_rows(KeyRange rows, Index key_lo, Index key_hi, QueryNorm&& query_norm,
+  /// the bound dead_key_query_bound(tau, |q_i|) (query_bound(i)) and the norm of the key at
+  /// position i (diagonal_norm(i), +inf when the call has no key there) and keeps the row's bound.
+  template <typename QueryBound, typename DiagonalNorm>
+  void bound_rows(KeyRange rows, Index key_lo, Index key_hi, QueryBound&& query_bound,
                   DiagonalNorm&& diagonal_norm) {
     const double slope = -static_cast<double>(neg_inv_sigma_);
     const Index reach = std::max(i0_ + rows.last - 1 - key_lo, key_hi - (i0_ + rows.first));
@@ -77,7 +77,7 @@ class AlibiBias {
       row_floor_(a) = std::numeric_limits<Scalar>::infinity();
     }
     for (Index a = rows.first; a < rows.last; ++a) {
-      const double q_norm = dead_key_norm_margin * query_norm(i0_ + a);
+      const double q_norm = query_bound(i0_ + a);
       const double floor = q_norm * diagonal_norm(i0_ + a) + logit_ + 1.0;
       if (!(std::isfinite(q_norm) && std::isfinite(floor))) continue;  // no dead keys
       row_norm_(a) = static_cast<Scalar>(q_norm);

@@ -51,6 +51,7 @@
 
 #include "poslsh/core/matrix_units.hpp"
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/detected.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/amx_kernels.hpp"
@@ -550,8 +551,9 @@ class TileEngine {
       bias_.bound_rows(
           rows_, key_lo, key_hi,
           [&](Index i) {
-            return static_cast<double>(tau_) *
-                   tile_row_norm(q_.data() + (i - p0_) * q_.outerStride(), d_);
+            return dead_key_query_bound(
+                static_cast<double>(tau_),
+                tile_row_norm(q_.data() + (i - p0_) * q_.outerStride(), d_));
           },
           [&](Index i) {
             return i >= k0_ && i < n_ ? tile_row_norm(kv_.key_row(i - k0_), d_)
