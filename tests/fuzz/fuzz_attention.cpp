@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -651,7 +652,9 @@ void run(ByteReader& input) {
   if (n > 0 && dv > 0 && input.flag()) {
     const Index kv_heads = input.in_range(1, 2);
     const Index heads = kv_heads * input.in_range(1, 2);
-    const auto method = static_cast<poslsh::Method>(input.in_range(0, 6));
+    constexpr auto methods =
+        static_cast<Index>(std::size(poslsh::EnumNames<poslsh::Method>::table));
+    const auto method = static_cast<poslsh::Method>(input.in_range(0, methods - 1));
     poslsh::MultiHeadOptions multi;
     multi.method = method;
     multi.masking = problem.masking;
