@@ -91,9 +91,12 @@ multihead_attention_varlen (with lse: multihead_attention_with_lse), in the oper
 flash_attn and flash_attn_varlen (no state kept for a backward); the library places the rows of
 a sequence with more queries than keys as above (causal: the rows before the first key see no
 key; not causal: every key, positions counted from the first query). Calls that need gradients
-with seqlen_q < seqlen_k run the self-attention kernels with q padded at the front to seqlen_k
-rows (zero queries, zero incoming gradient: they change no output row and add exactly zero to
-dk, dv), at the cost of seqlen_k query rows. Non-causal calls with seqlen_q > seqlen_k take
+with seqlen_q < seqlen_k take their forward from the same library call and, for the exact
+methods, their gradients from the slice backward (multihead_attention_backward with
+query_offset = seqlen_k - seqlen_q: the cost of seqlen_q query rows); the LSH methods run the
+self-attention kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming
+gradient: they change no output row and add exactly zero to dk, dv), at the cost of seqlen_k
+query rows. Non-causal calls with seqlen_q > seqlen_k take
 their forward from the same library call; their gradients come from the slice backward
 (multihead_attention_backward with query_offset and key_offset: exact methods, alibi_slopes
 included) or from the self-attention backward with the keys padded at the front by zero rows
@@ -470,10 +473,16 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
 
 
 def _shifted(rows, config):
-    """Whether a call is non-causal with a sequence of more queries than keys (its first rows sit
-    before the first key): such calls keep their rows as _forward computes them, and their
-    backward runs sequence by sequence (_shifted_backward)."""
-    return not config.causal and not rows.all_valid
+    """Whether a training call keeps its query rows as _forward computes them (no padding to the
+    key positions), its backward running sequence by sequence (_shifted_backward): a non-causal
+    call with a sequence of more queries than keys (its first rows sit before the first key), and
+    an exact method's call with fewer queries than keys in some sequence and none with more (the
+    slice backward reads the m rows at their positions, where the padded call would run L)."""
+    if rows.self_attention:
+        return False
+    if not rows.all_valid:
+        return not config.causal
+    return config.method in _SLOPE_GRADIENTS
 
 
 def _sequences(rows):
@@ -603,10 +612,10 @@ def _packed_gradients(dout, q, k, v, out, saved_lse, cu_q, cu_k, slopes, config,
         saved = None
         if rows.total_k and rows.total_q:
             lse = saved_lse if saved_lse.numel() else None
-            if config.causal or rows.all_valid:
-                saved = (_pad_rows(q, rows), _pad_rows(out, rows), None if lse is None else _pad_lse(lse, rows))
-            else:
+            if _shifted(rows, config):
                 saved = (None, out, lse)
+            else:
+                saved = (_pad_rows(q, rows), _pad_rows(out, rows), None if lse is None else _pad_lse(lse, rows))
         state = (rows, _call_sigmas(config, len(cu_q) - 1, q.shape[1]), saved)
     return _gradients(q, k, v, state, config, dout.to(q.dtype), slopes, slopes_grad)
 

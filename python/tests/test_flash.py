@@ -390,6 +390,9 @@ GRADIENT_CASES = [
     (2, 3, 6, 2, 2, False, (-1, -1), "bh"),
     (1, 5, 5, 2, 1, False, (2, 1), "h"),
     (2, 5, 3, 2, 1, True, (-1, -1), "bh"),
+    # fewer queries than keys with a local window: the slice backward at query_offset sk - sq
+    (2, 3, 7, 2, 1, True, (2, -1), "h"),
+    (2, 4, 9, 2, 2, False, (3, 2), "bh"),
 ]
 
 
