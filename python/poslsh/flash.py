@@ -92,16 +92,15 @@ flash_attn and flash_attn_varlen (no state kept for a backward); the library pla
 a sequence with more queries than keys as above (causal: the rows before the first key see no
 key; not causal: every key, positions counted from the first query). Calls that need gradients
 with seqlen_q < seqlen_k take their forward from the same library call and, for the exact
-methods, their gradients from the slice backward (multihead_attention_backward with
-query_offset = seqlen_k - seqlen_q: the cost of seqlen_q query rows); the LSH methods run the
-self-attention kernels with q padded at the front to seqlen_k rows (zero queries, zero incoming
-gradient: they change no output row and add exactly zero to dk, dv), at the cost of seqlen_k
-query rows. Non-causal calls with seqlen_q > seqlen_k take
-their forward from the same library call; their gradients come from the slice backward
-(multihead_attention_backward with query_offset and key_offset: exact methods, alibi_slopes
-included) or from the self-attention backward with the keys padded at the front by zero rows
-(the other methods: a zero key adds nothing to dq, and the real keys' probabilities come from
-the real lse).
+methods, their gradients from the packed slice backward (multihead_attention_backward with
+cu_seqlens and cu_seqlens_k: each sequence's queries at positions seqlen_k - seqlen_q ..,
+the cost of seqlen_q query rows); the LSH methods run the self-attention kernels with q padded
+at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no output row
+and add exactly zero to dk, dv), at the cost of seqlen_k query rows. Non-causal calls with
+seqlen_q > seqlen_k take their forward from the same library call; their gradients come from
+the packed slice backward (the same call: exact methods, alibi_slopes included) or from the
+self-attention backward with the keys padded at the front by zero rows (the other methods: a
+zero key adds nothing to dq, and the real keys' probabilities come from the real lse).
 
 The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
 reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
@@ -474,7 +473,7 @@ def _backward_group(q, k, v, rows, sigmas, config, saved, dout, slopes_grad):
 
 def _shifted(rows, config):
     """Whether a training call keeps its query rows as _forward computes them (no padding to the
-    key positions), its backward running sequence by sequence (_shifted_backward): a non-causal
+    key positions), its backward taking them as they are (_shifted_backward): a non-causal
     call with a sequence of more queries than keys (its first rows sit before the first key), and
     an exact method's call with fewer queries than keys in some sequence and none with more (the
     slice backward reads the m rows at their positions, where the padded call would run L)."""
@@ -485,45 +484,24 @@ def _shifted(rows, config):
     return config.method in _SLOPE_GRADIENTS
 
 
-def _sequences(rows):
-    """(b, query slice, key slice, query_offset, key_offset) of the sequences with queries and
-    keys: query row i at position max(0, L - m) + i, key j at max(0, m - L) + j (positions from
-    the first query or the first key, whichever comes first: differences i + L - m - j, as
-    FlashAttention-2's bottom-right alignment)."""
-    for b, (m, length) in enumerate(zip(rows.m.tolist(), rows.lengths.tolist())):
-        if m and length:
-            q0, k0 = int(rows.cu_q[b]), int(rows.cu_k[b])
-            yield b, slice(q0, q0 + m), slice(k0, k0 + length), max(0, length - m), max(0, m - length)
-
-
-def _sequence_keywords(keywords, sigmas, heads, b):
-    """The kernel keywords of sequence b alone: its sigmas when there is one per sequence and head."""
-    if len(sigmas) == heads:
-        return keywords
-    return {**keywords, "sigmas": sigmas[b * heads:(b + 1) * heads]}
-
-
 def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
     """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. The exact methods:
-    each sequence's slice backward (multihead_attention_backward with query_offset and
-    key_offset; dslopes included). The others: the
-    self-attention backward of each sequence padded to max(m, L) tokens, queries and keys at the
-    end (the positions of _sequences), the padding rows zero: a zero key adds nothing to dq and
-    the real keys' P_ij are read from the real lse, so dq, dk, dv are the slice's."""
+    one call of the packed slice backward (multihead_attention_backward with cu_seqlens and
+    cu_seqlens_k: each sequence's slice at its bottom-right offsets; dslopes included). The
+    others: the self-attention backward of each sequence padded to max(m, L) tokens, queries and
+    keys at the end (query row i at position max(0, L - m) + i, key j at max(0, m - L) + j), the
+    padding rows zero: a zero key adds nothing to dq and the real keys' P_ij are read from the
+    real lse, so dq, dk, dv are the slice's."""
     heads = q.shape[1]
     keywords = config.keywords(sigmas)
     dq, dk, dv = (torch.zeros(x.shape, dtype=lse.dtype) for x in (q, k, v))
     dslopes = np.zeros(len(sigmas)) if slopes_grad else None
     if config.method in _SLOPE_GRADIENTS:
-        for b, qs, ks, query_offset, key_offset in _sequences(rows):
-            extra = {}
-            if slopes_grad:
-                extra["dslopes"] = dslopes if len(sigmas) == heads else dslopes[b * heads:(b + 1) * heads]
-            _core.multihead_attention_backward(
-                _kernel_view(q[qs]), _kernel_view(k[ks]), _kernel_view(v[ks]), _kernel_view(out[qs]),
-                lse[:, qs].numpy(), _kernel_view(dout[qs]), query_offset=query_offset, key_offset=key_offset,
-                dq=dq[qs].numpy(), dk=dk[ks].numpy(), dv=dv[ks].numpy(), precision=config.precision,
-                **_sequence_keywords(keywords, sigmas, heads, b), **extra)
+        extra = {"dslopes": dslopes} if slopes_grad else {}
+        _core.multihead_attention_backward(
+            _kernel_view(q), _kernel_view(k), _kernel_view(v), _kernel_view(out), lse.numpy(), _kernel_view(dout),
+            cu_seqlens=rows.cu_q.astype(np.int32), cu_seqlens_k=rows.cu_k, dq=dq.numpy(), dk=dk.numpy(),
+            dv=dv.numpy(), precision=config.precision, **keywords, **extra)
         return dq, dk, dv, dslopes
     m, lengths = rows.m, rows.lengths
     n = np.maximum(m, lengths)

@@ -369,7 +369,8 @@ multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens). cu_seqlens_k= (with
 then the queries' offsets): sequence b's queries are tokens cu_seqlens[b] .. of q over its
 keys cu_seqlens_k[b] .. of k and v, at the last positions (bottom-right), out bitwise that of
 multihead_attention_varlen(q, k, v, cu_seqlens, cu_seqlens_k): FlashAttention's varlen forward
-with softmax_lse. Forward only (multihead_attention_backward takes self-attention).
+with softmax_lse; its gradients: multihead_attention_backward with the same cu_seqlens and
+cu_seqlens_k (exact methods).
 
 key_offset=, query_offset= (one sequence): a slice of a longer sequence, the queries at
 positions query_offset .. query_offset + m - 1 (unset: the last m of the keys' positions) over
@@ -393,6 +394,14 @@ out and lse (H_q x m) the forward's rows over every key the rows see
 
 (positions i, j; causal mask, band and window at those positions): added to the given dq=,
 dk=, dv= and dslopes= (H_q entries), new gradient arrays starting at zero.
+
+cu_seqlens_k= (with cu_seqlens; methods 'exact_tiled' and 'exact_banded'): the gradients of a
+packed batch whose sequences may have fewer or more queries than keys,
+poslsh::multihead_attention_varlen_slice_backward: sequence b's queries are tokens
+cu_seqlens[b] .. of q, out, dout and lse over its keys cu_seqlens_k[b] .. of k and v, placed as
+multihead_attention_with_lse(..., cu_seqlens, cu_seqlens_k) places them (bottom-right), each
+sequence the slice backward at its offsets. dq, dk, dv and dslopes= (H_q entries, or one per
+sequence and query head with sigmas of each) are written.
 )doc";
 
 const char* const multihead_backward_doc = R"doc(
@@ -540,17 +549,26 @@ void register_training(py::module_& module) {
          const std::string& layout_name, const std::string& method, const std::string& masking,
          std::optional<double> scale, std::optional<std::vector<double>> sigmas, Index samples,
          std::uint64_t seed, double band_error, std::pair<Index, Index> window, py::handle dq,
-         py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle dslopes,
-         std::optional<Index> position, std::optional<Index> query_offset,
+         py::handle dk, py::handle dv, py::handle cu_seqlens, py::handle cu_seqlens_k,
+         py::handle dslopes, std::optional<Index> position, std::optional<Index> query_offset,
          std::optional<Index> key_offset, std::optional<int> threads,
          const std::string& precision) {
         const bool slice = query_offset || key_offset;
+        const bool packed_slices = !cu_seqlens_k.is_none();
         const Batch batch = batch_of(cu_seqlens,
                                      position ? "multihead_attention_window_backward"
                                      : slice  ? "multihead_attention_slice_backward"
                                               : "multihead_attention_backward",
-                                     "multihead_attention_varlen_backward");
+                                     packed_slices ? "multihead_attention_varlen_slice_backward"
+                                                   : "multihead_attention_varlen_backward");
         const char* const function = batch.function;
+        if (packed_slices && (!batch.cu_seqlens || position || slice))
+          throw py::value_error(argument(function, "cu_seqlens_k") +
+                                " needs cu_seqlens (the queries' sequences) and takes no "
+                                "position, query_offset or key_offset");
+        const std::optional<std::vector<std::int32_t>> cu_k =
+            packed_slices ? std::optional(int32_vector(cu_seqlens_k, function, "cu_seqlens_k"))
+                          : std::nullopt;
         if (position && (batch.cu_seqlens || !dslopes.is_none() || slice))
           throw py::value_error(argument(function, "position") +
                                 " (a window of one sequence) takes no cu_seqlens, no dslopes and "
@@ -582,7 +600,8 @@ void register_training(py::module_& module) {
           inputs.emplace_back(dk_out.result, "dk");
           auto dv_out = heads_output<L>(dv, keywords.layout, in.v.tokens, in.v.heads, in.v.dim,
                                         function, "dv", like, inputs);
-          // A slice's gradients are added to dq, dk, dv: new arrays start at zero.
+          // A slice's gradients are added to dq, dk, dv: new arrays start at zero (the packed
+          // slices write theirs).
           const auto zero_new = [&](const py::object& result, py::handle given) {
             if (!slice || !given.is_none()) return;
             py::array array = py::reinterpret_borrow<py::array>(result);
@@ -605,7 +624,14 @@ void register_training(py::module_& module) {
           const Index p0 =
               query_offset.value_or(key_offset.value_or(0) + in.k.tokens - in.q.tokens);
           run_kernel(threads, [&] {
-            if (position)
+            if (cu_k) {
+              std::optional<Eigen::Map<Eigen::VectorXd>> slopes_map = dslopes_map;
+              std::optional<Eigen::Ref<Eigen::VectorXd>> slopes_ref;
+              if (slopes_map) slopes_ref.emplace(*slopes_map);
+              poslsh::multihead_attention_varlen_slice_backward<T>(
+                  in.q, in.k, in.v, out_view, lse_ref, dout_view, cu, *cu_k, dq_out.view,
+                  dk_out.view, dv_out.view, keywords.options, slopes_ref ? &*slopes_ref : nullptr);
+            } else if (position)
               poslsh::multihead_attention_window_backward<T>(
                   in.q, in.k, in.v, out_view, lse_ref, dout_view, dq_out.view, dk_out.view,
                   dv_out.view, *position, keywords.options);
@@ -637,9 +663,9 @@ void register_training(py::module_& module) {
                       py::arg("dout")),
       std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
                       py::arg("dv") = py::none(), py::arg("cu_seqlens") = py::none(),
-                      py::arg("dslopes") = py::none(), py::arg("position") = py::none(),
-                      py::arg("query_offset") = py::none(), py::arg("key_offset") = py::none(),
-                      py::arg("num_threads") = py::none(),
+                      py::arg("cu_seqlens_k") = py::none(), py::arg("dslopes") = py::none(),
+                      py::arg("position") = py::none(), py::arg("query_offset") = py::none(),
+                      py::arg("key_offset") = py::none(), py::arg("num_threads") = py::none(),
                       py::arg("precision") = default_precision()),
       (std::string(multihead_backward_doc) + slice_backward_doc + training_dtypes_doc).c_str());
 }

@@ -941,6 +941,23 @@ def test_flash_calls_are_one_library_call(monkeypatch):
     assert all(kwargs["method"] == "mean_of_outputs" for _, _, kwargs in calls.calls)
 
 
+def test_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch):
+    """Exact training calls whose sequences have fewer queries than keys: the forward and the
+    packed slice backward (cu_seqlens and cu_seqlens_k), one library call each, no padded rows."""
+    q, k, v = qkv(3, 4, 9, 4, 2, 4, requires_grad=True)
+    slopes = slopes_of((3, 4)).requires_grad_()
+    calls = _Calls(monkeypatch, KERNELS)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    grads = torch.autograd.grad(out, (q, k, v, slopes), torch.ones_like(out))
+    names = [name for name, _, _ in calls.calls]
+    assert len(names) == 2 and names[1] == "multihead_attention_backward", names
+    assert "cu_seqlens_k" in calls.calls[1][2]
+    expected_out, _ = dense(q, k, v, slopes, True)
+    expected = torch.autograd.grad(expected_out, (q, k, v, slopes), torch.ones_like(expected_out))
+    for name, got, want in zip("q k v slopes".split(), grads, expected):
+        np.testing.assert_allclose(got.double().numpy(), want.double().numpy(), atol=1e-10, rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mean_of_outputs_half_precision(dtype):
     """mean_of_outputs on half-precision tensors read in place: precision="float_products" gives

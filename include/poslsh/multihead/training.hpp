@@ -469,7 +469,8 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 /// query_offsets) (queries at offsets over their own keys, bottom-right by default, a sequence
 /// with more queries than keys as that call places it; out bitwise that call's), and column t
 /// of lse (H_q x total query tokens) the log-sum-exp of query token t (-inf for a row that sees
-/// no key). Forward only: the backward passes take self-attention sequences. (A name of its own:
+/// no key). Its gradients, for the exact methods: multihead_attention_varlen_slice_backward
+/// (poslsh/parallel/slice.hpp). (A name of its own:
 /// with braces for its last arguments a call would be ambiguous with the self-attention form.)
 /// \throws std::invalid_argument naming a bad argument, before any head runs.
 template <typename Scalar>

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "poslsh/core/heads_view.hpp"
 #include "poslsh/core/types.hpp"
@@ -174,6 +175,75 @@ void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<con
                   "must hold one entry per query head (" + std::to_string(q.heads) + ")");
   detail::slice_backward<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, query_offset,
                                  key_offset, options, dslopes.data());
+}
+
+/// The gradients of a packed batch whose sequences may have fewer or more queries than keys
+/// (FlashAttention's varlen backward with cu_seqlens_q and cu_seqlens_k; methods exact_tiled
+/// and exact_banded): sequence b has the query tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+/// q, out, dout, lse and dq and the key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k, v,
+/// dk and dv, placed as multihead_attention_varlen places them (bottom-right: m queries over L
+/// keys sit at positions L - m .. L - 1; with m > L, causal, the first m - L rows see no key and
+/// get dq 0; not causal, the keys sit at positions m - L .. m - 1). Each sequence's gradients are
+/// those of multihead_attention_slice_backward at its offsets, the sequences one after the
+/// other, each parallel inside: bitwise those calls on the sequences' tokens, for any thread
+/// count. dq, dk and dv are WRITTEN (tokens of no sequence: 0). options.sigmas holds one sigma
+/// per query head or one per sequence and query head (B H_q, head h of sequence b at b H_q +
+/// h); *dslopes, when given (as many entries), receives dL/dslope of each such entry (summed
+/// over the sequences in increasing order when per query head). Scalar types as
+/// multihead_attention_backward. \throws std::invalid_argument naming a bad argument, before any
+/// sequence runs.
+template <typename Scalar>
+void multihead_attention_varlen_slice_backward(
+    HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+    HeadsView<const Scalar> out, ConstHeadsLseRef<Scalar> lse, HeadsView<const Scalar> dout,
+    const std::vector<std::int32_t>& cu_seqlens_q, const std::vector<std::int32_t>& cu_seqlens_k,
+    GradientHeadsView<Scalar> dq, GradientHeadsView<Scalar> dk, GradientHeadsView<Scalar> dv,
+    const MultiHeadOptions& options = {}, Eigen::Ref<Eigen::VectorXd>* dslopes = nullptr) {
+  constexpr const char* function = "multihead_attention_varlen_slice_backward";
+  detail::require_heads_inputs(function, q, k, v);
+  detail::require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
+  detail::require_lse_shape(function, lse, q);
+  detail::require_gradient_views(function, q, k, v, dout, dq, dk, dv);
+  const std::vector<detail::HeadsSequence> sequences = detail::packed_sequences(
+      function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens, options, {});
+  const auto batch = static_cast<Index>(sequences.size());
+  // The methods of every sequence and head, checked once (exact only: the slices' rule).
+  const std::vector<HeadMethod> heads = detail::head_methods(function, q.heads, options, batch);
+  const bool per_sequence = static_cast<Index>(heads.size()) != q.heads;
+  detail::require(options.method == Method::exact_tiled || options.method == Method::exact_banded,
+                  function, "options.method", enum_name(options.method),
+                  "must be exact_tiled or exact_banded (the slices of the other methods need "
+                  "their halo: multihead_attention_window_backward)");
+  detail::resolve_scale(function, options, q.dim);
+  for (const auto& view : {dq, dk, dv})
+    for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();
+  if (dslopes != nullptr) {
+    const auto entries = static_cast<Index>(heads.size());
+    detail::require(dslopes->size() == entries, function, "dslopes", dslopes->size(),
+                    "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
+                        "query head (" + std::to_string(entries) + ")");
+    dslopes->setZero();
+  }
+  MultiHeadOptions sequence_options = options;
+  for (Index b = 0; b < batch; ++b) {
+    const detail::HeadsSequence& s = sequences[static_cast<std::size_t>(b)];
+    if (s.q_end == s.q_begin || s.k_end == s.k_begin) continue;
+    if (per_sequence) {
+      const auto first = options.sigmas.begin() + b * q.heads;
+      sequence_options.sigmas.assign(first, first + q.heads);
+    }
+    const auto queries = [&](const auto& view) {
+      return detail::token_range(view, s.q_begin, s.q_end);
+    };
+    const auto keys = [&](const auto& view) {
+      return detail::token_range(view, s.k_begin, s.k_end);
+    };
+    detail::slice_backward<Scalar>(
+        function, queries(q), keys(k), keys(v), queries(out),
+        ConstHeadsLseRef<Scalar>(lse.middleCols(s.q_begin, s.q_end - s.q_begin)), queries(dout),
+        queries(dq), keys(dk), keys(dv), s.p0, s.k0, sequence_options,
+        dslopes == nullptr ? nullptr : dslopes->data() + (per_sequence ? b * q.heads : 0));
+  }
 }
 
 /// Gradients of the attention restricted to a window of a sequence: the n tokens of q, k, v,
