@@ -494,9 +494,9 @@ def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad
     real lse, so dq, dk, dv are the slice's."""
     heads = q.shape[1]
     keywords = config.keywords(sigmas)
-    dq, dk, dv = (torch.zeros(x.shape, dtype=lse.dtype) for x in (q, k, v))
     dslopes = np.zeros(len(sigmas)) if slopes_grad else None
-    if config.method in _SLOPE_GRADIENTS:
+    if config.method in _SLOPE_GRADIENTS:  # the library writes every row of dq, dk, dv
+        dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (q, k, v))
         extra = {"dslopes": dslopes} if slopes_grad else {}
         _core.multihead_attention_backward(
             _kernel_view(q), _kernel_view(k), _kernel_view(v), _kernel_view(out), lse.numpy(), _kernel_view(dout),

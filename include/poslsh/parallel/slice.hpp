@@ -46,6 +46,14 @@ void require_slice_arguments(const char* function, const HeadsView<const Scalar>
   require_lse_shape(function, lse, q);
 }
 
+/// The methods a slice backward takes: exact_tiled and exact_banded (options.method).
+inline void require_exact_slice_method(const char* function, const MultiHeadOptions& options) {
+  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
+          "options.method", enum_name(options.method),
+          "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
+          "multihead_attention_window_backward)");
+}
+
 /// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
 /// when not null, to dslopes (one entry per query head).
 template <typename Scalar>
@@ -59,10 +67,7 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
   using Compute = backward_scalar_t<Scalar>;
   require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
-          "options.method", enum_name(options.method),
-          "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
-          "multihead_attention_window_backward)");
+  require_exact_slice_method(function, options);
   const std::vector<HeadMethod> heads = head_methods(function, q.heads, options);
   const double tau = resolve_scale(function, options, q.dim);
   if (q.tokens == 0 || k.tokens == 0) return;
@@ -207,13 +212,11 @@ void multihead_attention_varlen_slice_backward(
   const std::vector<detail::HeadsSequence> sequences = detail::packed_sequences(
       function, cu_seqlens_q, cu_seqlens_k, q.tokens, k.tokens, options, {});
   const auto batch = static_cast<Index>(sequences.size());
-  // The methods of every sequence and head, checked once (exact only: the slices' rule).
+  // The methods of every sequence and head, checked before any sequence runs (each sequence's
+  // slice_backward checks its own again).
   const std::vector<HeadMethod> heads = detail::head_methods(function, q.heads, options, batch);
   const bool per_sequence = static_cast<Index>(heads.size()) != q.heads;
-  detail::require(options.method == Method::exact_tiled || options.method == Method::exact_banded,
-                  function, "options.method", enum_name(options.method),
-                  "must be exact_tiled or exact_banded (the slices of the other methods need "
-                  "their halo: multihead_attention_window_backward)");
+  detail::require_exact_slice_method(function, options);
   detail::resolve_scale(function, options, q.dim);
   for (const auto& view : {dq, dk, dv})
     for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();
