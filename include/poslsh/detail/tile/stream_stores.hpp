@@ -65,7 +65,7 @@ template <typename Scalar>
 inline bool streams_row(const Scalar* dst, bool stream) {
   using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   if constexpr (has_stream_packet<Scalar>::value &&
-                Eigen::internal::unpacket_traits<Packet>::size > 1) {
+                Eigen::internal::packet_traits<Scalar>::size > 1) {
     return stream && reinterpret_cast<std::uintptr_t>(dst) % sizeof(Packet) == 0;
   } else {
     static_cast<void>(dst);
@@ -81,8 +81,7 @@ template <typename Scalar, typename PacketValue, typename ScalarValue>
 inline void store_row(Scalar* dst, Index count, bool streamed, const PacketValue& packet,
                       const ScalarValue& scalar) {
   namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<Scalar>::type;
-  constexpr Index P = ei::unpacket_traits<Packet>::size;
+  constexpr Index P = ei::packet_traits<Scalar>::size;
   Index c = 0;
   if constexpr (has_stream_packet<Scalar>::value && P > 1) {
     if (streamed)
