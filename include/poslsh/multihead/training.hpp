@@ -29,24 +29,6 @@ namespace poslsh {
 
 namespace detail {
 
-/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
-/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
-template <typename Scalar, typename Input = Scalar>
-struct HeadBackward {
-  ConstMatrixRef<Input> q, k, v, out;
-  ConstVectorRef<Scalar> lse;
-  ConstMatrixRef<Input> dout;
-  MatrixRef<Scalar> dq, dk, dv;
-  Scalar tau;
-  Masking masking;
-  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
-  double* dslope = nullptr;
-  /// The position of the first token (the LSH bins are those of the positions origin ..).
-  Index origin = 0;
-  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
-  Precision precision = Precision::float_products;
-};
-
 /// A thread's scratch for backward jobs that run one head on one thread.
 template <typename Scalar>
 struct BackwardScratch {
@@ -76,10 +58,8 @@ struct ExactMethodBackward : BackwardFlags<true, true> {
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
     // Shift-invariant (the bias and the masks depend on i - j only): b.origin plays no part.
-    exact_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
-                                  head_window(head, b.q.rows(), b.masking), b.out, b.lse, b.dout,
-                                  b.dq, b.dk, b.dv, b.precision, parallel,
-                                  scratch == nullptr ? nullptr : &scratch->work, b.dslope);
+    exact_backward<Scalar, Input>(b, head.sigma, head_window(head, b.q.rows(), b.masking), parallel,
+                                  scratch == nullptr ? nullptr : &scratch->work);
   }
 };
 
@@ -94,10 +74,9 @@ struct MethodBackward<Method::lsh_fused> : BackwardFlags<true, false> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
-    count_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau, b.masking == Masking::causal,
-                                  b.out, b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
+    count_backward<Scalar, Input>(b, head.hashes, parallel,
                                   scratch == nullptr ? nullptr : &scratch->work,
-                                  scratch == nullptr ? nullptr : &scratch->windows, b.origin);
+                                  scratch == nullptr ? nullptr : &scratch->windows);
   }
 };
 
@@ -106,9 +85,7 @@ struct PerSampleMethodBackward : BackwardFlags<false, false> {
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
                        BackwardScratch<Scalar>*) {
-    per_sample_backward<Scalar, Input>(b.q, b.k, b.v, head.hashes, b.tau,
-                                       b.masking == Masking::causal, b.out, b.lse, b.dout, b.dq,
-                                       b.dk, b.dv, b.precision, b.origin);
+    per_sample_backward<Scalar, Input>(b, head.hashes);
   }
 };
 

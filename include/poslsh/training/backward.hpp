@@ -265,19 +265,34 @@ void windowed_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Inpu
   windowed_pass<Scalar, Input>(pass, rule, dq, dk, dv, parallel, work, dslope, accumulate);
 }
 
-/// Exact ALiBi backward over `window` (tiled: the whole causal or bidirectional window).
+/// One head's tensors for a backward job (self-attention: q, k, v of the same n tokens): q, k,
+/// v, out and dout stored as Input, lse and the gradients in the compute scalar Scalar.
 template <typename Scalar, typename Input = Scalar>
-void exact_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
-                    const ConstMatrixRef<Input>& v, double sigma, double tau, ExactWindow window,
-                    const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
-                    const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                    BackwardWork<Scalar>* work = nullptr, double* dslope = nullptr) {
-  const Index n = q.rows();
+struct HeadBackward {
+  ConstMatrixRef<Input> q, k, v, out;
+  ConstVectorRef<Scalar> lse;
+  ConstMatrixRef<Input> dout;
+  MatrixRef<Scalar> dq, dk, dv;
+  Scalar tau;
+  Masking masking;
+  /// When not null (exact methods only): dL/dslope of the head, slope = 1/sigma.
+  double* dslope = nullptr;
+  /// The position of the first token (the LSH bins are those of the positions origin ..).
+  Index origin = 0;
+  /// Where bfloat16 inputs are multiplied (BackwardInputs::paired).
+  Precision precision = Precision::float_products;
+};
+
+/// Exact ALiBi backward of one head over `window` (tiled: the whole causal or bidirectional
+/// window); dL/dslope into *b.dslope when it is not null.
+template <typename Scalar, typename Input = Scalar>
+void exact_backward(HeadBackward<Scalar, Input>& b, double sigma, ExactWindow window,
+                    bool parallel = true, BackwardWork<Scalar>* work = nullptr) {
+  const Index n = b.q.rows();
   // The tile engine's window is lo <= i - j <= hi; the rule's the same.
   const WindowRule<Scalar> rule(0, n, window.lo, window.hi, finite_alibi_slope<Scalar>(sigma, n));
-  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, static_cast<Scalar>(tau), rule, dq, dk,
-                                   dv, precision, parallel, work, dslope);
+  windowed_backward<Scalar, Input>(b.q, b.k, b.v, b.out, b.lse, b.dout, b.tau, rule, b.dq, b.dk,
+                                   b.dv, b.precision, parallel, work, b.dslope);
 }
 
 /// Exact ALiBi backward of the m queries of q at positions p0 .. p0 + m - 1 over the L keys of k
@@ -303,44 +318,36 @@ void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<I
                                    dv, precision, parallel, work, dslope, true);
 }
 
-/// The count-weighted estimator's backward (fused and per-sample give the same gradients; this
-/// is the fused evaluation, each pair once); `work` and `windows` (when not null) are a
-/// thread's scratch, reused across heads. Rows are the positions origin .. origin + n - 1 of
-/// the hashes' sequence (CountWindows::build).
+/// The count-weighted estimator's backward of one head (fused and per-sample give the same
+/// gradients; this is the fused evaluation, each pair once); `work` and `windows` (when not null)
+/// are a thread's scratch, reused across heads. Rows are the positions b.origin .. b.origin + n -
+/// 1 of the hashes' sequence (CountWindows::build).
 template <typename Scalar, typename Input = Scalar>
-void count_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
-                    const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau, bool causal,
-                    const ConstMatrixRef<Input>& out, const ConstVectorRef<Scalar>& lse,
-                    const ConstMatrixRef<Input>& dout, MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk,
-                    MatrixRef<Scalar>& dv, Precision precision, bool parallel = true,
-                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr,
-                    Index origin = 0) {
-  const Index n = q.rows();
+void count_backward(HeadBackward<Scalar, Input>& b, const HashSet& hashes, bool parallel = true,
+                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
+  const Index n = b.q.rows();
+  const bool causal = b.masking == Masking::causal;
   CountWindows own;
   CountWindows& counts = windows != nullptr ? *windows : own;
-  counts.build(hashes, n, causal, origin);
+  counts.build(hashes, n, causal, b.origin);
   const CountRule<Scalar> rule(counts, n, causal);
-  windowed_backward<Scalar, Input>(q, k, v, out, lse, dout, tau, rule, dq, dk, dv, precision,
-                                   parallel, work);
+  windowed_backward<Scalar, Input>(b.q, b.k, b.v, b.out, b.lse, b.dout, b.tau, rule, b.dq, b.dk,
+                                   b.dv, b.precision, parallel, work);
 }
 
-/// The count-weighted estimator's backward sample by sample, block by block (the per-sample
-/// kernel's structure): the compensated sum over samples of plain-attention gradients with the
-/// combined lse. Rows are the positions origin .. origin + n - 1 of the hashes' sequence.
+/// The count-weighted estimator's backward of one head sample by sample, block by block (the
+/// per-sample kernel's structure): the compensated sum over samples of plain-attention gradients
+/// with the combined lse. Rows are the positions b.origin .. b.origin + n - 1 of the hashes'
+/// sequence.
 template <typename Scalar, typename Input = Scalar>
-void per_sample_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<Input>& k,
-                         const ConstMatrixRef<Input>& v, const HashSet& hashes, Scalar tau,
-                         bool causal, const ConstMatrixRef<Input>& out,
-                         const ConstVectorRef<Scalar>& lse, const ConstMatrixRef<Input>& dout,
-                         MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
-                         Precision precision, Index origin = 0) {
+void per_sample_backward(HeadBackward<Scalar, Input>& b, const HashSet& hashes) {
   const detail::FlushSubnormals flush;
-  dq.setZero();
-  dk.setZero();
-  dv.setZero();
-  const PassInputs<Scalar, Input> pass(q, k, v, out, lse, dout, tau, precision);
-  BackwardOutputs<Scalar> grads{dq, dk, dv};
-  backward_hash_blocks(pass.in, hashes, causal, grads, origin);
+  b.dq.setZero();
+  b.dk.setZero();
+  b.dv.setZero();
+  const PassInputs<Scalar, Input> pass(b.q, b.k, b.v, b.out, b.lse, b.dout, b.tau, b.precision);
+  BackwardOutputs<Scalar> grads{b.dq, b.dk, b.dv};
+  backward_hash_blocks(pass.in, hashes, b.masking == Masking::causal, grads, b.origin);
 }
 
 /// The checks every backward entry point makes (self-attention from position 0, the shapes of
@@ -400,13 +407,12 @@ void lsh_backward_call(const char* function, const ConstMatrixRef<Input>& q,
   const auto tau = static_cast<Scalar>(
       backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   if (q.rows() == 0) return;
-  const bool causal = options.masking == Masking::causal;
+  HeadBackward<Scalar, Input> b{
+      q, k, v, out, lse, dout, dq, dk, dv, tau, options.masking, nullptr, 0, options.precision};
   if (pass == LshPass::counts) {
-    count_backward<Scalar, Input>(q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv,
-                                  options.precision);
+    count_backward<Scalar, Input>(b, hashes);
   } else {
-    per_sample_backward<Scalar, Input>(q, k, v, hashes, tau, causal, out, lse, dout, dq, dk, dv,
-                                       options.precision);
+    per_sample_backward<Scalar, Input>(b, hashes);
   }
 }
 
@@ -441,8 +447,21 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
       backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
   const Index n = q.rows();
   if (n == 0) return;
-  exact_backward<Scalar, Input>(q, k, v, sigma, tau, window(n), out, lse, dout, dq, dk, dv,
-                                options.precision);
+  HeadBackward<Scalar, Input> b{q,
+                                k,
+                                v,
+                                out,
+                                lse,
+                                dout,
+                                dq,
+                                dk,
+                                dv,
+                                static_cast<Scalar>(tau),
+                                options.masking,
+                                nullptr,
+                                0,
+                                options.precision};
+  exact_backward<Scalar, Input>(b, sigma, window(n));
 }
 
 }  // namespace detail
