@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -544,10 +545,18 @@ struct CountWindows {
     tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
     lo.resize(static_cast<std::size_t>(n));
     hi.resize(static_cast<std::size_t>(n));
+    // A hash of width w meets a tile of R rows in at most min(R, floor((R - 1) / w) + 2) blocks:
+    // each tile's rectangles are allocated once, not grown block by block.
+    std::size_t rectangles = 0;
+    for (const BinHash& hash : hashes)
+      rectangles += static_cast<std::size_t>(
+          std::min(static_cast<double>(tile_query_rows),
+                   std::floor(static_cast<double>(tile_query_rows - 1) / hash.width) + 2.0));
     parallel_loop(static_cast<long>(count), LoopSchedule::dynamic(4), true, [&](long t) {
       const Index i0 = static_cast<Index>(t) * tile_query_rows;
       const Index rows = std::min(tile_query_rows, n - i0);
       TileCounts& counts = tiles[static_cast<std::size_t>(t)];
+      counts.rectangles.reserve(rectangles);
       counts.build(hashes, i0, rows, n, causal, origin);
       std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
       std::copy(counts.hi.begin(), counts.hi.end(), hi.begin() + i0);
