@@ -443,24 +443,12 @@ void exact_backward_call(const char* function, const ConstMatrixRef<Input>& q,
                          MatrixRef<Scalar>& dq, MatrixRef<Scalar>& dk, MatrixRef<Scalar>& dv,
                          const AttentionOptions& options, Window window) {
   require_sigma(sigma, function);
-  const double tau =
-      backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options);
+  const auto tau = static_cast<Scalar>(
+      backward_scale<Scalar, Input>(function, q, k, v, out, lse, dout, dq, dk, dv, options));
   const Index n = q.rows();
   if (n == 0) return;
-  HeadBackward<Scalar, Input> b{q,
-                                k,
-                                v,
-                                out,
-                                lse,
-                                dout,
-                                dq,
-                                dk,
-                                dv,
-                                static_cast<Scalar>(tau),
-                                options.masking,
-                                nullptr,
-                                0,
-                                options.precision};
+  HeadBackward<Scalar, Input> b{
+      q, k, v, out, lse, dout, dq, dk, dv, tau, options.masking, nullptr, 0, options.precision};
   exact_backward<Scalar, Input>(b, sigma, window(n));
 }
 

@@ -51,7 +51,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -545,13 +544,8 @@ struct CountWindows {
     tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
     lo.resize(static_cast<std::size_t>(n));
     hi.resize(static_cast<std::size_t>(n));
-    // A hash of width w meets a tile of R rows in at most min(R, floor((R - 1) / w) + 2) blocks:
-    // each tile's rectangles are allocated once, not grown block by block.
-    std::size_t rectangles = 0;
-    for (const BinHash& hash : hashes)
-      rectangles += static_cast<std::size_t>(
-          std::min(static_cast<double>(tile_query_rows),
-                   std::floor(static_cast<double>(tile_query_rows - 1) / hash.width) + 2.0));
+    // Each tile's rectangles allocated once, not grown block by block.
+    const std::size_t rectangles = TileCounts::max_rectangles(hashes, tile_query_rows);
     parallel_loop(static_cast<long>(count), LoopSchedule::dynamic(4), true, [&](long t) {
       const Index i0 = static_cast<Index>(t) * tile_query_rows;
       const Index rows = std::min(tile_query_rows, n - i0);

@@ -5,6 +5,8 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <vector>
 
 #include "poslsh/core/hash.hpp"
@@ -99,6 +101,16 @@ struct TileCounts {
   /// (add_blocks_walked: a few bins each); narrower ones have the bins of every row of the
   /// tile computed at once. Both give the same blocks.
   static constexpr double walk_width = 32.0;
+
+  /// The most rectangles build(hashes, i0, rows, ...) makes: a hash of width w meets rows
+  /// consecutive positions in at most min(rows, floor((rows - 1) / w) + 2) blocks.
+  static std::size_t max_rectangles(const HashSet& hashes, Index rows) {
+    std::size_t bound = 0;
+    for (const BinHash& hash : hashes)
+      bound += static_cast<std::size_t>(std::min(
+          static_cast<double>(rows), std::floor(static_cast<double>(rows - 1) / hash.width) + 2.0));
+    return bound;
+  }
 
   /// Keys of the tile's band: [min lo, max hi).
   Index band_begin() const { return lo.front(); }
