@@ -3,7 +3,8 @@
 // waiting on KeyGroupOrder leaves when another fails, and an allocation failing anywhere in a
 // backward call (single head, all heads with every method of the table, a slice of the context
 // parallel backward) reaches the caller as std::bad_alloc, after which the library computes the
-// same gradients as before.
+// same gradients as before. Argument checks that pass make no allocation (the rules with numbers
+// in them are written only for a failing check).
 //
 // The allocation failures come from a replacement of the global operator new in this file
 // (every form: plain, array, aligned, nothrow), active only while FailingAllocations is armed:
@@ -11,6 +12,7 @@
 // nothrow forms return null). Allocations by std::malloc (Eigen's matrices) are not counted.
 // Under AddressSanitizer the replacement still applies (the sanitizer intercepts malloc, which
 // it calls), so the sweeps run in the asan preset too.
+#include <poslsh/detail/checks/attention.hpp>
 #include <poslsh/detail/parallel.hpp>
 #include <poslsh/multihead/training.hpp>
 #include <poslsh/parallel/slice.hpp>
@@ -480,6 +482,47 @@ TEST_CASE("an allocation failing in multihead_attention_slice_backward reaches t
                               << result.in_region << " failures inside a parallel region");
       CHECK(result.failed > 0);
     }
+  }
+}
+
+TEST_CASE("argument checks that pass allocate nothing; a failing one names its numbers",
+          "[failures][checks]") {
+  const Index n = 100, heads = 2, d = 16;
+  const RowMatrix<float> q = random_matrix<float>(n, heads * d, 41);
+  const auto view = poslsh::interleaved_heads<const float>(q.data(), n, heads, d);
+  const auto single = q.leftCols(d);
+  poslsh::AttentionOptions options;
+  options.scale = 0.25;
+  // Counting (allocation 0 never fails) while the checks of a call run: views, shapes, the
+  // scale and masking, the sigma of a hash.
+  FailingAllocations::count = 0;
+  FailingAllocations::fail_at = 0;
+  FailingAllocations::armed = true;
+  view.validate("f", "q");
+  pd::require_view_shape("f", "q", view, n, heads, d);
+  pd::require_qkv_shapes("f", single, single, single);
+  pd::require_self_attention("f", single, single);
+  const double tau = pd::resolve_scale("f", options, d);
+  pd::require_hash_sigma(8.0, "f");
+  FailingAllocations::armed = false;
+  CHECK(FailingAllocations::count.load() == 0);
+  CHECK(tau == 0.25);
+  // The rule with the sizes in it is written when the check fails.
+  try {
+    pd::require_view_shape("f", "out", view, n, heads, 2 * d);
+    FAIL("no exception");
+  } catch (const std::invalid_argument& error) {
+    CHECK(std::string(error.what()) ==
+          "poslsh: f: argument 'out' = 100x2x16: must be 100x2x32 (tokens x heads x dim)");
+  }
+  try {
+    std::vector<float> buffer(static_cast<std::size_t>(n * heads * d));
+    auto bad = poslsh::HeadsView<float>{buffer.data(), n, heads, d, heads * d, 4};
+    bad.validate("f", "out");
+    FAIL("no exception");
+  } catch (const std::invalid_argument& error) {
+    CHECK(std::string(error.what()) ==
+          "poslsh: f: argument 'out.head_stride' = 4: must be >= dim = 16");
   }
 }
 

@@ -243,11 +243,14 @@ OutputErrorMetrics output_error_metrics(ConstMatrixRef<Scalar> exact,
                                         ConstMatrixRef<Scalar> approximate) {
   constexpr const char* function = "output_error_metrics";
   detail::require(exact.rows() >= 1, function, "exact", exact.rows(), "must have at least one row");
-  detail::require(approximate.rows() == exact.rows() && approximate.cols() == exact.cols(),
-                  function, "approximate",
-                  std::to_string(approximate.rows()) + "x" + std::to_string(approximate.cols()),
-                  "shape must equal exact's " + std::to_string(exact.rows()) + "x" +
-                      std::to_string(exact.cols()));
+  detail::require(
+      approximate.rows() == exact.rows() && approximate.cols() == exact.cols(), function,
+      "approximate",
+      [&] { return std::to_string(approximate.rows()) + "x" + std::to_string(approximate.cols()); },
+      [&] {
+        return "shape must equal exact's " + std::to_string(exact.rows()) + "x" +
+               std::to_string(exact.cols());
+      });
   const RowMatrix<double> t_exact = exact.template cast<double>();
   const RowMatrix<double> t_approximate = approximate.template cast<double>();
   const RowMatrix<double> difference = t_exact - t_approximate;
@@ -344,10 +347,13 @@ PaperMetrics paper_metrics(ConstMatrixRef<Scalar> q, ConstMatrixRef<Scalar> k,
                            const MetricOptions& options = {}) {
   constexpr const char* function = "paper_metrics";
   detail::require_qkv_shapes(function, q, k, v);
-  detail::require(exact.rows() == q.rows() && exact.cols() == v.cols(), function, "exact",
-                  std::to_string(exact.rows()) + "x" + std::to_string(exact.cols()),
-                  "shape must be q.rows() x v.cols() = " + std::to_string(q.rows()) + "x" +
-                      std::to_string(v.cols()));
+  detail::require(
+      exact.rows() == q.rows() && exact.cols() == v.cols(), function, "exact",
+      [&] { return std::to_string(exact.rows()) + "x" + std::to_string(exact.cols()); },
+      [&] {
+        return "shape must be q.rows() x v.cols() = " + std::to_string(q.rows()) + "x" +
+               std::to_string(v.cols());
+      });
   detail::require_self_attention(function, q, k);
   detail::require(options.dense_limit >= 0, function, "options.dense_limit", options.dense_limit,
                   "must be >= 0");

@@ -33,9 +33,9 @@ namespace detail {
 inline void analysis_require_vector_sizes(const char* function, Index x_size, Index y_size,
                                           Index n) {
   require(x_size == n, function, "x", x_size,
-          "size must equal the operator size " + std::to_string(n));
+          [&] { return "size must equal the operator size " + std::to_string(n); });
   require(y_size == n, function, "y", y_size,
-          "size must equal the operator size " + std::to_string(n));
+          [&] { return "size must equal the operator size " + std::to_string(n); });
 }
 
 }  // namespace detail

@@ -42,11 +42,13 @@ void require_decode_arguments(const char* function, const QType& query, const KT
                               const AttentionOptions& options) {
   require(query.rows() >= 1, function, "query", query.rows(), "must have at least 1 row");
   require_qkv_shapes(function, query, keys, values, QkvNames{"query", "keys", "values"});
-  require(t >= 0 && t < keys.rows(), function, "t", t,
-          "must lie in [0, keys.rows()) = [0, " + std::to_string(keys.rows()) + ")");
-  require(query.rows() <= t + 1, function, "query", query.rows(),
-          "row count m must be <= t + 1 = " + std::to_string(t + 1) +
-              " (rows at positions t - m + 1 .. t)");
+  require(t >= 0 && t < keys.rows(), function, "t", t, [&] {
+    return "must lie in [0, keys.rows()) = [0, " + std::to_string(keys.rows()) + ")";
+  });
+  require(query.rows() <= t + 1, function, "query", query.rows(), [&] {
+    return "row count m must be <= t + 1 = " + std::to_string(t + 1) +
+           " (rows at positions t - m + 1 .. t)";
+  });
   require_output_shape(function, out, query.rows(), values.cols());
   require(options.masking == Masking::causal, function, "options.masking", "bidirectional",
           "decode attends to the cache 0..t only: must be causal");

@@ -144,14 +144,16 @@ class BoundedKVCache {
     detail::require(query_heads >= 1, function, "heads", query_heads,
                     "must hold one method per query head");
     for (const HeadMethod& head : heads_) detail::require_retention_head(head, function, "heads");
-    detail::require(kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
-                    "must divide the query heads (" + std::to_string(query_heads) + ")");
+    detail::require(
+        kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
+        [&] { return "must divide the query heads (" + std::to_string(query_heads) + ")"; });
     detail::require(dim >= 1, function, "dim", dim, "must be >= 1");
     detail::require(dim_v >= 1, function, "dim_v", dim_v, "must be >= 1");
     detail::require(page_size >= page_multiple && page_size % page_multiple == 0, function,
-                    "page_size", page_size,
-                    "must be a positive multiple of " + std::to_string(page_multiple) +
-                        " (the kernels' key tile)");
+                    "page_size", page_size, [&] {
+                      return "must be a positive multiple of " + std::to_string(page_multiple) +
+                             " (the kernels' key tile)";
+                    });
     detail::require(num_pages >= 1 && num_pages <= std::numeric_limits<std::int32_t>::max(),
                     function, "num_pages", num_pages, "must lie in [1, 2^31 - 1]");
     const auto pages = static_cast<std::size_t>(num_pages);
@@ -255,9 +257,10 @@ class BoundedKVCache {
               HeadsView<const Storage> values) {
     constexpr const char* function = "BoundedKVCache::append";
     Sequence& s = open_sequence(function, sequence);
-    detail::require(position == s.length, function, "position", position,
-                    "must be the sequence's length " + std::to_string(s.length) +
-                        " (tokens are appended in position order)");
+    detail::require(position == s.length, function, "position", position, [&] {
+      return "must be the sequence's length " + std::to_string(s.length) +
+             " (tokens are appended in position order)";
+    });
     detail::require_view_shape(function, "keys", keys, keys.tokens, kv_heads_, dim_);
     detail::require_view_shape(function, "values", values, keys.tokens, kv_heads_, dim_v_);
     const Index tokens = keys.tokens;
@@ -303,9 +306,10 @@ class BoundedKVCache {
   void advance(Index sequence, Index t) {
     constexpr const char* function = "BoundedKVCache::advance";
     Sequence& s = open_sequence(function, sequence);
-    detail::require(t >= s.frontier && t <= s.length, function, "t", t,
-                    "must lie in [frontier, length] = [" + std::to_string(s.frontier) + ", " +
-                        std::to_string(s.length) + "]");
+    detail::require(t >= s.frontier && t <= s.length, function, "t", t, [&] {
+      return "must lie in [frontier, length] = [" + std::to_string(s.frontier) + ", " +
+             std::to_string(s.length) + "]";
+    });
     const std::vector<Index> releases = release_counts(s, t);
     for (Index g = 0; g < kv_heads_; ++g)
       release_front(s.heads[static_cast<std::size_t>(g)], releases[static_cast<std::size_t>(g)]);
@@ -392,9 +396,10 @@ class BoundedKVCache {
   }
 
   Sequence& open_sequence(const char* function, Index sequence) {
-    detail::require(is_open(sequence), function, "sequence", sequence,
-                    "must be an open sequence of this cache (open() returns them; " +
-                        std::to_string(sequences_.size()) + " opened so far)");
+    detail::require(is_open(sequence), function, "sequence", sequence, [&] {
+      return "must be an open sequence of this cache (open() returns them; " +
+             std::to_string(sequences_.size()) + " opened so far)";
+    });
     return sequences_[static_cast<std::size_t>(sequence)];
   }
   const Sequence& get(const char* function, Index sequence) const {
@@ -404,17 +409,19 @@ class BoundedKVCache {
   }
   const HeadPages& head_pages(const char* function, Index sequence, Index kv_head) const {
     const Sequence& s = get(function, sequence);
-    detail::require(kv_head >= 0 && kv_head < kv_heads_, function, "kv_head", kv_head,
-                    "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads_) + ")");
+    detail::require(kv_head >= 0 && kv_head < kv_heads_, function, "kv_head", kv_head, [&] {
+      return "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads_) + ")";
+    });
     return s.heads[static_cast<std::size_t>(kv_head)];
   }
   Index pool_row(const char* function, Index sequence, Index kv_head, Index position) const {
     const HeadPages& head = head_pages(function, sequence, kv_head);
     const Index first = head.first_page * page_size_;
     const Index length = sequences_[static_cast<std::size_t>(sequence)].length;
-    detail::require(position >= first && position < length, function, "position", position,
-                    "must be a held position, in [" + std::to_string(first) + ", " +
-                        std::to_string(length) + ")");
+    detail::require(position >= first && position < length, function, "position", position, [&] {
+      return "must be a held position, in [" + std::to_string(first) + ", " +
+             std::to_string(length) + ")";
+    });
     return physical_row(head, position);
   }
 
@@ -454,10 +461,11 @@ HeadsCall bounded_call(const char* function, const HeadsView<const QScalar>& q,
                        const std::vector<std::int32_t>& cu_seqlens_q,
                        const AttentionOptions& options, const std::vector<Index>& query_offsets) {
   q.validate(function, "q");
-  require(q.heads == cache.query_heads(), function, "q.heads", q.heads,
-          "must equal the cache's query heads " + std::to_string(cache.query_heads()));
+  require(q.heads == cache.query_heads(), function, "q.heads", q.heads, [&] {
+    return "must equal the cache's query heads " + std::to_string(cache.query_heads());
+  });
   require(q.dim == cache.dim(), function, "q.dim", q.dim,
-          "must equal cache.dim() = " + std::to_string(cache.dim()));
+          [&] { return "must equal cache.dim() = " + std::to_string(cache.dim()); });
   require_view_shape(function, "out", out, q.tokens, q.heads, cache.dim_v());
   require_no_query_offset(function, options.query_offset);
   require(!sequences.empty(), function, "sequences", 0, "must name at least one sequence");
@@ -473,12 +481,14 @@ HeadsCall bounded_call(const char* function, const HeadsView<const QScalar>& q,
     const HeadsSequence& s = call.sequences[b];
     const Index frontier = cache.frontier(sequences[b]);
     if (s.q_end > s.q_begin)
-      require(s.p0 >= frontier, function, query_offsets.empty() ? "cu_seqlens_q" : "query_offsets",
-              s.p0,
-              "puts the first query of sequence " + std::to_string(sequences[b]) +
-                  " before its frontier " + std::to_string(frontier) +
-                  " (the cache no longer holds the keys it may read): queries sit at positions "
-                  ">= the first position of the last append");
+      require(
+          s.p0 >= frontier, function, query_offsets.empty() ? "cu_seqlens_q" : "query_offsets",
+          s.p0, [&] {
+            return "puts the first query of sequence " + std::to_string(sequences[b]) +
+                   " before its frontier " + std::to_string(frontier) +
+                   " (the cache no longer holds the keys it may read): queries sit at positions "
+                   ">= the first position of the last append";
+          });
   }
   resolve_call_options(call, function, options, q.dim);
   return call;

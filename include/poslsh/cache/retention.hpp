@@ -64,7 +64,7 @@ inline Index first_live_key_unchecked(const HeadMethod& head, Index t) {
 /// blocks), band >= 0 (exact_banded), window_left >= -1. Names `name`.
 inline void require_retention_head(const HeadMethod& head, const char* function, const char* name) {
   require(enum_is_valid(head.method), function, name, static_cast<int>(head.method),
-          "method must be " + enum_name_list<Method>());
+          [&] { return "method must be " + enum_name_list<Method>(); });
   require_sigma(head.sigma, function, name);
   if (weights_from_hashes(head.method)) validate_hashes(head.hashes, function);
   if (head.method == Method::exact_banded)
@@ -98,10 +98,12 @@ inline Index kv_head_first_live_key(const std::vector<HeadMethod>& heads, Index 
   constexpr const char* function = "kv_head_first_live_key";
   const auto query_heads = static_cast<Index>(heads.size());
   detail::require(query_heads >= 1, function, "heads", query_heads, "must hold the query heads");
-  detail::require(kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
-                  "must divide the query heads (" + std::to_string(query_heads) + ")");
-  detail::require(kv_head >= 0 && kv_head < kv_heads, function, "kv_head", kv_head,
-                  "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads) + ")");
+  detail::require(
+      kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
+      [&] { return "must divide the query heads (" + std::to_string(query_heads) + ")"; });
+  detail::require(kv_head >= 0 && kv_head < kv_heads, function, "kv_head", kv_head, [&] {
+    return "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads) + ")";
+  });
   detail::require_size(t, function, "t");
   const Index group = query_heads / kv_heads;
   Index first = t;

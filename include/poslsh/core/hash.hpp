@@ -5,6 +5,7 @@
 /// hashes (rbf_hashes, the samplers) are in lsh/.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -105,7 +106,12 @@ namespace detail {
 /// Block boundaries lo = t_0 < t_1 < ... < t_m = hi of `hash` on the positions [lo, hi) (its
 /// blocks cut to the range; hi = lo gives {lo}). Unchecked: 0 <= lo <= hi.
 inline std::vector<Index> block_boundaries_between(const BinHash& hash, Index lo, Index hi) {
-  std::vector<Index> boundaries{lo};
+  std::vector<Index> boundaries;
+  // One block per bin from lo's to (hi - 1)'s (at most one per position): one allocation.
+  const std::int64_t blocks =
+      hi > lo ? std::min<std::int64_t>(hash.bin(hi - 1) - hash.bin(lo) + 1, hi - lo) : 0;
+  boundaries.reserve(static_cast<std::size_t>(blocks) + 1);
+  boundaries.push_back(lo);
   for (Index begin = lo; begin < hi;) {
     begin = block_containing(hash, begin, hi).end;
     boundaries.push_back(begin);

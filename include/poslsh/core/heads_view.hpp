@@ -42,24 +42,28 @@ struct HeadsView {
   /// as `name`.field (e.g. 'out.head_stride'). It cannot check that the buffer holds every
   /// element the view addresses, nor the values in it (NaN entries are not scanned).
   void validate(const char* function, const char* name) const {
-    const std::string prefix(name);
-    detail::require(tokens >= 0, function, (prefix + ".tokens").c_str(), tokens, "must be >= 0");
-    detail::require(heads >= 1, function, (prefix + ".heads").c_str(), heads, "must be >= 1");
-    detail::require(dim >= 0, function, (prefix + ".dim").c_str(), dim, "must be >= 0");
-    detail::require(tokens == 0 || dim == 0 || data != nullptr, function,
-                    (prefix + ".data").c_str(), "null", "must point at the buffer");
-    detail::require(row_stride >= dim, function, (prefix + ".row_stride").c_str(), row_stride,
-                    "must be >= dim = " + std::to_string(dim));
-    detail::require(heads == 1 || head_stride >= dim, function, (prefix + ".head_stride").c_str(),
-                    head_stride, "must be >= dim = " + std::to_string(dim));
+    // The field's name and the rule are written out only for a failing check.
+    const auto check = [&](bool condition, const char* field, const auto& value, const auto& rule) {
+      if (!condition)
+        detail::throw_invalid(function, (std::string(name) + "." + field).c_str(),
+                              detail::when_failing(value), detail::when_failing(rule));
+    };
+    check(tokens >= 0, "tokens", tokens, "must be >= 0");
+    check(heads >= 1, "heads", heads, "must be >= 1");
+    check(dim >= 0, "dim", dim, "must be >= 0");
+    check(tokens == 0 || dim == 0 || data != nullptr, "data", "null", "must point at the buffer");
+    check(row_stride >= dim, "row_stride", row_stride,
+          [&] { return "must be >= dim = " + std::to_string(dim); });
+    check(heads == 1 || head_stride >= dim, "head_stride", head_stride,
+          [&] { return "must be >= dim = " + std::to_string(dim); });
     if constexpr (!std::is_const_v<Element>) {
       const bool disjoint = heads == 1 || tokens <= 1 || dim == 0 ||
                             head_stride >= tokens * row_stride || row_stride >= heads * head_stride;
-      detail::require(
-          disjoint, function, (prefix + ".head_stride").c_str(), head_stride,
-          "output heads overlap: need head_stride >= tokens * row_stride = " +
-              std::to_string(tokens * row_stride) +
-              " or row_stride >= heads * head_stride = " + std::to_string(heads * head_stride));
+      check(disjoint, "head_stride", head_stride, [&] {
+        return "output heads overlap: need head_stride >= tokens * row_stride = " +
+               std::to_string(tokens * row_stride) +
+               " or row_stride >= heads * head_stride = " + std::to_string(heads * head_stride);
+      });
     }
   }
 };
@@ -84,11 +88,16 @@ template <typename Element>
 void require_view_shape(const char* function, const char* name, const HeadsView<Element>& view,
                         Index tokens, Index heads, Index dim) {
   view.validate(function, name);
-  require(view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
-          std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
-              std::to_string(view.dim),
-          "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
-              std::to_string(dim) + " (tokens x heads x dim)");
+  require(
+      view.tokens == tokens && view.heads == heads && view.dim == dim, function, name,
+      [&] {
+        return std::to_string(view.tokens) + "x" + std::to_string(view.heads) + "x" +
+               std::to_string(view.dim);
+      },
+      [&] {
+        return "must be " + std::to_string(tokens) + "x" + std::to_string(heads) + "x" +
+               std::to_string(dim) + " (tokens x heads x dim)";
+      });
 }
 
 }  // namespace detail

@@ -44,11 +44,13 @@ inline std::vector<double> alibi_slopes_shard(int heads, int first_head, int loc
                                               double max_bias = 8.0) {
   detail::require_positive(heads, "alibi_slopes_shard", "heads");
   detail::require(first_head >= 0 && first_head < heads, "alibi_slopes_shard", "first_head",
-                  first_head, "must be in [0, heads) = [0, " + std::to_string(heads) + ")");
-  detail::require(
-      local_heads >= 1 && local_heads <= heads - first_head, "alibi_slopes_shard", "local_heads",
-      local_heads,
-      "must be in [1, heads - first_head] = [1, " + std::to_string(heads - first_head) + "]");
+                  first_head,
+                  [&] { return "must be in [0, heads) = [0, " + std::to_string(heads) + ")"; });
+  detail::require(local_heads >= 1 && local_heads <= heads - first_head, "alibi_slopes_shard",
+                  "local_heads", local_heads, [&] {
+                    return "must be in [1, heads - first_head] = [1, " +
+                           std::to_string(heads - first_head) + "]";
+                  });
   const std::vector<double> slopes = alibi_slopes(heads, max_bias);
   return std::vector<double>(slopes.begin() + first_head,
                              slopes.begin() + first_head + local_heads);

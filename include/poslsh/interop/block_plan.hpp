@@ -37,9 +37,10 @@ inline BlockPlan block_plan(const BinHash& hash, const std::vector<Index>& seque
   Index total = 0;
   for (Index length : sequence_lengths) {
     detail::require(length >= 0, function, "sequence_lengths", length, "lengths must be >= 0");
-    detail::require(length <= std::numeric_limits<std::int32_t>::max() - total, function,
-                    "sequence_lengths", std::to_string(total) + " + " + std::to_string(length),
-                    "total length must fit in int32 (<= 2147483647)");
+    detail::require(
+        length <= std::numeric_limits<std::int32_t>::max() - total, function, "sequence_lengths",
+        [&] { return std::to_string(total) + " + " + std::to_string(length); },
+        "total length must fit in int32 (<= 2147483647)");
     total += length;
   }
   BlockPlan plan;

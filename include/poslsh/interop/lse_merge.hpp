@@ -41,10 +41,12 @@ class LseMerger {
     const Index n = accumulator_.rows();
     detail::require(
         output.rows() == n && output.cols() == accumulator_.cols(), function, "output",
-        std::to_string(output.rows()) + "x" + std::to_string(output.cols()),
-        "shape must be " + std::to_string(n) + "x" + std::to_string(accumulator_.cols()));
+        [&] { return std::to_string(output.rows()) + "x" + std::to_string(output.cols()); },
+        [&] {
+          return "shape must be " + std::to_string(n) + "x" + std::to_string(accumulator_.cols());
+        });
     detail::require(lse.size() == n, function, "lse", lse.size(),
-                    "size must be n = " + std::to_string(n));
+                    [&] { return "size must be n = " + std::to_string(n); });
     for (Index i = 0; i < n; ++i) {
       const Scalar value = lse(i);
       detail::require(!std::isnan(value) && value != std::numeric_limits<Scalar>::infinity(),
@@ -71,10 +73,10 @@ class LseMerger {
 
   /// Writes T~ (n x d_v). Throws std::invalid_argument naming 'out' on a shape mismatch.
   void result(MatrixRef<Scalar> out) const {
-    detail::require(out.rows() == accumulator_.rows() && out.cols() == accumulator_.cols(),
-                    "LseMerger::result", "out",
-                    std::to_string(out.rows()) + "x" + std::to_string(out.cols()),
-                    "shape must be n x d_v");
+    detail::require(
+        out.rows() == accumulator_.rows() && out.cols() == accumulator_.cols(), "LseMerger::result",
+        "out", [&] { return std::to_string(out.rows()) + "x" + std::to_string(out.cols()); },
+        "shape must be n x d_v");
     for (Index i = 0; i < accumulator_.rows(); ++i) {
       if (denominator_(i) > Scalar(0)) {
         out.row(i) = accumulator_.row(i) / denominator_(i);

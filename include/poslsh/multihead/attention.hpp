@@ -68,12 +68,14 @@ void require_heads_inputs(const char* function, const HeadsView<QElement>& q,
   require(q.tokens == 0 || q.dim > 0, function, "q.dim", q.dim,
           "head dimension d must be >= 1 when there are tokens");
   require(v.tokens == k.tokens, function, "v.tokens", v.tokens,
-          "must equal k.tokens = " + std::to_string(k.tokens));
-  require(k.dim == q.dim, function, "k.dim", k.dim, "must equal q.dim = " + std::to_string(q.dim));
+          [&] { return "must equal k.tokens = " + std::to_string(k.tokens); });
+  require(k.dim == q.dim, function, "k.dim", k.dim,
+          [&] { return "must equal q.dim = " + std::to_string(q.dim); });
   require(v.heads == k.heads, function, "v.heads", v.heads,
-          "must equal k.heads = " + std::to_string(k.heads));
-  require(q.heads % k.heads == 0, function, "k.heads", k.heads,
-          "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
+          [&] { return "must equal k.heads = " + std::to_string(k.heads); });
+  require(q.heads % k.heads == 0, function, "k.heads", k.heads, [&] {
+    return "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)";
+  });
 }
 
 /// The method of every query head from the options: sigma_h = options.sigmas[h] (empty: the
@@ -87,16 +89,17 @@ void require_heads_inputs(const char* function, const HeadsView<QElement>& q,
 inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
                                             const MultiHeadOptions& options, Index batch = 1) {
   require(enum_is_valid(options.method), function, "options.method",
-          static_cast<int>(options.method), "must be " + enum_name_list<Method>());
+          static_cast<int>(options.method), [&] { return "must be " + enum_name_list<Method>(); });
   const std::vector<double> sigmas =
       options.sigmas.empty() ? alibi_sigmas(static_cast<int>(heads)) : options.sigmas;
   const auto count = static_cast<Index>(sigmas.size());
   require(count == heads || (batch > 1 && count == batch * heads), function, "options.sigmas",
-          sigmas.size(),
-          "must hold one sigma per query head (" + std::to_string(heads) + ")" +
-              (batch > 1 ? " or one per sequence and query head (" + std::to_string(batch) + " x " +
-                               std::to_string(heads) + ")"
-                         : std::string()));
+          sigmas.size(), [&] {
+            return "must hold one sigma per query head (" + std::to_string(heads) + ")" +
+                   (batch > 1 ? " or one per sequence and query head (" + std::to_string(batch) +
+                                    " x " + std::to_string(heads) + ")"
+                              : std::string());
+          });
   for (double sigma : sigmas) require_sigma(sigma, function, "options.sigmas");
   if (method_draws_hashes(options.method)) {
     require_positive(options.samples, function, "options.samples");
@@ -109,9 +112,10 @@ inline std::vector<HeadMethod> head_methods(const char* function, Index heads,
   for (const auto& [name, side] : {std::pair{"options.window_left", options.window_left},
                                    std::pair{"options.window_right", options.window_right}}) {
     require(side >= -1, function, name, side, "must be -1 (unbounded) or >= 0");
-    require(side == -1 || windowed, function, name, side,
-            "a local window needs method " + enum_name_list<Method>(method_takes_window) +
-                " (got " + std::string(enum_name(options.method)) + ")");
+    require(side == -1 || windowed, function, name, side, [&] {
+      return "a local window needs method " + enum_name_list<Method>(method_takes_window) +
+             " (got " + std::string(enum_name(options.method)) + ")";
+    });
   }
   std::vector<HeadMethod> methods(sigmas.size());
   for (std::size_t h = 0; h < sigmas.size(); ++h) {
@@ -137,13 +141,16 @@ inline void require_cu_seqlens(const char* function, const char* name,
   require(!cu.empty(), function, name, "{}", "must hold B + 1 >= 1 entries");
   require(cu.front() == 0, function, name, cu.front(), "first entry must be 0");
   for (std::size_t b = 1; b < cu.size(); ++b) {
-    require(cu[b] >= cu[b - 1], function, name,
-            "[" + std::to_string(b) + "] = " + std::to_string(cu[b]),
-            "must be non-decreasing (entry " + std::to_string(b - 1) + " = " +
-                std::to_string(cu[b - 1]) + ")");
+    require(
+        cu[b] >= cu[b - 1], function, name,
+        [&] { return "[" + std::to_string(b) + "] = " + std::to_string(cu[b]); },
+        [&] {
+          return "must be non-decreasing (entry " + std::to_string(b - 1) + " = " +
+                 std::to_string(cu[b - 1]) + ")";
+        });
   }
   require(cu.back() == tokens, function, name, cu.back(),
-          "last entry must equal the packed token count " + std::to_string(tokens));
+          [&] { return "last entry must equal the packed token count " + std::to_string(tokens); });
 }
 
 /// options.query_offset of a packed batch's call: unset (the sequences' offsets are the
@@ -162,8 +169,9 @@ inline void resolve_query_offsets(const char* function, std::vector<HeadsSequenc
                                   const std::vector<Index>& query_offsets, const char* keys_name) {
   const std::size_t batch = sequences.size();
   require(query_offsets.empty() || query_offsets.size() == batch, function, "query_offsets",
-          query_offsets.size(),
-          "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")");
+          query_offsets.size(), [&] {
+            return "must be empty or hold one offset per sequence (" + std::to_string(batch) + ")";
+          });
   for (std::size_t b = 0; b < batch; ++b) {
     HeadsSequence& sequence = sequences[b];
     sequence.p0 = resolve_query_offset(
@@ -220,8 +228,9 @@ inline std::vector<HeadsSequence> packed_sequences(const char* function,
   require_no_query_offset(function, options.query_offset);
   require_cu_seqlens(function, "cu_seqlens_q", cu_q, q_tokens);
   require_cu_seqlens(function, "cu_seqlens_k", cu_k, k_tokens);
-  require(cu_k.size() == cu_q.size(), function, "cu_seqlens_k", cu_k.size(),
-          "must have as many entries as cu_seqlens_q (" + std::to_string(cu_q.size()) + ")");
+  require(cu_k.size() == cu_q.size(), function, "cu_seqlens_k", cu_k.size(), [&] {
+    return "must have as many entries as cu_seqlens_q (" + std::to_string(cu_q.size()) + ")";
+  });
   std::vector<HeadsSequence> sequences(cu_q.size() - 1);
   for (std::size_t b = 0; b < sequences.size(); ++b)
     sequences[b] = {cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], 0};
@@ -238,9 +247,10 @@ std::vector<HeadsSequence> cache_sequences(const char* function,
                                            const std::vector<std::int32_t>& cu_q, Index q_tokens,
                                            std::size_t batch, const char* batch_name,
                                            KeysOf keys_of) {
-  require(
-      cu_q.size() == batch + 1, function, "cu_seqlens_q", cu_q.size(),
-      "must hold " + std::string(batch_name) + " + 1 = " + std::to_string(batch + 1) + " entries");
+  require(cu_q.size() == batch + 1, function, "cu_seqlens_q", cu_q.size(), [&] {
+    return "must hold " + std::string(batch_name) + " + 1 = " + std::to_string(batch + 1) +
+           " entries";
+  });
   require_cu_seqlens(function, "cu_seqlens_q", cu_q, q_tokens);
   std::vector<HeadsSequence> sequences(batch);
   for (std::size_t b = 0; b < batch; ++b)

@@ -59,9 +59,10 @@ HeadsCall paged_call(const char* function, const HeadsView<const QScalar>& q,
   require(cache.batch >= 1, function, "cache.batch", cache.batch, "must be >= 1");
   for (Index b = 0; b < cache.batch; ++b) cache.validate(function, b);
   require(q.dim == cache.dim, function, "q.dim", q.dim,
-          "must equal cache.dim = " + std::to_string(cache.dim));
-  require(q.heads % cache.heads == 0, function, "cache.heads", cache.heads,
-          "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)");
+          [&] { return "must equal cache.dim = " + std::to_string(cache.dim); });
+  require(q.heads % cache.heads == 0, function, "cache.heads", cache.heads, [&] {
+    return "must divide q.heads = " + std::to_string(q.heads) + " (grouped-query attention)";
+  });
   require_view_shape(function, "out", out, q.tokens, q.heads, cache.dim_v);
   require_no_query_offset(function, options.query_offset);
   HeadsCall call;

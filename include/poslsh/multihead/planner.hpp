@@ -355,7 +355,7 @@ namespace detail {
 inline std::vector<HeadMethod> planned_head_methods(const char* function, Index heads,
                                                     const std::vector<HeadPlan>& plans) {
   require(static_cast<Index>(plans.size()) == heads, function, "plans", plans.size(),
-          "must hold one plan per query head (" + std::to_string(heads) + ")");
+          [&] { return "must hold one plan per query head (" + std::to_string(heads) + ")"; });
   std::vector<HeadMethod> methods(plans.size());
   for (std::size_t h = 0; h < plans.size(); ++h) {
     const HeadPlan& p = plans[h];

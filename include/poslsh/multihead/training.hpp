@@ -132,10 +132,13 @@ namespace detail {
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
 template <typename LseType, typename QElement>
 void require_lse_shape(const char* function, const LseType& lse, const HeadsView<QElement>& q) {
-  require(lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
-          std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
-          "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
-              std::to_string(q.tokens));
+  require(
+      lse.rows() == q.heads && lse.cols() == q.tokens, function, "lse",
+      [&] { return std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()); },
+      [&] {
+        return "shape must be q.heads x q.tokens = " + std::to_string(q.heads) + "x" +
+               std::to_string(q.tokens);
+      });
 }
 
 /// The checked arguments of an all-heads training call on the sequences [cu[b], cu[b + 1]) of
@@ -149,8 +152,9 @@ HeadsCall training_call(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<OutElement>& out, const MultiHeadOptions& options) {
   require_self_positions(function, options);
   require_heads_inputs(function, q, k, v);
-  require(k.tokens == q.tokens, function, "k.tokens", k.tokens,
-          "must equal q.tokens = " + std::to_string(q.tokens) + " (self-attention)");
+  require(k.tokens == q.tokens, function, "k.tokens", k.tokens, [&] {
+    return "must equal q.tokens = " + std::to_string(q.tokens) + " (self-attention)";
+  });
   require_view_shape(function, "out", out, q.tokens, q.heads, v.dim);
   require_lse_shape(function, lse, q);
   require_cu_seqlens(function, "cu_seqlens", cu_seqlens, q.tokens);
@@ -341,15 +345,18 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   if (dslopes != nullptr) {
     require(method_has_slope_gradients(options.method), function, "dslopes",
-            enum_name(options.method),
-            "slope gradients need method " + enum_name_list<Method>(method_has_slope_gradients) +
-                " (the bins of the LSH methods are not differentiable in the slope)");
+            enum_name(options.method), [&] {
+              return "slope gradients need method " +
+                     enum_name_list<Method>(method_has_slope_gradients) +
+                     " (the bins of the LSH methods are not differentiable in the slope)";
+            });
     const auto entries = static_cast<Index>(call.heads.size());
-    require(
-        dslopes->size() == entries, function, "dslopes", dslopes->size(),
-        call.per_sequence
-            ? "must hold one entry per sequence and query head (" + std::to_string(entries) + ")"
-            : "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+    require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
+      return call.per_sequence
+                 ? "must hold one entry per sequence and query head (" + std::to_string(entries) +
+                       ")"
+                 : "must hold one entry per query head (" + std::to_string(q.heads) + ")";
+    });
   }
   heads_backward<Input>(call, q, k, v, out, lse, dout, dq, dk, dv,
                         dslopes == nullptr ? nullptr : dslopes->data());

@@ -133,7 +133,8 @@ void require_rank_tensors(const char* function, const ContextParallelRank& me,
   require_view_shape(function, "out", tensors.out, m, s.query_heads, s.value_dim);
   require_view_shape(function, "dout", tensors.dout, m, s.query_heads, s.value_dim);
   require(m == 0 || (tensors.lse != nullptr && tensors.lse_stride >= m), function, "lse",
-          tensors.lse_stride, "must point at H_q rows of at least m = " + std::to_string(m));
+          tensors.lse_stride,
+          [&] { return "must point at H_q rows of at least m = " + std::to_string(m); });
 }
 
 /// Checks the inputs of a halo pass (halo_forward, halo_backward): a plan with halos (a ring
@@ -147,12 +148,15 @@ void require_halo_inputs(const char* function, const ContextParallelRank& me,
           "must have halos (exact_tiled without a local window runs a ring)");
   require_rank_tensors(function, me, tensors, pass);
   require(static_cast<Index>(messages.size()) == me.ranks(), function, "messages", messages.size(),
-          "must hold one buffer per rank (" + std::to_string(me.ranks()) + ")");
+          [&] { return "must hold one buffer per rank (" + std::to_string(me.ranks()) + ")"; });
   for (Index s = 0; s < me.ranks(); ++s) {
     const Index expected = me.received_elements(s, pass);
     const auto& message = messages[static_cast<std::size_t>(s)];
     require(s == me.rank() || message.size() == expected, function, "messages", message.size(),
-            "must hold " + std::to_string(expected) + " elements from rank " + std::to_string(s));
+            [&] {
+              return "must hold " + std::to_string(expected) + " elements from rank " +
+                     std::to_string(s);
+            });
   }
 }
 

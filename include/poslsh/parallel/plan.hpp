@@ -77,9 +77,9 @@ inline std::vector<PositionRange> shard_ranges(Index n, Index ranks, Index rank,
   constexpr const char* function = "shard_ranges";
   detail::require_shards(function, n, ranks);
   detail::require(rank >= 0 && rank < ranks, function, "rank", rank,
-                  "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")");
+                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
   detail::require(enum_is_valid(layout), function, "layout", static_cast<int>(layout),
-                  "must be " + enum_name_list<ShardLayout>());
+                  [&] { return "must be " + enum_name_list<ShardLayout>(); });
   // floor(n c / parts) without overflow (c <= parts <= 2^32 > n mod parts).
   const auto cut = [n](Index c, Index parts) { return n / parts * c + n % parts * c / parts; };
   if (layout == ShardLayout::contiguous) return {{cut(rank, ranks), cut(rank + 1, ranks)}};
@@ -258,11 +258,11 @@ inline ContextParallelPlan context_parallel_plan(
   constexpr const char* function = "context_parallel_plan";
   detail::require_shards(function, n, static_cast<Index>(shards.size()));
   detail::require(enum_is_valid(masking), function, "masking", static_cast<int>(masking),
-                  "must be " + enum_name_list<Masking>());
+                  [&] { return "must be " + enum_name_list<Masking>(); });
   const auto query_heads = static_cast<Index>(heads.size());
   detail::require(query_heads >= 1, function, "heads", query_heads, "must hold >= 1 head");
   detail::require(kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
-                  "must divide the query heads " + std::to_string(query_heads));
+                  [&] { return "must divide the query heads " + std::to_string(query_heads); });
   ContextParallelPlan plan;
   plan.n = n;
   plan.ranks = static_cast<Index>(shards.size());
@@ -273,10 +273,12 @@ inline ContextParallelPlan context_parallel_plan(
   for (std::size_t r = 0; r < shards.size(); ++r) {
     Index row = 0;
     for (const PositionRange& range : shards[r]) {
-      detail::require(0 <= range.begin && range.begin <= range.end && range.end <= n, function,
-                      "shards",
-                      "[" + std::to_string(range.begin) + ", " + std::to_string(range.end) + ")",
-                      "ranges must have 0 <= begin <= end <= n = " + std::to_string(n));
+      detail::require(
+          0 <= range.begin && range.begin <= range.end && range.end <= n, function, "shards",
+          [&] {
+            return "[" + std::to_string(range.begin) + ", " + std::to_string(range.end) + ")";
+          },
+          [&] { return "ranges must have 0 <= begin <= end <= n = " + std::to_string(n); });
       if (!range.empty()) plan.owned.push_back({range, static_cast<Index>(r), row});
       row += range.size();
     }
@@ -286,19 +288,25 @@ inline ContextParallelPlan context_parallel_plan(
   });
   Index next = 0;
   for (const OwnedRange& range : plan.owned) {
-    detail::require(range.positions.begin == next, function, "shards",
-                    "[" + std::to_string(range.positions.begin) + ", " +
-                        std::to_string(range.positions.end) + ")",
-                    "must cover [0, n) = [0, " + std::to_string(n) +
-                        ") once: a range starts where another ends (expected begin " +
-                        std::to_string(next) + ")");
+    detail::require(
+        range.positions.begin == next, function, "shards",
+        [&] {
+          return "[" + std::to_string(range.positions.begin) + ", " +
+                 std::to_string(range.positions.end) + ")";
+        },
+        [&] {
+          return "must cover [0, n) = [0, " + std::to_string(n) +
+                 ") once: a range starts where another ends (expected begin " +
+                 std::to_string(next) + ")";
+        });
     next = range.positions.end;
   }
-  detail::require(next == n, function, "shards", next,
-                  "must cover [0, n) = [0, " + std::to_string(n) + ") (they end at this)");
+  detail::require(next == n, function, "shards", next, [&] {
+    return "must cover [0, n) = [0, " + std::to_string(n) + ") (they end at this)";
+  });
   for (const HeadMethod& head : heads) {
     detail::require(enum_is_valid(head.method), function, "heads", static_cast<int>(head.method),
-                    "methods must be " + enum_name_list<Method>());
+                    [&] { return "methods must be " + enum_name_list<Method>(); });
     plan.ring =
         plan.ring ||
         (head.method == Method::exact_tiled &&

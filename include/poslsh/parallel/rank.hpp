@@ -65,16 +65,18 @@ class ContextParallelRank {
                     "must be unset: positions are those of the shards");
     detail::require(shapes.query_heads >= 1, function, "shapes.query_heads", shapes.query_heads,
                     "must be >= 1");
-    detail::require(shapes.kv_heads >= 1 && shapes.query_heads % shapes.kv_heads == 0, function,
-                    "shapes.kv_heads", shapes.kv_heads,
-                    "must divide shapes.query_heads = " + std::to_string(shapes.query_heads));
+    detail::require(
+        shapes.kv_heads >= 1 && shapes.query_heads % shapes.kv_heads == 0, function,
+        "shapes.kv_heads", shapes.kv_heads,
+        [&] { return "must divide shapes.query_heads = " + std::to_string(shapes.query_heads); });
     detail::require(shapes.head_dim >= 1, function, "shapes.head_dim", shapes.head_dim,
                     "must be >= 1");
     detail::require(shapes.value_dim >= 0, function, "shapes.value_dim", shapes.value_dim,
                     "must be >= 0");
     detail::require_shards(function, n, static_cast<Index>(shards.size()));
-    detail::require(rank >= 0 && rank < static_cast<Index>(shards.size()), function, "rank", rank,
-                    "must be in [0, ranks) = [0, " + std::to_string(shards.size()) + ")");
+    detail::require(
+        rank >= 0 && rank < static_cast<Index>(shards.size()), function, "rank", rank,
+        [&] { return "must be in [0, ranks) = [0, " + std::to_string(shards.size()) + ")"; });
     plan_ = context_parallel_plan(shards, n,
                                   detail::head_methods(function, shapes.query_heads, options),
                                   shapes.kv_heads, options.masking);
@@ -131,8 +133,9 @@ class ContextParallelRank {
 
  private:
   std::size_t checked_rank(Index peer, const char* name) const {
-    detail::require(peer >= 0 && peer < plan_.ranks, "ContextParallelRank", name, peer,
-                    "must be in [0, ranks) = [0, " + std::to_string(plan_.ranks) + ")");
+    detail::require(peer >= 0 && peer < plan_.ranks, "ContextParallelRank", name, peer, [&] {
+      return "must be in [0, ranks) = [0, " + std::to_string(plan_.ranks) + ")";
+    });
     return static_cast<std::size_t>(peer);
   }
 

@@ -50,9 +50,9 @@ inline RingStep ring_step(Index ranks, Index rank, Index step) {
   constexpr const char* function = "ring_step";
   detail::require(ranks >= 1, function, "ranks", ranks, "must be >= 1");
   detail::require(rank >= 0 && rank < ranks, function, "rank", rank,
-                  "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")");
+                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
   detail::require(step >= 0 && step < ranks, function, "step", step,
-                  "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")");
+                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
   const auto mod = [ranks](Index x) { return ((x % ranks) + ranks) % ranks; };
   return {mod(rank - step), mod(rank + 1), mod(rank - 1), mod(rank - step - 1), step + 1 < ranks};
 }
@@ -125,7 +125,7 @@ void require_ring_inputs(const char* function, const ContextParallelRank& me,
                 "the ring carries float or double rows");
   const ContextParallelShapes& s = me.shapes();
   require(source >= 0 && source < me.ranks(), function, "source", source,
-          "must be in [0, ranks) = [0, " + std::to_string(me.ranks()) + ")");
+          [&] { return "must be in [0, ranks) = [0, " + std::to_string(me.ranks()) + ")"; });
   require_view_shape(function, "q", q, me.rows(), s.query_heads, s.head_dim);
   const Index rows = me.plan().shard_rows(source);
   require_view_shape(function, "k", k, rows, s.kv_heads, s.head_dim);
@@ -179,9 +179,10 @@ class RingForward {
     constexpr const char* function = "RingForward::result";
     const ContextParallelShapes& s = me_.shapes();
     detail::require_view_shape(function, "out", out, me_.rows(), s.query_heads, s.value_dim);
-    detail::require(lse.rows() == s.query_heads && lse.cols() == me_.rows(), function, "lse",
-                    std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()),
-                    "shape must be H_q x m");
+    detail::require(
+        lse.rows() == s.query_heads && lse.cols() == me_.rows(), function, "lse",
+        [&] { return std::to_string(lse.rows()) + "x" + std::to_string(lse.cols()); },
+        "shape must be H_q x m");
     for (std::size_t c = 0; c < mergers_.size(); ++c) {
       const ContextParallelChunk& chunk = me_.chunks()[c];
       const Index m = chunk.queries.size();
@@ -264,8 +265,9 @@ class RingBackward {
   /// The dK, dV partial of rank `source`'s shard from this rank's queries, in the ring buffer
   /// layout (ring_shard_elements(me, source) elements): what this rank sends to `source`.
   const std::vector<Scalar>& partial(Index source) const {
-    detail::require(source >= 0 && source < me_.ranks(), "RingBackward::partial", "source", source,
-                    "must be in [0, ranks) = [0, " + std::to_string(me_.ranks()) + ")");
+    detail::require(
+        source >= 0 && source < me_.ranks(), "RingBackward::partial", "source", source,
+        [&] { return "must be in [0, ranks) = [0, " + std::to_string(me_.ranks()) + ")"; });
     return partials_[static_cast<std::size_t>(source)];
   }
 
@@ -283,14 +285,15 @@ class RingBackward {
     constexpr const char* function = "RingBackward::result";
     const ContextParallelShapes& s = me_.shapes();
     const Index m = me_.rows(), expected = ring_shard_elements(me_, me_.rank());
-    detail::require(static_cast<Index>(received.size()) == me_.ranks(), function, "received",
-                    received.size(),
-                    "must hold one buffer per rank (" + std::to_string(me_.ranks()) + ")");
+    detail::require(
+        static_cast<Index>(received.size()) == me_.ranks(), function, "received", received.size(),
+        [&] { return "must hold one buffer per rank (" + std::to_string(me_.ranks()) + ")"; });
     for (Index r = 0; r < me_.ranks(); ++r)
-      detail::require(
-          r == me_.rank() || received[static_cast<std::size_t>(r)].size() == expected, function,
-          "received", received[static_cast<std::size_t>(r)].size(),
-          "must hold " + std::to_string(expected) + " elements from rank " + std::to_string(r));
+      detail::require(r == me_.rank() || received[static_cast<std::size_t>(r)].size() == expected,
+                      function, "received", received[static_cast<std::size_t>(r)].size(), [&] {
+                        return "must hold " + std::to_string(expected) + " elements from rank " +
+                               std::to_string(r);
+                      });
     detail::require_view_shape(function, "dq", dq, m, s.query_heads, s.head_dim);
     detail::require_view_shape(function, "dk", dk, m, s.kv_heads, s.head_dim);
     detail::require_view_shape(function, "dv", dv, m, s.kv_heads, s.value_dim);

@@ -176,8 +176,9 @@ void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<con
                                         Eigen::Ref<Eigen::VectorXd> dslopes, Index query_offset,
                                         Index key_offset, const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice_backward";
-  detail::require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(),
-                  "must hold one entry per query head (" + std::to_string(q.heads) + ")");
+  detail::require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(), [&] {
+    return "must hold one entry per query head (" + std::to_string(q.heads) + ")";
+  });
   detail::slice_backward<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, query_offset,
                                  key_offset, options, dslopes.data());
 }
@@ -222,9 +223,10 @@ void multihead_attention_varlen_slice_backward(
     for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();
   if (dslopes != nullptr) {
     const auto entries = static_cast<Index>(heads.size());
-    detail::require(dslopes->size() == entries, function, "dslopes", dslopes->size(),
-                    "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
-                        "query head (" + std::to_string(entries) + ")");
+    detail::require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
+      return "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
+             "query head (" + std::to_string(entries) + ")";
+    });
     dslopes->setZero();
   }
   MultiHeadOptions sequence_options = options;

@@ -33,18 +33,25 @@ namespace detail {
 inline void require_traffic(const char* function, const ContextParallelPlan& plan,
                             const ContextParallelShapes& shapes, Index itemsize,
                             const std::vector<bool>& kv_heads_used) {
-  require(shapes.query_heads == plan.query_heads && shapes.kv_heads == plan.kv_heads, function,
-          "shapes",
-          std::to_string(shapes.query_heads) + " query / " + std::to_string(shapes.kv_heads) +
-              " K/V heads",
-          "must be the plan's " + std::to_string(plan.query_heads) + " / " +
-              std::to_string(plan.kv_heads));
+  require(
+      shapes.query_heads == plan.query_heads && shapes.kv_heads == plan.kv_heads, function,
+      "shapes",
+      [&] {
+        return std::to_string(shapes.query_heads) + " query / " + std::to_string(shapes.kv_heads) +
+               " K/V heads";
+      },
+      [&] {
+        return "must be the plan's " + std::to_string(plan.query_heads) + " / " +
+               std::to_string(plan.kv_heads);
+      });
   require(shapes.head_dim >= 1, function, "shapes.head_dim", shapes.head_dim, "must be >= 1");
   require(shapes.value_dim >= 0, function, "shapes.value_dim", shapes.value_dim, "must be >= 0");
   require(itemsize >= 1, function, "itemsize", itemsize, "must be >= 1");
   require(kv_heads_used.empty() || static_cast<Index>(kv_heads_used.size()) == plan.kv_heads,
-          function, "kv_heads_used", kv_heads_used.size(),
-          "must be empty or hold one entry per K/V head (" + std::to_string(plan.kv_heads) + ")");
+          function, "kv_heads_used", kv_heads_used.size(), [&] {
+            return "must be empty or hold one entry per K/V head (" +
+                   std::to_string(plan.kv_heads) + ")";
+          });
 }
 
 }  // namespace detail

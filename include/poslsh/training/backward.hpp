@@ -74,12 +74,15 @@ namespace detail {
 template <typename MatrixType>
 void require_matrix_shape(const char* function, const char* name, const MatrixType& m, Index rows,
                           Index cols, bool output) {
-  require(m.rows() == rows && m.cols() == cols, function, name,
-          std::to_string(m.rows()) + "x" + std::to_string(m.cols()),
-          "shape must be " + std::to_string(rows) + "x" + std::to_string(cols));
+  require(
+      m.rows() == rows && m.cols() == cols, function, name,
+      [&] { return std::to_string(m.rows()) + "x" + std::to_string(m.cols()); },
+      [&] { return "shape must be " + std::to_string(rows) + "x" + std::to_string(cols); });
   require(!output || m.rows() <= 1 || m.outerStride() >= m.cols(), function, name, m.outerStride(),
-          "row stride must be >= its column count " + std::to_string(m.cols()) +
-              " (rows must not overlap)");
+          [&] {
+            return "row stride must be >= its column count " + std::to_string(m.cols()) +
+                   " (rows must not overlap)";
+          });
 }
 
 /// The forwards with lse and the backward passes are for self-attention at positions 0 .. n-1:
@@ -94,7 +97,7 @@ inline void require_self_positions(const char* function, const AttentionOptions&
 template <typename VectorType>
 void require_lse_size(const char* function, const VectorType& lse, Index n) {
   require(lse.size() == n, function, "lse", lse.size(),
-          "size must be q.rows() = " + std::to_string(n));
+          [&] { return "size must be q.rows() = " + std::to_string(n); });
 }
 
 /// out, lse, dout, dq, dk, dv of a backward pass on Q (n x d), V (n x d_v).

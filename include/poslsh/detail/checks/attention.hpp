@@ -23,11 +23,13 @@ struct QkvNames {
 template <typename QType, typename KType, typename VType>
 void require_qkv_shapes(const char* function, const QType& q, const KType& k, const VType& v,
                         const QkvNames& names = {}) {
-  require(k.cols() == q.cols(), function, names.k, k.cols(),
-          "column count (d) must equal " + std::string(names.q) +
-              ".cols() = " + std::to_string(q.cols()));
-  require(v.rows() == k.rows(), function, names.v, v.rows(),
-          "row count must equal " + std::string(names.k) + ".rows() = " + std::to_string(k.rows()));
+  require(k.cols() == q.cols(), function, names.k, k.cols(), [&] {
+    return "column count (d) must equal " + std::string(names.q) +
+           ".cols() = " + std::to_string(q.cols());
+  });
+  require(v.rows() == k.rows(), function, names.v, v.rows(), [&] {
+    return "row count must equal " + std::string(names.k) + ".rows() = " + std::to_string(k.rows());
+  });
   require(q.rows() == 0 || q.cols() > 0, function, names.q, q.cols(),
           "head dimension d must be >= 1 when n > 0");
 }
@@ -35,8 +37,9 @@ void require_qkv_shapes(const char* function, const QType& q, const KType& k, co
 /// Self-attention: K has as many rows as Q (keys at the query positions 0 .. n-1).
 template <typename QType, typename KType>
 void require_self_attention(const char* function, const QType& q, const KType& k) {
-  require(k.rows() == q.rows(), function, "k", k.rows(),
-          "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)");
+  require(k.rows() == q.rows(), function, "k", k.rows(), [&] {
+    return "row count must equal q.rows() = " + std::to_string(q.rows()) + " (self-attention)";
+  });
 }
 
 /// The position p0 of q's first row (AttentionOptions::query_offset): the given offset, or
@@ -48,15 +51,17 @@ inline Index resolve_query_offset(const char* function, const std::optional<Inde
                                   Index L, const char* keys_name = "k",
                                   const char* offset_name = "options.query_offset") {
   if (!offset) {
-    require(L >= m, function, keys_name, L,
-            "row count must be >= the query count " + std::to_string(m) +
-                " (an unset offset means the queries are the last ones of the key positions)");
+    require(L >= m, function, keys_name, L, [&] {
+      return "row count must be >= the query count " + std::to_string(m) +
+             " (an unset offset means the queries are the last ones of the key positions)";
+    });
     return L - m;
   }
   const Index p0 = *offset;
-  require(p0 >= 0 && p0 <= L - m, function, offset_name, p0,
-          "must lie in [0, keys - queries] = [0, " + std::to_string(L - m) +
-              "] (queries at positions p0 .. p0 + m - 1 over keys 0 .. L - 1)");
+  require(p0 >= 0 && p0 <= L - m, function, offset_name, p0, [&] {
+    return "must lie in [0, keys - queries] = [0, " + std::to_string(L - m) +
+           "] (queries at positions p0 .. p0 + m - 1 over keys 0 .. L - 1)";
+  });
   return p0;
 }
 
@@ -70,12 +75,15 @@ Index resolve_query_offset(const char* function, const AttentionOptions& options
 /// when it has two rows or more): overlapping output rows would be written by several tiles.
 template <typename OutType>
 void require_output_shape(const char* function, const OutType& out, Index rows, Index cols) {
-  require(out.rows() == rows && out.cols() == cols, function, "out",
-          std::to_string(out.rows()) + "x" + std::to_string(out.cols()),
-          "shape must be " + std::to_string(rows) + "x" + std::to_string(cols));
+  require(
+      out.rows() == rows && out.cols() == cols, function, "out",
+      [&] { return std::to_string(out.rows()) + "x" + std::to_string(out.cols()); },
+      [&] { return "shape must be " + std::to_string(rows) + "x" + std::to_string(cols); });
   require(out.rows() <= 1 || out.outerStride() >= out.cols(), function, "out", out.outerStride(),
-          "row stride must be >= its column count " + std::to_string(out.cols()) +
-              " (rows must not overlap)");
+          [&] {
+            return "row stride must be >= its column count " + std::to_string(out.cols()) +
+                   " (rows must not overlap)";
+          });
 }
 
 /// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite or the masking

@@ -53,10 +53,11 @@ void require_exact_rows(const char* function, const QType& q, const VType& v, do
                         Index row_begin, Index row_end, const OutType& out) {
   require_sigma(sigma, function);
   require(row_begin >= 0 && row_begin <= q.rows(), function, "row_begin", row_begin,
-          "must be in [0, q.rows()] = [0, " + std::to_string(q.rows()) + "]");
-  require(row_end >= row_begin && row_end <= q.rows(), function, "row_end", row_end,
-          "must be in [row_begin, q.rows()] = [" + std::to_string(row_begin) + ", " +
-              std::to_string(q.rows()) + "]");
+          [&] { return "must be in [0, q.rows()] = [0, " + std::to_string(q.rows()) + "]"; });
+  require(row_end >= row_begin && row_end <= q.rows(), function, "row_end", row_end, [&] {
+    return "must be in [row_begin, q.rows()] = [" + std::to_string(row_begin) + ", " +
+           std::to_string(q.rows()) + "]";
+  });
   require_output_shape(function, out, row_end - row_begin, v.cols());
 }
 

@@ -5,24 +5,37 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace poslsh::detail {
 
 /// Throws std::invalid_argument("poslsh: <function>: argument '<name>' = <value>: <rule>").
 template <typename Value>
 [[noreturn]] void throw_invalid(const char* function, const char* name, const Value& value,
-                                const std::string& rule) {
+                                std::string_view rule) {
   std::ostringstream message;
   message.precision(17);
   message << "poslsh: " << function << ": argument '" << name << "' = " << value << ": " << rule;
   throw std::invalid_argument(message.str());
 }
 
-/// Throws when `condition` is false.
-template <typename Value>
+/// x, or x() when x is a callable: a value or rule computed only when a check fails.
+template <typename T>
+decltype(auto) when_failing(const T& x) {
+  if constexpr (std::is_invocable_v<const T&>)
+    return x();
+  else
+    return (x);
+}
+
+/// Throws when `condition` is false. `value` and `rule` may be callables (returning what to
+/// print, e.g. a rule with numbers in it): they run only then, so a passing check allocates
+/// nothing.
+template <typename Value, typename Rule>
 void require(bool condition, const char* function, const char* name, const Value& value,
-             const std::string& rule) {
-  if (!condition) throw_invalid(function, name, value, rule);
+             const Rule& rule) {
+  if (!condition) throw_invalid(function, name, when_failing(value), when_failing(rule));
 }
 
 /// sigma must be a finite positive length scale.

@@ -44,6 +44,12 @@ struct QueryTile {
 /// row's tile (and with it its arithmetic) depends on its position alone.
 inline void append_query_tiles(std::vector<QueryTile>& tiles, std::size_t range, Index row_begin,
                                Index row_end) {
+  if (row_begin >= row_end) return;
+  // Room for this range's tiles, growing geometrically across the ranges of a packed batch.
+  const std::size_t needed =
+      tiles.size() +
+      static_cast<std::size_t>((row_end - 1) / tile_query_rows - row_begin / tile_query_rows + 1);
+  if (tiles.capacity() < needed) tiles.reserve(std::max(needed, 2 * tiles.capacity()));
   for (Index i0 = row_begin / tile_query_rows * tile_query_rows; i0 < row_end;
        i0 += tile_query_rows) {
     const Index r0 = std::max(i0, row_begin);
