@@ -53,6 +53,7 @@ void mean_of_outputs_backward_rows(const ConstMatrixRef<Scalar>& q, const ConstM
   MatrixRef<Scalar> sample_ref(sample);
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse(n);
   BackwardOutputs<Scalar> grads{dq, dk, dv};
+  PerThread<BackwardWork<Scalar>> works;  // the samples' block passes share the threads' scratch
   for (const BinHash& hash : hashes) {
     per_sample_rows<Scalar, Scalar, Scalar, Scalar>(
         q, k, v, HashSet{hash}, tau, causal, TilePositions(origin, origin),
@@ -63,7 +64,7 @@ void mean_of_outputs_backward_rows(const ConstMatrixRef<Scalar>& q, const ConstM
       return backward_delta<Scalar>(ConstMatrixRef<Scalar>(sample), scaled_ref);
     }();
     const BackwardInputs<Scalar> in{q, k, v, scaled_ref, lse.data(), delta.data(), tau};
-    backward_hash_blocks(in, hash, causal, grads, origin);
+    backward_hash_blocks(in, hash, causal, grads, origin, &works);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "poslsh/core/hash.hpp"
@@ -39,10 +40,13 @@ inline std::vector<Index> window_block_boundaries(const BinHash& hash, Index ori
 /// lse of all samples for the count-weighted estimator, the sample's own for the mean of
 /// outputs); rows are the positions origin .. of the hash's sequence. Blocks run in parallel
 /// (parallel_loop) on disjoint rows and keys; each block's pass runs on one thread in a fixed
-/// order, with the thread's BackwardWork sized for every block before the loop.
+/// order, with the thread's BackwardWork sized for every block before the loop: in `works` when
+/// given (a caller's scratch, kept across calls: the passes do not depend on what it held), else
+/// in scratch of this call.
 template <typename Scalar, typename Input>
 void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const BinHash& hash, bool causal,
-                          BackwardOutputs<Scalar>& out, Index origin = 0) {
+                          BackwardOutputs<Scalar>& out, Index origin = 0,
+                          PerThread<BackwardWork<Scalar>>* works = nullptr) {
   const std::vector<Index> boundaries = window_block_boundaries(hash, origin, in.q.rows());
   const auto blocks = static_cast<long>(boundaries.size() - 1);
   const auto rule = [&](long b) {
@@ -51,10 +55,11 @@ void backward_hash_blocks(const BackwardInputs<Scalar, Input>& in, const BinHash
   };
   BackwardSerialSize<Scalar, Input> needs(in);
   for (long b = 0; b < blocks; ++b) needs.add(rule(b));
-  PerThread<BackwardWork<Scalar>> works(blocks);
-  works.each([&](BackwardWork<Scalar>& work) { needs.reserve(work); });
+  std::optional<PerThread<BackwardWork<Scalar>>> own;
+  if (works == nullptr) works = &own.emplace(blocks);
+  works->each([&](BackwardWork<Scalar>& work) { needs.reserve(work); });
   parallel_loop<FlushSubnormals>(
-      blocks, LoopSchedule::dynamic(), works,
+      blocks, LoopSchedule::dynamic(), *works,
       [&](long b, BackwardWork<Scalar>& work) { backward_serial(in, rule(b), out, work); });
 }
 
