@@ -485,7 +485,7 @@ TEST_CASE("an allocation failing in multihead_attention_slice_backward reaches t
   }
 }
 
-TEST_CASE("argument checks that pass allocate nothing; a failing one names its numbers",
+TEST_CASE("argument checks that pass allocate nothing, and a failing one names its numbers",
           "[failures][checks]") {
   const Index n = 100, heads = 2, d = 16;
   const RowMatrix<float> q = random_matrix<float>(n, heads * d, 41);
