@@ -70,21 +70,6 @@ namespace poslsh {
 
 namespace detail {
 
-/// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).
-template <typename MatrixType>
-void require_matrix_shape(const char* function, const char* name, const MatrixType& m, Index rows,
-                          Index cols, bool output) {
-  require(
-      m.rows() == rows && m.cols() == cols, function, name,
-      [&] { return std::to_string(m.rows()) + "x" + std::to_string(m.cols()); },
-      [&] { return "shape must be " + std::to_string(rows) + "x" + std::to_string(cols); });
-  require(!output || m.rows() <= 1 || m.outerStride() >= m.cols(), function, name, m.outerStride(),
-          [&] {
-            return "row stride must be >= its column count " + std::to_string(m.cols()) +
-                   " (rows must not overlap)";
-          });
-}
-
 /// The forwards with lse and the backward passes are for self-attention at positions 0 .. n-1:
 /// options.query_offset unset or 0.
 inline void require_self_positions(const char* function, const AttentionOptions& options) {

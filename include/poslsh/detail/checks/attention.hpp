@@ -71,19 +71,26 @@ Index resolve_query_offset(const char* function, const AttentionOptions& options
   return resolve_query_offset(function, options.query_offset, q.rows(), k.rows());
 }
 
+/// A matrix argument `name` of shape rows x cols (an output's rows must not overlap).
+template <typename MatrixType>
+void require_matrix_shape(const char* function, const char* name, const MatrixType& m, Index rows,
+                          Index cols, bool output) {
+  require(
+      m.rows() == rows && m.cols() == cols, function, name,
+      [&] { return std::to_string(m.rows()) + "x" + std::to_string(m.cols()); },
+      [&] { return "shape must be " + std::to_string(rows) + "x" + std::to_string(cols); });
+  require(!output || m.rows() <= 1 || m.outerStride() >= m.cols(), function, name, m.outerStride(),
+          [&] {
+            return "row stride must be >= its column count " + std::to_string(m.cols()) +
+                   " (rows must not overlap)";
+          });
+}
+
 /// Checks the output's shape (rows x cols) and that its rows do not overlap (row stride >= cols
 /// when it has two rows or more): overlapping output rows would be written by several tiles.
 template <typename OutType>
 void require_output_shape(const char* function, const OutType& out, Index rows, Index cols) {
-  require(
-      out.rows() == rows && out.cols() == cols, function, "out",
-      [&] { return std::to_string(out.rows()) + "x" + std::to_string(out.cols()); },
-      [&] { return "shape must be " + std::to_string(rows) + "x" + std::to_string(cols); });
-  require(out.rows() <= 1 || out.outerStride() >= out.cols(), function, "out", out.outerStride(),
-          [&] {
-            return "row stride must be >= its column count " + std::to_string(out.cols()) +
-                   " (rows must not overlap)";
-          });
+  require_matrix_shape(function, "out", out, rows, cols, true);
 }
 
 /// tau: the given scale, or 1/sqrt(d). Throws if the given scale is not finite or the masking
