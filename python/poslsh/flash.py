@@ -91,16 +91,17 @@ multihead_attention_varlen (with lse: multihead_attention_with_lse), in the oper
 flash_attn and flash_attn_varlen (no state kept for a backward); the library places the rows of
 a sequence with more queries than keys as above (causal: the rows before the first key see no
 key; not causal: every key, positions counted from the first query). Calls that need gradients
-with seqlen_q < seqlen_k take their forward from the same library call and, for the exact
-methods, their gradients from the packed slice backward (multihead_attention_backward with
-cu_seqlens and cu_seqlens_k: each sequence's queries at positions seqlen_k - seqlen_q ..,
-the cost of seqlen_q query rows); the LSH methods run the self-attention kernels with q padded
-at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no output row
-and add exactly zero to dk, dv), at the cost of seqlen_k query rows. Non-causal calls with
-seqlen_q > seqlen_k take their forward from the same library call; their gradients come from
-the packed slice backward (the same call: exact methods, alibi_slopes included) or from the
-self-attention backward with the keys padded at the front by zero rows (the other methods: a
-zero key adds nothing to dq, and the real keys' probabilities come from the real lse).
+with seqlen_q < seqlen_k take their forward from the same library call and, for the methods
+with a slice backward (exact_tiled, exact_banded, lsh_fused), their gradients from the packed
+slice backward (multihead_attention_backward with cu_seqlens and cu_seqlens_k: each
+sequence's queries at positions seqlen_k - seqlen_q .., the cost of seqlen_q query rows); the
+other LSH methods run the self-attention kernels with q padded at the front to seqlen_k rows
+(zero queries, zero incoming gradient: they change no output row and add exactly zero to dk,
+dv), at the cost of seqlen_k query rows. Non-causal calls with seqlen_q > seqlen_k take their
+forward from the same library call; their gradients come from the packed slice backward (the
+same call: exact methods, alibi_slopes included) or from the self-attention backward with the
+keys padded at the front by zero rows (the other methods: a zero key adds nothing to dq, and
+the real keys' probabilities come from the real lse).
 
 The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
 reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
@@ -137,8 +138,10 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 # The accepted method names and poslsh's method of each: FlashAttention-style short names and
 # every name of the library's method table (poslsh.method_names()).
 _METHODS = _methods.accepted()
-# The methods with gradients in the slopes (the table's trait).
+# The methods with gradients in the slopes, and those with a slice backward (the table's traits).
 _SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
+_SLICE_BACKWARD = _core.method_names(has_slice_backward=True)
+_DRAWS_HASHES = _core.method_names(draws_hashes=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
 _FLAT_SIGMA = 1e300
@@ -475,27 +478,36 @@ def _shifted(rows, config):
     """Whether a training call keeps its query rows as _forward computes them (no padding to the
     key positions), its backward taking them as they are (_shifted_backward): a non-causal
     call with a sequence of more queries than keys (its first rows sit before the first key), and
-    an exact method's call with fewer queries than keys in some sequence and none with more (the
-    slice backward reads the m rows at their positions, where the padded call would run L)."""
+    a call with fewer queries than keys in some sequence and none with more under a method with
+    a slice backward (exact_tiled, exact_banded, lsh_fused: it reads the m rows at their
+    positions, where the padded call would run L)."""
     if rows.self_attention:
         return False
     if not rows.all_valid:
         return not config.causal
-    return config.method in _SLOPE_GRADIENTS
+    return config.method in _SLICE_BACKWARD
+
+
+def _library_slice_backward(rows, config):
+    """Whether the library's packed slice backward takes a _shifted call: a method with one whose
+    queries may sit anywhere (the exact methods) or, for a method drawing hashes (lsh_fused,
+    whose counts of a slice need its queries among its keys), no sequence with more queries than
+    keys."""
+    return config.method in _SLICE_BACKWARD and (rows.all_valid or config.method not in _DRAWS_HASHES)
 
 
 def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):
-    """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. The exact methods:
-    one call of the packed slice backward (multihead_attention_backward with cu_seqlens and
-    cu_seqlens_k: each sequence's slice at its bottom-right offsets; dslopes included). The
-    others: the self-attention backward of each sequence padded to max(m, L) tokens, queries and
+    """(dq, dk, dv, dslopes or None) of a _shifted call from its out and lse. Where the library
+    takes it (_library_slice_backward): one call of the packed slice backward
+    (multihead_attention_backward with cu_seqlens and cu_seqlens_k: each sequence's slice at its
+    bottom-right offsets; dslopes included). Otherwise: the self-attention backward of each sequence padded to max(m, L) tokens, queries and
     keys at the end (query row i at position max(0, L - m) + i, key j at max(0, m - L) + j), the
     padding rows zero: a zero key adds nothing to dq and the real keys' P_ij are read from the
     real lse, so dq, dk, dv are the slice's."""
     heads = q.shape[1]
     keywords = config.keywords(sigmas)
     dslopes = np.zeros(len(sigmas)) if slopes_grad else None
-    if config.method in _SLOPE_GRADIENTS:  # the library writes every row of dq, dk, dv
+    if _library_slice_backward(rows, config):  # the library writes every row of dq, dk, dv
         dq, dk, dv = (torch.empty(x.shape, dtype=lse.dtype) for x in (q, k, v))
         extra = {"dslopes": dslopes} if slopes_grad else {}
         _core.multihead_attention_backward(

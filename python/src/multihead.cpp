@@ -69,6 +69,9 @@ const MethodTrait method_traits[] = {
     {"takes_window", poslsh::method_takes_window, "takes a local window (the keyword window)"},
     {"has_slope_gradients", poslsh::method_has_slope_gradients,
      "has gradients in the ALiBi slopes (multihead_attention_backward's dslopes)"},
+    {"has_slice_backward", poslsh::method_has_slice_backward,
+     "has the gradients of a slice of queries over a slice of keys (multihead_attention_backward's "
+     "query_offset=, key_offset= and cu_seqlens_k=)"},
     {"has_lse", poslsh::method_has_lse,
      "has a log-sum-exp (the calls with lse; every method but 'mean_of_outputs', the mean of s "
      "softmaxes each with its own normalizer)"},

@@ -436,11 +436,12 @@ def test_gradcheck_lsh_methods(method):
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7)
 
 
-def test_gradcheck_lsh_with_fewer_queries_than_keys():
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_lsh_with_fewer_queries_than_keys(causal):
     q, k, v = qkv(1, 3, 6, 2, 2, 3, requires_grad=True)
 
     def function(q, k, v):
-        return flash_attn_func(q, k, v, causal=False, alibi_slopes=torch.tensor([0.5, 0.3]), method="lsh",
+        return flash_attn_func(q, k, v, causal=causal, alibi_slopes=torch.tensor([0.5, 0.3]), method="lsh",
                                samples=3)
 
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7)
@@ -956,6 +957,26 @@ def test_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch)
     expected = torch.autograd.grad(expected_out, (q, k, v, slopes), torch.ones_like(expected_out))
     for name, got, want in zip("q k v slopes".split(), grads, expected):
         np.testing.assert_allclose(got.double().numpy(), want.double().numpy(), atol=1e-10, rtol=1e-6, err_msg=name)
+
+
+def test_lsh_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch):
+    """lsh_fused training calls whose sequences have fewer queries than keys: the forward and the
+    packed slice backward, one library call each, no padded rows; the gradients those of the
+    self-attention backward with the queries padded at the front (zero rows, zero dout)."""
+    q, k, v = qkv(2, 5, 70, 2, 2, 4, requires_grad=True)
+    extras = dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.05]), method="lsh", samples=4, seed=3)
+    dout = rand((2, 5, 2, 4), torch.float64, 81)
+    calls = _Calls(monkeypatch, KERNELS)
+    grads = torch.autograd.grad(flash_attn_func(q, k, v, **extras), (q, k, v), dout)
+    names = [name for name, _, _ in calls.calls]
+    assert len(names) == 2 and names[1] == "multihead_attention_backward", names
+    assert "cu_seqlens_k" in calls.calls[1][2]
+    padded = torch.cat([torch.zeros(2, 65, 2, 4, dtype=q.dtype), q.detach()], dim=1).requires_grad_()
+    out_padded = flash_attn_func(padded, k, v, **extras)
+    dout_padded = torch.cat([torch.zeros(2, 65, 2, 4, dtype=dout.dtype), dout], dim=1)
+    expected = torch.autograd.grad(out_padded, (padded, k, v), dout_padded)
+    for name, got, want in zip("qkv", grads, (expected[0][:, 65:], *expected[1:])):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-13, rtol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

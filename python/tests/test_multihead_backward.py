@@ -316,7 +316,8 @@ def test_window_and_slope_gradient_errors(rng):
 def test_slice_backward_by_offsets(rng):
     """query_offset=, key_offset= select the library's slice backward: over the whole sequence
     (both offsets 0) the gradients and dslopes equal the sequence's backward bitwise; the
-    gradients are added to given arrays; only the exact methods, one sequence."""
+    gradients are added to given arrays, for lsh_fused too; only the methods with a slice
+    backward, one sequence."""
     n, heads, kv_heads, d = 40, 4, 2, 8
     q = rng.uniform(-1, 1, (n, heads, d))
     k, v = rng.uniform(-1, 1, (n, kv_heads, d)), rng.uniform(-1, 1, (n, kv_heads, d))
@@ -335,9 +336,17 @@ def test_slice_backward_by_offsets(rng):
                                                 dq=given[0], dk=given[1], dv=given[2], **keywords)
     for a, b in zip(added, whole):
         np.testing.assert_allclose(a, b + 1.0, rtol=0, atol=1e-14)
+    lsh = {**keywords, "method": "lsh_fused", "window": (-1, -1)}
+    out, lse = poslsh.multihead_attention_with_lse(q, k, v, **lsh)
+    whole = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, **lsh)
+    sliced = poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0, **lsh)
+    for a, b in zip(whole, sliced):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="multihead_attention_slice_backward: argument 'options.method'"):
         poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0,
-                                            **{**keywords, "method": "lsh_fused", "window": (-1, -1)})
+                                            **{**lsh, "method": "lsh_per_sample"})
+    with pytest.raises(ValueError, match="argument 'query_offset' = 5: must place the 40 queries among the keys"):
+        poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=5, key_offset=0, **lsh)
     cu = np.array([0, 20, 40], dtype=np.int32)
     with pytest.raises(ValueError, match="query_offset"):
         poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, cu_seqlens=cu, **keywords)

@@ -896,20 +896,35 @@ TEST_CASE("context parallel ranks, halos, rings and slices name their bad argume
   poslsh::RingBackward<double> backward(ring);
   require_invalid_argument([&] { backward.result(none, out_view, out_view, out_view); },
                            "received");
-  // The slice backward: exact methods only, offsets >= 0, shapes, dslopes.
+  // The slice backward: exact methods and lsh_fused (its queries among its keys), offsets >= 0,
+  // shapes, dslopes (exact methods).
   RowMatrix<double> grads = RowMatrix<double>::Zero(10, cp_heads * cp_d);
   RowMatrix<double> kv_grads = RowMatrix<double>::Zero(10, cp_kv_heads * cp_d);
   const auto dq = poslsh::interleaved_heads<double>(grads.data(), 10, cp_heads, cp_d);
   const auto dkv = poslsh::interleaved_heads<double>(kv_grads.data(), 10, cp_kv_heads, cp_d);
   const auto outc = poslsh::interleaved_heads<const double>(out.data(), 10, cp_heads, cp_d);
   MultiHeadOptions lsh = options;
-  lsh.method = Method::lsh_fused;
+  lsh.method = Method::lsh_per_sample;
   require_invalid_argument(
       [&] {
         poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
                                                            dkv, 0, 10, lsh);
       },
       "options.method");
+  lsh.method = Method::lsh_fused;
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
+                                                           dkv, 0, 10, lsh);
+      },
+      "query_offset");
+  Eigen::VectorXd slopes(cp_heads);
+  require_invalid_argument(
+      [&] {
+        poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
+                                                           dkv, slopes, 0, 0, lsh);
+      },
+      "dslopes");
   require_invalid_argument(
       [&] {
         poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,

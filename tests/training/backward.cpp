@@ -743,8 +743,9 @@ void loop_order_checks(Index n, bool paired) {
   compare(pd::block_rule<float>(70, 250, true), "causal block [70, 250)");
   for (bool causal : {true, false}) {
     pd::CountWindows windows;
-    windows.build(poslsh::rbf_hashes(30.0, 5, 7, 0), n, causal);
-    compare(pd::CountRule<float>(windows, n, causal), causal ? "counts causal" : "counts both");
+    windows.build(poslsh::rbf_hashes(30.0, 5, 7, 0), n, n, 0, causal, 0);
+    compare(pd::CountRule<float>(windows, n, n, 0, causal),
+            causal ? "counts causal" : "counts both");
   }
 }
 

@@ -42,18 +42,31 @@ struct BackwardScratch {
 /// passes may run in parallel inside, `scratch` a thread's scratch when not), serial_backward
 /// says whether a head may run on one thread inside a parallel loop over heads, and
 /// has_slope_gradients whether backward writes the gradient in the head's slope (b.dslope).
+/// The rows with has_slice_backward also have slice_backward(head, b, shift, extent, parallel,
+/// work): the gradients of the queries of b.q at the key positions shift .. over the keys of
+/// b.k (positions [0, extent) in all), ADDED to b.dq, b.dk, b.dv (and to *b.dslope).
 template <Method M>
 struct MethodBackward;
 
-/// The flags of a backward row: serial_backward and has_slope_gradients.
-template <bool SerialBackward, bool HasSlopeGradients>
+/// The flags of a backward row: serial_backward, has_slope_gradients and has_slice_backward.
+template <bool SerialBackward, bool HasSlopeGradients, bool HasSliceBackward = false>
 struct BackwardFlags {
   static constexpr bool serial_backward = SerialBackward;
   static constexpr bool has_slope_gradients = HasSlopeGradients;
+  static constexpr bool has_slice_backward = HasSliceBackward;
 };
 
-/// exact_tiled and exact_banded: exact_backward over the head's window.
-struct ExactMethodBackward : BackwardFlags<true, true> {
+/// exact_tiled and exact_banded: exact_backward over the head's window (a slice:
+/// exact_slice_backward, any shift).
+struct ExactMethodBackward : BackwardFlags<true, true, true> {
+  template <typename Scalar, typename Input>
+  static void slice_backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, Index shift,
+                             Index extent, bool parallel, BackwardWork<Scalar>* work) {
+    exact_slice_backward<Scalar, Input>(b.q, b.k, b.v, head.sigma, static_cast<double>(b.tau),
+                                        head_window(head, extent, b.masking), shift, extent, b.out,
+                                        b.lse, b.dout, b.dq, b.dk, b.dv, b.precision, parallel,
+                                        work, b.dslope);
+  }
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
@@ -68,9 +81,16 @@ struct MethodBackward<Method::exact_tiled> : ExactMethodBackward {};
 template <>
 struct MethodBackward<Method::exact_banded> : ExactMethodBackward {};
 
-/// lsh_fused: count_backward (the count-weighted estimator, each pair once).
+/// lsh_fused: count_backward (the count-weighted estimator, each pair once); a slice:
+/// count_rectangle_backward, the queries among the keys (0 <= shift, shift + m <= L; the bins of
+/// the positions b.origin + ..).
 template <>
-struct MethodBackward<Method::lsh_fused> : BackwardFlags<true, false> {
+struct MethodBackward<Method::lsh_fused> : BackwardFlags<true, false, true> {
+  template <typename Scalar, typename Input>
+  static void slice_backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, Index shift,
+                             Index, bool parallel, BackwardWork<Scalar>* work) {
+    count_rectangle_backward<Scalar, Input>(b, head.hashes, shift, true, parallel, work, nullptr);
+  }
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool parallel,
                        BackwardScratch<Scalar>* scratch) {
@@ -127,7 +147,25 @@ constexpr bool method_has_slope_gradients(Method method) {
       method, [](auto row) { return decltype(row)::has_slope_gradients; });
 }
 
+/// Whether a method has the gradients of a slice of queries over a slice of keys
+/// (multihead_attention_slice_backward, and the packed batches with fewer queries than keys:
+/// exact_tiled, exact_banded, lsh_fused).
+constexpr bool method_has_slice_backward(Method method) {
+  return detail::visit_method_row<detail::MethodBackward>(
+      method, [](auto row) { return decltype(row)::has_slice_backward; });
+}
+
 namespace detail {
+
+/// With slope gradients (dslopes), the method must have them (method_has_slope_gradients).
+inline void require_slope_gradients(const char* function, const MultiHeadOptions& options) {
+  require(method_has_slope_gradients(options.method), function, "dslopes",
+          enum_name(options.method), [&] {
+            return "slope gradients need method " +
+                   enum_name_list<Method>(method_has_slope_gradients) +
+                   " (the bins of the LSH methods are not differentiable in the slope)";
+          });
+}
 
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
 template <typename LseType, typename QElement>
@@ -344,12 +382,7 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
   const HeadsCall call = training_call(function, q, k, v, lse, cu_seqlens, out, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   if (dslopes != nullptr) {
-    require(method_has_slope_gradients(options.method), function, "dslopes",
-            enum_name(options.method), [&] {
-              return "slope gradients need method " +
-                     enum_name_list<Method>(method_has_slope_gradients) +
-                     " (the bins of the LSH methods are not differentiable in the slope)";
-            });
+    require_slope_gradients(function, options);
     const auto entries = static_cast<Index>(call.heads.size());
     require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
       return call.per_sequence
@@ -453,7 +486,8 @@ void multihead_attention_varlen(HeadsView<const Scalar> q, HeadsView<const Scala
 /// query_offsets) (queries at offsets over their own keys, bottom-right by default, a sequence
 /// with more queries than keys as that call places it; out bitwise that call's), and column t
 /// of lse (H_q x total query tokens) the log-sum-exp of query token t (-inf for a row that sees
-/// no key). Its gradients, for the exact methods: multihead_attention_varlen_slice_backward
+/// no key). Its gradients, for the methods with method_has_slice_backward:
+/// multihead_attention_varlen_slice_backward
 /// (poslsh/parallel/slice.hpp). (A name of its own:
 /// with braces for its last arguments a call would be ambiguous with the self-attention form.)
 /// \throws std::invalid_argument naming a bad argument, before any head runs.

@@ -46,12 +46,29 @@ void require_slice_arguments(const char* function, const HeadsView<const Scalar>
   require_lse_shape(function, lse, q);
 }
 
-/// The methods a slice backward takes: exact_tiled and exact_banded (options.method).
-inline void require_exact_slice_method(const char* function, const MultiHeadOptions& options) {
-  require(options.method == Method::exact_tiled || options.method == Method::exact_banded, function,
-          "options.method", enum_name(options.method),
-          "must be exact_tiled or exact_banded (the other methods read a bounded halo: "
-          "multihead_attention_window_backward)");
+/// The methods a slice backward takes: those with method_has_slice_backward (options.method).
+inline void require_slice_backward_method(const char* function, const MultiHeadOptions& options) {
+  require(method_has_slice_backward(options.method), function, "options.method",
+          enum_name(options.method), [] {
+            return "must be " + enum_name_list<Method>(method_has_slice_backward) +
+                   " (the other methods read a bounded halo: "
+                   "multihead_attention_window_backward)";
+          });
+}
+
+/// The LSH counts of a slice backward (options.method draws hashes: lsh_fused) need its m
+/// queries among its L keys: key_offset <= query_offset and query_offset + m <= key_offset + L.
+/// `name` is the argument that placed the queries.
+inline void require_queries_among_keys(const char* function, const char* name,
+                                       const MultiHeadOptions& options, Index query_offset,
+                                       Index queries, Index key_offset, Index keys) {
+  if (!method_draws_hashes(options.method)) return;
+  require(key_offset <= query_offset && query_offset + queries <= key_offset + keys, function, name,
+          query_offset, [&] {
+            return "must place the " + std::to_string(queries) + " queries among the keys [" +
+                   std::to_string(key_offset) + ", " + std::to_string(key_offset + keys) +
+                   ") for method " + enum_name(options.method);
+          });
 }
 
 /// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
@@ -67,7 +84,10 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
   using Compute = backward_scalar_t<Scalar>;
   require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  require_exact_slice_method(function, options);
+  require_slice_backward_method(function, options);
+  if (dslopes != nullptr) require_slope_gradients(function, options);
+  require_queries_among_keys(function, "query_offset", options, query_offset, q.tokens, key_offset,
+                             k.tokens);
   const std::vector<HeadMethod> heads = head_methods(function, q.heads, options);
   const double tau = resolve_scale(function, options, q.dim);
   if (q.tokens == 0 || k.tokens == 0) return;
@@ -76,12 +96,25 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
   const auto head_pass = [&](Index h, bool parallel, BackwardWork<Compute>* work) {
     const HeadMethod& head = heads[static_cast<std::size_t>(h)];
     const Index g = h / group;
-    MatrixRef<Compute> dq_h = dq.head(h), dk_g = dk.head(g), dv_g = dv.head(g);
-    exact_slice_backward<Compute, Scalar>(
-        q.head(h), k.head(g), v.head(g), head.sigma, tau,
-        head_window(head, extent, options.masking), query_offset - key_offset, extent, out.head(h),
-        lse.row(h).transpose(), dout.head(h), dq_h, dk_g, dv_g, options.precision, parallel, work,
-        dslopes == nullptr ? nullptr : dslopes + h);
+    HeadBackward<Compute, Scalar> b{q.head(h),
+                                    k.head(g),
+                                    v.head(g),
+                                    out.head(h),
+                                    lse.row(h).transpose(),
+                                    dout.head(h),
+                                    dq.head(h),
+                                    dk.head(g),
+                                    dv.head(g),
+                                    static_cast<Compute>(tau),
+                                    options.masking,
+                                    dslopes == nullptr ? nullptr : dslopes + h,
+                                    key_offset,
+                                    options.precision};
+    visit_method_row<MethodBackward>(head.method, [&](auto row) {
+      if constexpr (decltype(row)::has_slice_backward)
+        row.template slice_backward<Compute, Scalar>(head, b, query_offset - key_offset, extent,
+                                                     parallel, work);
+    });
   };
   if (group == 1) {
     // Heads write disjoint rows: one job per head, each pass on its thread, with the thread's
@@ -129,13 +162,17 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
   detail::heads_forward_with_lse<Scalar>(function, call, q, k, v, out, lse);
 }
 
-/// The gradients of one slice of exact ALiBi attention (methods exact_tiled and exact_banded,
-/// any local window): the m queries of q at positions query_offset .. query_offset + m - 1
+/// The gradients of one slice of attention (the methods with method_has_slice_backward: exact
+/// ALiBi, exact_tiled and exact_banded with any local window, and lsh_fused with its queries
+/// among its keys, key_offset <= query_offset and query_offset + m <= key_offset + L): the m
+/// queries of q at positions query_offset .. query_offset + m - 1
 /// against the L keys of k and v at positions key_offset .. key_offset + L - 1, with out and lse
 /// (H_q x m) the forward's rows over EVERY key of the sequence (e.g. the slices' results merged
 /// by LseMerger), so that
 ///   P_ij = e^{x_ij - lse_i},  x_ij = tau q_i.k_j - |i - j| / sigma_h  (j in the slice, inside
-///   the head's causal mask, band and window; 0 elsewhere),  D_i = dO_i . out_i,
+///   the head's causal mask, band and window; 0 elsewhere; lsh_fused: P_ij =
+///   c_ij e^{tau q_i.k_j - lse_i}, c_ij the sample counts of the positions' bins, causal
+///   j <= i),  D_i = dO_i . out_i,
 ///   dv_j += sum_i P_ij dO_i,  dS_ij = P_ij (dO_i . v_j - D_i),
 ///   dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i
 /// for each query head h and its K/V head g = h / (H_q / H_kv). The contributions are ADDED to
@@ -147,10 +184,12 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 /// holding the whole sequence (offsets 0) the gradients are bitwise those of
 /// multihead_attention_backward (added to zeroed outputs); over key slices whose offsets are
 /// multiples of 512 (the backward's key groups) visited in increasing order with every query
-/// row at once, dq, dk and dv are bitwise too; otherwise equal to rounding. Scalar types as
+/// row at once, dq, dk and dv are bitwise too; lsh_fused over every key with the last queries
+/// from a multiple of 64, and dO 0 on the other rows, gives bitwise the sequence's dq of those
+/// rows and its dk, dv; otherwise equal to rounding. Scalar types as
 /// multihead_attention_backward.
-/// \throws std::invalid_argument naming a bad argument (a method other than the exact ones:
-///   'options.method'), before any head runs.
+/// \throws std::invalid_argument naming a bad argument (another method: 'options.method';
+///   lsh_fused's queries outside its keys: 'query_offset'), before any head runs.
 template <typename Scalar>
 void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
@@ -185,8 +224,9 @@ void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<con
 
 /// The gradients of a packed batch whose sequences may have fewer or more queries than keys
 /// (FlashAttention's varlen backward with cu_seqlens_q and cu_seqlens_k; methods exact_tiled
-/// and exact_banded): sequence b has the query tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
-/// q, out, dout, lse and dq and the key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k, v,
+/// and exact_banded, and lsh_fused when no sequence has more queries than keys, else
+/// 'cu_seqlens_q' is named): sequence b has the query tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+/// of q, out, dout, lse and dq and the key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k, v,
 /// dk and dv, placed as multihead_attention_varlen places them (bottom-right: m queries over L
 /// keys sit at positions L - m .. L - 1; with m > L, causal, the first m - L rows see no key and
 /// get dq 0; not causal, the keys sit at positions m - L .. m - 1). Each sequence's gradients are
@@ -217,7 +257,13 @@ void multihead_attention_varlen_slice_backward(
   // slice_backward checks its own again).
   const std::vector<HeadMethod> heads = detail::head_methods(function, q.heads, options, batch);
   const bool per_sequence = static_cast<Index>(heads.size()) != q.heads;
-  detail::require_exact_slice_method(function, options);
+  detail::require_slice_backward_method(function, options);
+  for (const detail::HeadsSequence& s : sequences) {
+    const Index queries = s.q_end - s.q_begin, keys = s.k_end - s.k_begin;
+    if (queries > 0 && keys > 0)
+      detail::require_queries_among_keys(function, "cu_seqlens_q", options, s.p0, queries, s.k0,
+                                         keys);
+  }
   detail::resolve_scale(function, options, q.dim);
   for (const auto& view : {dq, dk, dv})
     for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();

@@ -306,21 +306,36 @@ void exact_slice_backward(const ConstMatrixRef<Input>& q, const ConstMatrixRef<I
                                    dv, precision, parallel, work, dslope, true);
 }
 
-/// The count-weighted estimator's backward of one head (fused and per-sample give the same
-/// gradients; this is the fused evaluation, each pair once); `work` and `windows` (when not null)
-/// are a thread's scratch, reused across heads. Rows are the positions b.origin .. b.origin + n -
-/// 1 of the hashes' sequence (CountWindows::build).
+/// The count-weighted estimator's backward (the fused evaluation, each pair once) of the m
+/// queries of b.q at the positions b.origin + shift .. b.origin + shift + m - 1 of the hashes'
+/// sequence over the L keys of b.k and b.v at b.origin .. b.origin + L - 1 (0 <= shift,
+/// shift + m <= L), with b.out and b.lse the rows' over every key of the sequence: the
+/// gradients of these pairs (c_ij of the absolute positions; causal: key position <= query
+/// position), written to b.dq, b.dk, b.dv, or ADDED to them with `accumulate`. One pass on the
+/// rectangle (query steps of 64 from the first query): the same bits for any thread count.
+/// `work` and `windows` (when not null) are a thread's scratch, reused across heads.
 template <typename Scalar, typename Input = Scalar>
-void count_backward(HeadBackward<Scalar, Input>& b, const HashSet& hashes, bool parallel = true,
-                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
-  const Index n = b.q.rows();
+void count_rectangle_backward(HeadBackward<Scalar, Input>& b, const HashSet& hashes, Index shift,
+                              bool accumulate, bool parallel, BackwardWork<Scalar>* work,
+                              CountWindows* windows) {
+  const Index m = b.q.rows(), n = b.k.rows();
   const bool causal = b.masking == Masking::causal;
   CountWindows own;
   CountWindows& counts = windows != nullptr ? *windows : own;
-  counts.build(hashes, n, causal, b.origin);
-  const CountRule<Scalar> rule(counts, n, causal);
+  counts.build(hashes, m, n, shift, causal, b.origin);
+  const CountRule<Scalar> rule(counts, m, n, shift, causal);
   windowed_backward<Scalar, Input>(b.q, b.k, b.v, b.out, b.lse, b.dout, b.tau, rule, b.dq, b.dk,
-                                   b.dv, b.precision, parallel, work);
+                                   b.dv, b.precision, parallel, work, nullptr, accumulate);
+}
+
+/// The count-weighted estimator's backward of one head (fused and per-sample give the same
+/// gradients; this is the fused evaluation): count_rectangle_backward on the whole head
+/// (self-attention, shift 0), its gradients written. Rows are the positions b.origin ..
+/// b.origin + n - 1 of the hashes' sequence.
+template <typename Scalar, typename Input = Scalar>
+void count_backward(HeadBackward<Scalar, Input>& b, const HashSet& hashes, bool parallel = true,
+                    BackwardWork<Scalar>* work = nullptr, CountWindows* windows = nullptr) {
+  count_rectangle_backward<Scalar, Input>(b, hashes, 0, false, parallel, work, windows);
 }
 
 /// The count-weighted estimator's backward of one head sample by sample, block by block (the

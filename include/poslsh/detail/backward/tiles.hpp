@@ -528,10 +528,12 @@ class WindowRule {
   double dead_limit_ = 0.0;  // T + 1
 };
 
-/// The count structure of every query tile of n rows (tiles of tile_query_rows from row 0) and
-/// each row's window [lo_i, hi_i) of keys with c_ij > 0: what the fused forward builds tile by
-/// tile, kept for both backward passes (O(n s) memory). With `origin`, row r is the position
-/// origin + r of a longer sequence (TileCounts::build).
+/// The count structure of every query tile (tiles of tile_query_rows from query row 0) and
+/// each query row's window [lo_i, hi_i) of keys with c_ij > 0: what the fused forward builds
+/// tile by tile, kept for both backward passes (O(m s) memory). The n keys are the positions
+/// origin .. origin + n - 1 of the hashes' sequence and the m query rows the positions
+/// origin + shift .. origin + shift + m - 1 among them (0 <= shift, shift + m <= n;
+/// self-attention: m = n, shift = 0); windows are in key indices (TileCounts::build).
 struct CountWindows {
   std::vector<TileCounts> tiles;
   std::vector<Index> lo, hi;
@@ -539,19 +541,19 @@ struct CountWindows {
   /// The tiles in parallel (parallel_loop), each tile's counts growing their own buffers (the
   /// tile's output: they only grow, so a CountWindows reused for heads of the same length
   /// allocates on its first head only).
-  void build(const HashSet& hashes, Index n, bool causal, Index origin = 0) {
-    const Index count = (n + tile_query_rows - 1) / tile_query_rows;
+  void build(const HashSet& hashes, Index m, Index n, Index shift, bool causal, Index origin) {
+    const Index count = (m + tile_query_rows - 1) / tile_query_rows;
     tiles.resize(static_cast<std::size_t>(count));  // build() resets each (buffers reused)
-    lo.resize(static_cast<std::size_t>(n));
-    hi.resize(static_cast<std::size_t>(n));
+    lo.resize(static_cast<std::size_t>(m));
+    hi.resize(static_cast<std::size_t>(m));
     // Each tile's rectangles allocated once, not grown block by block.
     const std::size_t rectangles = TileCounts::max_rectangles(hashes, tile_query_rows);
     parallel_loop(static_cast<long>(count), LoopSchedule::dynamic(4), true, [&](long t) {
       const Index i0 = static_cast<Index>(t) * tile_query_rows;
-      const Index rows = std::min(tile_query_rows, n - i0);
+      const Index rows = std::min(tile_query_rows, m - i0);
       TileCounts& counts = tiles[static_cast<std::size_t>(t)];
       counts.rectangles.reserve(rectangles);
-      counts.build(hashes, i0, rows, n, causal, origin);
+      counts.build(hashes, shift + i0, rows, n, causal, origin);
       std::copy(counts.lo.begin(), counts.lo.end(), lo.begin() + i0);
       std::copy(counts.hi.begin(), counts.hi.end(), hi.begin() + i0);
     });
@@ -565,12 +567,14 @@ class CountRule {
   static constexpr Scalar max_exponent = Scalar(64);
 
  public:
-  CountRule(const CountWindows& windows, Index n, bool causal)
-      : windows_(windows), n_(n), causal_(causal) {}
+  /// The m query rows and n keys of `windows` (CountWindows::build), query row i at key
+  /// position i + shift.
+  CountRule(const CountWindows& windows, Index m, Index n, Index shift, bool causal)
+      : windows_(windows), m_(m), n_(n), shift_(shift), causal_(causal) {}
   Index begin() const { return 0; }
-  Index end() const { return n_; }
+  Index end() const { return m_; }
   Index key_end() const { return n_; }
-  Index shift() const { return 0; }
+  Index shift() const { return shift_; }
 
   KeyRange rows_reaching(Index j0, Index j1) const {
     const auto& lo = windows_.lo;
@@ -649,9 +653,10 @@ class CountRule {
             count,
             ei::pexp(ei::pmin(ei::psub(ei::pmul(scale, ei::pload<Packet>(entry)), row_lse), cap)));
         if (causal_) {
-          // Row step0 + a + r sees key j0 + b iff r >= j0 + b - step0 - a (clamped to
-          // [-1, P], exact in Scalar).
-          const auto hidden = static_cast<Scalar>(std::clamp<Index>(j0 + b - step0 - a, -1, P));
+          // Row step0 + a + r (key position step0 + a + r + shift) sees key j0 + b iff
+          // r >= j0 + b - step0 - a - shift (clamped to [-1, P], exact in Scalar).
+          const auto hidden =
+              static_cast<Scalar>(std::clamp<Index>(j0 + b - step0 - a - shift_, -1, P));
           prob = ei::pand(ei::pcmp_le(ei::pset1<Packet>(hidden), lanes), prob);
         }
         ei::pstore(entry, prob);
@@ -661,7 +666,7 @@ class CountRule {
 
  private:
   const CountWindows& windows_;
-  Index n_;
+  Index m_, n_, shift_;
   bool causal_;
 };
 
