@@ -426,4 +426,15 @@ TEST_CASE("the packed-batch slice backward names the methods and shapes it does 
   });
   CHECK(error.find("'cu_seqlens_q'") != std::string::npos);
   CHECK(error.find("among the keys") != std::string::npos);
+  // lsh_fused has no slope gradients: named before any gradient is written.
+  g.setConstant(5.0f);
+  Eigen::VectorXd slopes = Eigen::VectorXd::Constant(1, 5.0);
+  Eigen::Ref<Eigen::VectorXd> dslopes(slopes);
+  error = message([&] {
+    poslsh::multihead_attention_varlen_slice_backward<float>(in, in, in, in, lse, in, cu, cu, out,
+                                                             out, out, options, &dslopes);
+  });
+  CHECK(error.find("'dslopes'") != std::string::npos);
+  CHECK((g.array() == 5.0f).all());
+  CHECK(slopes(0) == 5.0);
 }

@@ -265,9 +265,8 @@ void multihead_attention_varlen_slice_backward(
                                          keys);
   }
   detail::resolve_scale(function, options, q.dim);
-  for (const auto& view : {dq, dk, dv})
-    for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();
   if (dslopes != nullptr) {
+    detail::require_slope_gradients(function, options);
     const auto entries = static_cast<Index>(heads.size());
     detail::require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
       return "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
@@ -275,6 +274,8 @@ void multihead_attention_varlen_slice_backward(
     });
     dslopes->setZero();
   }
+  for (const auto& view : {dq, dk, dv})
+    for (Index h = 0; h < view.heads; ++h) view.head(h).setZero();
   MultiHeadOptions sequence_options = options;
   for (Index b = 0; b < batch; ++b) {
     const detail::HeadsSequence& s = sequences[static_cast<std::size_t>(b)];
