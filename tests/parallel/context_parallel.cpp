@@ -904,20 +904,18 @@ TEST_CASE("context parallel ranks, halos, rings and slices name their bad argume
   const auto dkv = poslsh::interleaved_heads<double>(kv_grads.data(), 10, cp_kv_heads, cp_d);
   const auto outc = poslsh::interleaved_heads<const double>(out.data(), 10, cp_heads, cp_d);
   MultiHeadOptions lsh = options;
-  lsh.method = Method::lsh_per_sample;
-  require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
-                                                           dkv, 0, 10, lsh);
-      },
-      "options.method");
-  lsh.method = Method::lsh_fused;
-  require_invalid_argument(
-      [&] {
-        poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
-                                                           dkv, 0, 10, lsh);
-      },
-      "query_offset");
+  // Queries before the keys: no slice backward for lsh_per_sample, and lsh_fused's queries must
+  // lie among its keys.
+  for (const auto& [method, name] : {std::pair{Method::lsh_per_sample, "options.method"},
+                                     std::pair{Method::lsh_fused, "query_offset"}}) {
+    lsh.method = method;
+    require_invalid_argument(
+        [&] {
+          poslsh::multihead_attention_slice_backward<double>(qv, kvv, kvv, outc, lse, outc, dq, dkv,
+                                                             dkv, 0, 10, lsh);
+        },
+        name);
+  }
   Eigen::VectorXd slopes(cp_heads);
   require_invalid_argument(
       [&] {

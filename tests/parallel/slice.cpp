@@ -23,6 +23,18 @@ namespace {
 
 constexpr Index varlen_heads = 4, varlen_d = 8, varlen_dv = 6;
 
+/// Random inputs of the slice tests: q and dout of `queries` tokens (varlen_heads heads), k and
+/// v of `keys` tokens (kv_heads heads), from the seeds seed .. seed + 3.
+template <typename Scalar>
+struct SliceInputs {
+  RowMatrix<Scalar> q, k, v, dout;
+  SliceInputs(Index queries, Index keys, Index kv_heads, std::uint64_t seed)
+      : q(poslsh_test::random_matrix<Scalar>(queries, varlen_heads * varlen_d, seed)),
+        k(poslsh_test::random_matrix<Scalar>(keys, kv_heads * varlen_d, seed + 1)),
+        v(poslsh_test::random_matrix<Scalar>(keys, kv_heads * varlen_dv, seed + 2)),
+        dout(poslsh_test::random_matrix<Scalar>(queries, varlen_heads * varlen_dv, seed + 3)) {}
+};
+
 /// The dense gradients in double of every head (H query heads over kv_heads K/V heads,
 /// [tokens, heads * dim] matrices) from the logits x = logits(h, q_h, k_g) of each head (m x L;
 /// -inf where a pair has no weight, and a row without a finite logit has P = 0): P the rows'
@@ -139,14 +151,8 @@ TEMPLATE_TEST_CASE("the packed-batch slice backward equals the dense gradients o
         const Method method = Method::exact_tiled;  // exact_banded: the same pass on its band
         INFO("kv_heads " << kv_heads << ", " << poslsh_test::masking_name(masking) << ", "
                          << poslsh::enum_name(method));
-        const RowMatrix<Scalar> q =
-            poslsh_test::random_matrix<Scalar>(total_q, varlen_heads * varlen_d, 301);
-        const RowMatrix<Scalar> k =
-            poslsh_test::random_matrix<Scalar>(total_k, kv_heads * varlen_d, 302);
-        const RowMatrix<Scalar> v =
-            poslsh_test::random_matrix<Scalar>(total_k, kv_heads * varlen_dv, 303);
-        const RowMatrix<Scalar> dout =
-            poslsh_test::random_matrix<Scalar>(total_q, varlen_heads * varlen_dv, 304);
+        const SliceInputs<Scalar> inputs(total_q, total_k, kv_heads, 301);
+        const RowMatrix<Scalar>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
         MultiHeadOptions options;
         options.method = method;
         options.masking = masking;
@@ -234,13 +240,8 @@ TEMPLATE_TEST_CASE("the lsh_fused slice backward equals the dense count-weighted
       for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
         INFO("shift " << shift << ", kv_heads " << kv_heads << ", "
                       << poslsh_test::masking_name(masking));
-        const RowMatrix<Scalar> q =
-            poslsh_test::random_matrix<Scalar>(m, varlen_heads * varlen_d, 311);
-        const RowMatrix<Scalar> k = poslsh_test::random_matrix<Scalar>(L, kv_heads * varlen_d, 312);
-        const RowMatrix<Scalar> v =
-            poslsh_test::random_matrix<Scalar>(L, kv_heads * varlen_dv, 313);
-        const RowMatrix<Scalar> dout =
-            poslsh_test::random_matrix<Scalar>(m, varlen_heads * varlen_dv, 314);
+        const SliceInputs<Scalar> inputs(m, L, kv_heads, 311);
+        const RowMatrix<Scalar>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
         MultiHeadOptions options;
         options.method = Method::lsh_fused;
         options.masking = masking;
@@ -336,13 +337,8 @@ TEST_CASE(
     cu_k.push_back(cu_k.back() + static_cast<std::int32_t>(L));
   }
   const Index total_q = cu_q.back(), total_k = cu_k.back(), kv_heads = 2;
-  const RowMatrix<double> q =
-      poslsh_test::random_matrix<double>(total_q, varlen_heads * varlen_d, 331);
-  const RowMatrix<double> k = poslsh_test::random_matrix<double>(total_k, kv_heads * varlen_d, 332);
-  const RowMatrix<double> v =
-      poslsh_test::random_matrix<double>(total_k, kv_heads * varlen_dv, 333);
-  const RowMatrix<double> dout =
-      poslsh_test::random_matrix<double>(total_q, varlen_heads * varlen_dv, 334);
+  const SliceInputs<double> inputs(total_q, total_k, kv_heads, 331);
+  const RowMatrix<double>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
   for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
     INFO(poslsh_test::masking_name(masking));
     MultiHeadOptions options;
