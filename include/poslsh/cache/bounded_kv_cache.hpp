@@ -144,9 +144,7 @@ class BoundedKVCache {
     detail::require(query_heads >= 1, function, "heads", query_heads,
                     "must hold one method per query head");
     for (const HeadMethod& head : heads_) detail::require_retention_head(head, function, "heads");
-    detail::require(
-        kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
-        [&] { return "must divide the query heads (" + std::to_string(query_heads) + ")"; });
+    detail::require_kv_heads(function, query_heads, kv_heads);
     detail::require(dim >= 1, function, "dim", dim, "must be >= 1");
     detail::require(dim_v >= 1, function, "dim_v", dim_v, "must be >= 1");
     detail::require(page_size >= page_multiple && page_size % page_multiple == 0, function,
@@ -409,9 +407,7 @@ class BoundedKVCache {
   }
   const HeadPages& head_pages(const char* function, Index sequence, Index kv_head) const {
     const Sequence& s = get(function, sequence);
-    detail::require(kv_head >= 0 && kv_head < kv_heads_, function, "kv_head", kv_head, [&] {
-      return "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads_) + ")";
-    });
+    detail::require_kv_head(function, kv_head, kv_heads_);
     return s.heads[static_cast<std::size_t>(kv_head)];
   }
   Index pool_row(const char* function, Index sequence, Index kv_head, Index position) const {

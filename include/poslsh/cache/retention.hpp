@@ -60,6 +60,18 @@ inline Index first_live_key_unchecked(const HeadMethod& head, Index t) {
   return behind < 0 ? 0 : std::max<Index>(0, t - behind);
 }
 
+/// kv_heads K/V heads shared by query_heads query heads: kv_heads >= 1 divides query_heads.
+inline void require_kv_heads(const char* function, Index query_heads, Index kv_heads) {
+  require(kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
+          [&] { return "must divide the query heads (" + std::to_string(query_heads) + ")"; });
+}
+
+/// kv_head, one of kv_heads K/V heads: in [0, kv_heads).
+inline void require_kv_head(const char* function, Index kv_head, Index kv_heads) {
+  require(kv_head >= 0 && kv_head < kv_heads, function, "kv_head", kv_head,
+          [&] { return "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads) + ")"; });
+}
+
 /// Checks a head's method for retention: a valid method, sigma and hashes (the methods with
 /// blocks), band >= 0 (exact_banded), window_left >= -1. Names `name`.
 inline void require_retention_head(const HeadMethod& head, const char* function, const char* name) {
@@ -98,12 +110,8 @@ inline Index kv_head_first_live_key(const std::vector<HeadMethod>& heads, Index 
   constexpr const char* function = "kv_head_first_live_key";
   const auto query_heads = static_cast<Index>(heads.size());
   detail::require(query_heads >= 1, function, "heads", query_heads, "must hold the query heads");
-  detail::require(
-      kv_heads >= 1 && query_heads % kv_heads == 0, function, "kv_heads", kv_heads,
-      [&] { return "must divide the query heads (" + std::to_string(query_heads) + ")"; });
-  detail::require(kv_head >= 0 && kv_head < kv_heads, function, "kv_head", kv_head, [&] {
-    return "must lie in [0, kv_heads) = [0, " + std::to_string(kv_heads) + ")";
-  });
+  detail::require_kv_heads(function, query_heads, kv_heads);
+  detail::require_kv_head(function, kv_head, kv_heads);
   detail::require_size(t, function, "t");
   const Index group = query_heads / kv_heads;
   Index first = t;

@@ -43,9 +43,7 @@ inline std::vector<double> alibi_slopes(int heads, double max_bias = 8.0) {
 inline std::vector<double> alibi_slopes_shard(int heads, int first_head, int local_heads,
                                               double max_bias = 8.0) {
   detail::require_positive(heads, "alibi_slopes_shard", "heads");
-  detail::require(first_head >= 0 && first_head < heads, "alibi_slopes_shard", "first_head",
-                  first_head,
-                  [&] { return "must be in [0, heads) = [0, " + std::to_string(heads) + ")"; });
+  detail::require_index("alibi_slopes_shard", "first_head", first_head, "heads", heads);
   detail::require(local_heads >= 1 && local_heads <= heads - first_head, "alibi_slopes_shard",
                   "local_heads", local_heads, [&] {
                     return "must be in [1, heads - first_head] = [1, " +

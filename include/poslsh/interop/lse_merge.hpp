@@ -7,6 +7,7 @@
 #include <string>
 
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/checks/require.hpp"
 
 namespace poslsh {
@@ -39,12 +40,7 @@ class LseMerger {
   void add(ConstMatrixRef<Scalar> output, const Eigen::Ref<const Vector>& lse) {
     constexpr const char* function = "LseMerger::add";
     const Index n = accumulator_.rows();
-    detail::require(
-        output.rows() == n && output.cols() == accumulator_.cols(), function, "output",
-        [&] { return std::to_string(output.rows()) + "x" + std::to_string(output.cols()); },
-        [&] {
-          return "shape must be " + std::to_string(n) + "x" + std::to_string(accumulator_.cols());
-        });
+    detail::require_matrix_shape(function, "output", output, n, accumulator_.cols(), false);
     detail::require(lse.size() == n, function, "lse", lse.size(),
                     [&] { return "size must be n = " + std::to_string(n); });
     for (Index i = 0; i < n; ++i) {

@@ -157,14 +157,21 @@ constexpr bool method_has_slice_backward(Method method) {
 
 namespace detail {
 
-/// With slope gradients (dslopes), the method must have them (method_has_slope_gradients).
-inline void require_slope_gradients(const char* function, const MultiHeadOptions& options) {
+/// The slope gradients dslopes (`size` entries) of a backward: a method that has them
+/// (method_has_slope_gradients), and `entries` entries, one per query head or (`per_sequence`)
+/// one per sequence and query head.
+inline void require_slope_gradients(const char* function, const MultiHeadOptions& options,
+                                    Index size, Index entries, bool per_sequence) {
   require(method_has_slope_gradients(options.method), function, "dslopes",
           enum_name(options.method), [&] {
             return "slope gradients need method " +
                    enum_name_list<Method>(method_has_slope_gradients) +
                    " (the bins of the LSH methods are not differentiable in the slope)";
           });
+  require(size == entries, function, "dslopes", size, [&] {
+    return "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
+           "query head (" + std::to_string(entries) + ")";
+  });
 }
 
 /// The lse matrix of an all-heads call: q.heads x q.tokens (one row per query head).
@@ -381,16 +388,9 @@ void training_backward(const char* function, const HeadsView<const Input>& q,
                        Eigen::Ref<Eigen::VectorXd>* dslopes = nullptr) {
   const HeadsCall call = training_call(function, q, k, v, lse, cu_seqlens, out, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
-  if (dslopes != nullptr) {
-    require_slope_gradients(function, options);
-    const auto entries = static_cast<Index>(call.heads.size());
-    require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
-      return call.per_sequence
-                 ? "must hold one entry per sequence and query head (" + std::to_string(entries) +
-                       ")"
-                 : "must hold one entry per query head (" + std::to_string(q.heads) + ")";
-    });
-  }
+  if (dslopes != nullptr)
+    require_slope_gradients(function, options, dslopes->size(),
+                            static_cast<Index>(call.heads.size()), call.per_sequence);
   heads_backward<Input>(call, q, k, v, out, lse, dout, dq, dk, dv,
                         dslopes == nullptr ? nullptr : dslopes->data());
 }

@@ -76,8 +76,7 @@ inline std::vector<PositionRange> shard_ranges(Index n, Index ranks, Index rank,
                                                ShardLayout layout = ShardLayout::contiguous) {
   constexpr const char* function = "shard_ranges";
   detail::require_shards(function, n, ranks);
-  detail::require(rank >= 0 && rank < ranks, function, "rank", rank,
-                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
+  detail::require_index(function, "rank", rank, "ranks", ranks);
   detail::require(enum_is_valid(layout), function, "layout", static_cast<int>(layout),
                   [&] { return "must be " + enum_name_list<ShardLayout>(); });
   // floor(n c / parts) without overflow (c <= parts <= 2^32 > n mod parts).
@@ -397,14 +396,12 @@ void for_each_halo_segment(const ContextParallelPlan& plan, Index destination, H
 /// The segments of the rows that rank `destination` reads from rank `source` in `pass`, in the
 /// order (chunk, K/V head, position): the message from source to destination (source ==
 /// destination: the rows the rank holds itself, never sent).
-/// 	hrows std::invalid_argument naming a rank outside [0, ranks).
+/// \throws std::invalid_argument naming a rank outside [0, ranks).
 inline std::vector<HaloSegment> halo_segments(const ContextParallelPlan& plan, Index destination,
                                               Index source, HaloPass pass) {
   constexpr const char* function = "halo_segments";
-  const std::string ranks = "must be in [0, ranks) = [0, " + std::to_string(plan.ranks) + ")";
-  detail::require(destination >= 0 && destination < plan.ranks, function, "destination",
-                  destination, ranks);
-  detail::require(source >= 0 && source < plan.ranks, function, "source", source, ranks);
+  detail::require_index(function, "destination", destination, "ranks", plan.ranks);
+  detail::require_index(function, "source", source, "ranks", plan.ranks);
   std::vector<HaloSegment> segments;
   for_each_halo_segment(plan, destination, pass, [&](const HaloSegment& segment) {
     if (segment.source == source) segments.push_back(segment);

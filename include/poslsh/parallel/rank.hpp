@@ -74,9 +74,7 @@ class ContextParallelRank {
     detail::require(shapes.value_dim >= 0, function, "shapes.value_dim", shapes.value_dim,
                     "must be >= 0");
     detail::require_shards(function, n, static_cast<Index>(shards.size()));
-    detail::require(
-        rank >= 0 && rank < static_cast<Index>(shards.size()), function, "rank", rank,
-        [&] { return "must be in [0, ranks) = [0, " + std::to_string(shards.size()) + ")"; });
+    detail::require_index(function, "rank", rank, "ranks", shards.size());
     plan_ = context_parallel_plan(shards, n,
                                   detail::head_methods(function, shapes.query_heads, options),
                                   shapes.kv_heads, options.masking);
@@ -133,9 +131,7 @@ class ContextParallelRank {
 
  private:
   std::size_t checked_rank(Index peer, const char* name) const {
-    detail::require(peer >= 0 && peer < plan_.ranks, "ContextParallelRank", name, peer, [&] {
-      return "must be in [0, ranks) = [0, " + std::to_string(plan_.ranks) + ")";
-    });
+    detail::require_index("ContextParallelRank", name, peer, "ranks", plan_.ranks);
     return static_cast<std::size_t>(peer);
   }
 

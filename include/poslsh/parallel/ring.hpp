@@ -49,10 +49,8 @@ struct RingStep {
 inline RingStep ring_step(Index ranks, Index rank, Index step) {
   constexpr const char* function = "ring_step";
   detail::require(ranks >= 1, function, "ranks", ranks, "must be >= 1");
-  detail::require(rank >= 0 && rank < ranks, function, "rank", rank,
-                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
-  detail::require(step >= 0 && step < ranks, function, "step", step,
-                  [&] { return "must be in [0, ranks) = [0, " + std::to_string(ranks) + ")"; });
+  detail::require_index(function, "rank", rank, "ranks", ranks);
+  detail::require_index(function, "step", step, "ranks", ranks);
   const auto mod = [ranks](Index x) { return ((x % ranks) + ranks) % ranks; };
   return {mod(rank - step), mod(rank + 1), mod(rank - 1), mod(rank - step - 1), step + 1 < ranks};
 }
@@ -124,8 +122,7 @@ void require_ring_inputs(const char* function, const ContextParallelRank& me,
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "the ring carries float or double rows");
   const ContextParallelShapes& s = me.shapes();
-  require(source >= 0 && source < me.ranks(), function, "source", source,
-          [&] { return "must be in [0, ranks) = [0, " + std::to_string(me.ranks()) + ")"; });
+  require_index(function, "source", source, "ranks", me.ranks());
   require_view_shape(function, "q", q, me.rows(), s.query_heads, s.head_dim);
   const Index rows = me.plan().shard_rows(source);
   require_view_shape(function, "k", k, rows, s.kv_heads, s.head_dim);
@@ -265,9 +262,7 @@ class RingBackward {
   /// The dK, dV partial of rank `source`'s shard from this rank's queries, in the ring buffer
   /// layout (ring_shard_elements(me, source) elements): what this rank sends to `source`.
   const std::vector<Scalar>& partial(Index source) const {
-    detail::require(
-        source >= 0 && source < me_.ranks(), "RingBackward::partial", "source", source,
-        [&] { return "must be in [0, ranks) = [0, " + std::to_string(me_.ranks()) + ")"; });
+    detail::require_index("RingBackward::partial", "source", source, "ranks", me_.ranks());
     return partials_[static_cast<std::size_t>(source)];
   }
 

@@ -72,7 +72,8 @@ inline void require_queries_among_keys(const char* function, const char* name,
 }
 
 /// The gradients of a slice (multihead_attention_slice_backward), added to dq, dk, dv and,
-/// when not null, to dslopes (one entry per query head).
+/// when not null, to dslopes (one entry per query head, checked by the caller:
+/// require_slope_gradients).
 template <typename Scalar>
 void slice_backward(const char* function, const HeadsView<const Scalar>& q,
                     const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
@@ -85,7 +86,6 @@ void slice_backward(const char* function, const HeadsView<const Scalar>& q,
   require_slice_arguments(function, q, k, v, out, lse, query_offset, key_offset, options);
   require_gradient_views(function, q, k, v, dout, dq, dk, dv);
   require_slice_backward_method(function, options);
-  if (dslopes != nullptr) require_slope_gradients(function, options);
   require_queries_among_keys(function, "query_offset", options, query_offset, q.tokens, key_offset,
                              k.tokens);
   const std::vector<HeadMethod> heads = head_methods(function, q.heads, options);
@@ -215,9 +215,7 @@ void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<con
                                         Eigen::Ref<Eigen::VectorXd> dslopes, Index query_offset,
                                         Index key_offset, const MultiHeadOptions& options = {}) {
   constexpr const char* function = "multihead_attention_slice_backward";
-  detail::require(dslopes.size() == q.heads, function, "dslopes", dslopes.size(), [&] {
-    return "must hold one entry per query head (" + std::to_string(q.heads) + ")";
-  });
+  detail::require_slope_gradients(function, options, dslopes.size(), q.heads, false);
   detail::slice_backward<Scalar>(function, q, k, v, out, lse, dout, dq, dk, dv, query_offset,
                                  key_offset, options, dslopes.data());
 }
@@ -266,12 +264,8 @@ void multihead_attention_varlen_slice_backward(
   }
   detail::resolve_scale(function, options, q.dim);
   if (dslopes != nullptr) {
-    detail::require_slope_gradients(function, options);
-    const auto entries = static_cast<Index>(heads.size());
-    detail::require(dslopes->size() == entries, function, "dslopes", dslopes->size(), [&] {
-      return "must hold one entry per " + std::string(per_sequence ? "sequence and " : "") +
-             "query head (" + std::to_string(entries) + ")";
-    });
+    detail::require_slope_gradients(function, options, dslopes->size(),
+                                    static_cast<Index>(heads.size()), per_sequence);
     dslopes->setZero();
   }
   for (const auto& view : {dq, dk, dv})

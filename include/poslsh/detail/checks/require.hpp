@@ -49,6 +49,17 @@ void require_size(Int value, const char* function, const char* name) {
   require(value >= 0, function, name, value, "must be >= 0");
 }
 
+/// An index among `count` things named `count_name` (ranks, heads): must lie in [0, count).
+template <typename Int, typename Count>
+void require_index(const char* function, const char* name, Int index, const char* count_name,
+                   Count count) {
+  require(index >= 0 && static_cast<long long>(index) < static_cast<long long>(count), function,
+          name, index, [&] {
+            return "must be in [0, " + std::string(count_name) + ") = [0, " +
+                   std::to_string(count) + ")";
+          });
+}
+
 /// Positive count such as s or the number of heads.
 template <typename Int>
 void require_positive(Int value, const char* function, const char* name) {
