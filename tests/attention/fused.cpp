@@ -199,3 +199,61 @@ TEST_CASE(
     }
   }
 }
+
+TEST_CASE("the counts of a short band compared bin by bin equal the counts of the bins",
+          "[fused][counts]") {
+  // TileCounts::build_by_bins against c_ij = #{k : bin_k(i) = bin_k(j)} computed with
+  // BinHash::bin for every row and key of the band, each row's window [lo, hi) against the
+  // keys with c > 0 (causal: cut at the query), and zeros for rows past the tile's rows.
+  // Sample counts reach every group size of the comparison (16, 8, 4, 2, 1 hashes at once);
+  // widths below 1 number positions instead of bins.
+  const Index n = 700;
+  const Index R = poslsh::detail::TileCounts::compared_rows;
+  Index built = 0;
+  for (const double sigma : {0.3, 2.0, 8.0, 30.0}) {
+    for (const Index s : {1, 7, 16, 31, 40}) {
+      const HashSet hashes = poslsh::rbf_hashes(sigma, s, 5, 2);
+      for (const bool causal : {true, false}) {
+        for (const Index i0 : {Index{0}, Index{64}, Index{320}, Index{670}}) {
+          const Index rows = std::min<Index>(R, n - i0);
+          poslsh::detail::TileCounts counts;
+          if (!counts.build_by_bins(hashes, i0, rows, n, causal)) continue;
+          ++built;
+          const Index begin = counts.band_begin(), end = counts.band_end();
+          INFO("sigma " << sigma << ", s " << s << ", causal " << causal << ", i0 " << i0);
+          REQUIRE(end - begin <= poslsh::detail::TileCounts::max_compared_band);
+          REQUIRE(counts.key_counts.size() == (end - begin) * R);
+          for (Index r = 0; r < R; ++r) {
+            const Index i = i0 + r;
+            Index lo = n, hi = 0;
+            for (Index j = begin; j < end; ++j) {
+              Index count = 0;
+              if (r < rows && (!causal || j <= i))
+                for (const auto& hash : hashes) count += hash.bin(i) == hash.bin(j) ? 1 : 0;
+              CHECK(Index{counts.key_counts((j - begin) * R + r)} == count);
+              if (count > 0) lo = std::min(lo, j), hi = j + 1;
+            }
+            if (r >= rows) continue;
+            // No key outside the band shares a bin with the row.
+            for (Index j = 0; j < n; ++j) {
+              if (j >= begin && j < end) continue;
+              bool shared = false;
+              for (const auto& hash : hashes) shared = shared || hash.bin(i) == hash.bin(j);
+              CHECK_FALSE((shared && (!causal || j <= i)));
+            }
+            CHECK(counts.lo[static_cast<std::size_t>(r)] == lo);
+            CHECK(counts.hi[static_cast<std::size_t>(r)] == hi);
+          }
+        }
+      }
+    }
+  }
+  // A band longer than max_compared_band is not compared.
+  poslsh::detail::TileCounts counts;
+  CHECK_FALSE(counts.build_by_bins(poslsh::rbf_hashes(1e4, 8, 5, 2), 320, R, n, false));
+#if defined(__AVX512BW__)
+  CHECK(built > 100);
+#else
+  CHECK(built == 0);  // no 64-byte compares: the rectangles are always built
+#endif
+}

@@ -4,12 +4,17 @@
 //   out_i = sum_j c_ij e^{x_ij - M_i} v_j / sum_j c_ij e^{x_ij - M_i}.
 // Row i's window is the interval [lo_i, hi_i) of keys with c_ij > 0 (TileCounts); inside a
 // key tile cut by the windows, entries of count 0 are masked (-inf, never in the maximum).
+// A query tile's counts come from comparing the bins of every row and key of its band where
+// the band is short (TileCounts::build_by_bins), else from its rectangles: the same small
+// integers either way.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
@@ -63,8 +68,11 @@ class CountBias {
   KeyRange query_tile(Index i0) {
     i0_ = i0;
     const Index rows = std::min(Bq, n_ - i0);
+    compared_ = false;
     if (partitions_ != nullptr)
       counts_.build(*partitions_, i0, rows, n_, causal_);
+    else if (counts_.build_by_bins(*hashes_, i0, rows, n_, causal_))
+      compared_ = true;
     else
       counts_.build(*hashes_, i0, rows, n_, causal_);
     for (Index r = 0; r < rows; ++r) {
@@ -83,7 +91,9 @@ class CountBias {
     const Index last = std::min(reaching.last, rows.last);
     if (first >= last) return KeyTileCut::skip;
     const Index r0 = first / P * P, r1 = (last + P - 1) / P * P;
-    if (causal_ && j0 + keys - 1 > i0_ + r0)
+    if (compared_)
+      copy_counts(j0, keys, r0, r1);
+    else if (causal_ && j0 + keys - 1 > i0_ + r0)
       expand_counts<true>(j0, keys, r0, r1);
     else
       expand_counts<false>(j0, keys, r0, r1);
@@ -179,6 +189,34 @@ class CountBias {
     }
   }
 
+  // count_tile[b][a] = c_{i0+a, j0+b} for the packets of rows in [r0, r1) and the keys b each
+  // reaches, from the compared counts of the band.
+  void copy_counts(Index j0, Index keys, Index r0, Index r1) {
+    Scalar* counts = count_tile_.data();
+    const Index R = TileCounts::compared_rows;
+    const std::uint8_t* band = counts_.key_counts.data() + (j0 - counts_.band_begin()) * R;
+    for (Index a = r0; a < r1; a += P) {
+      const KeyRange reach = packet_keys(a, keys);
+      for (Index b = reach.first; b < reach.last; ++b)
+        Eigen::internal::pstore(counts + b * Bq + a, count_packet(band + b * R + a));
+    }
+  }
+  // P byte counts as a packet of Scalar.
+  static Packet count_packet(const std::uint8_t* bytes) {
+#if defined(__AVX512BW__)
+    if constexpr (std::is_same_v<Scalar, float> && P == 16) {
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+    } else if constexpr (std::is_same_v<Scalar, double> && P == 8) {
+      return _mm512_cvtepi32_pd(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+    }
+#endif
+    alignas(64) Scalar values[P];
+    for (Index p = 0; p < P; ++p) values[p] = static_cast<Scalar>(bytes[p]);
+    return Eigen::internal::pload<Packet>(values);
+  }
+
   // counts[b][a] <- the sum of its entries of keys reach.first .. b, for every row a and the
   // keys b of `reach` (the packets' chains interleaved).
   void running_counts(Scalar* counts, KeyRange reach) {
@@ -210,6 +248,7 @@ class CountBias {
   TileCounts& counts_;
   Eigen::Array<Scalar, Eigen::Dynamic, 1>& count_tile_;
   Index i0_ = 0, j0_ = 0;
+  bool compared_ = false;  // this query tile's counts from TileCounts::build_by_bins
   std::array<Index, Bq> lo_{}, hi_{};
 };
 
