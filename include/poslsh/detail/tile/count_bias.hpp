@@ -211,6 +211,11 @@ class CountBias {
       return _mm512_cvtepi32_pd(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
     }
+#elif defined(__AVX2__)
+    if constexpr (std::is_same_v<Scalar, float> && P == 8) {
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+    }
 #endif
     alignas(64) Scalar values[P];
     for (Index p = 0; p < P; ++p) values[p] = static_cast<Scalar>(bytes[p]);

@@ -11,14 +11,12 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BW__)
-#include <immintrin.h>
-#endif
 
 #include "poslsh/core/hash.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/detail/analysis/partitions.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
+#include "poslsh/detail/tile/row_bytes.hpp"
 
 namespace poslsh::detail {
 
@@ -83,7 +81,7 @@ struct TileCounts {
     if (causal) cut_at_queries(i0);
   }
 
-  /// Rows a build_by_bins tile holds: one byte lane each in a 64-byte vector.
+  /// Rows a build_by_bins tile holds: one byte each in a RowBytes.
   static constexpr Index compared_rows = 64;
   /// The longest band (in keys) build_by_bins takes: a key's place in the band fits a byte.
   static constexpr Index max_compared_band = 255;
@@ -101,9 +99,9 @@ struct TileCounts {
   /// -1 at the key edges of its few blocks, summed over keys. The windows are each row's first
   /// and last key with c > 0 (a row shares every bin with itself, so none is empty). Returns
   /// false, building nothing, where the band is longer than max_compared_band, s > 255 or the CPU
-  /// has no 64-byte compares (AVX-512BW). Requires 0 < rows <= compared_rows.
+  /// has no byte compares of RowBytes (AVX-512BW or AVX2). Requires 0 < rows <= compared_rows.
   bool build_by_bins(const HashSet& hashes, Index i0, Index rows, Index n, bool causal) {
-#if defined(__AVX512BW__)
+#if defined(POSLSH_ROW_BYTES)
     if (hashes.size() > max_compared_band) return false;  // counts up to s in a byte
     const Index i1 = i0 + rows;
     Index begin = i0, end = i1;
@@ -215,7 +213,7 @@ struct TileCounts {
       hi[r] = std::min(hi[r], i0 + static_cast<Index>(r) + 1);
   }
 
-#if defined(__AVX512BW__)
+#if defined(POSLSH_ROW_BYTES)
   // ids_[k * id_stride_ + t]: the k-th narrow hash's bin of position begin + t as a byte,
   // bin(begin + t) - bin(begin) (t for widths below 1), for the band's positions and the
   // rows' (t up to i0 - begin + 63: positions past the band only in rows past `rows`, whose
@@ -245,31 +243,33 @@ struct TileCounts {
     return narrow;
   }
 
-  // bins_ = floor((positions_ - offset) / width), BinHash::bin's rounding, by a product with
-  // 1 / width: the product and the rounded quotient lie within 2 ulps of the quotient, so
-  // their floors agree unless the product lies within 4 ulps (|q| 2^-50) of an integer; a hash
-  // with such a position has its bins divided instead. positions_ padded to whole vectors.
+  // bins_ = floor((positions_ - offset) / width), BinHash::bin's rounding, by a product q
+  // with 1 / width: q and the rounded quotient differ by at most 3 u |q| (u = 2^-53, two
+  // roundings in q, one in the quotient), so their floors agree unless q lies that close to
+  // an integer; a hash with a q within |q| 2^-48 (32 u |q|) of one has its bins divided
+  // instead. positions_ is padded to whole packets.
   void exact_bins(const BinHash& hash) {
+    namespace ei = Eigen::internal;
+    using Packet = ei::packet_traits<double>::type;
+    constexpr Index P = ei::unpacket_traits<Packet>::size;
     const Index size = positions_.size();
     bins_.resize(size);
     const double* positions = positions_.data();
     double* bins = bins_.data();
-    const __m512d offset = _mm512_set1_pd(hash.offset);
-    const __m512d reciprocal = _mm512_set1_pd(1.0 / hash.width);
-    const __m512d ulps = _mm512_set1_pd(0x1p-48), one = _mm512_set1_pd(1.0);
+    const Packet offset = ei::pset1<Packet>(hash.offset);
+    const Packet reciprocal = ei::pset1<Packet>(1.0 / hash.width);
+    const Packet ulps = ei::pset1<Packet>(0x1p-48), one = ei::pset1<Packet>(1.0);
     // The least distance to an integer beyond the margin, over the positions.
-    __m512d clearance = one;
-    for (Index t = 0; t < size; t += 8) {
-      const __m512d q =
-          _mm512_mul_pd(_mm512_sub_pd(_mm512_loadu_pd(positions + t), offset), reciprocal);
-      const __m512d floor = _mm512_roundscale_pd(q, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      const __m512d fraction = _mm512_sub_pd(q, floor);
-      const __m512d distance = _mm512_min_pd(fraction, _mm512_sub_pd(one, fraction));
-      clearance =
-          _mm512_min_pd(clearance, _mm512_sub_pd(distance, _mm512_mul_pd(_mm512_abs_pd(q), ulps)));
-      _mm512_storeu_pd(bins + t, floor);
+    Packet clearance = one;
+    for (Index t = 0; t < size; t += P) {
+      const Packet q = ei::pmul(ei::psub(ei::ploadu<Packet>(positions + t), offset), reciprocal);
+      const Packet floor = ei::pfloor(q);
+      const Packet fraction = ei::psub(q, floor);
+      const Packet distance = ei::pmin(fraction, ei::psub(one, fraction));
+      clearance = ei::pmin(clearance, ei::psub(distance, ei::pmul(ei::pabs(q), ulps)));
+      ei::pstoreu(bins + t, floor);
     }
-    if (_mm512_cmp_pd_mask(clearance, _mm512_setzero_pd(), _CMP_LE_OQ) == 0) return;
+    if (ei::predux_min(clearance) > 0.0) return;
     for (Index t = 0; t < size; ++t)
       bins[t] = std::floor((positions[t] - hash.offset) / hash.width);
   }
@@ -279,25 +279,18 @@ struct TileCounts {
   void wide_edges(const HashSet& hashes, Index begin, Index end, Index i0, Index rows, Index n) {
     const Index band = end - begin;
     std::fill(key_counts.data(), key_counts.data() + band * compared_rows, std::uint8_t{0});
-    const __m512i one = _mm512_set1_epi8(1);
-    const auto edge = [&](Index key, __mmask64 on_rows, bool opening) {
-      std::uint8_t* entry = key_counts.data() + (key - begin) * compared_rows;
-      const __m512i count = _mm512_loadu_si512(entry);
-      _mm512_storeu_si512(entry, opening ? _mm512_mask_add_epi8(count, on_rows, count, one)
-                                         : _mm512_mask_sub_epi8(count, on_rows, count, one));
-    };
     for (const BinHash& hash : hashes) {
       if (hash.width < walk_width) continue;
       walk_blocks(hash, i0, rows, n, 0, [&](const CountRectangle& rect) {
-        const __mmask64 on_rows = row_mask(rect.row_end) & ~row_mask(rect.row_begin);
-        edge(std::max(rect.key_begin, begin), on_rows, true);
-        if (rect.key_end < end) edge(rect.key_end, on_rows, false);
+        const RowBytes on_rows = RowBytes::row_range(rect.row_begin, rect.row_end);
+        std::uint8_t* opening =
+            key_counts.data() + (std::max(rect.key_begin, begin) - begin) * compared_rows;
+        RowBytes::load(opening).plus_on(on_rows).store(opening);
+        if (rect.key_end >= end) return;
+        std::uint8_t* closing = key_counts.data() + (rect.key_end - begin) * compared_rows;
+        RowBytes::load(closing).minus_on(on_rows).store(closing);
       });
     }
-  }
-  // Rows [0, rows) as bits.
-  static __mmask64 row_mask(Index rows) {
-    return rows >= compared_rows ? ~__mmask64{0} : (__mmask64{1} << rows) - 1;
   }
 
   // key_counts of the band [begin, end) and the rows' windows: the wide hashes' edges summed
@@ -322,24 +315,22 @@ struct TileCounts {
     if (narrow - k >= 2) group(std::integral_constant<int, 2>{});
     if (narrow - k >= 1) group(std::integral_constant<int, 1>{});
     if (!summed) add_matches<0, true>(k, band, offset);
-    const __mmask64 live = row_mask(rows);
-    __m512i first = _mm512_setzero_si512(), last = _mm512_setzero_si512();
-    __mmask64 seen = 0;
+    const RowBytes live = RowBytes::row_range(0, rows);
+    RowBytes first = RowBytes::zero(), last = RowBytes::zero(), seen = RowBytes::zero();
     for (Index b = 0; b < band; ++b) {
       std::uint8_t* entry = key_counts.data() + b * compared_rows;
-      __mmask64 shown = live;
-      const Index first_row = begin + b - i0;  // causal: rows before it do not see key b
-      if (causal && first_row > 0) shown &= ~row_mask(first_row);
-      const __m512i count = _mm512_maskz_mov_epi8(shown, _mm512_loadu_si512(entry));
-      _mm512_storeu_si512(entry, count);
-      const __mmask64 reached = _mm512_test_epi8_mask(count, count);
-      first = _mm512_mask_mov_epi8(first, reached & ~seen, _mm512_set1_epi8(static_cast<char>(b)));
-      last = _mm512_mask_mov_epi8(last, reached, _mm512_set1_epi8(static_cast<char>(b + 1)));
-      seen |= reached;
+      // Causal: the rows before position begin + b do not see key b.
+      const RowBytes shown = causal ? RowBytes::row_range(begin + b - i0, rows) : live;
+      const RowBytes count = RowBytes::load(entry) & shown;
+      count.store(entry);
+      const RowBytes reached = count.nonzero();
+      first = first.select(reached.and_not(seen), RowBytes::splat(static_cast<std::uint8_t>(b)));
+      last = last.select(reached, RowBytes::splat(static_cast<std::uint8_t>(b + 1)));
+      seen = seen | reached;
     }
-    alignas(64) std::uint8_t firsts[compared_rows], lasts[compared_rows];
-    _mm512_store_si512(firsts, first);
-    _mm512_store_si512(lasts, last);
+    std::uint8_t firsts[compared_rows], lasts[compared_rows];
+    first.store(firsts);
+    last.store(lasts);
     lo.resize(static_cast<std::size_t>(rows));
     hi.resize(static_cast<std::size_t>(rows));
     for (Index r = 0; r < rows; ++r) {
@@ -354,25 +345,22 @@ struct TileCounts {
   template <int H, bool RunningSum>
   void add_matches(Index k, Index band, Index row_offset) {
     const std::uint8_t* ids = ids_.data() + k * id_stride_;
-    __m512i row_ids[H > 0 ? H : 1];
-    for (int h = 0; h < H; ++h) row_ids[h] = _mm512_loadu_si512(ids + h * id_stride_ + row_offset);
-    const __m512i one = _mm512_set1_epi8(1);
-    __m512i sum = _mm512_setzero_si512();
+    RowBytes row_ids[H > 0 ? H : 1] = {};
+    for (int h = 0; h < H; ++h) row_ids[h] = RowBytes::load(ids + h * id_stride_ + row_offset);
+    RowBytes sum = RowBytes::zero();
     for (Index b = 0; b < band; ++b) {
       std::uint8_t* entry = key_counts.data() + b * compared_rows;
-      __m512i count = _mm512_loadu_si512(entry);
-      if constexpr (RunningSum) count = sum = _mm512_add_epi8(sum, count);
-      for (int h = 0; h < H; ++h) {
-        const __m512i key = _mm512_set1_epi8(static_cast<char>(ids[h * id_stride_ + b]));
-        count = _mm512_mask_add_epi8(count, _mm512_cmpeq_epi8_mask(row_ids[h], key), count, one);
-      }
-      _mm512_storeu_si512(entry, count);
+      RowBytes count = RowBytes::load(entry);
+      if constexpr (RunningSum) count = sum = sum + count;
+      for (int h = 0; h < H; ++h)
+        count = count.plus_where_equal(row_ids[h], RowBytes::splat(ids[h * id_stride_ + b]));
+      count.store(entry);
     }
   }
 
   Eigen::Array<std::uint8_t, Eigen::Dynamic, 1> ids_;
   Index id_stride_ = 0;
-#endif
+#endif  // POSLSH_ROW_BYTES
 
   Eigen::ArrayXd positions_, bins_;
   std::vector<Index> block_ends_;
