@@ -209,41 +209,47 @@ TEST_CASE("the counts of a short band compared bin by bin equal the counts of th
   // widths below 1 number positions instead of bins.
   const Index n = 700;
   const Index R = poslsh::detail::TileCounts::compared_rows;
+  std::vector<HashSet> sets;
+  for (const double sigma : {0.3, 2.0, 8.0, 30.0})
+    for (const Index s : {1, 7, 16, 31, 40}) sets.push_back(poslsh::rbf_hashes(sigma, s, 5, 2));
+  // Widths where i * (1 / width) rounds below the integer i / width at a bin's first position
+  // (i = 49, 98, 147, ... for these): the bins must be divided there.
+  sets.push_back(
+      {{6.125, 0.0}, {12.25, 0.0}, {24.5, 0.0}, {3.0625, 0.0}, {1.53125, 0.0}, {0.1, 0.05}});
   Index built = 0;
-  for (const double sigma : {0.3, 2.0, 8.0, 30.0}) {
-    for (const Index s : {1, 7, 16, 31, 40}) {
-      const HashSet hashes = poslsh::rbf_hashes(sigma, s, 5, 2);
-      for (const bool causal : {true, false}) {
-        for (const Index i0 : {Index{0}, Index{64}, Index{320}, Index{670}}) {
-          const Index rows = std::min<Index>(R, n - i0);
-          poslsh::detail::TileCounts counts;
-          if (!counts.build_by_bins(hashes, i0, rows, n, causal)) continue;
-          ++built;
-          const Index begin = counts.band_begin(), end = counts.band_end();
-          INFO("sigma " << sigma << ", s " << s << ", causal " << causal << ", i0 " << i0);
-          REQUIRE(end - begin <= poslsh::detail::TileCounts::max_compared_band);
-          REQUIRE(counts.key_counts.size() == (end - begin) * R);
-          for (Index r = 0; r < R; ++r) {
-            const Index i = i0 + r;
-            Index lo = n, hi = 0;
-            for (Index j = begin; j < end; ++j) {
-              Index count = 0;
-              if (r < rows && (!causal || j <= i))
-                for (const auto& hash : hashes) count += hash.bin(i) == hash.bin(j) ? 1 : 0;
-              CHECK(Index{counts.key_counts((j - begin) * R + r)} == count);
-              if (count > 0) lo = std::min(lo, j), hi = j + 1;
-            }
-            if (r >= rows) continue;
-            // No key outside the band shares a bin with the row.
-            for (Index j = 0; j < n; ++j) {
-              if (j >= begin && j < end) continue;
-              bool shared = false;
-              for (const auto& hash : hashes) shared = shared || hash.bin(i) == hash.bin(j);
-              CHECK_FALSE((shared && (!causal || j <= i)));
-            }
-            CHECK(counts.lo[static_cast<std::size_t>(r)] == lo);
-            CHECK(counts.hi[static_cast<std::size_t>(r)] == hi);
+  for (const HashSet& hashes : sets) {
+    const Index s = static_cast<Index>(hashes.size());
+    for (const bool causal : {true, false}) {
+      for (const Index i0 : {Index{0}, Index{64}, Index{320}, Index{670}}) {
+        const Index rows = std::min<Index>(R, n - i0);
+        poslsh::detail::TileCounts counts;
+        if (!counts.build_by_bins(hashes, i0, rows, n, causal)) continue;
+        ++built;
+        const Index begin = counts.band_begin(), end = counts.band_end();
+        INFO("hash set of width " << hashes.front().width << ", s " << s << ", causal " << causal
+                                  << ", i0 " << i0);
+        REQUIRE(end - begin <= poslsh::detail::TileCounts::max_compared_band);
+        REQUIRE(counts.key_counts.size() == (end - begin) * R);
+        for (Index r = 0; r < R; ++r) {
+          const Index i = i0 + r;
+          Index lo = n, hi = 0;
+          for (Index j = begin; j < end; ++j) {
+            Index count = 0;
+            if (r < rows && (!causal || j <= i))
+              for (const auto& hash : hashes) count += hash.bin(i) == hash.bin(j) ? 1 : 0;
+            CHECK(Index{counts.key_counts((j - begin) * R + r)} == count);
+            if (count > 0) lo = std::min(lo, j), hi = j + 1;
           }
+          if (r >= rows) continue;
+          // No key outside the band shares a bin with the row.
+          for (Index j = 0; j < n; ++j) {
+            if (j >= begin && j < end) continue;
+            bool shared = false;
+            for (const auto& hash : hashes) shared = shared || hash.bin(i) == hash.bin(j);
+            CHECK_FALSE((shared && (!causal || j <= i)));
+          }
+          CHECK(counts.lo[static_cast<std::size_t>(r)] == lo);
+          CHECK(counts.hi[static_cast<std::size_t>(r)] == hi);
         }
       }
     }
