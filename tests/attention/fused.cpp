@@ -132,8 +132,13 @@ TEST_CASE(
   // counts c_ij summed from the rectangles against #{k : bin_k(i) = bin_k(j)}.
   const Index n = 300;
   // sigma 16: widths on both sides of TileCounts::walk_width in one hash set.
-  for (const double sigma : {0.4, 2.0, 7.0, 16.0, 50.0, 1e4}) {
-    const HashSet hashes = poslsh::rbf_hashes(sigma, 6, 11, 3);
+  std::vector<HashSet> sets;
+  for (const double sigma : {0.4, 2.0, 7.0, 16.0, 50.0, 1e4})
+    sets.push_back(poslsh::rbf_hashes(sigma, 6, 11, 3));
+  // Widths where i * (1 / width) rounds below the integer i / width at a bin's first position
+  // (i = 49, 98, 147, ... for these): the bins of the rows must be divided there.
+  sets.push_back({{6.125, 0.0}, {12.25, 0.0}, {24.5, 0.0}, {3.0625, 0.0}, {1.53125, 0.0}});
+  for (const HashSet& hashes : sets) {
     const auto partitions = poslsh::detail::analysis_partitions(hashes, n, "test");
     for (const bool causal : {true, false}) {
       for (const Index i0 : {Index{0}, Index{64}, Index{256}}) {

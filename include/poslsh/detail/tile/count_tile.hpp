@@ -42,19 +42,18 @@ struct TileCounts {
   void build(const HashSet& hashes, Index i0, Index rows, Index n, bool causal, Index origin = 0) {
     clear(rows, n);
     const Index i1 = i0 + rows;
-    positions_.resize(rows);
-    for (Index r = 0; r < rows; ++r) positions_(r) = static_cast<double>(origin + i0 + r);
+    set_positions(origin + i0, rows);
     block_ends_.resize(static_cast<std::size_t>(rows) + 1);
     for (const BinHash& hash : hashes) {
       if (hash.width >= walk_width) {
         walk_blocks(hash, i0, rows, n, origin, [this](const CountRectangle& rect) { add(rect); });
         continue;
       }
-      // The bins of the tile's rows, all at once (the same rounding as BinHash::bin); a block
-      // starts inside the tile where the bin changes (a branch-free scan lists those rows).
-      // The first and the last block reach beyond the tile: block_begin and block_end find
-      // their outer ends from the bins of the first and the last row.
-      bins_ = ((positions_ - hash.offset) / hash.width).floor();
+      // The bins of the tile's rows, all at once (exact_bins: BinHash::bin's rounding); a
+      // block starts inside the tile where the bin changes (a branch-free scan lists those
+      // rows). The first and the last block reach beyond the tile: block_begin and block_end
+      // find their outer ends from the bins of the first and the last row.
+      exact_bins(hash);
       const double* bins = bins_.data();
       Index* block_ends = block_ends_.data();
       Index cuts = 0;
@@ -213,44 +212,24 @@ struct TileCounts {
       hi[r] = std::min(hi[r], i0 + static_cast<Index>(r) + 1);
   }
 
-#if defined(POSLSH_ROW_BYTES)
-  // ids_[k * id_stride_ + t]: the k-th narrow hash's bin of position begin + t as a byte,
-  // bin(begin + t) - bin(begin) (t for widths below 1), for the band's positions and the
-  // rows' (t up to i0 - begin + 63: positions past the band only in rows past `rows`, whose
-  // counts are dropped). Returns the number of narrow hashes.
-  Index narrow_ids(const HashSet& hashes, Index begin, Index end, Index i0) {
-    const Index stride = std::max(end - begin, i0 - begin + compared_rows);
-    id_stride_ = stride;
-    positions_.resize((stride + 7) / 8 * 8);
-    for (Index t = 0; t < positions_.size(); ++t) positions_(t) = static_cast<double>(begin + t);
-    ids_.resize(static_cast<Index>(hashes.size()) * stride);
-    std::uint8_t* ids = ids_.data();
-    Index narrow = 0;
-    for (const BinHash& hash : hashes) {
-      if (hash.width >= walk_width) continue;
-      if (hash.width < 1.0) {
-        for (Index t = 0; t < stride; ++t) ids[t] = static_cast<std::uint8_t>(t);
-      } else {
-        exact_bins(hash);
-        const double* bins = bins_.data();
-        const double first = bins[0];
-        for (Index t = 0; t < stride; ++t)
-          ids[t] = static_cast<std::uint8_t>(static_cast<std::int32_t>(bins[t] - first));
-      }
-      ids += stride;
-      ++narrow;
-    }
-    return narrow;
+  // The double packets exact_bins reads.
+  using BinPacket = Eigen::internal::packet_traits<double>::type;
+  // positions_ <- first, first + 1, ..., first + count - 1, continued to a whole number of
+  // BinPackets.
+  void set_positions(Index first, Index count) {
+    constexpr Index P = Eigen::internal::unpacket_traits<BinPacket>::size;
+    positions_.resize((count + P - 1) / P * P);
+    for (Index t = 0; t < positions_.size(); ++t) positions_(t) = static_cast<double>(first + t);
   }
 
   // bins_ = floor((positions_ - offset) / width), BinHash::bin's rounding, by a product q
   // with 1 / width: q and the rounded quotient differ by at most 3 u |q| (u = 2^-53, two
   // roundings in q, one in the quotient), so their floors agree unless q lies that close to
   // an integer; a hash with a q within |q| 2^-48 (32 u |q|) of one has its bins divided
-  // instead. positions_ is padded to whole packets.
+  // instead. bins_ has positions_'s size (set_positions: whole packets).
   void exact_bins(const BinHash& hash) {
     namespace ei = Eigen::internal;
-    using Packet = ei::packet_traits<double>::type;
+    using Packet = BinPacket;
     constexpr Index P = ei::unpacket_traits<Packet>::size;
     const Index size = positions_.size();
     bins_.resize(size);
@@ -272,6 +251,35 @@ struct TileCounts {
     if (ei::predux_min(clearance) > 0.0) return;
     for (Index t = 0; t < size; ++t)
       bins[t] = std::floor((positions[t] - hash.offset) / hash.width);
+  }
+
+#if defined(POSLSH_ROW_BYTES)
+  // ids_[k * id_stride_ + t]: the k-th narrow hash's bin of position begin + t as a byte,
+  // bin(begin + t) - bin(begin) (t for widths below 1), for the band's positions and the
+  // rows' (t up to i0 - begin + 63: positions past the band only in rows past `rows`, whose
+  // counts are dropped). Returns the number of narrow hashes.
+  Index narrow_ids(const HashSet& hashes, Index begin, Index end, Index i0) {
+    const Index stride = std::max(end - begin, i0 - begin + compared_rows);
+    id_stride_ = stride;
+    set_positions(begin, stride);
+    ids_.resize(static_cast<Index>(hashes.size()) * stride);
+    std::uint8_t* ids = ids_.data();
+    Index narrow = 0;
+    for (const BinHash& hash : hashes) {
+      if (hash.width >= walk_width) continue;
+      if (hash.width < 1.0) {
+        for (Index t = 0; t < stride; ++t) ids[t] = static_cast<std::uint8_t>(t);
+      } else {
+        exact_bins(hash);
+        const double* bins = bins_.data();
+        const double first = bins[0];
+        for (Index t = 0; t < stride; ++t)
+          ids[t] = static_cast<std::uint8_t>(static_cast<std::int32_t>(bins[t] - first));
+      }
+      ids += stride;
+      ++narrow;
+    }
+    return narrow;
   }
 
   // key_counts <- +1 at each wide hash's blocks' first key of the band and -1 past their
