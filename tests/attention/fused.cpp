@@ -122,6 +122,13 @@ TEST_CASE("lsh_attention_fused rejects bad arguments", "[fused][invalid]") {
   require_invalid_argument([&] { poslsh::lsh_fused_pair_count(hashes, -1, Masking::causal); }, "n");
 }
 
+// Hashes whose widths make i * (1 / width) round below the integer i / width at a bin's first
+// position (i = 49, 98, 147, ...): the bins of those positions must be divided
+// (TileCounts::exact_bins' fallback).
+static HashSet fused_divided_bin_hashes() {
+  return {{6.125, 0.0}, {12.25, 0.0}, {24.5, 0.0}, {3.0625, 0.0}, {1.53125, 0.0}};
+}
+
 TEST_CASE(
     "the count structure of a query tile: windows by brute force, rectangles as the partitions "
     "give them",
@@ -135,9 +142,7 @@ TEST_CASE(
   std::vector<HashSet> sets;
   for (const double sigma : {0.4, 2.0, 7.0, 16.0, 50.0, 1e4})
     sets.push_back(poslsh::rbf_hashes(sigma, 6, 11, 3));
-  // Widths where i * (1 / width) rounds below the integer i / width at a bin's first position
-  // (i = 49, 98, 147, ... for these): the bins of the rows must be divided there.
-  sets.push_back({{6.125, 0.0}, {12.25, 0.0}, {24.5, 0.0}, {3.0625, 0.0}, {1.53125, 0.0}});
+  sets.push_back(fused_divided_bin_hashes());
   for (const HashSet& hashes : sets) {
     const auto partitions = poslsh::detail::analysis_partitions(hashes, n, "test");
     for (const bool causal : {true, false}) {
@@ -217,10 +222,9 @@ TEST_CASE("the counts of a short band compared bin by bin equal the counts of th
   std::vector<HashSet> sets;
   for (const double sigma : {0.3, 2.0, 8.0, 30.0})
     for (const Index s : {1, 7, 16, 31, 40}) sets.push_back(poslsh::rbf_hashes(sigma, s, 5, 2));
-  // Widths where i * (1 / width) rounds below the integer i / width at a bin's first position
-  // (i = 49, 98, 147, ... for these): the bins must be divided there.
-  sets.push_back(
-      {{6.125, 0.0}, {12.25, 0.0}, {24.5, 0.0}, {3.0625, 0.0}, {1.53125, 0.0}, {0.1, 0.05}});
+  // The divided bins, and a width below 1 (positions numbered instead of bins) in the same set.
+  sets.push_back(fused_divided_bin_hashes());
+  sets.back().push_back({0.1, 0.05});
   Index built = 0;
   for (const HashSet& hashes : sets) {
     const Index s = static_cast<Index>(hashes.size());

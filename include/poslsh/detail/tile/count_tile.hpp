@@ -212,12 +212,13 @@ struct TileCounts {
       hi[r] = std::min(hi[r], i0 + static_cast<Index>(r) + 1);
   }
 
-  // The double packets exact_bins reads.
+  // The double packets exact_bins reads, of bin_packet_size positions each.
   using BinPacket = Eigen::internal::packet_traits<double>::type;
+  static constexpr Index bin_packet_size = Eigen::internal::unpacket_traits<BinPacket>::size;
   // positions_ <- first, first + 1, ..., first + count - 1, continued to a whole number of
   // BinPackets.
   void set_positions(Index first, Index count) {
-    constexpr Index P = Eigen::internal::unpacket_traits<BinPacket>::size;
+    constexpr Index P = bin_packet_size;
     positions_.resize((count + P - 1) / P * P);
     for (Index t = 0; t < positions_.size(); ++t) positions_(t) = static_cast<double>(first + t);
   }
@@ -230,7 +231,7 @@ struct TileCounts {
   void exact_bins(const BinHash& hash) {
     namespace ei = Eigen::internal;
     using Packet = BinPacket;
-    constexpr Index P = ei::unpacket_traits<Packet>::size;
+    constexpr Index P = bin_packet_size;
     const Index size = positions_.size();
     bins_.resize(size);
     const double* positions = positions_.data();
