@@ -52,8 +52,8 @@ void backward_score_keys(const Scalar* xt, const Scalar* y, Index y_stride, Inde
 
 /// out[b * backward_step_rows + a] = sum_{c < d} xt[c * backward_step_rows + a] y[b * y_stride + c]
 /// for keys b in [b0, b1) and the query packets [0, packets) (xt holds X^T, d x
-/// backward_step_rows, aligned; out aligned): groups of up to 4 packets, register blocks of
-/// 16 accumulators (16 keys x 1 packet, 8 x 2, 5 x 3, 4 x 4).
+/// backward_step_rows, aligned; out aligned): groups of up to 4 packets, in the register blocks
+/// of tile_score_shape.
 template <typename Scalar>
 void backward_scores(const Scalar* xt, const Scalar* y, Index y_stride, Index d, Index b0, Index b1,
                      Index packets, Scalar* out) {
@@ -61,20 +61,10 @@ void backward_scores(const Scalar* xt, const Scalar* y, Index y_stride, Index d,
   for (Index p = 0; p < packets; p += 4) {
     const Scalar* x = xt + p * P;
     Scalar* o = out + p * P;
-    switch (std::min<Index>(4, packets - p)) {
-      case 1:
-        backward_score_keys<Scalar, 16, 1>(x, y, y_stride, d, b0, b1, o);
-        break;
-      case 2:
-        backward_score_keys<Scalar, 8, 2>(x, y, y_stride, d, b0, b1, o);
-        break;
-      case 3:
-        backward_score_keys<Scalar, 5, 3>(x, y, y_stride, d, b0, b1, o);
-        break;
-      default:
-        backward_score_keys<Scalar, 4, 4>(x, y, y_stride, d, b0, b1, o);
-        break;
-    }
+    tile_score_shape(packets - p, [&](auto keys, auto group) {
+      backward_score_keys<Scalar, decltype(keys)::value, decltype(group)::value>(x, y, y_stride, d,
+                                                                                 b0, b1, o);
+    });
   }
 }
 
@@ -103,39 +93,22 @@ EIGEN_DONT_INLINE void backward_product_block(const Scalar* weights, Index row_s
   }
 }
 
-/// Packets of columns per register block of the products.
-inline constexpr Index backward_product_packets = 4;
-
 /// backward_product_block for `Rows` rows over all `packets` packets of columns, in blocks of
-/// up to backward_product_packets packets (4 rows x 4 packets: 16 accumulators, as the
-/// forward's value blocks).
-template <typename Scalar, int Rows>
+/// up to tile_row_block_packets packets (as the forward's value blocks), the last one narrower.
+template <typename Scalar, int Rows, int Packets = tile_row_block_packets>
 void backward_product_rows(const Scalar* weights, Index row_step, Index sum_step,
                            const Scalar* values, Index value_stride, Index count, Index packets,
                            Scalar* acc, Index acc_stride) {
   constexpr Index P = tile_packet_size<Scalar>;
-  constexpr Index B = backward_product_packets;
-  for (Index p = 0; p < packets; p += B) {
-    const Scalar* v = values + p * P;
-    Scalar* a = acc + p * P;
-    switch (std::min<Index>(B, packets - p)) {
-      case 1:
-        backward_product_block<Scalar, Rows, 1>(weights, row_step, sum_step, v, value_stride, count,
-                                                a, acc_stride);
-        break;
-      case 2:
-        backward_product_block<Scalar, Rows, 2>(weights, row_step, sum_step, v, value_stride, count,
-                                                a, acc_stride);
-        break;
-      case 3:
-        backward_product_block<Scalar, Rows, 3>(weights, row_step, sum_step, v, value_stride, count,
-                                                a, acc_stride);
-        break;
-      default:
-        backward_product_block<Scalar, Rows, 4>(weights, row_step, sum_step, v, value_stride, count,
-                                                a, acc_stride);
-        break;
-    }
+  Index p = 0;
+  for (; p + Packets <= packets; p += Packets)
+    backward_product_block<Scalar, Rows, Packets>(weights, row_step, sum_step, values + p * P,
+                                                  value_stride, count, acc + p * P, acc_stride);
+  if constexpr (Packets > 1) {
+    if (p < packets)
+      backward_product_rows<Scalar, Rows, Packets - 1>(weights, row_step, sum_step, values + p * P,
+                                                       value_stride, count, packets - p,
+                                                       acc + p * P, acc_stride);
   }
 }
 

@@ -388,13 +388,13 @@ class TileEngine {
   static constexpr Index P = tile_packet_size<Scalar>;
   static constexpr Index Bq = tile_query_rows;
   static constexpr Index Bk = tile_key_cols;
-  // Register blocks: up to query_packets packets of queries (score_span), value_rows rows x
-  // value_packets packets of values (16 accumulators each; 4 x 4 measured best on AVX-512).
+  // Register blocks: up to query_packets packets of queries (score_span, tile_score_shape),
+  // value_rows rows x value_packets packets of values (tile_row_block_packets).
   // A value block never spans two packets: rows of a packet outside the computed ones hold
   // stale scores, so value_rows divides P (2 rows for SSE2 doubles, 1 without vectorization).
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
   static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
-  static constexpr int value_packets = 4;
+  static constexpr int value_packets = tile_row_block_packets;
   static constexpr bool in_runs = is_detected<run_end_t, KV>::value;
   static constexpr bool pairs = is_detected<pair_tile_t, KV>::value;
   static constexpr bool amx = detected_or_t<std::false_type, amx_tiles_t, KV>::value;
@@ -662,8 +662,8 @@ class TileEngine {
     }
   }
 
-  // Keys [b, end) against `packets` packets of queries from a, in register blocks of 16
-  // accumulators (16 keys x 1 packet, 8 x 2, 5 x 3, 4 x 4), then halved for the remainder.
+  // Keys [b, end) against `packets` packets of queries from a, in the register blocks of
+  // tile_score_shape, then halved for the remainder.
   template <bool Masked>
   void score_span(Index packets, Index b, Index end, Index a) {
     if constexpr (in_runs) {
@@ -687,16 +687,9 @@ class TileEngine {
     if constexpr (pairs) return score_pairs<Masked>(packets, b, end, a);
 #endif
     static_assert(query_packets == 4, "register blocks are written for groups of 4 packets");
-    switch (packets) {
-      case 1:
-        return score_keys<16, 1, Masked>(b, end, a);
-      case 2:
-        return score_keys<8, 2, Masked>(b, end, a);
-      case 3:
-        return score_keys<5, 3, Masked>(b, end, a);
-      default:
-        return score_keys<4, 4, Masked>(b, end, a);
-    }
+    tile_score_shape(packets, [&](auto keys, auto group) {
+      score_keys<decltype(keys)::value, decltype(group)::value, Masked>(b, end, a);
+    });
   }
 
   template <int Keys, int Packets, bool Masked>

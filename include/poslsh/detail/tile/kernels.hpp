@@ -40,6 +40,58 @@ template <typename Scalar>
 inline constexpr Index tile_packet_size =
     Eigen::internal::unpacket_traits<TilePacket<Scalar>>::size;
 
+/// Vector registers of the instruction set the packet kernels are compiled for: 32 with AVX-512
+/// (zmm0-zmm31) and on AArch64 (v0-v31), 16 elsewhere (x86's ymm0-ymm15 or xmm0-xmm15). The
+/// register blocks below are shaped to fit in them: a block that does not fit keeps some of its
+/// accumulators in memory, each multiply-add of those then a load and a store.
+inline constexpr int tile_vector_registers =
+#if defined(__AVX512F__) || defined(__aarch64__)
+    32;
+#else
+    16;
+#endif
+
+/// Keys per register block of the transposed scores (tile_score_block) with `packets` packets of
+/// queries (1 to 4) on a register file of `registers` vectors (16 or 32). The block's loop keeps
+/// Keys x packets accumulators, one row of `packets` packets and a broadcast key element live:
+///   32 registers: 16 accumulators, 16 keys x 1 packet, 8 x 2, 5 x 3, 4 x 4;
+///   16 registers: 12 x 1, 6 x 2, 4 x 3, 2 x 4 (at most 16 live).
+constexpr int tile_score_keys(int registers, int packets) {
+  constexpr int on_16[] = {12, 6, 4, 2};
+  constexpr int on_32[] = {16, 8, 5, 4};
+  return (registers == 32 ? on_32 : on_16)[packets - 1];
+}
+
+/// f(std::integral_constant<int, Keys>{}, std::integral_constant<int, Packets>{}) for the
+/// register block of the transposed scores of `packets` packets of queries (1 to 4; more count
+/// as 4) on a register file of `Registers` vectors: Keys = tile_score_keys(Registers, Packets).
+/// Every score is the same sum, in the same order, whatever the block's shape.
+template <int Registers = tile_vector_registers, typename F>
+EIGEN_ALWAYS_INLINE void tile_score_shape(Index packets, F&& f) {
+  static_assert(Registers == 16 || Registers == 32, "register files of 16 or 32 vectors");
+  const auto block = [&](auto group) {
+    constexpr int keys = tile_score_keys(Registers, decltype(group)::value);
+    static_assert((keys + 1) * decltype(group)::value + 1 <= Registers, "the block fits");
+    f(std::integral_constant<int, keys>{}, group);
+  };
+  switch (packets) {
+    case 1:
+      return block(std::integral_constant<int, 1>{});
+    case 2:
+      return block(std::integral_constant<int, 2>{});
+    case 3:
+      return block(std::integral_constant<int, 3>{});
+    default:
+      return block(std::integral_constant<int, 4>{});
+  }
+}
+
+/// Packets of columns per register block of the row products (the forward's values, the
+/// backward's products), blocks of 4 rows: 4 x 4 accumulators with 32 registers, 4 x 2 with
+/// 16 (beside the row's packets and a broadcast weight; 4 x 3 fits too but measured slower).
+inline constexpr int tile_row_block_packets = tile_vector_registers == 32 ? 4 : 2;
+static_assert((4 + 1) * tile_row_block_packets + 1 <= tile_vector_registers);
+
 /// Stops the compiler from folding a packet's load into each of the FMAs that use it (which
 /// would load it once per use and make the kernels load-bound): the packet is loaded once
 /// into a register. No code is emitted.

@@ -223,19 +223,20 @@ POSLSH_AVX512_BF16_TARGET __attribute__((noinline)) void pair_score_span(
     const std::uint32_t* pair_q, Index tile, const std::uint16_t* keys, Index key_stride,
     Index half_d, Index b, Index end, Index lo, Index hi, const Finish& finish) {
   const Index start = lo / 16 * 16;
+  // The register blocks of the float scores on 32 registers (this target's zmm0-zmm31).
   switch ((hi - start + 15) / 16) {
     case 1:
-      return pair_score_keys<16, 1>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                    finish);
+      return pair_score_keys<tile_score_keys(32, 1), 1>(pair_q, tile, keys, key_stride, half_d, b,
+                                                        end, start, lo, hi, finish);
     case 2:
-      return pair_score_keys<8, 2>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   finish);
+      return pair_score_keys<tile_score_keys(32, 2), 2>(pair_q, tile, keys, key_stride, half_d, b,
+                                                        end, start, lo, hi, finish);
     case 3:
-      return pair_score_keys<5, 3>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   finish);
+      return pair_score_keys<tile_score_keys(32, 3), 3>(pair_q, tile, keys, key_stride, half_d, b,
+                                                        end, start, lo, hi, finish);
     default:
-      return pair_score_keys<4, 4>(pair_q, tile, keys, key_stride, half_d, b, end, start, lo, hi,
-                                   finish);
+      return pair_score_keys<tile_score_keys(32, 4), 4>(pair_q, tile, keys, key_stride, half_d, b,
+                                                        end, start, lo, hi, finish);
   }
 }
 
