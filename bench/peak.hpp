@@ -6,9 +6,10 @@
 // started together, timed from the first thread's start to the last one's end; the peak is the
 // best of several such runs (the least disturbed one on a shared machine):
 //   fma_f32      float32 fused multiply-add, acc = acc * m + acc on 24 zmm accumulators
-//                (AVX-512F) or 16 ymm ones (AVX2 + FMA), distinct starting values, m read at run
-//                time: 2 FLOPs per lane per instruction. At least 2 x latency x ports chains on
-//                the x86-64 cores of 2017-2024 (latency 4, 2 ports).
+//                (AVX-512F) or 12 ymm ones (AVX2 + FMA: what fits in 16 registers beside m),
+//                distinct starting values, m read at run time: 2 FLOPs per lane per
+//                instruction. At least 1.5 x latency x ports chains on the x86-64 cores of
+//                2017-2024 (latency 4, 2 ports).
 //   avx512_bf16  vdpbf16ps on 28 zmm accumulators: 32 products of bfloat16 pairs added into 16
 //                float lanes, 64 FLOPs per instruction (where the CPU has AVX512-BF16).
 //   amx_bf16     tdpbf16ps into 4 accumulator tiles (16 x 16 floats) from 16 x 32 bfloat16
