@@ -31,9 +31,17 @@ namespace poslsh::bench {
 namespace {
 
 // The fixed counts: about 5-10 ms a run on a core of 3-4 GHz.
-constexpr long fma_steps = 1L << 18;   // each: 24 zmm (or 12 ymm, 4 times per step) FMAs
+constexpr long fma_steps = 1L << 18;   // each: fma_lanes_per_step lanes of FMAs
 constexpr long bf16_steps = 1L << 18;  // each: 28 vdpbf16ps
 constexpr long amx_steps = 1L << 14;   // each: 4 tdpbf16ps
+// The float32 FMA loops' accumulator chains: 24 zmm, or 12 ymm run 4 times a step, so that a
+// step is 384 lanes of FMAs whichever loop runs it (peak_flops_per_thread).
+constexpr int fma_avx512_chains = 24;
+constexpr int fma_avx2_chains = 12;
+constexpr int fma_avx2_repeats = 4;
+constexpr int fma_lanes_per_step = fma_avx512_chains * 16;
+static_assert(fma_avx2_repeats * fma_avx2_chains * 8 == fma_lanes_per_step,
+              "both loops do the same lanes a step");
 
 /// Read at run time, so the compiler knows neither the multiplier nor the starting values.
 volatile float peak_multiplier = 1e-7f;
@@ -41,38 +49,40 @@ volatile float peak_start = 0.5f;
 
 #if POSLSH_X86_UNITS
 
-/// 24 chains acc_c <- acc_c * m + acc_c of 16 lanes; returns their sum (kept by the caller).
+/// fma_avx512_chains chains acc_c <- acc_c * m + acc_c of 16 lanes; returns their sum (kept by
+/// the caller).
 __attribute__((target("avx512f"), noinline)) float fma_loop_avx512(long steps) {
   const __m512 m = _mm512_set1_ps(peak_multiplier);
   const float s = peak_start;
-  __m512 a[24];
-  for (int c = 0; c < 24; ++c) a[c] = _mm512_set1_ps(s + static_cast<float>(c));
+  __m512 a[fma_avx512_chains];
+  for (int c = 0; c < fma_avx512_chains; ++c) a[c] = _mm512_set1_ps(s + static_cast<float>(c));
   for (long i = 0; i < steps; ++i) {
     // Fully unrolled by the compiler (a fixed trip count), the accumulators in registers.
-#pragma GCC unroll 24
-    for (int c = 0; c < 24; ++c) a[c] = _mm512_fmadd_ps(a[c], m, a[c]);
+#pragma GCC unroll fma_avx512_chains
+    for (int c = 0; c < fma_avx512_chains; ++c) a[c] = _mm512_fmadd_ps(a[c], m, a[c]);
   }
   __m512 sum = a[0];
-  for (int c = 1; c < 24; ++c) sum = _mm512_add_ps(sum, a[c]);
+  for (int c = 1; c < fma_avx512_chains; ++c) sum = _mm512_add_ps(sum, a[c]);
   return _mm512_reduce_add_ps(sum);
 }
 
-/// 12 chains of 8 lanes, the step repeated 4 times: the AVX-512 loop's 384 lanes a step. 12
-/// accumulators and the multiplier fit in the 16 ymm registers (16 chains would not: the
-/// compiler keeps two of them in memory, and their stores and reloads bound the loop), and 12
-/// chains are more than latency x ports (4 x 2) on the x86-64 cores of 2017-2024.
+/// fma_avx2_chains (12) chains of 8 lanes, the step repeated fma_avx2_repeats (4) times: the
+/// AVX-512 loop's lanes a step. 12 accumulators and the multiplier fit in the 16 ymm registers
+/// (16 chains would not: the compiler keeps two of them in memory, and their stores and reloads
+/// bound the loop), and 12 chains are more than latency x ports (4 x 2) on the x86-64 cores of
+/// 2017-2024.
 __attribute__((target("avx2,fma"), noinline)) float fma_loop_avx2(long steps) {
   const __m256 m = _mm256_set1_ps(peak_multiplier);
   const float s = peak_start;
-  __m256 a[12];
-  for (int c = 0; c < 12; ++c) a[c] = _mm256_set1_ps(s + static_cast<float>(c));
-  for (long i = 0; i < 4 * steps; ++i) {
-#pragma GCC unroll 12
-    for (int c = 0; c < 12; ++c) a[c] = _mm256_fmadd_ps(a[c], m, a[c]);
+  __m256 a[fma_avx2_chains];
+  for (int c = 0; c < fma_avx2_chains; ++c) a[c] = _mm256_set1_ps(s + static_cast<float>(c));
+  for (long i = 0; i < fma_avx2_repeats * steps; ++i) {
+#pragma GCC unroll fma_avx2_chains
+    for (int c = 0; c < fma_avx2_chains; ++c) a[c] = _mm256_fmadd_ps(a[c], m, a[c]);
   }
   alignas(32) float lanes[8];
   float total = 0.0f;
-  for (int c = 0; c < 12; ++c) {
+  for (int c = 0; c < fma_avx2_chains; ++c) {
     _mm256_store_ps(lanes, a[c]);
     for (float lane : lanes) total += lane;
   }
@@ -233,9 +243,9 @@ int all_threads() {
 double peak_flops_per_thread(PeakUnit unit) {
   switch (unit) {
     case PeakUnit::fma_f32:
-      // 24 zmm x 16 lanes, or 4 x 12 ymm x 8 lanes (the same), or 16 scalar lanes.
+      // A vector loop's lanes, or 16 scalar lanes.
       return 2.0 * static_cast<double>(fma_steps) *
-             (has_avx512f() || has_avx2_fma() ? 24.0 * 16.0 : 16.0);
+             (has_avx512f() || has_avx2_fma() ? fma_lanes_per_step : 16.0);
     case PeakUnit::avx512_bf16:
       return 64.0 * 28.0 * static_cast<double>(bf16_steps);
     case PeakUnit::amx_bf16:

@@ -113,7 +113,7 @@ void backward_product_rows(const Scalar* weights, Index row_step, Index sum_step
 }
 
 /// Rows per register block of the products.
-inline constexpr Index backward_product_rows_per_block = 4;
+inline constexpr Index backward_product_rows_per_block = tile_row_block_rows;
 
 /// acc[r][:] += sum_{t in terms(r0, r1)} weights[r * row_step + t * sum_step] values[t][:] for
 /// rows r < rows, in blocks [r0, r1) of 4 rows (then single rows), each over the terms

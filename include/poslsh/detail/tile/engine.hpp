@@ -393,7 +393,7 @@ class TileEngine {
   // A value block never spans two packets: rows of a packet outside the computed ones hold
   // stale scores, so value_rows divides P (2 rows for SSE2 doubles, 1 without vectorization).
   static constexpr int query_packets = static_cast<int>(std::min<Index>(4, Bq / P));
-  static constexpr int value_rows = static_cast<int>(std::min<Index>(4, P));
+  static constexpr int value_rows = static_cast<int>(std::min<Index>(tile_row_block_rows, P));
   static constexpr int value_packets = tile_row_block_packets;
   static constexpr bool in_runs = is_detected<run_end_t, KV>::value;
   static constexpr bool pairs = is_detected<pair_tile_t, KV>::value;

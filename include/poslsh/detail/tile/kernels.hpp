@@ -86,11 +86,16 @@ EIGEN_ALWAYS_INLINE void tile_score_shape(Index packets, F&& f) {
   }
 }
 
-/// Packets of columns per register block of the row products (the forward's values, the
-/// backward's products), blocks of 4 rows: 4 x 4 accumulators with 32 registers, 4 x 2 with
-/// 16 (beside the row's packets and a broadcast weight; 4 x 3 fits too but measured slower).
+/// Rows per register block of the row products (the forward's values, the backward's
+/// products; the forward's value blocks take fewer where a packet holds fewer scalars).
+inline constexpr int tile_row_block_rows = 4;
+
+/// Packets of columns per register block of the row products: 4 x 4 accumulators with 32
+/// registers, 4 x 2 with 16 (beside the row's packets and a broadcast weight; 4 x 3 fits too but
+/// measured slower).
 inline constexpr int tile_row_block_packets = tile_vector_registers == 32 ? 4 : 2;
-static_assert((4 + 1) * tile_row_block_packets + 1 <= tile_vector_registers);
+static_assert((tile_row_block_rows + 1) * tile_row_block_packets + 1 <= tile_vector_registers,
+              "the row block fits");
 
 /// Stops the compiler from folding a packet's load into each of the FMAs that use it (which
 /// would load it once per use and make the kernels load-bound): the packet is loaded once
