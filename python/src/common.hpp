@@ -24,6 +24,10 @@
 #include "poslsh/core/names.hpp"
 #include "poslsh/core/types.hpp"
 #include "poslsh/lsh/hash.hpp"
+#include "poslsh/tile_engines.hpp"
+
+// The tile work of the listed engines is compiled once for the module, in engines.cpp.
+POSLSH_EXTERN_TILE_ENGINES()
 
 PYBIND11_MAKE_OPAQUE(poslsh::HashSet)
 

@@ -424,7 +424,7 @@ void check_paged_methods(Index page_size, poslsh::Precision precision) {
 }  // namespace
 
 TEST_CASE("multihead_attention_paged equals the gathered cache's call bitwise, every method",
-          "[paged][multihead]") {
+          "[paged][multihead][long]") {
   // Pages of one row, fewer rows than a register block, not dividing a key tile, a tile, more.
   for (Index page_size : {1, 5, 16, 64, 100}) {
     check_paged_methods<float, float, float>(page_size, Precision::float_products);

@@ -189,7 +189,7 @@ TEST_CASE("per-sample float error stays within the fused kernel's at s = 200, L 
 }
 
 TEST_CASE("per-sample float error stays within the fused kernel's at s = 200, L = 640, 1000",
-          "[per_sample][accuracy][slow]") {
+          "[per_sample][accuracy][slow][long]") {
   for (Index length : {Index{640}, Index{1000}}) per_sample_accuracy::check_accuracy(length);
 }
 

@@ -169,7 +169,7 @@ void check_every_method(Masking masking) {
 }  // namespace
 
 TEST_CASE("a bounded cache gives every method's causal rows bitwise over thousands of steps",
-          "[cache][bounded]") {
+          "[cache][bounded][long]") {
   check_every_method(Masking::causal);
 }
 
@@ -179,7 +179,7 @@ TEST_CASE("a bounded cache gives every method's bidirectional rows bitwise",
 }
 
 TEST_CASE("a bounded cache of bfloat16 or float16 gives the rows of a full cache bitwise",
-          "[cache][bounded]") {
+          "[cache][bounded][long]") {
   const Index n = 2500, prefill = 500;
   for (Method method : {Method::lsh_fused, Method::exact_banded, Method::lsh_per_sample}) {
     check_generation<Eigen::bfloat16>(generation_options(method, Masking::causal), n, prefill, 128,

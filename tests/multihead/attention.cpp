@@ -165,7 +165,7 @@ void check_streamed_output(Index n) {
 }  // namespace
 
 TEST_CASE("outputs too large to stay cached are stored non-temporally, with the same bits",
-          "[multihead]") {
+          "[multihead][long]") {
   SECTION("float") { check_streamed_output<float>(4096); }
   SECTION("bfloat16") { check_streamed_output<Eigen::bfloat16>(8192); }
 }

@@ -722,7 +722,7 @@ SingleProcess<Scalar> sliced_backward(const SingleProcess<Scalar>& w, Index kv_h
 }  // namespace
 
 TEMPLATE_TEST_CASE("the slice backward summed over slices is the sequence's backward",
-                   "[context_parallel]", float, double) {
+                   "[context_parallel][long]", float, double) {
   const Index n = 1300;
   for (Method method : {Method::exact_tiled, Method::exact_banded}) {
     for (Masking masking : {Masking::causal, Masking::bidirectional}) {

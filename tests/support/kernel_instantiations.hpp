@@ -1,9 +1,11 @@
 // The heavy kernel instantiations of the test suite, compiled once for the whole test executable:
 // in the test build (POSLSH_TEST_EXTERN_KERNELS defined) every test file sees these as explicit
-// instantiation declarations (`extern template`) and kernel_instantiations.cpp, which defines
-// POSLSH_TEST_INSTANTIATE_KERNELS, holds the one definition of each. Without the macro (a test
-// file compiled on its own) the declarations are left out and the kernels are instantiated
-// implicitly as in any user program.
+// instantiation declarations (`extern template`); kernel_instantiations.cpp, which defines
+// POSLSH_TEST_INSTANTIATE_KERNELS, holds the one definition of each public kernel below, and
+// engine_instantiations.cpp, which defines POSLSH_TEST_INSTANTIATE_ENGINES, the one definition of
+// the tile work of each engine poslsh/tile_engines.hpp lists (two units, compiled side by side).
+// Without the macros (a test file compiled on its own) the declarations are left out and everything
+// is instantiated implicitly as in any user program.
 #pragma once
 
 #include <poslsh/attention/banded.hpp>
@@ -14,6 +16,7 @@
 #include <poslsh/interop/block_kernel.hpp>
 #include <poslsh/multihead/attention.hpp>
 #include <poslsh/reference/attention.hpp>
+#include <poslsh/tile_engines.hpp>
 
 #if defined(POSLSH_TEST_INSTANTIATE_KERNELS)
 #define POSLSH_TEST_KERNEL template
@@ -81,4 +84,11 @@ POSLSH_TEST_KERNELS_OF(double)
 
 #undef POSLSH_TEST_KERNELS_OF
 #undef POSLSH_TEST_KERNEL
+#endif
+
+// The tile engines every kernel runs, compiled once (poslsh/tile_engines.hpp).
+#if defined(POSLSH_TEST_INSTANTIATE_ENGINES)
+POSLSH_DEFINE_TILE_ENGINES()
+#elif defined(POSLSH_TEST_INSTANTIATE_KERNELS) || defined(POSLSH_TEST_EXTERN_KERNELS)
+POSLSH_EXTERN_TILE_ENGINES()
 #endif

@@ -752,7 +752,7 @@ void loop_order_checks(Index n, bool paired) {
 }  // namespace
 
 TEST_CASE("the serial pass in either loop order has the parallel pass's bits",
-          "[backward][determinism]") {
+          "[backward][determinism][long]") {
   for (const Index n : {300, 1300}) loop_order_checks<float>(n, false);
   // bfloat16 inputs: widened to float, and on the AVX512-BF16 unit where the CPU has it.
   for (const Index n : {300, 1300}) {

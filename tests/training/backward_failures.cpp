@@ -383,7 +383,7 @@ TEST_CASE("an allocation failing in a single-head backward reaches the caller as
 }
 
 TEST_CASE("an allocation failing in multihead_attention_backward reaches the caller as bad_alloc",
-          "[backward][failures]") {
+          "[backward][failures][long]") {
   const poslsh_test::Threads scope(4);
   const Index n = 600, heads = 4, d = 16;
   for (const Index kv_heads : {Index{4}, Index{2}}) {
@@ -435,7 +435,7 @@ TEST_CASE("an allocation failing in multihead_attention_backward reaches the cal
 }
 
 TEST_CASE("an allocation failing in multihead_attention_slice_backward reaches the caller",
-          "[backward][failures][context_parallel]") {
+          "[backward][failures][context_parallel][long]") {
   const poslsh_test::Threads scope(4);
   // The queries [256, 700) of a sequence of 900 tokens against the keys [128, 900).
   const Index n = 900, p0 = 256, m = 700 - p0, k0 = 128, L = n - k0, heads = 4, d = 16;

@@ -514,71 +514,10 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc (from -inf, 0,
   // 0, or from the rows of external_ when set).
-  void query_tile(Index i0, Index r0, Index r1) {
-#if POSLSH_X86_UNITS
-    if constexpr (pairs) {
-      pair_pack_queries(q_, i0 - p0_, r0 - i0, r1 - i0, b_.pair_q.data(), Bq);
-      // The AMX tiles sum whole blocks of 16 pairs: zero pairs up to the last block.
-      std::fill(b_.pair_q.data() + (d_ + 1) / 2 * Bq, b_.pair_q.data() + query_pairs() * Bq,
-                std::uint32_t{0});
-    } else
-#endif
-        if constexpr (std::is_same_v<QScalar, Scalar>)
-      tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
-    else
-      tile_pack_queries_widened<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq,
-                                        b_.wide_q.data());
-    b_.running_max.head(Bq).setConstant(minus_infinity);
-    b_.running_sum.head(Bq).setZero();
-    b_.acc.head(Bq * dvp_).setZero();
-    if (external_ != nullptr) {
-      for (Index i = r0; i < r1; ++i) {
-        const Index a = i - i0, row = i - external_->base;
-        b_.running_max(a) = external_->max[row];
-        b_.running_sum(a) = external_->sum[row];
-        std::copy_n(external_->acc + row * external_->acc_stride, dv_, b_.acc.data() + a * dvp_);
-      }
-    }
-    rows_ = {r0 - i0, r1 - i0};
-    packets_ = {rows_.first / P * P, (rows_.last + P - 1) / P * P};
-    // Key tiles aligned to multiples of Bk (the first and the last cut to the keys reached),
-    // visited from the tile holding the diagonal outwards.
-    const KeyRange reach = bias_.query_tile(i0);
-    const Index key_lo = std::max(k0_, reach.first);
-    const Index key_hi = std::min(n_, reach.last) - 1;
-    if (key_lo > key_hi) return;
-    if constexpr (drops_dead_keys) {
-      bias_.bound_rows(
-          rows_, key_lo, key_hi,
-          [&](Index i) {
-            return dead_key_query_bound(
-                static_cast<double>(tau_),
-                tile_row_norm(q_.data() + (i - p0_) * q_.outerStride(), d_));
-          },
-          [&](Index i) {
-            return i >= k0_ && i < n_ ? tile_row_norm(kv_.key_row(i - k0_), d_)
-                                      : std::numeric_limits<double>::infinity();
-          });
-    }
-    // The next tile's queries, and the keys and values just past this tile's: their memory
-    // latency then hides behind this tile's work (as this tile's output rows, prefetched by
-    // run()).
-    tile_prefetch_rows(q_.data(), q_.outerStride(), std::max<Index>(0, i0 + Bq - p0_),
-                       std::min(q_.rows(), i0 + 2 * Bq - p0_), d_);
-    kv_.prefetch(key_hi + 1 - k0_, std::min(n_, key_hi + 1 + Bq) - k0_, d_, dv_);
-    const Index first = key_lo / Bk, last = key_hi / Bk;
-    const Index centre = std::clamp(i0 / Bk, first, last);
-#if POSLSH_X86_UNITS
-    if constexpr (amx) amx_configure_tiles<typename KV::tiles>();  // once per query tile
-#endif
-    for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
-      if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
-      if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
-    }
-#if POSLSH_X86_UNITS
-    if constexpr (amx) amx_release_tiles<typename KV::tiles>();
-#endif
-  }
+  // Defined after the class, not inline: an explicit instantiation declaration of the engine
+  // (extern template class) then leaves the tile work, which all of it reaches through here, to
+  // the translation unit holding the definition.
+  void query_tile(Index i0, Index r0, Index r1);
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {
     const Index j0 = std::max(tile * Bk, key_lo);
@@ -1018,6 +957,72 @@ class TileEngine {
   Scalar ones_[value_rows];
   KeyRange rows_{0, 0}, packets_{0, 0};
 };
+
+template <typename Scalar, typename Bias, typename KV, typename QScalar>
+void TileEngine<Scalar, Bias, KV, QScalar>::query_tile(Index i0, Index r0, Index r1) {
+#if POSLSH_X86_UNITS
+  if constexpr (pairs) {
+    pair_pack_queries(q_, i0 - p0_, r0 - i0, r1 - i0, b_.pair_q.data(), Bq);
+    // The AMX tiles sum whole blocks of 16 pairs: zero pairs up to the last block.
+    std::fill(b_.pair_q.data() + (d_ + 1) / 2 * Bq, b_.pair_q.data() + query_pairs() * Bq,
+              std::uint32_t{0});
+  } else
+#endif
+      if constexpr (std::is_same_v<QScalar, Scalar>)
+    tile_pack_queries<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq);
+  else
+    tile_pack_queries_widened<Scalar>(q_, i0 - p0_, r0 - i0, r1 - i0, tau_, b_.qt.data(), Bq,
+                                      b_.wide_q.data());
+  b_.running_max.head(Bq).setConstant(minus_infinity);
+  b_.running_sum.head(Bq).setZero();
+  b_.acc.head(Bq * dvp_).setZero();
+  if (external_ != nullptr) {
+    for (Index i = r0; i < r1; ++i) {
+      const Index a = i - i0, row = i - external_->base;
+      b_.running_max(a) = external_->max[row];
+      b_.running_sum(a) = external_->sum[row];
+      std::copy_n(external_->acc + row * external_->acc_stride, dv_, b_.acc.data() + a * dvp_);
+    }
+  }
+  rows_ = {r0 - i0, r1 - i0};
+  packets_ = {rows_.first / P * P, (rows_.last + P - 1) / P * P};
+  // Key tiles aligned to multiples of Bk (the first and the last cut to the keys reached),
+  // visited from the tile holding the diagonal outwards.
+  const KeyRange reach = bias_.query_tile(i0);
+  const Index key_lo = std::max(k0_, reach.first);
+  const Index key_hi = std::min(n_, reach.last) - 1;
+  if (key_lo > key_hi) return;
+  if constexpr (drops_dead_keys) {
+    bias_.bound_rows(
+        rows_, key_lo, key_hi,
+        [&](Index i) {
+          return dead_key_query_bound(static_cast<double>(tau_),
+                                      tile_row_norm(q_.data() + (i - p0_) * q_.outerStride(), d_));
+        },
+        [&](Index i) {
+          return i >= k0_ && i < n_ ? tile_row_norm(kv_.key_row(i - k0_), d_)
+                                    : std::numeric_limits<double>::infinity();
+        });
+  }
+  // The next tile's queries, and the keys and values just past this tile's: their memory
+  // latency then hides behind this tile's work (as this tile's output rows, prefetched by
+  // run()).
+  tile_prefetch_rows(q_.data(), q_.outerStride(), std::max<Index>(0, i0 + Bq - p0_),
+                     std::min(q_.rows(), i0 + 2 * Bq - p0_), d_);
+  kv_.prefetch(key_hi + 1 - k0_, std::min(n_, key_hi + 1 + Bq) - k0_, d_, dv_);
+  const Index first = key_lo / Bk, last = key_hi / Bk;
+  const Index centre = std::clamp(i0 / Bk, first, last);
+#if POSLSH_X86_UNITS
+  if constexpr (amx) amx_configure_tiles<typename KV::tiles>();  // once per query tile
+#endif
+  for (Index step = 0; centre - step >= first || centre + step <= last; ++step) {
+    if (centre - step >= first) key_tile(centre - step, key_lo, key_hi);
+    if (step > 0 && centre + step <= last) key_tile(centre + step, key_lo, key_hi);
+  }
+#if POSLSH_X86_UNITS
+  if constexpr (amx) amx_release_tiles<typename KV::tiles>();
+#endif
+}
 
 /// The unit with_key_source<Scalar, QScalar, AmxTiles> multiplies on under `precision` for
 /// queries stored as QScalar and keys as KVScalar: the rule of matrix_unit_for, with amx_bf16

@@ -1,0 +1,91 @@
+// poslsh/tile_engines.hpp: the tile engines compiled once in a program of several translation
+// units.
+//
+// Every kernel runs a tile engine (detail::TileEngine) per scalar type, bias policy (exact ALiBi,
+// the per-sample block windows, the LSH counts) and key source (K and V read in place, half-
+// precision keys widened or multiplied in pairs, a paged or a bounded cache). A translation unit
+// that calls kernels compiles the engines it reaches, so a program whose units call kernels
+// compiles each engine once per unit. With
+//
+//   POSLSH_EXTERN_TILE_ENGINES()   at namespace scope in every unit but one, after this header
+//   POSLSH_DEFINE_TILE_ENGINES()   in that one
+//
+// the engines of the list below are compiled in that one unit only (an explicit instantiation of
+// TileEngine::query_tile, from which all of an engine's tile work is reached; the rest of an
+// engine is small). Engines outside the list are compiled where they are used, as without the
+// macros. Each unit must be compiled with the same instruction set (e.g. -march) and the same
+// Eigen configuration.
+#pragma once
+
+#include "poslsh/attention/paged.hpp"
+#include "poslsh/cache/bounded_kv_cache.hpp"
+#include "poslsh/core/matrix_units.hpp"
+#include "poslsh/detail/tile/alibi_bias.hpp"
+#include "poslsh/detail/tile/count_bias.hpp"
+#include "poslsh/detail/tile/engine.hpp"
+#include "poslsh/detail/tile/per_sample.hpp"
+
+namespace poslsh::tile_engines {
+// The key sources of the list: half-precision keys (H) widened to float, read from K and V
+// matrices, a paged cache or a bounded one; multiplied in pairs on AVX512-BF16 or the AMX tiles.
+template <typename H>
+using Widened = detail::WideningKV<float, H, detail::StridedRows<H>>;
+template <typename H>
+using WidenedPaged = detail::WideningKV<float, H, detail::PagedRows<H>>;
+template <typename H>
+using WidenedBounded = detail::WideningKV<float, H, detail::BoundedRows<H>>;
+#if POSLSH_X86_UNITS
+template <typename H>
+using Paired = detail::PairedHalfKV<H, void, detail::StridedRows<H>>;
+template <typename H>
+using PairedAmx = detail::PairedHalfKV<H, detail::AmxNativeTiles<H>, detail::StridedRows<H>>;
+#endif
+}  // namespace poslsh::tile_engines
+
+/// X(Scalar, Bias, KV, QScalar) for the engines of one bias policy (a template of the scalar
+/// type: detail::AlibiBias, detail::BlockWindowBias or detail::CountBias): float and double over
+/// K and V in place or in a paged cache, and float over bfloat16 and float16 keys (queries of
+/// the keys' type or float; paged; bounded; in pairs on the x86 units).
+#define POSLSH_TILE_ENGINES_OF(X, BIAS)                                                        \
+  X(float, BIAS<float>, ::poslsh::detail::ContiguousKV<float>, float)                          \
+  X(double, BIAS<double>, ::poslsh::detail::ContiguousKV<double>, double)                      \
+  X(float, BIAS<float>, ::poslsh::detail::PagedRows<float>, float)                             \
+  X(double, BIAS<double>, ::poslsh::detail::PagedRows<double>, double)                         \
+  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::bfloat16>, ::Eigen::bfloat16) \
+  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::half>, ::Eigen::half)         \
+  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::bfloat16>, float)             \
+  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::half>, float)                 \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::bfloat16>,               \
+    ::Eigen::bfloat16)                                                                         \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::half>, ::Eigen::half)    \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::bfloat16>, float)        \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::half>, float)            \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedBounded<::Eigen::bfloat16>,             \
+    ::Eigen::bfloat16)                                                                         \
+  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedBounded<::Eigen::half>, ::Eigen::half)  \
+  POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)
+#if POSLSH_X86_UNITS
+#define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)                                                   \
+  X(float, BIAS<float>, ::poslsh::tile_engines::Paired<::Eigen::bfloat16>, ::Eigen::bfloat16)    \
+  X(float, BIAS<float>, ::poslsh::tile_engines::PairedAmx<::Eigen::bfloat16>, ::Eigen::bfloat16) \
+  X(float, BIAS<float>, ::poslsh::tile_engines::PairedAmx<::Eigen::half>, ::Eigen::half)
+#else
+#define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)
+#endif
+
+/// X(Scalar, Bias, KV, QScalar) for every engine of the list.
+#define POSLSH_TILE_ENGINES(X)                                 \
+  POSLSH_TILE_ENGINES_OF(X, ::poslsh::detail::AlibiBias)       \
+  POSLSH_TILE_ENGINES_OF(X, ::poslsh::detail::BlockWindowBias) \
+  POSLSH_TILE_ENGINES_OF(X, ::poslsh::detail::CountBias)
+
+#define POSLSH_TILE_ENGINE_EXTERN(S, BIAS, KV, Q)                                             \
+  extern template void ::poslsh::detail::TileEngine<S, BIAS, KV, Q>::query_tile(Index, Index, \
+                                                                                Index);
+#define POSLSH_TILE_ENGINE_DEFINE(S, BIAS, KV, Q) \
+  template void ::poslsh::detail::TileEngine<S, BIAS, KV, Q>::query_tile(Index, Index, Index);
+
+/// Explicit instantiation declarations of the listed engines' tile work (every unit but one).
+#define POSLSH_EXTERN_TILE_ENGINES() POSLSH_TILE_ENGINES(POSLSH_TILE_ENGINE_EXTERN)
+/// Their explicit instantiation definitions (one unit of the program).
+#define POSLSH_DEFINE_TILE_ENGINES() POSLSH_TILE_ENGINES(POSLSH_TILE_ENGINE_DEFINE)
