@@ -7,14 +7,15 @@
 // that calls kernels compiles the engines it reaches, so a program whose units call kernels
 // compiles each engine once per unit. With
 //
-//   POSLSH_EXTERN_TILE_ENGINES()   at namespace scope in every unit but one, after this header
+//   POSLSH_EXTERN_TILE_ENGINES()   at global scope in every unit but one, after this header
 //   POSLSH_DEFINE_TILE_ENGINES()   in that one
 //
-// the engines of the list below are compiled in that one unit only (an explicit instantiation of
-// TileEngine::query_tile, from which all of an engine's tile work is reached; the rest of an
-// engine is small). Engines outside the list are compiled where they are used, as without the
-// macros. Each unit must be compiled with the same instruction set (e.g. -march) and the same
-// Eigen configuration.
+// the tile work of the engines listed below is compiled in that one unit only (an explicit
+// instantiation of TileEngine::query_tile, from which all of it is reached; each unit keeps the
+// engine's construction and the writing of its output rows). Engines outside the list are
+// compiled where they are used, as without the macros. Every unit must be compiled with the same
+// instruction set (e.g. -march) and the same Eigen configuration: the engines' register blocks
+// follow them.
 #pragma once
 
 #include "poslsh/attention/paged.hpp"

@@ -112,18 +112,15 @@ void backward_product_rows(const Scalar* weights, Index row_step, Index sum_step
   }
 }
 
-/// Rows per register block of the products.
-inline constexpr Index backward_product_rows_per_block = tile_row_block_rows;
-
 /// acc[r][:] += sum_{t in terms(r0, r1)} weights[r * row_step + t * sum_step] values[t][:] for
-/// rows r < rows, in blocks [r0, r1) of 4 rows (then single rows), each over the terms
-/// `terms(r0, r1)` (a KeyRange: every term any row of the block needs; the others' weights
+/// rows r < rows, in blocks [r0, r1) of tile_row_block_rows rows (then single rows), each over the
+/// terms `terms(r0, r1)` (a KeyRange: every term any row of the block needs; the others' weights
 /// there must be 0). `packets` packets of columns; acc aligned.
 template <typename Scalar, typename Terms>
 void backward_products(const Scalar* weights, Index row_step, Index sum_step, const Scalar* values,
                        Index value_stride, Index rows, Index packets, Scalar* acc, Index acc_stride,
                        Terms&& terms) {
-  constexpr Index R = backward_product_rows_per_block;
+  constexpr Index R = tile_row_block_rows;
   Index r = 0;
   for (; r + R <= rows; r += R) {
     const KeyRange t = terms(r, r + R);
