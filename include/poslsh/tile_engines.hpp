@@ -26,50 +26,55 @@
 #include "poslsh/detail/tile/engine.hpp"
 #include "poslsh/detail/tile/per_sample.hpp"
 
-namespace poslsh::tile_engines {
+namespace poslsh::detail::listed_engines {
 // The key sources of the list: half-precision keys (H) widened to float, read from K and V
 // matrices, a paged cache or a bounded one; multiplied in pairs on AVX512-BF16 or the AMX tiles.
 template <typename H>
-using Widened = detail::WideningKV<float, H, detail::StridedRows<H>>;
+using Widened = WideningKV<float, H, StridedRows<H>>;
 template <typename H>
-using WidenedPaged = detail::WideningKV<float, H, detail::PagedRows<H>>;
+using WidenedPaged = WideningKV<float, H, PagedRows<H>>;
 template <typename H>
-using WidenedBounded = detail::WideningKV<float, H, detail::BoundedRows<H>>;
+using WidenedBounded = WideningKV<float, H, BoundedRows<H>>;
 #if POSLSH_X86_UNITS
 template <typename H>
-using Paired = detail::PairedHalfKV<H, void, detail::StridedRows<H>>;
+using Paired = PairedHalfKV<H, void, StridedRows<H>>;
 template <typename H>
-using PairedAmx = detail::PairedHalfKV<H, detail::AmxNativeTiles<H>, detail::StridedRows<H>>;
+using PairedAmx = PairedHalfKV<H, AmxNativeTiles<H>, StridedRows<H>>;
 #endif
-}  // namespace poslsh::tile_engines
+}  // namespace poslsh::detail::listed_engines
 
 /// X(Scalar, Bias, KV, QScalar) for the engines of one bias policy (a template of the scalar
 /// type: detail::AlibiBias, detail::BlockWindowBias or detail::CountBias): float and double over
 /// K and V in place or in a paged cache, and float over bfloat16 and float16 keys (queries of
 /// the keys' type or float; paged; bounded; in pairs on the x86 units).
-#define POSLSH_TILE_ENGINES_OF(X, BIAS)                                                        \
-  X(float, BIAS<float>, ::poslsh::detail::ContiguousKV<float>, float)                          \
-  X(double, BIAS<double>, ::poslsh::detail::ContiguousKV<double>, double)                      \
-  X(float, BIAS<float>, ::poslsh::detail::PagedRows<float>, float)                             \
-  X(double, BIAS<double>, ::poslsh::detail::PagedRows<double>, double)                         \
-  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::bfloat16>, ::Eigen::bfloat16) \
-  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::half>, ::Eigen::half)         \
-  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::bfloat16>, float)             \
-  X(float, BIAS<float>, ::poslsh::tile_engines::Widened<::Eigen::half>, float)                 \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::bfloat16>,               \
-    ::Eigen::bfloat16)                                                                         \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::half>, ::Eigen::half)    \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::bfloat16>, float)        \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedPaged<::Eigen::half>, float)            \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedBounded<::Eigen::bfloat16>,             \
-    ::Eigen::bfloat16)                                                                         \
-  X(float, BIAS<float>, ::poslsh::tile_engines::WidenedBounded<::Eigen::half>, ::Eigen::half)  \
+#define POSLSH_TILE_ENGINES_OF(X, BIAS)                                                           \
+  X(float, BIAS<float>, ::poslsh::detail::ContiguousKV<float>, float)                             \
+  X(double, BIAS<double>, ::poslsh::detail::ContiguousKV<double>, double)                         \
+  X(float, BIAS<float>, ::poslsh::detail::PagedRows<float>, float)                                \
+  X(double, BIAS<double>, ::poslsh::detail::PagedRows<double>, double)                            \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::bfloat16>,             \
+    ::Eigen::bfloat16)                                                                            \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::half>, ::Eigen::half)  \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::bfloat16>, float)      \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::half>, float)          \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::bfloat16>,        \
+    ::Eigen::bfloat16)                                                                            \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::half>,            \
+    ::Eigen::half)                                                                                \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::bfloat16>, float) \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::half>, float)     \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedBounded<::Eigen::bfloat16>,      \
+    ::Eigen::bfloat16)                                                                            \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedBounded<::Eigen::half>,          \
+    ::Eigen::half)                                                                                \
   POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)
 #if POSLSH_X86_UNITS
-#define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)                                                   \
-  X(float, BIAS<float>, ::poslsh::tile_engines::Paired<::Eigen::bfloat16>, ::Eigen::bfloat16)    \
-  X(float, BIAS<float>, ::poslsh::tile_engines::PairedAmx<::Eigen::bfloat16>, ::Eigen::bfloat16) \
-  X(float, BIAS<float>, ::poslsh::tile_engines::PairedAmx<::Eigen::half>, ::Eigen::half)
+#define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)                                          \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Paired<::Eigen::bfloat16>,    \
+    ::Eigen::bfloat16)                                                                  \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::PairedAmx<::Eigen::bfloat16>, \
+    ::Eigen::bfloat16)                                                                  \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::PairedAmx<::Eigen::half>, ::Eigen::half)
 #else
 #define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)
 #endif
