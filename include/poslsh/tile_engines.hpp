@@ -45,29 +45,24 @@ using PairedAmx = PairedHalfKV<H, AmxNativeTiles<H>, StridedRows<H>>;
 
 /// X(Scalar, Bias, KV, QScalar) for the engines of one bias policy (a template of the scalar
 /// type: detail::AlibiBias, detail::BlockWindowBias or detail::CountBias): float and double over
-/// K and V in place or in a paged cache, and float over bfloat16 and float16 keys (queries of
-/// the keys' type or float; paged; bounded; in pairs on the x86 units).
-#define POSLSH_TILE_ENGINES_OF(X, BIAS)                                                           \
-  X(float, BIAS<float>, ::poslsh::detail::ContiguousKV<float>, float)                             \
-  X(double, BIAS<double>, ::poslsh::detail::ContiguousKV<double>, double)                         \
-  X(float, BIAS<float>, ::poslsh::detail::PagedRows<float>, float)                                \
-  X(double, BIAS<double>, ::poslsh::detail::PagedRows<double>, double)                            \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::bfloat16>,             \
-    ::Eigen::bfloat16)                                                                            \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::half>, ::Eigen::half)  \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::bfloat16>, float)      \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<::Eigen::half>, float)          \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::bfloat16>,        \
-    ::Eigen::bfloat16)                                                                            \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::half>,            \
-    ::Eigen::half)                                                                                \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::bfloat16>, float) \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<::Eigen::half>, float)     \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedBounded<::Eigen::bfloat16>,      \
-    ::Eigen::bfloat16)                                                                            \
-  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedBounded<::Eigen::half>,          \
-    ::Eigen::half)                                                                                \
+/// K and V in place or in a paged cache, and float over bfloat16 and float16 keys
+/// (POSLSH_TILE_HALF_ENGINES_OF; in pairs on the x86 units).
+#define POSLSH_TILE_ENGINES_OF(X, BIAS)                                   \
+  X(float, BIAS<float>, ::poslsh::detail::ContiguousKV<float>, float)     \
+  X(double, BIAS<double>, ::poslsh::detail::ContiguousKV<double>, double) \
+  X(float, BIAS<float>, ::poslsh::detail::PagedRows<float>, float)        \
+  X(double, BIAS<double>, ::poslsh::detail::PagedRows<double>, double)    \
+  POSLSH_TILE_HALF_ENGINES_OF(X, BIAS, ::Eigen::bfloat16)                 \
+  POSLSH_TILE_HALF_ENGINES_OF(X, BIAS, ::Eigen::half)                     \
   POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)
+/// The float engines over keys of the half-precision type H widened: from K and V matrices or a
+/// paged cache (queries of type H or float), from a bounded cache (queries of type H).
+#define POSLSH_TILE_HALF_ENGINES_OF(X, BIAS, H)                                   \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<H>, H)          \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::Widened<H>, float)      \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<H>, H)     \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedPaged<H>, float) \
+  X(float, BIAS<float>, ::poslsh::detail::listed_engines::WidenedBounded<H>, H)
 #if POSLSH_X86_UNITS
 #define POSLSH_TILE_PAIRED_ENGINES_OF(X, BIAS)                                          \
   X(float, BIAS<float>, ::poslsh::detail::listed_engines::Paired<::Eigen::bfloat16>,    \

@@ -514,9 +514,9 @@ class TileEngine {
 
   // Rows [r0, r1) of the query tile starting at i0: fills running_sum and acc (from -inf, 0,
   // 0, or from the rows of external_ when set).
-  // Defined after the class, not inline: an explicit instantiation declaration of the engine
-  // (extern template class) then leaves the tile work, which all of it reaches through here, to
-  // the translation unit holding the definition.
+  // Defined after the class, not inline: an explicit instantiation declaration of it
+  // (poslsh/tile_engines.hpp) then leaves the tile work, all of which is reached through here,
+  // to the translation unit holding the explicit instantiation definition.
   void query_tile(Index i0, Index r0, Index r1);
 
   void key_tile(Index tile, Index key_lo, Index key_hi) {
