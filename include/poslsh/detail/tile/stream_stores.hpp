@@ -82,14 +82,15 @@ inline void store_row(Scalar* dst, Index count, bool streamed, const PacketValue
                       const ScalarValue& scalar) {
   namespace ei = Eigen::internal;
   constexpr Index P = ei::packet_traits<Scalar>::size;
+  const Index packets_end = count - count % P;
   Index c = 0;
   if constexpr (has_stream_packet<Scalar>::value && P > 1) {
     if (streamed)
-      for (; c + P <= count; c += P) stream_packet(dst + c, packet(c));
+      for (; c < packets_end; c += P) stream_packet(dst + c, packet(c));
   }
   static_cast<void>(streamed);
-  for (; c + P <= count; c += P) ei::pstoreu(dst + c, packet(c));
-  for (; c < count; ++c) dst[c] = scalar(c);
+  for (; c < packets_end; c += P) ei::pstoreu(dst + c, packet(c));
+  for (c = packets_end; c < count; ++c) dst[c] = scalar(c);
 }
 
 /// Orders the non-temporal stores before the thread's later stores, so every thread sees them
