@@ -74,6 +74,7 @@
 #include "poslsh/detail/parallel.hpp"
 #include "poslsh/detail/tile/count_bias.hpp"
 #include "poslsh/detail/tile/count_tile.hpp"
+#include "poslsh/detail/tile/exponential.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/stream_stores.hpp"
 #include "poslsh/detail/tile/types.hpp"
@@ -506,14 +507,15 @@ class WindowRule {
       const Index count = last - first;
       if (slope_ == Scalar(0)) {
         column.segment(first, count) =
-            (tau * column.segment(first, count) - row_lse.segment(first, count)).exp();
+            (tau * column.segment(first, count) - row_lse.segment(first, count))
+                .unaryExpr(ExpOp<Scalar>());
       } else {
         column.segment(first, count) =
             (tau * column.segment(first, count) -
              slope_ *
                  (offsets_.segment(first, count) + static_cast<Scalar>(i0 - j + shift_)).abs() -
              row_lse.segment(first, count))
-                .exp();
+                .unaryExpr(ExpOp<Scalar>());
       }
       column.tail(rows - last).setZero();
     }
@@ -650,8 +652,8 @@ class CountRule {
         // 0 * e^{cap} is 0 where 0 * inf would be NaN; where c > 0 the exponent is <= 0 up
         // to rounding (P_ij <= 1), far below the cap.
         Packet prob = ei::pmul(
-            count,
-            ei::pexp(ei::pmin(ei::psub(ei::pmul(scale, ei::pload<Packet>(entry)), row_lse), cap)));
+            count, exp_packet(ei::pmin(ei::psub(ei::pmul(scale, ei::pload<Packet>(entry)), row_lse),
+                                       cap)));
         if (causal_) {
           // Row step0 + a + r (key position step0 + a + r + shift) sees key j0 + b iff
           // r >= j0 + b - step0 - a - shift (clamped to [-1, P], exact in Scalar).

@@ -55,6 +55,7 @@
 #include "poslsh/detail/detected.hpp"
 #include "poslsh/detail/disable_intrinsic_warnings.hpp"
 #include "poslsh/detail/tile/amx_kernels.hpp"
+#include "poslsh/detail/tile/exponential.hpp"
 #include "poslsh/detail/tile/kernels.hpp"
 #include "poslsh/detail/tile/pair_kernels.hpp"
 #include "poslsh/detail/tile/types.hpp"
@@ -727,7 +728,7 @@ class TileEngine {
     for (Index a = packets_.first; a < packets_.last; a += P) {
       const Packet old_max = ei::pload<Packet>(b_.running_max.data() + a);
       const Packet new_max = ei::pmax(old_max, ei::pload<Packet>(b_.tile_max.data() + a));
-      const Packet alpha = ei::pexp(ei::psub(old_max, new_max));
+      const Packet alpha = exp_packet(ei::psub(old_max, new_max));
       const Packet empty = ei::pcmp_eq(new_max, none);
       ei::pstore(b_.alpha.data() + a, ei::pselect(empty, one, alpha));
       ei::pstore(b_.shift.data() + a, ei::pselect(empty, zero, new_max));
@@ -757,7 +758,7 @@ class TileEngine {
       for (Index b = reach.first; b < reach.last; ++b) {
         Scalar* entry = b_.scores.data() + b * Bq + a;
         const Packet x = ei::pload<Packet>(entry);
-        const Packet prob = scorer.template weight<Masked>(ei::pexp(ei::psub(x, shift)), x, b, a);
+        const Packet prob = scorer.template weight<Masked>(exp_packet(ei::psub(x, shift)), x, b, a);
         ei::pstore(entry, prob);
         sum = ei::padd(sum, prob);
       }
