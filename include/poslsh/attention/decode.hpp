@@ -31,6 +31,7 @@
 #include "poslsh/detail/alibi_slope.hpp"
 #include "poslsh/detail/checks/attention.hpp"
 #include "poslsh/detail/streaming_softmax.hpp"
+#include "poslsh/detail/tile/exponential.hpp"
 
 namespace poslsh {
 
@@ -112,7 +113,7 @@ void streamed_decode_row(const QRow& query_row, const ConstMatrixRef<KVScalar>& 
     const C updated = std::max(running_max, chunk_max);
     if (updated == minus_infinity) continue;            // no key of weight > 0 so far
     const C rescale = std::exp(running_max - updated);  // 0 for the first chunk
-    scratch.logits = (scratch.logits.array() - updated).exp().matrix();
+    scratch.logits = (scratch.logits.array() - updated).unaryExpr(detail::ExpOp<C>()).matrix();
     running_sum = running_sum * rescale + scratch.logits.sum();
     const auto v_rows = widened_rows<C>(values, j0, count, scratch.values);
     if (rescale != C(1)) scratch.accumulator *= rescale;

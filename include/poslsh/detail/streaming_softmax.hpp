@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "poslsh/core/types.hpp"
+#include "poslsh/detail/tile/exponential.hpp"
 #include "poslsh/detail/tile/types.hpp"
 
 #if defined(__F16C__)
@@ -162,7 +163,7 @@ struct StreamingSoftmax {
     scratch.tile_sum.setZero(rows);
     for (Index c = 0; c < cols; ++c) {
       auto p = logits.col(c).array();
-      p = (p - scratch.shift).exp();
+      p = (p - scratch.shift).unaryExpr(ExpOp<Scalar>());
       scratch.tile_sum += p;
     }
     auto sum = running_sum.segment(row0, rows);

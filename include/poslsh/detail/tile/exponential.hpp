@@ -1,6 +1,7 @@
-// poslsh internals: e^x on a packet, the exponential of every softmax weight the tile engines and
-// the backward passes compute. Bitwise Eigen::internal::pexp(x) for every input, with a cheaper
-// scaling by 2^m on the SSE and AVX float packets.
+// poslsh internals: e^x on a packet, the exponential of every softmax weight the library computes
+// (the tile engines, the backward passes, and the streaming softmax of the per-sample, decode and
+// user block paths). Bitwise Eigen::internal::pexp(x) for every input, with a cheaper scaling by
+// 2^m on the SSE and AVX float packets.
 #pragma once
 
 #include <Eigen/Core>
