@@ -1,4 +1,4 @@
-// The exponential of the tile engines and the backward passes (detail::exp_packet): bitwise
+// The exponential of every softmax weight (detail::exp_packet, detail::ExpOp): bitwise
 // Eigen's pexp on every packet type it has its own form for, over a stride through all 2^32
 // float bit patterns, every float where e^x is subnormal or overflows, the neighbours of every
 // step of the exponent m, and the special values; with and without flush-to-zero.
@@ -20,17 +20,9 @@ namespace {
 
 namespace ei = Eigen::internal;
 
-std::uint32_t float_bits(float x) {
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
+std::uint32_t float_bits(float x) { return Eigen::numext::bit_cast<std::uint32_t>(x); }
 
-float bits_float(std::uint32_t bits) {
-  float x = 0;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+float bits_float(std::uint32_t bits) { return Eigen::numext::bit_cast<float>(bits); }
 
 /// The inputs: a stride of 4099 through every bit pattern (NaNs, infinities and subnormals
 /// among them), every float in [-88.8, -86.5] (e^x subnormal or near it: m = -125 .. -128)
