@@ -92,16 +92,18 @@ flash_attn and flash_attn_varlen (no state kept for a backward); the library pla
 a sequence with more queries than keys as above (causal: the rows before the first key see no
 key; not causal: every key, positions counted from the first query). Calls that need gradients
 with seqlen_q < seqlen_k take their forward from the same library call and, for the methods
-with a slice backward (exact_tiled, exact_banded, lsh_fused), their gradients from the packed
+with a slice backward (every method but mean_of_outputs), their gradients from the packed
 slice backward (multihead_attention_backward with cu_seqlens and cu_seqlens_k: each
-sequence's queries at positions seqlen_k - seqlen_q .., the cost of seqlen_q query rows); the
-other LSH methods run the self-attention kernels with q padded at the front to seqlen_k rows
-(zero queries, zero incoming gradient: they change no output row and add exactly zero to dk,
-dv), at the cost of seqlen_k query rows. Non-causal calls with seqlen_q > seqlen_k take their
-forward from the same library call; their gradients come from the packed slice backward (the
-same call: exact methods, alibi_slopes included) or from the self-attention backward with the
-keys padded at the front by zero rows (the other methods: a zero key adds nothing to dq, and
-the real keys' probabilities come from the real lse).
+sequence's queries at positions seqlen_k - seqlen_q .., the cost of seqlen_q query rows; for
+lsh_per_sample and fixed_blocks the count-weighted pass of lsh_fused on their hashes, the same
+estimator's gradients, each pair once); mean_of_outputs runs the self-attention kernels with q
+padded at the front to seqlen_k rows (zero queries, zero incoming gradient: they change no
+output row and add exactly zero to dk, dv), at the cost of seqlen_k query rows. Non-causal
+calls with seqlen_q > seqlen_k take their forward from the same library call; their gradients
+come from the packed slice backward (the same call: exact methods, alibi_slopes included) or
+from the self-attention backward with the keys padded at the front by zero rows (the other
+methods: a zero key adds nothing to dq, and the real keys' probabilities come from the real
+lse).
 
 The packed forms read q, k, v as views of the packed tensor (no copy) and their gradients
 reach it through those views. KV caches may have strides (e.g. k_cache = kv_cache[:, :, 0] of
@@ -141,7 +143,7 @@ _METHODS = _methods.accepted()
 # The methods with gradients in the slopes, and those with a slice backward (the table's traits).
 _SLOPE_GRADIENTS = _core.method_names(has_slope_gradients=True)
 _SLICE_BACKWARD = _core.method_names(has_slice_backward=True)
-_DRAWS_HASHES = _core.method_names(draws_hashes=True)
+_TAKES_WINDOW = _core.method_names(takes_window=True)
 
 # sigma of a zero slope: poslsh.max_hash_sigma, the largest sigma every kernel accepts.
 _FLAT_SIGMA = 1e300
@@ -479,8 +481,8 @@ def _shifted(rows, config):
     key positions), its backward taking them as they are (_shifted_backward): a non-causal
     call with a sequence of more queries than keys (its first rows sit before the first key), and
     a call with fewer queries than keys in some sequence and none with more under a method with
-    a slice backward (exact_tiled, exact_banded, lsh_fused: it reads the m rows at their
-    positions, where the padded call would run L)."""
+    a slice backward (every method but mean_of_outputs: it reads the m rows at their positions,
+    where the padded call would run L)."""
     if rows.self_attention:
         return False
     if not rows.all_valid:
@@ -490,10 +492,10 @@ def _shifted(rows, config):
 
 def _library_slice_backward(rows, config):
     """Whether the library's packed slice backward takes a _shifted call: a method with one whose
-    queries may sit anywhere (the exact methods) or, for a method drawing hashes (lsh_fused,
-    whose counts of a slice need its queries among its keys), no sequence with more queries than
-    keys."""
-    return config.method in _SLICE_BACKWARD and (rows.all_valid or config.method not in _DRAWS_HASHES)
+    queries may sit anywhere (the exact methods, which take a window) or, for the LSH methods
+    (whose counts of a slice need its queries among its keys), no sequence with more queries
+    than keys."""
+    return config.method in _SLICE_BACKWARD and (rows.all_valid or config.method in _TAKES_WINDOW)
 
 
 def _shifted_backward(q, k, v, rows, sigmas, config, out, lse, dout, slopes_grad):

@@ -382,7 +382,8 @@ gives bitwise the rows of the whole sequence (context parallelism: poslsh.distri
 
 const char* const slice_backward_doc = R"doc(
 query_offset=, key_offset= (one sequence; methods 'exact_tiled' and 'exact_banded', any window,
-and 'lsh_fused', its queries among its keys: method_names(has_slice_backward=True)):
+and 'lsh_fused', 'lsh_per_sample' and 'fixed_blocks', their queries among their keys:
+method_names(has_slice_backward=True)):
 the gradients of a slice, poslsh::multihead_attention_slice_backward: the m queries of q at
 positions query_offset .. query_offset + m - 1 (unset: the last m of the keys' positions)
 against the L keys of k and v at positions key_offset .. key_offset + L - 1 (unset: 0), with
@@ -393,12 +394,13 @@ out and lse (H_q x m) the forward's rows over every key the rows see
     dv_j += sum_i P_ij dout_i,  dS_ij = P_ij (dout_i . v_j - D_i),
     dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i,  dslopes[h] += -sum_ij dS_ij |i - j|
 
-(positions i, j; causal mask, band and window at those positions; lsh_fused: P_ij =
-c_ij e^{tau q_i.k_j - lse_i}, c_ij the sample counts of the positions' bins): added to the
+(positions i, j; causal mask, band and window at those positions; the LSH methods: P_ij =
+c_ij e^{tau q_i.k_j - lse_i}, c_ij the sample counts of the positions' bins, computed each pair
+once as lsh_fused's backward does, equal to the per-sample backward to rounding): added to the
 given dq=, dk=, dv= and dslopes= (H_q entries; exact methods), new gradient arrays starting at
 zero.
 
-cu_seqlens_k= (with cu_seqlens; methods with a slice backward, lsh_fused with no sequence of
+cu_seqlens_k= (with cu_seqlens; methods with a slice backward, the LSH ones with no sequence of
 more queries than keys): the gradients of a
 packed batch whose sequences may have fewer or more queries than keys,
 poslsh::multihead_attention_varlen_slice_backward: sequence b's queries are tokens

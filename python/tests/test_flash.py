@@ -436,12 +436,13 @@ def test_gradcheck_lsh_methods(method):
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", ["lsh", "lsh_per_sample", "fixed_blocks"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_lsh_with_fewer_queries_than_keys(causal):
+def test_gradcheck_lsh_with_fewer_queries_than_keys(causal, method):
     q, k, v = qkv(1, 3, 6, 2, 2, 3, requires_grad=True)
 
     def function(q, k, v):
-        return flash_attn_func(q, k, v, causal=causal, alibi_slopes=torch.tensor([0.5, 0.3]), method="lsh",
+        return flash_attn_func(q, k, v, causal=causal, alibi_slopes=torch.tensor([0.5, 0.3]), method=method,
                                samples=3)
 
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7)
@@ -959,12 +960,14 @@ def test_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch)
         np.testing.assert_allclose(got.double().numpy(), want.double().numpy(), atol=1e-10, rtol=1e-6, err_msg=name)
 
 
-def test_lsh_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch):
-    """lsh_fused training calls whose sequences have fewer queries than keys: the forward and the
+@pytest.mark.parametrize("method", ["lsh", "lsh_per_sample", "fixed_blocks"])
+def test_lsh_training_with_fewer_queries_than_keys_is_one_call_per_pass(monkeypatch, method):
+    """LSH training calls whose sequences have fewer queries than keys: the forward and the
     packed slice backward, one library call each, no padded rows; the gradients those of the
-    self-attention backward with the queries padded at the front (zero rows, zero dout)."""
+    self-attention backward with the queries padded at the front (zero rows, zero dout; for
+    lsh_per_sample and fixed_blocks the per-sample evaluation, sample by sample)."""
     q, k, v = qkv(2, 5, 70, 2, 2, 4, requires_grad=True)
-    extras = dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.05]), method="lsh", samples=4, seed=3)
+    extras = dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.05]), method=method, samples=4, seed=3)
     dout = rand((2, 5, 2, 4), torch.float64, 81)
     calls = _Calls(monkeypatch, KERNELS)
     grads = torch.autograd.grad(flash_attn_func(q, k, v, **extras), (q, k, v), dout)

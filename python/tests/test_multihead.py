@@ -113,7 +113,8 @@ def test_method_traits_are_the_table_rows():
     assert poslsh.method_names(has_slope_gradients=True) == ["exact_tiled", "exact_banded"]
     assert poslsh.method_names(draws_hashes=True) == ["lsh_fused", "lsh_per_sample", "mean_of_outputs"]
     assert poslsh.method_names(has_lse=False) == ["mean_of_outputs"]
-    assert poslsh.method_names(has_slice_backward=True) == ["lsh_fused", "exact_tiled", "exact_banded"]
+    assert poslsh.method_names(has_slice_backward=True) == ["lsh_fused", "lsh_per_sample", "fixed_blocks",
+                                                            "exact_tiled", "exact_banded"]
     assert poslsh.method_names(draws_hashes=True, has_lse=True) == ["lsh_fused", "lsh_per_sample"]
     for name in names:
         traits = poslsh.method_traits(name)

@@ -344,7 +344,7 @@ def test_slice_backward_by_offsets(rng):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="multihead_attention_slice_backward: argument 'options.method'"):
         poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=0, key_offset=0,
-                                            **{**lsh, "method": "lsh_per_sample"})
+                                            **{**lsh, "method": "mean_of_outputs"})
     with pytest.raises(ValueError, match="argument 'query_offset' = 5: must place the 40 queries among the keys"):
         poslsh.multihead_attention_backward(q, k, v, out, lse, dout, query_offset=5, key_offset=0, **lsh)
     cu = np.array([0, 20, 40], dtype=np.int32)

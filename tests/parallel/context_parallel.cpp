@@ -904,10 +904,12 @@ TEST_CASE("context parallel ranks, halos, rings and slices name their bad argume
   const auto dkv = poslsh::interleaved_heads<double>(kv_grads.data(), 10, cp_kv_heads, cp_d);
   const auto outc = poslsh::interleaved_heads<const double>(out.data(), 10, cp_heads, cp_d);
   MultiHeadOptions lsh = options;
-  // Queries before the keys: no slice backward for lsh_per_sample, and lsh_fused's queries must
-  // lie among its keys.
-  for (const auto& [method, name] : {std::pair{Method::lsh_per_sample, "options.method"},
-                                     std::pair{Method::lsh_fused, "query_offset"}}) {
+  // Queries before the keys: no slice backward for mean_of_outputs, and the other LSH methods'
+  // queries must lie among their keys (fixed_blocks too, which draws no hashes).
+  for (const auto& [method, name] : {std::pair{Method::mean_of_outputs, "options.method"},
+                                     std::pair{Method::lsh_fused, "query_offset"},
+                                     std::pair{Method::lsh_per_sample, "query_offset"},
+                                     std::pair{Method::fixed_blocks, "query_offset"}}) {
     lsh.method = method;
     require_invalid_argument(
         [&] {

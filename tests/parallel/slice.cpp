@@ -113,9 +113,11 @@ void dense_count_gradients(const RowMatrix<double>& q, const RowMatrix<double>& 
                            RowMatrix<double>& dv) {
   const double tau = 1.0 / std::sqrt(static_cast<double>(varlen_d));
   const auto logits = [&](Index h, const auto& qh, const auto& kh) {
-    const poslsh::HashSet hashes =
-        poslsh::rbf_hashes(options.sigmas[static_cast<std::size_t>(h)], options.samples,
-                           options.seed, static_cast<std::uint64_t>(h));
+    const double sigma = options.sigmas[static_cast<std::size_t>(h)];
+    const poslsh::HashSet hashes = options.method == Method::fixed_blocks
+                                       ? poslsh::HashSet{poslsh::fixed_blocks_hash(sigma)}
+                                       : poslsh::rbf_hashes(sigma, options.samples, options.seed,
+                                                            static_cast<std::uint64_t>(h));
     RowMatrix<double> x = tau * qh * kh.transpose();
     for (Index i = 0; i < x.rows(); ++i) {
       for (Index j = 0; j < x.cols(); ++j) {
@@ -229,62 +231,67 @@ poslsh::HeadsView<Scalar> heads_view(RowMatrix<Scalar>& x, Index heads, Index di
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the lsh_fused slice backward equals the dense count-weighted gradients",
+TEMPLATE_TEST_CASE("the LSH slice backward equals the dense count-weighted gradients",
                    "[context_parallel][lsh]", float, double) {
   using Scalar = TestType;
   // 150 keys at positions 37 .. 186, and 50 queries among them: the last ones (FlashAttention's
   // bottom-right rows), from the middle, and from the first key.
   constexpr Index m = 50, L = 150, key_offset = 37;
-  for (const Index shift : {L - m, Index{30}, Index{0}}) {
-    for (const Index kv_heads : {Index{2}, varlen_heads}) {
-      for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-        INFO("shift " << shift << ", kv_heads " << kv_heads << ", "
-                      << poslsh_test::masking_name(masking));
-        const SliceInputs<Scalar> inputs(m, L, kv_heads, 311);
-        const RowMatrix<Scalar>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
-        MultiHeadOptions options;
-        options.method = Method::lsh_fused;
-        options.masking = masking;
-        options.sigmas = {0.6, 4.0, 30.0, 300.0};
-        options.samples = 6;
-        options.seed = 17;
-        const Index query_offset = key_offset + shift;
-        RowMatrix<Scalar> out(m, varlen_heads * varlen_dv), lse(varlen_heads, m);
-        poslsh::multihead_attention_slice<Scalar>(
-            heads_view(q, varlen_heads, varlen_d), heads_view(k, kv_heads, varlen_d),
-            heads_view(v, kv_heads, varlen_dv), heads_view(out, varlen_heads, varlen_dv), lse,
-            query_offset, key_offset, options);
-        // Added to what the gradients hold.
-        RowMatrix<Scalar> dq = RowMatrix<Scalar>::Constant(m, varlen_heads * varlen_d, Scalar(1));
-        RowMatrix<Scalar> dk = RowMatrix<Scalar>::Constant(L, kv_heads * varlen_d, Scalar(2));
-        RowMatrix<Scalar> dv = RowMatrix<Scalar>::Constant(L, kv_heads * varlen_dv, Scalar(3));
-        poslsh::multihead_attention_slice_backward<Scalar>(
-            heads_view(q, varlen_heads, varlen_d), heads_view(k, kv_heads, varlen_d),
-            heads_view(v, kv_heads, varlen_dv),
-            heads_view(static_cast<const RowMatrix<Scalar>&>(out), varlen_heads, varlen_dv), lse,
-            heads_view(dout, varlen_heads, varlen_dv), heads_view(dq, varlen_heads, varlen_d),
-            heads_view(dk, kv_heads, varlen_d), heads_view(dv, kv_heads, varlen_dv), query_offset,
-            key_offset, options);
-        RowMatrix<double> dq_want = RowMatrix<double>::Constant(dq.rows(), dq.cols(), 1.0);
-        RowMatrix<double> dk_want = RowMatrix<double>::Constant(dk.rows(), dk.cols(), 2.0);
-        RowMatrix<double> dv_want = RowMatrix<double>::Constant(dv.rows(), dv.cols(), 3.0);
-        dense_count_gradients(q.template cast<double>(), k.template cast<double>(),
-                              v.template cast<double>(), dout.template cast<double>(), options,
-                              query_offset, key_offset, kv_heads, dq_want, dk_want, dv_want);
-        const double limit = 20 * poslsh_test::tolerance<Scalar>();
-        CHECK(poslsh_test::relative_max_error(dq.template cast<double>(), dq_want) < limit);
-        CHECK(poslsh_test::relative_max_error(dk.template cast<double>(), dk_want) < limit);
-        CHECK(poslsh_test::relative_max_error(dv.template cast<double>(), dv_want) < limit);
+  for (const Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks}) {
+    for (const Index shift : {L - m, Index{30}, Index{0}}) {
+      for (const Index kv_heads : {Index{2}, varlen_heads}) {
+        for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+          INFO(poslsh::enum_name(method) << ", shift " << shift << ", kv_heads " << kv_heads << ", "
+                                         << poslsh_test::masking_name(masking));
+          const SliceInputs<Scalar> inputs(m, L, kv_heads, 311);
+          const RowMatrix<Scalar>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
+          MultiHeadOptions options;
+          options.method = method;
+          options.masking = masking;
+          options.sigmas = {0.6, 4.0, 30.0, 300.0};
+          options.samples = 6;
+          options.seed = 17;
+          const Index query_offset = key_offset + shift;
+          RowMatrix<Scalar> out(m, varlen_heads * varlen_dv), lse(varlen_heads, m);
+          poslsh::multihead_attention_slice<Scalar>(
+              heads_view(q, varlen_heads, varlen_d), heads_view(k, kv_heads, varlen_d),
+              heads_view(v, kv_heads, varlen_dv), heads_view(out, varlen_heads, varlen_dv), lse,
+              query_offset, key_offset, options);
+          // Added to what the gradients hold.
+          RowMatrix<Scalar> dq = RowMatrix<Scalar>::Constant(m, varlen_heads * varlen_d, Scalar(1));
+          RowMatrix<Scalar> dk = RowMatrix<Scalar>::Constant(L, kv_heads * varlen_d, Scalar(2));
+          RowMatrix<Scalar> dv = RowMatrix<Scalar>::Constant(L, kv_heads * varlen_dv, Scalar(3));
+          poslsh::multihead_attention_slice_backward<Scalar>(
+              heads_view(q, varlen_heads, varlen_d), heads_view(k, kv_heads, varlen_d),
+              heads_view(v, kv_heads, varlen_dv),
+              heads_view(static_cast<const RowMatrix<Scalar>&>(out), varlen_heads, varlen_dv), lse,
+              heads_view(dout, varlen_heads, varlen_dv), heads_view(dq, varlen_heads, varlen_d),
+              heads_view(dk, kv_heads, varlen_d), heads_view(dv, kv_heads, varlen_dv), query_offset,
+              key_offset, options);
+          RowMatrix<double> dq_want = RowMatrix<double>::Constant(dq.rows(), dq.cols(), 1.0);
+          RowMatrix<double> dk_want = RowMatrix<double>::Constant(dk.rows(), dk.cols(), 2.0);
+          RowMatrix<double> dv_want = RowMatrix<double>::Constant(dv.rows(), dv.cols(), 3.0);
+          dense_count_gradients(q.template cast<double>(), k.template cast<double>(),
+                                v.template cast<double>(), dout.template cast<double>(), options,
+                                query_offset, key_offset, kv_heads, dq_want, dk_want, dv_want);
+          const double limit = 20 * poslsh_test::tolerance<Scalar>();
+          CHECK(poslsh_test::relative_max_error(dq.template cast<double>(), dq_want) < limit);
+          CHECK(poslsh_test::relative_max_error(dk.template cast<double>(), dk_want) < limit);
+          CHECK(poslsh_test::relative_max_error(dv.template cast<double>(), dv_want) < limit);
+        }
       }
     }
   }
 }
 
-TEST_CASE("the lsh_fused slice backward of the last queries is bitwise the backward's rows",
+TEST_CASE("the LSH slice backward of the last queries is the backward's rows",
           "[context_parallel][lsh]") {
   // Self-attention on n tokens, then the slice of its last m queries (a multiple of 64 after
-  // the first) over every key: the same pass on the same query steps, so dq of those rows
-  // and, with dout 0 on the other rows, dk and dv are the same bits.
+  // the first) over every key, dout 0 on the other rows. lsh_fused: the same pass on the same
+  // query steps, so dq of those rows, dk and dv are the same bits. lsh_per_sample and
+  // fixed_blocks: the whole sequence's backward sums the samples' blocks (per_sample_backward),
+  // a slice takes lsh_fused's pass on the same hashes: the same gradients to rounding, and
+  // bitwise lsh_fused's slice.
   constexpr Index n = 200, m = 72, heads = 2, d = 16;
   const RowMatrix<float> q = poslsh_test::random_matrix<float>(n, heads * d, 321);
   const RowMatrix<float> k = poslsh_test::random_matrix<float>(n, heads * d, 322);
@@ -292,41 +299,62 @@ TEST_CASE("the lsh_fused slice backward of the last queries is bitwise the backw
   RowMatrix<float> dout_rows_set = poslsh_test::random_matrix<float>(n, heads * d, 324);
   dout_rows_set.topRows(n - m).setZero();
   const RowMatrix<float>& dout = dout_rows_set;
-  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-    INFO(poslsh_test::masking_name(masking));
-    MultiHeadOptions options;
-    options.method = Method::lsh_fused;
-    options.masking = masking;
-    options.sigmas = {3.0, 40.0};
-    RowMatrix<float> out(n, heads * d), lse(heads, n);
-    poslsh::multihead_attention_with_lse<float>(heads_view(q, heads, d), heads_view(k, heads, d),
-                                                heads_view(v, heads, d), heads_view(out, heads, d),
-                                                lse, options);
-    RowMatrix<float> dq(n, heads * d), dk(n, heads * d), dv(n, heads * d);
-    poslsh::multihead_attention_backward<float>(
-        heads_view(q, heads, d), heads_view(k, heads, d), heads_view(v, heads, d),
-        heads_view(static_cast<const RowMatrix<float>&>(out), heads, d), lse,
-        heads_view(dout, heads, d), heads_view(dq, heads, d), heads_view(dk, heads, d),
-        heads_view(dv, heads, d), options);
-
-    const RowMatrix<float> q_rows = q.bottomRows(m), out_rows = out.bottomRows(m),
-                           dout_rows = dout.bottomRows(m), lse_rows = lse.rightCols(m);
-    RowMatrix<float> dq_slice = RowMatrix<float>::Zero(m, heads * d);
-    RowMatrix<float> dk_slice = RowMatrix<float>::Zero(n, heads * d);
-    RowMatrix<float> dv_slice = RowMatrix<float>::Zero(n, heads * d);
-    poslsh::multihead_attention_slice_backward<float>(
-        heads_view(q_rows, heads, d), heads_view(k, heads, d), heads_view(v, heads, d),
-        heads_view(out_rows, heads, d), lse_rows, heads_view(dout_rows, heads, d),
-        heads_view(dq_slice, heads, d), heads_view(dk_slice, heads, d),
-        heads_view(dv_slice, heads, d), n - m, 0, options);
-    CHECK((dq_slice.array() == dq.bottomRows(m).array()).all());
-    CHECK((dk_slice.array() == dk.array()).all());
-    CHECK((dv_slice.array() == dv.array()).all());
+  const RowMatrix<float> q_rows = q.bottomRows(m), dout_rows = dout.bottomRows(m);
+  for (const Method method : {Method::lsh_fused, Method::lsh_per_sample, Method::fixed_blocks}) {
+    for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
+      INFO(poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking));
+      MultiHeadOptions options;
+      options.method = method;
+      options.masking = masking;
+      options.sigmas = {3.0, 40.0};
+      options.samples = 8;
+      RowMatrix<float> out(n, heads * d), lse(heads, n);
+      poslsh::multihead_attention_with_lse<float>(heads_view(q, heads, d), heads_view(k, heads, d),
+                                                  heads_view(v, heads, d),
+                                                  heads_view(out, heads, d), lse, options);
+      RowMatrix<float> dq(n, heads * d), dk(n, heads * d), dv(n, heads * d);
+      poslsh::multihead_attention_backward<float>(
+          heads_view(q, heads, d), heads_view(k, heads, d), heads_view(v, heads, d),
+          heads_view(static_cast<const RowMatrix<float>&>(out), heads, d), lse,
+          heads_view(dout, heads, d), heads_view(dq, heads, d), heads_view(dk, heads, d),
+          heads_view(dv, heads, d), options);
+      const RowMatrix<float> out_rows = out.bottomRows(m), lse_rows = lse.rightCols(m);
+      const auto slice = [&](const MultiHeadOptions& call, RowMatrix<float>(&g)[3]) {
+        g[0].setZero(m, heads * d);
+        g[1].setZero(n, heads * d);
+        g[2].setZero(n, heads * d);
+        poslsh::multihead_attention_slice_backward<float>(
+            heads_view(q_rows, heads, d), heads_view(k, heads, d), heads_view(v, heads, d),
+            heads_view(out_rows, heads, d), lse_rows, heads_view(dout_rows, heads, d),
+            heads_view(g[0], heads, d), heads_view(g[1], heads, d), heads_view(g[2], heads, d),
+            n - m, 0, call);
+      };
+      RowMatrix<float> grads[3];
+      slice(options, grads);
+      const RowMatrix<float> dq_rows = dq.bottomRows(m);
+      if (method == Method::lsh_fused) {
+        CHECK((grads[0].array() == dq_rows.array()).all());
+        CHECK((grads[1].array() == dk.array()).all());
+        CHECK((grads[2].array() == dv.array()).all());
+        continue;
+      }
+      const double limit = 20 * poslsh_test::tolerance<float>();
+      CHECK(poslsh_test::relative_max_error(grads[0], dq_rows) < limit);
+      CHECK(poslsh_test::relative_max_error(grads[1], dk) < limit);
+      CHECK(poslsh_test::relative_max_error(grads[2], dv) < limit);
+      if (method == Method::lsh_per_sample) {
+        MultiHeadOptions as_fused = options;
+        as_fused.method = Method::lsh_fused;
+        RowMatrix<float> fused[3];
+        slice(as_fused, fused);
+        for (int g = 0; g < 3; ++g) CHECK((grads[g].array() == fused[g].array()).all());
+      }
+    }
   }
 }
 
 TEST_CASE(
-    "the packed-batch slice backward of lsh_fused equals the dense gradients of each "
+    "the packed-batch slice backward of the LSH methods equals the dense gradients of each "
     "sequence",
     "[context_parallel][varlen][lsh]") {
   // (queries, keys) per sequence, at most as many queries as keys.
@@ -339,10 +367,13 @@ TEST_CASE(
   const Index total_q = cu_q.back(), total_k = cu_k.back(), kv_heads = 2;
   const SliceInputs<double> inputs(total_q, total_k, kv_heads, 331);
   const RowMatrix<double>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
-  for (const Masking masking : {Masking::causal, Masking::bidirectional}) {
-    INFO(poslsh_test::masking_name(masking));
+  for (const auto& [method, masking] : {std::pair{Method::lsh_fused, Masking::causal},
+                                        std::pair{Method::lsh_fused, Masking::bidirectional},
+                                        std::pair{Method::lsh_per_sample, Masking::causal},
+                                        std::pair{Method::fixed_blocks, Masking::bidirectional}}) {
+    INFO(poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking));
     MultiHeadOptions options;
-    options.method = Method::lsh_fused;
+    options.method = method;
     options.masking = masking;
     options.sigmas = {0.6, 4.0, 30.0, 300.0};
     options.samples = 5;
@@ -404,24 +435,30 @@ TEST_CASE("the packed-batch slice backward names the methods and shapes it does 
     return std::string();
   };
   // A method without a slice backward.
-  options.method = Method::lsh_per_sample;
+  options.method = Method::mean_of_outputs;
   std::string error = message([&] {
     poslsh::multihead_attention_varlen_slice_backward<float>(in, in, in, in, lse, in, cu, cu, out,
                                                              out, out, options);
   });
   CHECK(error.find("multihead_attention_varlen_slice_backward") != std::string::npos);
   CHECK(error.find("'options.method'") != std::string::npos);
-  CHECK(error.find("must be lsh_fused, exact_tiled or exact_banded") != std::string::npos);
-  // lsh_fused with more queries than keys (not causal: the queries start before the keys).
-  options.method = Method::lsh_fused;
+  CHECK(
+      error.find("must be lsh_fused, lsh_per_sample, fixed_blocks, exact_tiled or exact_banded") !=
+      std::string::npos);
+  // The LSH methods with more queries than keys (not causal: the queries start before the
+  // keys); fixed_blocks draws no hashes but bins positions too.
   options.masking = Masking::bidirectional;
-  error = message([&] {
-    poslsh::multihead_attention_varlen_slice_backward<float>(
-        in_more, keys, keys, in_more, lse_more, in_more, cu_more_queries, cu_fewer_keys, out_more,
-        key_grads, key_grads, options);
-  });
-  CHECK(error.find("'cu_seqlens_q'") != std::string::npos);
-  CHECK(error.find("among the keys") != std::string::npos);
+  for (const Method method : {Method::lsh_per_sample, Method::fixed_blocks, Method::lsh_fused}) {
+    INFO(poslsh::enum_name(method));
+    options.method = method;
+    error = message([&] {
+      poslsh::multihead_attention_varlen_slice_backward<float>(
+          in_more, keys, keys, in_more, lse_more, in_more, cu_more_queries, cu_fewer_keys, out_more,
+          key_grads, key_grads, options);
+    });
+    CHECK(error.find("'cu_seqlens_q'") != std::string::npos);
+    CHECK(error.find("among the keys") != std::string::npos);
+  }
   // lsh_fused has no slope gradients: named before any gradient is written.
   g.setConstant(5.0f);
   Eigen::VectorXd slopes = Eigen::VectorXd::Constant(1, 5.0);

@@ -34,11 +34,6 @@ namespace poslsh {
 
 namespace detail {
 
-/// Whether a head's weights come from its hashes (blocks) rather than a distance window.
-inline bool weights_from_hashes(Method method) {
-  return method_draws_hashes(method) || method == Method::fixed_blocks;
-}
-
 /// The largest distance t - j an exact head reads behind its query: min(band W for
 /// exact_banded, window_left when >= 0), or -1 for an exact head without a bound (every key).
 inline Index exact_reach_behind(const HeadMethod& head) {
@@ -50,7 +45,7 @@ inline Index exact_reach_behind(const HeadMethod& head) {
 
 /// first_live_key without the argument checks.
 inline Index first_live_key_unchecked(const HeadMethod& head, Index t) {
-  if (weights_from_hashes(head.method)) {
+  if (method_weights_from_hashes(head.method)) {
     Index first = t;
     for (const BinHash& hash : head.hashes)
       first = std::min(first, block_containing(hash, t, t + 1).begin);
@@ -78,7 +73,7 @@ inline void require_retention_head(const HeadMethod& head, const char* function,
   require(enum_is_valid(head.method), function, name, static_cast<int>(head.method),
           [&] { return "method must be " + enum_name_list<Method>(); });
   require_sigma(head.sigma, function, name);
-  if (weights_from_hashes(head.method)) validate_hashes(head.hashes, function);
+  if (method_weights_from_hashes(head.method)) validate_hashes(head.hashes, function);
   if (head.method == Method::exact_banded)
     require(head.band >= 0, function, name, head.band, "band must be >= 0");
   require(head.window_left >= -1, function, name, head.window_left,

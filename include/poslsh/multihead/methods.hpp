@@ -278,6 +278,12 @@ constexpr bool method_takes_window(Method method) {
   return detail::visit_method(method, [](auto kernels) { return decltype(kernels)::takes_window; });
 }
 
+/// Whether a method weights its keys by the blocks of its hashes (lsh_fused, lsh_per_sample,
+/// fixed_blocks, mean_of_outputs: the bins of positions, so a key's weight for a query depends
+/// on where both sit in the sequence) rather than by a window of distances: the methods that do
+/// not take a window.
+constexpr bool method_weights_from_hashes(Method method) { return !method_takes_window(method); }
+
 /// Whether a method's query tiles read every key before them (exact_tiled), rather than a
 /// short key range near their rows (the job order of the all-heads calls follows it).
 constexpr bool method_reads_every_key(Method method) {

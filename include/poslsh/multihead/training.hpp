@@ -101,7 +101,17 @@ struct MethodBackward<Method::lsh_fused> : BackwardFlags<true, false, true> {
 };
 
 /// lsh_per_sample and fixed_blocks: per_sample_backward (block by block, in parallel inside).
-struct PerSampleMethodBackward : BackwardFlags<false, false> {
+/// Their estimator is lsh_fused's on the same hashes (sum_k P^(k) = P), so a slice takes
+/// lsh_fused's: count_rectangle_backward, each pair once at the cost of the slice's m query
+/// rows (the same gradients to rounding as the per-sample evaluation; the queries among the
+/// keys).
+struct PerSampleMethodBackward : BackwardFlags<false, false, true> {
+  template <typename Scalar, typename Input>
+  static void slice_backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, Index shift,
+                             Index extent, bool parallel, BackwardWork<Scalar>* work) {
+    MethodBackward<Method::lsh_fused>::slice_backward<Scalar, Input>(head, b, shift, extent,
+                                                                     parallel, work);
+  }
   template <typename Scalar, typename Input>
   static void backward(const HeadMethod& head, HeadBackward<Scalar, Input>& b, bool,
                        BackwardScratch<Scalar>*) {

@@ -139,7 +139,7 @@ inline PositionRange head_key_range(const HeadMethod& head, PositionRange querie
   if (queries.empty()) return {queries.begin, queries.begin};
   const Index first = queries.begin, last = queries.end - 1;
   const bool causal = masking == Masking::causal;
-  if (method_draws_hashes(head.method) || head.method == Method::fixed_blocks) {
+  if (method_weights_from_hashes(head.method)) {
     PositionRange span = detail::hash_block_span(head.hashes, first, last, n);
     if (causal) span.end = queries.end;
     return span;
@@ -155,7 +155,7 @@ inline PositionRange head_query_range(const HeadMethod& head, PositionRange keys
                                       Masking masking) {
   if (keys.empty()) return {keys.begin, keys.begin};
   const Index first = keys.begin, last = keys.end - 1;
-  if (method_draws_hashes(head.method) || head.method == Method::fixed_blocks) {
+  if (method_weights_from_hashes(head.method)) {
     PositionRange span = detail::hash_block_span(head.hashes, first, last, n);
     if (masking == Masking::causal) span.begin = keys.begin;
     return span;

@@ -56,13 +56,14 @@ inline void require_slice_backward_method(const char* function, const MultiHeadO
           });
 }
 
-/// The LSH counts of a slice backward (options.method draws hashes: lsh_fused) need its m
-/// queries among its L keys: key_offset <= query_offset and query_offset + m <= key_offset + L.
-/// `name` is the argument that placed the queries.
+/// The LSH counts of a slice backward (options.method weights its keys by hashes: lsh_fused,
+/// lsh_per_sample, fixed_blocks) need its m queries among its L keys: key_offset <=
+/// query_offset and query_offset + m <= key_offset + L. `name` is the argument that placed the
+/// queries.
 inline void require_queries_among_keys(const char* function, const char* name,
                                        const MultiHeadOptions& options, Index query_offset,
                                        Index queries, Index key_offset, Index keys) {
-  if (!method_draws_hashes(options.method)) return;
+  if (!method_weights_from_hashes(options.method)) return;
   require(key_offset <= query_offset && query_offset + queries <= key_offset + keys, function, name,
           query_offset, [&] {
             return "must place the " + std::to_string(queries) + " queries among the keys [" +
@@ -163,16 +164,17 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 }
 
 /// The gradients of one slice of attention (the methods with method_has_slice_backward: exact
-/// ALiBi, exact_tiled and exact_banded with any local window, and lsh_fused with its queries
-/// among its keys, key_offset <= query_offset and query_offset + m <= key_offset + L): the m
+/// ALiBi, exact_tiled and exact_banded with any local window, and the count-weighted LSH
+/// estimator, lsh_fused, lsh_per_sample and fixed_blocks, with its queries among its keys,
+/// key_offset <= query_offset and query_offset + m <= key_offset + L): the m
 /// queries of q at positions query_offset .. query_offset + m - 1
 /// against the L keys of k and v at positions key_offset .. key_offset + L - 1, with out and lse
 /// (H_q x m) the forward's rows over EVERY key of the sequence (e.g. the slices' results merged
 /// by LseMerger), so that
 ///   P_ij = e^{x_ij - lse_i},  x_ij = tau q_i.k_j - |i - j| / sigma_h  (j in the slice, inside
-///   the head's causal mask, band and window; 0 elsewhere; lsh_fused: P_ij =
-///   c_ij e^{tau q_i.k_j - lse_i}, c_ij the sample counts of the positions' bins, causal
-///   j <= i),  D_i = dO_i . out_i,
+///   the head's causal mask, band and window; 0 elsewhere; the LSH methods: P_ij =
+///   c_ij e^{tau q_i.k_j - lse_i}, c_ij the sample counts of the positions' bins (fixed_blocks:
+///   its one hash), causal j <= i),  D_i = dO_i . out_i,
 ///   dv_j += sum_i P_ij dO_i,  dS_ij = P_ij (dO_i . v_j - D_i),
 ///   dq_i += tau sum_j dS_ij k_j,  dk_j += tau sum_i dS_ij q_i
 /// for each query head h and its K/V head g = h / (H_q / H_kv). The contributions are ADDED to
@@ -186,10 +188,13 @@ void multihead_attention_slice(HeadsView<const Scalar> q, HeadsView<const Scalar
 /// multiples of 512 (the backward's key groups) visited in increasing order with every query
 /// row at once, dq, dk and dv are bitwise too; lsh_fused over every key with the last queries
 /// from a multiple of 64, and dO 0 on the other rows, gives bitwise the sequence's dq of those
-/// rows and its dk, dv; otherwise equal to rounding. Scalar types as
+/// rows and its dk, dv; otherwise equal to rounding. lsh_per_sample and fixed_blocks take
+/// lsh_fused's pass on their hashes (their estimator is the same: each pair once, where their
+/// own backward sums the samples' blocks), so their slices are bitwise lsh_fused's and equal
+/// their multihead_attention_backward to rounding. Scalar types as
 /// multihead_attention_backward.
-/// \throws std::invalid_argument naming a bad argument (another method: 'options.method';
-///   lsh_fused's queries outside its keys: 'query_offset'), before any head runs.
+/// \throws std::invalid_argument naming a bad argument (another method: 'options.method'; an
+///   LSH method's queries outside its keys: 'query_offset'), before any head runs.
 template <typename Scalar>
 void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                                         HeadsView<const Scalar> v, HeadsView<const Scalar> out,
@@ -222,18 +227,18 @@ void multihead_attention_slice_backward(HeadsView<const Scalar> q, HeadsView<con
 
 /// The gradients of a packed batch whose sequences may have fewer or more queries than keys
 /// (FlashAttention's varlen backward with cu_seqlens_q and cu_seqlens_k; methods exact_tiled
-/// and exact_banded, and lsh_fused when no sequence has more queries than keys, else
-/// 'cu_seqlens_q' is named): sequence b has the query tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1])
-/// of q, out, dout, lse and dq and the key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k, v,
-/// dk and dv, placed as multihead_attention_varlen places them (bottom-right: m queries over L
-/// keys sit at positions L - m .. L - 1; with m > L, causal, the first m - L rows see no key and
-/// get dq 0; not causal, the keys sit at positions m - L .. m - 1). Each sequence's gradients are
-/// those of multihead_attention_slice_backward at its offsets, the sequences one after the
-/// other, each parallel inside: bitwise those calls on the sequences' tokens, for any thread
-/// count. dq, dk and dv are WRITTEN (tokens of no sequence: 0). options.sigmas holds one sigma
-/// per query head or one per sequence and query head (B H_q, head h of sequence b at b H_q +
-/// h); *dslopes, when given (as many entries), receives dL/dslope of each such entry (summed
-/// over the sequences in increasing order when per query head). Scalar types as
+/// and exact_banded, and lsh_fused, lsh_per_sample and fixed_blocks when no sequence has more
+/// queries than keys, else 'cu_seqlens_q' is named): sequence b has the query tokens
+/// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q, out, dout, lse and dq and the key tokens
+/// [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k, v, dk and dv, placed as multihead_attention_varlen
+/// places them (bottom-right: m queries over L keys sit at positions L - m .. L - 1; with m > L,
+/// causal, the first m - L rows see no key and get dq 0; not causal, the keys sit at positions m -
+/// L .. m - 1). Each sequence's gradients are those of multihead_attention_slice_backward at its
+/// offsets, the sequences one after the other, each parallel inside: bitwise those calls on the
+/// sequences' tokens, for any thread count. dq, dk and dv are WRITTEN (tokens of no sequence: 0).
+/// options.sigmas holds one sigma per query head or one per sequence and query head (B H_q, head h
+/// of sequence b at b H_q + h); *dslopes, when given (as many entries), receives dL/dslope of each
+/// such entry (summed over the sequences in increasing order when per query head). Scalar types as
 /// multihead_attention_backward. \throws std::invalid_argument naming a bad argument, before any
 /// sequence runs.
 template <typename Scalar>
