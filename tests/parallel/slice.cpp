@@ -229,6 +229,18 @@ poslsh::HeadsView<Scalar> heads_view(RowMatrix<Scalar>& x, Index heads, Index di
   return poslsh::interleaved_heads<Scalar>(x.data(), x.rows(), heads, dim);
 }
 
+/// The options of the LSH cases: sigmas from below one token to beyond the keys.
+MultiHeadOptions lsh_options(Method method, Masking masking, Index samples,
+                             std::uint64_t seed = MultiHeadOptions{}.seed) {
+  MultiHeadOptions options;
+  options.method = method;
+  options.masking = masking;
+  options.sigmas = {0.6, 4.0, 30.0, 300.0};
+  options.samples = samples;
+  options.seed = seed;
+  return options;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("the LSH slice backward equals the dense count-weighted gradients",
@@ -245,12 +257,7 @@ TEMPLATE_TEST_CASE("the LSH slice backward equals the dense count-weighted gradi
                                          << poslsh_test::masking_name(masking));
           const SliceInputs<Scalar> inputs(m, L, kv_heads, 311);
           const RowMatrix<Scalar>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
-          MultiHeadOptions options;
-          options.method = method;
-          options.masking = masking;
-          options.sigmas = {0.6, 4.0, 30.0, 300.0};
-          options.samples = 6;
-          options.seed = 17;
+          const MultiHeadOptions options = lsh_options(method, masking, 6, 17);
           const Index query_offset = key_offset + shift;
           RowMatrix<Scalar> out(m, varlen_heads * varlen_dv), lse(varlen_heads, m);
           poslsh::multihead_attention_slice<Scalar>(
@@ -372,11 +379,7 @@ TEST_CASE(
                                         std::pair{Method::lsh_per_sample, Masking::causal},
                                         std::pair{Method::fixed_blocks, Masking::bidirectional}}) {
     INFO(poslsh::enum_name(method) << ", " << poslsh_test::masking_name(masking));
-    MultiHeadOptions options;
-    options.method = method;
-    options.masking = masking;
-    options.sigmas = {0.6, 4.0, 30.0, 300.0};
-    options.samples = 5;
+    const MultiHeadOptions options = lsh_options(method, masking, 5);
     RowMatrix<double> out(total_q, varlen_heads * varlen_dv), lse(varlen_heads, total_q);
     poslsh::multihead_attention_varlen_with_lse<double>(
         heads_view(q, varlen_heads, varlen_d), heads_view(k, kv_heads, varlen_d),
