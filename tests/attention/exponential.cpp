@@ -4,7 +4,6 @@
 // step of the exponent m, and the special values; with and without flush-to-zero.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <poslsh/detail/backward/tiles.hpp>
 #include <poslsh/detail/tile/exponential.hpp>
