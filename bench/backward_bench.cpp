@@ -72,7 +72,7 @@ void run_backward(benchmark::State& state, Index n, Method method, bool every_ke
 
 /// Registered at start-up (before the families of poslsh_bench.cpp), ordered by n so that the
 /// two methods at one n run close together in time.
-const bool registered = [] {
+const bool backward_rows_registered = [] {
   for (Index n : {Index{1024}, Index{4096}, Index{16384}}) {
     for (const auto& [name, method] : {std::pair{"exact_tiled", Method::exact_tiled},
                                        std::pair{"lsh_fused", Method::lsh_fused}}) {

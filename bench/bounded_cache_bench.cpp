@@ -121,7 +121,7 @@ void run_full(benchmark::State& state, bool mpt, Index t) {
   }
 }
 
-const bool registered = [] {
+const bool bounded_cache_rows_registered = [] {
   for (const auto& [model, mpt] : {std::pair{"bloom", false}, std::pair{"mpt", true}}) {
     // MPT at t = 1M: 0.4 s a step and 600 MiB (examples/bounded_decode --model mpt).
     for (Index t : {Index{4096}, Index{65536}, planned_tokens}) {

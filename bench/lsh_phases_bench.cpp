@@ -137,7 +137,7 @@ void run_phase(benchmark::State& state, Phase phase, double sigma) {
     state.counters["evaluated_pairs"] = static_cast<double>(evaluated_pairs(hashes, n));
 }
 
-const bool registered = [] {
+const bool lsh_phases_rows_registered = [] {
   const std::pair<const char*, Phase> phases[] = {{"counts", Phase::counts},
                                                   {"build", Phase::build},
                                                   {"window", Phase::window},

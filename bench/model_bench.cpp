@@ -178,7 +178,7 @@ void run_model(benchmark::State& state, ModelShape shape, Method method, bool bf
   state.counters["widest_quarter_share"] = quarter / total;
 }
 
-const bool registered = [] {
+const bool model_rows_registered = [] {
   for (const ModelShape& shape : model_shapes()) {
     struct Row {
       const char* name;

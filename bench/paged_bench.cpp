@@ -198,7 +198,7 @@ void register_layouts(const std::string& prefix,
   }
 }
 
-const bool registered = [] {
+const bool paged_rows_registered = [] {
   register_layouts<Method>(
       "paged/multihead/",
       {std::pair{"lsh_fused", Method::lsh_fused}, std::pair{"exact_tiled", Method::exact_tiled}},

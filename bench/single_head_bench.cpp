@@ -47,7 +47,7 @@ void run_single_head(benchmark::State& state, Index n, Kernel kernel, double sig
 }
 
 /// Registered at start-up (before the families of poslsh_bench.cpp).
-const bool registered = [] {
+const bool single_head_rows_registered = [] {
   for (Index n : {Index{4096}, Index{16384}}) {
     for (const auto& [name, kernel, sigma] :
          {std::tuple{"single_exact_tiled/", Kernel::tiled, single_head_sigma},
